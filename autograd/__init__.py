@@ -1,0 +1,13 @@
+"""A small reverse-mode autodiff core: Tensor, Function, the tape and gradcheck.
+
+This is npformer's own package, not the PyPI package named `autograd`.
+"""
+from . import backend
+from .backend import get_array_module, manual_seed
+from .function import Function, detect_anomaly, enable_grad, is_grad_enabled, no_grad
+from .gradcheck import GradcheckError, gradcheck
+from .tensor import Tensor, concatenate, stack, unbroadcast, where
+
+__all__ = ["backend", "get_array_module", "manual_seed", "Function", "detect_anomaly",
+           "enable_grad", "is_grad_enabled", "no_grad", "GradcheckError", "gradcheck",
+           "Tensor", "concatenate", "stack", "unbroadcast", "where"]

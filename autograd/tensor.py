@@ -1,0 +1,539 @@
+"""`Tensor` and the primitive differentiable ops, each a small `Function`."""
+from . import backend
+from .function import Function, run_backward
+
+
+def _as_array(data):
+    """Arrays keep their dtype; Python scalars and lists of floats become float32 (torch's default)."""
+    if backend.is_array(data):
+        return data
+    arr = backend.get_array_module(data).asarray(data)
+    return arr.astype("float32") if arr.dtype == "float64" else arr
+
+
+class Tensor:
+    """An array of the active backend plus what reverse mode needs.
+
+    Attributes: `data` (numpy/cupy array), `grad` (array or None), `requires_grad`,
+    `creator` (the Function node that made it; None for leaves).
+    """
+
+    __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
+
+    def __init__(self, data, requires_grad=False, dtype=None, device=None):
+        if isinstance(data, Tensor):
+            data = data.data
+        arr = _as_array(data)
+        if device is not None:
+            arr = backend.to_device(arr, device)
+        if dtype is not None:
+            arr = arr.astype(dtype, copy=False)
+        if requires_grad and arr.dtype.kind != "f":
+            raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
+        self.data = arr
+        self.grad = None
+        self.requires_grad = requires_grad
+        self.creator = None
+        self.output_index = 0
+
+    # -- properties ------------------------------------------------------------------
+    shape = property(lambda self: self.data.shape)
+    ndim = property(lambda self: self.data.ndim)
+    dtype = property(lambda self: self.data.dtype)
+    size = property(lambda self: self.data.size)
+    device = property(lambda self: backend.device_of(self.data))
+    xp = property(lambda self: backend.get_array_module(self.data))
+    is_leaf = property(lambda self: self.creator is None)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor({backend.as_numpy(self.data)!r}, device='{self.device}'{grad})"
+
+    # -- autograd ----------------------------------------------------------------------
+    def backward(self, grad=None, retain_graph=False):
+        """Accumulate d(self)/d(leaf) * grad into `.grad` of every leaf that requires grad."""
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad "
+                               "(no input had requires_grad=True, or it was made under no_grad())")
+        if grad is None:
+            if self.size != 1:
+                raise RuntimeError(f"backward() without a gradient needs a scalar output, got shape "
+                                   f"{self.shape}; pass grad= of that shape")
+            grad = self.xp.ones_like(self.data)
+        grad = grad.data if isinstance(grad, Tensor) else grad
+        if tuple(grad.shape) != self.shape:
+            raise ValueError(f"backward(grad): expected shape {self.shape}, got {tuple(grad.shape)}")
+        run_backward(self, grad.astype(self.dtype, copy=False), retain_graph)
+
+    def _accumulate_leaf(self, grad):
+        if self.grad is None:
+            self.grad = grad.copy()  # own it: gradients of different leaves may alias
+        else:
+            self.grad += grad
+
+    def retain_grad(self):
+        """Keep `.grad` of this non-leaf after backward (leaves always keep theirs)."""
+        if self.creator is not None:
+            self.creator.retained[self.output_index] = self
+        return self
+
+    def detach(self):
+        return Tensor(self.data)
+
+    def requires_grad_(self, flag=True):
+        self.requires_grad = flag
+        return self
+
+    # -- conversion ----------------------------------------------------------------------
+    def numpy(self):
+        return backend.as_numpy(self.data)
+
+    def item(self):
+        return self.data.item()
+
+    def to(self, device=None, dtype=None):
+        """Move and/or cast; differentiable like torch's `.to`."""
+        if (device is None or device == self.device) and (dtype is None or self.xp.dtype(dtype) == self.dtype):
+            return self
+        return To.apply(self, device=device or self.device, dtype=dtype or self.dtype)
+
+    def float(self):
+        return self.to(dtype="float32")
+
+    def double(self):
+        return self.to(dtype="float64")
+
+    # -- operators ------------------------------------------------------------------------
+    def __add__(self, other): return Add.apply(self, other)
+    def __radd__(self, other): return Add.apply(other, self)
+    def __sub__(self, other): return Sub.apply(self, other)
+    def __rsub__(self, other): return Sub.apply(other, self)
+    def __mul__(self, other): return Mul.apply(self, other)
+    def __rmul__(self, other): return Mul.apply(other, self)
+    def __truediv__(self, other): return Div.apply(self, other)
+    def __rtruediv__(self, other): return Div.apply(other, self)
+    def __matmul__(self, other): return MatMul.apply(self, other)
+    def __rmatmul__(self, other): return MatMul.apply(other, self)
+    def __pow__(self, other): return Pow.apply(self, other)
+    def __rpow__(self, other): return Pow.apply(other, self)
+    def __neg__(self): return Neg.apply(self)
+    def __getitem__(self, key): return GetItem.apply(self, key=_raw_key(key))
+
+    # comparisons make boolean tensors, outside the graph
+    def _compare(self, other, op):
+        return Tensor(op(self.data, other.data if isinstance(other, Tensor) else other))
+    def __lt__(self, other): return self._compare(other, lambda a, b: a < b)
+    def __le__(self, other): return self._compare(other, lambda a, b: a <= b)
+    def __gt__(self, other): return self._compare(other, lambda a, b: a > b)
+    def __ge__(self, other): return self._compare(other, lambda a, b: a >= b)
+    def eq(self, other): return self._compare(other, lambda a, b: a == b)
+    def ne(self, other): return self._compare(other, lambda a, b: a != b)
+
+    # -- methods --------------------------------------------------------------------------
+    def reshape(self, *shape):
+        return Reshape.apply(self, shape=_shape_arg(shape))
+
+    view = reshape
+
+    def transpose(self, *axes):
+        """With two axes, swap them (torch); with none or a full permutation, permute (numpy)."""
+        if len(axes) == 2:
+            return self.swapaxes(*axes)
+        return Permute.apply(self, axes=_shape_arg(axes) or tuple(range(self.ndim))[::-1])
+
+    def permute(self, *axes):
+        return Permute.apply(self, axes=_shape_arg(axes))
+
+    def swapaxes(self, a, b):
+        axes = list(range(self.ndim))
+        axes[a], axes[b] = axes[b], axes[a]
+        return Permute.apply(self, axes=tuple(axes))
+
+    @property
+    def T(self):
+        return self.transpose()
+
+    def expand(self, *shape):
+        return BroadcastTo.apply(self, shape=_shape_arg(shape))
+
+    broadcast_to = expand
+
+    def sum(self, axis=None, keepdims=False): return Sum.apply(self, axis=axis, keepdims=keepdims)
+    def mean(self, axis=None, keepdims=False): return Mean.apply(self, axis=axis, keepdims=keepdims)
+    def max(self, axis=None, keepdims=False): return Max.apply(self, axis=axis, keepdims=keepdims)
+    def exp(self): return Exp.apply(self)
+    def log(self): return Log.apply(self)
+    def sqrt(self): return Sqrt.apply(self)
+    def tanh(self): return Tanh.apply(self)
+    def relu(self): return Relu.apply(self)
+    def matmul(self, other): return MatMul.apply(self, other)
+
+
+def _shape_arg(shape):
+    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+
+
+def _raw_key(key):
+    if isinstance(key, tuple):
+        return tuple(_raw_key(k) for k in key)
+    return key.data if isinstance(key, Tensor) else key
+
+
+def where(condition, x, y):
+    """Elementwise `x if condition else y`; gradients flow to x and y."""
+    cond = condition.data if isinstance(condition, Tensor) else condition
+    return Where.apply(x, y, condition=cond)
+
+
+def concatenate(tensors, axis=0):
+    return Concatenate.apply(*tensors, axis=axis)
+
+
+def stack(tensors, axis=0):
+    return concatenate([t.reshape(t.shape[:axis % (t.ndim + 1)] + (1,) + t.shape[axis % (t.ndim + 1):])
+                        for t in tensors], axis=axis)
+
+
+def unbroadcast(grad, shape):
+    """Sum `grad` over the axes that broadcasting added or stretched, back to `shape`."""
+    if grad.shape == shape:
+        return grad
+    extra = grad.ndim - len(shape)
+    if extra:
+        grad = grad.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(axis=stretched, keepdims=True) if stretched else grad
+
+
+def _shape(x):
+    return getattr(x, "shape", None)  # None for Python scalars: they get no gradient
+
+
+# ----------------------------------------------------------------------------------------
+# Primitive ops. Each caches only what its backward needs.
+# ----------------------------------------------------------------------------------------
+class To(Function):
+    @staticmethod
+    def forward(ctx, x, device, dtype):
+        ctx.device, ctx.dtype = backend.device_of(x), x.dtype
+        return backend.to_device(x, device).astype(dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return backend.to_device(grad, ctx.device).astype(ctx.dtype, copy=False)
+
+
+class Add(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = _shape(a), _shape(b)
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        # out = a + b  ->  da = grad, db = grad (summed over broadcast axes)
+        return tuple(unbroadcast(grad, s) if need else None
+                     for s, need in zip(ctx.shapes, ctx.needs_input_grad))
+
+
+class Sub(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = _shape(a), _shape(b)
+        return a - b
+
+    @staticmethod
+    def backward(ctx, grad):
+        # out = a - b  ->  da = grad, db = -grad
+        da = unbroadcast(grad, ctx.shapes[0]) if ctx.needs_input_grad[0] else None
+        db = unbroadcast(-grad, ctx.shapes[1]) if ctx.needs_input_grad[1] else None
+        return da, db
+
+
+class Mul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        # out = a * b  ->  da = grad * b, db = grad * a
+        da = unbroadcast(grad * b, a.shape) if ctx.needs_input_grad[0] else None
+        db = unbroadcast(grad * a, b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
+
+class Div(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a / b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        # out = a / b  ->  da = grad / b, db = -grad * a / b^2
+        da = unbroadcast(grad / b, a.shape) if ctx.needs_input_grad[0] else None
+        db = unbroadcast(-grad * a / (b * b), b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
+
+class Neg(Function):
+    @staticmethod
+    def forward(ctx, x):
+        return -x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class Pow(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        out = a ** b
+        ctx.save_for_backward(a, b, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, out = ctx.saved_tensors
+        xp = backend.get_array_module(out)
+        # out = a^b  ->  da = grad * b * a^(b-1), db = grad * out * log(a)
+        da = unbroadcast(grad * b * a ** (b - 1), a.shape) if ctx.needs_input_grad[0] else None
+        db = unbroadcast(grad * out * xp.log(a), b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
+
+class MatMul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        # 1-D operands behave as (1, k) rows / (k, 1) columns with that axis removed
+        a2 = a[None, :] if a.ndim == 1 else a
+        b2 = b[:, None] if b.ndim == 1 else b
+        g = grad[..., None] if b.ndim == 1 else grad
+        g = g[..., None, :] if a.ndim == 1 else g
+        # out = a @ b  ->  da = grad @ b^T, db = a^T @ grad (summed over broadcast batch axes)
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = unbroadcast(g @ b2.swapaxes(-1, -2), a2.shape).reshape(a.shape)
+        if ctx.needs_input_grad[1]:
+            db = unbroadcast(a2.swapaxes(-1, -2) @ g, b2.shape).reshape(b.shape)
+        return da, db
+
+
+class Exp(Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = backend.get_array_module(x).exp(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out  # d exp(x) = exp(x)
+
+
+class Log(Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return backend.get_array_module(x).log(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad / x  # d log(x) = 1/x
+
+
+class Sqrt(Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = backend.get_array_module(x).sqrt(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad / (2 * out)  # d sqrt(x) = 1 / (2 sqrt(x))
+
+
+class Tanh(Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = backend.get_array_module(x).tanh(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (1 - out * out)  # d tanh(x) = 1 - tanh(x)^2
+
+
+class Relu(Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = backend.get_array_module(x).maximum(x, 0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (out > 0)  # d relu(x) = [x > 0]
+
+
+class Where(Function):
+    @staticmethod
+    def forward(ctx, x, y, condition):
+        xp = backend.get_array_module(x, y, condition)
+        ctx.condition, ctx.shapes = condition, (_shape(x), _shape(y))
+        return xp.where(condition, x, y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        # out = where(c, x, y)  ->  dx = grad where c, dy = grad where not c
+        dx = unbroadcast(xp.where(ctx.condition, grad, 0), ctx.shapes[0]) if ctx.needs_input_grad[0] else None
+        dy = unbroadcast(xp.where(ctx.condition, 0, grad), ctx.shapes[1]) if ctx.needs_input_grad[1] else None
+        return dx, dy
+
+
+def _reduced_grad(grad, shape, axis, keepdims):
+    """Put back the reduced axes (size 1) so `grad` broadcasts against the input."""
+    if axis is not None and not keepdims:
+        axes = (axis,) if isinstance(axis, int) else axis
+        grad = grad.reshape([1 if i in [a % len(shape) for a in axes] else n for i, n in enumerate(shape)])
+    elif axis is None and not keepdims:
+        grad = grad.reshape((1,) * len(shape))
+    return grad
+
+
+class Sum(Function):
+    @staticmethod
+    def forward(ctx, x, axis, keepdims):
+        ctx.shape, ctx.axis, ctx.keepdims = x.shape, axis, keepdims
+        return x.sum(axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        # out = sum(x)  ->  dx = grad broadcast over the summed axes
+        return xp.broadcast_to(_reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims), ctx.shape)
+
+
+class Mean(Function):
+    @staticmethod
+    def forward(ctx, x, axis, keepdims):
+        out = x.mean(axis=axis, keepdims=keepdims)
+        ctx.shape, ctx.axis, ctx.keepdims, ctx.count = x.shape, axis, keepdims, x.size // max(out.size, 1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        # out = sum(x) / n  ->  dx = grad / n broadcast over the reduced axes
+        g = _reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims) / ctx.count
+        return xp.broadcast_to(g, ctx.shape)
+
+
+class Max(Function):
+    @staticmethod
+    def forward(ctx, x, axis, keepdims):
+        out = x.max(axis=axis, keepdims=True)
+        ctx.save_for_backward(x, out)
+        ctx.axis, ctx.keepdims = axis, keepdims
+        return out if keepdims else _squeeze(out, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        # out = max(x)  ->  dx = grad at the maximum (shared evenly between ties)
+        is_max = x == out
+        share = is_max / is_max.sum(axis=ctx.axis, keepdims=True)
+        return share.astype(x.dtype) * _reduced_grad(grad, x.shape, ctx.axis, ctx.keepdims)
+
+
+def _squeeze(x, axis):
+    return x.reshape(()) if axis is None else x.squeeze(axis)
+
+
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx, x, shape):
+        ctx.shape = x.shape
+        return x.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.reshape(ctx.shape)
+
+
+class Permute(Function):
+    @staticmethod
+    def forward(ctx, x, axes):
+        ctx.axes = axes
+        return x.transpose(axes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        return grad.transpose(xp.argsort(xp.asarray(ctx.axes)).tolist())
+
+
+class BroadcastTo(Function):
+    @staticmethod
+    def forward(ctx, x, shape):
+        ctx.shape = x.shape
+        return backend.get_array_module(x).broadcast_to(x, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unbroadcast(grad, ctx.shape)
+
+
+class GetItem(Function):
+    @staticmethod
+    def forward(ctx, x, key):
+        ctx.key, ctx.shape = key, x.shape
+        return x[key]
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        dx = xp.zeros(ctx.shape, grad.dtype)
+        # out = x[key]  ->  dx[key] += grad; integer-array keys may repeat, so scatter-add
+        key = ctx.key if isinstance(ctx.key, tuple) else (ctx.key,)
+        if any(backend.is_array(k) or isinstance(k, list) for k in key):
+            xp.add.at(dx, ctx.key, grad)
+        else:
+            dx[ctx.key] = grad
+        return dx
+
+
+class Concatenate(Function):
+    @staticmethod
+    def forward(ctx, *arrays, axis):
+        ctx.axis, ctx.sizes = axis, [a.shape[axis] for a in arrays]
+        return backend.get_array_module(*arrays).concatenate(arrays, axis=axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = backend.get_array_module(grad)
+        # out = [a, b, ...] along axis  ->  each input gets its slice of grad
+        bounds = [sum(ctx.sizes[:i]) for i in range(1, len(ctx.sizes))]
+        return tuple(xp.split(grad, bounds, axis=ctx.axis))

@@ -1,0 +1,8 @@
+"""npformer: a from-scratch Transformer engine in NumPy with hand-derived backprop.
+
+Layers, left to right (nothing imports to its right): autograd -> npformer.functional ->
+npformer.nn -> npformer.models -> optim, decoding, training, checkpoints, interop, plots.
+"""
+from autograd import Tensor, manual_seed, no_grad
+
+__all__ = ["Tensor", "manual_seed", "no_grad"]
