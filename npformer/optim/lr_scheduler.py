@@ -1,0 +1,100 @@
+"""Learning-rate schedulers with torch's protocol: construct after the optimizer (this sets the
+first lr), call `scheduler.step()` after each `optimizer.step()`, read `get_last_lr()`.
+
+`last_epoch` counts the optimizer steps taken so far; the lr in force for the next step is
+`base_lr * factor(last_epoch)`, where base_lr is each group's lr when the scheduler was made.
+"""
+import math
+
+
+class LambdaLR:
+    """lr of group i = base_lr_i * lr_lambda(last_epoch), like torch.optim.lr_scheduler.LambdaLR."""
+
+    def __init__(self, optimizer, lr_lambda, last_epoch=-1):
+        if not hasattr(optimizer, "param_groups"):
+            raise TypeError(f"optimizer: expected an Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.lr_lambda = lr_lambda
+        for group in optimizer.param_groups:
+            if last_epoch == -1:
+                group["initial_lr"] = group["lr"]
+            elif "initial_lr" not in group:
+                raise KeyError("last_epoch: resuming (last_epoch != -1) needs 'initial_lr' in every "
+                               "param group; load the scheduler's state_dict instead")
+        self.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        self.last_epoch = last_epoch
+        self.step()
+
+    def get_lr(self):
+        factor = self.lr_lambda(self.last_epoch)
+        return [base * factor for base in self.base_lrs]
+
+    def step(self):
+        """Advance one optimizer step and set every group's lr."""
+        self.last_epoch += 1
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+
+    def get_last_lr(self):
+        return list(self._last_lr)
+
+    def state_dict(self):
+        return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs), "last_lr": list(self._last_lr)}
+
+    def load_state_dict(self, state_dict):
+        if len(state_dict["base_lrs"]) != len(self.base_lrs):
+            raise ValueError(f"state_dict: {len(state_dict['base_lrs'])} base lrs for "
+                             f"{len(self.base_lrs)} parameter groups")
+        self.last_epoch = int(state_dict["last_epoch"])
+        self.base_lrs = [float(lr) for lr in state_dict["base_lrs"]]
+        self._last_lr = [float(lr) for lr in state_dict["last_lr"]]
+        for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
+            group["initial_lr"], group["lr"] = base, lr
+
+
+def noam_factor(step, d_model, warmup_steps):
+    """The paper's schedule at 1-based `step`: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
+    return d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
+
+
+class NoamLR(LambdaLR):
+    """"Attention Is All You Need" warmup: lr = base_lr * noam_factor(last_epoch + 1).
+
+    The optimizer's lr multiplies the paper's formula: lr=1.0 gives the paper's schedule
+    (with Adam betas (0.9, 0.98), eps 1e-9); a larger lr scales it. The peak, at
+    step = warmup_steps, is base_lr * (d_model * warmup_steps)^-0.5.
+    """
+
+    def __init__(self, optimizer, d_model, warmup_steps=4000, last_epoch=-1):
+        if d_model <= 0:
+            raise ValueError(f"d_model: expected a positive integer, got {d_model}")
+        if warmup_steps <= 0:
+            raise ValueError(f"warmup_steps: expected a positive integer, got {warmup_steps}")
+        self.d_model, self.warmup_steps = d_model, warmup_steps
+        super().__init__(optimizer, lambda epoch: noam_factor(epoch + 1, d_model, warmup_steps), last_epoch)
+
+
+def warmup_cosine_factor(step, warmup_steps, total_steps, min_ratio=0.0):
+    """Linear warmup to 1 over `warmup_steps` (1-based `step`), then a half cosine down to
+    `min_ratio` at `total_steps`, constant after."""
+    if step <= warmup_steps:
+        return step / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class WarmupCosineLR(LambdaLR):
+    """lr = base_lr * warmup_cosine_factor(last_epoch + 1, warmup_steps, total_steps, min_ratio)."""
+
+    def __init__(self, optimizer, warmup_steps, total_steps, min_ratio=0.0, last_epoch=-1):
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps: expected an integer >= 0, got {warmup_steps}")
+        if total_steps < max(warmup_steps, 1):
+            raise ValueError(f"total_steps: expected an integer >= max(warmup_steps, 1) = "
+                             f"{max(warmup_steps, 1)}, got {total_steps}")
+        if not 0.0 <= min_ratio <= 1.0:
+            raise ValueError(f"min_ratio: expected a value in [0, 1], got {min_ratio}")
+        self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
+        super().__init__(optimizer, lambda epoch: warmup_cosine_factor(epoch + 1, warmup_steps, total_steps,
+                                                                       min_ratio), last_epoch)
