@@ -1,0 +1,207 @@
+"""One training step (forward, cross-entropy, backward, Adam) of Seq2SeqTransformer, ours and
+PyTorch eager side by side in one run, float32.
+
+    python benchmarks/train_step.py --config tiny|base|paper [--steps N] [--device cpu|cuda]
+
+Prints the median ms/step of each (steps alternate between the two), the ratio ours/torch,
+tokens/s, achieved GFLOP/s and its share of this machine's measured float32 GEMM rate, and
+the peak memory of each side measured in a separate process. Configurations: REFERENCE.md s.7.
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+CONFIGS = {  # vocab, d_model, heads, d_ff, layers (enc = dec), seq, batch
+    "tiny": dict(vocab=20, d_model=32, nhead=4, d_ff=64, layers=2, seq=6, batch=64),
+    "base": dict(vocab=1000, d_model=256, nhead=8, d_ff=1024, layers=4, seq=64, batch=32),
+    "paper": dict(vocab=8000, d_model=512, nhead=8, d_ff=2048, layers=6, seq=128, batch=16),
+}
+DEFAULT_STEPS = {"tiny": 200, "base": 12, "paper": 5}
+
+
+def make_batch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (cfg["batch"], cfg["seq"])
+    return (rng.integers(3, cfg["vocab"], shape), rng.integers(3, cfg["vocab"], shape),
+            rng.integers(3, cfg["vocab"], shape))
+
+
+def training_flops(cfg):
+    """GEMM FLOPs of forward + backward (3x forward) for one step."""
+    B, T, d, ff, L, V = cfg["batch"], cfg["seq"], cfg["d_model"], cfg["d_ff"], cfg["layers"], cfg["vocab"]
+    n = B * T
+    attention = 2 * 2 * B * T * T * d  # QK^T and PV
+    enc = 2 * n * d * 3 * d + 2 * n * d * d + attention + 2 * 2 * n * d * ff
+    dec = enc + 2 * n * d * d + 2 * n * d * 2 * d + 2 * n * d * d + attention  # + cross-attention
+    return 3 * (L * (enc + dec) + 2 * n * d * V)
+
+
+def gemm_rate(device):
+    """Measured float32 GEMM GFLOP/s of the array library on this machine."""
+    from autograd import backend
+    xp = backend.module_for(device)
+    n = 1024
+    a = xp.ones((n, n), dtype=xp.float32)
+    for _ in range(2):
+        a @ a
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        c = a @ a
+        if device == "cuda":
+            xp.cuda.Stream.null.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del c
+    return 2 * n ** 3 / best / 1e9
+
+
+class Ours:
+    def __init__(self, cfg, device):
+        import npformer
+        from npformer import models, optim
+        import npformer.functional as F
+        npformer.manual_seed(0)
+        self.F, self.cfg, self.device = F, cfg, device
+        self.model = models.Seq2SeqTransformer(
+            cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"],
+            num_encoder_layers=cfg["layers"], num_decoder_layers=cfg["layers"],
+            dim_feedforward=cfg["d_ff"], dropout=0.1, max_len=max(cfg["seq"], 16)).to(device)
+        self.model.train()
+        self.optimizer = optim.Adam(self.model.parameters(), lr=1e-4)
+        from autograd import backend
+        self.batch = [backend.to_device(a, device) for a in make_batch(cfg)]
+
+    def step(self):
+        src, tgt_in, tgt_out = self.batch
+        logits = self.model(src, tgt_in)
+        loss = self.F.cross_entropy(logits.reshape(-1, self.cfg["vocab"]), tgt_out.reshape(-1))
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        value = loss.item()  # synchronises a GPU
+        return value
+
+
+class Torch:
+    def __init__(self, cfg, device):
+        import torch
+        from torch import nn
+        torch.manual_seed(0)
+        self.torch, self.cfg = torch, cfg
+        d, V = cfg["d_model"], cfg["vocab"]
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.src_embed, self.tgt_embed = nn.Embedding(V, d), nn.Embedding(V, d)
+                self.transformer = nn.Transformer(d, cfg["nhead"], cfg["layers"], cfg["layers"],
+                                                  cfg["d_ff"], dropout=0.1, batch_first=True)
+                self.generator = nn.Linear(d, V)
+                self.dropout = nn.Dropout(0.1)
+                pos = torch.arange(max(cfg["seq"], 16), dtype=torch.float64)[:, None]
+                div = torch.exp(torch.arange(0, d, 2, dtype=torch.float64) * (-math.log(10000.0) / d))
+                pe = torch.zeros(len(pos), d, dtype=torch.float64)
+                pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
+                self.register_buffer("pe", pe.float(), persistent=False)
+
+            def embed(self, embedding, ids):
+                return self.dropout(embedding(ids) * math.sqrt(d) + self.pe[: ids.shape[1]])
+
+            def forward(self, src, tgt):
+                mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
+                out = self.transformer(self.embed(self.src_embed, src), self.embed(self.tgt_embed, tgt),
+                                       tgt_mask=mask, tgt_is_causal=True)
+                return self.generator(out)
+
+        self.device = "cuda" if device == "cuda" else "cpu"
+        self.model = Model().to(self.device).train()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.batch = [torch.as_tensor(a).to(self.device) for a in make_batch(cfg)]
+
+    def step(self):
+        src, tgt_in, tgt_out = self.batch
+        logits = self.model(src, tgt_in)
+        loss = self.torch.nn.functional.cross_entropy(logits.reshape(-1, self.cfg["vocab"]), tgt_out.reshape(-1))
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+
+def blas_info():
+    try:
+        from threadpoolctl import threadpool_info
+        return "; ".join(f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')} "
+                         f"threads={i.get('num_threads')}" for i in threadpool_info() if i.get("user_api") == "blas")
+    except ImportError:
+        return "threadpoolctl not installed"
+
+
+def peak_memory_mb(config, device, side, steps):
+    """Peak resident memory of a fresh process that builds one side and runs `steps` steps."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--config", config, "--device", device,
+           "--only", side, "--steps", str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_mb"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=CONFIGS, default="base")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--no-memory", action="store_true", help="skip the separate-process memory runs")
+    parser.add_argument("--only", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cfg = CONFIGS[args.config]
+    steps = args.steps or DEFAULT_STEPS[args.config]
+
+    if args.only:  # a child process measuring one side's peak memory
+        runner = (Ours if args.only == "ours" else Torch)(cfg, args.device)
+        for _ in range(steps):
+            runner.step()
+        print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        return
+
+    import torch
+    torch.set_num_threads(os.cpu_count())
+    runners = {"ours": Ours(cfg, args.device), "torch": Torch(cfg, args.device)}
+    times = {name: [] for name in runners}
+    for name, runner in runners.items():  # warm-up
+        runner.step()
+    for _ in range(steps):
+        for name, runner in runners.items():
+            t0 = time.perf_counter()
+            runner.step()
+            times[name].append(time.perf_counter() - t0)
+    flops = training_flops(cfg)
+    peak_rate = gemm_rate(args.device)
+    tokens = 2 * cfg["batch"] * cfg["seq"]
+    print(f"config {args.config} {cfg}  device {args.device}  steps {steps}")
+    print(f"BLAS: {blas_info()}   OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}")
+    print(f"measured float32 GEMM rate: {peak_rate:.0f} GFLOP/s")
+    median = {}
+    for name in runners:
+        median[name] = statistics.median(times[name])
+        gflops = flops / median[name] / 1e9
+        print(f"{name:>5}: {median[name] * 1e3:9.1f} ms/step  {tokens / median[name]:9.0f} tokens/s  "
+              f"{gflops:6.1f} GFLOP/s  ({100 * gflops / peak_rate:4.1f}% of GEMM rate)")
+    print(f"ratio ours/torch: {median['ours'] / median['torch']:.2f}x")
+    if not args.no_memory:
+        mem = {side: peak_memory_mb(args.config, args.device, side, 2) for side in runners}
+        print(f"peak memory (separate processes, 2 steps): ours {mem['ours']:.0f} MB, torch {mem['torch']:.0f} MB, "
+              f"ratio {mem['ours'] / mem['torch']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
