@@ -1,0 +1,209 @@
+"""Seeded toy sequence-to-sequence tasks: reverse (the seed tutorial's), copy and sort.
+
+Token ids: PAD=0, BOS=1, EOS=2, then the symbols. A task with `vocab_size` V has V - 3
+symbols, written 1..V-3 for people (the seed tutorial's integers) and stored as ids 3..V-1
+(`encode`/`decode` convert). Batches are int64 numpy arrays on the host:
+
+    src      (B, S)  the source symbols, PAD after each sequence
+    tgt_out  (B, T)  the target, with EOS appended when the task uses EOS, PAD after it
+    tgt_in   (B, T)  the decoder input: BOS + tgt_out[:-1] (teacher forcing, as in the seeds)
+
+With variable lengths (min_len < max_len) targets end with EOS so that decoding knows when
+to stop; fixed-length tasks (the tutorial's) have no EOS unless asked for.
+
+Held-out set: `heldout_size` distinct sequences drawn once from a separate seeded stream.
+Training batches reject (and redraw) every sequence that is in the held-out set, so the
+held-out sequences are never trained on, whatever the vocabulary and lengths.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+PAD, BOS, EOS = 0, 1, 2
+NUM_SPECIAL = 3
+TASKS = ("reverse", "copy", "sort")
+
+
+@dataclass
+class Batch:
+    """One batch of integer arrays (see the module docstring for the layout)."""
+
+    src: np.ndarray  # (B, S) int64
+    tgt_in: np.ndarray  # (B, T) int64
+    tgt_out: np.ndarray  # (B, T) int64
+
+    @property
+    def src_padding_mask(self):
+        """(B, S) bool, True at padding (torch's key_padding_mask convention)."""
+        return self.src == PAD
+
+    @property
+    def tgt_padding_mask(self):
+        """(B, T) bool, True at padding of the decoder input."""
+        return self.tgt_in == PAD
+
+    @property
+    def n_tokens(self):
+        """Number of target tokens that count in the loss (not PAD)."""
+        return int((self.tgt_out != PAD).sum())
+
+    def __len__(self):
+        return len(self.src)
+
+
+class SequenceTask:
+    """A seeded generator of batches for one task, plus its fixed held-out set.
+
+    task: "reverse" | "copy" | "sort". vocab_size: total ids including PAD/BOS/EOS (>= 5).
+    min_len, max_len: source lengths, drawn uniformly in [min_len, max_len] (max_len
+    defaults to min_len: fixed length). eos: append EOS to targets (default: only when
+    lengths vary). seed: seeds the training stream and, independently, the held-out set.
+    """
+
+    def __init__(self, task="reverse", vocab_size=20, min_len=6, max_len=None, eos=None, seed=0,
+                 heldout_size=1000):
+        if task not in TASKS:
+            raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
+        max_len = min_len if max_len is None else max_len
+        if int(vocab_size) < NUM_SPECIAL + 2:
+            raise ValueError(f"vocab_size: expected >= {NUM_SPECIAL + 2} (PAD, BOS, EOS and at least "
+                             f"2 symbols), got {vocab_size}")
+        if not 1 <= int(min_len) <= int(max_len):
+            raise ValueError(f"min_len, max_len: expected 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        self.task, self.vocab_size = task, int(vocab_size)
+        self.min_len, self.max_len = int(min_len), int(max_len)
+        self.eos = self.min_len != self.max_len if eos is None else bool(eos)
+        self.seed = seed
+        n_symbols = self.vocab_size - NUM_SPECIAL
+        possible = sum(n_symbols ** n for n in range(self.min_len, self.max_len + 1))
+        if heldout_size > possible // 4:
+            raise ValueError(f"heldout_size: expected at most a quarter of the {possible} possible sequences "
+                             f"(vocab_size={vocab_size}, lengths {min_len}..{max_len}), got {heldout_size}")
+        train_seed, heldout_seed = np.random.SeedSequence(seed).spawn(2)
+        self.rng = np.random.default_rng(train_seed)
+        self.heldout = self._draw_distinct(np.random.default_rng(heldout_seed), heldout_size)
+        self._heldout_keys = {self._key(s) for s in self.heldout}
+
+    # -- sizes --------------------------------------------------------------------------
+    @property
+    def max_target_len(self):
+        """Longest target, EOS included: the decoding budget."""
+        return self.max_len + self.eos
+
+    @property
+    def num_symbols(self):
+        return self.vocab_size - NUM_SPECIAL
+
+    # -- sequences ----------------------------------------------------------------------
+    @staticmethod
+    def _key(seq):
+        return np.asarray(seq, dtype=np.int64).tobytes()
+
+    def _draw(self, rng, n):
+        """n source sequences (lists of ids), lengths uniform in [min_len, max_len]."""
+        lengths = rng.integers(self.min_len, self.max_len + 1, size=n)
+        ids = rng.integers(NUM_SPECIAL, self.vocab_size, size=(n, self.max_len))
+        return [row[:length] for row, length in zip(ids, lengths)]
+
+    def _draw_distinct(self, rng, n):
+        seqs, keys = [], set()
+        while len(seqs) < n:
+            for s in self._draw(rng, n - len(seqs)):
+                if self._key(s) not in keys:
+                    keys.add(self._key(s))
+                    seqs.append(s)
+        return seqs
+
+    def sample(self, n):
+        """n training source sequences from the task's stream, none of them held out."""
+        seqs = []
+        while len(seqs) < n:
+            seqs += [s for s in self._draw(self.rng, n - len(seqs)) if self._key(s) not in self._heldout_keys]
+        return seqs
+
+    def target(self, seq):
+        """The target of one source sequence (ids, without EOS)."""
+        seq = np.asarray(seq, dtype=np.int64)
+        return {"reverse": seq[::-1], "copy": seq, "sort": np.sort(seq)}[self.task]
+
+    # -- batches ------------------------------------------------------------------------
+    def collate(self, seqs):
+        """A Batch of source sequences (lists or arrays of ids), padded to the longest."""
+        if not len(seqs):
+            raise ValueError("seqs: expected at least one sequence")
+        n, src_len = len(seqs), max(len(s) for s in seqs)
+        tgt_len = src_len + self.eos
+        src = np.full((n, src_len), PAD, dtype=np.int64)
+        tgt_out = np.full((n, tgt_len), PAD, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            src[i, :len(s)] = s
+            tgt_out[i, :len(s)] = self.target(s)
+            if self.eos:
+                tgt_out[i, len(s)] = EOS
+        # decoder input = BOS + target[:-1]; an EOS shifted in from a shorter row becomes PAD
+        tgt_in = np.concatenate([np.full((n, 1), BOS, dtype=np.int64), tgt_out[:, :-1]], axis=1)
+        tgt_in[tgt_in == EOS] = PAD
+        return Batch(src, tgt_in, tgt_out)
+
+    def batch(self, batch_size):
+        """A fresh training batch (advances the task's random stream)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
+        return self.collate(self.sample(batch_size))
+
+    def heldout_batches(self, batch_size=500):
+        """The held-out set as Batches, always in the same order."""
+        for start in range(0, len(self.heldout), batch_size):
+            yield self.collate(self.heldout[start:start + batch_size])
+
+    # -- scoring ------------------------------------------------------------------------
+    @staticmethod
+    def score(predicted, tgt_out):
+        """(exact-sequence matches, correct tokens, target tokens) of decoded ids against targets.
+
+        predicted: (B, T') ids from a decoder, PAD after EOS. A sequence is exact when its
+        tokens match the target everywhere, EOS included, and nothing follows.
+        """
+        predicted = np.asarray(predicted)
+        n, t = tgt_out.shape
+        width = max(t, predicted.shape[1])
+        pred = np.full((n, width), PAD, dtype=np.int64)
+        pred[:, :predicted.shape[1]] = predicted
+        target = np.full((n, width), PAD, dtype=np.int64)
+        target[:, :t] = tgt_out
+        valid = target != PAD
+        exact = int((pred == target).all(axis=1).sum())
+        correct = int(((pred == target) & valid).sum())
+        return exact, correct, int(valid.sum())
+
+    # -- user-facing symbols ------------------------------------------------------------
+    def encode(self, symbols):
+        """Symbols 1..V-3 (what people type) -> ids 3..V-1; raises ValueError out of range."""
+        symbols = [int(s) for s in symbols]
+        bad = [s for s in symbols if not 1 <= s <= self.num_symbols]
+        if bad:
+            raise ValueError(f"symbols: expected integers in 1..{self.num_symbols} for vocab_size "
+                             f"{self.vocab_size}, got {bad}")
+        return [s + NUM_SPECIAL - 1 for s in symbols]
+
+    def decode(self, ids):
+        """ids -> symbols, stopping at EOS and skipping PAD/BOS."""
+        out = []
+        for i in np.asarray(ids).tolist():
+            if i == EOS:
+                break
+            if i >= NUM_SPECIAL:
+                out.append(i - NUM_SPECIAL + 1)
+        return out
+
+    # -- state --------------------------------------------------------------------------
+    def state_dict(self):
+        """The training stream's position (JSON-serialisable); the held-out set is rebuilt from the seed."""
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["rng"]
+
+    def __repr__(self):
+        return (f"SequenceTask({self.task!r}, vocab_size={self.vocab_size}, lengths {self.min_len}.."
+                f"{self.max_len}, eos={self.eos}, heldout={len(self.heldout)})")
