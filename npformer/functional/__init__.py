@@ -1,0 +1,14 @@
+"""npformer.functional (imported as F): ops with hand-derived backward passes, mirroring
+torch.nn.functional. `npformer.functional.composite` holds slow twins built from autograd
+primitives, used as test references."""
+from .activation import dropout, gelu, relu
+from .attention import scaled_dot_product_attention
+from .embedding import embedding
+from .linear import linear
+from .loss import cross_entropy
+from .normalization import layer_norm
+from .rotary import apply_rotary_emb, rotary_cos_sin
+from .softmax import log_softmax, softmax
+
+__all__ = ["apply_rotary_emb", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear",
+           "log_softmax", "relu", "rotary_cos_sin", "scaled_dot_product_attention", "softmax"]

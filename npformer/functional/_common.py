@@ -1,0 +1,36 @@
+"""Helpers shared by the functional ops: unwrapping Tensors, argument checks, devices."""
+from autograd import Tensor, backend
+
+
+def data_of(x):
+    """The raw array of a Tensor, or `x` itself."""
+    return x.data if isinstance(x, Tensor) else x
+
+
+def check_tensor(name, x, op, *, floating=True):
+    """Raise TypeError unless `x` is a Tensor or an array (of a floating dtype when asked)."""
+    raw = data_of(x)
+    if not backend.is_array(raw):
+        raise TypeError(f"{op}: {name} must be an autograd.Tensor or an array, got {type(x).__name__}")
+    if floating and raw.dtype.kind != "f":
+        raise TypeError(f"{op}: {name} must have a floating dtype, got {raw.dtype}")
+    return raw
+
+
+def on_device_of(array, like, name, op):
+    """`array` (a raw array or a non-differentiable Tensor such as ids or a mask) on the device of
+    the array `like`. Raw host arrays are copied over; a Tensor on another device is an error."""
+    if isinstance(array, Tensor):
+        if array.device != backend.device_of(like):
+            raise RuntimeError(f"{op}: {name} is on device '{array.device}' but the inputs are on "
+                               f"'{backend.device_of(like)}'; move it with .to(device)")
+        return array.data
+    if not backend.is_array(array):
+        array = backend.get_array_module(like).asarray(array)
+    return backend.to_device(array, backend.device_of(like))
+
+
+def normalize_dim(dim, ndim, op, name="dim"):
+    if not -ndim <= dim < max(ndim, 1):
+        raise IndexError(f"{op}: {name} out of range: expected in [{-ndim}, {ndim - 1}], got {dim}")
+    return dim % max(ndim, 1)

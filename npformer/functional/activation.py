@@ -1,0 +1,121 @@
+"""Elementwise activations (ReLU, GELU) and inverted dropout."""
+import math
+
+from autograd import Function, backend
+
+from ._common import check_tensor
+from ._erf import INV_SQRT_2PI, SQRT_2, erf
+
+TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
+TANH_K = 0.044715
+
+
+class ReLU(Function):
+    """y = max(x, 0), any shape.  dx = dy * [x > 0]."""
+
+    @staticmethod
+    def forward(ctx, x):
+        positive = x > 0                        # (...) bool: 1 byte per entry saved
+        ctx.save_for_backward(positive)
+        return x * positive
+
+    @staticmethod
+    def backward(ctx, dy):
+        (positive,) = ctx.saved_tensors
+        # y = x * [x > 0]  ->  dx = dy * [x > 0]
+        return dy * positive
+
+
+def relu(input):
+    """max(input, 0) elementwise, like torch.nn.functional.relu."""
+    check_tensor("input", input, "relu")
+    return ReLU.apply(input)
+
+
+class GELU(Function):
+    """y = x * Phi(x) (exact, Phi the normal CDF) or its tanh approximation; any shape.
+
+    exact: dx = dy * (Phi(x) + x phi(x));  tanh: dx = dy * (0.5 (1 + t) + 0.5 x (1 - t^2) du/dx).
+    """
+
+    @staticmethod
+    def forward(ctx, x, approximate):
+        ctx.approximate = approximate
+        xp = backend.get_array_module(x)
+        if approximate == "tanh":
+            t = xp.tanh(TANH_C * (x + TANH_K * x * x * x))   # t = tanh(u)
+            ctx.save_for_backward(x, t)
+            return 0.5 * x * (1.0 + t)
+        cdf = 0.5 * (1.0 + erf(x / SQRT_2))                 # Phi(x)
+        ctx.save_for_backward(x, cdf)
+        return x * cdf
+
+    @staticmethod
+    def backward(ctx, dy):
+        xp = backend.get_array_module(dy)
+        if ctx.approximate == "tanh":
+            x, t = ctx.saved_tensors
+            # u = TANH_C (x + k x^3)  ->  du/dx = TANH_C (1 + 3 k x^2)
+            du = TANH_C * (1.0 + 3.0 * TANH_K * x * x)
+            # y = 0.5 x (1 + tanh(u))  ->  dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx
+            return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+        x, cdf = ctx.saved_tensors
+        # y = x Phi(x)  ->  dy/dx = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi)
+        return dy * (cdf + x * (INV_SQRT_2PI * xp.exp(-0.5 * x * x)))
+
+
+def gelu(input, approximate="none"):
+    """x * Phi(x), like torch.nn.functional.gelu; approximate="tanh" uses the tanh form."""
+    check_tensor("input", input, "gelu")
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return GELU.apply(input, approximate=approximate)
+
+
+class Dropout(Function):
+    """y = x * keep / (1 - p) with a fixed boolean mask `keep`; any shape.  dx = dy * keep / (1 - p)."""
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        y = x * keep                                        # (...)
+        y *= scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (keep,) = ctx.saved_tensors
+        # y = x * keep * scale  ->  dx = dy * keep * scale
+        dx = dy * keep
+        dx *= ctx.scale
+        return dx
+
+
+def dropout_mask(shape, p, device, generator=None):
+    """Boolean mask, True with probability 1 - p: float32 uniforms compared to p.
+
+    Drawn from `generator` (a Generator of the device) or the device's global generator.
+    """
+    rng = generator if generator is not None else backend.global_rng(device)
+    return rng.random(shape, dtype="float32") >= p
+
+
+def check_dropout_p(p, op):
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"{op}: dropout probability must be a number in [0, 1], got {p!r}")
+    return float(p)
+
+
+def dropout(input, p=0.5, training=True, generator=None):
+    """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
+    scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros."""
+    x = check_tensor("input", input, "dropout")
+    p = check_dropout_p(p, "dropout")
+    if not training or p == 0.0:
+        return input
+    device = backend.device_of(x)
+    if p == 1.0:
+        keep = backend.module_for(device).zeros(x.shape, dtype=bool)
+        return Dropout.apply(input, keep=keep, scale=0.0)
+    return Dropout.apply(input, keep=dropout_mask(x.shape, p, device, generator), scale=1.0 / (1.0 - p))

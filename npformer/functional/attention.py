@@ -1,0 +1,273 @@
+"""Scaled dot-product attention: a naive path that keeps the (Tq, Tk) probabilities, and a
+memory-efficient path (FlashAttention-style online softmax over key blocks) that keeps only
+the output and one logsumexp per query row. Both have hand-written backward passes."""
+import math
+
+from autograd import Function, Tensor, backend, unbroadcast
+
+from ._common import check_tensor, on_device_of
+from .activation import check_dropout_p, dropout_mask
+from .softmax import softmax_backward, softmax_forward
+
+
+def causal_blocked(xp, q_start, q_stop, k_start, k_stop):
+    """(q rows, k cols) bool, True where key j > query i (top-left aligned, like torch's is_causal)."""
+    return xp.arange(k_start, k_stop)[None, :] > xp.arange(q_start, q_stop)[:, None]
+
+
+def mask_block(mask, q_start, q_stop, k_start, k_stop):
+    """The (..., q rows, k cols) block of a mask broadcastable to (..., Tq, Tk)."""
+    rows = slice(q_start, q_stop) if mask.shape[-2] != 1 else slice(None)
+    cols = slice(k_start, k_stop) if mask.shape[-1] != 1 else slice(None)
+    return mask[..., rows, cols]
+
+
+def masked_scores(q_scaled, k, blocked, additive, causal, q_start, k_start):
+    """S = (s q) K^T + additive, -inf where blocked or causally hidden, for one block."""
+    xp = backend.get_array_module(q_scaled)
+    q_stop, k_stop = q_start + q_scaled.shape[-2], k_start + k.shape[-2]
+    scores = q_scaled @ k.swapaxes(-1, -2)                                  # (..., bq, bk)
+    if additive is not None:
+        scores += mask_block(additive, q_start, q_stop, k_start, k_stop)
+    if blocked is not None:
+        xp.copyto(scores, -math.inf, where=mask_block(blocked, q_start, q_stop, k_start, k_stop))
+    if causal:
+        xp.copyto(scores, -math.inf, where=causal_blocked(xp, q_start, q_stop, k_start, k_stop))
+    return scores
+
+
+class Attention(Function):
+    """q (..., Tq, hd), k (..., Tk, hd), v (..., Tk, hdv) -> out (..., Tq, hdv) [, P (..., Tq, Tk)].
+
+    S = s Q K^T + mask, P = softmax(S) (dropout: Pd = P * keep / (1 - p)), O = Pd V;
+    dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
+    dQ = s dS K, dK = s dS^T Q.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, blocked, additive, causal, scale, keep, dropout_scale, return_weights):
+        probs = masked_scores(q * scale, k, blocked, additive, causal, 0, 0)   # (..., Tq, Tk) S
+        softmax_forward(probs, -1, out=probs)                                 # (..., Tq, Tk) P
+        dropped = probs
+        if keep is not None:
+            dropped = probs * keep                                            # (..., Tq, Tk) Pd
+            dropped *= dropout_scale
+        out = dropped @ v                                                     # (..., Tq, hdv)
+        ctx.save_for_backward(q, k, v, probs, keep)
+        ctx.scale, ctx.dropout_scale = scale, dropout_scale
+        return (out, dropped) if return_weights else out
+
+    @staticmethod
+    def backward(ctx, dout, dweights=None):
+        q, k, v, probs, keep = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad
+        dropped = probs
+        if keep is not None:
+            dropped = probs * keep
+            dropped *= ctx.dropout_scale
+        # O = Pd V  ->  dV = Pd^T dO
+        dv = unbroadcast(dropped.swapaxes(-1, -2) @ dout, v.shape) if need_v else None
+        if not (need_q or need_k):
+            return None, None, dv
+        # O = Pd V  ->  dPd = dO V^T (plus the gradient reaching the returned weights Pd)
+        dprobs = dout @ v.swapaxes(-1, -2)                                    # (..., Tq, Tk)
+        if dweights is not None:
+            dprobs += dweights
+        # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
+        if keep is not None:
+            dprobs *= keep
+            dprobs *= ctx.dropout_scale
+        # P = softmax(S)  ->  dS = P (dP - rowsum(dP P)); masked entries have P = 0, so dS = 0
+        dscores = softmax_backward(probs, dprobs, -1, out=dprobs)             # (..., Tq, Tk)
+        # S = s Q K^T  ->  dQ = s dS K
+        dq = None
+        if need_q:
+            dq = dscores @ k
+            dq *= ctx.scale
+            dq = unbroadcast(dq, q.shape)
+        # S = s Q K^T  ->  dK = s dS^T Q
+        dk = None
+        if need_k:
+            dk = dscores.swapaxes(-1, -2) @ q
+            dk *= ctx.scale
+            dk = unbroadcast(dk, k.shape)
+        return dq, dk, dv
+
+
+class MemoryEfficientAttention(Function):
+    """Same math as `Attention` without the (Tq, Tk) matrices: blocks of queries x keys.
+
+    Forward (online softmax per query block): running max m, sum l and output acc over key
+    blocks; saves O and L = m + log(l) (-inf for a fully masked row).
+    Backward per block: P = exp(S - L), D = rowsum(dO O), dV += P^T dO, dP = dO V^T,
+    dS = P (dP - D), dQ += s dS K, dK += s dS^T Q.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, blocked, additive, causal, scale, block_size):
+        xp = backend.get_array_module(q)
+        tq, tk = q.shape[-2], k.shape[-2]
+        lead = _lead_shape(q, k, v)
+        out = xp.zeros(lead + (tq, v.shape[-1]), dtype=q.dtype)              # (..., Tq, hdv)
+        lse = xp.full(lead + (tq, 1), -math.inf, dtype=q.dtype)              # (..., Tq, 1) L
+        for qs in range(0, tq, block_size):
+            qe = min(qs + block_size, tq)
+            q_scaled = q[..., qs:qe, :] * scale                              # (..., bq, hd)
+            row_max = xp.full(lead + (qe - qs, 1), -math.inf, dtype=q.dtype)  # m
+            row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)           # l
+            acc = out[..., qs:qe, :]                                         # (..., bq, hdv) view
+            for ks in _key_starts(qs, qe, tk, block_size, causal):
+                ke = min(ks + block_size, tk)
+                p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+                new_max = xp.maximum(row_max, p.max(axis=-1, keepdims=True))   # running max, may be -inf
+                shift = xp.where(xp.isfinite(new_max), new_max, 0)              # never -inf - (-inf)
+                # rescale what was accumulated against the old max: exp(m_old - m_new)
+                correction = xp.exp(row_max - shift)                         # exp(-inf) = 0 at start
+                p -= shift
+                xp.exp(p, out=p)                                             # (..., bq, bk) exp(S - m)
+                row_sum *= correction
+                row_sum += p.sum(axis=-1, keepdims=True)
+                acc *= correction
+                acc += p @ v[..., ks:ke, :]
+                row_max = new_max
+            empty = row_sum == 0                                             # fully masked rows
+            row_sum[empty] = 1
+            acc /= row_sum                                                   # O = acc / l (0 if empty)
+            block_lse = row_max + xp.log(row_sum)
+            block_lse[empty] = -math.inf
+            lse[..., qs:qe, :] = block_lse
+        ctx.save_for_backward(q, k, v, out, lse, blocked, additive)
+        ctx.causal, ctx.scale, ctx.block_size = causal, scale, block_size
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, blocked, additive = ctx.saved_tensors
+        xp = backend.get_array_module(dout)
+        scale, block_size, causal = ctx.scale, ctx.block_size, ctx.causal
+        tq, tk = q.shape[-2], k.shape[-2]
+        lead = out.shape[:-2]
+        # a fully masked row has L = -inf: use +inf so exp(S - L) = 0 there, never -inf - (-inf)
+        lse = xp.where(xp.isfinite(lse), lse, math.inf)
+        # D_i = rowsum(dO_i * O_i) = rowsum(dP_i * P_i)
+        delta = xp.einsum("...ij,...ij->...i", dout, out)[..., None]        # (..., Tq, 1)
+        dq = xp.zeros(lead + q.shape[-2:], dtype=q.dtype)
+        dk = xp.zeros(lead + k.shape[-2:], dtype=q.dtype)
+        dv = xp.zeros(lead + v.shape[-2:], dtype=q.dtype)
+        for qs in range(0, tq, block_size):
+            qe = min(qs + block_size, tq)
+            q_block = q[..., qs:qe, :]
+            do_block = dout[..., qs:qe, :]
+            for ks in _key_starts(qs, qe, tk, block_size, causal):
+                ke = min(ks + block_size, tk)
+                p = masked_scores(q_block * scale, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+                # forward: P = exp(S - L), recomputed block by block
+                p -= lse[..., qs:qe, :]
+                xp.exp(p, out=p)                                             # (..., bq, bk)
+                # O = P V  ->  dV_j += P^T dO
+                dv[..., ks:ke, :] += p.swapaxes(-1, -2) @ do_block
+                # O = P V  ->  dP = dO V^T
+                dp = do_block @ v[..., ks:ke, :].swapaxes(-1, -2)           # (..., bq, bk)
+                # P = softmax(S)  ->  dS = P (dP - D)
+                dp -= delta[..., qs:qe, :]
+                dp *= p
+                # S = s Q K^T  ->  dQ_i += s dS K_j,  dK_j += s dS^T Q_i (s applied at the end)
+                dq[..., qs:qe, :] += dp @ k[..., ks:ke, :]
+                dk[..., ks:ke, :] += dp.swapaxes(-1, -2) @ q_block
+        dq *= scale
+        dk *= scale
+        need_q, need_k, need_v = ctx.needs_input_grad
+        return (unbroadcast(dq, q.shape) if need_q else None,
+                unbroadcast(dk, k.shape) if need_k else None,
+                unbroadcast(dv, v.shape) if need_v else None)
+
+
+def _lead_shape(q, k, v):
+    xp = backend.get_array_module(q)
+    return tuple(xp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+
+
+def _key_starts(q_start, q_stop, tk, block_size, causal):
+    """Key block starts; with a causal mask, blocks entirely right of the diagonal are skipped."""
+    stop = min(tk, q_stop) if causal else tk
+    return range(0, stop, block_size)
+
+
+def _prepare_mask(attn_mask, q, score_shape):
+    """(blocked, additive): a bool array True where attention is NOT allowed, or a float array
+    added to the scores, each at least 2-D and broadcastable to `score_shape`."""
+    if attn_mask is None:
+        return None, None
+    mask = on_device_of(attn_mask, q, "attn_mask", "scaled_dot_product_attention")
+    if mask.dtype.kind not in "bf":
+        raise TypeError("scaled_dot_product_attention: attn_mask must be bool (True = takes part) or "
+                        f"floating (added to the scores), got dtype {mask.dtype}")
+    xp = backend.get_array_module(q)
+    try:
+        ok = mask.ndim <= len(score_shape) and tuple(xp.broadcast_shapes(mask.shape, score_shape)) == score_shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError("scaled_dot_product_attention: attn_mask must broadcast to (..., Tq, Tk) = "
+                         f"{score_shape}, got shape {tuple(mask.shape)}")
+    mask = mask.reshape((1,) * max(0, 2 - mask.ndim) + tuple(mask.shape))
+    if mask.dtype.kind == "b":
+        return ~mask, None
+    return None, mask.astype(q.dtype, copy=False)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, *, return_weights=False, memory_efficient=False,
+                                 block_size=512, generator=None):
+    """softmax(query key^T * scale + mask) value, like torch.nn.functional.scaled_dot_product_attention.
+
+    query (..., Tq, hd), key (..., Tk, hd), value (..., Tk, hdv) -> (..., Tq, hdv); usually (B, H, T, hd).
+    attn_mask: bool (True = takes part) or float (added to the scores), broadcastable to
+    (..., Tq, Tk); is_causal hides keys j > i (combined with attn_mask when both are given).
+    scale defaults to 1/sqrt(hd). A query row with every key hidden gives 0 and zero gradients.
+    dropout_p: dropout on the attention probabilities (drawn from `generator` or the global one).
+    return_weights=True returns (out, weights) where weights are the (dropped-out) probabilities.
+    memory_efficient=True runs blocks of `block_size` queries x keys with an online softmax
+    and never stores (Tq, Tk) matrices; it supports neither dropout_p > 0 nor return_weights.
+    """
+    op = "scaled_dot_product_attention"
+    q = check_tensor("query", query, op)
+    k = check_tensor("key", key, op)
+    v = check_tensor("value", value, op)
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+        raise ValueError(f"{op}: query, key and value must be at least 2-D (..., T, head_dim), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"{op}: expected query (..., Tq, hd), key (..., Tk, hd), value (..., Tk, hdv); got "
+                         f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    try:
+        lead = _lead_shape(q, k, v)
+    except ValueError:
+        raise ValueError(f"{op}: the leading (batch, head) dimensions of query, key and value must "
+                         f"broadcast, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}") from None
+    dropout_p = check_dropout_p(dropout_p, op)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    blocked, additive = _prepare_mask(attn_mask, q, lead + (q.shape[-2], k.shape[-2]))
+    causal = bool(is_causal)
+    if memory_efficient:
+        if dropout_p > 0:
+            raise NotImplementedError(f"{op}: memory_efficient=True does not support dropout_p > 0; "
+                                      "use the naive path (memory_efficient=False) for attention dropout")
+        if return_weights:
+            raise ValueError(f"{op}: return_weights=True needs the full attention matrix; "
+                             "it cannot be combined with memory_efficient=True")
+        if not (isinstance(block_size, int) and block_size > 0):
+            raise ValueError(f"{op}: block_size must be a positive int, got {block_size!r}")
+        return MemoryEfficientAttention.apply(query, key, value, blocked=blocked, additive=additive,
+                                              causal=causal, scale=scale, block_size=block_size)
+    keep, dropout_scale = None, 1.0
+    if dropout_p > 0:
+        device = backend.device_of(q)
+        if dropout_p == 1.0:
+            keep, dropout_scale = backend.module_for(device).zeros(lead + (q.shape[-2], k.shape[-2]), dtype=bool), 0.0
+        else:
+            keep = dropout_mask(lead + (q.shape[-2], k.shape[-2]), dropout_p, device, generator)
+            dropout_scale = 1.0 / (1.0 - dropout_p)
+    return Attention.apply(query, key, value, blocked=blocked, additive=additive, causal=causal,
+                           scale=scale, keep=keep, dropout_scale=dropout_scale,
+                           return_weights=bool(return_weights))

@@ -1,0 +1,113 @@
+"""Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
+from autograd import Function, Tensor, backend
+
+from ._common import check_tensor, on_device_of
+from .softmax import log_softmax_forward
+
+
+class CrossEntropy(Function):
+    """logits (M, C), target (M,) class ids -> per-row loss (M,) or its sum/mean.
+
+    With q = (1 - e) onehot(target) + e / C, a = q * w (w the class weights, 1 without),
+    loss_i = -sum_c a_ic logp_ic on valid rows (target != ignore_index), 0 elsewhere;
+    "mean" divides by sum of w[target] over valid rows (n_valid without weights).
+    dlogits_i = (softmax_i * sum_c a_ic - a_i) * valid_i * dloss_i (/ the mean's divisor).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, weight, target, valid, reduction, label_smoothing):
+        xp = backend.get_array_module(logits)
+        m, c = logits.shape
+        rows = xp.arange(m)
+        safe_target = xp.where(valid, target, 0)                   # (M,) ignored rows point at class 0
+        logp = log_softmax_forward(logits, 1)                      # (M, C)
+        e = label_smoothing
+        picked = logp[rows, safe_target]                           # (M,) logp of the target class
+        w_target = weight[safe_target] if weight is not None else None   # (M,)
+        # loss_i = -(1 - e) w_t logp_it - (e / C) sum_c w_c logp_ic
+        loss = -(1.0 - e) * (picked * w_target if weight is not None else picked)
+        if e:
+            smooth = logp @ weight if weight is not None else logp.sum(axis=1)   # (M,)
+            loss -= (e / c) * smooth
+        loss = xp.where(valid, loss, 0)                            # ignored rows add nothing
+        if reduction == "none":
+            divisor = None
+            out = loss
+        else:
+            out = loss.sum()
+            divisor = None
+            if reduction == "mean":
+                divisor = (w_target * valid).sum() if weight is not None else valid.sum().astype(logits.dtype)
+                out = out / divisor
+        ctx.save_for_backward(logp, weight, safe_target, valid, divisor)
+        ctx.reduction, ctx.label_smoothing = reduction, e
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        logp, weight, target, valid, divisor = ctx.saved_tensors
+        xp = backend.get_array_module(logp)
+        m, c = logp.shape
+        e = ctx.label_smoothing
+        rows = xp.arange(m)
+        # out = sum(loss) [/ divisor]  ->  dloss_i = dout [/ divisor], zero on ignored rows
+        dloss = dout * valid if ctx.reduction == "none" else (dout / divisor if divisor is not None else dout) * valid
+        dloss = dloss.astype(logp.dtype, copy=False)[:, None]     # (M, 1)
+        w_target = weight[target][:, None] if weight is not None else 1.0
+        # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
+        a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
+        # loss_i = -sum_c a_ic logp_ic, logp = log_softmax(logits)  ->  dlogits = softmax * sum(a) - a
+        dlogits = xp.exp(logp)
+        dlogits *= a_sum
+        if e:
+            dlogits -= (e / c) * (weight if weight is not None else 1.0)
+        dlogits[rows, target] -= ((1.0 - e) * w_target).reshape(-1) if weight is not None else (1.0 - e)
+        dlogits *= dloss
+        return dlogits, None
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """Like torch.nn.functional.cross_entropy with class-index targets.
+
+    input: logits (N, C), (N, C, d1, ...) or (C,); target: integer ids (N,), (N, d1, ...) or ();
+    weight: class weights (C,) or None. Targets equal to `ignore_index` add nothing. Raises
+    ValueError when reduction="mean" and every target is ignored (torch returns NaN there).
+    """
+    logits = check_tensor("input", input, "cross_entropy")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"cross_entropy: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    tgt = on_device_of(target, logits, "target", "cross_entropy")
+    if tgt.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: target must hold integer class indices, got dtype {tgt.dtype}")
+    if logits.ndim == 0:
+        raise ValueError("cross_entropy: input must have a class dimension, got a 0-d input")
+    class_dim = 0 if logits.ndim == 1 else 1
+    c = logits.shape[class_dim]
+    expected = logits.shape[:class_dim] + logits.shape[class_dim + 1:]
+    if tuple(tgt.shape) != tuple(expected):
+        raise ValueError(f"cross_entropy: target shape must be {tuple(expected)} for input shape "
+                         f"{tuple(logits.shape)}, got {tuple(tgt.shape)}")
+    if weight is not None and tuple(check_tensor("weight", weight, "cross_entropy").shape) != (c,):
+        raise ValueError(f"cross_entropy: weight must have shape ({c},), got {tuple(weight.shape)}")
+    flat_target = tgt.reshape(-1)
+    valid = flat_target != ignore_index
+    if valid.any():
+        used = flat_target[valid]
+        lo, hi = int(used.min()), int(used.max())
+        if lo < 0 or hi >= c:
+            raise IndexError(f"cross_entropy: target class indices must be in [0, {c - 1}] (C={c}) or "
+                             f"ignore_index={ignore_index}, got min {lo} and max {hi}")
+    elif reduction == "mean":
+        raise ValueError(f"cross_entropy: every target equals ignore_index={ignore_index}, so the mean "
+                         "over valid targets is undefined (torch returns NaN); use reduction='sum' or "
+                         "check the targets")
+    x = input if isinstance(input, Tensor) else Tensor(input)
+    if logits.ndim > 2:  # (N, C, d1, ...) -> (N, d1, ..., C): classes last
+        x = x.permute(0, *range(2, logits.ndim), 1)
+    if logits.ndim != 2:
+        x = x.reshape(-1, c)
+    loss = CrossEntropy.apply(x, weight, target=flat_target, valid=valid, reduction=reduction,
+                              label_smoothing=float(label_smoothing))
+    return loss.reshape(tgt.shape) if reduction == "none" else loss

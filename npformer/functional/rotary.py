@@ -1,0 +1,76 @@
+"""Rotary position embedding (RoPE), half-split layout."""
+from autograd import Function, backend
+
+from ._common import check_tensor, on_device_of
+
+
+class RotaryEmbedding(Function):
+    """x (..., T, hd) with halves x1, x2; cos, sin (T, hd/2) (broadcastable) ->
+    y = [x1 cos - x2 sin, x2 cos + x1 sin] (a rotation of each pair (x1_i, x2_i)).
+
+    The backward is the inverse rotation: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        xp = backend.get_array_module(x)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]                  # (..., T, hd/2) each
+        y = xp.empty_like(x)
+        y[..., :half] = x1 * cos - x2 * sin                    # y1 = x1 cos - x2 sin
+        y[..., half:] = x2 * cos + x1 * sin                    # y2 = x2 cos + x1 sin
+        ctx.save_for_backward(cos, sin)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        xp = backend.get_array_module(dy)
+        half = dy.shape[-1] // 2
+        dy1, dy2 = dy[..., :half], dy[..., half:]
+        dx = xp.empty_like(dy)
+        # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin  ->  dx1 = dy1 cos + dy2 sin
+        dx[..., :half] = dy1 * cos + dy2 * sin
+        # ... and dx2 = dy2 cos - dy1 sin (the transpose of the rotation)
+        dx[..., half:] = dy2 * cos - dy1 * sin
+        return dx
+
+
+def apply_rotary_emb(x, cos, sin):
+    """Rotate the two halves of x's last dimension by position-dependent angles (RoPE).
+
+    x (..., T, head_dim) with head_dim even; cos, sin (T, head_dim // 2) (or broadcastable to
+    (..., T, head_dim // 2)), e.g. from `rotary_cos_sin`. Slice them (cos[start:start+T]) to
+    rotate positions that do not start at 0.
+    """
+    op = "apply_rotary_emb"
+    xd = check_tensor("x", x, op)
+    if xd.ndim < 2 or xd.shape[-1] % 2:
+        raise ValueError(f"{op}: x must be (..., T, head_dim) with an even head_dim, got shape {tuple(xd.shape)}")
+    half_shape = tuple(xd.shape[:-1]) + (xd.shape[-1] // 2,)
+    tables = []
+    for name, table in (("cos", cos), ("sin", sin)):
+        table = on_device_of(table, xd, name, op)
+        xp = backend.get_array_module(xd)
+        try:
+            ok = table.ndim <= len(half_shape) and tuple(xp.broadcast_shapes(table.shape, half_shape)) == half_shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{op}: {name} must broadcast to (..., T, head_dim/2) = {half_shape}, "
+                             f"got shape {tuple(table.shape)}")
+        tables.append(table.astype(xd.dtype, copy=False))
+    return RotaryEmbedding.apply(x, cos=tables[0], sin=tables[1])
+
+
+def rotary_cos_sin(seq_len, head_dim, base=10000.0, dtype="float32", device="cpu"):
+    """cos and sin tables (seq_len, head_dim // 2) of angle t * base^(-2i/head_dim) for position t
+    and pair i, computed in float64 and cast to `dtype`, as arrays on `device`."""
+    if head_dim % 2 or head_dim <= 0:
+        raise ValueError(f"rotary_cos_sin: head_dim must be a positive even number, got {head_dim}")
+    if seq_len < 0:
+        raise ValueError(f"rotary_cos_sin: seq_len must be >= 0, got {seq_len}")
+    xp = backend.module_for(device)
+    inv_freq = float(base) ** (-xp.arange(0, head_dim, 2, dtype="float64") / head_dim)   # (hd/2,)
+    angles = xp.arange(seq_len, dtype="float64")[:, None] * inv_freq[None, :]            # (T, hd/2)
+    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)

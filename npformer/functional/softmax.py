@@ -1,0 +1,94 @@
+"""Numerically stable softmax and log-softmax along one axis."""
+from autograd import Function, backend
+
+from ._common import check_tensor, normalize_dim
+
+
+def stable_row_max(x, axis):
+    """Row maximum with rows that are entirely -inf mapped to 0, so x - max never makes -inf - (-inf)."""
+    xp = backend.get_array_module(x)
+    m = x.max(axis=axis, keepdims=True)
+    m[~xp.isfinite(m)] = 0
+    return m
+
+
+def softmax_forward(x, axis, out=None):
+    """exp(x - max) / sum(exp(x - max)) along axis; a row that is entirely -inf gives zeros.
+    `out=x` computes it in place."""
+    xp = backend.get_array_module(x)
+    y = xp.subtract(x, stable_row_max(x, axis), out=out)   # (...) shifted scores, <= 0
+    xp.exp(y, out=y)
+    total = y.sum(axis=axis, keepdims=True)         # (..., 1, ...)
+    total[total == 0] = 1                           # fully -inf row: 0 / 1 = 0
+    y /= total
+    return y
+
+
+def softmax_backward(y, dy, axis, out=None):
+    """dx = y * (dy - sum(dy * y)) along axis; `out=dy` computes it in place."""
+    xp = backend.get_array_module(dy)
+    inner = (dy * y).sum(axis=axis, keepdims=True)  # (..., 1, ...)  sum_j dy_j y_j
+    dx = xp.subtract(dy, inner, out=out)
+    dx *= y
+    return dx
+
+
+class Softmax(Function):
+    """y = softmax(x) along `dim`, any shape.  dx = y * (dy - sum(dy * y, dim))."""
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        y = softmax_forward(x, dim)
+        ctx.save_for_backward(y)
+        ctx.dim = dim
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        # y_i = exp(x_i) / sum_j exp(x_j)  ->  dx_i = y_i (dy_i - sum_j dy_j y_j)
+        return softmax_backward(y, dy, ctx.dim)
+
+
+def log_softmax_forward(x, axis):
+    """x - max - log(sum(exp(x - max))) along axis; a row that is entirely -inf stays -inf."""
+    xp = backend.get_array_module(x)
+    shifted = x - stable_row_max(x, axis)           # (...)
+    total = xp.exp(shifted).sum(axis=axis, keepdims=True)
+    total[total == 0] = 1                           # fully -inf row: log 1 = 0, output -inf
+    shifted -= xp.log(total)
+    return shifted
+
+
+class LogSoftmax(Function):
+    """logp = log_softmax(x) along `dim`, any shape.  dx = dy - exp(logp) * sum(dy, dim)."""
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        logp = log_softmax_forward(x, dim)
+        ctx.save_for_backward(logp)
+        ctx.dim = dim
+        return logp
+
+    @staticmethod
+    def backward(ctx, dy):
+        (logp,) = ctx.saved_tensors
+        xp = backend.get_array_module(dy)
+        # logp_i = x_i - log sum_j exp(x_j)  ->  dx_i = dy_i - softmax_i * sum_j dy_j
+        dx = xp.exp(logp)
+        dx *= -dy.sum(axis=ctx.dim, keepdims=True)
+        dx += dy
+        return dx
+
+
+def softmax(input, dim=-1):
+    """softmax along `dim` (like torch.nn.functional.softmax); rows of all -inf give 0, not NaN."""
+    x = check_tensor("input", input, "softmax")
+    return Softmax.apply(input, dim=normalize_dim(dim, x.ndim, "softmax"))
+
+
+def log_softmax(input, dim=-1):
+    """log_softmax along `dim` (like torch.nn.functional.log_softmax), never log(softmax(x)).
+    A row of all -inf gives -inf (and gradient dy for that row) instead of NaN."""
+    x = check_tensor("input", input, "log_softmax")
+    return LogSoftmax.apply(input, dim=normalize_dim(dim, x.ndim, "log_softmax"))
