@@ -5,4 +5,6 @@ npformer.nn -> npformer.models -> optim, decoding, training, checkpoints, intero
 """
 from autograd import Tensor, manual_seed, no_grad
 
-__all__ = ["Tensor", "manual_seed", "no_grad"]
+from .checkpoint import load_checkpoint, load_model, save_checkpoint
+
+__all__ = ["Tensor", "manual_seed", "no_grad", "save_checkpoint", "load_checkpoint", "load_model"]
