@@ -1,0 +1,13 @@
+"""npformer.nn: modules named and behaving like torch.nn (batch-first), built on npformer.functional."""
+from . import init
+from .attention import MultiheadAttention
+from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU
+from .module import Module, ModuleList, Parameter, Sequential
+from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
+from .transformer import (DecoderCache, Transformer, TransformerDecoder, TransformerDecoderLayer,
+                          TransformerEncoder, TransformerEncoderLayer)
+
+__all__ = ["init", "Module", "ModuleList", "Parameter", "Sequential", "Linear", "Embedding", "LayerNorm",
+           "Dropout", "ReLU", "GELU", "Identity", "MultiheadAttention", "SinusoidalPositionalEncoding",
+           "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer", "TransformerDecoderLayer",
+           "TransformerEncoder", "TransformerDecoder", "Transformer", "DecoderCache"]

@@ -1,0 +1,214 @@
+"""MultiheadAttention with torch's packed weights and torch.nn's mask convention.
+
+torch.nn masks (bool True = may NOT attend, float = added to the scores) are converted once
+into the convention of F.scaled_dot_product_attention (bool True = takes part, float =
+added), broadcastable to (B, H, T, S), and the heads go through one SDPA call.
+"""
+import math
+
+import npformer.functional as F
+from autograd import Tensor, backend
+
+from . import init
+from .layers import Linear, check_positive_int, check_probability, new_parameter
+from .module import Module
+from .positional import RotaryEmbedding
+
+
+def _mask_array(mask, name, like):
+    """A user mask (array, list or Tensor) as a bool or floating array on the device of `like`
+    (floating masks cast to like's dtype)."""
+    if isinstance(mask, Tensor):
+        mask = mask.data
+    if not backend.is_array(mask):
+        mask = backend.get_array_module(like).asarray(mask)
+    if mask.dtype.kind == "f":
+        mask = mask.astype(like.dtype, copy=False)
+    elif mask.dtype != bool:
+        raise TypeError(f"{name} must be a bool or floating mask, got dtype {mask.dtype}")
+    return backend.to_device(mask, backend.device_of(like))
+
+
+def attention_mask(attn_mask, key_padding_mask, batch, heads, tgt_len, src_len, like, is_causal=False,
+                   names=("attn_mask", "key_padding_mask")):
+    """Merge torch.nn-convention masks into one SDPA-convention mask.
+
+    attn_mask: (T, S) or (B*H, T, S), bool True = may not attend, or float added.
+    key_padding_mask: (B, S), bool True = padding, or float added.
+    is_causal: used only when attn_mask is None: key j > query i may not attend.
+    Returns (mask, is_causal): mask None, or a bool (True = takes part) or float (added) array
+    broadcastable to (B, H, T, S); is_causal True only when no mask is needed besides causality
+    (SDPA applies it without materialising a mask).
+    """
+    attn_name, padding_name = names
+    parts = []
+    if attn_mask is not None:
+        mask = _mask_array(attn_mask, attn_name, like)
+        if mask.ndim == 2 and mask.shape == (tgt_len, src_len):
+            parts.append(mask[None, None])                                    # (1, 1, T, S)
+        elif mask.ndim == 3 and mask.shape == (batch * heads, tgt_len, src_len):
+            parts.append(mask.reshape(batch, heads, tgt_len, src_len))        # (B, H, T, S)
+        else:
+            raise ValueError(f"{attn_name} must have shape {(tgt_len, src_len)} or "
+                             f"{(batch * heads, tgt_len, src_len)} (batch*heads, T, S), got {mask.shape}")
+    if key_padding_mask is not None:
+        mask = _mask_array(key_padding_mask, padding_name, like)
+        if mask.shape != (batch, src_len):
+            raise ValueError(f"{padding_name} must have shape (batch, S) = {(batch, src_len)}, got {mask.shape}")
+        parts.append(mask[:, None, None, :])                                   # (B, 1, 1, S)
+    if not parts:
+        return None, bool(is_causal)
+    if is_causal and attn_mask is None:
+        xp = backend.get_array_module(parts[0])
+        parts.append(xp.triu(xp.ones((tgt_len, src_len), dtype=bool), 1)[None, None])  # (1, 1, T, S)
+    if all(p.dtype == bool for p in parts):
+        blocked = parts[0]
+        for p in parts[1:]:
+            blocked = blocked | p
+        return ~blocked, False
+    xp = backend.get_array_module(parts[0])
+    added = None
+    for p in parts:
+        if p.dtype == bool:  # True = blocked -> -inf, like torch's _canonical_mask
+            p = xp.where(p, -math.inf, 0.0).astype(like.dtype)
+        added = p if added is None else added + p
+    return added, False
+
+
+class MultiheadAttention(Module):
+    """Multi-head attention, batch first: query (B, T, E), key/value (B, S, E) -> (B, T, E).
+
+    Parameters as torch: in_proj_weight (3E, E) packing W_q, W_k, W_v (head j uses rows
+    [j*hd, (j+1)*hd) of each), in_proj_bias (3E,), out_proj Linear(E, E).
+    out = softmax(Q K^T / sqrt(hd) + mask) V per head, concatenated, through out_proj.
+    Self-attention (query is key is value) projects q, k, v with one packed GEMM.
+
+    Extras (not in torch): `rotary=True` applies RoPE to q and k (positions from 0, or from
+    `offset` in the cached step); `memory_efficient=True` uses the blockwise SDPA kernel whenever
+    attention dropout is off (eval mode or dropout=0) and no weights are asked for.
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, batch_first=True, device=None,
+                 dtype=None, rotary=False, rotary_base=10000.0, memory_efficient=False, block_size=512):
+        super().__init__()
+        check_positive_int(embed_dim, "embed_dim", "MultiheadAttention")
+        check_positive_int(num_heads, "num_heads", "MultiheadAttention")
+        if embed_dim % num_heads:
+            raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} must be divisible by "
+                             f"num_heads={num_heads} (head_dim = embed_dim / num_heads)")
+        if batch_first is not True:
+            raise ValueError("MultiheadAttention: npformer is batch-first only; pass batch_first=True "
+                             "and inputs shaped (batch, seq, feature)")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = check_probability(dropout, "dropout", "MultiheadAttention")
+        self.batch_first = True
+        self.memory_efficient, self.block_size = bool(memory_efficient), block_size
+        self.in_proj_weight = new_parameter((3 * embed_dim, embed_dim), device, dtype)
+        if bias:
+            self.in_proj_bias = new_parameter((3 * embed_dim,), device, dtype)
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_base) if rotary else None
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        init.xavier_uniform_(self.in_proj_weight)
+        if self.in_proj_bias is not None:
+            init.zeros_(self.in_proj_bias)
+            init.zeros_(self.out_proj.bias)
+
+    @property
+    def rotary(self):
+        return self.rotary_emb is not None
+
+    # -- pieces, shared by forward and the cached decoding step --------------------------
+    def _heads(self, x):
+        """(B, L, E) -> (B, H, L, hd)."""
+        B, L, _ = x.shape
+        return x.reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _weights(self, start, stop):
+        """Rows [start, stop) of the packed projection: W (stop-start, E), b or None."""
+        w = self.in_proj_weight[start:stop]
+        b = self.in_proj_bias[start:stop] if self.in_proj_bias is not None else None
+        return w, b
+
+    def project_qkv(self, query, key, value):
+        """Query, key, value projected and split into heads, each (B, H, L, hd)."""
+        E = self.embed_dim
+        if query is key and key is value:  # self-attention: one packed GEMM (B, T, 3E)
+            B, T, _ = query.shape
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)              # (B, T, 3E)
+            qkv = qkv.reshape(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
+            return qkv[0], qkv[1], qkv[2]
+        q = self.project_q(query)
+        k, v = self.project_kv(key, value)
+        return q, k, v
+
+    def project_q(self, query):
+        return self._heads(F.linear(query, *self._weights(0, self.embed_dim)))        # (B, H, T, hd)
+
+    def project_kv(self, key, value):
+        """Key and value heads (B, H, S, hd); one GEMM when key is value (cross-attention)."""
+        E = self.embed_dim
+        if key is value:
+            B, S, _ = key.shape
+            kv = F.linear(key, *self._weights(E, 3 * E))                               # (B, S, 2E)
+            kv = kv.reshape(B, S, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (2, B, H, S, hd)
+            return kv[0], kv[1]
+        return (self._heads(F.linear(key, *self._weights(E, 2 * E))),
+                self._heads(F.linear(value, *self._weights(2 * E, 3 * E))))
+
+    def attend(self, q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
+        """SDPA over heads (mask in SDPA convention) then out_proj: (B, T, E), weights or None."""
+        B, H, T, hd = q.shape
+        dropout_p = self.dropout if self.training else 0.0
+        # the blockwise kernel has no attention dropout and no weights: use it when neither is needed
+        blockwise = self.memory_efficient and not need_weights and dropout_p == 0.0
+        result = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, return_weights=need_weights,
+            memory_efficient=blockwise, block_size=self.block_size)
+        out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(axis=1)                                             # (B, T, S)
+        return out, weights
+
+    # -- public API ------------------------------------------------------------------------
+    def check_inputs(self, query, key, value):
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"MultiheadAttention: {name} must be an autograd.Tensor, got {type(x).__name__}")
+            if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+                raise ValueError(f"MultiheadAttention: {name} must be (batch, seq, {self.embed_dim}), got {x.shape}")
+        if not query.shape[0] == key.shape[0] == value.shape[0]:
+            raise ValueError(f"MultiheadAttention: batch sizes differ: query {query.shape[0]}, "
+                             f"key {key.shape[0]}, value {value.shape[0]}")
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"MultiheadAttention: key and value lengths differ: {key.shape[1]} vs {value.shape[1]}")
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        """Returns (output (B, T, E), weights): weights (B, T, S) averaged over heads, or
+        (B, H, T, S) with average_attn_weights=False, or None when need_weights=False.
+        Masks in torch.nn's convention (see `attention_mask`). Unlike torch, is_causal=True
+        without attn_mask applies the causal mask itself. A query whose keys are all masked
+        gets output out_proj.bias (attention 0), like torch's SDPA path."""
+        self.check_inputs(query, key, value)
+        B, T, S = query.shape[0], query.shape[1], key.shape[1]
+        mask, causal = attention_mask(attn_mask, key_padding_mask, B, self.num_heads, T, S, query.data, is_causal)
+        return self.forward_masked(query, key, value, mask, causal, need_weights, average_attn_weights)
+
+    def forward_masked(self, query, key, value, mask, is_causal=False, need_weights=False,
+                       average_attn_weights=True, offset=0):
+        """forward() with a mask already in SDPA convention (see `attention_mask`)."""
+        q, k, v = self.project_qkv(query, key, value)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(q, offset), self.rotary_emb(k, offset)
+        return self.attend(q, k, v, mask, is_causal, need_weights, average_attn_weights)
+
+    def extra_repr(self):
+        extra = ", rotary=True" if self.rotary else ""
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"

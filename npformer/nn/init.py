@@ -1,0 +1,64 @@
+"""Parameter initialisers (torch.nn.init), drawing from the tensor's device generator.
+
+Each fills `tensor.data` in place (the Tensor object is kept, so optimizers holding it see
+the new values) and returns the tensor. Random numbers come from `generator` when given,
+else from `autograd.backend.global_rng(tensor.device)` (seed with `npformer.manual_seed`).
+Draws are made in float64 and cast to the tensor's dtype.
+"""
+import math
+
+from autograd import backend
+
+
+def _generator(tensor, generator):
+    return generator if generator is not None else backend.global_rng(tensor.device)
+
+
+def _fill(tensor, values):
+    tensor.data = values.astype(tensor.dtype, copy=False)
+    return tensor
+
+
+def calculate_fan_in_and_fan_out(tensor):
+    """(fan_in, fan_out) of a weight shaped [out, in, *receptive field] (torch's rule)."""
+    if tensor.ndim < 2:
+        raise ValueError(f"fan in and fan out need a tensor with at least 2 dimensions, got shape {tensor.shape}")
+    receptive = math.prod(tensor.shape[2:])
+    return tensor.shape[1] * receptive, tensor.shape[0] * receptive
+
+
+def uniform_(tensor, a=0.0, b=1.0, generator=None):
+    """Fill with U(a, b)."""
+    return _fill(tensor, _generator(tensor, generator).uniform(a, b, size=tensor.shape))
+
+
+def normal_(tensor, mean=0.0, std=1.0, generator=None):
+    """Fill with N(mean, std^2)."""
+    return _fill(tensor, _generator(tensor, generator).standard_normal(tensor.shape) * std + mean)
+
+
+def constant_(tensor, value):
+    return _fill(tensor, tensor.xp.full(tensor.shape, value, dtype=tensor.dtype))
+
+
+def zeros_(tensor):
+    return constant_(tensor, 0.0)
+
+
+def ones_(tensor):
+    return constant_(tensor, 1.0)
+
+
+def xavier_uniform_(tensor, gain=1.0, generator=None):
+    """U(-a, a) with a = gain * sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio 2010)."""
+    fan_in, fan_out = calculate_fan_in_and_fan_out(tensor)
+    bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
+    return uniform_(tensor, -bound, bound, generator)
+
+
+def kaiming_uniform_(tensor, a=0.0, generator=None):
+    """U(-b, b) with b = sqrt(6 / ((1 + a^2) fan_in)) (leaky-ReLU gain, fan_in mode).
+    torch's Linear uses a = sqrt(5), i.e. b = 1 / sqrt(fan_in)."""
+    fan_in, _ = calculate_fan_in_and_fan_out(tensor)
+    bound = math.sqrt(6.0 / ((1.0 + a * a) * fan_in))
+    return uniform_(tensor, -bound, bound, generator)

@@ -1,0 +1,189 @@
+"""Basic layers mirroring torch.nn: Linear, Embedding, LayerNorm, Dropout, ReLU, GELU, Identity."""
+import math
+
+import npformer.functional as F
+from autograd import Tensor, backend
+
+from . import init
+from .module import Module, Parameter
+
+
+def new_parameter(shape, device=None, dtype=None):
+    """An uninitialised (zero) Parameter of `shape` on `device` (default cpu) in `dtype` (default float32)."""
+    xp = backend.module_for(device or "cpu")
+    dtype = xp.dtype(dtype or "float32")
+    if dtype.kind != "f":
+        raise TypeError(f"parameters need a floating dtype, got {dtype}")
+    return Parameter(xp.zeros(shape, dtype=dtype))
+
+
+def check_positive_int(value, name, owner):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_probability(value, name, owner):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{owner}: {name} must be a probability in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_features(x, features, owner, name="input"):
+    """`x` must be a floating Tensor whose last dimension is `features`."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{owner}: {name} must be an autograd.Tensor, got {type(x).__name__}")
+    if x.ndim == 0 or x.shape[-1] != features:
+        raise ValueError(f"{owner}: {name}'s last dimension must be {features}, got shape {x.shape}")
+    return x
+
+
+class Identity(Module):
+    def forward(self, x):
+        return x
+
+
+class Linear(Module):
+    """y = x W^T + b; weight [out_features, in_features], bias [out_features].
+
+    Init like torch: W, b ~ U(-1/sqrt(in_features), 1/sqrt(in_features)).
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__()
+        self.in_features = check_positive_int(in_features, "in_features", "Linear")
+        self.out_features = check_positive_int(out_features, "out_features", "Linear")
+        self.weight = new_parameter((out_features, in_features), device, dtype)
+        if bias:
+            self.bias = new_parameter((out_features,), device, dtype)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input):
+        check_features(input, self.in_features, "Linear")
+        return F.linear(input, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(Module):
+    """Lookup table: ids (...) of ints in [0, num_embeddings) -> vectors (..., embedding_dim).
+
+    Init N(0, 1) like torch; the `padding_idx` row starts at zero and never gets a gradient.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, device=None, dtype=None):
+        super().__init__()
+        self.num_embeddings = check_positive_int(num_embeddings, "num_embeddings", "Embedding")
+        self.embedding_dim = check_positive_int(embedding_dim, "embedding_dim", "Embedding")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"Embedding: padding_idx must be in [{-num_embeddings}, {num_embeddings - 1}], "
+                                 f"got {padding_idx}")
+            padding_idx %= num_embeddings
+        self.padding_idx = padding_idx
+        self.weight = new_parameter((num_embeddings, embedding_dim), device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        init.normal_(self.weight)
+        self.zero_padding_row()
+
+    def zero_padding_row(self):
+        if self.padding_idx is not None:
+            self.weight.data[self.padding_idx] = 0
+
+    def forward(self, input):
+        return F.embedding(as_ids(input, self.weight.data, "Embedding"), self.weight, self.padding_idx)
+
+    def extra_repr(self):
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
+
+
+def as_ids(ids, like, owner, name="input"):
+    """Token ids (array, list or Tensor) as an integer array on the device of the array `like`."""
+    if isinstance(ids, Tensor):
+        ids = ids.data
+    if not backend.is_array(ids):
+        ids = backend.get_array_module(like).asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{owner}: {name} must hold integer token ids, got dtype {ids.dtype}")
+    return backend.to_device(ids, backend.device_of(like))
+
+
+class LayerNorm(Module):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the trailing `normalized_shape` dims."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        for n in self.normalized_shape:
+            check_positive_int(n, "normalized_shape", "LayerNorm")
+        if not eps > 0:
+            raise ValueError(f"LayerNorm: eps must be > 0, got {eps!r}")
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        self.register_parameter("weight", None)
+        self.register_parameter("bias", None)
+        if elementwise_affine:
+            self.weight = init.ones_(new_parameter(self.normalized_shape, device, dtype))
+            if bias:
+                self.bias = new_parameter(self.normalized_shape, device, dtype)
+
+    def forward(self, input):
+        if not isinstance(input, Tensor):
+            raise TypeError(f"LayerNorm: input must be an autograd.Tensor, got {type(input).__name__}")
+        n = len(self.normalized_shape)
+        if input.shape[input.ndim - n:] != self.normalized_shape or input.ndim < n:
+            raise ValueError(f"LayerNorm: input's trailing dimensions must be {self.normalized_shape}, "
+                             f"got shape {input.shape}")
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class Dropout(Module):
+    """Zero each element with probability p and scale the rest by 1/(1-p) in training mode."""
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.p = check_probability(p, "p", "Dropout")
+
+    def forward(self, input):
+        return F.dropout(input, self.p, self.training)
+
+    def extra_repr(self):
+        return f"p={self.p}"
+
+
+class ReLU(Module):
+    def forward(self, input):
+        return F.relu(input)
+
+
+class GELU(Module):
+    """GELU; approximate="none" (exact, x * Phi(x)) or "tanh"."""
+
+    def __init__(self, approximate="none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, input):
+        return F.gelu(input, approximate=self.approximate)
+
+    def extra_repr(self):
+        return f"approximate={self.approximate!r}"

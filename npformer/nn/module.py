@@ -1,0 +1,363 @@
+"""`Module`, `Parameter` and the containers, mirroring torch.nn.
+
+A Module owns three ordered registries filled by plain attribute assignment: parameters
+(`Parameter`), buffers (`register_buffer`, persistent or not) and submodules. Everything
+that walks the tree (parameters, state_dict, to, train/eval) goes through them, so names
+are torch's dotted paths (`encoder.layers.0.self_attn.in_proj_weight`).
+"""
+from collections import namedtuple
+
+from autograd import Tensor, backend
+
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+class Parameter(Tensor):
+    """A Tensor that a Module registers as a learnable parameter (requires_grad=True)."""
+
+    def __init__(self, data, requires_grad=True):
+        super().__init__(data, requires_grad=requires_grad)
+
+    def __repr__(self):
+        return "Parameter containing:\n" + super().__repr__()
+
+
+def _host_array(value, name):
+    """The host numpy array of a state_dict value: numpy/cupy array, our Tensor, or a torch tensor."""
+    if isinstance(value, Tensor):
+        return backend.as_numpy(value.data)
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+        return value.detach().cpu().numpy()
+    if backend.is_array(value):
+        return backend.as_numpy(value)
+    raise TypeError(f"load_state_dict: value of {name!r} must be an array or Tensor, got {type(value).__name__}")
+
+
+class Module:
+    """Base class of every layer and model (torch.nn.Module's API, batch-first, numpy-backed)."""
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_buffers", {})
+        object.__setattr__(self, "_non_persistent", set())
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "training", True)
+
+    # -- registration ---------------------------------------------------------------------
+    def __setattr__(self, name, value):
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}: call super().__init__() before assigning {name!r}")
+        params, buffers, modules = self._parameters, self._buffers, self._modules
+        if isinstance(value, Parameter):
+            if name not in params:  # keep the registration order when replacing
+                self._forget(name)
+            params[name] = value
+        elif isinstance(value, Module):
+            if name not in modules:
+                self._forget(name)
+            modules[name] = value
+        elif name in params:
+            if value is not None:
+                raise TypeError(f"cannot assign {type(value).__name__} to parameter {name!r} "
+                                "(expected a Parameter or None)")
+            params[name] = None
+        elif name in modules:
+            if value is not None:
+                raise TypeError(f"cannot assign {type(value).__name__} to submodule {name!r} "
+                                "(expected a Module or None)")
+            modules[name] = None
+        elif name in buffers:
+            buffers[name] = self._as_buffer(value, name)
+        else:
+            object.__setattr__(self, name, value)
+
+    def _forget(self, name):
+        for registry in (self._parameters, self._buffers, self._modules):
+            registry.pop(name, None)
+        self._non_persistent.discard(name)
+        self.__dict__.pop(name, None)
+
+    def __getattr__(self, name):  # only called when normal lookup fails
+        for registry in ("_parameters", "_buffers", "_modules"):
+            values = self.__dict__.get(registry)
+            if values is not None and name in values:
+                return values[name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __delattr__(self, name):
+        if name in self._parameters or name in self._buffers or name in self._modules:
+            self._forget(name)
+        else:
+            object.__delattr__(self, name)
+
+    @staticmethod
+    def _as_buffer(value, name):
+        if value is None or isinstance(value, Tensor):
+            return value
+        if backend.is_array(value):
+            return Tensor(value)
+        raise TypeError(f"buffer {name!r} must be a Tensor, an array or None, got {type(value).__name__}")
+
+    def register_parameter(self, name, param):
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(f"register_parameter({name!r}): expected a Parameter or None, got {type(param).__name__}")
+        self._forget(name)
+        self._parameters[name] = param
+
+    def register_buffer(self, name, tensor, persistent=True):
+        """A non-learnable state Tensor; persistent buffers go into state_dict."""
+        self._forget(name)
+        self._buffers[name] = self._as_buffer(tensor, name)
+        if not persistent:
+            self._non_persistent.add(name)
+
+    def add_module(self, name, module):
+        if module is not None and not isinstance(module, Module):
+            raise TypeError(f"add_module({name!r}): expected a Module or None, got {type(module).__name__}")
+        self._forget(name)
+        self._modules[name] = module
+
+    register_module = add_module
+
+    # -- traversal ------------------------------------------------------------------------
+    def named_modules(self, prefix="", memo=None):
+        """(name, module) for this module and every descendant, each module once."""
+        memo = set() if memo is None else memo
+        if id(self) in memo:
+            return
+        memo.add(id(self))
+        yield prefix, self
+        for name, child in self._modules.items():
+            if child is not None:
+                yield from child.named_modules(f"{prefix}.{name}" if prefix else name, memo)
+
+    def modules(self):
+        for _, m in self.named_modules():
+            yield m
+
+    def named_children(self):
+        seen = set()
+        for name, child in self._modules.items():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                yield name, child
+
+    def children(self):
+        for _, child in self.named_children():
+            yield child
+
+    def _named_members(self, registry, prefix, recurse, remove_duplicate=True):
+        seen = set()
+        modules = self.named_modules(prefix) if recurse else [(prefix, self)]
+        for module_prefix, module in modules:
+            for name, value in getattr(module, registry).items():
+                if value is None or (remove_duplicate and id(value) in seen):
+                    continue
+                seen.add(id(value))
+                yield (f"{module_prefix}.{name}" if module_prefix else name), value
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """(dotted name, Parameter) pairs; a Parameter shared by two modules appears once."""
+        yield from self._named_members("_parameters", prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse=True):
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+        yield from self._named_members("_buffers", prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse=True):
+        for _, b in self.named_buffers(recurse=recurse):
+            yield b
+
+    def apply(self, fn):
+        """Call fn(module) on every submodule (children first) and on self, like torch."""
+        for child in self.children():
+            child.apply(fn)
+        fn(self)
+        return self
+
+    # -- state ----------------------------------------------------------------------------
+    def _state_tensors(self):
+        """name -> Tensor of every parameter and persistent buffer (torch's state_dict order)."""
+        state = {}
+        for prefix, module in self.named_modules():
+            dot = prefix + "." if prefix else ""
+            for name, p in module._parameters.items():
+                if p is not None:
+                    state[dot + name] = p
+            for name, b in module._buffers.items():
+                if b is not None and name not in module._non_persistent:
+                    state[dot + name] = b
+        return state
+
+    def state_dict(self):
+        """{dotted name: numpy array (a host copy)} of every parameter and persistent buffer."""
+        return {name: backend.as_numpy(t.data).copy() for name, t in self._state_tensors().items()}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy arrays (numpy, cupy, our Tensors or torch tensors) into the parameters and
+        buffers, casting to each one's dtype and device. Mis-shaped keys always raise; with
+        strict=True missing and unexpected keys raise too; one error lists every problem.
+        Returns (missing_keys, unexpected_keys)."""
+        own = self._state_tensors()
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        arrays, misshaped = {}, []
+        for name in own:
+            if name in state_dict:
+                arrays[name] = _host_array(state_dict[name], name)
+                if tuple(arrays[name].shape) != tuple(own[name].shape):
+                    misshaped.append(f"{name}: checkpoint {tuple(arrays[name].shape)}, "
+                                     f"model {tuple(own[name].shape)}")
+        problems = []
+        if strict and missing:
+            problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+        if strict and unexpected:
+            problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+        if misshaped:
+            problems.append(f"mis-shaped keys ({len(misshaped)}): {'; '.join(misshaped)}")
+        if problems:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n  "
+                               + "\n  ".join(problems))
+        for name, host in arrays.items():
+            target = own[name]
+            data = backend.to_device(host.astype(target.dtype, copy=True), target.device)
+            target.data = data
+        return IncompatibleKeys(missing, unexpected)
+
+    # -- mode, gradients, device and dtype ---------------------------------------------------
+    def train(self, mode=True):
+        if not isinstance(mode, bool):
+            raise TypeError(f"train(mode): expected a bool, got {type(mode).__name__}")
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.parameters():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad = p.xp.zeros_like(p.grad)
+
+    def requires_grad_(self, requires_grad=True):
+        for p in self.parameters():
+            p.requires_grad = requires_grad
+        return self
+
+    def to(self, device=None, dtype=None):
+        """Move every parameter and buffer (in place, keeping the Parameter objects) to
+        `device` and cast floating ones to `dtype`; returns self."""
+        if device is not None:
+            backend.module_for(device)  # a clear error for an unknown or unavailable device
+        if dtype is not None:
+            dtype = backend.module_for("cpu").dtype(dtype)
+            if dtype.kind != "f":
+                raise TypeError(f"Module.to(dtype): expected a floating dtype, got {dtype}")
+        for m in self.modules():
+            m._move(device, dtype)
+        return self
+
+    def _move(self, device, dtype):
+        """Move this module's own parameters and buffers (subclasses may rebuild derived buffers)."""
+        for t in list(self._parameters.values()) + list(self._buffers.values()):
+            if t is None:
+                continue
+            cast = dtype if dtype is not None and t.dtype.kind == "f" else None
+            t.data = _moved(t.data, device, cast)
+            if t.grad is not None:
+                t.grad = _moved(t.grad, device, cast)
+
+    def double(self):
+        return self.to(dtype="float64")
+
+    def float(self):
+        return self.to(dtype="float32")
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def cuda(self):
+        return self.to("cuda")
+
+    # -- calling and printing ------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} does not define forward()")
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def extra_repr(self):
+        return ""
+
+    def __repr__(self):
+        lines = []
+        for name, child in self._modules.items():
+            child_repr = repr(child).replace("\n", "\n  ")
+            lines.append(f"({name}): {child_repr}")
+        extra = self.extra_repr()
+        if not lines:
+            return f"{type(self).__name__}({extra})"
+        head = f"{type(self).__name__}(" + (f"{extra}" if extra else "")
+        return head + "\n  " + "\n  ".join(lines) + "\n)"
+
+
+def _moved(array, device, dtype):
+    if device is not None:
+        array = backend.to_device(array, device)
+    if dtype is not None and array.dtype != dtype:
+        array = array.astype(dtype)
+    return array
+
+
+class ModuleList(Module):
+    """A list of submodules registered as "0", "1", ... (torch.nn.ModuleList)."""
+
+    def __init__(self, modules=None):
+        super().__init__()
+        for m in modules or ():
+            self.append(m)
+
+    def append(self, module):
+        self.add_module(str(len(self._modules)), module)
+        return self
+
+    def extend(self, modules):
+        for m in modules:
+            self.append(m)
+        return self
+
+    def __getitem__(self, index):
+        values = list(self._modules.values())
+        if isinstance(index, slice):
+            return ModuleList(values[index])
+        return values[index]
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+class Sequential(ModuleList):
+    """Submodules applied in order: Sequential(a, b, c)(x) == c(b(a(x)))."""
+
+    def __init__(self, *modules):
+        super().__init__(modules)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return Sequential(*list(self._modules.values())[index])
+        return super().__getitem__(index)
+
+    def forward(self, x):
+        for m in self:
+            x = m(x)
+        return x

@@ -1,0 +1,108 @@
+"""Position information as modules: the paper's sinusoids, learned positions, and RoPE."""
+import math
+
+import npformer.functional as F
+from autograd import Tensor, backend
+
+from . import init
+from .layers import check_positive_int, new_parameter
+from .module import Module
+
+
+def _check_span(length, offset, max_len, owner):
+    if offset < 0 or offset + length > max_len:
+        raise ValueError(f"{owner}: positions [{offset}, {offset + length}) exceed max_len={max_len}; "
+                         f"build the module with a larger max_len (sequence length {length}, offset {offset})")
+
+
+def sinusoid_table(max_len, d_model, xp):
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)), in float64."""
+    position = xp.arange(max_len, dtype="float64")[:, None]                          # (L, 1)
+    inv_freq = xp.exp(xp.arange(0, d_model, 2, dtype="float64") * (-math.log(10000.0) / d_model))  # (ceil(d/2),)
+    angle = position * inv_freq                                                        # (L, ceil(d/2))
+    table = xp.zeros((max_len, d_model), dtype="float64")                             # (L, d)
+    table[:, 0::2] = xp.sin(angle)
+    table[:, 1::2] = xp.cos(angle[:, : d_model // 2])
+    return table
+
+
+class SinusoidalPositionalEncoding(Module):
+    """x (B, T, d) -> x + PE[offset : offset + T] with the paper's fixed sinusoids.
+
+    `pe` (max_len, d_model) is a non-persistent buffer (not in state_dict). It is computed in
+    float64 and cast to the module's dtype, and recomputed (not re-cast) whenever the module
+    moves or changes dtype, so a `.double()` model carries the exact float64 table.
+    """
+
+    def __init__(self, d_model, max_len=5000, device=None, dtype=None):
+        super().__init__()
+        self.d_model = check_positive_int(d_model, "d_model", "SinusoidalPositionalEncoding")
+        self.max_len = check_positive_int(max_len, "max_len", "SinusoidalPositionalEncoding")
+        self.register_buffer("pe", self._table(device or "cpu", dtype or "float32"), persistent=False)
+
+    def _table(self, device, dtype):
+        return sinusoid_table(self.max_len, self.d_model, backend.module_for(device)).astype(dtype)
+
+    def _move(self, device, dtype):
+        self.pe = self._table(device or self.pe.device, dtype or self.pe.dtype)
+
+    def forward(self, x, offset=0):
+        if not isinstance(x, Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"SinusoidalPositionalEncoding: expected a Tensor (B, T, {self.d_model}), "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        _check_span(x.shape[1], offset, self.max_len, "SinusoidalPositionalEncoding")
+        return x + Tensor(self.pe.data[offset: offset + x.shape[1]])
+
+    def extra_repr(self):
+        return f"d_model={self.d_model}, max_len={self.max_len}"
+
+
+class LearnedPositionalEmbedding(Module):
+    """x (B, T, d) -> x + weight[offset : offset + T]; weight (max_len, d) learned, init N(0, 0.02^2)."""
+
+    def __init__(self, max_len, d_model, device=None, dtype=None):
+        super().__init__()
+        self.max_len = check_positive_int(max_len, "max_len", "LearnedPositionalEmbedding")
+        self.d_model = check_positive_int(d_model, "d_model", "LearnedPositionalEmbedding")
+        self.weight = init.normal_(new_parameter((max_len, d_model), device, dtype), std=0.02)
+
+    def forward(self, x, offset=0):
+        if not isinstance(x, Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"LearnedPositionalEmbedding: expected a Tensor (B, T, {self.d_model}), "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        _check_span(x.shape[1], offset, self.max_len, "LearnedPositionalEmbedding")
+        return x + self.weight[offset: offset + x.shape[1]]
+
+    def extra_repr(self):
+        return f"max_len={self.max_len}, d_model={self.d_model}"
+
+
+class RotaryEmbedding(Module):
+    """RoPE (half-split layout) for attention heads: x (B, H, T, head_dim) at positions
+    offset .. offset+T-1 -> x*cos + rotate_half(x)*sin. No parameters and no state_dict
+    entries; the cos/sin tables are cached per (length, dtype, device) and grow on demand."""
+
+    def __init__(self, head_dim, base=10000.0):
+        super().__init__()
+        self.head_dim = check_positive_int(head_dim, "head_dim", "RotaryEmbedding")
+        if head_dim % 2:
+            raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
+        self.base = float(base)
+        self._tables = {}
+
+    def cos_sin(self, length, like):
+        """(cos, sin), each (length, head_dim // 2), in the dtype and on the device of the array `like`."""
+        key = (str(like.dtype), backend.device_of(like))
+        cached = self._tables.get(key)
+        if cached is None or cached[0].shape[0] < length:
+            size = max(length, 2 * cached[0].shape[0] if cached else 0)
+            cached = self._tables[key] = F.rotary_cos_sin(size, self.head_dim, base=self.base, dtype=like.dtype,
+                                                          device=backend.device_of(like))
+        return cached[0][:length], cached[1][:length]
+
+    def forward(self, x, offset=0):
+        cos, sin = self.cos_sin(offset + x.shape[-2], x.data)
+        return F.apply_rotary_emb(x, cos[offset:], sin[offset:])
+
+    def extra_repr(self):
+        return f"head_dim={self.head_dim}, base={self.base}"

@@ -1,0 +1,387 @@
+"""Transformer layers and stacks with torch.nn.Transformer's names, math and state_dict.
+
+Post-LN (norm_first=False):  x = norm1(x + SA(x));  x = norm2(x + FF(x))
+Pre-LN  (norm_first=True):   x = x + SA(norm1(x));  x = x + FF(norm2(x))
+(the decoder adds cross-attention with norm2, and its feed-forward uses norm3).
+FF(x) = linear2(dropout(activation(linear1(x)))); each sublayer output goes through its own
+dropout before the residual add. Masks use torch.nn's convention (bool True = may NOT attend).
+
+Cached decoding: `TransformerDecoder.init_cache(memory)` projects the cross-attention keys
+and values of every layer once; `TransformerDecoder.step(x, cache)` runs one new target
+position through every layer, reusing and extending each layer's self-attention K/V.
+"""
+import copy
+import math
+
+import npformer.functional as F
+from autograd import Tensor, backend, concatenate
+
+from . import init
+from .attention import MultiheadAttention, attention_mask
+from .layers import Dropout, LayerNorm, Linear, check_positive_int
+from .module import Module, ModuleList
+
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+
+
+def _activation(activation, owner):
+    if callable(activation):
+        return activation
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{owner}: activation must be 'relu', 'gelu' or a callable, got {activation!r}")
+    return _ACTIVATIONS[activation]
+
+
+def check_d_model_nhead(d_model, nhead, owner):
+    check_positive_int(d_model, "d_model", owner)
+    check_positive_int(nhead, "nhead", owner)
+    if d_model % nhead:
+        raise ValueError(f"{owner}: d_model={d_model} is not divisible by nhead={nhead}; each head gets "
+                         f"d_model / nhead features, so choose e.g. nhead in "
+                         f"{[h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]}")
+
+
+def check_sequence(x, d_model, owner, name):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{owner}: {name} must be an autograd.Tensor, got {type(x).__name__}")
+    if x.ndim != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"{owner}: {name} must be (batch, seq, d_model={d_model}), got shape {x.shape}")
+
+
+def check_same_batch(a, b, owner, names):
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"{owner}: the batch sizes of {names[0]} ({a.shape[0]}) and {names[1]} "
+                         f"({b.shape[0]}) must be equal")
+
+
+class _FeedForwardLayer(Module):
+    """Shared parts of the encoder and decoder layers: linear1, dropout, linear2, activation."""
+
+    def _build_feedforward(self, d_model, dim_feedforward, dropout, activation, bias, device, dtype):
+        self.linear1 = Linear(d_model, dim_feedforward, bias=bias, device=device, dtype=dtype)
+        self.dropout = Dropout(dropout)
+        self.linear2 = Linear(dim_feedforward, d_model, bias=bias, device=device, dtype=dtype)
+        self.activation_name = activation if isinstance(activation, str) else None
+        self.activation = _activation(activation, type(self).__name__)
+
+    def _ff_block(self, x):
+        return self.dropout_last(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+
+class TransformerEncoderLayer(_FeedForwardLayer):
+    """Self-attention and feed-forward sublayers (torch.nn.TransformerEncoderLayer, batch first)."""
+
+    def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation="relu",
+                 layer_norm_eps=1e-5, batch_first=True, norm_first=False, bias=True, device=None, dtype=None,
+                 rotary=False, memory_efficient=False):
+        super().__init__()
+        check_d_model_nhead(d_model, nhead, "TransformerEncoderLayer")
+        self.d_model, self.norm_first = d_model, bool(norm_first)
+        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first,
+                                            device=device, dtype=dtype, rotary=rotary,
+                                            memory_efficient=memory_efficient)
+        self._build_feedforward(d_model, dim_feedforward, dropout, activation, bias, device, dtype)
+        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype)
+        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
+
+    def dropout_last(self, x):
+        return self.dropout2(x)
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        """src (B, S, d) -> (B, S, d). src_mask (S, S) or (B*nhead, S, S); src_key_padding_mask (B, S)."""
+        check_sequence(src, self.d_model, "TransformerEncoderLayer", "src")
+        mask = self.self_attn_mask(src, src_mask, src_key_padding_mask, is_causal)
+        return self.forward_masked(src, *mask)
+
+    def self_attn_mask(self, src, src_mask, src_key_padding_mask, is_causal):
+        B, S = src.shape[:2]
+        return attention_mask(src_mask, src_key_padding_mask, B, self.self_attn.num_heads, S, S, src.data,
+                              is_causal, names=("src_mask", "src_key_padding_mask"))
+
+    def forward_masked(self, x, mask, is_causal):
+        """forward() with the self-attention mask already in SDPA convention."""
+        def self_attention(h):
+            return self.self_attn.forward_masked(h, h, h, mask, is_causal)[0]
+        if self.norm_first:
+            x = x + self.dropout1(self_attention(self.norm1(x)))
+            return x + self._ff_block(self.norm2(x))
+        x = self.norm1(x + self.dropout1(self_attention(x)))
+        return self.norm2(x + self._ff_block(x))
+
+
+class TransformerDecoderLayer(_FeedForwardLayer):
+    """Masked self-attention, cross-attention over memory, feed-forward
+    (torch.nn.TransformerDecoderLayer, batch first)."""
+
+    def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation="relu",
+                 layer_norm_eps=1e-5, batch_first=True, norm_first=False, bias=True, device=None, dtype=None,
+                 rotary=False, memory_efficient=False):
+        super().__init__()
+        check_d_model_nhead(d_model, nhead, "TransformerDecoderLayer")
+        self.d_model, self.norm_first = d_model, bool(norm_first)
+        options = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype,
+                       memory_efficient=memory_efficient)
+        self.self_attn = MultiheadAttention(d_model, nhead, rotary=rotary, **options)
+        self.multihead_attn = MultiheadAttention(d_model, nhead, **options)
+        self._build_feedforward(d_model, dim_feedforward, dropout, activation, bias, device, dtype)
+        for i in (1, 2, 3):
+            setattr(self, f"norm{i}", LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype))
+        for i in (1, 2, 3):
+            setattr(self, f"dropout{i}", Dropout(dropout))
+
+    def dropout_last(self, x):
+        return self.dropout3(x)
+
+    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
+        """tgt (B, T, d), memory (B, S, d) -> (B, T, d). tgt_mask (T, T) or (B*nhead, T, T),
+        memory_mask (T, S) or (B*nhead, T, S), key padding masks (B, T) and (B, S)."""
+        check_sequence(tgt, self.d_model, "TransformerDecoderLayer", "tgt")
+        check_sequence(memory, self.d_model, "TransformerDecoderLayer", "memory")
+        check_same_batch(tgt, memory, "TransformerDecoderLayer", ("tgt", "memory"))
+        masks = decoder_masks(tgt, memory, self.self_attn.num_heads, tgt_mask, memory_mask, tgt_key_padding_mask,
+                              memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        return self.forward_masked(tgt, memory, *masks)
+
+    def forward_masked(self, x, memory, self_mask, self_causal, cross_mask, cross_causal):
+        """forward() with both masks already in SDPA convention."""
+        def self_attention(h):
+            return self.self_attn.forward_masked(h, h, h, self_mask, self_causal)[0]
+
+        def cross_attention(h):
+            return self.multihead_attn.forward_masked(h, memory, memory, cross_mask, cross_causal)[0]
+        return self._sublayers(x, self_attention, cross_attention)
+
+    def _sublayers(self, x, self_attention, cross_attention):
+        if self.norm_first:
+            x = x + self.dropout1(self_attention(self.norm1(x)))
+            x = x + self.dropout2(cross_attention(self.norm2(x)))
+            return x + self._ff_block(self.norm3(x))
+        x = self.norm1(x + self.dropout1(self_attention(x)))
+        x = self.norm2(x + self.dropout2(cross_attention(x)))
+        return self.norm3(x + self._ff_block(x))
+
+    def forward_step(self, x, layer_cache, cross_mask, position):
+        """One new target position x (B, 1, d) attending to the cached self-attention keys and
+        values (extended in place with this position's) and to the cached memory keys/values."""
+        def self_attention(h):
+            attn = self.self_attn
+            q, k, v = attn.project_qkv(h, h, h)                                  # (B, H, 1, hd)
+            if attn.rotary_emb is not None:
+                q, k = attn.rotary_emb(q, position), attn.rotary_emb(k, position)
+            if layer_cache.self_k is not None:
+                k = concatenate([layer_cache.self_k, k], axis=2)                 # (B, H, t+1, hd)
+                v = concatenate([layer_cache.self_v, v], axis=2)
+            layer_cache.self_k, layer_cache.self_v = k, v
+            return attn.attend(q, k, v)[0]
+
+        def cross_attention(h):
+            q = self.multihead_attn.project_q(h)                                 # (B, H, 1, hd)
+            return self.multihead_attn.attend(q, layer_cache.cross_k, layer_cache.cross_v, cross_mask)[0]
+        return self._sublayers(x, self_attention, cross_attention)
+
+
+def decoder_masks(tgt, memory, nhead, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
+                  tgt_is_causal, memory_is_causal):
+    """(self_mask, self_causal, cross_mask, cross_causal) in SDPA convention."""
+    B, T, S = tgt.shape[0], tgt.shape[1], memory.shape[1]
+    self_mask = attention_mask(tgt_mask, tgt_key_padding_mask, B, nhead, T, T, tgt.data, tgt_is_causal,
+                               names=("tgt_mask", "tgt_key_padding_mask"))
+    cross_mask = attention_mask(memory_mask, memory_key_padding_mask, B, nhead, T, S, tgt.data, memory_is_causal,
+                                names=("memory_mask", "memory_key_padding_mask"))
+    return self_mask + cross_mask
+
+
+def _clones(layer, num_layers, owner):
+    check_positive_int(num_layers, "num_layers", owner)
+    return ModuleList([copy.deepcopy(layer) for _ in range(num_layers)])
+
+
+class TransformerEncoder(Module):
+    """A stack of `num_layers` deep copies of `encoder_layer`, then the optional final `norm`."""
+
+    def __init__(self, encoder_layer, num_layers, norm=None):
+        super().__init__()
+        if not isinstance(encoder_layer, TransformerEncoderLayer):
+            raise TypeError(f"TransformerEncoder: encoder_layer must be a TransformerEncoderLayer, "
+                            f"got {type(encoder_layer).__name__}")
+        self.layers = _clones(encoder_layer, num_layers, "TransformerEncoder")
+        self.num_layers = num_layers
+        self.norm = norm
+
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        """src (B, S, d) -> (B, S, d); masks as in TransformerEncoderLayer, converted once."""
+        first = self.layers[0]
+        check_sequence(src, first.d_model, "TransformerEncoder", "src")
+        prepared = first.self_attn_mask(src, mask, src_key_padding_mask, bool(is_causal))
+        x = src
+        for layer in self.layers:
+            x = layer.forward_masked(x, *prepared)
+        return self.norm(x) if self.norm is not None else x
+
+
+class TransformerDecoder(Module):
+    """A stack of `num_layers` deep copies of `decoder_layer`, then the optional final `norm`."""
+
+    def __init__(self, decoder_layer, num_layers, norm=None):
+        super().__init__()
+        if not isinstance(decoder_layer, TransformerDecoderLayer):
+            raise TypeError(f"TransformerDecoder: decoder_layer must be a TransformerDecoderLayer, "
+                            f"got {type(decoder_layer).__name__}")
+        self.layers = _clones(decoder_layer, num_layers, "TransformerDecoder")
+        self.num_layers = num_layers
+        self.norm = norm
+
+    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
+        """tgt (B, T, d), memory (B, S, d) -> (B, T, d); masks as in TransformerDecoderLayer."""
+        d_model = self.layers[0].d_model
+        check_sequence(tgt, d_model, "TransformerDecoder", "tgt")
+        check_sequence(memory, d_model, "TransformerDecoder", "memory")
+        check_same_batch(tgt, memory, "TransformerDecoder", ("tgt", "memory"))
+        masks = decoder_masks(tgt, memory, self.layers[0].self_attn.num_heads, tgt_mask, memory_mask,
+                              tgt_key_padding_mask, memory_key_padding_mask, bool(tgt_is_causal), memory_is_causal)
+        x = tgt
+        for layer in self.layers:
+            x = layer.forward_masked(x, memory, *masks)
+        return self.norm(x) if self.norm is not None else x
+
+    # -- cached step-wise decoding --------------------------------------------------------------
+    def init_cache(self, memory, memory_key_padding_mask=None):
+        """A DecoderCache holding every layer's cross-attention keys/values of `memory` (B, S, d)."""
+        check_sequence(memory, self.layers[0].d_model, "TransformerDecoder.init_cache", "memory")
+        B, S = memory.shape[:2]
+        cross_mask, _ = attention_mask(None, memory_key_padding_mask, B, 1, 1, S, memory.data,
+                                       names=("memory_mask", "memory_key_padding_mask"))
+        layers = [LayerCache(*layer.multihead_attn.project_kv(memory, memory)) for layer in self.layers]
+        return DecoderCache(layers, cross_mask)
+
+    def step(self, x, cache):
+        """x (B, 1, d): the embedded newest target position -> (B, 1, d) decoder output for it
+        (after the final norm); appends this position's self-attention K/V to `cache`."""
+        if not isinstance(cache, DecoderCache):
+            raise TypeError(f"TransformerDecoder.step: cache must come from init_cache, got {type(cache).__name__}")
+        check_sequence(x, self.layers[0].d_model, "TransformerDecoder.step", "x")
+        if x.shape[1] != 1 or x.shape[0] != cache.batch_size:
+            raise ValueError(f"TransformerDecoder.step: x must be (batch={cache.batch_size}, 1, d), got {x.shape}")
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer.forward_step(x, layer_cache, cache.cross_mask, cache.length)
+        cache.length += 1
+        return self.norm(x) if self.norm is not None else x
+
+
+class LayerCache:
+    """Keys/values of one decoder layer: cross_k, cross_v (B, H, S, hd) fixed; self_k, self_v
+    (B, H, t, hd) growing by one position per step (None before the first step)."""
+
+    def __init__(self, cross_k, cross_v):
+        self.cross_k, self.cross_v = cross_k, cross_v
+        self.self_k = self.self_v = None
+
+    def tensors(self):
+        return {name: getattr(self, name) for name in ("cross_k", "cross_v", "self_k", "self_v")}
+
+
+class DecoderCache:
+    """State of cached step-wise decoding: `layers` (one LayerCache per decoder layer),
+    `cross_mask` (memory padding, SDPA convention, (B, 1, 1, S) or None), `length` (target
+    positions decoded so far). `reorder(indices)` selects batch rows (beam search)."""
+
+    def __init__(self, layers, cross_mask):
+        self.layers, self.cross_mask, self.length = layers, cross_mask, 0
+
+    @property
+    def batch_size(self):
+        return self.layers[0].cross_k.shape[0]
+
+    def __len__(self):
+        return self.length
+
+    def reorder(self, indices):
+        """Keep batch rows `indices` (ints in [0, batch), repeats allowed, any length) in that
+        order, in every cached tensor and the memory mask; returns self."""
+        like = self.layers[0].cross_k.data
+        idx = indices.data if isinstance(indices, Tensor) else indices
+        if not backend.is_array(idx):
+            idx = backend.module_for("cpu").asarray(idx)
+        idx = backend.to_device(idx, backend.device_of(like))
+        if idx.ndim != 1 or idx.dtype.kind not in "iu":
+            raise ValueError(f"DecoderCache.reorder: indices must be a 1-D integer array, got {idx.dtype} {idx.shape}")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.batch_size):
+            raise IndexError(f"DecoderCache.reorder: indices must be in [0, {self.batch_size - 1}], "
+                             f"got values in [{int(idx.min())}, {int(idx.max())}]")
+        for layer in self.layers:
+            for name, t in layer.tensors().items():
+                if t is not None:
+                    setattr(layer, name, t[idx])
+        if self.cross_mask is not None:
+            self.cross_mask = self.cross_mask[idx]
+        return self
+
+
+class Transformer(Module):
+    """Encoder-decoder Transformer with exactly torch.nn.Transformer(batch_first=True)'s
+    parameters, state_dict keys and math, including the final encoder.norm and decoder.norm.
+
+    Init like torch: xavier_uniform_ on every parameter with more than one dimension.
+    Extras: rotary=True applies RoPE in the self-attention of every layer; memory_efficient=True
+    uses the blockwise attention kernel.
+    """
+
+    def __init__(self, d_model=512, nhead=8, num_encoder_layers=6, num_decoder_layers=6, dim_feedforward=2048,
+                 dropout=0.1, activation="relu", custom_encoder=None, custom_decoder=None, layer_norm_eps=1e-5,
+                 batch_first=True, norm_first=False, bias=True, device=None, dtype=None, rotary=False,
+                 memory_efficient=False):
+        super().__init__()
+        check_d_model_nhead(d_model, nhead, "Transformer")
+        check_positive_int(dim_feedforward, "dim_feedforward", "Transformer")
+        layer_options = dict(dim_feedforward=dim_feedforward, dropout=dropout, activation=activation,
+                             layer_norm_eps=layer_norm_eps, batch_first=batch_first, norm_first=norm_first,
+                             bias=bias, device=device, dtype=dtype, rotary=rotary, memory_efficient=memory_efficient)
+        self.config = dict(d_model=d_model, nhead=nhead, num_encoder_layers=num_encoder_layers,
+                           num_decoder_layers=num_decoder_layers, dim_feedforward=dim_feedforward,
+                           dropout=dropout, activation=activation, layer_norm_eps=layer_norm_eps,
+                           norm_first=norm_first, bias=bias, rotary=rotary)
+
+        def final_norm():
+            return LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype)
+        if custom_encoder is None:
+            custom_encoder = TransformerEncoder(TransformerEncoderLayer(d_model, nhead, **layer_options),
+                                                num_encoder_layers, final_norm())
+        if custom_decoder is None:
+            custom_decoder = TransformerDecoder(TransformerDecoderLayer(d_model, nhead, **layer_options),
+                                                num_decoder_layers, final_norm())
+        self.encoder, self.decoder = custom_encoder, custom_decoder
+        self._reset_parameters()
+        self.d_model, self.nhead, self.batch_first = d_model, nhead, True
+
+    def _reset_parameters(self):
+        for p in self.parameters():
+            if p.ndim > 1:
+                init.xavier_uniform_(p)
+
+    def forward(self, src, tgt, src_mask=None, tgt_mask=None, memory_mask=None, src_key_padding_mask=None,
+                tgt_key_padding_mask=None, memory_key_padding_mask=None, src_is_causal=None, tgt_is_causal=None,
+                memory_is_causal=False):
+        """src (B, S, d), tgt (B, T, d) -> (B, T, d). Masks in torch.nn's convention: src_mask
+        (S, S), tgt_mask (T, T), memory_mask (T, S) (or (B*nhead, ., .)), key padding masks
+        (B, S), (B, T), (B, S) with True = padding. tgt_is_causal=True without tgt_mask applies
+        the causal mask (torch requires the mask itself)."""
+        check_sequence(src, self.d_model, "Transformer", "src")
+        check_sequence(tgt, self.d_model, "Transformer", "tgt")
+        check_same_batch(src, tgt, "Transformer", ("src", "tgt"))
+        memory = self.encoder(src, mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                              is_causal=src_is_causal)
+        return self.decoder(tgt, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                            tgt_key_padding_mask=tgt_key_padding_mask,
+                            memory_key_padding_mask=memory_key_padding_mask, tgt_is_causal=tgt_is_causal,
+                            memory_is_causal=memory_is_causal)
+
+    @staticmethod
+    def generate_square_subsequent_mask(sz, device=None, dtype=None):
+        """(sz, sz) float array: -inf above the diagonal (future positions), 0 elsewhere."""
+        check_positive_int(sz, "sz", "generate_square_subsequent_mask")
+        xp = backend.module_for(device or "cpu")
+        return xp.triu(xp.full((sz, sz), -math.inf, dtype=dtype or "float32"), 1)
