@@ -6,6 +6,7 @@ import pytest
 
 import autograd
 import npformer.functional as F
+from npformer.functional import composite
 from autograd import Tensor
 
 
@@ -33,44 +34,44 @@ def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1
                                    b.grad.numpy(), atol=atol, rtol=rtol, err_msg=f"gradient of input {i}")
 
 
-def cases(rng):
-    """name -> (ours, torch's (given the torch module), input arrays)."""
+def cases(rng, ops=F):
+    """name -> (ours, torch's (given the torch module), input arrays); ops=composite gives the twins."""
     x = rng.standard_normal((3, 5))
     ids = np.array([[1, 3, 3], [0, 6, 1]])
     tgt = np.array([2, 0, 4])
     q, k, v = (rng.standard_normal((2, 2, 4, 3)) for _ in range(3))
     cos, sin = F.rotary_cos_sin(4, 6, dtype="float64")
     return {
-        "linear": (lambda x, w, b: F.linear(x, w, b), lambda t: t.nn.functional.linear,
+        "linear": (ops.linear, lambda t: t.nn.functional.linear,
                    [rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)), rng.standard_normal(5)]),
-        "relu": (F.relu, lambda t: t.relu, [x]),
-        "gelu": (F.gelu, lambda t: t.nn.functional.gelu, [3 * x]),
-        "gelu_tanh": (lambda a: F.gelu(a, approximate="tanh"),
+        "relu": (ops.relu, lambda t: t.relu, [x]),
+        "gelu": (ops.gelu, lambda t: t.nn.functional.gelu, [3 * x]),
+        "gelu_tanh": (lambda a: ops.gelu(a, approximate="tanh"),
                       lambda t: lambda a: t.nn.functional.gelu(a, approximate="tanh"), [3 * x]),
-        "softmax": (lambda a: F.softmax(a, dim=0), lambda t: lambda a: t.softmax(a, dim=0), [x]),
-        "log_softmax": (F.log_softmax, lambda t: lambda a: t.log_softmax(a, dim=-1), [x]),
-        "layer_norm": (lambda a, w, b: F.layer_norm(a, (5,), w, b),
+        "softmax": (lambda a: ops.softmax(a, dim=0), lambda t: lambda a: t.softmax(a, dim=0), [x]),
+        "log_softmax": (ops.log_softmax, lambda t: lambda a: t.log_softmax(a, dim=-1), [x]),
+        "layer_norm": (lambda a, w, b: ops.layer_norm(a, (5,), w, b),
                        lambda t: lambda a, w, b: t.nn.functional.layer_norm(a, (5,), w, b),
                        [x, 1 + rng.standard_normal(5), rng.standard_normal(5)]),
-        "embedding": (lambda w: F.embedding(ids, w),
+        "embedding": (lambda w: ops.embedding(ids, w),
                       lambda t: lambda w: t.nn.functional.embedding(t.tensor(ids), w),
                       [rng.standard_normal((7, 3))]),
         # the padding row is held constant on purpose: finite differences would see it, so no gradcheck
-        "embedding_padding": (lambda w: F.embedding(ids, w, padding_idx=1),
+        "embedding_padding": (lambda w: ops.embedding(ids, w, padding_idx=1),
                       lambda t: lambda w: t.nn.functional.embedding(t.tensor(ids), w, padding_idx=1),
                       [rng.standard_normal((7, 3))]),
-        "cross_entropy": (lambda a: F.cross_entropy(a, tgt, label_smoothing=0.1),
+        "cross_entropy": (lambda a: ops.cross_entropy(a, tgt, label_smoothing=0.1),
                           lambda t: lambda a: t.nn.functional.cross_entropy(a, t.tensor(tgt), label_smoothing=0.1),
                           [x]),
-        "attention": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "attention": (lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, is_causal=True),
                       lambda t: lambda q, k, v: t.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
                       [q, k, v]),
         "attention_memory_efficient": (
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, memory_efficient=True,
+            lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, is_causal=True, memory_efficient=True,
                                                            block_size=2),
             lambda t: lambda q, k, v: t.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
             [q, k, v]),
-        "rotary": (lambda a: F.apply_rotary_emb(a, cos, sin), lambda t: lambda a: _torch_rope(t, a, cos, sin),
+        "rotary": (lambda a: ops.apply_rotary_emb(a, cos, sin), lambda t: lambda a: _torch_rope(t, a, cos, sin),
                    [rng.standard_normal((2, 4, 6))]),
     }
 
@@ -95,3 +96,20 @@ def test_gradcheck(name, device):
 def test_matches_torch_float64(name, torch):
     ours, theirs, arrays = cases(np.random.default_rng(2))[name]
     compare_with_torch(torch, ours, theirs(torch), arrays, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_composite_twin(name, device):
+    fused, _, arrays = cases(np.random.default_rng(4))[name]
+    twin, _, _ = cases(np.random.default_rng(4), composite)[name]
+    ins_fused = [leaf(a, device) for a in arrays]
+    ins_twin = [leaf(a, device) for a in arrays]
+    out, ref = fused(*ins_fused), twin(*ins_twin)
+    assert out.device == device and out.dtype == np.float64
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-12, rtol=1e-12)
+    g = np.random.default_rng(5).standard_normal(out.shape)
+    out.backward(g)
+    ref.backward(g)
+    for i, (a, b) in enumerate(zip(ins_fused, ins_twin)):
+        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), autograd.backend.as_numpy(b.grad),
+                                   atol=1e-12, rtol=1e-12, err_msg=f"gradient of input {i}")

@@ -1,0 +1,159 @@
+"""Slow twins of the fused ops, built only from autograd primitives (Tensor arithmetic, exp,
+log, sum, max, where, matmul, getitem, ...), so their gradients come from the tape rather
+than from a hand-written backward. Same names and signatures as npformer.functional; the
+test suite uses them as a second reference next to torch and finite differences."""
+import math
+
+from autograd import Tensor, concatenate, where
+
+from . import _erf as formulas
+from .activation import TANH_C, TANH_K, check_dropout_p, dropout_mask
+from .attention import _lead_shape, _prepare_mask, causal_blocked
+from ._common import on_device_of
+
+
+def _tensor(x):
+    return x if isinstance(x, Tensor) else Tensor(x)
+
+
+def linear(input, weight, bias=None):
+    y = _tensor(input) @ _tensor(weight).T
+    return y + bias if bias is not None else y
+
+
+def relu(input):
+    return _tensor(input).relu()
+
+
+def erf(z):
+    """erf of a Tensor from fdlibm's branch formulas, each fed only its own interval's entries."""
+    a_data = abs(z.data)
+    a = where(z.data < 0, -z, z)
+    pieces = [((a_data < formulas.BOUNDS[0]), 0.5, formulas.erf_small),
+              ((a_data >= formulas.BOUNDS[0]) & (a_data < formulas.BOUNDS[1]), 1.0, formulas.erf_middle),
+              ((a_data >= formulas.BOUNDS[1]) & (a_data < formulas.BOUNDS[2]), 2.0,
+               lambda t: formulas.erf_near(t, Tensor.exp)),
+              ((a_data >= formulas.BOUNDS[2]) & (a_data < formulas.BOUNDS[3]), 4.0,
+               lambda t: formulas.erf_far(t, Tensor.exp))]
+    result = 1.0  # |z| >= 6
+    for inside, filler, formula in reversed(pieces):
+        result = where(inside, formula(where(inside, a, filler)), result)
+    return where(z.data < 0, -result, result)
+
+
+def gelu(input, approximate="none"):
+    x = _tensor(input)
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + (TANH_C * (x + TANH_K * x * x * x)).tanh())
+    return x * (0.5 * (1.0 + erf(x / formulas.SQRT_2)))
+
+
+def dropout(input, p=0.5, training=True, generator=None):
+    x = _tensor(input)
+    p = check_dropout_p(p, "dropout")
+    if not training or p == 0.0:
+        return input
+    if p == 1.0:
+        return x * 0.0
+    keep = dropout_mask(x.shape, p, x.device, generator)
+    return x * Tensor(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+
+
+def _stable_shift(x, dim):
+    """x - max (a constant: softmax does not depend on it), with all -inf rows shifted by 0."""
+    xp = x.xp
+    m = x.data.max(axis=dim, keepdims=True)
+    return x - Tensor(xp.where(xp.isfinite(m), m, 0))
+
+
+def softmax(input, dim=-1):
+    e = _stable_shift(_tensor(input), dim).exp()
+    total = e.sum(axis=dim, keepdims=True)
+    return e / where(total.data == 0, 1.0, total)
+
+
+def log_softmax(input, dim=-1):
+    shifted = _stable_shift(_tensor(input), dim)
+    total = shifted.exp().sum(axis=dim, keepdims=True)
+    return shifted - where(total.data == 0, 1.0, total).log()
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    x = _tensor(input)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    axes = tuple(range(x.ndim - len(shape), x.ndim))
+    centered = x - x.mean(axis=axes, keepdims=True)
+    y = centered / ((centered * centered).mean(axis=axes, keepdims=True) + eps).sqrt()
+    if weight is not None:
+        y = y * weight
+    return y + bias if bias is not None else y
+
+
+def embedding(input, weight, padding_idx=None):
+    w = _tensor(weight)
+    ids = on_device_of(input, w.data, "input", "embedding")
+    if padding_idx is not None:  # the padding row enters as a constant: zero gradient
+        is_pad = w.xp.arange(w.shape[0])[:, None] == padding_idx % w.shape[0]
+        w = where(is_pad, w.detach(), w)
+    return w[ids]
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    x = _tensor(input)
+    c = x.shape[0 if x.ndim == 1 else 1]
+    tgt = on_device_of(target, x.data, "target", "cross_entropy")
+    if x.ndim > 2:
+        x = x.permute(0, *range(2, x.ndim), 1)
+    x = x.reshape(-1, c)
+    flat = tgt.reshape(-1)
+    valid = flat != ignore_index
+    safe = x.xp.where(valid, flat, 0)
+    logp = log_softmax(x, dim=1)
+    w = _tensor(weight) if weight is not None else None
+    picked = logp[x.xp.arange(x.shape[0]), safe]
+    w_target = w[safe] if w is not None else None
+    nll = -(picked * w_target if w is not None else picked)
+    smooth = -((logp * w).sum(axis=1) if w is not None else logp.sum(axis=1)) / c
+    loss = where(valid, (1.0 - label_smoothing) * nll + label_smoothing * smooth, 0.0)
+    if reduction == "none":
+        return loss.reshape(tgt.shape)
+    if reduction == "sum":
+        return loss.sum()
+    divisor = where(valid, w_target, 0.0).sum() if w is not None else float(valid.sum())
+    return loss.sum() / divisor
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, *, return_weights=False, memory_efficient=False,
+                                 block_size=512, generator=None):
+    q, k, v = _tensor(query), _tensor(key), _tensor(value)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    lead = _lead_shape(q.data, k.data, v.data)
+    score_shape = lead + (q.shape[-2], k.shape[-2])
+    scores = (q @ k.swapaxes(-1, -2)) * scale
+    blocked, additive = _prepare_mask(attn_mask, q.data, score_shape)
+    if additive is not None:
+        scores = scores + Tensor(additive)
+    if is_causal:
+        causal = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2])
+        blocked = causal if blocked is None else blocked | causal
+    if blocked is not None:
+        scores = where(blocked, -math.inf, scores)
+    probs = softmax(scores, dim=-1)
+    dropout_p = check_dropout_p(dropout_p, "scaled_dot_product_attention")
+    if dropout_p == 1.0:
+        probs = probs * 0.0
+    elif dropout_p > 0:
+        keep = dropout_mask(score_shape, dropout_p, q.device, generator)
+        probs = probs * Tensor(keep.astype(q.dtype) * (1.0 / (1.0 - dropout_p)))
+    out = probs @ v
+    return (out, probs) if return_weights else out
+
+
+def apply_rotary_emb(x, cos, sin):
+    x = _tensor(x)
+    half = x.shape[-1] // 2
+    cos, sin = (Tensor(on_device_of(t, x.data, name, "apply_rotary_emb").astype(x.dtype))
+                for t, name in ((cos, "cos"), (sin, "sin")))
+    x1, x2 = x[..., :half], x[..., half:]
+    return concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
