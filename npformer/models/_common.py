@@ -1,0 +1,94 @@
+"""Pieces shared by the models: argument checks, token ids, padding masks, positions."""
+from autograd import Tensor, backend
+
+from .. import nn
+from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
+from ..nn.layers import as_ids
+
+POSITIONAL = ("sinusoidal", "learned", "rope", "none")
+
+
+def check_choice(value, choices, name, owner):
+    if value not in choices:
+        raise ValueError(f"{owner}: {name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def additive_positions(positional, d_model, max_len):
+    """The module adding positions to embeddings: sinusoidal (no state_dict entries), learned
+    (one weight (max_len, d_model)), or None for "rope" (applied inside attention) and "none"."""
+    if positional == "sinusoidal":
+        return SinusoidalPositionalEncoding(d_model, max_len)
+    if positional == "learned":
+        return LearnedPositionalEmbedding(max_len, d_model)
+    return None
+
+
+def token_ids(ids, like, owner, name):
+    """Integer ids (B, T) (numpy/cupy array, list or Tensor) on the device of the array `like`."""
+    ids = as_ids(ids, like, owner, name)
+    if ids.ndim != 2 or 0 in ids.shape:
+        raise ValueError(f"{owner}: {name} must be a non-empty (batch, seq) array of token ids, got shape {ids.shape}")
+    return ids
+
+
+def padding_mask_from_ids(ids, pad_idx, mask):
+    """`mask` when given, else ids == pad_idx (True = padding) when pad_idx is set, else None."""
+    if mask is not None or pad_idx is None:
+        return mask
+    return ids == pad_idx
+
+
+def valid_positions(mask, ids, dtype):
+    """(B, T) array, 1 where a position is not padding (from a bool key padding mask), in `dtype`."""
+    xp = backend.get_array_module(ids)
+    if mask is None:
+        return xp.ones(ids.shape, dtype=dtype)
+    mask = mask.data if isinstance(mask, Tensor) else mask
+    mask = backend.to_device(mask if backend.is_array(mask) else xp.asarray(mask), backend.device_of(ids))
+    if mask.dtype != bool or mask.shape != ids.shape:
+        raise ValueError(f"key_padding_mask must be a bool array of shape {ids.shape} for pooling, "
+                         f"got {mask.dtype} {mask.shape}")
+    return (~mask).astype(dtype)
+
+
+class EncoderOnlyModel(nn.Module):
+    """Token embedding + positions + dropout + a TransformerEncoder with a final LayerNorm:
+    the trunk of CausalLM and EncoderClassifier. state_dict keys: tok_embed.weight,
+    pos_embed.weight (positional="learned" only), encoder.layers.{i}.*, encoder.norm.*.
+    Init: N(0, 0.02^2) on every parameter matrix, other biases zero, LayerNorm 1/0,
+    the padding row zero."""
+
+    def _build_trunk(self, vocab_size, d_model, nhead, num_layers, dim_feedforward, dropout, max_len, activation,
+                     norm_first, positional, pad_idx, layer_norm_eps):
+        owner = type(self).__name__
+        check_choice(positional, POSITIONAL, "positional", owner)
+        check_choice(activation, ("relu", "gelu"), "activation", owner)
+        self.d_model, self.pad_idx, self.positional_kind = d_model, pad_idx, positional
+        self.tok_embed = nn.Embedding(vocab_size, d_model, padding_idx=pad_idx)
+        positions = additive_positions(positional, d_model, max_len)
+        if positions is not None:
+            setattr(self, "pos_embed" if positional == "learned" else "positional", positions)
+        self.dropout = nn.Dropout(dropout)
+        layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                                           norm_first=norm_first, rotary=positional == "rope")
+        self.encoder = nn.TransformerEncoder(layer, num_layers, nn.LayerNorm(d_model, eps=layer_norm_eps))
+
+    def _reset_parameters(self):
+        for name, p in self.named_parameters():
+            if p.ndim > 1:
+                init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                init.zeros_(p)
+        self.tok_embed.zero_padding_row()
+
+    def _ids(self, ids, name="input_ids"):
+        return token_ids(ids, self.tok_embed.weight.data, type(self).__name__, name)
+
+    def hidden_states(self, ids, key_padding_mask=None, is_causal=False):
+        """ids (B, T) integer array -> (B, T, d_model) after the final LayerNorm."""
+        x = self.tok_embed(ids)
+        positions = getattr(self, "pos_embed", None) or getattr(self, "positional", None)
+        if positions is not None:
+            x = positions(x)
+        return self.encoder(self.dropout(x), src_key_padding_mask=key_padding_mask, is_causal=is_causal)

@@ -1,0 +1,147 @@
+"""The paper's encoder-decoder translation model: embeddings, positions, nn.Transformer, generator."""
+import math
+
+import npformer.functional as F
+
+from .. import nn
+from ..nn import init
+from ..nn.layers import as_ids
+from ._common import POSITIONAL, additive_positions, check_choice, padding_mask_from_ids, token_ids
+
+
+class Seq2SeqTransformer(nn.Module):
+    """src ids (B, S), tgt ids (B, T) -> next-token logits (B, T, tgt_vocab_size).
+
+    x = dropout(embed(ids) * sqrt(d_model) + positions); memory = encoder(x_src);
+    logits = generator(decoder(x_tgt, memory)) with the causal target mask applied
+    automatically and the source padding mask used for the memory.
+
+    state_dict keys: src_embed.weight, tgt_embed.weight, transformer.* (exactly
+    torch.nn.Transformer(batch_first=True)'s), generator.weight, generator.bias, plus
+    src_pos_embed.weight / tgt_pos_embed.weight with positional="learned". Sinusoidal
+    positions are a non-persistent buffer (no key); "rope" rotates q and k in every
+    self-attention (no key); "none" adds no positions.
+
+    tie_weights: False; True = the generator uses tgt_embed.weight (no generator.weight key);
+    "all" = also src_embed is tgt_embed (the paper's shared matrix; needs src_vocab_size ==
+    tgt_vocab_size; only the tgt_embed.weight key remains).
+    pad_idx: padding id of both vocabularies: its embedding rows stay zero with zero gradient,
+    and when a key padding mask is not given it is derived from the ids (True = pad).
+    Init: xavier_uniform_ on every parameter matrix (embeddings and generator included),
+    padding rows zeroed. `config` holds the constructor arguments: Seq2SeqTransformer(**m.config).
+
+    Cached decoding: cache = init_cache(memory, memory_key_padding_mask) once, then
+    logits = decode_step(tokens, cache) per new token (see the methods).
+    """
+
+    def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, nhead=8, num_encoder_layers=6,
+                 num_decoder_layers=6, dim_feedforward=2048, dropout=0.1, max_len=5000, activation="relu",
+                 norm_first=False, pad_idx=None, tie_weights=False, positional="sinusoidal", layer_norm_eps=1e-5):
+        super().__init__()
+        owner = "Seq2SeqTransformer"
+        check_choice(positional, POSITIONAL, "positional", owner)
+        check_choice(tie_weights, (False, True, "all"), "tie_weights", owner)
+        check_choice(activation, ("relu", "gelu"), "activation", owner)
+        if tie_weights == "all" and src_vocab_size != tgt_vocab_size:
+            raise ValueError(f"{owner}: tie_weights='all' shares one matrix between both embeddings and the "
+                             f"generator, so src_vocab_size ({src_vocab_size}) must equal tgt_vocab_size "
+                             f"({tgt_vocab_size})")
+        self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
+                           nhead=nhead, num_encoder_layers=num_encoder_layers,
+                           num_decoder_layers=num_decoder_layers, dim_feedforward=dim_feedforward,
+                           dropout=dropout, max_len=max_len, activation=activation, norm_first=norm_first,
+                           pad_idx=pad_idx, tie_weights=tie_weights, positional=positional,
+                           layer_norm_eps=layer_norm_eps)
+        self.d_model, self.pad_idx, self.tie_weights = d_model, pad_idx, tie_weights
+        self.positional_kind = positional
+        if tie_weights == "all":
+            self.tgt_embed = nn.Embedding(tgt_vocab_size, d_model, padding_idx=pad_idx)
+            self.src_embed = self.tgt_embed  # registered second: state_dict lists tgt_embed.weight only
+        else:
+            self.src_embed = nn.Embedding(src_vocab_size, d_model, padding_idx=pad_idx)
+            self.tgt_embed = nn.Embedding(tgt_vocab_size, d_model, padding_idx=pad_idx)
+        if positional == "learned":
+            self.src_pos_embed = additive_positions(positional, d_model, max_len)
+            self.tgt_pos_embed = additive_positions(positional, d_model, max_len)
+        elif positional == "sinusoidal":
+            self.positional = additive_positions(positional, d_model, max_len)
+        self.dropout = nn.Dropout(dropout)
+        self.transformer = nn.Transformer(
+            d_model, nhead, num_encoder_layers, num_decoder_layers, dim_feedforward, dropout, activation,
+            layer_norm_eps=layer_norm_eps, norm_first=norm_first, rotary=positional == "rope")
+        self.generator = nn.Linear(d_model, tgt_vocab_size)
+        if tie_weights:
+            self.generator.weight = None  # logits use tgt_embed.weight
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        for p in self.parameters():
+            if p.ndim > 1:
+                init.xavier_uniform_(p)
+        for embed in (self.src_embed, self.tgt_embed):
+            embed.zero_padding_row()
+
+    def _positions(self, side):
+        """The additive position module of "src" or "tgt" (None for rope/none)."""
+        if self.positional_kind == "learned":
+            return getattr(self, f"{side}_pos_embed")
+        return getattr(self, "positional", None)
+
+    def _embed(self, ids, side, offset=0):
+        """dropout(embed(ids) * sqrt(d_model) + positions[offset:offset+T]) -> (B, T, d)."""
+        x = getattr(self, f"{side}_embed")(ids) * math.sqrt(self.d_model)
+        positions = self._positions(side)
+        if positions is not None:
+            x = positions(x, offset)
+        return self.dropout(x)
+
+    def project(self, hidden):
+        """Decoder output (..., d) -> logits (..., tgt_vocab_size)."""
+        weight = self.tgt_embed.weight if self.tie_weights else self.generator.weight
+        return F.linear(hidden, weight, self.generator.bias)
+
+    def _ids(self, ids, name):
+        return token_ids(ids, self.tgt_embed.weight.data, type(self).__name__, name)
+
+    def forward(self, src, tgt, src_key_padding_mask=None, tgt_key_padding_mask=None):
+        """src (B, S), tgt (B, T) integer ids; masks (B, S), (B, T) bool with True = padding
+        (derived from pad_idx when not given) -> logits (B, T, tgt_vocab_size)."""
+        src, tgt = self._ids(src, "src"), self._ids(tgt, "tgt")
+        if src.shape[0] != tgt.shape[0]:
+            raise ValueError(f"Seq2SeqTransformer: src and tgt batch sizes differ: {src.shape[0]} vs {tgt.shape[0]}")
+        src_key_padding_mask = padding_mask_from_ids(src, self.pad_idx, src_key_padding_mask)
+        memory = self.encode(src, src_key_padding_mask)
+        return self.decode(tgt, memory, memory_key_padding_mask=src_key_padding_mask,
+                           tgt_key_padding_mask=tgt_key_padding_mask)
+
+    def encode(self, src, src_key_padding_mask=None):
+        """src ids (B, S) -> memory (B, S, d_model) (after the encoder's final norm)."""
+        src = self._ids(src, "src")
+        src_key_padding_mask = padding_mask_from_ids(src, self.pad_idx, src_key_padding_mask)
+        return self.transformer.encoder(self._embed(src, "src"), src_key_padding_mask=src_key_padding_mask)
+
+    def decode(self, tgt, memory, memory_key_padding_mask=None, tgt_key_padding_mask=None):
+        """tgt ids (B, T), memory (B, S, d) -> logits (B, T, V), causal. The memory padding mask
+        (B, S) cannot be derived here: pass the source padding mask."""
+        tgt = self._ids(tgt, "tgt")
+        tgt_key_padding_mask = padding_mask_from_ids(tgt, self.pad_idx, tgt_key_padding_mask)
+        hidden = self.transformer.decoder(self._embed(tgt, "tgt"), memory, tgt_key_padding_mask=tgt_key_padding_mask,
+                                          memory_key_padding_mask=memory_key_padding_mask, tgt_is_causal=True)
+        return self.project(hidden)
+
+    # -- cached step-wise decoding ------------------------------------------------------------------
+    def init_cache(self, memory, memory_key_padding_mask=None):
+        """An `nn.DecoderCache` for `memory` (B, S, d): every decoder layer's cross-attention keys
+        and values are projected here, once. memory_key_padding_mask (B, S), True = padding."""
+        return self.transformer.decoder.init_cache(memory, memory_key_padding_mask)
+
+    def decode_step(self, tokens, cache):
+        """tokens (B,) ints: the newest target token of each row (the first call gets BOS) ->
+        logits (B, tgt_vocab_size) for the next token. Appends this position's self-attention
+        keys/values to `cache`; equals decode(prefix, memory)[:, -1] on the whole prefix."""
+        ids = as_ids(tokens, self.tgt_embed.weight.data, "decode_step", "tokens")
+        if ids.ndim != 1:
+            raise ValueError(f"decode_step: tokens must be a 1-D array (batch,) of ids, got shape {ids.shape}")
+        ids = ids.reshape(-1, 1)                                                       # (B, 1)
+        hidden = self.transformer.decoder.step(self._embed(ids, "tgt", offset=cache.length), cache)
+        return self.project(hidden).reshape(ids.shape[0], -1)                       # (B, V)
