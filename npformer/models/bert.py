@@ -39,5 +39,5 @@ class EncoderClassifier(EncoderOnlyModel):
             valid = valid_positions(mask, ids, hidden.dtype)                        # (B, T)
             counts = valid.sum(axis=1, keepdims=True)                               # (B, 1)
             counts[counts == 0] = 1  # an all-padding row pools to 0, not NaN
-            pooled = (hidden * valid[:, :, None]).sum(axis=1) * (1.0 / counts)      # (B, d)
+            pooled = (hidden * valid[:, :, None]).sum(axis=1) / counts              # (B, d)
         return self.classifier(pooled)
