@@ -21,11 +21,16 @@ class LayerNorm(Function):
         x2d = x.reshape(-1, normalized_size)                  # (N, D)
         mean = x2d.mean(axis=1, keepdims=True)                # (N, 1)
         xhat = x2d - mean                                     # (N, D)  x - mean
+        # one refinement step: the rounding error of mean, times rstd, would dominate when
+        # |mean| >> std (e.g. mean 1e4, std 1e-2); the mean of the residuals removes it
+        # (kept apart from mean: in float32, mean + residual would round back at 1e4's ulp)
+        residual = xhat.mean(axis=1, keepdims=True)           # (N, 1)
+        xhat -= residual
         var = xp.einsum("nd,nd->n", xhat, xhat)[:, None]      # (N, 1)  two-pass sum (x - mean)^2
         var /= normalized_size
         rstd = 1.0 / xp.sqrt(var + eps)                       # (N, 1)
         xhat *= rstd                                          # (N, D)  normalized
-        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.save_for_backward(x2d, weight, mean, residual, rstd)
         ctx.shape, ctx.normalized_shape = x.shape, normalized_shape
         if weight is not None:
             xhat *= weight.reshape(-1)
@@ -35,12 +40,13 @@ class LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, mean, rstd = ctx.saved_tensors
+        x2d, weight, mean, residual, rstd = ctx.saved_tensors
         xp = backend.get_array_module(dy)
         d = x2d.shape[1]
         dy2d = dy.reshape(-1, d)                              # (N, D)
         need_x, need_w, need_b = ctx.needs_input_grad
         xhat = x2d - mean                                     # recomputed: xhat = (x - mean) * rstd
+        xhat -= residual
         xhat *= rstd
         dweight = dbias = dx = None
         # y = xhat * weight + bias  ->  dweight = sum over rows of dy * xhat
