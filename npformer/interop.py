@@ -23,6 +23,8 @@ def _torch():
 def _torch_dtype(module):
     torch = _torch()
     dtypes = {str(p.dtype) for p in module.parameters()}
+    if not dtypes:
+        return None  # nothing to convert (e.g. LayerNorm without affine parameters)
     if len(dtypes) != 1:
         raise TypeError(f"to_torch: expected one parameter dtype, got {sorted(dtypes)}")
     return {"float32": torch.float32, "float64": torch.float64}[dtypes.pop()]
@@ -30,6 +32,8 @@ def _torch_dtype(module):
 
 def _our_dtype(torch_module):
     dtypes = {str(p.dtype).replace("torch.", "") for p in torch_module.parameters()}
+    if not dtypes:
+        return None
     if len(dtypes) != 1 or not dtypes <= {"float32", "float64"}:
         raise TypeError(f"from_torch: expected float32 or float64 parameters of one dtype, got {sorted(dtypes)}")
     return dtypes.pop()
