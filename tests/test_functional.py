@@ -10,28 +10,32 @@ from npformer.functional import composite
 from autograd import Tensor
 
 
-def leaf(array, device="cpu"):
-    return Tensor(np.array(array, dtype=np.float64), requires_grad=True, device=device)
+def leaf(array, device="cpu", dtype=np.float64):
+    return Tensor(np.array(array, dtype=dtype), requires_grad=True, device=device)
 
 
-def torch_leaf(torch, array):
-    return torch.tensor(np.array(array, dtype=np.float64), requires_grad=True)
+def torch_leaf(torch, array, dtype=np.float64):
+    return torch.tensor(np.array(array, dtype=dtype), requires_grad=True)
 
 
-def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1e-10, device="cpu"):
-    """Run both on the same float64 inputs, backward with one random upstream gradient; compare
-    the output and the gradient of every input."""
-    ours_in = [leaf(a, device) for a in arrays]
-    theirs_in = [torch_leaf(torch, a) for a in arrays]
+def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1e-10, device="cpu",
+                       dtype=np.float64, torch_dtype=None):
+    """Run both on the same inputs, backward with one random upstream gradient; compare the
+    output and the gradient of every input (and that ours keeps the dtype). torch_dtype=float64
+    runs torch in float64 on our float32 inputs (where torch's float32 kernel is the less exact)."""
+    ours_in = [leaf(a, device, dtype) for a in arrays]
+    theirs_in = [torch_leaf(torch, np.asarray(a, dtype), torch_dtype or dtype) for a in arrays]
     out = ours_fn(*ours_in)
     ref = torch_fn(*theirs_in)
+    assert out.dtype == dtype
     np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=atol, rtol=rtol)
-    g = rng.standard_normal(out.shape)
+    g = rng.standard_normal(out.shape).astype(dtype)
     out.backward(g)
-    ref.backward(torch.tensor(g))
+    ref.backward(torch.tensor(g.astype(torch_dtype or dtype)))
     for i, (a, b) in enumerate(zip(ours_in, theirs_in)):
-        np.testing.assert_allclose(a.grad if device == "cpu" else autograd.backend.as_numpy(a.grad),
-                                   b.grad.numpy(), atol=atol, rtol=rtol, err_msg=f"gradient of input {i}")
+        assert a.grad.dtype == dtype
+        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), b.grad.numpy(), atol=atol, rtol=rtol,
+                                   err_msg=f"gradient of input {i}")
 
 
 def cases(rng, ops=F):
@@ -96,6 +100,14 @@ def test_gradcheck(name, device):
 def test_matches_torch_float64(name, torch):
     ours, theirs, arrays = cases(np.random.default_rng(2))[name]
     compare_with_torch(torch, ours, theirs(torch), arrays, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_torch_float32(name, torch):
+    """float32 stays float32 and agrees with torch to atol 1e-5, rtol 1e-5."""
+    ours, theirs, arrays = cases(np.random.default_rng(2))[name]
+    compare_with_torch(torch, ours, theirs(torch), arrays, np.random.default_rng(3), atol=1e-5, rtol=1e-5,
+                       dtype=np.float32)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -39,7 +39,7 @@ class Embedding(Function):
     def backward(ctx, dout):
         ids = ctx.ids.reshape(-1)                         # (N,)
         # out[n] = weight[ids[n]]  ->  dweight[v] = sum_{n: ids[n] = v} dout[n]
-        dweight = scatter_add_rows(ids, dout.reshape(ids.shape[0], -1), ctx.num_embeddings)
+        dweight = scatter_add_rows(ids, dout.reshape(ids.shape[0], dout.shape[-1]), ctx.num_embeddings)
         # the padding row takes no part in learning
         if ctx.padding_idx is not None:
             dweight[ctx.padding_idx] = 0

@@ -89,8 +89,11 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if tuple(tgt.shape) != tuple(expected):
         raise ValueError(f"cross_entropy: target shape must be {tuple(expected)} for input shape "
                          f"{tuple(logits.shape)}, got {tuple(tgt.shape)}")
-    if weight is not None and tuple(check_tensor("weight", weight, "cross_entropy").shape) != (c,):
-        raise ValueError(f"cross_entropy: weight must have shape ({c},), got {tuple(weight.shape)}")
+    if weight is not None:
+        if tuple(check_tensor("weight", weight, "cross_entropy").shape) != (c,):
+            raise ValueError(f"cross_entropy: weight must have shape ({c},), got {tuple(weight.shape)}")
+        if not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
+            weight = on_device_of(weight, logits, "weight", "cross_entropy").astype(logits.dtype, copy=False)
     flat_target = tgt.reshape(-1)
     valid = flat_target != ignore_index
     if valid.any():
