@@ -1,0 +1,111 @@
+"""Greedy and beam search: cached == uncached, beam width 1 == greedy, beam search against
+brute force, EOS handling."""
+import itertools
+
+import numpy as np
+import pytest
+
+from autograd import manual_seed, no_grad
+from npformer import functional as F
+from npformer.data import EOS, PAD, SequenceTask
+from npformer.decoding import beam_search, greedy_decode
+from npformer.models import Seq2SeqTransformer
+
+
+def _model(vocab=12, device="cpu", d_model=16, layers=2):
+    manual_seed(0)
+    model = Seq2SeqTransformer(vocab, vocab, d_model=d_model, nhead=2, num_encoder_layers=layers,
+                               num_decoder_layers=layers, dim_feedforward=32, dropout=0.1, pad_idx=PAD)
+    return model.to(device)
+
+
+def _sources(vocab=12, n=12):
+    task = SequenceTask(vocab_size=vocab, min_len=2, max_len=7, seed=3, heldout_size=n)
+    return task.collate(task.heldout).src  # variable lengths: padded
+
+
+@pytest.mark.parametrize("eos", [EOS, None])
+def test_greedy_cached_equals_uncached(device, eos):
+    model, src = _model(device=device), _sources()
+    model.train()  # decoding must switch to eval (no dropout) and restore the mode
+    cached = greedy_decode(model, src, 9, eos=eos)
+    uncached = greedy_decode(model, src, 9, eos=eos, use_cache=False)
+    assert model.training
+    assert cached.dtype == np.int64 and cached.shape[0] == len(src)
+    np.testing.assert_array_equal(cached, uncached)
+    if eos is None:
+        assert cached.shape == (len(src), 9)
+
+
+def test_greedy_matches_the_tutorials_loop():
+    """The seed's greedy_decode: argmax of model(src, prefix)[:, -1], prefix grown by one."""
+    model, src = _model(), _sources()
+    model.eval()
+    prefix = np.full((len(src), 1), 1)
+    with no_grad():
+        for _ in range(6):
+            logits = model(src, prefix).numpy()[:, -1]
+            prefix = np.concatenate([prefix, logits.argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(greedy_decode(model, src, 6, eos=None), prefix[:, 1:])
+
+
+def test_greedy_pads_after_eos_and_stops_early():
+    model, src = _model(), _sources()
+    out = greedy_decode(model, src, 30)
+    for row in out:
+        hits = np.flatnonzero(row == EOS)
+        if hits.size:
+            assert (row[hits[0] + 1:] == PAD).all()
+    assert out.shape[1] == 30 or (out == EOS).any(axis=1).all()
+
+
+@pytest.mark.parametrize("beam_size", [2, 4])
+def test_beam_cached_equals_uncached(beam_size):
+    model, src = _model(), _sources()
+    tokens, scores = beam_search(model, src, 8, beam_size=beam_size, return_scores=True)
+    tokens_u, scores_u = beam_search(model, src, 8, beam_size=beam_size, use_cache=False, return_scores=True)
+    np.testing.assert_array_equal(tokens, tokens_u)
+    np.testing.assert_allclose(scores, scores_u, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("eos", [EOS, None])
+def test_beam_width_one_is_greedy(eos):
+    model, src = _model(), _sources()
+    np.testing.assert_array_equal(beam_search(model, src, 9, beam_size=1, eos=eos), greedy_decode(model, src, 9, eos=eos))
+
+
+def _sequence_log_prob(model, src_row, tokens):
+    """log p(tokens | src) from the uncached decoder, summed."""
+    prefix = np.array([[1] + tokens[:-1]])
+    with no_grad():
+        logp = F.log_softmax(model.decode(prefix, model.encode(src_row[None])), dim=-1).numpy()[0]
+    return float(sum(logp[i, t] for i, t in enumerate(tokens)))
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+def test_beam_search_finds_the_best_sequence_when_nothing_is_pruned(length_penalty):
+    # vocab 6 (3 real symbols), max_len 2: every hypothesis fits in 36 beams, so beam search
+    # must return the best of all of them under its scoring rule
+    vocab, max_len = 6, 2
+    model = _model(vocab=vocab, d_model=8, layers=1)
+    model.eval()
+    src = np.array([[3, 4, 5], [5, 5, 3]])
+    tokens, scores = beam_search(model, src, max_len, beam_size=vocab ** max_len,
+                                 length_penalty=length_penalty, return_scores=True)
+    non_eos = [t for t in range(vocab) if t != EOS]
+    hypotheses = [[EOS]] + [[a, EOS] for a in non_eos] + [list(p) for p in itertools.product(non_eos, repeat=2)]
+    for row in range(len(src)):
+        scored = [(_sequence_log_prob(model, src[row], h) / len(h) ** length_penalty, h) for h in hypotheses]
+        best_score, best = max(scored)
+        assert tokens[row, :len(best)].tolist() == best and (tokens[row, len(best):] == PAD).all()
+        assert scores[row] == pytest.approx(best_score, rel=1e-4, abs=1e-5)
+
+
+def test_bad_arguments():
+    model, src = _model(), _sources()
+    with pytest.raises(ValueError, match="max_len"):
+        greedy_decode(model, src, 0)
+    with pytest.raises(ValueError, match="beam_size"):
+        beam_search(model, src, 5, beam_size=0)
+    with pytest.raises(ValueError, match="src"):
+        greedy_decode(model, src.astype(float), 5)
