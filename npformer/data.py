@@ -197,11 +197,23 @@ class SequenceTask:
         return out
 
     # -- state --------------------------------------------------------------------------
+    def config(self):
+        """The constructor arguments: SequenceTask(**task.config()) rebuilds the task."""
+        return {"task": self.task, "vocab_size": self.vocab_size, "min_len": self.min_len, "max_len": self.max_len,
+                "eos": self.eos, "seed": self.seed, "heldout_size": len(self.heldout)}
+
     def state_dict(self):
-        """The training stream's position (JSON-serialisable); the held-out set is rebuilt from the seed."""
-        return {"rng": self.rng.bit_generator.state}
+        """The training stream's position and the task's config (JSON-serialisable); the
+        held-out set is rebuilt from the seed."""
+        return {"rng": self.rng.bit_generator.state, "config": self.config()}
 
     def load_state_dict(self, state):
+        """Continue the training stream of `state`; ValueError if it was made by another task."""
+        saved = state.get("config")
+        if saved is not None and saved != self.config():
+            differ = {k: (saved.get(k), v) for k, v in self.config().items() if saved.get(k) != v}
+            raise ValueError("state: saved by a different task (saved vs this one: "
+                             + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items()) + ")")
         self.rng.bit_generator.state = state["rng"]
 
     def __repr__(self):

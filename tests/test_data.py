@@ -72,6 +72,9 @@ def test_seeding_and_state():
     first = a.batch(8)
     a.load_state_dict(state)
     np.testing.assert_array_equal(a.batch(8).tgt_in, first.tgt_in)
+    assert SequenceTask(**a.config()).config() == a.config()
+    with pytest.raises(ValueError, match="seed 5 vs 6"):
+        c.load_state_dict(state)
 
 
 def test_score_counts_exact_sequences_and_tokens():
