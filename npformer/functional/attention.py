@@ -157,10 +157,11 @@ class MemoryEfficientAttention(Function):
         for qs in range(0, tq, block_size):
             qe = min(qs + block_size, tq)
             q_block = q[..., qs:qe, :]
+            q_scaled = q_block * scale
             do_block = dout[..., qs:qe, :]
             for ks in _key_starts(qs, qe, tk, block_size, causal):
                 ke = min(ks + block_size, tk)
-                p = masked_scores(q_block * scale, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+                p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
                 # forward: P = exp(S - L), recomputed block by block
                 p -= lse[..., qs:qe, :]
                 xp.exp(p, out=p)                                             # (..., bq, bk)

@@ -27,7 +27,10 @@ def softmax_forward(x, axis, out=None):
 def softmax_backward(y, dy, axis, out=None):
     """dx = y * (dy - sum(dy * y)) along axis; `out=dy` computes it in place."""
     xp = backend.get_array_module(dy)
-    inner = (dy * y).sum(axis=axis, keepdims=True)  # (..., 1, ...)  sum_j dy_j y_j
+    if axis in (-1, y.ndim - 1):                    # (..., 1)  sum_j dy_j y_j, without a temporary
+        inner = xp.einsum("...i,...i->...", dy, y)[..., None]
+    else:
+        inner = (dy * y).sum(axis=axis, keepdims=True)
     dx = xp.subtract(dy, inner, out=out)
     dx *= y
     return dx
