@@ -62,12 +62,17 @@ def _layer_options(layer):
 
 def _torch_layer_options(layer):
     """The same arguments read off a torch.nn.TransformerEncoderLayer/DecoderLayer."""
-    kind = getattr(layer, "activation_relu_or_gelu", 0)
-    if kind not in (1, 2):
-        raise ValueError("from_torch: only layers with activation relu or gelu can be converted")
+    tnn, tF = _torch().nn, _torch().nn.functional
+    act = layer.activation
+    if act is tF.relu or isinstance(act, tnn.ReLU):
+        activation = "relu"
+    elif act is tF.gelu or (isinstance(act, tnn.GELU) and act.approximate == "none"):
+        activation = "gelu"
+    else:
+        raise ValueError("from_torch: only layers with activation relu or gelu (exact) can be converted")
     return dict(d_model=layer.self_attn.embed_dim, nhead=layer.self_attn.num_heads,
                 dim_feedforward=layer.linear1.out_features, dropout=layer.dropout.p,
-                activation="relu" if kind == 1 else "gelu", layer_norm_eps=layer.norm1.eps,
+                activation=activation, layer_norm_eps=layer.norm1.eps,
                 norm_first=layer.norm_first, bias=layer.linear1.bias is not None)
 
 
