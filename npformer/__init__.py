@@ -5,6 +5,8 @@ npformer.nn -> npformer.models -> optim, decoding, training, checkpoints, intero
 """
 from autograd import Tensor, manual_seed, no_grad
 
+from . import functional, models, nn
 from .checkpoint import load_checkpoint, load_model, save_checkpoint
 
-__all__ = ["Tensor", "manual_seed", "no_grad", "save_checkpoint", "load_checkpoint", "load_model"]
+__all__ = ["Tensor", "manual_seed", "no_grad", "functional", "nn", "models", "save_checkpoint", "load_checkpoint",
+           "load_model"]
