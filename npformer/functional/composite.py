@@ -2,6 +2,7 @@
 log, sum, max, where, matmul, getitem, ...), so their gradients come from the tape rather
 than from a hand-written backward. Same names and signatures as npformer.functional; the
 test suite uses them as a second reference next to torch and finite differences."""
+import contextlib
 import math
 
 from autograd import Tensor, concatenate, where
@@ -157,3 +158,23 @@ def apply_rotary_emb(x, cos, sin):
                 for t, name in ((cos, "cos"), (sin, "sin")))
     x1, x2 = x[..., :half], x[..., half:]
     return concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+TWINS = ("linear", "relu", "gelu", "dropout", "softmax", "log_softmax", "layer_norm", "embedding",
+         "cross_entropy", "scaled_dot_product_attention", "apply_rotary_emb")
+
+
+@contextlib.contextmanager
+def installed():
+    """Within the block, npformer.functional's ops are these twins, so every module that calls
+    `F.op(...)` (npformer.nn, npformer.models) runs on autograd primitives instead."""
+    import npformer.functional as F
+
+    fused = {name: getattr(F, name) for name in TWINS}
+    try:
+        for name in TWINS:
+            setattr(F, name, globals()[name])
+        yield
+    finally:
+        for name, op in fused.items():
+            setattr(F, name, op)
