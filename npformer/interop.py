@@ -85,6 +85,7 @@ def _torch_layer(layer, dtype):
 
 
 def _norm_options(norm):
+    """LayerNorm arguments, read off ours or torch's (same attribute names)."""
     return dict(eps=norm.eps, elementwise_affine=norm.weight is not None, bias=norm.bias is not None)
 
 
@@ -146,7 +147,7 @@ def _build_ours(module):
     if isinstance(module, (tnn.TransformerEncoderLayer, tnn.TransformerDecoderLayer)):
         return _our_layer(module)
     if isinstance(module, (tnn.TransformerEncoder, tnn.TransformerDecoder)):
-        norm = module.norm and nn.LayerNorm(module.norm.normalized_shape, **_torch_norm_options(module.norm))
+        norm = module.norm and nn.LayerNorm(module.norm.normalized_shape, **_norm_options(module.norm))
         if isinstance(module, tnn.TransformerEncoder):
             return nn.TransformerEncoder(_our_layer(module.layers[0]), len(module.layers), norm)
         return nn.TransformerDecoder(_our_layer(module.layers[0]), len(module.layers), norm)
@@ -159,7 +160,7 @@ def _build_ours(module):
     if isinstance(module, tnn.Linear):
         return nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
     if isinstance(module, tnn.LayerNorm):
-        return nn.LayerNorm(module.normalized_shape, **_torch_norm_options(module))
+        return nn.LayerNorm(module.normalized_shape, **_norm_options(module))
     if isinstance(module, tnn.Embedding):
         return nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx)
     raise TypeError(f"from_torch: no npformer counterpart for {type(module).__name__}")
@@ -170,10 +171,6 @@ def _our_layer(layer):
     options = _torch_layer_options(layer)
     cls = nn.TransformerEncoderLayer if isinstance(layer, torch.nn.TransformerEncoderLayer) else nn.TransformerDecoderLayer
     return cls(options.pop("d_model"), options.pop("nhead"), **options)
-
-
-def _torch_norm_options(norm):
-    return dict(eps=norm.eps, elementwise_affine=norm.weight is not None, bias=norm.bias is not None)
 
 
 def from_torch(torch_module):

@@ -20,16 +20,14 @@ def as_numpy(a):
     return backend.as_numpy(a)
 
 
-def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.0, device="cpu", seed=0,
-                        keep=None):
+def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.0, device="cpu", seed=0):
     """Compare `ours` with `interop.to_torch(ours)` forward and backward.
 
     arrays: float input arrays (dtype of the model), given as leaf Tensors (on `device`) to
     ours_fn(module, *tensors) and as torch leaves to torch_fn(torch_module, *tensors); the
     functions return one output or a tuple (None entries are skipped). Backward uses random
     upstream gradients; compared: every output, every input gradient and the gradient of
-    every parameter (matched by name). keep: optional bool array broadcastable to the first
-    output, the positions compared there (e.g. valid positions).
+    every parameter (matched by name).
     """
     theirs = interop.to_torch(ours)
     ours.zero_grad()
@@ -49,9 +47,8 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
         assert o.device == device and o.dtype == arrays[0].dtype
         got, want = o.numpy(), r.detach().numpy()
         assert got.shape == want.shape, f"output {i}: shape {got.shape} vs torch {want.shape}"
-        mask = np.broadcast_to(keep, got.shape) if (keep is not None and i == 0) else np.ones(got.shape, bool)
-        np.testing.assert_allclose(got[mask], want[mask], atol=atol, rtol=rtol, err_msg=f"output {i}")
-        g = rng.standard_normal(got.shape).astype(got.dtype) * mask
+        np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=f"output {i}")
+        g = rng.standard_normal(got.shape).astype(got.dtype)
         ours_loss = ours_loss + (o * Tensor(g, device=device)).sum()
         theirs_loss = theirs_loss + (r * torch.tensor(g)).sum()
     ours_loss.backward()
@@ -128,6 +125,12 @@ def test_embedding_matches_torch(padding_idx, torch, device):
         assert np.all(as_numpy(m.weight.grad)[padding_idx] == 0)
 
 
+def test_embedding_gradcheck(device):
+    # without padding_idx: the padding row is deliberately frozen, which finite differences would see
+    ids = np.array([[1, 4, 1], [0, 1, 2]])
+    gradcheck_module(nn.Embedding(5, 2), lambda m: m(ids), [], device)
+
+
 def test_embedding_init_and_errors():
     autograd.manual_seed(0)
     m = nn.Embedding(1000, 50)
@@ -172,6 +175,20 @@ def test_activations_match_torch(make, name, torch, rng, device):
     out.backward(Tensor(g, device=device))
     tout.backward(torch.tensor(g))
     np.testing.assert_allclose(as_numpy(x.grad), tx.grad.numpy(), **F64)
+
+
+@pytest.mark.parametrize("module", [nn.ReLU(), nn.GELU(), nn.GELU("tanh")], ids=repr)
+def test_activations_gradcheck(module, rng, device):
+    x = rng.standard_normal((3, 4)) * 2
+    x[np.abs(x) < 0.01] = 0.5  # keep finite differences away from relu's kink
+    gradcheck_module(module, lambda m, x: m(x), [x], device)
+
+
+def test_dropout_gradcheck_in_training(rng, device):
+    def dropped(m, x):
+        autograd.manual_seed(5)  # the same mask on every evaluation
+        return m(x)
+    gradcheck_module(nn.Dropout(0.4), dropped, [rng.standard_normal((4, 5))], device)
 
 
 def test_gelu_rejects_unknown_approximation():

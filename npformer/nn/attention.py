@@ -137,7 +137,6 @@ class MultiheadAttention(Module):
 
     def project_qkv(self, query, key, value):
         """Query, key, value projected and split into heads, each (B, H, L, hd)."""
-        E = self.embed_dim
         if query is key and key is value:  # self-attention: one packed GEMM (B, T, 3E)
             B, T, _ = query.shape
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)              # (B, T, 3E)
