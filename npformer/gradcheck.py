@@ -197,9 +197,9 @@ def _functional_checks():
     def seeded_dropout(x):
         return F.dropout(x, 0.4, generator=autograd.backend.default_rng(7))
 
-    def seeded_attention_dropout(q, k, v):
+    def seeded_attention_dropout(q, k, v, **kw):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True,
-                                              generator=autograd.backend.default_rng(7))
+                                              generator=autograd.backend.default_rng(7), **kw)
 
     def float_mask_case(rng):
         mask = _fully_masked_float(rng, 4, 4)
@@ -250,6 +250,9 @@ def _functional_checks():
             sdpa(is_causal=True, return_weights=True), qkv(rng),
             lambda t, q, k, v: _torch_attention_with_weights(t, q, k, v))),
         Check("F.sdpa (seeded dropout)", lambda rng: functional_case(seeded_attention_dropout, qkv(rng))),
+        Check("F.sdpa memory-efficient (seeded dropout)", lambda rng: functional_case(
+            lambda q, k, v: seeded_attention_dropout(q, k, v, memory_efficient=True, block_size=3), qkv(rng),
+            twin=False)),
         Check("F.apply_rotary_emb", lambda rng: functional_case(
             lambda x: F.apply_rotary_emb(x, cos, sin), [rng.standard_normal((2, 4, 6))],
             lambda t, x: _rope_torch(t, x, cos, sin))),

@@ -199,6 +199,41 @@ def test_dropout_matches_twin_and_gradcheck(device):
     assert autograd.gradcheck(lambda q, k, v: run(F, (q, k, v)), [leaf(a, device) for a in arrays])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_efficient_dropout_equals_naive_with_the_same_block_masks(causal, device):
+    """The blockwise path regenerates each block's mask from (seed, block): assembling those
+    masks and running the naive path with them gives the same output and gradients."""
+    from npformer.functional.attention import Attention, dropout_block_mask
+    rng = np.random.default_rng(12)
+    arrays = qkv(rng, 5, 7, 3)
+    p, block, seed_source = 0.3, 3, 21
+    seed = int(autograd.backend.default_rng(seed_source, device).integers(0, 2**62))
+    ins = [leaf(a, device) for a in arrays]
+    keep = np.zeros((B, H, 5, 7), dtype=bool)
+    for qs in range(0, 5, block):
+        for ks in range(0, 7, block):
+            shape = (B, H, min(block, 5 - qs), min(block, 7 - ks))
+            keep[..., qs:qs + block, ks:ks + block] = autograd.backend.as_numpy(
+                dropout_block_mask(seed, qs, ks, shape, p, ins[0].data))
+    assert 0.1 < 1 - keep.mean() < 0.5
+    reference = Attention.apply(*ins, blocked=None, additive=None, causal=causal, scale=1 / np.sqrt(3),
+                                keep=autograd.backend.to_device(keep, device), dropout_scale=1 / (1 - p),
+                                return_weights=False)
+    blockwise_in = [leaf(a, device) for a in arrays]
+    out = F.scaled_dot_product_attention(*blockwise_in, dropout_p=p, is_causal=causal, memory_efficient=True,
+                                         block_size=block, generator=autograd.backend.default_rng(seed_source, device))
+    np.testing.assert_allclose(out.numpy(), reference.numpy(), atol=1e-12)
+    g = rng.standard_normal(out.shape)
+    out.backward(g)
+    reference.backward(g)
+    for a, b in zip(blockwise_in, ins):
+        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), autograd.backend.as_numpy(b.grad), atol=1e-12)
+    assert autograd.gradcheck(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, memory_efficient=True,
+                                                       block_size=block, generator=autograd.backend.default_rng(1, device)),
+        [leaf(a, device) for a in qkv(rng, 4, 4, 2)])
+
+
 def test_dropout_rate_and_extremes():
     rng = np.random.default_rng(10)
     q, k, v = (Tensor(a) for a in qkv(rng, 64, 64, 4, (1, 1)))
@@ -210,8 +245,9 @@ def test_dropout_rate_and_extremes():
     _, p = F.scaled_dot_product_attention(q, k, v, return_weights=True)
     kept = w.numpy() != 0
     np.testing.assert_allclose(w.numpy()[kept], p.numpy()[kept] / 0.75, rtol=1e-12)
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
-    assert not out.numpy().any()
+    for memory_efficient in (False, True):
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=1.0, memory_efficient=memory_efficient)
+        assert not out.numpy().any()
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
@@ -222,7 +258,6 @@ def test_dropout_rate_and_extremes():
     ({"attn_mask": np.ones((TQ, TK + 1), dtype=bool)}, ValueError, ["attn_mask", "(2, 2, 5, 6)", "(5, 7)"]),
     ({"attn_mask": np.ones((TQ, TK), dtype=np.int64)}, TypeError, ["attn_mask", "int64"]),
     ({"dropout_p": 1.5}, ValueError, ["dropout", "1.5"]),
-    ({"dropout_p": 0.1, "memory_efficient": True}, NotImplementedError, ["memory_efficient", "dropout"]),
     ({"return_weights": True, "memory_efficient": True}, ValueError, ["return_weights"]),
     ({"memory_efficient": True, "block_size": 0}, ValueError, ["block_size", "0"]),
     ({"query": np.zeros((B, H, TQ, HD), dtype=np.int64)}, TypeError, ["query", "floating", "int64"]),

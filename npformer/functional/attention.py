@@ -101,11 +101,14 @@ class MemoryEfficientAttention(Function):
     blocks; saves O and L = m + log(l) (-inf for a fully masked row).
     Backward per block: P = exp(S - L), D = rowsum(dO O), dV += P^T dO, dP = dO V^T,
     dS = P (dP - D), dQ += s dS K, dK += s dS^T Q.
+    Dropout: the mask of block (i, j) is drawn from a generator seeded by (seed, i, j), so the
+    backward regenerates exactly the forward's mask instead of storing it.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, blocked, additive, causal, scale, block_size):
+    def forward(ctx, q, k, v, blocked, additive, causal, scale, block_size, dropout_p, dropout_seed):
         xp = backend.get_array_module(q)
+        dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
         tq, tk = q.shape[-2], k.shape[-2]
         lead = _lead_shape(q, k, v)
         out = xp.zeros(lead + (tq, v.shape[-1]), dtype=q.dtype)              # (..., Tq, hdv)
@@ -126,7 +129,10 @@ class MemoryEfficientAttention(Function):
                 p -= shift
                 xp.exp(p, out=p)                                             # (..., bq, bk) exp(S - m)
                 row_sum *= correction
-                row_sum += p.sum(axis=-1, keepdims=True)
+                row_sum += p.sum(axis=-1, keepdims=True)                     # l sums P before dropout
+                if dropout_p:                                                # Pd = P * keep / (1 - p)
+                    p *= dropout_block_mask(dropout_seed, qs, ks, p.shape, dropout_p, q)
+                    p *= dropout_scale
                 acc *= correction
                 acc += p @ v[..., ks:ke, :]
                 row_max = new_max
@@ -138,6 +144,7 @@ class MemoryEfficientAttention(Function):
             lse[..., qs:qe, :] = block_lse
         ctx.save_for_backward(q, k, v, out, lse, blocked, additive)
         ctx.causal, ctx.scale, ctx.block_size = causal, scale, block_size
+        ctx.dropout = (dropout_p, dropout_seed, dropout_scale)
         return out
 
     @staticmethod
@@ -145,11 +152,12 @@ class MemoryEfficientAttention(Function):
         q, k, v, out, lse, blocked, additive = ctx.saved_tensors
         xp = backend.get_array_module(dout)
         scale, block_size, causal = ctx.scale, ctx.block_size, ctx.causal
+        dropout_p, dropout_seed, dropout_scale = ctx.dropout
         tq, tk = q.shape[-2], k.shape[-2]
         lead = out.shape[:-2]
         # a fully masked row has L = -inf: use +inf so exp(S - L) = 0 there, never -inf - (-inf)
         lse = xp.where(xp.isfinite(lse), lse, math.inf)
-        # D_i = rowsum(dO_i * O_i) = rowsum(dP_i * P_i)
+        # D_i = rowsum(dO_i * O_i) = rowsum(dP_i * P_i) (with dropout too: O_i = sum_j Pd_ij V_j)
         delta = xp.einsum("...ij,...ij->...i", dout, out)[..., None]        # (..., Tq, 1)
         dq = xp.zeros(lead + q.shape[-2:], dtype=q.dtype)
         dk = xp.zeros(lead + k.shape[-2:], dtype=q.dtype)
@@ -165,10 +173,19 @@ class MemoryEfficientAttention(Function):
                 # forward: P = exp(S - L), recomputed block by block
                 p -= lse[..., qs:qe, :]
                 xp.exp(p, out=p)                                             # (..., bq, bk)
-                # O = P V  ->  dV_j += P^T dO
-                dv[..., ks:ke, :] += p.swapaxes(-1, -2) @ do_block
-                # O = P V  ->  dP = dO V^T
+                dropped, keep = p, None
+                if dropout_p:                                                # the forward's mask, regenerated
+                    keep = dropout_block_mask(dropout_seed, qs, ks, p.shape, dropout_p, q)
+                    dropped = p * keep
+                    dropped *= dropout_scale
+                # O = Pd V  ->  dV_j += Pd^T dO
+                dv[..., ks:ke, :] += dropped.swapaxes(-1, -2) @ do_block
+                # O = Pd V  ->  dPd = dO V^T
                 dp = do_block @ v[..., ks:ke, :].swapaxes(-1, -2)           # (..., bq, bk)
+                # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
+                if keep is not None:
+                    dp *= keep
+                    dp *= dropout_scale
                 # P = softmax(S)  ->  dS = P (dP - D)
                 dp -= delta[..., qs:qe, :]
                 dp *= p
@@ -181,6 +198,14 @@ class MemoryEfficientAttention(Function):
         return (unbroadcast(dq, q.shape) if need_q else None,
                 unbroadcast(dk, k.shape) if need_k else None,
                 unbroadcast(dv, v.shape) if need_v else None)
+
+
+def dropout_block_mask(seed, q_start, k_start, shape, p, like):
+    """Keep-mask (True with probability 1 - p) of the attention block starting at query q_start
+    and key k_start: a pure function of (seed, q_start, k_start), on the device of `like`."""
+    block_seed = hash((seed, q_start, k_start)) & (2**63 - 1)  # ints hash the same in every process
+    rng = backend.default_rng(block_seed, backend.device_of(like))
+    return rng.random(shape, dtype="float32") >= p
 
 
 def _lead_shape(q, k, v):
@@ -229,7 +254,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dropout_p: dropout on the attention probabilities (drawn from `generator` or the global one).
     return_weights=True returns (out, weights) where weights are the (dropped-out) probabilities.
     memory_efficient=True runs blocks of `block_size` queries x keys with an online softmax
-    and never stores (Tq, Tk) matrices; it supports neither dropout_p > 0 nor return_weights.
+    and never stores (Tq, Tk) matrices; no return_weights there. Its dropout masks come from one
+    seed drawn per call from `generator` (regenerated per block in backward), so they differ
+    from the naive path's masks for the same generator state.
     """
     op = "scaled_dot_product_attention"
     q = check_tensor("query", query, op)
@@ -251,16 +278,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     blocked, additive = _prepare_mask(attn_mask, q, lead + (q.shape[-2], k.shape[-2]))
     causal = bool(is_causal)
     if memory_efficient:
-        if dropout_p > 0:
-            raise NotImplementedError(f"{op}: memory_efficient=True does not support dropout_p > 0; "
-                                      "use the naive path (memory_efficient=False) for attention dropout")
         if return_weights:
             raise ValueError(f"{op}: return_weights=True needs the full attention matrix; "
                              "it cannot be combined with memory_efficient=True")
         if not (isinstance(block_size, int) and block_size > 0):
             raise ValueError(f"{op}: block_size must be a positive int, got {block_size!r}")
+        seed = None
+        if dropout_p > 0:
+            rng = generator if generator is not None else backend.global_rng(backend.device_of(q))
+            seed = int(rng.integers(0, 2**62))
         return MemoryEfficientAttention.apply(query, key, value, blocked=blocked, additive=additive,
-                                              causal=causal, scale=scale, block_size=block_size)
+                                              causal=causal, scale=scale, block_size=block_size,
+                                              dropout_p=dropout_p, dropout_seed=seed)
     keep, dropout_scale = None, 1.0
     if dropout_p > 0:
         device = backend.device_of(q)
