@@ -132,6 +132,9 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, **state):
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600: give it a normal file's permissions
         with os.fdopen(fd, "wb") as f:
             _write_npz(f, arrays)
             f.flush()
