@@ -11,7 +11,7 @@ import npformer.functional as F
 from autograd import Tensor
 from npformer import nn
 
-from test_nn_layers import F32, F64, as_numpy, assert_torch_parity, gradcheck_module, torch_rope
+from test_nn_layers import F32, F64, assert_torch_parity, gradcheck_module, torch_rope
 
 B, T, S, E, H = 2, 4, 5, 8, 2
 

@@ -194,22 +194,33 @@ def decoder_masks(tgt, memory, nhead, tgt_mask, memory_mask, tgt_key_padding_mas
     return self_mask + cross_mask
 
 
-def _clones(layer, num_layers, owner):
-    check_positive_int(num_layers, "num_layers", owner)
-    return ModuleList([copy.deepcopy(layer) for _ in range(num_layers)])
+class _LayerStack(Module):
+    """`num_layers` deep copies of one layer (all starting equal, like torch's _get_clones),
+    then the optional final `norm`."""
 
+    layer_type = None
 
-class TransformerEncoder(Module):
-    """A stack of `num_layers` deep copies of `encoder_layer`, then the optional final `norm`."""
-
-    def __init__(self, encoder_layer, num_layers, norm=None):
+    def __init__(self, layer, num_layers, norm=None):
         super().__init__()
-        if not isinstance(encoder_layer, TransformerEncoderLayer):
-            raise TypeError(f"TransformerEncoder: encoder_layer must be a TransformerEncoderLayer, "
-                            f"got {type(encoder_layer).__name__}")
-        self.layers = _clones(encoder_layer, num_layers, "TransformerEncoder")
+        owner = type(self).__name__
+        if not isinstance(layer, self.layer_type):
+            raise TypeError(f"{owner}: expected a {self.layer_type.__name__} to copy, got {type(layer).__name__}")
+        check_positive_int(num_layers, "num_layers", owner)
+        self.layers = ModuleList([copy.deepcopy(layer) for _ in range(num_layers)])
         self.num_layers = num_layers
         self.norm = norm
+
+    def _final_norm(self, x):
+        return self.norm(x) if self.norm is not None else x
+
+
+class TransformerEncoder(_LayerStack):
+    """A stack of `num_layers` deep copies of `encoder_layer`, then the optional final `norm`."""
+
+    layer_type = TransformerEncoderLayer
+
+    def __init__(self, encoder_layer, num_layers, norm=None):
+        super().__init__(encoder_layer, num_layers, norm)
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         """src (B, S, d) -> (B, S, d); masks as in TransformerEncoderLayer, converted once."""
@@ -219,20 +230,16 @@ class TransformerEncoder(Module):
         x = src
         for layer in self.layers:
             x = layer.forward_masked(x, *prepared)
-        return self.norm(x) if self.norm is not None else x
+        return self._final_norm(x)
 
 
-class TransformerDecoder(Module):
+class TransformerDecoder(_LayerStack):
     """A stack of `num_layers` deep copies of `decoder_layer`, then the optional final `norm`."""
 
+    layer_type = TransformerDecoderLayer
+
     def __init__(self, decoder_layer, num_layers, norm=None):
-        super().__init__()
-        if not isinstance(decoder_layer, TransformerDecoderLayer):
-            raise TypeError(f"TransformerDecoder: decoder_layer must be a TransformerDecoderLayer, "
-                            f"got {type(decoder_layer).__name__}")
-        self.layers = _clones(decoder_layer, num_layers, "TransformerDecoder")
-        self.num_layers = num_layers
-        self.norm = norm
+        super().__init__(decoder_layer, num_layers, norm)
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
@@ -246,7 +253,7 @@ class TransformerDecoder(Module):
         x = tgt
         for layer in self.layers:
             x = layer.forward_masked(x, memory, *masks)
-        return self.norm(x) if self.norm is not None else x
+        return self._final_norm(x)
 
     # -- cached step-wise decoding --------------------------------------------------------------
     def init_cache(self, memory, memory_key_padding_mask=None):
@@ -269,7 +276,7 @@ class TransformerDecoder(Module):
         for layer, layer_cache in zip(self.layers, cache.layers):
             x = layer.forward_step(x, layer_cache, cache.cross_mask, cache.length)
         cache.length += 1
-        return self.norm(x) if self.norm is not None else x
+        return self._final_norm(x)
 
 
 class LayerCache:
