@@ -49,6 +49,16 @@ def horner(coefficients, z):
     return result
 
 
+def horner_inplace(coefficients, z):
+    """horner() for arrays, in place: two passes over a new array per coefficient, no temporaries."""
+    result = z * coefficients[-1]
+    result += coefficients[-2]
+    for c in coefficients[-3::-1]:
+        result *= z
+        result += c
+    return result
+
+
 def erf_small(a):
     """erf(a) for 0 <= a < 0.84375."""
     z = a * a
@@ -76,19 +86,26 @@ def erf_far(a, exp):
 def erf(x):
     """Elementwise erf of an array (numpy, cupy or the test device), dtype kept.
 
-    Each interval's formula runs only on the entries that fall in it; NaN stays NaN.
+    The small-|x| formula runs in place over the whole array; each other interval's formula
+    runs only on the entries in it (gathered with take, written back with put). NaN stays NaN.
     """
     from autograd import backend
 
     xp = backend.get_array_module(x)
-    a = xp.abs(x)
-    out = erf_small(xp.minimum(a, BOUNDS[0]))   # right on [0, 0.84375); clamped elsewhere
+    flat_x = x.reshape(-1)                           # 1-D, so 0-d inputs stay arrays
+    a = xp.abs(flat_x)
+    out = xp.minimum(a, BOUNDS[0])                   # right on [0, 0.84375); clamped elsewhere
+    z = out * out
+    ratio = horner_inplace(PP, z)
+    ratio /= horner_inplace(QQ, z)
+    ratio *= out
+    out += ratio                                     # a + a P(a^2) / Q(a^2)
     branches = ((BOUNDS[0], BOUNDS[1], erf_middle),
                 (BOUNDS[1], BOUNDS[2], lambda t: erf_near(t, xp.exp)),
                 (BOUNDS[2], BOUNDS[3], lambda t: erf_far(t, xp.exp)))
     for lo, hi, formula in branches:
-        sel = (a >= lo) & (a < hi)
-        if bool(sel.any()):
-            out[sel] = formula(a[sel])
+        index = xp.flatnonzero((a >= lo) & (a < hi))
+        if index.size:
+            out.put(index, formula(a.take(index)))
     out[a >= BOUNDS[3]] = 1.0
-    return xp.copysign(out, x)
+    return xp.copysign(out, flat_x, out=out).reshape(x.shape)

@@ -46,7 +46,9 @@ class GELU(Function):
             t = xp.tanh(TANH_C * (x + TANH_K * x * x * x))   # t = tanh(u)
             ctx.save_for_backward(x, t)
             return 0.5 * x * (1.0 + t)
-        cdf = 0.5 * (1.0 + erf(x / SQRT_2))                 # Phi(x)
+        cdf = erf(x / SQRT_2)                               # Phi(x) = (1 + erf(x / sqrt 2)) / 2
+        cdf += 1.0
+        cdf *= 0.5
         ctx.save_for_backward(x, cdf)
         return x * cdf
 
@@ -60,8 +62,15 @@ class GELU(Function):
             # y = 0.5 x (1 + tanh(u))  ->  dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx
             return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
         x, cdf = ctx.saved_tensors
-        # y = x Phi(x)  ->  dy/dx = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi)
-        return dy * (cdf + x * (INV_SQRT_2PI * xp.exp(-0.5 * x * x)))
+        density = x * x                                     # phi(x) = exp(-x^2/2) / sqrt(2 pi)
+        density *= -0.5
+        xp.exp(density, out=density)
+        density *= INV_SQRT_2PI
+        # y = x Phi(x)  ->  dy/dx = Phi(x) + x phi(x)
+        density *= x
+        density += cdf
+        density *= dy
+        return density
 
 
 def gelu(input, approximate="none"):
