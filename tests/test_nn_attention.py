@@ -198,8 +198,9 @@ def test_memory_efficient_equals_naive(rng, device):
         m.eval()
     np.testing.assert_allclose(blockwise(x, x, x, need_weights=False, **kwargs)[0].numpy(),
                                naive(x, x, x, need_weights=False, **kwargs)[0].numpy(), atol=1e-12)
-    blockwise.train()  # attention dropout on: falls back to the naive kernel instead of failing
+    blockwise.train()  # with attention dropout too
     assert blockwise(x, x, x, need_weights=False, **kwargs)[0].shape == (B, T, E)
+    assert blockwise(x, x, x, need_weights=True)[1].shape == (B, T, T)  # weights: the naive kernel
 
 
 def test_attention_dropout_only_in_training(rng):

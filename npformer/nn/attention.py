@@ -85,7 +85,7 @@ class MultiheadAttention(Module):
 
     Extras (not in torch): `rotary=True` applies RoPE to q and k (positions from 0, or from
     `offset` in the cached step); `memory_efficient=True` uses the blockwise SDPA kernel whenever
-    attention dropout is off (eval mode or dropout=0) and no weights are asked for.
+    no attention weights are asked for (need_weights=False, as inside the Transformer layers).
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, batch_first=True, device=None,
@@ -163,12 +163,11 @@ class MultiheadAttention(Module):
     def attend(self, q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
         """SDPA over heads (mask in SDPA convention) then out_proj: (B, T, E), weights or None."""
         B, H, T, hd = q.shape
-        dropout_p = self.dropout if self.training else 0.0
-        # the blockwise kernel has no attention dropout and no weights: use it when neither is needed
-        blockwise = self.memory_efficient and not need_weights and dropout_p == 0.0
+        # the blockwise kernel never forms the weights: use it when they are not asked for
         result = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, return_weights=need_weights,
-            memory_efficient=blockwise, block_size=self.block_size)
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
+            return_weights=need_weights, memory_efficient=self.memory_efficient and not need_weights,
+            block_size=self.block_size)
         out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
         if weights is not None and average_attn_weights:
