@@ -113,9 +113,9 @@ def _check_same_device_and_dtype(op, tensors):
     if len(devices) > 1:
         raise RuntimeError(f"{op.__name__}: expected all tensors on one device, got {sorted(devices)}; "
                            "move them with .to(device)")
-    floats = {str(t.dtype) for t in tensors if t.dtype.kind == "f"}
+    floats = {t.dtype for t in tensors if t.dtype.kind == "f"}
     if len(floats) > 1:
-        raise TypeError(f"{op.__name__}: expected one floating dtype, got {sorted(floats)}; "
+        raise TypeError(f"{op.__name__}: expected one floating dtype, got {sorted(map(str, floats))}; "
                         "cast with .to(dtype=...) or .float()/.double() on modules")
 
 
