@@ -2,6 +2,12 @@
 scaled_dot_product_attention, float32, B=1, H=8, head_dim=64, for T = 128 ... 4096.
 
     python benchmarks/attention.py [--lengths 128 256 ...] [--repeats 3] [--causal] [--block-size 512]
+                                   [--threads N]
+
+--threads N sets OPENBLAS_NUM_THREADS / OMP_NUM_THREADS and torch's thread count to N in the
+worker processes (default: the environment as it is, torch on every core). On a machine
+shared with other work, multithreaded BLAS calls wait for descheduled threads and small
+GEMMs slow down by orders of magnitude; --threads 1 gives steadier figures there.
 
 Every (implementation, T) runs in its own process. Time: median of --repeats runs of forward +
 backward (after one untimed run). Peak extra memory of that first run, two ways: the growth of
@@ -38,7 +44,7 @@ def worker(impl, t, repeats, causal, block_size):
     arrays = [rng.standard_normal((B, H, t, HD)).astype(np.float32) for _ in range(4)]  # q, k, v, dout
     if impl == "torch":
         import torch
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
         q, k, v = (torch.tensor(a, requires_grad=True) for a in arrays[:3])
         dout = torch.tensor(arrays[3])
 
@@ -74,7 +80,11 @@ def worker(impl, t, repeats, causal, block_size):
 def run_in_subprocess(impl, t, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--lengths", str(t),
            "--repeats", str(args.repeats), "--block-size", str(args.block_size)] + (["--causal"] if args.causal else [])
-    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    env = dict(os.environ)
+    if args.threads:
+        env.update(OPENBLAS_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
+                   MKL_NUM_THREADS=str(args.threads))
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -85,14 +95,17 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--threads", type=int, default=0, help="BLAS/torch threads per worker (0: as is)")
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.lengths[0], args.repeats, args.causal, args.block_size)))
         return
 
+    threads = args.threads or os.environ.get("OPENBLAS_NUM_THREADS", "default")
     print(f"attention forward+backward, float32, B={B}, H={H}, head_dim={HD}, causal={args.causal}, "
-          f"block_size={args.block_size}, median of {args.repeats}, {os.cpu_count()} CPUs")
+          f"block_size={args.block_size}, median of {args.repeats}, {os.cpu_count()} CPUs, threads={threads}, "
+          f"load average {os.getloadavg()[0]:.1f}")
     header = f"{'T':>6} | " + " | ".join(f"{name:>34}" for name in args.impls)
     print(header)
     print(f"{'':>6} | " + " | ".join(f"{'ms':>9} {'peak RSS MB':>11} {'numpy MB':>11}" for _ in args.impls))

@@ -3,7 +3,7 @@ memory-efficient path (FlashAttention-style online softmax over key blocks) that
 the output and one logsumexp per query row. Both have hand-written backward passes."""
 import math
 
-from autograd import Function, Tensor, backend, unbroadcast
+from autograd import Function, backend, unbroadcast
 
 from ._common import check_tensor, on_device_of
 from .activation import check_dropout_p, dropout_mask
