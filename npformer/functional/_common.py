@@ -34,3 +34,23 @@ def normalize_dim(dim, ndim, op, name="dim"):
     if not -ndim <= dim < max(ndim, 1):
         raise IndexError(f"{op}: {name} out of range: expected in [{-ndim}, {ndim - 1}], got {dim}")
     return dim % max(ndim, 1)
+
+
+def broadcast_shapes(*shapes):
+    """numpy.broadcast_shapes in plain Python (not every backend has it); ValueError if they clash."""
+    ndim = max(len(s) for s in shapes)
+    result = []
+    for sizes in zip(*[(1,) * (ndim - len(s)) + tuple(s) for s in shapes]):
+        stretched = {n for n in sizes if n != 1}
+        if len(stretched) > 1:
+            raise ValueError(f"shapes {shapes} do not broadcast")
+        result.append(stretched.pop() if stretched else 1)
+    return tuple(result)
+
+
+def broadcasts_to(shape, target):
+    """True when an array of `shape` broadcasts to exactly `target`."""
+    try:
+        return len(shape) <= len(target) and broadcast_shapes(shape, target) == tuple(target)
+    except ValueError:
+        return False

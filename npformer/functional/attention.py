@@ -5,7 +5,7 @@ import math
 
 from autograd import Function, backend, unbroadcast
 
-from ._common import check_tensor, on_device_of
+from ._common import broadcast_shapes, broadcasts_to, check_tensor, on_device_of
 from .activation import check_dropout_p, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
@@ -209,8 +209,7 @@ def dropout_block_mask(seed, q_start, k_start, shape, p, like):
 
 
 def _lead_shape(q, k, v):
-    xp = backend.get_array_module(q)
-    return tuple(xp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    return broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
 
 
 def _key_starts(q_start, q_stop, tk, block_size, causal):
@@ -228,12 +227,7 @@ def _prepare_mask(attn_mask, q, score_shape):
     if mask.dtype.kind not in "bf":
         raise TypeError("scaled_dot_product_attention: attn_mask must be bool (True = takes part) or "
                         f"floating (added to the scores), got dtype {mask.dtype}")
-    xp = backend.get_array_module(q)
-    try:
-        ok = mask.ndim <= len(score_shape) and tuple(xp.broadcast_shapes(mask.shape, score_shape)) == score_shape
-    except ValueError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(mask.shape, score_shape):
         raise ValueError("scaled_dot_product_attention: attn_mask must broadcast to (..., Tq, Tk) = "
                          f"{score_shape}, got shape {tuple(mask.shape)}")
     mask = mask.reshape((1,) * max(0, 2 - mask.ndim) + tuple(mask.shape))

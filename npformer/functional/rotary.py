@@ -1,7 +1,7 @@
 """Rotary position embedding (RoPE), half-split layout."""
 from autograd import Function, backend
 
-from ._common import check_tensor, on_device_of
+from ._common import broadcasts_to, check_tensor, on_device_of
 
 
 class RotaryEmbedding(Function):
@@ -51,12 +51,7 @@ def apply_rotary_emb(x, cos, sin):
     tables = []
     for name, table in (("cos", cos), ("sin", sin)):
         table = on_device_of(table, xd, name, op)
-        xp = backend.get_array_module(xd)
-        try:
-            ok = table.ndim <= len(half_shape) and tuple(xp.broadcast_shapes(table.shape, half_shape)) == half_shape
-        except ValueError:
-            ok = False
-        if not ok:
+        if not broadcasts_to(table.shape, half_shape):
             raise ValueError(f"{op}: {name} must broadcast to (..., T, head_dim/2) = {half_shape}, "
                              f"got shape {tuple(table.shape)}")
         tables.append(table.astype(xd.dtype, copy=False))
