@@ -212,6 +212,14 @@ def test_dropout_rate_scale_mask_reuse_and_seeding(device):
     np.testing.assert_array_equal(twin.numpy(), values)
 
 
+@pytest.mark.parametrize("p", [1e-7, 0.9999999])
+def test_dropout_probabilities_near_0_and_1(p):
+    """The CPU mask compares 16 random bits to round(p * 2^16): no overflow next to p = 1."""
+    y = F.dropout(Tensor(np.ones(20000)), p, generator=autograd.backend.default_rng(0)).numpy()
+    assert (y == 0).mean() == pytest.approx(p, abs=2e-4)
+    assert np.all(y[y != 0] == 1 / (1 - p))
+
+
 def test_dropout_gradcheck_with_a_seeded_generator(device):
     x = leaf(np.random.default_rng(12).standard_normal((3, 4)), device)
     assert autograd.gradcheck(lambda a: F.dropout(a, 0.4, generator=autograd.backend.default_rng(3, device)), [x])

@@ -102,12 +102,17 @@ class Dropout(Function):
 
 
 def dropout_mask(shape, p, device, generator=None):
-    """Boolean mask, True with probability 1 - p: float32 uniforms compared to p.
+    """Boolean mask, True with probability 1 - p, drawn from `generator` (a Generator of the
+    device) or the device's global generator.
 
-    Drawn from `generator` (a Generator of the device) or the device's global generator.
+    On the CPU: 16 random bits per entry compared to round(p * 2^16), about twice as fast as
+    float32 uniforms (the drop probability is p rounded to a multiple of 2^-16, within 7.7e-6).
+    On the GPU, where drawing is cheap: float32 uniforms compared to p.
     """
     rng = generator if generator is not None else backend.global_rng(device)
-    return rng.random(shape, dtype="float32") >= p
+    if device == "cuda":
+        return rng.random(shape, dtype="float32") >= p
+    return rng.integers(0, 2**16, size=shape, dtype="uint16") >= min(round(p * 2**16), 2**16 - 1)
 
 
 def check_dropout_p(p, op):

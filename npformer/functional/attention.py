@@ -204,8 +204,8 @@ def dropout_block_mask(seed, q_start, k_start, shape, p, like):
     """Keep-mask (True with probability 1 - p) of the attention block starting at query q_start
     and key k_start: a pure function of (seed, q_start, k_start), on the device of `like`."""
     block_seed = hash((seed, q_start, k_start)) & (2**63 - 1)  # ints hash the same in every process
-    rng = backend.default_rng(block_seed, backend.device_of(like))
-    return rng.random(shape, dtype="float32") >= p
+    device = backend.device_of(like)
+    return dropout_mask(shape, p, device, backend.default_rng(block_seed, device))
 
 
 def _lead_shape(q, k, v):
