@@ -4,6 +4,7 @@ from autograd import Tensor, backend
 from .. import nn
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
+from ..nn.transformer import check_d_model_nhead
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
 
@@ -24,11 +25,20 @@ def additive_positions(positional, d_model, max_len):
     return None
 
 
-def token_ids(ids, like, owner, name):
-    """Integer ids (B, T) (numpy/cupy array, list or Tensor) on the device of the array `like`."""
-    ids = as_ids(ids, like, owner, name)
+def token_ids(ids, embedding, owner, name, max_len=None):
+    """Integer ids (B, T) (numpy/cupy array, list or Tensor) on the device of `embedding`, checked
+    against its vocabulary and, when given, the length of the positional table."""
+    ids = as_ids(ids, embedding.weight.data, owner, name)
     if ids.ndim != 2 or 0 in ids.shape:
         raise ValueError(f"{owner}: {name} must be a non-empty (batch, seq) array of token ids, got shape {ids.shape}")
+    vocab = embedding.num_embeddings
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise IndexError(f"{owner}: {name} token ids must be in [0, {vocab - 1}] (vocabulary size {vocab}), "
+                         f"got min {lo} and max {hi}")
+    if max_len is not None and ids.shape[1] > max_len:
+        raise ValueError(f"{owner}: {name} has {ids.shape[1]} positions but max_len={max_len}; shorten it or "
+                         f"build the model with a larger max_len")
     return ids
 
 
@@ -64,6 +74,7 @@ class EncoderOnlyModel(nn.Module):
         owner = type(self).__name__
         check_choice(positional, POSITIONAL, "positional", owner)
         check_choice(activation, ("relu", "gelu"), "activation", owner)
+        check_d_model_nhead(d_model, nhead, owner)
         self.d_model, self.pad_idx, self.positional_kind = d_model, pad_idx, positional
         self.tok_embed = nn.Embedding(vocab_size, d_model, padding_idx=pad_idx)
         positions = additive_positions(positional, d_model, max_len)
@@ -83,7 +94,8 @@ class EncoderOnlyModel(nn.Module):
         self.tok_embed.zero_padding_row()
 
     def _ids(self, ids, name="input_ids"):
-        return token_ids(ids, self.tok_embed.weight.data, type(self).__name__, name)
+        positions = getattr(self, "pos_embed", None) or getattr(self, "positional", None)
+        return token_ids(ids, self.tok_embed, type(self).__name__, name, getattr(positions, "max_len", None))
 
     def hidden_states(self, ids, key_padding_mask=None, is_causal=False):
         """ids (B, T) integer array -> (B, T, d_model) after the final LayerNorm."""

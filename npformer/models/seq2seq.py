@@ -6,6 +6,7 @@ import npformer.functional as F
 from .. import nn
 from ..nn import init
 from ..nn.layers import as_ids
+from ..nn.transformer import check_d_model_nhead
 from ._common import POSITIONAL, additive_positions, check_choice, padding_mask_from_ids, token_ids
 
 
@@ -42,6 +43,7 @@ class Seq2SeqTransformer(nn.Module):
         check_choice(positional, POSITIONAL, "positional", owner)
         check_choice(tie_weights, (False, True, "all"), "tie_weights", owner)
         check_choice(activation, ("relu", "gelu"), "activation", owner)
+        check_d_model_nhead(d_model, nhead, owner)
         if tie_weights == "all" and src_vocab_size != tgt_vocab_size:
             raise ValueError(f"{owner}: tie_weights='all' shares one matrix between both embeddings and the "
                              f"generator, so src_vocab_size ({src_vocab_size}) must equal tgt_vocab_size "
@@ -100,8 +102,10 @@ class Seq2SeqTransformer(nn.Module):
         weight = self.tgt_embed.weight if self.tie_weights else self.generator.weight
         return F.linear(hidden, weight, self.generator.bias)
 
-    def _ids(self, ids, name):
-        return token_ids(ids, self.tgt_embed.weight.data, type(self).__name__, name)
+    def _ids(self, ids, side):
+        """`side` ("src" or "tgt") ids checked against that side's vocabulary and positional table."""
+        max_len = getattr(self._positions(side), "max_len", None)
+        return token_ids(ids, getattr(self, f"{side}_embed"), type(self).__name__, side, max_len)
 
     def forward(self, src, tgt, src_key_padding_mask=None, tgt_key_padding_mask=None):
         """src (B, S), tgt (B, T) integer ids; masks (B, S), (B, T) bool with True = padding

@@ -186,6 +186,9 @@ class MultiheadAttention(Module):
                              f"key {key.shape[0]}, value {value.shape[0]}")
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"MultiheadAttention: key and value lengths differ: {key.shape[1]} vs {value.shape[1]}")
+        if key.shape[1] == 0:
+            raise ValueError(f"MultiheadAttention: key and value must have at least one position (S >= 1), "
+                             f"got shape {key.shape}")
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):

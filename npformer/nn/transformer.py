@@ -46,6 +46,8 @@ def check_sequence(x, d_model, owner, name):
         raise TypeError(f"{owner}: {name} must be an autograd.Tensor, got {type(x).__name__}")
     if x.ndim != 3 or x.shape[-1] != d_model:
         raise ValueError(f"{owner}: {name} must be (batch, seq, d_model={d_model}), got shape {x.shape}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{owner}: {name} must have at least one position (seq >= 1), got shape {x.shape}")
 
 
 def check_same_batch(a, b, owner, names):
