@@ -8,6 +8,8 @@ formulas run on arrays (the fused GELU) and on autograd Tensors (its composite t
 """
 import math
 
+from autograd import backend
+
 ERX = 8.45062911510467529297e-01  # erf(1) rounded to 24 bits: erf(x) = ERX + P/Q near 1
 EFX = 1.28379167095512586316e-01  # 2/sqrt(pi) - 1: erf(x) ~ x + EFX x for tiny x
 # erf on [0, 0.84375]: erf(x) = x + x * PP(x^2) / QQ(x^2)
@@ -89,8 +91,6 @@ def erf(x):
     The small-|x| formula runs in place over the whole array; each other interval's formula
     runs only on the entries in it (gathered with take, written back with put). NaN stays NaN.
     """
-    from autograd import backend
-
     xp = backend.get_array_module(x)
     flat_x = x.reshape(-1)                           # 1-D, so 0-d inputs stay arrays
     a = xp.abs(flat_x)

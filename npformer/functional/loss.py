@@ -30,15 +30,10 @@ class CrossEntropy(Function):
             smooth = logp @ weight if weight is not None else logp.sum(axis=1)   # (M,)
             loss -= (e / c) * smooth
         loss = xp.where(valid, loss, 0)                            # ignored rows add nothing
-        if reduction == "none":
-            divisor = None
-            out = loss
-        else:
-            out = loss.sum()
-            divisor = None
-            if reduction == "mean":
-                divisor = (w_target * valid).sum() if weight is not None else valid.sum().astype(logits.dtype)
-                out = out / divisor
+        divisor = None                                             # "mean": sum of w[target] (or n_valid)
+        if reduction == "mean":
+            divisor = (w_target * valid).sum() if weight is not None else valid.sum().astype(logits.dtype)
+        out = loss if reduction == "none" else loss.sum() if divisor is None else loss.sum() / divisor
         ctx.save_for_backward(logp, weight, safe_target, valid, divisor)
         ctx.reduction, ctx.label_smoothing = reduction, e
         return out
@@ -50,9 +45,9 @@ class CrossEntropy(Function):
         m, c = logp.shape
         e = ctx.label_smoothing
         rows = xp.arange(m)
-        # out = sum(loss) [/ divisor]  ->  dloss_i = dout [/ divisor], zero on ignored rows
-        dloss = dout * valid if ctx.reduction == "none" else (dout / divisor if divisor is not None else dout) * valid
-        dloss = dloss.astype(logp.dtype, copy=False)[:, None]     # (M, 1)
+        # out = loss, sum(loss) or sum(loss) / divisor  ->  dloss_i = dout (/ divisor), 0 on ignored rows
+        dloss = dout / divisor if divisor is not None else dout
+        dloss = xp.where(valid, dloss, 0).astype(logp.dtype, copy=False)[:, None]   # (M, 1)
         w_target = weight[target][:, None] if weight is not None else 1.0
         # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
         a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
