@@ -38,6 +38,24 @@ def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1
                                    err_msg=f"gradient of input {i}")
 
 
+def compare_runs(fn_a, fn_b, arrays, rng, device="cpu", atol=1e-12):
+    """Run two implementations on separate float64 leaves holding `arrays`, backpropagate the same
+    random upstream gradients through both, and compare every output and input gradient."""
+    ins_a, ins_b = [leaf(a, device) for a in arrays], [leaf(a, device) for a in arrays]
+    outs_a, outs_b = (r if isinstance(r, tuple) else (r,) for r in (fn_a(*ins_a), fn_b(*ins_b)))
+    for i, (a, b) in enumerate(zip(outs_a, outs_b)):
+        assert a.device == device and a.dtype == np.float64
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=atol, rtol=atol, err_msg=f"output {i}")
+    upstream = [Tensor(rng.standard_normal(o.shape), device=device) for o in outs_a]
+    for outs in (outs_a, outs_b):
+        terms = [(o * g).sum() for o, g in zip(outs, upstream)]
+        sum(terms[1:], terms[0]).backward()
+    for i, (a, b) in enumerate(zip(ins_a, ins_b)):
+        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), autograd.backend.as_numpy(b.grad),
+                                   atol=atol, rtol=atol, err_msg=f"gradient of input {i}")
+    return outs_a
+
+
 def cases(rng, ops=F):
     """name -> (ours, torch's (given the torch module), input arrays); ops=composite gives the twins."""
     x = rng.standard_normal((3, 5))
@@ -114,14 +132,4 @@ def test_matches_torch_float32(name, torch):
 def test_matches_composite_twin(name, device):
     fused, _, arrays = cases(np.random.default_rng(4))[name]
     twin, _, _ = cases(np.random.default_rng(4), composite)[name]
-    ins_fused = [leaf(a, device) for a in arrays]
-    ins_twin = [leaf(a, device) for a in arrays]
-    out, ref = fused(*ins_fused), twin(*ins_twin)
-    assert out.device == device and out.dtype == np.float64
-    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-12, rtol=1e-12)
-    g = np.random.default_rng(5).standard_normal(out.shape)
-    out.backward(g)
-    ref.backward(g)
-    for i, (a, b) in enumerate(zip(ins_fused, ins_twin)):
-        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), autograd.backend.as_numpy(b.grad),
-                                   atol=1e-12, rtol=1e-12, err_msg=f"gradient of input {i}")
+    compare_runs(fused, twin, arrays, np.random.default_rng(5), device)

@@ -8,7 +8,7 @@ import npformer.functional as F
 from autograd import Tensor
 from npformer.functional import composite
 
-from test_functional import compare_with_torch, leaf
+from test_functional import compare_runs, compare_with_torch, leaf
 
 B, H, TQ, TK, HD = 2, 2, 5, 6, 3
 
@@ -89,16 +89,8 @@ def test_gradcheck_with_masks(mask, path, device):
 def test_matches_composite_twin(mask, path, device):
     rng = np.random.default_rng(3)
     ours, _ = masks(rng)[mask]
-    arrays = qkv(rng)
-    fused_in, twin_in = [leaf(a, device) for a in arrays], [leaf(a, device) for a in arrays]
-    out = F.scaled_dot_product_attention(*fused_in, **ours, **PATHS[path])
-    ref = composite.scaled_dot_product_attention(*twin_in, **ours)
-    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-12)
-    g = rng.standard_normal(out.shape)
-    out.backward(g)
-    ref.backward(g)
-    for a, b in zip(fused_in, twin_in):
-        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), autograd.backend.as_numpy(b.grad), atol=1e-12)
+    compare_runs(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **ours, **PATHS[path]),
+                 lambda q, k, v: composite.scaled_dot_product_attention(q, k, v, **ours), qkv(rng), rng, device)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -186,16 +178,8 @@ def test_dropout_matches_twin_and_gradcheck(device):
         return ops.scaled_dot_product_attention(*ins, dropout_p=0.3, is_causal=True, generator=gen,
                                                 return_weights=True)
 
-    fused_in, twin_in = [leaf(a, device) for a in arrays], [leaf(a, device) for a in arrays]
-    (out, w), (ref, ref_w) = run(F, fused_in), run(composite, twin_in)
-    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-12)
-    np.testing.assert_allclose(w.numpy(), ref_w.numpy(), atol=1e-12)
-    assert (w.numpy() == 0).any()
-    g = rng.standard_normal(out.shape)
-    out.backward(g)
-    ref.backward(g)
-    for a, b in zip(fused_in, twin_in):
-        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), autograd.backend.as_numpy(b.grad), atol=1e-12)
+    _, weights = compare_runs(lambda *ins: run(F, ins), lambda *ins: run(composite, ins), arrays, rng, device)
+    assert (weights.numpy() == 0).any()
     assert autograd.gradcheck(lambda q, k, v: run(F, (q, k, v)), [leaf(a, device) for a in arrays])
 
 
@@ -208,26 +192,22 @@ def test_memory_efficient_dropout_equals_naive_with_the_same_block_masks(causal,
     arrays = qkv(rng, 5, 7, 3)
     p, block, seed_source = 0.3, 3, 21
     seed = int(autograd.backend.default_rng(seed_source, device).integers(0, 2**62))
-    ins = [leaf(a, device) for a in arrays]
     keep = np.zeros((B, H, 5, 7), dtype=bool)
+    like = autograd.backend.module_for(device).zeros(1)
     for qs in range(0, 5, block):
         for ks in range(0, 7, block):
             shape = (B, H, min(block, 5 - qs), min(block, 7 - ks))
             keep[..., qs:qs + block, ks:ks + block] = autograd.backend.as_numpy(
-                dropout_block_mask(seed, qs, ks, shape, p, ins[0].data))
+                dropout_block_mask(seed, qs, ks, shape, p, like))
     assert 0.1 < 1 - keep.mean() < 0.5
-    reference = Attention.apply(*ins, blocked=None, additive=None, causal=causal, scale=1 / np.sqrt(3),
-                                keep=autograd.backend.to_device(keep, device), dropout_scale=1 / (1 - p),
-                                return_weights=False)
-    blockwise_in = [leaf(a, device) for a in arrays]
-    out = F.scaled_dot_product_attention(*blockwise_in, dropout_p=p, is_causal=causal, memory_efficient=True,
-                                         block_size=block, generator=autograd.backend.default_rng(seed_source, device))
-    np.testing.assert_allclose(out.numpy(), reference.numpy(), atol=1e-12)
-    g = rng.standard_normal(out.shape)
-    out.backward(g)
-    reference.backward(g)
-    for a, b in zip(blockwise_in, ins):
-        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), autograd.backend.as_numpy(b.grad), atol=1e-12)
+    compare_runs(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, memory_efficient=True,
+                                                       block_size=block,
+                                                       generator=autograd.backend.default_rng(seed_source, device)),
+        lambda q, k, v: Attention.apply(q, k, v, blocked=None, additive=None, causal=causal, scale=1 / np.sqrt(3),
+                                        keep=autograd.backend.to_device(keep, device), dropout_scale=1 / (1 - p),
+                                        return_weights=False),
+        arrays, rng, device)
     assert autograd.gradcheck(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, memory_efficient=True,
                                                        block_size=block, generator=autograd.backend.default_rng(1, device)),

@@ -5,24 +5,9 @@ import sys
 
 import numpy as np
 
-import npformer.functional as F
-from autograd import Function, Tensor
 from npformer import gradcheck
 
-
-class SoftmaxWithWrongBackward(Function):
-    """Right forward; backward uses mean(dy) where sum(dy * y) belongs (the sum() check misses it)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = F.softmax(Tensor(x)).data
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return y * (dy - dy.mean(axis=-1, keepdims=True))
+from test_functional_edges import WrongSoftmax
 
 
 def test_main_passes_on_a_subset_of_ops_and_modules(capsys, torch):
@@ -35,7 +20,7 @@ def test_main_passes_on_a_subset_of_ops_and_modules(capsys, torch):
 
 def test_a_broken_op_shows_fail_in_every_column(torch):
     broken = gradcheck.Check("broken softmax", lambda rng: gradcheck.functional_case(
-        SoftmaxWithWrongBackward.apply, [rng.standard_normal((3, 4))], lambda t, x: t.softmax(x, dim=-1), twin=False))
+        WrongSoftmax.apply, [rng.standard_normal((3, 4))], lambda t, x: t.softmax(x, dim=-1), twin=False))
     stream = io.StringIO()
     assert gradcheck.run([broken], torch, stream) is False
     row = next(line for line in stream.getvalue().splitlines() if line.startswith("broken softmax"))
