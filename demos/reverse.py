@@ -19,6 +19,11 @@ import sys
 import time
 
 START = time.perf_counter()
+# One BLAS thread unless the environment says otherwise (set before numpy loads OpenBLAS):
+# this model's matrices are too small to gain from threads, and on a busy machine threads
+# that wait for each other make every small matrix product many times slower.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autograd  # noqa: E402
@@ -103,11 +108,19 @@ def build(settings, seed, device):
     return model, optimizer, scheduler
 
 
+def demo_state(ckpt, path):
+    """The settings a checkpoint of this demo was trained with."""
+    if "demo" not in ckpt:
+        raise SystemExit(f"{path}: not a checkpoint of demos/reverse.py (it has no 'demo' settings)")
+    return ckpt["demo"]
+
+
 def reverse_input(args):
     """--checkpoint CKPT --input "3 7 1 5": print the model's reversal."""
     model, ckpt = load_model(args.checkpoint, device=args.device)
-    settings = ckpt["demo"]["settings"]
-    task = make_task(settings, ckpt["demo"]["seed"])
+    demo = demo_state(ckpt, args.checkpoint)
+    settings = demo["settings"]
+    task = make_task(settings, demo["seed"])
     try:
         ids = task.encode(args.input.replace(",", " ").split())
     except ValueError as e:
@@ -153,7 +166,7 @@ def main(argv=None):
         return reverse_input(args)
     settings, seed = settings_from(args), args.seed
     if args.resume:  # the run's own settings; only --steps may change
-        demo = load_checkpoint(args.resume, restore_rng=False)["demo"]
+        demo = demo_state(load_checkpoint(args.resume, restore_rng=False), args.resume)
         settings, seed = demo["settings"], demo["seed"]
         if args.steps is not None:
             settings["steps"] = args.steps
@@ -184,7 +197,8 @@ def main(argv=None):
         "exact_match": result["exact_match"], "token_accuracy": result["token_accuracy"],
         "heldout_sequences": result["sequences"], "decoding": "greedy, KV cache",
         "steps": trainer.step, "train_seconds": round(train_seconds, 2),
-        "wall_seconds": round(time.perf_counter() - START, 2), "parameters": int(parameters),
+        "wall_seconds": round(time.perf_counter() - START, 2), "cpu_seconds": round(time.process_time(), 2),
+        "parameters": int(parameters),
         "preset": args.preset, "seed": seed, "device": args.device, "settings": settings,
         "model_config": model.config, "checkpoint": checkpoint_path, "figures": files,
     }

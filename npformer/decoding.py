@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from autograd import backend, no_grad
+from autograd import Tensor, backend, no_grad
 from . import functional as F
 from .data import BOS, EOS, PAD
 
@@ -33,7 +33,7 @@ def _inference(model):
 
 def _source(model, src, src_key_padding_mask):
     """src as a 2-D int array and its key padding mask (derived from pad ids when the model has pad_idx)."""
-    src = np.asarray(backend.as_numpy(src.data if hasattr(src, "data") else src))
+    src = np.asarray(backend.as_numpy(src.data if isinstance(src, Tensor) else src))
     if src.ndim != 2 or src.dtype.kind not in "iu":
         raise ValueError(f"src: expected a 2-D integer array (B, S) of token ids, got shape {src.shape} "
                          f"and dtype {src.dtype}")
