@@ -85,12 +85,13 @@ class Optimizer:
 
     def _scratch_like(self, p):
         """A scratch array shaped like `p`, a view of one flat buffer per (device, dtype)."""
-        key = (p.device, str(p.dtype))
+        data = p.data
+        key = (type(data), data.dtype)  # the array type tells the device (numpy, cupy, test)
         buf = self._scratch.get(key)
-        if buf is None or buf.size < p.data.size:
-            buf = p.xp.empty(p.data.size, dtype=p.dtype)
+        if buf is None or buf.size < data.size:
+            buf = p.xp.empty(data.size, dtype=data.dtype)
             self._scratch[key] = buf
-        return buf[:p.data.size].reshape(p.shape)
+        return buf[:data.size].reshape(data.shape)
 
     # -- state dicts ----------------------------------------------------------------------
     def state_dict(self):
