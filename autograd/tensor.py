@@ -491,8 +491,8 @@ class Permute(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        xp = backend.get_array_module(grad)
-        return grad.transpose(xp.argsort(xp.asarray(ctx.axes)).tolist())
+        # out = x.transpose(axes)  ->  dx = grad.transpose(inverse of axes)
+        return grad.transpose(sorted(range(len(ctx.axes)), key=ctx.axes.__getitem__))
 
 
 class BroadcastTo(Function):
