@@ -3,7 +3,12 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
+
+import npformer
+from npformer import functional as F
+from npformer.data import SequenceTask
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -52,6 +57,16 @@ def test_reverse_demo_resumes(seed_run, tmp_path):
 
 
 def test_attention_grads_demo(seed_run, tmp_path):
-    path = _demo("attention_grads").main(["--checkpoint", str(seed_run / "checkpoint.npz"),
-                                         "--out", str(tmp_path / "grads.png")])
+    demo = _demo("attention_grads")
+    path = demo.main(["--checkpoint", str(seed_run / "checkpoint.npz"), "--out", str(tmp_path / "grads.png")])
     assert os.path.getsize(path) > 1000
+    # the explicit P @ V path computes the same loss as the model's own attention
+    model, ckpt = npformer.load_model(seed_run / "checkpoint.npz")
+    task = SequenceTask(**ckpt["trainer"]["task"]["config"])
+    batch = task.collate(task.heldout[:1])
+    weights, grads, loss = demo.weights_and_grads(model, model.transformer.decoder.layers[1].multihead_attn, batch)
+    logits = model(batch.src, batch.tgt_in)
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.tgt_out.reshape(-1)).item()
+    assert loss == pytest.approx(expected, rel=1e-6)
+    assert weights.shape == grads.shape == (4, 6, 6) and np.allclose(weights.sum(axis=-1), 1, atol=1e-6)
+    assert np.abs(grads).max() > 0
