@@ -40,7 +40,7 @@ PRESETS = {
                  dropout=0.1, batch_size=64, steps=1500, lr=1e-3, warmup=0, schedule="constant",
                  label_smoothing=0.0, clip_norm=1.0, eval_every=250),
     "default": dict(vocab=20, min_len=3, max_len=12, d_model=64, nhead=4, dim_feedforward=128, layers=2,
-                    dropout=0.0, batch_size=64, steps=700, lr=2e-3, warmup=70, schedule="cosine",
+                    dropout=0.0, batch_size=64, steps=1000, lr=2e-3, warmup=100, schedule="cosine",
                     label_smoothing=0.0, clip_norm=1.0, eval_every=100),
     "long": dict(vocab=32, min_len=4, max_len=24, d_model=128, nhead=8, dim_feedforward=256, layers=3,
                  dropout=0.0, batch_size=64, steps=3000, lr=1e-3, warmup=300, schedule="cosine",
