@@ -147,6 +147,15 @@ def blas_info():
         return "threadpoolctl not installed"
 
 
+def limit_blas_threads(threads):
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(threads, user_api="blas")
+    except ImportError:
+        if threads != os.cpu_count():
+            print("threadpoolctl not installed: --threads leaves numpy's BLAS threads as they are")
+
+
 def peak_memory_mb(config, device, side, steps):
     """Peak resident memory of a fresh process that builds one side and runs `steps` steps."""
     cmd = [sys.executable, os.path.abspath(__file__), "--config", config, "--device", device,
@@ -161,6 +170,8 @@ def main():
     parser.add_argument("--steps", type=int)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the separate-process memory runs")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="BLAS threads of numpy and torch's intra-op threads (default: every core)")
     parser.add_argument("--only", choices=["ours", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     cfg = CONFIGS[args.config]
@@ -174,7 +185,8 @@ def main():
         return
 
     import torch
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(args.threads)
+    limit_blas_threads(args.threads)
     runners = {"ours": Ours(cfg, args.device), "torch": Torch(cfg, args.device)}
     times = {name: [] for name in runners}
     for name, runner in runners.items():  # warm-up
@@ -188,7 +200,8 @@ def main():
     peak_rate = gemm_rate(args.device)
     tokens = 2 * cfg["batch"] * cfg["seq"]
     print(f"config {args.config} {cfg}  device {args.device}  steps {steps}")
-    print(f"BLAS: {blas_info()}   OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}")
+    print(f"BLAS: {blas_info()}   OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}  "
+          f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE')}  load average {os.getloadavg()[0]:.2f}")
     print(f"measured float32 GEMM rate: {peak_rate:.0f} GFLOP/s")
     median = {}
     for name in runners:

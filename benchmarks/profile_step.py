@@ -1,0 +1,93 @@
+"""Where the time of one training step goes: per-op forward/backward times, dropout masks,
+the optimizer, and the rest (Python between ops), for a config of train_step.py.
+
+    python benchmarks/profile_step.py --config base [--steps N] [--cprofile]
+
+Every `Function` subclass gets its forward and backward wrapped in a timer (monkeypatched
+here only); `dropout_mask` and `Adam.step` are timed the same way. The median of `steps`
+steps after one warm-up is shown per row. --cprofile prints cProfile's top functions instead.
+"""
+import argparse
+import collections
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from train_step import CONFIGS, Ours  # noqa: E402
+
+import autograd  # noqa: E402
+import npformer.functional.activation as activation  # noqa: E402
+import npformer.functional.attention as attention  # noqa: E402
+from npformer import optim  # noqa: E402
+
+TIMES = collections.defaultdict(float)
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from subclasses(sub)
+
+
+def instrument():
+    for op in subclasses(autograd.Function):
+        for phase in ("forward", "backward"):
+            if phase in op.__dict__:
+                setattr(op, phase, staticmethod(timed(f"{op.__name__}.{phase}", op.__dict__[phase].__func__)))
+    mask = timed("dropout masks", activation.dropout_mask)
+    activation.dropout_mask = attention.dropout_mask = mask
+    optim.Adam.step = timed("Adam.step", optim.Adam.step)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=CONFIGS, default="base")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cprofile", action="store_true")
+    args = parser.parse_args()
+    runner = Ours(CONFIGS[args.config], "cpu")
+    runner.step()
+    if args.cprofile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.steps):
+            runner.step()
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        return
+    instrument()
+    per_step = collections.defaultdict(list)
+    totals = []
+    for _ in range(args.steps):
+        TIMES.clear()
+        t0 = time.perf_counter()
+        runner.step()
+        totals.append(time.perf_counter() - t0)
+        for name in set(TIMES) | set(per_step):
+            per_step[name].append(TIMES.get(name, 0.0))
+    total = statistics.median(totals)
+    rows = {name: statistics.median(values) for name, values in per_step.items()}
+    rows["rest (Python, glue, loss.item)"] = total - sum(rows.values())
+    print(f"config {args.config}: {total * 1e3:.1f} ms/step (median of {args.steps})")
+    for name, seconds in sorted(rows.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<34} {seconds * 1e3:8.1f} ms  {100 * seconds / total:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()
