@@ -157,7 +157,7 @@ def _read(path):
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}  # reading every array checks its CRC
         meta = json.loads(str(arrays.pop("meta")))
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError):
         raise
     except Exception as e:
         raise CheckpointError(f"{path}: not a readable npformer checkpoint, the file is truncated or "

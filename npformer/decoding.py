@@ -34,9 +34,10 @@ def _inference(model):
 def _source(model, src, src_key_padding_mask):
     """src as a 2-D int array and its key padding mask (derived from pad ids when the model has pad_idx)."""
     src = np.asarray(backend.as_numpy(src.data if isinstance(src, Tensor) else src))
-    if src.ndim != 2 or src.dtype.kind not in "iu":
-        raise ValueError(f"src: expected a 2-D integer array (B, S) of token ids, got shape {src.shape} "
-                         f"and dtype {src.dtype}")
+    if src.dtype.kind not in "iu":
+        raise TypeError(f"src: expected integer token ids, got dtype {src.dtype}")
+    if src.ndim != 2:
+        raise ValueError(f"src: expected a 2-D array (B, S) of token ids, got shape {src.shape}")
     if src_key_padding_mask is None:
         pad_idx = (getattr(model, "config", None) or {}).get("pad_idx")
         if pad_idx is not None:
@@ -46,9 +47,15 @@ def _source(model, src, src_key_padding_mask):
     return src, src_key_padding_mask
 
 
-def _check_max_len(max_len):
+def _check_max_len(model, max_len):
+    """max_len generated tokens need a positional table of at least max_len decoder positions."""
     if not isinstance(max_len, (int, np.integer)) or max_len < 1:
         raise ValueError(f"max_len: expected a positive integer, got {max_len!r}")
+    config = getattr(model, "config", None) or {}
+    table = config.get("max_len") if config.get("positional", "sinusoidal") != "none" else None
+    if table is not None and max_len > table:
+        raise ValueError(f"max_len: decoding {max_len} tokens needs {max_len} target positions but the "
+                         f"model's positional table has max_len={table}")
 
 
 def _log_probs(logits):
@@ -88,7 +95,7 @@ def greedy_decode(model, src, max_len, *, bos=BOS, eos=EOS, pad=PAD, src_key_pad
     src: (B, S) int ids. max_len: most tokens to generate. eos: stop a sequence at this id
     (None: always generate max_len tokens). Returns (B, L) int64, L <= max_len.
     """
-    _check_max_len(max_len)
+    _check_max_len(model, max_len)
     src, mask = _source(model, src, src_key_padding_mask)
     batch = len(src)
     out = np.full((batch, max_len), pad, dtype=np.int64)
@@ -120,7 +127,7 @@ def beam_search(model, src, max_len, *, beam_size=4, length_penalty=1.0, bos=BOS
     hypothesis per sequence, (B, L) int64 (and its scores (B,) with return_scores).
     beam_size=1 gives greedy decoding.
     """
-    _check_max_len(max_len)
+    _check_max_len(model, max_len)
     if not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
         raise ValueError(f"beam_size: expected a positive integer, got {beam_size!r}")
     src, mask = _source(model, src, src_key_padding_mask)

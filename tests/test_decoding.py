@@ -107,5 +107,7 @@ def test_bad_arguments():
         greedy_decode(model, src, 0)
     with pytest.raises(ValueError, match="beam_size"):
         beam_search(model, src, 5, beam_size=0)
-    with pytest.raises(ValueError, match="src"):
+    with pytest.raises(TypeError, match="src: expected integer token ids"):
         greedy_decode(model, src.astype(float), 5)
+    with pytest.raises(ValueError, match=r"src: expected a 2-D array"):
+        greedy_decode(model, src[0], 5)

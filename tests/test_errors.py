@@ -10,7 +10,7 @@ import pytest
 import npformer
 import npformer.functional as F
 from autograd import Tensor
-from npformer import nn
+from npformer import decoding, nn, optim
 from npformer.checkpoint import CheckpointError
 from npformer.models import CausalLM, Seq2SeqTransformer
 
@@ -209,6 +209,16 @@ CASES = [
     ("cross_entropy_target_on_another_device",
      lambda _: F.cross_entropy(floats(3, 4), Tensor(ids(3, value=1), device="test")), RuntimeError,
      r"cross_entropy: target is on device 'test' but the inputs are on 'cpu'"),
+    # -- decoding, clipping and checkpoint paths -----------------------------------------------------------------
+    ("greedy_decode_past_max_len", lambda _: decoding.greedy_decode(seq2seq(), ids(1, 3), max_len=7), ValueError,
+     r"max_len: decoding 7 tokens needs 7 target positions but the model's positional table has max_len=6"),
+    ("beam_search_past_max_len", lambda _: decoding.beam_search(seq2seq(), ids(1, 3), max_len=9), ValueError,
+     r"max_len: decoding 9 tokens .*max_len=6"),
+    ("greedy_decode_float_src", lambda _: decoding.greedy_decode(seq2seq(), np.ones((1, 3)), max_len=3), TypeError,
+     r"src: expected integer token ids, got dtype float64"),
+    ("clip_grad_norm_nan_max_norm", lambda _: optim.clip_grad_norm_(seq2seq().parameters(), float("nan")),
+     ValueError, r"max_norm: expected a number >= 0, got nan"),
+    ("load_checkpoint_from_a_directory", lambda tmp: npformer.load_checkpoint(tmp), IsADirectoryError, r"."),
     # -- cross-entropy with every target ignored ------------------------------------------------------------------
     ("cross_entropy_every_target_padding", lambda _: cross_entropy_every_target_pad(), ValueError,
      r"every target equals ignore_index=0, so the mean over valid targets is undefined.*reduction='sum'"),

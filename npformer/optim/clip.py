@@ -44,8 +44,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     gradients are left unchanged (torch would scale them into NaN) and the norm is returned.
     """
     max_norm = float(max_norm)
-    if max_norm < 0:
-        raise ValueError(f"max_norm: expected a value >= 0, got {max_norm}")
+    if not max_norm >= 0:  # also refuses NaN
+        raise ValueError(f"max_norm: expected a number >= 0, got {max_norm}")
     params = _parameters_with_grad(parameters)
     total = grad_norm(params, norm_type)
     if not math.isfinite(total):
