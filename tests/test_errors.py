@@ -222,6 +222,11 @@ CASES = [
     # -- cross-entropy with every target ignored ------------------------------------------------------------------
     ("cross_entropy_every_target_padding", lambda _: cross_entropy_every_target_pad(), ValueError,
      r"every target equals ignore_index=0, so the mean over valid targets is undefined.*reduction='sum'"),
+    ("cross_entropy_no_targets", lambda _: F.cross_entropy(floats(0, 5), ids(0)), ValueError,
+     r"cross_entropy: no targets \(input shape \(0, 5\)\), so the mean is undefined"),
+    ("cross_entropy_zero_weight_on_every_target",
+     lambda _: F.cross_entropy(floats(2, 3), np.array([1, 2]), weight=np.array([1.0, 0.0, 0.0], np.float32)),
+     ValueError, r"class weights of every valid target are 0, so the weighted mean is undefined"),
     ("cross_entropy_every_target_padding_smoothed", lambda _: cross_entropy_every_target_pad(label_smoothing=0.1),
      ValueError, r"every target equals ignore_index=0"),
 ]

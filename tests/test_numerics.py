@@ -237,3 +237,23 @@ def test_two_thousand_steps_at_lr_1e3_with_clipping_never_make_a_nan():
     assert all(np.isfinite(p.numpy()).all() for p in model.parameters())
     assert losses[-100:].mean() < 0.25 * losses[:100].mean(), (losses[:100].mean(), losses[-100:].mean())
     assert result["token_accuracy"] > 0.9, result
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_empty_rows_and_empty_keys_match_torch(torch, memory_efficient):
+    """A softmax over zero entries is empty, and attention over zero keys is 0, as in torch."""
+    for name in ("softmax", "log_softmax"):
+        x = Tensor(np.zeros((2, 0)), requires_grad=True)
+        y = getattr(F, name)(x, dim=-1)
+        assert y.shape == tuple(getattr(torch, name)(torch.zeros(2, 0), -1).shape)
+        y.backward(np.zeros((2, 0)))
+        assert x.grad.shape == (2, 0)
+    rng = np.random.default_rng(0)
+    q = Tensor(rng.standard_normal((1, 2, 3, 4)), requires_grad=True)
+    k, v = (Tensor(np.zeros((1, 2, 0, 4)), requires_grad=True) for _ in range(2))
+    out = F.scaled_dot_product_attention(q, k, v, memory_efficient=memory_efficient)
+    ref = torch.nn.functional.scaled_dot_product_attention(torch.tensor(q.data), torch.zeros(1, 2, 0, 4,
+                                                           dtype=torch.float64), torch.zeros(1, 2, 0, 4, dtype=torch.float64))
+    np.testing.assert_array_equal(out.data, ref.numpy())
+    out.backward(rng.standard_normal(out.shape))
+    np.testing.assert_array_equal(q.grad, 0.0)

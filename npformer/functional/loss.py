@@ -1,7 +1,7 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
 from autograd import Function, Tensor, backend
 
-from ._common import check_tensor, on_device_of
+from ._common import check_tensor, data_of, on_device_of
 from .softmax import log_softmax_forward
 
 
@@ -97,10 +97,18 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         if lo < 0 or hi >= c:
             raise IndexError(f"cross_entropy: target class indices must be in [0, {c - 1}] (C={c}) or "
                              f"ignore_index={ignore_index}, got min {lo} and max {hi}")
-    elif reduction == "mean":
+    if reduction == "mean" and flat_target.size == 0:
+        raise ValueError(f"cross_entropy: no targets (input shape {tuple(logits.shape)}), so the mean is "
+                         "undefined; skip empty batches or use reduction='sum'")
+    if reduction == "mean" and not valid.any():
         raise ValueError(f"cross_entropy: every target equals ignore_index={ignore_index}, so the mean "
                          "over valid targets is undefined (torch returns NaN); use reduction='sum' or "
                          "check the targets")
+    if reduction == "mean" and weight is not None:
+        w = data_of(weight)
+        if not bool((w[flat_target[valid]] != 0).any()):
+            raise ValueError("cross_entropy: the class weights of every valid target are 0, so the weighted "
+                             "mean is undefined (torch returns NaN); use reduction='sum' or check weight")
     x = input if isinstance(input, Tensor) else Tensor(input)
     if logits.ndim > 2:  # (N, C, d1, ...) -> (N, d1, ..., C): classes last
         x = x.permute(0, *range(2, logits.ndim), 1)

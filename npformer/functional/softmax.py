@@ -7,6 +7,8 @@ from ._common import check_tensor, normalize_dim
 def stable_row_max(x, axis):
     """Row maximum with rows that are entirely -inf mapped to 0, so x - max never makes -inf - (-inf)."""
     xp = backend.get_array_module(x)
+    if x.shape[axis] == 0:  # empty rows: nothing to shift
+        return xp.zeros(x.shape[:axis % x.ndim] + (1,) + x.shape[axis % x.ndim + 1:], dtype=x.dtype)
     m = x.max(axis=axis, keepdims=True)
     m[~xp.isfinite(m)] = 0
     return m
