@@ -7,7 +7,7 @@ import numpy as np
 
 from npformer import gradcheck
 
-from test_functional_edges import WrongSoftmax
+from test_autograd import WrongSoftmax
 
 
 def test_main_passes_on_a_subset_of_ops_and_modules(capsys, torch):

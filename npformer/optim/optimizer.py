@@ -118,7 +118,6 @@ class Optimizer:
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict: expected {len(self.param_groups)} parameter groups, got {len(groups)}")
-        params = self.parameters()
         by_index = {}
         for i, (mine, saved) in enumerate(zip(self.param_groups, groups)):
             if len(mine["params"]) != len(saved["params"]):
