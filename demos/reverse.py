@@ -70,6 +70,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if (args.checkpoint is None) != (args.input is None):
         p.error("--checkpoint and --input go together")
+    try:
+        autograd.backend.module_for(args.device)
+    except RuntimeError as e:  # cuda asked for without CuPy or a GPU: say how to install it
+        p.error(str(e))
     return args
 
 
