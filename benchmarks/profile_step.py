@@ -1,7 +1,7 @@
 """Where the time of one training step goes: per-op forward/backward times, dropout masks,
 the optimizer, and the rest (Python between ops), for a config of train_step.py.
 
-    python benchmarks/profile_step.py --config base [--steps N] [--cprofile]
+    python benchmarks/profile_step.py --config base [--steps N] [--threads N] [--cprofile]
 
 Every `Function` subclass gets its forward and backward wrapped in a timer (monkeypatched
 here only); `dropout_mask` and `Adam.step` are timed the same way. The median of `steps`
@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import CONFIGS, Ours  # noqa: E402
 
 import autograd  # noqa: E402
+import npformer  # noqa: E402
 import npformer.functional.activation as activation  # noqa: E402
 import npformer.functional.attention as attention  # noqa: E402
 from npformer import optim  # noqa: E402
@@ -60,7 +61,10 @@ def main():
     parser.add_argument("--config", choices=CONFIGS, default="base")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="npformer.set_num_threads (above 1, numpy's BLAS runs one thread)")
     args = parser.parse_args()
+    npformer.set_num_threads(args.threads)
     runner = Ours(CONFIGS[args.config], "cpu")
     runner.step()
     if args.cprofile:
@@ -84,7 +88,8 @@ def main():
     total = statistics.median(totals)
     rows = {name: statistics.median(values) for name, values in per_step.items()}
     rows["rest (Python, glue, loss.item)"] = total - sum(rows.values())
-    print(f"config {args.config}: {total * 1e3:.1f} ms/step (median of {args.steps})")
+    print(f"config {args.config}: {total * 1e3:.1f} ms/step (median of {args.steps}), "
+          f"npformer threads {args.threads}")
     for name, seconds in sorted(rows.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<34} {seconds * 1e3:8.1f} ms  {100 * seconds / total:5.1f}%")
 

@@ -2,10 +2,14 @@
 PyTorch eager side by side in one run, float32.
 
     python benchmarks/train_step.py --config tiny|base|paper [--steps N] [--device cpu|cuda]
+                                    [--threads N] [--ours-threads N] [--no-memory]
 
 Prints the median ms/step of each (steps alternate between the two), the ratio ours/torch,
 tokens/s, achieved GFLOP/s and its share of this machine's measured float32 GEMM rate, and
 the peak memory of each side measured in a separate process. Configurations: REFERENCE.md s.7.
+Threads: torch.set_num_threads(--threads) and npformer.set_num_threads(--ours-threads,
+default --threads; above 1 npformer splits the GEMMs and numpy's BLAS runs one thread;
+--ours-threads 1 leaves the GEMMs to BLAS's own threads).
 """
 import argparse
 import json
@@ -147,19 +151,21 @@ def blas_info():
         return "threadpoolctl not installed"
 
 
-def limit_blas_threads(threads):
+def peak_rss_mb():
+    """This process's peak resident memory. Linux: VmHWM of /proc/self/status (ru_maxrss would
+    include the parent's resident memory at the fork that started this process)."""
     try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(threads, user_api="blas")
-    except ImportError:
-        if threads != os.cpu_count():
-            print("threadpoolctl not installed: --threads leaves numpy's BLAS threads as they are")
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def peak_memory_mb(config, device, side, steps):
+def peak_memory_mb(args, side, steps):
     """Peak resident memory of a fresh process that builds one side and runs `steps` steps."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--config", config, "--device", device,
-           "--only", side, "--steps", str(steps)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--device", args.device,
+           "--only", side, "--steps", str(steps), "--threads", str(args.threads),
+           "--ours-threads", str(args.ours_threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mb"]
 
@@ -171,22 +177,28 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the separate-process memory runs")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
-                        help="BLAS threads of numpy and torch's intra-op threads (default: every core)")
+                        help="torch's intra-op threads and, by default, npformer's (default: every core)")
+    parser.add_argument("--ours-threads", type=int,
+                        help="npformer.set_num_threads (default --threads; 1: BLAS threads the GEMMs)")
     parser.add_argument("--only", choices=["ours", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     cfg = CONFIGS[args.config]
     steps = args.steps or DEFAULT_STEPS[args.config]
+    args.ours_threads = args.ours_threads or args.threads
+    peak_rate = gemm_rate(args.device) if not args.only else None  # with BLAS's own threads
+    import npformer
+    npformer.set_num_threads(args.ours_threads)
+    if args.only != "ours":  # the memory of our side is measured without torch loaded
+        import torch
+        torch.set_num_threads(args.threads)
 
     if args.only:  # a child process measuring one side's peak memory
         runner = (Ours if args.only == "ours" else Torch)(cfg, args.device)
         for _ in range(steps):
             runner.step()
-        print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        print(json.dumps({"peak_mb": peak_rss_mb()}))
         return
 
-    import torch
-    torch.set_num_threads(args.threads)
-    limit_blas_threads(args.threads)
     runners = {"ours": Ours(cfg, args.device), "torch": Torch(cfg, args.device)}
     times = {name: [] for name in runners}
     for name, runner in runners.items():  # warm-up
@@ -197,11 +209,11 @@ def main():
             runner.step()
             times[name].append(time.perf_counter() - t0)
     flops = training_flops(cfg)
-    peak_rate = gemm_rate(args.device)
     tokens = 2 * cfg["batch"] * cfg["seq"]
     print(f"config {args.config} {cfg}  device {args.device}  steps {steps}")
-    print(f"BLAS: {blas_info()}   OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}  "
+    print(f"numpy BLAS: {blas_info()}   OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}  "
           f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE')}  load average {os.getloadavg()[0]:.2f}")
+    print(f"threads: npformer {npformer.get_num_threads()}, torch {torch.get_num_threads()}")
     print(f"measured float32 GEMM rate: {peak_rate:.0f} GFLOP/s")
     median = {}
     for name in runners:
@@ -211,7 +223,7 @@ def main():
               f"{gflops:6.1f} GFLOP/s  ({100 * gflops / peak_rate:4.1f}% of GEMM rate)")
     print(f"ratio ours/torch: {median['ours'] / median['torch']:.2f}x")
     if not args.no_memory:
-        mem = {side: peak_memory_mb(args.config, args.device, side, 2) for side in runners}
+        mem = {side: peak_memory_mb(args, side, 2) for side in runners}
         print(f"peak memory (separate processes, 2 steps): ours {mem['ours']:.0f} MB, torch {mem['torch']:.0f} MB, "
               f"ratio {mem['ours'] / mem['torch']:.2f}x")
 

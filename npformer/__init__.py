@@ -7,6 +7,7 @@ from autograd import Tensor, manual_seed, no_grad
 
 from . import functional, models, nn
 from .checkpoint import load_checkpoint, load_model, save_checkpoint
+from .functional._parallel import get_num_threads, set_num_threads
 
 __all__ = ["Tensor", "manual_seed", "no_grad", "functional", "nn", "models", "save_checkpoint", "load_checkpoint",
-           "load_model"]
+           "load_model", "get_num_threads", "set_num_threads"]

@@ -4,10 +4,13 @@ import math
 from autograd import Function, backend
 
 from ._common import check_tensor
+from ._parallel import for_rows, row_blocks, run_blocks
 from ._erf import INV_SQRT_2PI, SQRT_2, erf
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
 TANH_K = 0.044715
+# bit generators whose random_raw gives 64 random bits and whose advance(n) skips n of them
+RAW_64BIT_ADVANCE = ("PCG64", "PCG64DXSM")
 
 
 class ReLU(Function):
@@ -15,15 +18,24 @@ class ReLU(Function):
 
     @staticmethod
     def forward(ctx, x):
-        positive = x > 0                        # (...) bool: 1 byte per entry saved
+        xp = backend.get_array_module(x)
+        positive = xp.empty(x.shape, dtype=bool)            # (...) bool: 1 byte per entry saved
+        y = xp.empty(x.shape, dtype=x.dtype)
+        xf, pf, yf = x.reshape(-1), positive.reshape(-1), y.reshape(-1)
+
+        def block(start, stop):
+            xp.greater(xf[start:stop], 0, out=pf[start:stop])
+            xp.multiply(xf[start:stop], pf[start:stop], out=yf[start:stop])
+
+        for_rows(block, x.size, x.size, x)
         ctx.save_for_backward(positive)
-        return x * positive
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         (positive,) = ctx.saved_tensors
         # y = x * [x > 0]  ->  dx = dy * [x > 0]
-        return dy * positive
+        return elementwise_product(dy, positive)
 
 
 def relu(input):
@@ -88,31 +100,68 @@ class Dropout(Function):
     def forward(ctx, x, keep, scale):
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        y = x * keep                                        # (...)
-        y *= scale
-        return y
+        return elementwise_product(x, keep, scale)          # (...)
 
     @staticmethod
     def backward(ctx, dy):
         (keep,) = ctx.saved_tensors
         # y = x * keep * scale  ->  dx = dy * keep * scale
-        dx = dy * keep
-        dx *= ctx.scale
-        return dx
+        return elementwise_product(dy, keep, ctx.scale)
+
+
+def elementwise_product(a, b, scale=None):
+    """a * b (* scale) into a new contiguous array, a and b of one shape, in flat blocks on
+    the threads of `_parallel`."""
+    xp = backend.get_array_module(a)
+    out = xp.empty(a.shape, dtype=a.dtype)
+    af, bf, of = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+
+    def block(start, stop):
+        xp.multiply(af[start:stop], bf[start:stop], out=of[start:stop])
+        if scale is not None:
+            of[start:stop] *= scale
+
+    for_rows(block, a.size, a.size, a)
+    return out
 
 
 def dropout_mask(shape, p, device, generator=None):
     """Boolean mask, True with probability 1 - p, drawn from `generator` (a Generator of the
     device) or the device's global generator.
 
-    On the CPU: 16 random bits per entry compared to round(p * 2^16), about twice as fast as
-    float32 uniforms (the drop probability is p rounded to a multiple of 2^-16, within 7.7e-6).
-    On the GPU, where drawing is cheap: float32 uniforms compared to p.
+    On the CPU: 16 random bits per entry compared to round(p * 2^16) (the drop probability is
+    p rounded to a multiple of 2^-16, within 7.7e-6). With PCG64 (numpy's default) the bits
+    are its raw 64-bit draws, four entries each, and a big mask is drawn by the threads of
+    `_parallel` from copies advanced to their block, so the mask does not depend on the number
+    of threads. On the GPU, where drawing is cheap: float32 uniforms compared to p.
     """
     rng = generator if generator is not None else backend.global_rng(device)
     if device == "cuda":
         return rng.random(shape, dtype="float32") >= p
-    return rng.integers(0, 2**16, size=shape, dtype="uint16") >= min(round(p * 2**16), 2**16 - 1)
+    threshold = min(round(p * 2**16), 2**16 - 1)
+    bits = rng.bit_generator                                # the numpy BitGenerator itself
+    if type(bits).__name__ not in RAW_64BIT_ADVANCE:         # e.g. MT19937: 32-bit raw draws
+        return rng.integers(0, 2**16, size=shape, dtype="uint16") >= threshold
+    size = math.prod(shape)
+    words = -(-size // 4)                                   # 64-bit draws, 4 entries each
+    host = backend.module_for("cpu")
+    keep = host.empty(4 * words, dtype=bool)
+    blocks = row_blocks(words, size)
+    start_state = bits.state
+
+    def draw(start, stop):                                  # words [start, stop) of the stream
+        source = bits
+        if start:                                           # a copy advanced to this block
+            source = type(bits)()
+            source.state = start_state
+            source.advance(start)
+        raw = source.random_raw(stop - start)               # (stop - start,) uint64
+        host.greater_equal(raw.view("uint16"), threshold, out=keep[4 * start: 4 * stop])
+
+    run_blocks(draw, blocks)
+    if len(blocks) > 1:
+        bits.advance(words - blocks[0][1])                  # the stream continues after the mask
+    return backend.to_device(keep[:size].reshape(shape), device)
 
 
 def check_dropout_p(p, op):

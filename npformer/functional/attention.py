@@ -6,6 +6,7 @@ import math
 from autograd import Function, backend, unbroadcast
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, on_device_of
+from ._parallel import row_blocks, run_blocks
 from .activation import check_dropout_p, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
@@ -22,11 +23,12 @@ def mask_block(mask, q_start, q_stop, k_start, k_stop):
     return mask[..., rows, cols]
 
 
-def masked_scores(q_scaled, k, blocked, additive, causal, q_start, k_start):
-    """S = (s q) K^T + additive, -inf where blocked or causally hidden, for one block."""
+def masked_scores(q_scaled, k, blocked, additive, causal, q_start, k_start, out=None):
+    """S = (s q) K^T + additive, -inf where blocked or causally hidden, for one block
+    (written into `out` when given)."""
     xp = backend.get_array_module(q_scaled)
     q_stop, k_stop = q_start + q_scaled.shape[-2], k_start + k.shape[-2]
-    scores = q_scaled @ k.swapaxes(-1, -2)                                  # (..., bq, bk)
+    scores = xp.matmul(q_scaled, k.swapaxes(-1, -2), out=out)               # (..., bq, bk)
     if additive is not None:
         scores += mask_block(additive, q_start, q_stop, k_start, k_stop)
     if blocked is not None:
@@ -42,56 +44,95 @@ class Attention(Function):
     S = s Q K^T + mask, P = softmax(S) (dropout: Pd = P * keep / (1 - p)), O = Pd V;
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
     dQ = s dS K, dK = s dS^T Q.
+    With set_num_threads(n > 1), blocks of the first batch axis run in the threads of `_parallel`.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, blocked, additive, causal, scale, keep, dropout_scale, return_weights):
-        probs = masked_scores(q * scale, k, blocked, additive, causal, 0, 0)   # (..., Tq, Tk) S
-        softmax_forward(probs, -1, out=probs)                                 # (..., Tq, Tk) P
-        dropped = probs
-        if keep is not None:
-            dropped = probs * keep                                            # (..., Tq, Tk) Pd
-            dropped *= dropout_scale
-        out = dropped @ v                                                     # (..., Tq, hdv)
+        xp = backend.get_array_module(q)
+        lead = _lead_shape(q, k, v)
+        probs = xp.empty(lead + (q.shape[-2], k.shape[-2]), dtype=q.dtype)   # (..., Tq, Tk)
+        out = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)     # (..., Tq, hdv)
+        weights = xp.empty_like(probs) if keep is not None and return_weights else None
+
+        def forward_block(start, stop):
+            part = _batch_block(lead, start, stop)
+            s = masked_scores(part(q) * scale, part(k), part(blocked), part(additive), causal, 0, 0,
+                              out=part(probs))                                # S
+            softmax_forward(s, -1, out=s)                                     # P
+            dropped = s
+            if keep is not None:                                              # Pd = P * keep / (1 - p)
+                dropped = xp.multiply(s, part(keep), out=part(weights))
+                dropped *= dropout_scale
+            xp.matmul(dropped, part(v), out=part(out))                        # O = Pd V
+
+        run_blocks(forward_block, _batch_blocks(lead, (q, k, v), probs.size, q))
         ctx.save_for_backward(q, k, v, probs, keep)
         ctx.scale, ctx.dropout_scale = scale, dropout_scale
-        return (out, dropped) if return_weights else out
+        return (out, probs if weights is None else weights) if return_weights else out
 
     @staticmethod
     def backward(ctx, dout, dweights=None):
         q, k, v, probs, keep = ctx.saved_tensors
+        xp = backend.get_array_module(dout)
         need_q, need_k, need_v = ctx.needs_input_grad
-        dropped = probs
-        if keep is not None:
-            dropped = probs * keep
-            dropped *= ctx.dropout_scale
-        # O = Pd V  ->  dV = Pd^T dO
-        dv = unbroadcast(dropped.swapaxes(-1, -2) @ dout, v.shape) if need_v else None
-        if not (need_q or need_k):
-            return None, None, dv
-        # O = Pd V  ->  dPd = dO V^T (plus the gradient reaching the returned weights Pd)
-        dprobs = dout @ v.swapaxes(-1, -2)                                    # (..., Tq, Tk)
-        if dweights is not None:
-            dprobs += dweights
-        # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
-        if keep is not None:
-            dprobs *= keep
-            dprobs *= ctx.dropout_scale
-        # P = softmax(S)  ->  dS = P (dP - rowsum(dP P)); masked entries have P = 0, so dS = 0
-        dscores = softmax_backward(probs, dprobs, -1, out=dprobs)             # (..., Tq, Tk)
-        # S = s Q K^T  ->  dQ = s dS K
-        dq = None
-        if need_q:
-            dq = dscores @ k
-            dq *= ctx.scale
-            dq = unbroadcast(dq, q.shape)
-        # S = s Q K^T  ->  dK = s dS^T Q
-        dk = None
-        if need_k:
-            dk = dscores.swapaxes(-1, -2) @ q
-            dk *= ctx.scale
-            dk = unbroadcast(dk, k.shape)
-        return dq, dk, dv
+        lead = probs.shape[:-2]
+        dq = xp.empty(lead + q.shape[-2:], dtype=q.dtype) if need_q else None
+        dk = xp.empty(lead + k.shape[-2:], dtype=q.dtype) if need_k else None
+        dv = xp.empty(lead + v.shape[-2:], dtype=q.dtype) if need_v else None
+
+        def backward_block(start, stop):
+            part = _batch_block(lead, start, stop)
+            p, do = part(probs), part(dout)
+            dropped = p
+            if keep is not None:
+                dropped = p * part(keep)
+                dropped *= ctx.dropout_scale
+            # O = Pd V  ->  dV = Pd^T dO
+            if need_v:
+                xp.matmul(dropped.swapaxes(-1, -2), do, out=part(dv))
+            if not (need_q or need_k):
+                return
+            # O = Pd V  ->  dPd = dO V^T (plus the gradient reaching the returned weights Pd)
+            dprobs = do @ part(v).swapaxes(-1, -2)                            # (..., Tq, Tk)
+            if dweights is not None:
+                dprobs += part(dweights)
+            # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
+            if keep is not None:
+                dprobs *= part(keep)
+                dprobs *= ctx.dropout_scale
+            # P = softmax(S)  ->  dS = P (dP - rowsum(dP P)); masked entries have P = 0, so dS = 0
+            dscores = softmax_backward(p, dprobs, -1, out=dprobs)             # (..., Tq, Tk)
+            # S = s Q K^T  ->  dQ = s dS K
+            if need_q:
+                xp.multiply(xp.matmul(dscores, part(k), out=part(dq)), ctx.scale, out=part(dq))
+            # S = s Q K^T  ->  dK = s dS^T Q
+            if need_k:
+                xp.multiply(xp.matmul(dscores.swapaxes(-1, -2), part(q), out=part(dk)), ctx.scale, out=part(dk))
+
+        run_blocks(backward_block, _batch_blocks(lead, (q, k, v), probs.size, probs))
+        return (unbroadcast(dq, q.shape) if need_q else None,
+                unbroadcast(dk, k.shape) if need_k else None,
+                unbroadcast(dv, v.shape) if need_v else None)
+
+
+def _batch_blocks(lead, inputs, entries, like):
+    """Blocks of the first batch axis for `_parallel`: one per thread when every input has that
+    axis in full, else a single block (a broadcast input is shared by every block)."""
+    rows = lead[0] if lead else 1
+    if lead and all(a.ndim == len(lead) + 2 and a.shape[0] == rows for a in inputs):
+        return row_blocks(rows, entries, like)
+    return [(0, rows)]
+
+
+def _batch_block(lead, start, stop):
+    """part(a): rows [start, stop) of the first batch axis of `a` when a has that axis in full
+    (a broadcast array, a lower-dimensional mask or None pass whole)."""
+    def part(a):
+        if a is None or not lead or a.ndim != len(lead) + 2 or a.shape[0] != lead[0]:
+            return a
+        return a[start:stop]
+    return part
 
 
 class MemoryEfficientAttention(Function):

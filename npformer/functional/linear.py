@@ -1,21 +1,31 @@
 """Affine map y = x W^T + b as one 2-D GEMM."""
-from autograd import Function
+from autograd import Function, backend
 
 from ._common import check_tensor
+from ._parallel import for_rows
 
 
 class Linear(Function):
     """x (..., in), weight (out, in), bias (out,) or None -> y (..., out).
 
     dx = dy W,  dW = dy^T x,  db = sum of dy over all rows (with x, dy flattened to 2-D).
+    With set_num_threads(n > 1) the GEMMs are split across the threads of `_parallel`:
+    y and dx by rows, dW and db by output features.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias):
+        xp = backend.get_array_module(x)
         x2d = x.reshape(-1, x.shape[-1])                  # (N, in), a view when x is contiguous
-        y2d = x2d @ weight.T                              # (N, out)
-        if bias is not None:
-            y2d += bias                                   # (N, out)
+        y2d = xp.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
+
+        def rows(start, stop):
+            # y = x W^T + b
+            xp.matmul(x2d[start:stop], weight.T, out=y2d[start:stop])
+            if bias is not None:
+                y2d[start:stop] += bias
+
+        for_rows(rows, x2d.shape[0], y2d.size, x)
         ctx.save_for_backward(x2d, weight)
         ctx.x_shape = x.shape
         return y2d.reshape(x.shape[:-1] + (weight.shape[0],))
@@ -23,15 +33,30 @@ class Linear(Function):
     @staticmethod
     def backward(ctx, dy):
         x2d, weight = ctx.saved_tensors
+        xp = backend.get_array_module(dy)
         dy2d = dy.reshape(-1, weight.shape[0])            # (N, out)
         need_x, need_w, need_b = ctx.needs_input_grad
-        # y2d = x2d @ W^T  ->  dx2d = dy2d @ W
-        dx = (dy2d @ weight).reshape(ctx.x_shape) if need_x else None
-        # y2d = x2d @ W^T  ->  dW = dy2d^T @ x2d
-        dweight = dy2d.T @ x2d if need_w else None
-        # y2d += b  ->  db = sum over rows of dy2d
-        dbias = dy2d.sum(axis=0) if need_b else None
-        return dx, dweight, dbias
+        dx2d = xp.empty_like(x2d) if need_x else None                    # (N, in)
+        dweight = xp.empty_like(weight) if need_w else None              # (out, in)
+        dbias = xp.empty(weight.shape[0], dtype=dy.dtype) if need_b else None   # (out,)
+
+        def rows(start, stop):
+            # y = x W^T  ->  dx = dy W
+            xp.matmul(dy2d[start:stop], weight, out=dx2d[start:stop])
+
+        def features(start, stop):
+            # y = x W^T  ->  dW = dy^T x
+            if need_w:
+                xp.matmul(dy2d[:, start:stop].T, x2d, out=dweight[start:stop])
+            # y = x W^T + b  ->  db = sum over rows of dy
+            if need_b:
+                dy2d[:, start:stop].sum(axis=0, out=dbias[start:stop])
+
+        if need_x:
+            for_rows(rows, dy2d.shape[0], dx2d.size, dy)
+        if need_w or need_b:
+            for_rows(features, weight.shape[0], dy2d.size, dy)
+        return (dx2d.reshape(ctx.x_shape) if need_x else None), dweight, dbias
 
 
 def linear(input, weight, bias=None):

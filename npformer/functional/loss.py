@@ -2,7 +2,8 @@
 from autograd import Function, Tensor, backend
 
 from ._common import check_tensor, data_of, on_device_of
-from .softmax import log_softmax_forward
+from ._parallel import for_rows
+from .softmax import stable_row_max
 
 
 class CrossEntropy(Function):
@@ -12,52 +13,75 @@ class CrossEntropy(Function):
     loss_i = -sum_c a_ic logp_ic on valid rows (target != ignore_index), 0 elsewhere;
     "mean" divides by sum of w[target] over valid rows (n_valid without weights).
     dlogits_i = (softmax_i * sum_c a_ic - a_i) * valid_i * dloss_i (/ the mean's divisor).
+    Rows run in blocks on the threads of `_parallel`; the softmax is saved for backward.
     """
 
     @staticmethod
     def forward(ctx, logits, weight, target, valid, reduction, label_smoothing):
         xp = backend.get_array_module(logits)
         m, c = logits.shape
-        rows = xp.arange(m)
-        safe_target = xp.where(valid, target, 0)                   # (M,) ignored rows point at class 0
-        logp = log_softmax_forward(logits, 1)                      # (M, C)
         e = label_smoothing
-        picked = logp[rows, safe_target]                           # (M,) logp of the target class
-        w_target = weight[safe_target] if weight is not None else None   # (M,)
-        # loss_i = -(1 - e) w_t logp_it - (e / C) sum_c w_c logp_ic
-        loss = -(1.0 - e) * (picked * w_target if weight is not None else picked)
-        if e:
-            smooth = logp @ weight if weight is not None else logp.sum(axis=1)   # (M,)
-            loss -= (e / c) * smooth
+        safe_target = xp.where(valid, target, 0)                   # (M,) ignored rows point at class 0
+        probs = xp.empty((m, c), dtype=logits.dtype)               # (M, C) softmax, saved for backward
+        loss = xp.empty(m, dtype=logits.dtype)                     # (M,)
+        w_sum = weight.sum() if weight is not None else c
+
+        def rows(start, stop):
+            x, t = logits[start:stop], safe_target[start:stop]
+            z = xp.subtract(x, stable_row_max(x, 1), out=probs[start:stop])   # (n, C) shifted, max 0
+            z_target = z[xp.arange(stop - start), t]               # (n,)
+            # logp = z - log(total): the smoothing term sum_c w_c logp_c = z @ w - log(total) sum(w)
+            z_smooth = (z @ weight if weight is not None else z.sum(axis=1)) if e else None
+            xp.exp(z, out=z)
+            total = z.sum(axis=1, keepdims=True)                   # (n, 1)
+            total[total == 0] = 1                                  # fully -inf row: log 1 = 0, logp -inf
+            z /= total                                             # softmax
+            log_total = xp.log(total[:, 0])                        # (n,)
+            # loss_i = -(1 - e) w_t logp_it - (e / C) sum_c w_c logp_ic
+            row_loss = z_target - log_total
+            if weight is not None:
+                row_loss *= weight[t]
+            row_loss *= -(1.0 - e)
+            if e:
+                z_smooth -= log_total * w_sum
+                row_loss -= (e / c) * z_smooth
+            loss[start:stop] = row_loss
+
+        for_rows(rows, m, logits.size, logits)
         loss = xp.where(valid, loss, 0)                            # ignored rows add nothing
         divisor = None                                             # "mean": sum of w[target] (or n_valid)
         if reduction == "mean":
-            divisor = (w_target * valid).sum() if weight is not None else valid.sum().astype(logits.dtype)
+            divisor = (weight[safe_target] * valid).sum() if weight is not None else valid.sum().astype(logits.dtype)
         out = loss if reduction == "none" else loss.sum() if divisor is None else loss.sum() / divisor
-        ctx.save_for_backward(logp, weight, safe_target, valid, divisor)
+        ctx.save_for_backward(probs, weight, safe_target, valid, divisor)
         ctx.reduction, ctx.label_smoothing = reduction, e
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        logp, weight, target, valid, divisor = ctx.saved_tensors
-        xp = backend.get_array_module(logp)
-        m, c = logp.shape
+        probs, weight, target, valid, divisor = ctx.saved_tensors
+        xp = backend.get_array_module(probs)
+        m, c = probs.shape
         e = ctx.label_smoothing
-        rows = xp.arange(m)
         # out = loss, sum(loss) or sum(loss) / divisor  ->  dloss_i = dout (/ divisor), 0 on ignored rows
         dloss = dout / divisor if divisor is not None else dout
-        dloss = xp.where(valid, dloss, 0).astype(logp.dtype, copy=False)[:, None]   # (M, 1)
+        dloss = xp.where(valid, dloss, 0).astype(probs.dtype, copy=False)[:, None]   # (M, 1)
         w_target = weight[target][:, None] if weight is not None else 1.0
         # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
         a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
-        # loss_i = -sum_c a_ic logp_ic, logp = log_softmax(logits)  ->  dlogits = softmax * sum(a) - a
-        dlogits = xp.exp(logp)
-        dlogits *= a_sum
-        if e:
-            dlogits -= (e / c) * (weight if weight is not None else 1.0)
-        dlogits[rows, target] -= ((1.0 - e) * w_target).reshape(-1) if weight is not None else (1.0 - e)
-        dlogits *= dloss
+        # loss_i = -sum_c a_ic logp_ic, logp = log_softmax(logits)  ->  dlogits = (softmax * sum(a) - a) dloss
+        softmax_coef = a_sum * dloss                               # (M, 1)
+        target_coef = ((1.0 - e) * w_target * dloss)[:, 0]         # (M,)  the one-hot part of a, times dloss
+        dlogits = xp.empty_like(probs)                             # (M, C)
+
+        def rows(start, stop):
+            d = xp.multiply(probs[start:stop], softmax_coef[start:stop], out=dlogits[start:stop])
+            if e:                                                  # the e / C part of a
+                smooth = (e / c) * dloss[start:stop]               # (n, 1)
+                d -= smooth * weight if weight is not None else smooth
+            d[xp.arange(stop - start), target[start:stop]] -= target_coef[start:stop]
+
+        for_rows(rows, m, probs.size, probs)
         return dlogits, None
 
 

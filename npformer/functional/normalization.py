@@ -4,6 +4,7 @@ import math
 from autograd import Function, backend
 
 from ._common import check_tensor
+from ._parallel import for_rows
 
 
 class LayerNorm(Function):
@@ -12,61 +13,81 @@ class LayerNorm(Function):
 
     With xhat = (x - mean) rstd, g = weight * dy (per row of D = prod(S) entries):
     dx = rstd (g - mean(g) - xhat mean(g xhat)),  dweight = sum(dy xhat),  dbias = sum(dy).
+    Rows run in blocks on the threads of `_parallel`; xhat is saved for backward.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps):
         xp = backend.get_array_module(x)
-        normalized_size = math.prod(normalized_shape)
-        x2d = x.reshape(-1, normalized_size)                  # (N, D)
-        mean = x2d.mean(axis=1, keepdims=True)                # (N, 1)
-        xhat = x2d - mean                                     # (N, D)  x - mean
-        # one refinement step: the rounding error of mean, times rstd, would dominate when
-        # |mean| >> std (e.g. mean 1e4, std 1e-2); the mean of the residuals removes it
-        # (kept apart from mean: in float32, mean + residual would round back at 1e4's ulp)
-        residual = xhat.mean(axis=1, keepdims=True)           # (N, 1)
-        xhat -= residual
-        var = xp.einsum("nd,nd->n", xhat, xhat)[:, None]      # (N, 1)  two-pass sum (x - mean)^2
-        var /= normalized_size
-        rstd = 1.0 / xp.sqrt(var + eps)                       # (N, 1)
-        xhat *= rstd                                          # (N, D)  normalized
-        ctx.save_for_backward(x2d, weight, mean, residual, rstd)
+        d = math.prod(normalized_shape)
+        x2d = x.reshape(-1, d)                                    # (N, D)
+        xhat = xp.empty(x2d.shape, dtype=x.dtype)                 # (N, D)
+        rstd = xp.empty((x2d.shape[0], 1), dtype=x.dtype)         # (N, 1)
+        y = xp.empty_like(xhat) if weight is not None or bias is not None else None
+        w = weight.reshape(-1) if weight is not None else None
+        b = bias.reshape(-1) if bias is not None else None
+
+        def rows(start, stop):
+            xb, xh = x2d[start:stop], xhat[start:stop]
+            mean = xb.mean(axis=1, keepdims=True)                 # (n, 1)
+            xp.subtract(xb, mean, out=xh)                         # x - mean
+            # one refinement step: the rounding error of mean, times rstd, would dominate when
+            # |mean| >> std (e.g. mean 1e4, std 1e-2); the mean of the residuals removes it
+            # (kept apart from mean: in float32, mean + residual would round back at 1e4's ulp)
+            xh -= xh.mean(axis=1, keepdims=True)
+            var = xp.einsum("nd,nd->n", xh, xh)[:, None]          # (n, 1)  two-pass sum (x - mean)^2
+            var /= d
+            var += eps
+            xp.sqrt(var, out=var)
+            xp.divide(1.0, var, out=rstd[start:stop])             # rstd = 1 / sqrt(var + eps)
+            xh *= rstd[start:stop]                                # (n, D)  xhat
+            if y is None:
+                return
+            yb = y[start:stop]                                    # y = xhat * weight + bias
+            if w is not None:
+                xp.multiply(xh, w, out=yb)
+            else:
+                yb[...] = xh
+            if b is not None:
+                yb += b
+
+        for_rows(rows, x2d.shape[0], x2d.size, x)
+        ctx.save_for_backward(xhat, weight, rstd)
         ctx.shape, ctx.normalized_shape = x.shape, normalized_shape
-        if weight is not None:
-            xhat *= weight.reshape(-1)
-        if bias is not None:
-            xhat += bias.reshape(-1)
-        return xhat.reshape(x.shape)
+        return (y if y is not None else xhat.copy()).reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, mean, residual, rstd = ctx.saved_tensors
+        xhat, weight, rstd = ctx.saved_tensors
         xp = backend.get_array_module(dy)
-        d = x2d.shape[1]
-        dy2d = dy.reshape(-1, d)                              # (N, D)
+        d = xhat.shape[1]
+        dy2d = dy.reshape(-1, d)                                  # (N, D)
         need_x, need_w, need_b = ctx.needs_input_grad
-        xhat = x2d - mean                                     # recomputed: xhat = (x - mean) * rstd
-        xhat -= residual
-        xhat *= rstd
-        dweight = dbias = dx = None
-        # y = xhat * weight + bias  ->  dweight = sum over rows of dy * xhat
-        if need_w:
-            dweight = xp.einsum("nd,nd->d", dy2d, xhat).reshape(ctx.normalized_shape)
-        # y = xhat * weight + bias  ->  dbias = sum over rows of dy
-        if need_b:
-            dbias = dy2d.sum(axis=0).reshape(ctx.normalized_shape)
-        if need_x:
-            # y = xhat * weight  ->  g = dy * weight (the gradient arriving at xhat)
-            g = dy2d * weight.reshape(-1) if weight is not None else dy2d
-            # xhat = (x - mean) * rstd  ->  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-            mean_g = g.mean(axis=1, keepdims=True)                          # (N, 1)
-            mean_gx = xp.einsum("nd,nd->n", g, xhat)[:, None] / d           # (N, 1)
-            dx = xhat * mean_gx                                             # (N, D)
-            dx -= g
-            dx += mean_g
-            dx *= -rstd
-            dx = dx.reshape(ctx.shape)
-        return dx, dweight, dbias
+        dx = xp.empty_like(xhat) if need_x else None              # (N, D)
+        w = weight.reshape(-1) if weight is not None else None
+
+        def rows(start, stop):
+            dyb, xh = dy2d[start:stop], xhat[start:stop]
+            # y = xhat * weight + bias  ->  dweight = sum over rows of dy * xhat, dbias = sum of dy
+            dweight = xp.einsum("nd,nd->d", dyb, xh) if need_w else None
+            dbias = dyb.sum(axis=0) if need_b else None
+            if need_x:
+                # y = xhat * weight  ->  g = dy * weight (the gradient arriving at xhat)
+                g = dyb * w if w is not None else dyb                               # (n, D)
+                # xhat = (x - mean) * rstd  ->  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+                mean_g = g.mean(axis=1, keepdims=True)                              # (n, 1)
+                mean_gx = xp.einsum("nd,nd->n", g, xh)[:, None]                     # (n, 1)
+                mean_gx /= d
+                dxb = xp.multiply(xh, mean_gx, out=dx[start:stop])                  # (n, D)
+                xp.subtract(g, dxb, out=dxb)
+                dxb -= mean_g
+                dxb *= rstd[start:stop]
+            return dweight, dbias
+
+        partial = for_rows(rows, dy2d.shape[0], dy2d.size, dy)    # per block: column sums
+        dweight = sum(p[0] for p in partial).reshape(ctx.normalized_shape) if need_w else None
+        dbias = sum(p[1] for p in partial).reshape(ctx.normalized_shape) if need_b else None
+        return (dx.reshape(ctx.shape) if need_x else None), dweight, dbias
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):

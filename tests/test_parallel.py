@@ -1,0 +1,154 @@
+"""npformer.functional._parallel: ops split into row blocks across threads give the results of
+one thread (forced here on small shapes by lowering the size threshold), dropout masks do not
+depend on the number of threads, and the pool's bookkeeping (order, errors, nesting)."""
+import numpy as np
+import pytest
+
+import autograd
+from autograd import Tensor, backend
+from npformer import functional as F
+from npformer.functional import _parallel
+from npformer.functional.activation import dropout_mask
+
+
+@pytest.fixture
+def threads(monkeypatch):
+    """use(n): n threads with GEMM splitting, every op big enough to split; restored afterwards."""
+    saved = _parallel.get_num_threads()
+    monkeypatch.setattr(_parallel, "MIN_PARALLEL_ENTRIES", 0)
+    yield _parallel.set_num_threads
+    _parallel.set_num_threads(saved)
+
+
+def outputs_and_grads(fn, arrays, seed=0):
+    """fn's output and the gradient of every input for a fixed random upstream gradient."""
+    tensors = [Tensor(a.copy(), requires_grad=True) for a in arrays]
+    out = fn(*tensors)
+    outs = out if isinstance(out, tuple) else (out,)
+    rng = np.random.default_rng(seed)
+    total = sum((o * Tensor(rng.standard_normal(o.shape))).sum() for o in outs)
+    total.backward()
+    return [o.data for o in outs] + [t.grad for t in tensors]
+
+
+def assert_same_with_threads(threads, fn, arrays):
+    threads(1)
+    serial = outputs_and_grads(fn, arrays)
+    for n in (2, 3):
+        threads(n)
+        parallel = outputs_and_grads(fn, arrays)
+        for a, b in zip(serial, parallel):
+            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_split_by_rows_and_features(threads, rng):
+    x, w, b = rng.standard_normal((2, 7, 5)), rng.standard_normal((6, 5)), rng.standard_normal(6)
+    assert_same_with_threads(threads, F.linear, [x, w, b])
+    assert_same_with_threads(threads, lambda x, w: F.linear(x, w), [x, w])
+
+
+@pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask", "broadcast_kv", "dropout_weights"])
+def test_attention_split_by_batch(threads, rng, case):
+    B, H, T, S, hd = 5, 2, 4, 6, 3
+    q = rng.standard_normal((B, H, T, hd))
+    k = rng.standard_normal((1 if case == "broadcast_kv" else B, H, S, hd))
+    v = rng.standard_normal(k.shape)
+    mask = None
+    if case == "bool_mask":
+        mask = rng.random((B, 1, 1, S)) > 0.3
+        mask[:, ..., 0] = True
+    elif case == "float_mask":
+        mask = rng.standard_normal((T, S))
+
+    def attention(q, k, v):
+        generator = np.random.default_rng(7)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=case == "causal", dropout_p=0.3 if case == "dropout_weights" else 0.0,
+            return_weights=case == "dropout_weights", generator=generator)
+    assert_same_with_threads(threads, attention, [q, k, v])
+
+
+def test_row_ops_split_by_rows(threads, rng):
+    x = rng.standard_normal((9, 4, 6))
+    w, b = rng.standard_normal(6), rng.standard_normal(6)
+    assert_same_with_threads(threads, lambda x, w, b: F.layer_norm(x, 6, w, b), [x, w, b])
+    assert_same_with_threads(threads, lambda x: F.layer_norm(x, (4, 6)), [x])
+    assert_same_with_threads(threads, F.relu, [x])
+    assert_same_with_threads(threads, lambda x: F.dropout(x, 0.4, generator=np.random.default_rng(3)), [x])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cross_entropy_split_by_rows(threads, rng, weighted):
+    logits, target = rng.standard_normal((11, 7)), rng.integers(0, 7, 11)
+    target[[2, 5]] = -100
+    weight = rng.random(7) + 0.5 if weighted else None
+    assert_same_with_threads(threads, lambda x: F.cross_entropy(x, target, weight=weight, label_smoothing=0.2),
+                             [logits])
+
+
+@pytest.mark.parametrize("bit_generator", [np.random.PCG64, np.random.Philox, np.random.MT19937])
+def test_dropout_mask_does_not_depend_on_threads(threads, bit_generator, device):
+    masks, next_draws = [], []
+    for n in (1, 2, 3):
+        threads(n)
+        generator = backend.default_rng(11, device)
+        if bit_generator is not np.random.PCG64:
+            generator = np.random.Generator(bit_generator(11))
+        masks.append(backend.as_numpy(dropout_mask((37, 5), 0.25, device, generator)))
+        next_draws.append(float(generator.random()))  # the stream continues at the same place
+    assert all(np.array_equal(m, masks[0]) for m in masks[1:])
+    assert len(set(next_draws)) == 1
+    assert 0.6 < masks[0].mean() < 0.9
+
+
+def test_dropout_mask_is_on_the_device(threads, device):
+    threads(2)
+    mask = dropout_mask((64, 33), 0.1, device)
+    assert backend.device_of(mask) == device and mask.shape == (64, 33) and mask.dtype == bool
+
+
+def test_run_blocks_order_errors_and_nesting(threads):
+    threads(3)
+    blocks = _parallel.row_blocks(10, 10)
+    assert blocks == [(0, 3), (3, 6), (6, 10)]
+    assert _parallel.run_blocks(lambda a, b: list(range(a, b)), blocks) == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+
+    def inner(a, b):  # a nested split inside a block runs in that block's thread
+        return _parallel.for_rows(lambda c, d: (c, d), 4, 4)
+    assert _parallel.run_blocks(inner, blocks) == [[(0, 4)]] * 3
+
+    def failing(a, b):
+        if a == 3:
+            raise ValueError("block 3 failed")
+    with pytest.raises(ValueError, match="block 3 failed"):
+        _parallel.run_blocks(failing, blocks)
+
+
+def test_blas_runs_one_thread_while_npformer_splits(threads):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    threads(1)
+    before = blas_threads()
+    threads(2)
+    assert all(n == 1 for n in blas_threads())
+    assert _parallel.row_blocks(10, 10) == [(0, 5), (5, 10)]
+    assert _parallel.row_blocks(10, 10, like=np.zeros(1)) == [(0, 5), (5, 10)]
+    threads(1)
+    assert blas_threads() == before and _parallel.row_blocks(10, 10) == [(0, 10)]
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True])
+def test_set_num_threads_rejects_bad_values(n):
+    with pytest.raises(ValueError, match="set_num_threads"):
+        _parallel.set_num_threads(n)
+
+
+def test_float32_stays_float32_in_blocks(threads, rng):
+    threads(2)
+    x = Tensor(rng.standard_normal((6, 8)).astype("float32"), requires_grad=True)
+    out = F.cross_entropy(F.relu(F.layer_norm(x, 8)), np.arange(6))
+    out.backward()
+    assert out.dtype == np.float32 and x.grad.dtype == np.float32
+    assert autograd.Tensor(x.grad).dtype == np.float32
