@@ -240,10 +240,17 @@ def _functional_checks():
         Check("F.sdpa memory-efficient (seeded dropout)", lambda rng: functional_case(
             lambda q, k, v: seeded_attention_dropout(q, k, v, memory_efficient=True, block_size=3), qkv(rng),
             twin=False)),
+        Check("F.split_heads (3 chunks)", lambda rng: functional_case(
+            lambda x: _mix_heads(*F.split_heads(x, 2, chunks=3)), [rng.standard_normal((2, 4, 12))],
+            lambda t, x: _mix_heads(*x.reshape(2, 4, 3, 2, 2).permute(2, 0, 3, 1, 4)))),
         Check("F.apply_rotary_emb", lambda rng: functional_case(
             lambda x: F.apply_rotary_emb(x, cos, sin), [rng.standard_normal((2, 4, 6))],
             lambda t, x: _rope_torch(t, x, cos, sin))),
     ]
+
+
+def _mix_heads(q, k, v):
+    return q * k + 2.0 * v
 
 
 def _torch_attention_with_weights(torch, q, k, v):

@@ -95,7 +95,18 @@ def cases(rng, ops=F):
             [q, k, v]),
         "rotary": (lambda a: ops.apply_rotary_emb(a, cos, sin), lambda t: lambda a: _torch_rope(t, a, cos, sin),
                    [rng.standard_normal((2, 4, 6))]),
+        # every chunk reaches the output, so the backward assembles all three gradients
+        "split_heads": (lambda a: _mix_heads(*ops.split_heads(a, 2, chunks=3)),
+                        lambda t: lambda a: _mix_heads(*a.reshape(2, 4, 3, 2, 2).permute(2, 0, 3, 1, 4)),
+                        [rng.standard_normal((2, 4, 12))]),
+        "split_heads_one_chunk": (lambda a: ops.split_heads(a, 3) * 2.0,
+                                  lambda t: lambda a: a.reshape(2, 4, 3, 2).transpose(1, 2) * 2.0,
+                                  [rng.standard_normal((2, 4, 6))]),
     }
+
+
+def _mix_heads(q, k, v):
+    return q * k + 2.0 * v
 
 
 def _torch_rope(torch, x, cos, sin):
@@ -133,3 +144,11 @@ def test_matches_composite_twin(name, device):
     fused, _, arrays = cases(np.random.default_rng(4))[name]
     twin, _, _ = cases(np.random.default_rng(4), composite)[name]
     compare_runs(fused, twin, arrays, np.random.default_rng(5), device)
+
+
+@pytest.mark.parametrize("shape, num_heads, chunks, match", [
+    ((2, 4, 12), 5, 1, "chunks=1, num_heads=5"), ((2, 12), 2, 3, "batch, seq"), ((2, 4, 12), 0, 3, "num_heads"),
+    ((2, 4, 12), 2, True, "chunks")])
+def test_split_heads_rejects_bad_shapes(shape, num_heads, chunks, match):
+    with pytest.raises(ValueError, match=match):
+        F.split_heads(Tensor(np.zeros(shape)), num_heads, chunks=chunks)

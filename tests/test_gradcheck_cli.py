@@ -30,7 +30,7 @@ def test_a_broken_op_shows_fail_in_every_column(torch):
 def test_every_functional_op_and_module_has_a_row():
     names = [c.name for c in gradcheck.all_checks()]
     for op in ("linear", "relu", "gelu", "dropout", "softmax", "log_softmax", "layer_norm", "embedding",
-               "cross_entropy", "sdpa", "sdpa memory-efficient", "apply_rotary_emb"):
+               "cross_entropy", "sdpa", "sdpa memory-efficient", "split_heads", "apply_rotary_emb"):
         assert any(n.startswith(f"F.{op}") for n in names), op
     for module in ("Linear", "Embedding", "LayerNorm", "Dropout (eval)", "Dropout (train", "MultiheadAttention",
                    "TransformerEncoderLayer", "TransformerDecoderLayer", "Transformer ("):

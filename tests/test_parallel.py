@@ -75,6 +75,7 @@ def test_row_ops_split_by_rows(threads, rng):
     assert_same_with_threads(threads, lambda x: F.layer_norm(x, (4, 6)), [x])
     assert_same_with_threads(threads, F.relu, [x])
     assert_same_with_threads(threads, lambda x: F.dropout(x, 0.4, generator=np.random.default_rng(3)), [x])
+    assert_same_with_threads(threads, lambda x: F.split_heads(x, 2, chunks=3), [rng.standard_normal((5, 4, 12))])
 
 
 @pytest.mark.parametrize("weighted", [False, True])

@@ -2,7 +2,7 @@
 torch.nn.functional. `npformer.functional.composite` holds slow twins built from autograd
 primitives, used as test references."""
 from .activation import dropout, gelu, relu
-from .attention import scaled_dot_product_attention
+from .attention import scaled_dot_product_attention, split_heads
 from .embedding import embedding
 from .linear import linear
 from .loss import cross_entropy
@@ -11,4 +11,4 @@ from .rotary import apply_rotary_emb, rotary_cos_sin
 from .softmax import log_softmax, softmax
 
 __all__ = ["apply_rotary_emb", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear",
-           "log_softmax", "relu", "rotary_cos_sin", "scaled_dot_product_attention", "softmax"]
+           "log_softmax", "relu", "rotary_cos_sin", "scaled_dot_product_attention", "softmax", "split_heads"]

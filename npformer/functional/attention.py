@@ -6,7 +6,7 @@ import math
 from autograd import Function, backend, unbroadcast
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, on_device_of
-from ._parallel import row_blocks, run_blocks
+from ._parallel import for_rows, row_blocks, run_blocks
 from .activation import check_dropout_p, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
@@ -257,6 +257,48 @@ def _key_starts(q_start, q_stop, tk, block_size, causal):
     """Key block starts; with a causal mask, blocks entirely right of the diagonal are skipped."""
     stop = min(tk, q_stop) if causal else tk
     return range(0, stop, block_size)
+
+
+class SplitHeads(Function):
+    """x (B, T, n E) -> n arrays (B, H, T, hd) with E = H hd: chunk i is the heads of columns
+    [i E, (i + 1) E), a view of x. Backward writes the n head gradients into one (B, T, n E)
+    array, the layout of x (one pass; no zero-filled copies to add up)."""
+
+    @staticmethod
+    def forward(ctx, x, chunks, num_heads):
+        B, T, width = x.shape
+        ctx.shape = x.shape
+        heads = x.reshape(B, T, chunks, num_heads, width // (chunks * num_heads))   # (B, T, n, H, hd)
+        return tuple(heads[:, :, i].transpose(0, 2, 1, 3) for i in range(chunks))  # n x (B, H, T, hd)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        xp = backend.get_array_module(grads[0])
+        B, T, width = ctx.shape
+        # out_i = x[:, :, i E:(i + 1) E] as heads  ->  dx[:, :, i E:(i + 1) E] = dout_i as (B, T, H, hd)
+        dx = xp.empty((B, T, len(grads)) + grads[0].shape[1:2] + grads[0].shape[3:], dtype=grads[0].dtype)
+
+        def rows(start, stop):
+            for i, g in enumerate(grads):
+                dx[start:stop, :, i] = g[start:stop].transpose(0, 2, 1, 3)
+
+        for_rows(rows, B, dx.size, dx)
+        return dx.reshape(ctx.shape)
+
+
+def split_heads(input, num_heads, chunks=1):
+    """input (B, T, chunks * E) -> `chunks` tensors (B, num_heads, T, E / num_heads) (one tensor
+    when chunks=1): the heads of each E-wide block of columns, e.g. q, k, v of a packed
+    projection. Views in forward; the backward assembles one gradient array."""
+    x = check_tensor("input", input, "split_heads")
+    for name, value in (("num_heads", num_heads), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"split_heads: {name} must be a positive int, got {value!r}")
+    if x.ndim != 3 or x.shape[-1] % (chunks * num_heads):
+        raise ValueError(f"split_heads: input must be (batch, seq, chunks * num_heads * head_dim) with "
+                         f"chunks={chunks}, num_heads={num_heads}, got shape {tuple(x.shape)}")
+    heads = SplitHeads.apply(input, chunks=chunks, num_heads=num_heads)
+    return heads if chunks > 1 else heads[0]
 
 
 def _prepare_mask(attn_mask, q, score_shape):

@@ -160,8 +160,15 @@ def apply_rotary_emb(x, cos, sin):
     return concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def split_heads(input, num_heads, chunks=1):
+    x = _tensor(input)
+    B, T, width = x.shape
+    heads = x.reshape(B, T, chunks, num_heads, width // (chunks * num_heads)).permute(2, 0, 3, 1, 4)
+    return tuple(heads[i] for i in range(chunks)) if chunks > 1 else heads[0]
+
+
 TWINS = ("linear", "relu", "gelu", "dropout", "softmax", "log_softmax", "layer_norm", "embedding",
-         "cross_entropy", "scaled_dot_product_attention", "apply_rotary_emb")
+         "cross_entropy", "scaled_dot_product_attention", "split_heads", "apply_rotary_emb")
 
 
 @contextlib.contextmanager

@@ -126,8 +126,7 @@ class MultiheadAttention(Module):
     # -- pieces, shared by forward and the cached decoding step --------------------------
     def _heads(self, x):
         """(B, L, E) -> (B, H, L, hd)."""
-        B, L, _ = x.shape
-        return x.reshape(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        return F.split_heads(x, self.num_heads)
 
     def _weights(self, start, stop):
         """Rows [start, stop) of the packed projection: W (stop-start, E), b or None."""
@@ -138,10 +137,8 @@ class MultiheadAttention(Module):
     def project_qkv(self, query, key, value):
         """Query, key, value projected and split into heads, each (B, H, L, hd)."""
         if query is key and key is value:  # self-attention: one packed GEMM (B, T, 3E)
-            B, T, _ = query.shape
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)              # (B, T, 3E)
-            qkv = qkv.reshape(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
-            return qkv[0], qkv[1], qkv[2]
+            return F.split_heads(qkv, self.num_heads, chunks=3)                        # 3 x (B, H, T, hd)
         q = self.project_q(query)
         k, v = self.project_kv(key, value)
         return q, k, v
@@ -153,10 +150,8 @@ class MultiheadAttention(Module):
         """Key and value heads (B, H, S, hd); one GEMM when key is value (cross-attention)."""
         E = self.embed_dim
         if key is value:
-            B, S, _ = key.shape
             kv = F.linear(key, *self._weights(E, 3 * E))                               # (B, S, 2E)
-            kv = kv.reshape(B, S, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (2, B, H, S, hd)
-            return kv[0], kv[1]
+            return F.split_heads(kv, self.num_heads, chunks=2)                         # 2 x (B, H, S, hd)
         return (self._heads(F.linear(key, *self._weights(E, 2 * E))),
                 self._heads(F.linear(value, *self._weights(2 * E, 3 * E))))
 
