@@ -153,3 +153,22 @@ def test_float32_stays_float32_in_blocks(threads, rng):
     out.backward()
     assert out.dtype == np.float32 and x.grad.dtype == np.float32
     assert autograd.Tensor(x.grad).dtype == np.float32
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_adam_split_across_threads_matches_one_thread(threads, rng, name):
+    from npformer import optim
+    shapes, grads = [(7, 5), (11,)], [[rng.standard_normal(s) for s in [(7, 5), (11,)]] for _ in range(3)]
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        params = [Tensor(np.ones(s), requires_grad=True) for s in shapes]
+        optimizer = getattr(optim, name)(params, lr=0.1, weight_decay=0.1)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.copy()
+            optimizer.step()
+        results.append([p.data.copy() for p in params])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)

@@ -5,6 +5,7 @@ from autograd import Function, backend
 
 from ._common import check_tensor
 from ._parallel import for_rows
+from .softmax import row_sum
 
 
 class LayerNorm(Function):
@@ -29,12 +30,12 @@ class LayerNorm(Function):
 
         def rows(start, stop):
             xb, xh = x2d[start:stop], xhat[start:stop]
-            mean = xb.mean(axis=1, keepdims=True)                 # (n, 1)
+            mean = row_sum(xb, 1) / d                             # (n, 1)
             xp.subtract(xb, mean, out=xh)                         # x - mean
             # one refinement step: the rounding error of mean, times rstd, would dominate when
             # |mean| >> std (e.g. mean 1e4, std 1e-2); the mean of the residuals removes it
             # (kept apart from mean: in float32, mean + residual would round back at 1e4's ulp)
-            xh -= xh.mean(axis=1, keepdims=True)
+            xh -= row_sum(xh, 1) / d
             var = xp.einsum("nd,nd->n", xh, xh)[:, None]          # (n, 1)  two-pass sum (x - mean)^2
             var /= d
             var += eps
@@ -75,7 +76,7 @@ class LayerNorm(Function):
                 # y = xhat * weight  ->  g = dy * weight (the gradient arriving at xhat)
                 g = dyb * w if w is not None else dyb                               # (n, D)
                 # xhat = (x - mean) * rstd  ->  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-                mean_g = g.mean(axis=1, keepdims=True)                              # (n, 1)
+                mean_g = row_sum(g, 1) / d                                          # (n, 1)
                 mean_gx = xp.einsum("nd,nd->n", g, xh)[:, None]                     # (n, 1)
                 mean_gx /= d
                 dxb = xp.multiply(xh, mean_gx, out=dx[start:stop])                  # (n, D)

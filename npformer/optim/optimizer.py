@@ -13,6 +13,8 @@ import math
 
 from autograd import backend
 
+from ..functional._parallel import for_rows
+
 
 def _check_range(name, value, low, high=None, low_inclusive=True):
     """Raise ValueError unless low <= value (< high)."""
@@ -235,32 +237,41 @@ class Adam(Optimizer):
             state["exp_avg_sq"] = xp.zeros_like(p.data)  # v
         state["step"] += 1
         t = state["step"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        tmp = self._scratch_like(p)
-        if wd != 0:
-            if self.decoupled:
-                # AdamW: p = p * (1 - lr * weight_decay), before the Adam step
-                p.data *= 1.0 - lr * wd
-            else:
-                # Adam: g = grad + weight_decay * p (a new array: grad itself is not touched)
-                grad = grad + wd * p.data
-        # m = lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
-        xp.subtract(grad, m, out=tmp)
-        tmp *= 1.0 - beta1
-        m += tmp
-        # v = beta2 * v + (1 - beta2) * g * g
-        v *= beta2
-        xp.multiply(grad, 1.0 - beta2, out=tmp)
-        tmp *= grad
-        v += tmp
-        # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-        xp.sqrt(v, out=tmp)
-        tmp /= math.sqrt(1.0 - beta2 ** t)
-        tmp += eps
-        # p -= lr / (1 - beta1^t) * m / denom
-        xp.divide(m, tmp, out=tmp)
-        tmp *= lr / (1.0 - beta1 ** t)
-        p.data -= tmp
+        arrays = (p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p))
+        bias_correction1, bias_correction2_sqrt = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
+
+        def update(start, stop):  # the entries [start, stop) of flat arrays, or whole arrays
+            param, g, m, v, tmp = (a[start:stop] for a in arrays) if stop is not None else arrays
+            if wd != 0:
+                if self.decoupled:
+                    # AdamW: p = p * (1 - lr * weight_decay), before the Adam step
+                    param *= 1.0 - lr * wd
+                else:
+                    # Adam: g = grad + weight_decay * p (a new array: grad itself is not touched)
+                    g = g + wd * param
+            # m = lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
+            xp.subtract(g, m, out=tmp)
+            tmp *= 1.0 - beta1
+            m += tmp
+            # v = beta2 * v + (1 - beta2) * g * g
+            v *= beta2
+            xp.multiply(g, 1.0 - beta2, out=tmp)
+            tmp *= g
+            v += tmp
+            # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
+            xp.sqrt(v, out=tmp)
+            tmp /= bias_correction2_sqrt
+            tmp += eps
+            # p -= lr / (1 - beta1^t) * m / denom
+            xp.divide(m, tmp, out=tmp)
+            tmp *= lr / bias_correction1
+            param -= tmp
+
+        if p.data.flags.c_contiguous:  # flat views, split across npformer's threads when big
+            arrays = tuple(a.reshape(-1) for a in arrays)
+            for_rows(update, p.size, p.size, p.data)
+        else:
+            update(0, None)
 
 
 class AdamW(Adam):
