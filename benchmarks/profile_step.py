@@ -1,11 +1,12 @@
 """Where the time of one training step goes: per-op forward/backward times, dropout masks,
 the optimizer, and the rest (Python between ops), for a config of train_step.py.
 
-    python benchmarks/profile_step.py --config base [--steps N] [--threads N] [--cprofile]
+    python benchmarks/profile_step.py --config base [--steps N] [--threads N] [--cprofile | --torch]
 
 Every `Function` subclass gets its forward and backward wrapped in a timer (monkeypatched
 here only); `dropout_mask` and `Adam.step` are timed the same way. The median of `steps`
-steps after one warm-up is shown per row. --cprofile prints cProfile's top functions instead.
+steps after one warm-up is shown per row. --cprofile prints cProfile's top functions instead,
+--torch the torch.profiler table of the torch model (torch.set_num_threads(--threads)).
 """
 import argparse
 import collections
@@ -19,7 +20,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import CONFIGS, Ours  # noqa: E402
+from train_step import CONFIGS, Ours, Torch  # noqa: E402
 
 import autograd  # noqa: E402
 import npformer  # noqa: E402
@@ -56,15 +57,31 @@ def instrument():
     optim.Adam.step = timed("Adam.step", optim.Adam.step)
 
 
+def profile_torch(args):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.set_num_threads(args.threads)
+    runner = Torch(CONFIGS[args.config], "cpu")
+    runner.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            runner.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=CONFIGS, default="base")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--torch", action="store_true", help="torch.profiler's table of the torch side instead")
     parser.add_argument("--threads", type=int, default=1,
                         help="npformer.set_num_threads (above 1, numpy's BLAS runs one thread)")
     args = parser.parse_args()
     npformer.set_num_threads(args.threads)
+    if args.torch:
+        profile_torch(args)
+        return
     runner = Ours(CONFIGS[args.config], "cpu")
     runner.step()
     if args.cprofile:

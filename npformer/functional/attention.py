@@ -105,10 +105,12 @@ class Attention(Function):
             dscores = softmax_backward(p, dprobs, -1, out=dprobs)             # (..., Tq, Tk)
             # S = s Q K^T  ->  dQ = s dS K
             if need_q:
-                xp.multiply(xp.matmul(dscores, part(k), out=part(dq)), ctx.scale, out=part(dq))
+                dq_block = xp.matmul(dscores, part(k), out=part(dq))
+                dq_block *= ctx.scale
             # S = s Q K^T  ->  dK = s dS^T Q
             if need_k:
-                xp.multiply(xp.matmul(dscores.swapaxes(-1, -2), part(q), out=part(dk)), ctx.scale, out=part(dk))
+                dk_block = xp.matmul(dscores.swapaxes(-1, -2), part(q), out=part(dk))
+                dk_block *= ctx.scale
 
         run_blocks(backward_block, _batch_blocks(lead, (q, k, v), probs.size, probs))
         return (unbroadcast(dq, q.shape) if need_q else None,
