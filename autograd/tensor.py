@@ -66,6 +66,9 @@ class Tensor:
         grad = grad.data if isinstance(grad, Tensor) else grad
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(grad): expected shape {self.shape}, got {tuple(grad.shape)}")
+        if backend.device_of(grad) != self.device:  # as torch: no silent copy between devices
+            raise RuntimeError(f"backward(grad): expected a gradient on device '{self.device}', got one on "
+                               f"'{backend.device_of(grad)}'; move it with to_device(grad, '{self.device}')")
         run_backward(self, grad.astype(self.dtype, copy=False), retain_graph)
 
     def _accumulate_leaf(self, grad):

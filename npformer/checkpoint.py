@@ -82,10 +82,10 @@ def _model_device(model):
 
 
 def _rng_state(devices):
-    """{device: bit generator state} of the numpy-backed global generators ("cpu", "test").
-    CuPy's generator exposes no portable state: after resuming on "cuda" the dropout stream
-    differs from an uninterrupted run (everything else is restored)."""
-    return {device: backend.global_rng(device).bit_generator.state for device in devices if device != "cuda"}
+    """{"cpu": bit generator state} of the host's global generator. CuPy's generator exposes
+    no portable state: after resuming on "cuda" (or "test", which stands in for it) the dropout
+    stream differs from an uninterrupted run (everything else is restored)."""
+    return {device: backend.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
 
 
 def _set_rng_state(states):

@@ -1,7 +1,10 @@
 """Shared fixtures: one `device` fixture runs a test on every backend; `torch` is the
-reference, and under CI (CI set) a missing torch fails the run instead of skipping."""
+reference, and under CI (CI set) a missing torch fails the run instead of skipping. At the end,
+every numpy name the tests used on the "test" device must exist in CuPy, else the run fails."""
+import functools
 import importlib
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -64,6 +67,31 @@ def pytest_sessionfinish(session, exitstatus):
     if IN_CI and not _torch_results["passed"]:
         session.exitstatus = 1
         print("\nCI: no torch-based test passed (skipped or missing); failing.")
+    missing = names_missing_in_cupy(backend._OnTestDevice.names_used)
+    if missing:
+        session.exitstatus = 1
+        print(f"\nCode run on the 'test' device used names that CuPy lacks, so it would fail on 'cuda': {missing}")
+
+
+@functools.lru_cache(maxsize=1)
+def _cupy_api():
+    lines = pathlib.Path(__file__).with_name("cupy_api.txt").read_text().splitlines()
+    return frozenset(line for line in lines if not line.startswith("#"))
+
+
+def _in_cupy(name):
+    obj = backend.cupy
+    for part in name.split(".")[1:]:
+        obj = getattr(obj, part, None)
+    return obj is not None
+
+
+def names_missing_in_cupy(names):
+    """The names ("numpy.add.at", "numpy.random.Generator.random", ...) that CuPy lacks: asked of
+    CuPy itself where it is installed, else looked up in tests/cupy_api.txt (scripts/cupy_api.py)."""
+    if backend.cupy is not None:
+        return sorted(n for n in names if not _in_cupy(n))
+    return sorted(set(names) - _cupy_api())
 
 
 def pytest_terminal_summary(terminalreporter):

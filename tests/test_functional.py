@@ -30,7 +30,7 @@ def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1
     assert out.dtype == dtype
     np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=atol, rtol=rtol)
     g = rng.standard_normal(out.shape).astype(dtype)
-    out.backward(g)
+    out.backward(autograd.backend.to_device(g, out.device))
     ref.backward(torch.tensor(g.astype(torch_dtype or dtype)))
     for i, (a, b) in enumerate(zip(ours_in, theirs_in)):
         assert a.grad.dtype == dtype

@@ -102,7 +102,7 @@ def test_fully_masked_rows_give_zero_output_and_zero_gradients(path, kind, devic
     keep[[0, 3]] = False
     mask = keep if kind == "bool" else np.where(keep, 0.0, -np.inf)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **PATHS[path])
-    out.backward(rng.standard_normal(out.shape))
+    out.backward(autograd.backend.to_device(rng.standard_normal(out.shape), device))
     assert np.all(out.numpy()[..., [0, 3], :] == 0)
     assert np.all(np.isfinite(out.numpy()))
     for t in (q, k, v):
@@ -111,7 +111,7 @@ def test_fully_masked_rows_give_zero_output_and_zero_gradients(path, kind, devic
     # every row masked: all zero, all gradients exactly zero
     q.grad = k.grad = v.grad = None
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=np.zeros((TQ, TK), dtype=bool), **PATHS[path])
-    out.backward(rng.standard_normal(out.shape))
+    out.backward(autograd.backend.to_device(rng.standard_normal(out.shape), device))
     assert not out.numpy().any()
     assert not any(autograd.backend.as_numpy(t.grad).any() for t in (q, k, v))
 
@@ -129,7 +129,7 @@ def test_memory_efficient_equals_naive_float32(shape, causal, device):
     for kwargs in ({}, {"memory_efficient": True, "block_size": 16}):
         ins = [leaf(a, device, np.float32) for a in arrays]
         out = F.scaled_dot_product_attention(*ins, attn_mask=keep, is_causal=causal, **kwargs)
-        out.backward(upstream)
+        out.backward(autograd.backend.to_device(upstream, device))
         results.append([out.numpy()] + [autograd.backend.as_numpy(t.grad) for t in ins])
     for ours, ref in zip(*results):
         assert ours.dtype == np.float32

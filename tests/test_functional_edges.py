@@ -30,7 +30,7 @@ def test_softmax_of_rows_entirely_minus_inf_is_zero_without_nan(device):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         y = F.softmax(x)
-        y.backward(np.ones((2, 3)) + np.arange(6).reshape(2, 3))
+        y.backward(autograd.backend.to_device(np.ones((2, 3)) + np.arange(6).reshape(2, 3), device))
         logp = F.log_softmax(x)
     assert np.all(y.numpy()[0] == 0) and np.isclose(y.numpy()[1].sum(), 1)
     assert np.all(np.isfinite(autograd.backend.as_numpy(x.grad)))
@@ -195,7 +195,7 @@ def test_dropout_rate_scale_mask_reuse_and_seeding(device):
     assert y.dtype == np.float32 and y.device == device
     assert 0.28 < (values == 0).mean() < 0.32
     np.testing.assert_allclose(values[values != 0], 1 / 0.7, rtol=1e-6)
-    y.backward(np.full((200, 100), 2.0, dtype=np.float32))           # same mask, same scale
+    y.backward(autograd.backend.to_device(np.full((200, 100), 2.0, dtype=np.float32), device))  # same mask, same scale
     np.testing.assert_allclose(autograd.backend.as_numpy(x.grad), 2 * values, rtol=1e-6)
     again = F.dropout(x, 0.3, generator=autograd.backend.default_rng(0, device))
     np.testing.assert_array_equal(again.numpy(), values)

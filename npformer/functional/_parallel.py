@@ -74,11 +74,11 @@ if hasattr(os, "register_at_fork"):
 
 def row_blocks(rows, entries, like=None):
     """[(start, stop), ...]: contiguous blocks covering range(rows), one per thread when the
-    array `like` lives in host memory (None: it does) and the work touches at least
+    array `like` lives in host memory (None: it does; "cuda" and "test" do not) and the work touches at least
     MIN_PARALLEL_ENTRIES `entries`; otherwise the single block (0, rows)."""
     threads = min(get_num_threads(), rows)
     if (threads < 2 or entries < MIN_PARALLEL_ENTRIES or getattr(_local, "busy", False)
-            or (like is not None and backend.device_of(like) == "cuda")):
+            or (like is not None and backend.device_of(like) != "cpu")):
         return [(0, rows)]
     bounds = [rows * i // threads for i in range(threads + 1)]
     return list(zip(bounds[:-1], bounds[1:]))

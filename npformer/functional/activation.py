@@ -136,7 +136,7 @@ def dropout_mask(shape, p, device, generator=None):
     of threads. On the GPU, where drawing is cheap: float32 uniforms compared to p.
     """
     rng = generator if generator is not None else backend.global_rng(device)
-    if device == "cuda":
+    if device != "cpu":  # cuda, and "test" standing in for it
         return rng.random(shape, dtype="float32") >= p
     threshold = min(round(p * 2**16), 2**16 - 1)
     bits = rng.bit_generator                                # the numpy BitGenerator itself

@@ -14,7 +14,7 @@ def scatter_add_rows(ids, rows, num_rows):
     out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
     if ids.size == 0:
         return out
-    if backend.device_of(rows) == "cuda":
+    if backend.device_of(rows) != "cpu":  # cuda, and "test" standing in for it
         xp.add.at(out, ids, rows)
         return out
     order = xp.argsort(ids, kind="stable")                # (N,)
