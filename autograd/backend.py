@@ -135,6 +135,18 @@ class _HostElementwiseKernel:
         return outs[0] if len(outs) == 1 else outs
 
 
+_kernels = {}
+
+
+def elementwise_kernel(xp, in_params, out_params, operation, name):
+    """xp.ElementwiseKernel(in_params, out_params, operation, name), built once per array module:
+    on CuPy one fused CUDA kernel; on the test device the same text run by numpy."""
+    key = (xp, in_params, out_params, operation)
+    if key not in _kernels:
+        _kernels[key] = xp.ElementwiseKernel(in_params, out_params, operation, name)
+    return _kernels[key]
+
+
 def _to_test(result):
     if isinstance(result, (numpy.ndarray, numpy.generic)) and not isinstance(result, TestDeviceArray):
         return numpy.asarray(result).view(TestDeviceArray)

@@ -47,7 +47,7 @@ def test_softmax_along_any_dim_matches_torch(dim, torch):
 
 
 # -- layer_norm --------------------------------------------------------------------------------
-def test_layer_norm_mean_1e4_std_1e2_matches_torch(torch):
+def test_layer_norm_mean_1e4_std_1e2_matches_torch(torch, device):
     """Two-pass variance (E[x^2] - E[x]^2 would lose every digit here) plus a refined mean.
     With rstd ~ 100 the gradients are ~ 500 and float64 rounding of x alone allows ~1e-10
     relative error; torch itself is ~2e-8 off in dx (checked against 80-bit arithmetic below)."""
@@ -56,19 +56,19 @@ def test_layer_norm_mean_1e4_std_1e2_matches_torch(torch):
     weight, bias = 1 + rng.standard_normal(16), rng.standard_normal(16)
     compare_with_torch(torch, lambda a, w, b: F.layer_norm(a, 16, w, b),
                        lambda a, w, b: torch.nn.functional.layer_norm(a, (16,), w, b),
-                       [x, weight, bias], np.random.default_rng(0), atol=1e-7, rtol=1e-9)
+                       [x, weight, bias], np.random.default_rng(0), atol=1e-7, rtol=1e-9, device=device)
     # float32 (where torch's own kernel is ~0.1 off here): against torch in float64 on the same data
     x32, g32 = x.astype(np.float32), rng.standard_normal((4, 16)).astype(np.float32)
-    xt, tx = leaf(x32, dtype=np.float32), torch.tensor(x32.astype(np.float64), requires_grad=True)
+    xt, tx = leaf(x32, device, np.float32), torch.tensor(x32.astype(np.float64), requires_grad=True)
     y, ty = F.layer_norm(xt, 16), torch.nn.functional.layer_norm(tx, (16,))
-    y.backward(g32)
+    y.backward(autograd.backend.to_device(g32, device))
     ty.backward(torch.tensor(g32.astype(np.float64)))
     np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), atol=1e-5)
-    np.testing.assert_allclose(xt.grad, tx.grad.numpy(), atol=1e-4 * np.abs(tx.grad.numpy()).max())
+    np.testing.assert_allclose(autograd.backend.as_numpy(xt.grad), tx.grad.numpy(), atol=1e-4 * np.abs(tx.grad.numpy()).max())
 
 
 @pytest.mark.skipif(np.finfo(np.longdouble).eps > 1e-17, reason="needs 80-bit long double as the reference")
-def test_layer_norm_mean_1e4_std_1e2_is_accurate_to_float64_rounding():
+def test_layer_norm_mean_1e4_std_1e2_is_accurate_to_float64_rounding(device):
     rng = np.random.default_rng(3)
     x, weight, g = 1e4 + 1e-2 * rng.standard_normal((4, 16)), 1 + rng.standard_normal(16), rng.standard_normal((4, 16))
     xl, wl, gl = (a.astype(np.longdouble) for a in (x, weight, g))
@@ -76,11 +76,11 @@ def test_layer_norm_mean_1e4_std_1e2_is_accurate_to_float64_rounding():
     rstd = 1 / np.sqrt((centered * centered).mean(axis=1, keepdims=True) + np.longdouble(1e-5))
     xhat, gh = centered * rstd, gl * wl
     dx = rstd * (gh - gh.mean(axis=1, keepdims=True) - xhat * (gh * xhat).mean(axis=1, keepdims=True))
-    xt = leaf(x)
-    y = F.layer_norm(xt, 16, Tensor(weight))
-    y.backward(g)
+    xt = leaf(x, device)
+    y = F.layer_norm(xt, 16, Tensor(weight, device=device))
+    y.backward(autograd.backend.to_device(g, device))
     np.testing.assert_allclose(y.numpy(), (xhat * wl).astype(np.float64), atol=1e-14)
-    np.testing.assert_allclose(xt.grad, dx.astype(np.float64), atol=1e-8, rtol=1e-11)
+    np.testing.assert_allclose(autograd.backend.as_numpy(xt.grad), dx.astype(np.float64), atol=1e-8, rtol=1e-11)
 
 
 @pytest.mark.parametrize("affine", ["both", "weight", "none"])

@@ -107,5 +107,5 @@ def erf(x):
         index = xp.flatnonzero((a >= lo) & (a < hi))
         if index.size:
             out.put(index, formula(a.take(index)))
-    out[a >= BOUNDS[3]] = 1.0
+    xp.copyto(out, 1.0, where=a >= BOUNDS[3])
     return xp.copysign(out, flat_x, out=out).reshape(x.shape)

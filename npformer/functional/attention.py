@@ -180,10 +180,10 @@ class MemoryEfficientAttention(Function):
                 acc += p @ v[..., ks:ke, :]
                 row_max = new_max
             empty = row_sum == 0                                             # fully masked rows
-            row_sum[empty] = 1
+            xp.copyto(row_sum, 1.0, where=empty)
             acc /= row_sum                                                   # O = acc / l (0 if empty)
             block_lse = row_max + xp.log(row_sum)
-            block_lse[empty] = -math.inf
+            xp.copyto(block_lse, -math.inf, where=empty)
             lse[..., qs:qe, :] = block_lse
         ctx.save_for_backward(q, k, v, out, lse, blocked, additive)
         ctx.causal, ctx.scale, ctx.block_size = causal, scale, block_size

@@ -34,7 +34,7 @@ class CrossEntropy(Function):
             z_smooth = (z @ weight if weight is not None else z.sum(axis=1)) if e else None
             xp.exp(z, out=z)
             total = z.sum(axis=1, keepdims=True)                   # (n, 1)
-            total[total == 0] = 1                                  # fully -inf row: log 1 = 0, logp -inf
+            xp.copyto(total, 1.0, where=total == 0)                # fully -inf row: log 1 = 0, logp -inf
             z /= total                                             # softmax
             log_total = xp.log(total[:, 0])                        # (n,)
             # loss_i = -(1 - e) w_t logp_it - (e / C) sum_c w_c logp_ic

@@ -10,7 +10,7 @@ def stable_row_max(x, axis):
     if x.shape[axis] == 0:  # empty rows: nothing to shift
         return xp.zeros(x.shape[:axis % x.ndim] + (1,) + x.shape[axis % x.ndim + 1:], dtype=x.dtype)
     m = x.max(axis=axis, keepdims=True)
-    m[~xp.isfinite(m)] = 0
+    xp.copyto(m, 0.0, where=~xp.isfinite(m))  # not m[mask] = 0: on a GPU that waits for the count
     return m
 
 
@@ -21,7 +21,7 @@ def softmax_forward(x, axis, out=None):
     y = xp.subtract(x, stable_row_max(x, axis), out=out)   # (...) shifted scores, <= 0
     xp.exp(y, out=y)
     total = row_sum(y, axis)                        # (..., 1, ...)
-    total[total == 0] = 1                           # fully -inf row: 0 / 1 = 0
+    xp.copyto(total, 1.0, where=total == 0)         # fully -inf row: 0 / 1 = 0
     y /= total
     return y
 
@@ -68,7 +68,7 @@ def log_softmax_forward(x, axis):
     xp = backend.get_array_module(x)
     shifted = x - stable_row_max(x, axis)           # (...)
     total = xp.exp(shifted).sum(axis=axis, keepdims=True)
-    total[total == 0] = 1                           # fully -inf row: log 1 = 0, output -inf
+    xp.copyto(total, 1.0, where=total == 0)         # fully -inf row: log 1 = 0, output -inf
     shifted -= xp.log(total)
     return shifted
 

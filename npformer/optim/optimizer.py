@@ -290,19 +290,16 @@ m = m + one_minus_beta1 * ({g} - m);
 v = beta2 * v + one_minus_beta2 * {g} * {g};
 p = p - step_size * (m / (sqrt(v) / bias_correction2_sqrt + eps));
 """
-_adam_kernels = {}
 
 
 def _adam_kernel(xp, variant):
     """The fused Adam step of a device's array module; variant "plain", "l2" or "decoupled"."""
-    if (xp, variant) not in _adam_kernels:
-        body = ADAM_KERNEL_BODY.format(g="(g + weight_decay * p)" if variant == "l2" else "g")
-        if variant == "decoupled":
-            body = "p = p * decay;" + body
-        _adam_kernels[xp, variant] = xp.ElementwiseKernel(
-            "T g, T one_minus_beta1, T beta2, T one_minus_beta2, T step_size, T bias_correction2_sqrt, "
-            "T eps, T weight_decay, T decay", "T p, T m, T v", body, f"npformer_adam_{variant}")
-    return _adam_kernels[xp, variant]
+    body = ADAM_KERNEL_BODY.format(g="(g + weight_decay * p)" if variant == "l2" else "g")
+    if variant == "decoupled":
+        body = "p = p * decay;" + body
+    return backend.elementwise_kernel(
+        xp, "T g, T one_minus_beta1, T beta2, T one_minus_beta2, T step_size, T bias_correction2_sqrt, "
+        "T eps, T weight_decay, T decay", "T p, T m, T v", body, f"npformer_adam_{variant}")
 
 
 class AdamW(Adam):
