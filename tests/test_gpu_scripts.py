@@ -2,7 +2,9 @@
 CI exercises the same code the GPU machine runs (scripts/gpu_check.sh)."""
 import importlib.util
 import pathlib
+import re
 import subprocess
+import sys
 
 import pytest
 
@@ -36,3 +38,13 @@ def test_gpu_check_script_is_valid_bash_and_stops_clearly_without_cupy():
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "cupy" in (result.stdout + result.stderr).lower()
+
+
+def test_launch_count_shows_one_fused_adam_kernel_per_parameter():
+    """benchmarks/launch_count.py on the test device (GPU code paths): Adam is one fused kernel
+    call per parameter (composed, it would be 13)."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "launch_count.py"), "--config", "base"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    adam, parameters = re.search(r"Adam ([\d,]+) \(([\d,]+) parameters\)", result.stdout).groups()
+    assert adam == parameters and int(parameters) > 50, result.stdout
