@@ -1,8 +1,9 @@
 """The one place that chooses the array library.
 
 Devices: ``"cpu"`` (numpy), ``"cuda"`` (cupy, optional) and ``"test"``: numpy memory
-presented as a second device, so device propagation and mixed-device errors are tested
-on machines without a GPU. Every op asks ``get_array_module(*arrays)`` for its ``xp``.
+presented as a second device and held to CuPy's rules, so device propagation, mixed-device
+errors and the GPU code paths (fused kernels included) are tested on machines without a GPU.
+Every op asks ``get_array_module(*arrays)`` for its ``xp``.
 """
 import threading
 import types
