@@ -9,6 +9,7 @@ State dicts follow torch's layout: `{"state": {index: {name: array or number}},
 "param_groups": [{hyperparameters..., "params": [indices]}]}`; arrays are host (numpy)
 copies, and `load_state_dict` moves them to each parameter's device and dtype.
 """
+import functools
 import math
 
 from autograd import backend
@@ -292,6 +293,7 @@ p = p - step_size * (m / (sqrt(v) / bias_correction2_sqrt + eps));
 """
 
 
+@functools.lru_cache(maxsize=None)  # the body is put together once, not for every parameter at every step
 def _adam_kernel(xp, variant):
     """The fused Adam step of a device's array module; variant "plain", "l2" or "decoupled"."""
     body = ADAM_KERNEL_BODY.format(g="(g + weight_decay * p)" if variant == "l2" else "g")
