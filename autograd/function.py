@@ -8,29 +8,40 @@ reverse topological order (iteratively, so deep graphs never hit the recursion l
 accumulates each gradient with `+`, and frees every node it has used.
 """
 import contextlib
+import os
+import threading
 import traceback
 
 from . import backend
 
-_state = {"grad_enabled": True, "anomaly": False}
+
+class _Modes(threading.local):
+    """Grad mode and anomaly mode, per thread like torch's: each thread starts with gradients
+    on and anomaly detection off, and a `no_grad()` in one thread never affects another."""
+    grad_enabled = True
+    anomaly = False
+
+
+_state = _Modes()
 
 
 def is_grad_enabled():
-    return _state["grad_enabled"]
+    return _state.grad_enabled
 
 
 @contextlib.contextmanager
 def _flag(name, value):
-    old = _state[name]
-    _state[name] = value
+    old = getattr(_state, name)
+    setattr(_state, name, value)
     try:
         yield
     finally:
-        _state[name] = old
+        setattr(_state, name, old)
 
 
 def no_grad():
-    """Context manager: ops run without recording a graph (inference, optimizer steps)."""
+    """Context manager: ops run without recording a graph (inference, optimizer steps), in
+    the calling thread only."""
     return _flag("grad_enabled", False)
 
 
@@ -39,8 +50,8 @@ def enable_grad():
 
 
 def detect_anomaly():
-    """Context manager: the first op whose forward or backward makes a NaN/Inf raises
-    FloatingPointError naming the op and the line of user code that created it."""
+    """Context manager (calling thread only): the first op whose forward or backward makes a
+    NaN/Inf raises FloatingPointError naming the op and the line of user code that created it."""
     return _flag("anomaly", True)
 
 
@@ -50,14 +61,25 @@ def _check_finite(arrays, ctx, phase):
             xp = backend.get_array_module(a)
             if not bool(xp.isfinite(a).all()):
                 raise FloatingPointError(
-                    f"{type(ctx).__name__} {phase} produced NaN or Inf; the op was created at\n"
+                    f"{op_name(type(ctx))} {phase} produced NaN or Inf; the op was created at\n"
                     f"{ctx.created_at}")
 
 
+def op_name(op):
+    """The full path of a Function class, e.g. 'npformer.functional.normalization.LayerNormFunction'."""
+    return f"{op.__module__}.{op.__qualname__}"
+
+
+# the packages whose frames are library code, not the user's line: autograd and npformer,
+# found by their own directories (a checkout may itself be called "npformer")
+_LIBRARY_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name) + os.sep
+                      for name in ("autograd", "npformer"))
+
+
 def _where_created():
-    """The innermost stack frame outside autograd and npformer: the user's line."""
+    """The innermost stack frame outside the autograd and npformer packages: the user's line."""
     frames = [f for f in traceback.extract_stack()[:-3]
-              if "/autograd/" not in f.filename and "/npformer/" not in f.filename]
+              if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
     return "".join(traceback.format_list(frames[-1:])) or "(unknown)"
 
 
@@ -92,8 +114,8 @@ class Function:
         outputs = (outputs,) if single else outputs
         xp = backend.get_array_module(*raw)
         outputs = tuple(o if backend.is_array(o) else xp.asarray(o) for o in outputs)
-        record = _state["grad_enabled"] and any(t.requires_grad for t in tensors)
-        if _state["anomaly"]:
+        record = _state.grad_enabled and any(t.requires_grad for t in tensors)
+        if _state.anomaly:
             ctx.created_at = _where_created()
             _check_finite(outputs, ctx, "forward")
         results = tuple(Tensor(o, requires_grad=record) for o in outputs)
@@ -164,7 +186,7 @@ def run_backward(tensor, grad, retain_graph=False):
         input_grads = node.backward(node, *grads)
         if not isinstance(input_grads, tuple):
             input_grads = (input_grads,)
-        if _state["anomaly"]:
+        if _state.anomaly:
             _check_finite(input_grads, node, "backward")
         for t, g in zip(node.inputs, input_grads):
             if t is None or g is None or not t.requires_grad:

@@ -5,7 +5,7 @@ a plain sum (softmax rows and LayerNorm outputs have a zero gradient of sum(), w
 hide a wrong backward). Every entry of every input that requires grad is checked with float64
 central differences, then one random direction u over all inputs together (v^T J u).
 """
-from . import backend
+from . import backend, random
 from .function import no_grad
 
 
@@ -35,7 +35,7 @@ def gradcheck(fn, inputs, *, eps=1e-6, atol=1e-5, rtol=1e-3, seed=0):
         if str(inputs[i].dtype) != "float64":
             raise TypeError(f"gradcheck: input {i} must be float64 for finite differences, got {inputs[i].dtype}")
     xp = inputs[checked[0]].xp
-    rng = backend.default_rng(seed, inputs[checked[0]].device)
+    rng = random.default_rng(seed, inputs[checked[0]].device)
 
     for i in checked:
         inputs[i].grad = None

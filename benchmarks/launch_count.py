@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from autograd import backend  # noqa: E402
+from autograd import backend, testdevice  # noqa: E402
 from train_step import CONFIGS, Ours  # noqa: E402
 
 counts = collections.Counter()
@@ -24,14 +24,14 @@ counts = collections.Counter()
 
 def counted(function, label):
     def wrapper(*args, **kwargs):
-        outermost = not backend._in_xp_call()
+        outermost = not testdevice._in_xp_call()
         if outermost:
             counts[label] += 1
-        backend._calls.depth = getattr(backend._calls, "depth", 0) + 1  # calls inside are not launches
+        testdevice._calls.depth = getattr(testdevice._calls, "depth", 0) + 1  # calls inside are not launches
         try:
             return function(*args, **kwargs)
         finally:
-            backend._calls.depth -= 1
+            testdevice._calls.depth -= 1
     return wrapper
 
 
@@ -42,9 +42,9 @@ def main():
     cfg = dict(CONFIGS[args.config], d_model=16, nhead=2, d_ff=32, seq=8, batch=2, vocab=50)
     ours = Ours(cfg, "test")
     ours.step()  # optimizer state exists from here on
-    backend.TestDeviceArray.__array_ufunc__ = counted(backend.TestDeviceArray.__array_ufunc__, "calls")
-    backend._OnTestDevice.__call__ = counted(backend._OnTestDevice.__call__, "calls")
-    backend._HostElementwiseKernel.__call__ = counted(backend._HostElementwiseKernel.__call__, "calls")
+    testdevice.TestDeviceArray.__array_ufunc__ = counted(testdevice.TestDeviceArray.__array_ufunc__, "calls")
+    testdevice._OnTestDevice.__call__ = counted(testdevice._OnTestDevice.__call__, "calls")
+    testdevice._HostElementwiseKernel.__call__ = counted(testdevice._HostElementwiseKernel.__call__, "calls")
     src, tgt_in, tgt_out = ours.batch
     logits = ours.model(src, tgt_in)
     loss = ours.F.cross_entropy(logits.reshape(-1, cfg["vocab"]), tgt_out.reshape(-1))

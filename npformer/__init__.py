@@ -4,10 +4,10 @@ Layers, left to right (nothing imports to its right): autograd -> npformer.funct
 npformer.nn -> npformer.models -> optim, decoding, training, checkpoints, interop, plots.
 """
 from autograd import Tensor, manual_seed, no_grad
+from autograd.threads import get_num_threads, set_num_threads
 
 from . import functional, models, nn
 from .checkpoint import load_checkpoint, load_model, save_checkpoint
-from .functional._parallel import get_num_threads, set_num_threads
 
 __all__ = ["Tensor", "manual_seed", "no_grad", "functional", "nn", "models", "save_checkpoint", "load_checkpoint",
            "load_model", "get_num_threads", "set_num_threads"]

@@ -3,7 +3,7 @@
 Layout of the file (a plain numpy `.npz`, readable with `numpy.load(path)`):
 - `meta`: a JSON string: format/version, the model's `config`, the optimizer's and
   scheduler's state (with arrays replaced by references), the random state of the global
-  generators (`autograd.backend.global_rng`, dropout and initialisation) and every extra
+  generators (`autograd.random.global_rng`, dropout and initialisation) and every extra
   `**state` value (step, trainer history, the data generator's state, ...);
 - one array per model parameter (`model/<name>`), per optimizer state entry
   (`optimizer/state/<i>/<name>`) and per array inside `**state`.
@@ -18,7 +18,7 @@ import tempfile
 
 import numpy as np
 
-from autograd import backend
+from autograd import backend, random
 
 FORMAT, VERSION = "npformer-checkpoint", 1
 _RESERVED = ("format", "version", "config", "model", "optimizer", "scheduler", "rng")
@@ -85,13 +85,13 @@ def _rng_state(devices):
     """{"cpu": bit generator state} of the host's global generator. CuPy's generator exposes
     no portable state: after resuming on "cuda" (or "test", which stands in for it) the dropout
     stream differs from an uninterrupted run (everything else is restored)."""
-    return {device: backend.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
+    return {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
 
 
 def _set_rng_state(states):
     for device, state in states.items():
         if device in backend.available_devices():
-            backend.global_rng(device).bit_generator.state = state
+            random.global_rng(device).bit_generator.state = state
 
 
 # -- saving ------------------------------------------------------------------------------

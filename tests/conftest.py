@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from autograd import backend
+from autograd import backend, testdevice
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -67,7 +67,7 @@ def pytest_sessionfinish(session, exitstatus):
     if IN_CI and not _torch_results["passed"]:
         session.exitstatus = 1
         print("\nCI: no torch-based test passed (skipped or missing); failing.")
-    missing = names_missing_in_cupy(backend._OnTestDevice.names_used)
+    missing = names_missing_in_cupy(testdevice._OnTestDevice.names_used)
     if missing:
         session.exitstatus = 1
         print(f"\nCode run on the 'test' device used names that CuPy lacks, so it would fail on 'cuda': {missing}")

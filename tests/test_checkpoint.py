@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import npformer
-from autograd import Tensor, backend, manual_seed
+from autograd import Tensor, backend, manual_seed, random
 from npformer import checkpoint, optim
 from npformer.nn.module import Module, Parameter
 
@@ -17,14 +17,14 @@ class TinyNet(Module):
 
     def __init__(self, d_in=4, d_hidden=8, device="cpu"):
         super().__init__()
-        rng = backend.global_rng(device)
+        rng = random.global_rng(device)
         self.w1 = Parameter(backend.to_device(rng.standard_normal((d_in, d_hidden)).astype("float32"), device))
         self.w2 = Parameter(backend.to_device(rng.standard_normal((d_hidden, 1)).astype("float32"), device))
         self.config = {"d_in": d_in, "d_hidden": d_hidden}
 
     def forward(self, x):
         h = (x @ self.w1).relu()
-        keep = backend.global_rng(self.w1.device).random(h.shape) >= 0.25
+        keep = random.global_rng(self.w1.device).random(h.shape) >= 0.25
         return (h * Tensor(keep.astype("float32") / 0.75)) @ self.w2
 
 
@@ -83,7 +83,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
     first = _train(model, opt, sched, data_rng, 5)
     npformer.save_checkpoint(tmp_path / "ck.npz", model, opt, sched, data_rng=data_rng)
     manual_seed(1234)  # a new process: other random state, fresh objects
-    backend.global_rng("cpu").random(10)
+    random.global_rng("cpu").random(10)
     model, opt, sched = _setup(seed=99)
     ck = npformer.load_checkpoint(tmp_path / "ck.npz", model, opt, sched)
     rest = _train(model, opt, sched, ck["data_rng"], 5)

@@ -174,7 +174,7 @@ def test_dropout_matches_twin_and_gradcheck(device):
     arrays = qkv(rng, 4, 4, 2)
 
     def run(ops, ins):
-        gen = autograd.backend.default_rng(11, device)
+        gen = autograd.random.default_rng(11, device)
         return ops.scaled_dot_product_attention(*ins, dropout_p=0.3, is_causal=True, generator=gen,
                                                 return_weights=True)
 
@@ -187,11 +187,11 @@ def test_dropout_matches_twin_and_gradcheck(device):
 def test_memory_efficient_dropout_equals_naive_with_the_same_block_masks(causal, device):
     """The blockwise path regenerates each block's mask from (seed, block): assembling those
     masks and running the naive path with them gives the same output and gradients."""
-    from npformer.functional.attention import Attention, dropout_block_mask
+    from npformer.functional.attention import AttentionFunction, dropout_block_mask
     rng = np.random.default_rng(12)
     arrays = qkv(rng, 5, 7, 3)
     p, block, seed_source = 0.3, 3, 21
-    seed = int(autograd.backend.default_rng(seed_source, device).integers(0, 2**62))
+    seed = int(autograd.random.default_rng(seed_source, device).integers(0, 2**62))
     keep = np.zeros((B, H, 5, 7), dtype=bool)
     like = autograd.backend.module_for(device).zeros(1)
     for qs in range(0, 5, block):
@@ -203,21 +203,21 @@ def test_memory_efficient_dropout_equals_naive_with_the_same_block_masks(causal,
     compare_runs(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, memory_efficient=True,
                                                        block_size=block,
-                                                       generator=autograd.backend.default_rng(seed_source, device)),
-        lambda q, k, v: Attention.apply(q, k, v, blocked=None, additive=None, causal=causal, scale=1 / np.sqrt(3),
+                                                       generator=autograd.random.default_rng(seed_source, device)),
+        lambda q, k, v: AttentionFunction.apply(q, k, v, blocked=None, additive=None, causal=causal, scale=1 / np.sqrt(3),
                                         keep=autograd.backend.to_device(keep, device), dropout_scale=1 / (1 - p),
                                         return_weights=False),
         arrays, rng, device)
     assert autograd.gradcheck(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, memory_efficient=True,
-                                                       block_size=block, generator=autograd.backend.default_rng(1, device)),
+                                                       block_size=block, generator=autograd.random.default_rng(1, device)),
         [leaf(a, device) for a in qkv(rng, 4, 4, 2)])
 
 
 def test_dropout_rate_and_extremes():
     rng = np.random.default_rng(10)
     q, k, v = (Tensor(a) for a in qkv(rng, 64, 64, 4, (1, 1)))
-    gen = autograd.backend.default_rng(0)
+    gen = autograd.random.default_rng(0)
     _, w = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, generator=gen, return_weights=True)
     dropped = (w.numpy() == 0).mean()
     assert 0.22 < dropped < 0.28

@@ -72,7 +72,7 @@ def test_float32_training_step_stays_float32(recorded, rng, activation, position
         optimizer.step()
 
     ops = {name for name, _, _ in recorded}
-    assert {"Linear", "Attention", "LayerNorm", "Dropout", "CrossEntropy", "Embedding"} <= ops
+    assert {"LinearFunction", "AttentionFunction", "LayerNormFunction", "DropoutFunction", "CrossEntropyFunction", "EmbeddingFunction"} <= ops
     assert any(what == "input gradient" for _, what, _ in recorded)
     upcasts = sorted({(name, what, str(dtype)) for name, what, dtype in recorded if dtype != np.float32})
     assert not upcasts, f"ops that saw or made a non-float32 floating array: {upcasts}"

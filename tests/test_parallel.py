@@ -1,13 +1,13 @@
-"""npformer.functional._parallel: ops split into row blocks across threads give the results of
+"""autograd.threads: ops split into row blocks across threads give the results of
 one thread (forced here on small shapes by lowering the size threshold), dropout masks do not
 depend on the number of threads, and the pool's bookkeeping (order, errors, nesting)."""
 import numpy as np
 import pytest
 
 import autograd
-from autograd import Tensor, backend
+from autograd import Tensor, backend, random
 from npformer import functional as F
-from npformer.functional import _parallel
+from autograd import threads as _parallel
 from npformer.functional.activation import dropout_mask
 
 
@@ -92,7 +92,7 @@ def test_dropout_mask_does_not_depend_on_threads(threads, bit_generator, device)
     masks, next_draws = [], []
     for n in (1, 2, 3):
         threads(n)
-        generator = backend.default_rng(11, device)
+        generator = random.default_rng(11, device)
         if bit_generator is not np.random.PCG64:
             generator = np.random.Generator(bit_generator(11))
         masks.append(backend.as_numpy(dropout_mask((37, 5), 0.25, device, generator)))

@@ -1,5 +1,24 @@
-"""Helpers shared by the functional ops: unwrapping Tensors, argument checks, devices."""
+"""Helpers shared by the functional ops: unwrapping Tensors, argument checks, devices, and
+the per-thread switch to the composite twins."""
+import functools
+import threading
+
 from autograd import Tensor, backend
+
+_twins = threading.local()  # .active: this thread runs the composite twins (composite.installed())
+
+
+def has_twin(op):
+    """Decorate a public op that has a composite twin of the same name in
+    npformer.functional.composite: inside `composite.installed()` the calls made by that
+    thread go to the twin; other threads keep the fused op."""
+    @functools.wraps(op)
+    def dispatch(*args, **kwargs):
+        if getattr(_twins, "active", False):
+            from . import composite  # composite imports the op modules: import it lazily
+            return getattr(composite, op.__name__)(*args, **kwargs)
+        return op(*args, **kwargs)
+    return dispatch
 
 
 def data_of(x):

@@ -1,10 +1,10 @@
 """Elementwise activations (ReLU, GELU) and inverted dropout."""
 import math
 
-from autograd import Function, backend
+from autograd import Function, backend, random
+from autograd.threads import for_rows, row_blocks, run_blocks
 
-from ._common import check_tensor
-from ._parallel import for_rows, row_blocks, run_blocks
+from ._common import check_tensor, has_twin
 from ._erf import INV_SQRT_2PI, SQRT_2, erf
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
@@ -13,7 +13,7 @@ TANH_K = 0.044715
 RAW_64BIT_ADVANCE = ("PCG64", "PCG64DXSM")
 
 
-class ReLU(Function):
+class ReLUFunction(Function):
     """y = max(x, 0), any shape.  dx = dy * [x > 0]."""
 
     @staticmethod
@@ -38,13 +38,14 @@ class ReLU(Function):
         return elementwise_product(dy, positive)
 
 
+@has_twin
 def relu(input):
     """max(input, 0) elementwise, like torch.nn.functional.relu."""
     check_tensor("input", input, "relu")
-    return ReLU.apply(input)
+    return ReLUFunction.apply(input)
 
 
-class GELU(Function):
+class GELUFunction(Function):
     """y = x * Phi(x) (exact, Phi the normal CDF) or its tanh approximation; any shape.
 
     exact: dx = dy * (Phi(x) + x phi(x));  tanh: dx = dy * (0.5 (1 + t) + 0.5 x (1 - t^2) du/dx).
@@ -85,15 +86,16 @@ class GELU(Function):
         return density
 
 
+@has_twin
 def gelu(input, approximate="none"):
     """x * Phi(x), like torch.nn.functional.gelu; approximate="tanh" uses the tanh form."""
     check_tensor("input", input, "gelu")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return GELU.apply(input, approximate=approximate)
+    return GELUFunction.apply(input, approximate=approximate)
 
 
-class Dropout(Function):
+class DropoutFunction(Function):
     """y = x * keep / (1 - p) with a fixed boolean mask `keep`; any shape.  dx = dy * keep / (1 - p)."""
 
     @staticmethod
@@ -111,7 +113,7 @@ class Dropout(Function):
 
 def elementwise_product(a, b, scale=None):
     """a * b (* scale) into a new contiguous array, a and b of one shape, in flat blocks on
-    the threads of `_parallel`."""
+    the threads of `autograd.threads`."""
     xp = backend.get_array_module(a)
     out = xp.empty(a.shape, dtype=a.dtype)
     af, bf, of = a.reshape(-1), b.reshape(-1), out.reshape(-1)
@@ -132,10 +134,10 @@ def dropout_mask(shape, p, device, generator=None):
     On the CPU: 16 random bits per entry compared to round(p * 2^16) (the drop probability is
     p rounded to a multiple of 2^-16, within 7.7e-6). With PCG64 (numpy's default) the bits
     are its raw 64-bit draws, four entries each, and a big mask is drawn by the threads of
-    `_parallel` from copies advanced to their block, so the mask does not depend on the number
+    `autograd.threads` from copies advanced to their block, so the mask does not depend on the number
     of threads. On the GPU, where drawing is cheap: float32 uniforms compared to p.
     """
-    rng = generator if generator is not None else backend.global_rng(device)
+    rng = generator if generator is not None else random.global_rng(device)
     if device != "cpu":  # cuda, and "test" standing in for it
         return rng.random(shape, dtype="float32") >= p
     threshold = min(round(p * 2**16), 2**16 - 1)
@@ -170,6 +172,7 @@ def check_dropout_p(p, op):
     return float(p)
 
 
+@has_twin
 def dropout(input, p=0.5, training=True, generator=None):
     """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
     scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros."""
@@ -180,5 +183,5 @@ def dropout(input, p=0.5, training=True, generator=None):
     device = backend.device_of(x)
     if p == 1.0:
         keep = backend.module_for(device).zeros(x.shape, dtype=bool)
-        return Dropout.apply(input, keep=keep, scale=0.0)
-    return Dropout.apply(input, keep=dropout_mask(x.shape, p, device, generator), scale=1.0 / (1.0 - p))
+        return DropoutFunction.apply(input, keep=keep, scale=0.0)
+    return DropoutFunction.apply(input, keep=dropout_mask(x.shape, p, device, generator), scale=1.0 / (1.0 - p))

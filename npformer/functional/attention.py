@@ -3,10 +3,10 @@ memory-efficient path (FlashAttention-style online softmax over key blocks) that
 the output and one logsumexp per query row. Both have hand-written backward passes."""
 import math
 
-from autograd import Function, backend, unbroadcast
+from autograd import Function, backend, random, unbroadcast
+from autograd.threads import for_rows, row_blocks, run_blocks
 
-from ._common import broadcast_shapes, broadcasts_to, check_tensor, on_device_of
-from ._parallel import for_rows, row_blocks, run_blocks
+from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
 from .activation import check_dropout_p, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
@@ -38,13 +38,13 @@ def masked_scores(q_scaled, k, blocked, additive, causal, q_start, k_start, out=
     return scores
 
 
-class Attention(Function):
+class AttentionFunction(Function):
     """q (..., Tq, hd), k (..., Tk, hd), v (..., Tk, hdv) -> out (..., Tq, hdv) [, P (..., Tq, Tk)].
 
     S = s Q K^T + mask, P = softmax(S) (dropout: Pd = P * keep / (1 - p)), O = Pd V;
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
     dQ = s dS K, dK = s dS^T Q.
-    With set_num_threads(n > 1), blocks of the first batch axis run in the threads of `_parallel`.
+    With set_num_threads(n > 1), blocks of the first batch axis run in the threads of `autograd.threads`.
     """
 
     @staticmethod
@@ -119,7 +119,7 @@ class Attention(Function):
 
 
 def _batch_blocks(lead, inputs, entries, like):
-    """Blocks of the first batch axis for `_parallel`: one per thread when every input has that
+    """Blocks of the first batch axis for `autograd.threads`: one per thread when every input has that
     axis in full, else a single block (a broadcast input is shared by every block)."""
     rows = lead[0] if lead else 1
     if lead and all(a.ndim == len(lead) + 2 and a.shape[0] == rows for a in inputs):
@@ -137,8 +137,8 @@ def _batch_block(lead, start, stop):
     return part
 
 
-class MemoryEfficientAttention(Function):
-    """Same math as `Attention` without the (Tq, Tk) matrices: blocks of queries x keys.
+class MemoryEfficientAttentionFunction(Function):
+    """Same math as `AttentionFunction` without the (Tq, Tk) matrices: blocks of queries x keys.
 
     Forward (online softmax per query block): running max m, sum l and output acc over key
     blocks; saves O and L = m + log(l) (-inf for a fully masked row).
@@ -248,7 +248,7 @@ def dropout_block_mask(seed, q_start, k_start, shape, p, like):
     and key k_start: a pure function of (seed, q_start, k_start), on the device of `like`."""
     block_seed = hash((seed, q_start, k_start)) & (2**63 - 1)  # ints hash the same in every process
     device = backend.device_of(like)
-    return dropout_mask(shape, p, device, backend.default_rng(block_seed, device))
+    return dropout_mask(shape, p, device, random.default_rng(block_seed, device))
 
 
 def _lead_shape(q, k, v):
@@ -261,7 +261,7 @@ def _key_starts(q_start, q_stop, tk, block_size, causal):
     return range(0, stop, block_size)
 
 
-class SplitHeads(Function):
+class SplitHeadsFunction(Function):
     """x (B, T, n E) -> n arrays (B, H, T, hd) with E = H hd: chunk i is the heads of columns
     [i E, (i + 1) E), a view of x. Backward writes the n head gradients into one (B, T, n E)
     array, the layout of x (one pass; no zero-filled copies to add up)."""
@@ -288,6 +288,7 @@ class SplitHeads(Function):
         return dx.reshape(ctx.shape)
 
 
+@has_twin
 def split_heads(input, num_heads, chunks=1):
     """input (B, T, chunks * E) -> `chunks` tensors (B, num_heads, T, E / num_heads) (one tensor
     when chunks=1): the heads of each E-wide block of columns, e.g. q, k, v of a packed
@@ -299,7 +300,7 @@ def split_heads(input, num_heads, chunks=1):
     if x.ndim != 3 or x.shape[-1] % (chunks * num_heads):
         raise ValueError(f"split_heads: input must be (batch, seq, chunks * num_heads * head_dim) with "
                          f"chunks={chunks}, num_heads={num_heads}, got shape {tuple(x.shape)}")
-    heads = SplitHeads.apply(input, chunks=chunks, num_heads=num_heads)
+    heads = SplitHeadsFunction.apply(input, chunks=chunks, num_heads=num_heads)
     return heads if chunks > 1 else heads[0]
 
 
@@ -321,6 +322,7 @@ def _prepare_mask(attn_mask, q, score_shape):
     return None, mask.astype(q.dtype, copy=False)
 
 
+@has_twin
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, *, return_weights=False, memory_efficient=False,
                                  block_size=512, generator=None):
@@ -364,9 +366,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError(f"{op}: block_size must be a positive int, got {block_size!r}")
         seed = None
         if dropout_p > 0:
-            rng = generator if generator is not None else backend.global_rng(backend.device_of(q))
+            rng = generator if generator is not None else random.global_rng(backend.device_of(q))
             seed = int(rng.integers(0, 2**62))
-        return MemoryEfficientAttention.apply(query, key, value, blocked=blocked, additive=additive,
+        return MemoryEfficientAttentionFunction.apply(query, key, value, blocked=blocked, additive=additive,
                                               causal=causal, scale=scale, block_size=block_size,
                                               dropout_p=dropout_p, dropout_seed=seed)
     keep, dropout_scale = None, 1.0
@@ -377,6 +379,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         else:
             keep = dropout_mask(lead + (q.shape[-2], k.shape[-2]), dropout_p, device, generator)
             dropout_scale = 1.0 / (1.0 - dropout_p)
-    return Attention.apply(query, key, value, blocked=blocked, additive=additive, causal=causal,
+    return AttentionFunction.apply(query, key, value, blocked=blocked, additive=additive, causal=causal,
                            scale=scale, keep=keep, dropout_scale=dropout_scale,
                            return_weights=bool(return_weights))

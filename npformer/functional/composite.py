@@ -10,7 +10,7 @@ from autograd import Tensor, concatenate, where
 from . import _erf as formulas
 from .activation import TANH_C, TANH_K, check_dropout_p, dropout_mask
 from .attention import _lead_shape, _prepare_mask, causal_blocked
-from ._common import on_device_of
+from ._common import _twins, on_device_of
 
 
 def _tensor(x):
@@ -167,21 +167,14 @@ def split_heads(input, num_heads, chunks=1):
     return tuple(heads[i] for i in range(chunks)) if chunks > 1 else heads[0]
 
 
-TWINS = ("linear", "relu", "gelu", "dropout", "softmax", "log_softmax", "layer_norm", "embedding",
-         "cross_entropy", "scaled_dot_product_attention", "split_heads", "apply_rotary_emb")
-
-
 @contextlib.contextmanager
 def installed():
-    """Within the block, npformer.functional's ops are these twins, so every module that calls
-    `F.op(...)` (npformer.nn, npformer.models) runs on autograd primitives instead."""
-    import npformer.functional as F
-
-    fused = {name: getattr(F, name) for name in TWINS}
+    """Within the block, in the calling thread, npformer.functional's ops run these twins, so
+    every module that calls `F.op(...)` (npformer.nn, npformer.models) runs on autograd
+    primitives instead. Other threads keep the fused ops."""
+    old = getattr(_twins, "active", False)
+    _twins.active = True
     try:
-        for name in TWINS:
-            setattr(F, name, globals()[name])
         yield
     finally:
-        for name, op in fused.items():
-            setattr(F, name, op)
+        _twins.active = old

@@ -1,7 +1,7 @@
 """Embedding lookup with a sort-based scatter-add backward."""
 from autograd import Function, backend
 
-from ._common import check_tensor, on_device_of
+from ._common import check_tensor, has_twin, on_device_of
 
 
 def scatter_add_rows(ids, rows, num_rows):
@@ -24,7 +24,7 @@ def scatter_add_rows(ids, rows, num_rows):
     return out
 
 
-class Embedding(Function):
+class EmbeddingFunction(Function):
     """ids (...) integers, weight (V, D) -> out (...,  D) = weight[ids].
 
     dweight[v] = sum of dout over the positions where ids == v; dweight[padding_idx] = 0.
@@ -46,6 +46,7 @@ class Embedding(Function):
         return dweight
 
 
+@has_twin
 def embedding(input, weight, padding_idx=None):
     """weight[input] like torch.nn.functional.embedding: input integer ids of any shape,
     weight (num_embeddings, embedding_dim) -> (*input.shape, embedding_dim). The
@@ -66,4 +67,4 @@ def embedding(input, weight, padding_idx=None):
         if not -num <= padding_idx < num:
             raise ValueError(f"embedding: padding_idx must be in [{-num}, {num - 1}], got {padding_idx}")
         padding_idx %= num
-    return Embedding.apply(weight, ids=ids, padding_idx=padding_idx)
+    return EmbeddingFunction.apply(weight, ids=ids, padding_idx=padding_idx)

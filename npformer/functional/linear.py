@@ -1,15 +1,15 @@
 """Affine map y = x W^T + b as one 2-D GEMM."""
 from autograd import Function, backend
+from autograd.threads import for_rows
 
-from ._common import check_tensor
-from ._parallel import for_rows
+from ._common import check_tensor, has_twin
 
 
-class Linear(Function):
+class LinearFunction(Function):
     """x (..., in), weight (out, in), bias (out,) or None -> y (..., out).
 
     dx = dy W,  dW = dy^T x,  db = sum of dy over all rows (with x, dy flattened to 2-D).
-    With set_num_threads(n > 1) the GEMMs are split across the threads of `_parallel`:
+    With set_num_threads(n > 1) the GEMMs are split across the threads of `autograd.threads`:
     y and dx by rows, dW and db by output features.
     """
 
@@ -59,6 +59,7 @@ class Linear(Function):
         return (dx2d.reshape(ctx.x_shape) if need_x else None), dweight, dbias
 
 
+@has_twin
 def linear(input, weight, bias=None):
     """y = input @ weight^T + bias, like torch.nn.functional.linear.
 
@@ -75,4 +76,4 @@ def linear(input, weight, bias=None):
         b = check_tensor("bias", bias, "linear")
         if tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"linear: bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
-    return Linear.apply(input, weight, bias)
+    return LinearFunction.apply(input, weight, bias)

@@ -1,19 +1,19 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
 from autograd import Function, Tensor, backend
+from autograd.threads import for_rows
 
-from ._common import check_tensor, data_of, on_device_of
-from ._parallel import for_rows
+from ._common import check_tensor, data_of, has_twin, on_device_of
 from .softmax import stable_row_max
 
 
-class CrossEntropy(Function):
+class CrossEntropyFunction(Function):
     """logits (M, C), target (M,) class ids -> per-row loss (M,) or its sum/mean.
 
     With q = (1 - e) onehot(target) + e / C, a = q * w (w the class weights, 1 without),
     loss_i = -sum_c a_ic logp_ic on valid rows (target != ignore_index), 0 elsewhere;
     "mean" divides by sum of w[target] over valid rows (n_valid without weights).
     dlogits_i = (softmax_i * sum_c a_ic - a_i) * valid_i * dloss_i (/ the mean's divisor).
-    Rows run in blocks on the threads of `_parallel`; the softmax is saved for backward.
+    Rows run in blocks on the threads of `autograd.threads`; the softmax is saved for backward.
     """
 
     @staticmethod
@@ -85,6 +85,7 @@ class CrossEntropy(Function):
         return dlogits, None
 
 
+@has_twin
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
     """Like torch.nn.functional.cross_entropy with class-index targets.
 
@@ -138,6 +139,6 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         x = x.permute(0, *range(2, logits.ndim), 1)
     if logits.ndim != 2:
         x = x.reshape(-1, c)
-    loss = CrossEntropy.apply(x, weight, target=flat_target, valid=valid, reduction=reduction,
+    loss = CrossEntropyFunction.apply(x, weight, target=flat_target, valid=valid, reduction=reduction,
                               label_smoothing=float(label_smoothing))
     return loss.reshape(tgt.shape) if reduction == "none" else loss

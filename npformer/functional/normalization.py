@@ -2,19 +2,19 @@
 import math
 
 from autograd import Function, backend
+from autograd.threads import for_rows
 
-from ._common import check_tensor
-from ._parallel import for_rows
+from ._common import check_tensor, has_twin
 from .softmax import row_sum
 
 
-class LayerNorm(Function):
+class LayerNormFunction(Function):
     """x (..., *S) -> y = (x - mean) * rstd * weight + bias over the trailing dims S
     (biased variance, eps inside the sqrt); weight, bias (*S,) or None.
 
     With xhat = (x - mean) rstd, g = weight * dy (per row of D = prod(S) entries):
     dx = rstd (g - mean(g) - xhat mean(g xhat)),  dweight = sum(dy xhat),  dbias = sum(dy).
-    Rows run in blocks on the threads of `_parallel`; xhat is saved for backward. Off the CPU
+    Rows run in blocks on the threads of `autograd.threads`; xhat is saved for backward. Off the CPU
     the elementwise steps run as fused kernels (backend.elementwise_kernel).
     """
 
@@ -119,6 +119,7 @@ class LayerNorm(Function):
         return (dx.reshape(ctx.shape) if need_x else None), dweight, dbias
 
 
+@has_twin
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Like torch.nn.functional.layer_norm: normalize over the trailing `normalized_shape` dims,
     then scale by `weight` and shift by `bias` (each of shape normalized_shape, or None)."""
@@ -132,4 +133,4 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
             raise ValueError(f"layer_norm: {name} must have shape {shape}, got {tuple(p.shape)}")
     if not eps > 0:
         raise ValueError(f"layer_norm: eps must be positive, got {eps!r}")
-    return LayerNorm.apply(input, weight, bias, normalized_shape=shape, eps=float(eps))
+    return LayerNormFunction.apply(input, weight, bias, normalized_shape=shape, eps=float(eps))

@@ -1,10 +1,10 @@
 """Rotary position embedding (RoPE), half-split layout."""
 from autograd import Function, backend
 
-from ._common import broadcasts_to, check_tensor, on_device_of
+from ._common import broadcasts_to, check_tensor, has_twin, on_device_of
 
 
-class RotaryEmbedding(Function):
+class RotaryEmbeddingFunction(Function):
     """x (..., T, hd) with halves x1, x2; cos, sin (T, hd/2) (broadcastable) ->
     y = [x1 cos - x2 sin, x2 cos + x1 sin] (a rotation of each pair (x1_i, x2_i)).
 
@@ -36,6 +36,7 @@ class RotaryEmbedding(Function):
         return dx
 
 
+@has_twin
 def apply_rotary_emb(x, cos, sin):
     """Rotate the two halves of x's last dimension by position-dependent angles (RoPE).
 
@@ -55,7 +56,7 @@ def apply_rotary_emb(x, cos, sin):
             raise ValueError(f"{op}: {name} must broadcast to (..., T, head_dim/2) = {half_shape}, "
                              f"got shape {tuple(table.shape)}")
         tables.append(table.astype(xd.dtype, copy=False))
-    return RotaryEmbedding.apply(x, cos=tables[0], sin=tables[1])
+    return RotaryEmbeddingFunction.apply(x, cos=tables[0], sin=tables[1])
 
 
 def rotary_cos_sin(seq_len, head_dim, base=10000.0, dtype="float32", device="cpu"):

@@ -1,7 +1,7 @@
 """Numerically stable softmax and log-softmax along one axis."""
 from autograd import Function, backend
 
-from ._common import check_tensor, normalize_dim
+from ._common import check_tensor, has_twin, normalize_dim
 
 
 def stable_row_max(x, axis):
@@ -46,7 +46,7 @@ def softmax_backward(y, dy, axis, out=None):
     return dx
 
 
-class Softmax(Function):
+class SoftmaxFunction(Function):
     """y = softmax(x) along `dim`, any shape.  dx = y * (dy - sum(dy * y, dim))."""
 
     @staticmethod
@@ -73,7 +73,7 @@ def log_softmax_forward(x, axis):
     return shifted
 
 
-class LogSoftmax(Function):
+class LogSoftmaxFunction(Function):
     """logp = log_softmax(x) along `dim`, any shape.  dx = dy - exp(logp) * sum(dy, dim)."""
 
     @staticmethod
@@ -94,14 +94,16 @@ class LogSoftmax(Function):
         return dx
 
 
+@has_twin
 def softmax(input, dim=-1):
     """softmax along `dim` (like torch.nn.functional.softmax); rows of all -inf give 0, not NaN."""
     x = check_tensor("input", input, "softmax")
-    return Softmax.apply(input, dim=normalize_dim(dim, x.ndim, "softmax"))
+    return SoftmaxFunction.apply(input, dim=normalize_dim(dim, x.ndim, "softmax"))
 
 
+@has_twin
 def log_softmax(input, dim=-1):
     """log_softmax along `dim` (like torch.nn.functional.log_softmax), never log(softmax(x)).
     A row of all -inf gives -inf (and gradient dy for that row) instead of NaN."""
     x = check_tensor("input", input, "log_softmax")
-    return LogSoftmax.apply(input, dim=normalize_dim(dim, x.ndim, "log_softmax"))
+    return LogSoftmaxFunction.apply(input, dim=normalize_dim(dim, x.ndim, "log_softmax"))

@@ -2,16 +2,16 @@
 
 Each fills `tensor.data` in place (the Tensor object is kept, so optimizers holding it see
 the new values) and returns the tensor. Random numbers come from `generator` when given,
-else from `autograd.backend.global_rng(tensor.device)` (seed with `npformer.manual_seed`).
+else from `autograd.random.global_rng(tensor.device)` (seed with `npformer.manual_seed`).
 Draws are made in float64 and cast to the tensor's dtype.
 """
 import math
 
-from autograd import backend
+from autograd import backend, random
 
 
 def _generator(tensor, generator):
-    return generator if generator is not None else backend.global_rng(tensor.device)
+    return generator if generator is not None else random.global_rng(tensor.device)
 
 
 def _fill(tensor, values):

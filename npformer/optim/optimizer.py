@@ -13,8 +13,7 @@ import functools
 import math
 
 from autograd import backend
-
-from ..functional._parallel import for_rows
+from autograd.threads import for_rows
 
 
 def _check_range(name, value, low, high=None, low_inclusive=True):

@@ -17,6 +17,7 @@ OPENBLAS_NUM_THREADS=1 (or MKL_NUM_THREADS=1) yourself.
 Default: 1 thread (each op runs in the caller; BLAS keeps its own threads), or the
 NPFORMER_NUM_THREADS environment variable.
 """
+import numbers
 import os
 import threading
 import warnings
@@ -28,6 +29,7 @@ from autograd import backend
 MIN_PARALLEL_ENTRIES = 1 << 16
 
 _state = {"threads": None, "pool": None, "blas_limit": None}
+_lock = threading.Lock()     # guards _state: set_num_threads may run while other threads run ops
 _local = threading.local()  # .busy: this thread is running a block (nested splits run whole)
 
 
@@ -41,16 +43,17 @@ def get_num_threads():
 def set_num_threads(n):
     """Split the work of every op across `n` threads (an int >= 1) on the CPU; with n > 1
     numpy's BLAS is limited to one thread (via threadpoolctl), since npformer splits the GEMMs."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"set_num_threads: expected an int >= 1, got {n!r}")
-    if _state["pool"] is not None:
-        _state["pool"].shutdown(wait=True)
-    if n > 1 and _state["blas_limit"] is None:
-        _state["blas_limit"] = _limit_blas_threads()
-    elif n == 1 and _state["blas_limit"] is not None:
-        _state["blas_limit"].restore_original_limits()
-        _state["blas_limit"] = None
-    _state.update(threads=n, pool=None)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"set_num_threads: expected an integer >= 1, got {n!r}")
+    with _lock:
+        if n > 1 and _state["blas_limit"] is None:
+            _state["blas_limit"] = _limit_blas_threads()
+        elif n == 1 and _state["blas_limit"] is not None:
+            _state["blas_limit"].restore_original_limits()
+            _state["blas_limit"] = None
+        # the old pool is dropped, not shut down: ops in flight in other threads keep using it,
+        # and its idle workers exit once the last of them lets go of it (garbage collection)
+        _state.update(threads=int(n), pool=None)
 
 
 def _limit_blas_threads():
@@ -64,7 +67,9 @@ def _limit_blas_threads():
     return threadpool_limits(1, user_api="blas")
 
 
-def _forget_pool():  # a forked child has none of the parent's threads
+def _forget_pool():  # a forked child has none of the parent's threads (and a lock nobody will release)
+    global _lock
+    _lock = threading.Lock()
     _state["pool"] = None
 
 
@@ -96,9 +101,11 @@ def run_blocks(kernel, blocks):
     """[kernel(start, stop) for each block], the first block in the caller, the others in the pool."""
     if len(blocks) == 1:
         return [kernel(*blocks[0])]
-    if _state["pool"] is None:
-        _state["pool"] = ThreadPoolExecutor(get_num_threads() - 1, thread_name_prefix="npformer")
-    futures = [_state["pool"].submit(_run_marked, kernel, *block) for block in blocks[1:]]
+    with _lock:
+        if _state["pool"] is None:
+            _state["pool"] = ThreadPoolExecutor(max(_state["threads"] - 1, 1), thread_name_prefix="npformer")
+        pool = _state["pool"]
+    futures = [pool.submit(_run_marked, kernel, *block) for block in blocks[1:]]
     try:
         first = _run_marked(kernel, *blocks[0])
     finally:  # never leave a block running behind the caller's back, even on an error
