@@ -1,6 +1,8 @@
 """npformer.functional (imported as F): ops with hand-derived backward passes, mirroring
 torch.nn.functional. `npformer.functional.composite` holds slow twins built from autograd
-primitives, used as test references."""
+primitives, used as test references. Fused computations run from kernel tables
+(`autograd.kernels`): a plain reference, and faster implementations per device (row blocks on
+the CPU threads, hand-written CUDA kernels in `npformer.functional.cuda`)."""
 from .activation import dropout, gelu, relu
 from .attention import scaled_dot_product_attention, split_heads
 from .embedding import embedding
@@ -9,6 +11,8 @@ from .loss import cross_entropy
 from .normalization import layer_norm
 from .rotary import apply_rotary_emb, rotary_cos_sin
 from .softmax import log_softmax, softmax
+
+from . import cuda  # noqa: E402,F401  (registers the CUDA kernels in the kernel tables; runs only on a GPU)
 
 __all__ = ["apply_rotary_emb", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear",
            "log_softmax", "relu", "rotary_cos_sin", "scaled_dot_product_attention", "softmax", "split_heads"]

@@ -1,0 +1,67 @@
+"""Hand-written CUDA kernels, plugged into the kernel tables of npformer.functional.
+
+One `.cu` file per op family in this folder, read like the reference it is tested against
+(the derivation of each gradient in comments), plus shared headers (`reduce.cuh`: block
+reductions; `philox.cuh`: the dropout generator). CuPy compiles a file with NVRTC the first time
+one of its kernels runs (and caches the binary); `SOURCES` lists each file's kernels, every one
+a template instantiated for float and double. Without a GPU nothing here runs, but every source
+is compiled in the test suite (`nvrtc.py`), so a typo cannot land.
+
+The Python side of each family (`softmax.py`, ...) registers its launchers with the tables,
+e.g. `@softmax_forward.register("cuda", supports=...)`; arguments the kernels do not support
+fall back to the reference.
+"""
+import pathlib
+
+from autograd import backend
+
+SOURCE_DIR = pathlib.Path(__file__).resolve().parent
+SOURCES = {  # file (without .cu) -> its kernels
+    "softmax": ("softmax_forward", "softmax_backward"),
+}
+CTYPES = {"float32": "float", "float64": "double"}
+OPTIONS = ("-std=c++17",)
+MAX_THREADS = 1024  # threads per block
+
+
+def name_expressions(source):
+    """The template instances of a source that are compiled: 'softmax_forward<float>', ..."""
+    return [f"{kernel}<{ctype}>" for kernel in SOURCES[source] for ctype in CTYPES.values()]
+
+
+_modules = {}
+
+
+def function(source, kernel, dtype):
+    """The compiled `kernel<T>` of `source`.cu for arrays of `dtype`, on the current GPU."""
+    cupy = backend.cupy
+    key = (source, cupy.cuda.Device().id)
+    if key not in _modules:
+        _modules[key] = cupy.RawModule(code=(SOURCE_DIR / f"{source}.cu").read_text(),
+                                       options=OPTIONS + (f"-I{SOURCE_DIR}",),
+                                       name_expressions=name_expressions(source))
+    return _modules[key].get_function(f"{kernel}<{CTYPES[str(dtype)]}>")
+
+
+def supported_dtype(*arrays):
+    return all(str(a.dtype) in CTYPES for a in arrays)
+
+
+def row_threads(n):
+    """Threads per block for a kernel that gives one block to each row of n entries: a multiple
+    of 32 (whole warps, as the block reductions need), one entry per thread up to 1024."""
+    return min(MAX_THREADS, max(32, -(-n // 32) * 32))
+
+
+def row_shape(rows, n):
+    """(rows, n) as the kernels' (long long, int) arguments: CuPy passes a Python int as a
+    long long, so the int is made explicit."""
+    return backend.cupy.int64(rows), backend.cupy.int32(n)
+
+
+def row_grid(rows):
+    """Blocks for `rows` rows (the kernels loop when there are more rows than blocks)."""
+    return max(1, min(rows, 2**31 - 1))
+
+
+from . import softmax  # noqa: E402,F401  (registers the softmax kernels)

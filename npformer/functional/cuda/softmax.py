@@ -1,0 +1,30 @@
+"""Launchers of softmax.cu: softmax forward and backward along the last axis of contiguous rows."""
+from autograd import backend
+
+from ..softmax import softmax_backward, softmax_forward
+from . import function, row_grid, row_shape, row_threads, supported_dtype
+
+
+def _last_axis_rows(*arrays, axis):
+    """The kernels take contiguous (rows, n) data with the softmax along n."""
+    return (axis in (-1, arrays[0].ndim - 1) and arrays[0].size > 0 and supported_dtype(*arrays)
+            and all(a is None or a.flags.c_contiguous for a in arrays))
+
+
+@softmax_forward.register("cuda", supports=lambda x, axis, out=None: _last_axis_rows(x, out, axis=axis))
+def softmax_forward_cuda(x, axis, out=None):
+    y = backend.cupy.empty_like(x) if out is None else out
+    n = x.shape[-1]
+    rows = x.size // n
+    function("softmax", "softmax_forward", x.dtype)((row_grid(rows),), (row_threads(n),), (x, y, *row_shape(rows, n)))
+    return y
+
+
+@softmax_backward.register("cuda", supports=lambda y, dy, axis, out=None: _last_axis_rows(y, dy, out, axis=axis))
+def softmax_backward_cuda(y, dy, axis, out=None):
+    dx = backend.cupy.empty_like(dy) if out is None else out
+    n = y.shape[-1]
+    rows = y.size // n
+    function("softmax", "softmax_backward", y.dtype)((row_grid(rows),), (row_threads(n),),
+                                                      (y, dy, dx, *row_shape(rows, n)))
+    return dx

@@ -1,0 +1,93 @@
+"""autograd.kernels: each fused computation runs the implementation registered for its device,
+else its reference; every registered implementation equals its reference (CUDA ones on a GPU)."""
+import threading
+
+import numpy as np
+import pytest
+
+from autograd import backend, kernels
+from npformer.functional.softmax import softmax_backward, softmax_forward
+
+
+def make_table():
+    @kernels.kernel_table
+    def double(x, scale=1.0):
+        """the reference"""
+        return 2 * x * scale
+
+    @double.register("cpu", supports=lambda x, scale=1.0: x.ndim == 1)
+    def double_cpu(x, scale=1.0):
+        return ("cpu", 2 * x * scale)
+
+    return double
+
+
+def test_a_table_runs_the_implementation_of_the_device_where_it_supports_the_arguments():
+    double = make_table()
+    assert double(np.ones(3))[0] == "cpu"
+    np.testing.assert_array_equal(double(np.ones((2, 2))), 2 * np.ones((2, 2)))   # unsupported: the reference
+    np.testing.assert_array_equal(backend.as_numpy(double(backend.to_device(np.ones(3), "test"))), 2 * np.ones(3))
+    assert double.__name__ == "double" and double.__doc__ == "the reference"
+    with pytest.raises(ValueError, match=r"register: device must be one of .*got 'gpu'"):
+        double.register("gpu")
+
+
+def test_reference_only_is_per_thread():
+    double = make_table()
+    seen = {}
+
+    def other():
+        seen["other"] = double(np.ones(3))[0]
+
+    with kernels.reference_only():
+        assert isinstance(double(np.ones(3)), np.ndarray)
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+    assert seen["other"] == "cpu" and double(np.ones(3))[0] == "cpu"
+
+
+ROW_LENGTHS = [1, 7, 64, 1000, 3000]
+
+
+def rows(rng, n, device, dtype="float64"):
+    x = rng.standard_normal((5, 3, n)).astype(dtype)
+    x[0, 0] = -np.inf                                    # a fully masked row
+    x[1, 1, : (n + 1) // 2] = -np.inf                    # a half masked one
+    return backend.to_device(x, device)
+
+
+@pytest.mark.parametrize("n", ROW_LENGTHS)
+def test_softmax_implementations_equal_the_reference(n, device, rng):
+    """Whatever each device registers (einsum row sums on the CPU, CUDA kernels on a GPU) gives
+    the reference's softmax and gradient to rounding, in place too."""
+    x = rows(rng, n, device)
+    dy = backend.to_device(rng.standard_normal(x.shape), device)
+    with kernels.reference_only():
+        y_ref = softmax_forward(x, -1)
+        dx_ref = softmax_backward(y_ref, dy, -1)
+    y = softmax_forward(x, -1)
+    dx = softmax_backward(y, dy, -1)
+    tol = 8 * np.finfo(np.float64).eps * np.sqrt(n)          # rounding of sums of n terms of size <= 1
+    np.testing.assert_allclose(backend.as_numpy(y), backend.as_numpy(y_ref), rtol=0, atol=tol)
+    dy_scale = float(np.abs(backend.as_numpy(dy)).max())
+    np.testing.assert_allclose(backend.as_numpy(dx), backend.as_numpy(dx_ref), rtol=0, atol=tol * dy_scale)
+    assert not backend.as_numpy(y)[0, 0].any()               # the fully masked row is zeros
+    in_place = x.copy()
+    softmax_forward(in_place, -1, out=in_place)
+    np.testing.assert_array_equal(backend.as_numpy(in_place), backend.as_numpy(y))
+
+
+def test_cuda_softmax_kernels_run_and_fall_back_where_they_do_not_apply(rng):
+    """On a GPU: float32 rows of any length through the kernel; a softmax along another axis or
+    of a non-contiguous array takes the reference."""
+    if not backend.cuda_available():
+        pytest.skip("cuda: CuPy or a GPU is not available on this machine")
+    forward = softmax_forward
+    x = rows(rng, 3000, "cuda", "float32")
+    assert forward.select(x, -1).__name__ == "softmax_forward_cuda"
+    assert forward.select(x, 1) is forward.reference
+    assert forward.select(x[..., ::2], -1) is forward.reference
+    with kernels.reference_only():
+        ref = forward(x, -1)
+    np.testing.assert_allclose(backend.as_numpy(forward(x, -1)), backend.as_numpy(ref), rtol=0, atol=1e-6)

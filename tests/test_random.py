@@ -1,0 +1,84 @@
+"""autograd.random: Philox4x32-10 against the published known-answer vectors (Random123's
+kat_vectors), the stream's offsets and state, and the statistics of the 16-bit values."""
+import numpy as np
+import pytest
+
+import autograd
+from autograd import random, threads
+
+# counter (4 words), key (2 words) -> output (4 words), from Random123's kat_vectors
+KNOWN_ANSWERS = [
+    ((0x00000000, 0x00000000, 0x00000000, 0x00000000), (0x00000000, 0x00000000),
+     (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
+    ((0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff), (0xffffffff, 0xffffffff),
+     (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd)),
+    ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
+     (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", KNOWN_ANSWERS)
+def test_philox4x32_10_matches_the_published_known_answers(counter, key, expected, device):
+    xp = autograd.backend.module_for(device)
+    words = random.philox4x32([xp.asarray([c], dtype="uint64") for c in counter], key)
+    assert [int(w[0]) for w in words] == list(expected)
+
+
+def test_bits16_are_the_halves_of_the_philox_words_in_order():
+    """Counter n (as two words) under key (seed low, seed high): value 8n + 2m is the low half
+    of word m, 8n + 2m + 1 its high half."""
+    seed, n = (0xa4093822 << 32) | 0x299f31d0, 3
+    words = random.philox4x32([np.array([n], dtype=np.uint64), np.zeros(1, np.uint64),
+                               np.zeros(1, np.uint64), np.zeros(1, np.uint64)], (seed & 0xFFFFFFFF, seed >> 32))
+    expected = [h for w in words for h in (int(w[0]) & 0xFFFF, int(w[0]) >> 16)]
+    assert random.bits16(seed, 8 * n, 8).tolist() == expected
+
+
+def test_any_slice_of_the_stream_can_be_drawn_alone_on_any_device_and_thread_count(device):
+    whole = random.bits16(7, 0, 9000)
+    saved = threads.get_num_threads()
+    try:
+        threads.set_num_threads(2)
+        for offset, n in ((0, 5000), (3, 1), (13, 4000), (4999, 1), (8 * 1000 + 5, 17)):
+            part = autograd.backend.as_numpy(random.bits16(7, offset, n, device))
+            np.testing.assert_array_equal(part, whole[offset:offset + n])
+    finally:
+        threads.set_num_threads(saved)
+
+
+def test_the_stream_advances_by_whole_counters_and_its_state_is_two_ints():
+    stream = random.Philox(seed=11)
+    assert stream.take(5) == 0 and stream.offset == 8       # every draw starts on a fresh counter
+    first = stream.bits16(20)
+    assert stream.offset == 8 + 24
+    np.testing.assert_array_equal(first, random.bits16(11, 8, 20))
+    state = stream.state_dict()
+    assert state == {"seed": 11, "offset": 32}
+    again = random.Philox()
+    again.load_state_dict(state)
+    np.testing.assert_array_equal(again.bits16(9), stream.bits16(9))
+
+
+def test_manual_seed_makes_the_dropout_stream_reproducible():
+    random.manual_seed(3)
+    a = random.dropout_stream().bits16(100)
+    random.manual_seed(3)
+    np.testing.assert_array_equal(random.dropout_stream().bits16(100), a)
+    random.manual_seed(4)
+    assert (random.dropout_stream().bits16(100) != a).any()
+
+
+def test_the_values_are_uniform_and_independent():
+    """1e6 values: each of 16 bins holds 1/16 (chi-square, 15 dof, p > 1e-6), the mean of the
+    keep test at p = 0.1 is within 5 sigma, and neighbouring values are uncorrelated."""
+    values = random.bits16(2024, 0, 1_000_000).astype(np.float64)
+    counts = np.bincount((values // 4096).astype(int), minlength=16)
+    expected = values.size / 16
+    assert ((counts - expected) ** 2 / expected).sum() < 58.0          # chi2(15) quantile at 1 - 1e-6
+    keep = values >= round(0.1 * 2**16)
+    sigma = np.sqrt(0.1 * 0.9 / values.size)
+    assert abs((1 - keep.mean()) - 0.1) < 5 * sigma
+    centred = values - values.mean()
+    for lag in (1, 2, 8):
+        correlation = (centred[:-lag] * centred[lag:]).mean() / centred.var()
+        assert abs(correlation) < 5 / np.sqrt(values.size)
