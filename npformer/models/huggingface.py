@@ -230,15 +230,17 @@ def hf_state_dict(model, prefixed: bool = True) -> dict:
 
 
 def _canonical(tensors, prefix):
-    """Keys as _rules names them: the base prefix stripped (files from a head model carry it,
-    GPT-2's original files do not), old BERT LayerNorm gamma/beta renamed weight/bias."""
+    """({name as _rules names it: (name in `tensors`, array)}, the prefix stripped): the base
+    model's prefix stripped (files saved from a model with a head carry it, e.g. BERT's
+    pretraining checkpoints; GPT-2's original files do not),
+    TensorFlow-era BERT LayerNorm gamma/beta renamed weight/bias."""
     canonical = {}
-    strip = bool(prefix) and any(k.startswith(prefix) for k in tensors)
+    stripped = prefix if prefix and any(k.startswith(prefix) for k in tensors) else ""
     for key, array in tensors.items():
-        name = key[len(prefix):] if strip and key.startswith(prefix) else key
+        name = key[len(stripped):] if stripped and key.startswith(stripped) else key
         name = _OLD_LAYER_NORM.sub(lambda m: ".LayerNorm." + {"gamma": "weight", "beta": "bias"}[m.group(1)], name)
         canonical[name] = (key, array)
-    return canonical
+    return canonical, stripped
 
 
 def state_dict_from_hf(model, tensors: dict) -> tuple[dict, list]:
@@ -246,12 +248,14 @@ def state_dict_from_hf(model, tensors: dict) -> tuple[dict, list]:
     ({name: array}, prefixed or not). Raises ValueError naming the first missing, mis-shaped
     or unmapped key. Skipped: BERT pretraining heads (cls.*). Causal-mask and position-id
     buffers are dropped; a tied lm_head.weight must equal the word embeddings."""
-    canonical = _canonical(tensors, _prefix(model))
+    family = ARCHITECTURES[_architecture(model)][0]
+    canonical, stripped = _canonical(tensors, {"gpt2": GPT2_PREFIX, "bert": BERT_PREFIX}[family])
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state, used = {}, set()
     for theirs, key, how in _rules(model):
         for name in theirs:
-            _require(name in canonical, f"missing key {name!r} (npformer's {key}) in the Hugging Face weights")
+            _require(name in canonical, f"missing key {name if _is_head(name) else stripped + name!r} "
+                                        f"(npformer's {key}) in the Hugging Face weights")
         arrays = [canonical[name][1] for name in theirs]
         want = shapes[key]
         expected = {TRANSPOSE: want[::-1], STACK: (want[0] // len(theirs),) + want[1:]}.get(how, want)
