@@ -7,22 +7,12 @@ mapped, and what cannot be mapped is named."""
 import numpy as np
 import pytest
 
+from autograd import Tensor
 from npformer import interop, models
 from npformer.models import huggingface
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-9}
 GRAD_TOLERANCE = 1e-8  # float64
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    try:
-        import transformers as module
-    except ImportError:
-        pytest.skip("transformers is not installed: `pip install -e .[dev]`")
-    module.logging.set_verbosity_error()
-    module.utils.logging.disable_progress_bar()
-    return module
 
 
 def gpt2_config(transformers, **options):
@@ -79,7 +69,8 @@ def assert_gradients_match(torch, ours, hf_model):
                                                 f"{GRAD_TOLERANCE} * {scale:.3g}"
 
 
-GPT2_VARIANTS = {"gpt2": {}, "untied-relu-inner": dict(tie_word_embeddings=False, activation_function="relu", n_inner=24),
+GPT2_VARIANTS = {"gpt2": {},
+                 "untied-relu-inner": dict(tie_word_embeddings=False, activation_function="relu", n_inner=24),
                  "gelu-exact": dict(activation_function="gelu")}
 
 
@@ -106,7 +97,6 @@ def test_gpt2_gradients_match(variant, torch, transformers, rng):
     upstream = rng.standard_normal((2, 7, 61))
     logits = hf_model(torch.tensor(ids), attention_mask=torch.tensor(attention)).logits
     (logits * torch.tensor(upstream)).sum().backward()
-    from autograd import Tensor
     (ours(ids, key_padding_mask=attention == 0) * Tensor(upstream)).sum().backward()
     assert_gradients_match(torch, ours, hf_model)
 
@@ -142,7 +132,6 @@ def test_bert_classifier_logits_match(dtype, torch, transformers, rng):
 
 
 def test_bert_gradients_match(torch, transformers, rng):
-    from autograd import Tensor
     for cls in (transformers.BertModel, transformers.BertForSequenceClassification):
         hf_model = randomised(torch, cls(bert_config(transformers)), "float64")
         ours = interop.from_hf(hf_model)
@@ -255,7 +244,8 @@ def test_configs_without_counterpart_are_refused(torch, transformers):
     small = dict(d_model=8, nhead=2, num_layers=1, dim_feedforward=8, max_len=8)
     for model, message in ((models.CausalLM(11, positional="rope", **small), "positional='rope'"),
                            (models.CausalLM(11, norm_first=False, **small), "pre-LN"),
-                           (models.EncoderClassifier(11, 2, **small), r"BERT needs EncoderClassifier\(embed_norm=True\)"),
+                           (models.EncoderClassifier(11, 2, **small),
+                            r"BERT needs EncoderClassifier\(embed_norm=True\)"),
                            (models.EncoderClassifier(11, 2, embed_norm=True, final_norm=False, type_vocab_size=2,
                                                      **small), "pooler=True and pooling='first'"),
                            (models.Seq2SeqTransformer(11, 11, d_model=8, nhead=2, num_encoder_layers=1,

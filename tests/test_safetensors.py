@@ -17,7 +17,7 @@ from npformer import interop, models, nn
 from npformer.models import huggingface, load_pretrained, load_safetensors, save_pretrained, save_safetensors
 from npformer.safetensors_file import SafetensorsError, read_header, read_safetensors, write_safetensors
 
-pytest.importorskip("safetensors")
+pytestmark = pytest.mark.usefixtures("safetensors")
 SMALL = dict(d_model=8, nhead=2, num_layers=2, dim_feedforward=16, max_len=12)
 GPT2 = dict(activation="gelu_tanh", tie_weights=True, attention_dropout=0.1, activation_dropout=0.0)
 BERT = dict(pooling="first", pooler=True, type_vocab_size=2, embed_norm=True, final_norm=False, layer_norm_eps=1e-12,
@@ -73,10 +73,7 @@ def test_a_module_without_config_loads_into_a_given_module(tmp_path):
     assert_same_weights(layer, load_safetensors(path, other))
 
 
-def test_npformer_to_safetensors_to_hf_to_npformer_keeps_every_number(tmp_path, torch):
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+def test_npformer_to_safetensors_to_hf_to_npformer_keeps_every_number(tmp_path, torch, transformers):
     for name, cls in (("gpt2", transformers.GPT2LMHeadModel), ("bert", transformers.BertModel),
                       ("bert_classifier", transformers.BertForSequenceClassification)):
         for dtype in ("float32", "float64"):

@@ -65,7 +65,8 @@ def config_from_hf(hf_config: dict, architecture: str | None = None, pooler: boo
         return "CausalLM", _gpt2_config(hf_config)
     if model_type == "bert":
         classifier = architecture == "BertForSequenceClassification"
-        return ("EncoderClassifier" if classifier else "BidirectionalEncoder"), _bert_config(hf_config, classifier, pooler)
+        name = "EncoderClassifier" if classifier else "BidirectionalEncoder"
+        return name, _bert_config(hf_config, classifier, pooler)
     raise ValueError(f"config_from_hf: model_type {model_type!r} is not supported; npformer converts "
                      f"'gpt2' (GPT2LMHeadModel) and 'bert' (BertModel, BertForSequenceClassification)")
 
