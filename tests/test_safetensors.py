@@ -7,6 +7,8 @@ file, before anything is allocated, leaving the model unchanged; writes are atom
 the file's mode."""
 import json
 import os
+import pathlib
+import re
 import stat
 import struct
 
@@ -304,3 +306,17 @@ def test_write_refuses_what_safetensors_cannot_store(tmp_path):
     with pytest.raises(TypeError, match="metadata must map strings to strings"):
         write_safetensors(tmp_path / "x.safetensors", {"z": np.zeros(2)}, {"a": 1})
     assert not os.listdir(tmp_path)
+
+
+def test_the_readme_gpt2_example_runs_on_a_gpt2_shaped_folder(tmp_path, monkeypatch, capsys):
+    """The README's GPT-2 block (fenced `py`: it needs a download) on a folder laid out like the
+    download, with GPT-2's vocabulary and tiny layers."""
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```py\n(.*?)```", readme, re.S).group(1)
+    assert 'load_pretrained("gpt2")' in block
+    tiny = models.CausalLM(50257, d_model=8, nhead=2, num_layers=1, dim_feedforward=32, max_len=16, **GPT2)
+    gpt2_download(tmp_path / "gpt2", tiny)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    printed = json.loads(capsys.readouterr().out)
+    assert printed[:5] == [15496, 11, 616, 3290, 318] and len(printed) == 13
