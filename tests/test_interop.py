@@ -5,7 +5,7 @@ their torch twins; sequence-first torch modules and unsupported things fail clea
 import numpy as np
 import pytest
 
-from autograd import Tensor
+from autograd import Tensor, backend
 from npformer import interop, models, nn
 
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
@@ -179,3 +179,13 @@ def test_dropout_rates_reach_every_layer(torch):
         assert (twin.self_attn.dropout, twin.dropout.p, twin.dropout1.p, twin.dropout2.p) == (0.1, 0.0, 0.3, 0.3)
     default = models.CausalLM(11, d_model=8, nhead=2, num_layers=1, dropout=0.2).encoder.layers[0]
     assert (default.self_attn.dropout, default.dropout.p) == (0.2, 0.2)  # unchanged: torch.nn's layout
+
+
+@pytest.mark.parametrize("name", list(HF_STYLE))
+def test_new_model_options_run_on_device(name, device, rng):
+    model = MODULES[name]().to(device)
+    outs = model(**HF_STYLE[name](rng))
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    assert all(o.device == device for o in outs)
+    sum(o.sum() for o in outs).backward()
+    assert all(backend.device_of(p.grad) == device for p in model.parameters())
