@@ -138,6 +138,12 @@ def torch_model_classes():
             norm = tnn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
             self.encoder = tnn.TransformerEncoder(layer, c["num_layers"], norm, enable_nested_tensor=False)
 
+        def _build_pooled_encoder(self, c):
+            self._build_trunk(c)
+            self.pooling = c["pooling"]
+            if c["pooler"]:
+                self.pooler = tnn.Linear(c["d_model"], c["d_model"])
+
         def hidden_states(self, ids, mask, causal, token_type_ids=None):
             x = self.tok_embed(ids)
             if hasattr(self, "type_embed"):
@@ -183,10 +189,7 @@ def torch_model_classes():
                      type_vocab_size=0, embed_norm=False, final_norm=True, pooler=False):
             super().__init__()
             self.config = _arguments(locals(), type(self).__init__)
-            self._build_trunk(self.config)
-            self.pooling = pooling
-            if pooler:
-                self.pooler = tnn.Linear(d_model, d_model)
+            self._build_pooled_encoder(self.config)
 
         def forward(self, input_ids, key_padding_mask=None, token_type_ids=None):
             return self.encode(input_ids, key_padding_mask, token_type_ids)
@@ -199,10 +202,7 @@ def torch_model_classes():
                      classifier_dropout=0.0):
             super().__init__()
             self.config = _arguments(locals(), type(self).__init__)
-            self._build_trunk(self.config)
-            self.pooling = pooling
-            if pooler:
-                self.pooler = tnn.Linear(d_model, d_model)
+            self._build_pooled_encoder(self.config)
             self.head_dropout = tnn.Dropout(classifier_dropout)
             self.classifier = tnn.Linear(d_model, num_classes)
 
