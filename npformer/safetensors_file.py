@@ -79,8 +79,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
         raw = f.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"{path}: not a safetensors file (the header is not JSON: {e})") from e
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, JSON nested too deep
+        raise SafetensorsError(f"{path}: not a safetensors file (the header is not JSON: "
+                               f"{type(e).__name__}: {e})") from e
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: not a safetensors file (the header is not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}

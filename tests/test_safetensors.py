@@ -180,6 +180,8 @@ DAMAGED = {
     "torch_pickle": (b"\x80\x02\x8a\x0alo\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02}q\x00" * 4, "header claims"),
     "header_not_json": (struct.pack("<Q", 4) + b"{{{{", "not JSON"),
     "header_a_list": (safetensors_bytes([1, 2]), "not a JSON object"),
+    "header_nested_too_deep": (struct.pack("<Q", 200000) + b"[" * 200000, "not JSON: RecursionError"),
+    "header_not_utf8": (struct.pack("<Q", 2) + b"\xff\xfe", "not JSON: UnicodeDecodeError"),
     "unknown_dtype": (safetensors_bytes({"w": {"dtype": "F8", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
                       "unknown dtype 'F8'"),
     "bfloat16": (safetensors_bytes({"w": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}, b"\0\0"),

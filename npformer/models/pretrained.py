@@ -62,8 +62,8 @@ def _npformer_info(path, metadata):
         return None
     try:
         info = json.loads(metadata["npformer"])
-    except json.JSONDecodeError as e:
-        raise SafetensorsError(f"{path}: damaged npformer metadata ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise SafetensorsError(f"{path}: damaged npformer metadata ({type(e).__name__}: {e})") from e
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise SafetensorsError(f"{path}: the npformer metadata has no '{FORMAT}' format tag")
     if not isinstance(info.get("version"), int) or info["version"] > VERSION:
@@ -137,8 +137,8 @@ def _read_config(path):
     with open(path, "rb") as f:
         try:
             config = json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SafetensorsError(f"{path}: not a JSON model config ({e})") from e
+        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, JSON nested too deep
+            raise SafetensorsError(f"{path}: not a JSON model config ({type(e).__name__}: {e})") from e
     if not isinstance(config, dict):
         raise SafetensorsError(f"{path}: not a model config (a JSON object)")
     return config
