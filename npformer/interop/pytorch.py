@@ -85,6 +85,12 @@ def _torch_layer(layer, dtype):
     return cls(options.pop("d_model"), options.pop("nhead"), batch_first=True, dtype=dtype, **options)
 
 
+def _attention_options(attention):
+    """kdim, vdim, add_bias_kv, add_zero_attn, read off ours or torch's MultiheadAttention."""
+    return dict(kdim=attention.kdim, vdim=attention.vdim, add_bias_kv=attention.bias_k is not None,
+                add_zero_attn=attention.add_zero_attn)
+
+
 def _norm_options(norm):
     """LayerNorm arguments, read off ours or torch's (same attribute names)."""
     return dict(eps=norm.eps, elementwise_affine=norm.weight is not None, bias=norm.bias is not None)
@@ -111,7 +117,8 @@ def _build_torch(module, dtype):
         return tnn.TransformerDecoder(_torch_layer(module.layers[0], dtype), len(module.layers), norm)
     if isinstance(module, nn.MultiheadAttention):
         return tnn.MultiheadAttention(module.embed_dim, module.num_heads, dropout=module.dropout,
-                                      bias=module.in_proj_bias is not None, batch_first=True, dtype=dtype)
+                                      bias=module.in_proj_bias is not None, batch_first=True, dtype=dtype,
+                                      **_attention_options(module))
     if isinstance(module, nn.Linear):
         return tnn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
     if isinstance(module, nn.LayerNorm):
@@ -153,11 +160,11 @@ def _build_ours(module):
             return nn.TransformerEncoder(_our_layer(module.layers[0]), len(module.layers), norm)
         return nn.TransformerDecoder(_our_layer(module.layers[0]), len(module.layers), norm)
     if isinstance(module, tnn.MultiheadAttention):
-        if not (module._qkv_same_embed_dim and module.batch_first and module.bias_k is None and not module.add_zero_attn):
-            raise ValueError("from_torch: only MultiheadAttention(batch_first=True) with one embed_dim for q, k, v, "
-                             "no add_bias_kv and no add_zero_attn can be converted")
+        if not module.batch_first:
+            raise ValueError("from_torch: only MultiheadAttention(batch_first=True) can be converted (npformer "
+                             "is batch-first only); rebuild it with batch_first=True and copy the state_dict")
         return nn.MultiheadAttention(module.embed_dim, module.num_heads, dropout=module.dropout,
-                                     bias=module.in_proj_bias is not None)
+                                     bias=module.in_proj_bias is not None, **_attention_options(module))
     if isinstance(module, tnn.Linear):
         return nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
     if isinstance(module, tnn.LayerNorm):

@@ -7,7 +7,7 @@ added), broadcastable to (B, H, T, S), and the heads go through one SDPA call.
 import math
 
 import npformer.functional as F
-from autograd import Tensor, backend
+from autograd import Tensor, backend, concatenate
 
 from . import init
 from .layers import Linear, check_positive_int, check_probability, new_parameter
@@ -83,16 +83,31 @@ class MultiheadAttention(Module):
     out = softmax(Q K^T / sqrt(hd) + mask) V per head, concatenated, through out_proj.
     Self-attention (query is key is value) projects q, k, v with one packed GEMM.
 
+    kdim / vdim (torch's): feature sizes of key and value (default embed_dim). When either
+    differs from embed_dim, the projections are three matrices q_proj_weight (E, E),
+    k_proj_weight (E, kdim), v_proj_weight (E, vdim) instead of in_proj_weight (torch's keys);
+    in_proj_bias stays packed (3E,).
+    add_bias_kv (torch's): learned bias_k, bias_v (1, 1, E) appended after the S projected keys
+    and values of every row (S + 1 keys); add_zero_attn: then a zero key and value (per head)
+    appended too. Like torch, attn_mask and key_padding_mask gain a column per appended key that
+    every query may attend to (so a query whose S keys are all masked attends to the appended
+    ones), and the returned weights cover S + 1 (+ 1) keys. With is_causal=True and no attn_mask
+    the causal mask covers the S keys and the appended ones stay visible (torch needs attn_mask
+    with is_causal; given one, it does the same).
+
     Extras (not in torch): `rotary=True` applies RoPE to q and k (positions from 0, or from
     `offset` in the cached step); `memory_efficient=True` uses the blockwise SDPA kernel whenever
     no attention weights are asked for (need_weights=False, as inside the Transformer layers).
     """
 
-    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, batch_first=True, device=None,
-                 dtype=None, rotary=False, rotary_base=10000.0, memory_efficient=False, block_size=512):
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=True, device=None, dtype=None, rotary=False,
+                 rotary_base=10000.0, memory_efficient=False, block_size=512):
         super().__init__()
         check_positive_int(embed_dim, "embed_dim", "MultiheadAttention")
         check_positive_int(num_heads, "num_heads", "MultiheadAttention")
+        self.kdim = embed_dim if kdim is None else check_positive_int(kdim, "kdim", "MultiheadAttention")
+        self.vdim = embed_dim if vdim is None else check_positive_int(vdim, "vdim", "MultiheadAttention")
         if embed_dim % num_heads:
             raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} must be divisible by "
                              f"num_heads={num_heads} (head_dim = embed_dim / num_heads)")
@@ -104,20 +119,40 @@ class MultiheadAttention(Module):
         self.dropout = check_probability(dropout, "dropout", "MultiheadAttention")
         self.batch_first = True
         self.memory_efficient, self.block_size = bool(memory_efficient), block_size
-        self.in_proj_weight = new_parameter((3 * embed_dim, embed_dim), device, dtype)
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = new_parameter((3 * embed_dim, embed_dim), device, dtype)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            for name, features in (("q", embed_dim), ("k", self.kdim), ("v", self.vdim)):
+                setattr(self, f"{name}_proj_weight", new_parameter((embed_dim, features), device, dtype))
         if bias:
             self.in_proj_bias = new_parameter((3 * embed_dim,), device, dtype)
         else:
             self.register_parameter("in_proj_bias", None)
+        if add_bias_kv:
+            self.bias_k = new_parameter((1, 1, embed_dim), device, dtype)
+            self.bias_v = new_parameter((1, 1, embed_dim), device, dtype)
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = bool(add_zero_attn)
         self.out_proj = Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_base) if rotary else None
         self._reset_parameters()
 
     def _reset_parameters(self):
-        init.xavier_uniform_(self.in_proj_weight)
+        """torch's: xavier_uniform_ on the projection matrices, zero biases, xavier_normal_ on bias_k/v."""
+        if self._qkv_same_embed_dim:
+            init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                init.xavier_uniform_(w)
         if self.in_proj_bias is not None:
             init.zeros_(self.in_proj_bias)
             init.zeros_(self.out_proj.bias)
+        if self.bias_k is not None:
+            init.xavier_normal_(self.bias_k)
+            init.xavier_normal_(self.bias_v)
 
     @property
     def rotary(self):
@@ -128,15 +163,19 @@ class MultiheadAttention(Module):
         """(B, L, E) -> (B, H, L, hd)."""
         return F.split_heads(x, self.num_heads)
 
-    def _weights(self, start, stop):
-        """Rows [start, stop) of the packed projection: W (stop-start, E), b or None."""
-        w = self.in_proj_weight[start:stop]
-        b = self.in_proj_bias[start:stop] if self.in_proj_bias is not None else None
-        return w, b
+    def _weights(self, first, last):
+        """Projections first..last (0 = q, 1 = k, 2 = v) as one matrix: W ((last-first+1) E, in),
+        b or None. With separate q/k/v_proj_weight (kdim/vdim != embed_dim): first == last."""
+        E = self.embed_dim
+        rows = slice(first * E, (last + 1) * E)
+        b = self.in_proj_bias[rows] if self.in_proj_bias is not None else None
+        if self.in_proj_weight is not None:
+            return self.in_proj_weight[rows], b
+        return getattr(self, "qkv"[first] + "_proj_weight"), b
 
     def project_qkv(self, query, key, value):
         """Query, key, value projected and split into heads, each (B, H, L, hd)."""
-        if query is key and key is value:  # self-attention: one packed GEMM (B, T, 3E)
+        if query is key and key is value and self.in_proj_weight is not None:  # one packed GEMM (B, T, 3E)
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)              # (B, T, 3E)
             return F.split_heads(qkv, self.num_heads, chunks=3)                        # 3 x (B, H, T, hd)
         q = self.project_q(query)
@@ -144,16 +183,48 @@ class MultiheadAttention(Module):
         return q, k, v
 
     def project_q(self, query):
-        return self._heads(F.linear(query, *self._weights(0, self.embed_dim)))        # (B, H, T, hd)
+        return self._heads(F.linear(query, *self._weights(0, 0)))                     # (B, H, T, hd)
 
     def project_kv(self, key, value):
         """Key and value heads (B, H, S, hd); one GEMM when key is value (cross-attention)."""
-        E = self.embed_dim
-        if key is value:
-            kv = F.linear(key, *self._weights(E, 3 * E))                               # (B, S, 2E)
+        if key is value and self.in_proj_weight is not None:
+            kv = F.linear(key, *self._weights(1, 2))                                   # (B, S, 2E)
             return F.split_heads(kv, self.num_heads, chunks=2)                         # 2 x (B, H, S, hd)
-        return (self._heads(F.linear(key, *self._weights(E, 2 * E))),
-                self._heads(F.linear(value, *self._weights(2 * E, 3 * E))))
+        return (self._heads(F.linear(key, *self._weights(1, 1))),
+                self._heads(F.linear(value, *self._weights(2, 2))))
+
+    def append_keys(self, k, v, mask, is_causal, tgt_len):
+        """torch's add_bias_kv and add_zero_attn on heads k, v (B, H, S, hd): bias_k / bias_v
+        (split into heads), then zero vectors, appended as keys S (and S + 1). The SDPA-convention
+        mask (None, bool True = takes part, or float added) gains a column per appended key that
+        every query may attend to; a causal mask (is_causal) is materialised over the first S keys
+        of the tgt_len queries. -> (k, v, mask, is_causal)."""
+        B, H, S, hd = k.shape
+        extra_k, extra_v = [], []
+        if self.bias_k is not None:
+            extra_k.append(self._heads(self.bias_k).expand(B, H, 1, hd))               # (B, H, 1, hd)
+            extra_v.append(self._heads(self.bias_v).expand(B, H, 1, hd))
+        if self.add_zero_attn:
+            zeros = Tensor(k.xp.zeros((B, H, 1, hd), dtype=k.dtype))
+            extra_k.append(zeros)
+            extra_v.append(zeros)
+        if not extra_k:
+            return k, v, mask, is_causal
+        k, v = concatenate([k] + extra_k, axis=2), concatenate([v] + extra_v, axis=2)  # (B, H, S + n, hd)
+        xp = k.xp
+        if is_causal:  # key j <= query i takes part (top-left aligned, as in SDPA)
+            causal = xp.tril(xp.ones((tgt_len, S), dtype=bool))[None, None]            # (1, 1, T, S)
+            if mask is None:
+                mask = causal
+            elif mask.dtype == bool:
+                mask = mask & causal
+            else:
+                mask = mask + xp.where(causal, 0.0, -math.inf).astype(mask.dtype)
+        if mask is None:
+            return k, v, None, False
+        visible = True if mask.dtype == bool else 0.0
+        column = xp.full(mask.shape[:-1] + (len(extra_k),), visible, dtype=mask.dtype)
+        return k, v, xp.concatenate([mask, column], axis=-1), False                    # (..., T, S + n)
 
     def attend(self, q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
         """SDPA over heads (mask in SDPA convention) then out_proj: (B, T, E), weights or None."""
@@ -171,11 +242,12 @@ class MultiheadAttention(Module):
 
     # -- public API ------------------------------------------------------------------------
     def check_inputs(self, query, key, value):
-        for name, x in (("query", query), ("key", key), ("value", value)):
+        for name, x, features in (("query", query, self.embed_dim), ("key", key, self.kdim),
+                                  ("value", value, self.vdim)):
             if not isinstance(x, Tensor):
                 raise TypeError(f"MultiheadAttention: {name} must be an autograd.Tensor, got {type(x).__name__}")
-            if x.ndim != 3 or x.shape[-1] != self.embed_dim:
-                raise ValueError(f"MultiheadAttention: {name} must be (batch, seq, {self.embed_dim}), got {x.shape}")
+            if x.ndim != 3 or x.shape[-1] != features:
+                raise ValueError(f"MultiheadAttention: {name} must be (batch, seq, {features}), got {x.shape}")
         if not query.shape[0] == key.shape[0] == value.shape[0]:
             raise ValueError(f"MultiheadAttention: batch sizes differ: query {query.shape[0]}, "
                              f"key {key.shape[0]}, value {value.shape[0]}")
@@ -203,8 +275,12 @@ class MultiheadAttention(Module):
         q, k, v = self.project_qkv(query, key, value)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(q, offset), self.rotary_emb(k, offset)
+        k, v, mask, is_causal = self.append_keys(k, v, mask, is_causal, q.shape[2])
         return self.attend(q, k, v, mask, is_causal, need_weights, average_attn_weights)
 
     def extra_repr(self):
-        extra = ", rotary=True" if self.rotary else ""
+        extra = "".join(f", {name}={value}" for name, value, default in (
+            ("kdim", self.kdim, self.embed_dim), ("vdim", self.vdim, self.embed_dim),
+            ("add_bias_kv", self.bias_k is not None, False), ("add_zero_attn", self.add_zero_attn, False),
+            ("rotary", self.rotary, False)) if value != default)
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"

@@ -56,6 +56,12 @@ def xavier_uniform_(tensor, gain=1.0, generator=None):
     return uniform_(tensor, -bound, bound, generator)
 
 
+def xavier_normal_(tensor, gain=1.0, generator=None):
+    """N(0, std^2) with std = gain * sqrt(2 / (fan_in + fan_out)) (Glorot & Bengio 2010)."""
+    fan_in, fan_out = calculate_fan_in_and_fan_out(tensor)
+    return normal_(tensor, 0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)), generator)
+
+
 def kaiming_uniform_(tensor, a=0.0, generator=None):
     """U(-b, b) with b = sqrt(6 / ((1 + a^2) fan_in)) (leaky-ReLU gain, fan_in mode).
     torch's Linear uses a = sqrt(5), i.e. b = 1 / sqrt(fan_in)."""
