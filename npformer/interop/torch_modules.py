@@ -9,6 +9,8 @@ torch is imported when the classes are first asked for, never by npformer itself
 import functools
 import math
 
+from ..models.seq2seq import sharing
+
 
 def _arguments(local_variables, function):
     """The arguments of `function` (a constructor) from its locals(), keyword-only ones included."""
@@ -66,12 +68,15 @@ def torch_model_classes():
     class Seq2SeqTransformer(tnn.Module):
         def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, nhead=8, num_encoder_layers=6,
                      num_decoder_layers=6, dim_feedforward=2048, dropout=0.1, max_len=5000, activation="relu",
-                     norm_first=False, pad_idx=None, tie_weights=False, positional="sinusoidal",
-                     layer_norm_eps=1e-5):
+                     norm_first=False, pad_idx=None, tie_weights=None, positional="sinusoidal",
+                     layer_norm_eps=1e-5, *, share_embeddings=False):
             super().__init__()
             self.config = _arguments(locals(), type(self).__init__)
+            tie_weights, share_embeddings = sharing(tie_weights, share_embeddings, "Seq2SeqTransformer")
+            self.config.update(tie_weights=tie_weights, share_embeddings=share_embeddings)  # normalised like ours
             self.d_model, self.pad_idx, self.tie_weights, self.positional_kind = d_model, pad_idx, tie_weights, positional
-            if tie_weights != "all":
+            self.share_embeddings = share_embeddings
+            if not share_embeddings:  # shared: tgt_embed is the source embedding too (one state_dict key)
                 self.src_embed = tnn.Embedding(src_vocab_size, d_model, padding_idx=pad_idx)
             self.tgt_embed = tnn.Embedding(tgt_vocab_size, d_model, padding_idx=pad_idx)
             if positional == "learned":
@@ -90,7 +95,7 @@ def torch_model_classes():
                 self.generator = tnn.Linear(d_model, tgt_vocab_size)
 
         def _embed(self, ids, side):
-            table = self.tgt_embed if side == "tgt" or self.tie_weights == "all" else self.src_embed
+            table = self.tgt_embed if side == "tgt" or self.share_embeddings else self.src_embed
             x = table(ids) * math.sqrt(self.d_model)
             pos = getattr(self, f"{side}_pos_embed") if self.positional_kind == "learned" else self.positional
             return self.dropout(pos(x) if pos is not None else x)

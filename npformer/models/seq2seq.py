@@ -10,6 +10,22 @@ from ..nn.transformer import check_d_model_nhead
 from ._common import POSITIONAL, additive_positions, check_choice, padding_mask_from_ids, token_ids
 
 
+def sharing(tie_weights, share_embeddings, owner):
+    """(tie_weights, share_embeddings) as two bools from the constructor's arguments:
+    tie_weights None (the default) follows share_embeddings; "all" means share_embeddings=True."""
+    if isinstance(tie_weights, str) and tie_weights == "all":
+        tie_weights, share_embeddings = True, True
+    for name, value in (("tie_weights", tie_weights), ("share_embeddings", share_embeddings)):
+        if isinstance(value, str) or (value is not None and value not in (True, False)):
+            raise ValueError(f"{owner}: {name} must be True or False, got {value!r}")
+    share_embeddings = bool(share_embeddings)
+    tie_weights = share_embeddings if tie_weights is None else bool(tie_weights)
+    if share_embeddings and not tie_weights:
+        raise ValueError(f"{owner}: share_embeddings=True shares the embedding with the generator too, which "
+                         f"tie_weights=False contradicts (leave tie_weights out)")
+    return tie_weights, share_embeddings
+
+
 class Seq2SeqTransformer(nn.Module):
     """src ids (B, S), tgt ids (B, T) -> next-token logits (B, T, tgt_vocab_size).
 
@@ -23,9 +39,16 @@ class Seq2SeqTransformer(nn.Module):
     positions are a non-persistent buffer (no key); "rope" rotates q and k in every
     self-attention (no key); "none" adds no positions.
 
-    tie_weights: False; True = the generator uses tgt_embed.weight (no generator.weight key);
-    "all" = also src_embed is tgt_embed (the paper's shared matrix; needs src_vocab_size ==
-    tgt_vocab_size; only the tgt_embed.weight key remains).
+    Weight sharing:
+    - tie_weights=True: the generator uses tgt_embed.weight (no generator.weight key).
+    - share_embeddings=True: the paper's model (section 3.4): ONE matrix is the source
+      embedding, the target embedding and the pre-softmax projection (src_embed is tgt_embed;
+      implies tie_weights; needs src_vocab_size == tgt_vocab_size, a shared vocabulary; only the
+      tgt_embed.weight key remains; fairseq's --share-all-embeddings). The base model
+      Seq2SeqTransformer(37000, 37000, share_embeddings=True) has 63,121,544 parameters:
+      docs/paper_model.md adds them up and compares them with the paper's "65M".
+    - tie_weights="all": the older spelling of share_embeddings=True (still accepted).
+    `config` stores the normalised pair (tie_weights: bool, share_embeddings: bool).
     pad_idx: padding id of both vocabularies: its embedding rows stay zero with zero gradient,
     and when a key padding mask is not given it is derived from the ids (True = pad).
     Init: xavier_uniform_ on every parameter matrix (embeddings and generator included),
@@ -37,26 +60,28 @@ class Seq2SeqTransformer(nn.Module):
 
     def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, nhead=8, num_encoder_layers=6,
                  num_decoder_layers=6, dim_feedforward=2048, dropout=0.1, max_len=5000, activation="relu",
-                 norm_first=False, pad_idx=None, tie_weights=False, positional="sinusoidal", layer_norm_eps=1e-5):
+                 norm_first=False, pad_idx=None, tie_weights=None, positional="sinusoidal", layer_norm_eps=1e-5,
+                 *, share_embeddings=False):
         super().__init__()
         owner = "Seq2SeqTransformer"
         check_choice(positional, POSITIONAL, "positional", owner)
-        check_choice(tie_weights, (False, True, "all"), "tie_weights", owner)
         check_choice(activation, ("relu", "gelu"), "activation", owner)
         check_d_model_nhead(d_model, nhead, owner)
-        if tie_weights == "all" and src_vocab_size != tgt_vocab_size:
-            raise ValueError(f"{owner}: tie_weights='all' shares one matrix between both embeddings and the "
-                             f"generator, so src_vocab_size ({src_vocab_size}) must equal tgt_vocab_size "
-                             f"({tgt_vocab_size})")
+        tie_weights, share_embeddings = sharing(tie_weights, share_embeddings, owner)
+        if share_embeddings and src_vocab_size != tgt_vocab_size:
+            raise ValueError(f"{owner}: share_embeddings=True shares one matrix between both embeddings and the "
+                             f"generator (a shared vocabulary), so src_vocab_size ({src_vocab_size}) must equal "
+                             f"tgt_vocab_size ({tgt_vocab_size})")
         self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
                            nhead=nhead, num_encoder_layers=num_encoder_layers,
                            num_decoder_layers=num_decoder_layers, dim_feedforward=dim_feedforward,
                            dropout=dropout, max_len=max_len, activation=activation, norm_first=norm_first,
                            pad_idx=pad_idx, tie_weights=tie_weights, positional=positional,
-                           layer_norm_eps=layer_norm_eps)
+                           layer_norm_eps=layer_norm_eps, share_embeddings=share_embeddings)
         self.d_model, self.pad_idx, self.tie_weights = d_model, pad_idx, tie_weights
+        self.share_embeddings = share_embeddings
         self.positional_kind = positional
-        if tie_weights == "all":
+        if share_embeddings:
             self.tgt_embed = nn.Embedding(tgt_vocab_size, d_model, padding_idx=pad_idx)
             self.src_embed = self.tgt_embed  # registered second: state_dict lists tgt_embed.weight only
         else:
