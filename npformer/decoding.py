@@ -1,4 +1,6 @@
-"""Autoregressive decoding for `Seq2SeqTransformer`: greedy and beam search.
+"""Autoregressive decoding: greedy and beam search for `Seq2SeqTransformer`; `generate`
+(greedy or sampled, with temperature, top-k and top-p as Hugging Face defines them) for the
+causal LM (`CausalLM`, e.g. GPT-2 from `load_pretrained`).
 
 Both run with the model's KV cache (`init_cache` computes the cross-attention keys/values
 of the memory once; `decode_step` appends one position of self-attention keys/values per
@@ -14,7 +16,7 @@ import math
 
 import numpy as np
 
-from autograd import Tensor, backend, no_grad
+from autograd import Tensor, backend, no_grad, random
 from . import functional as F
 from .data import BOS, EOS, PAD
 
@@ -184,3 +186,199 @@ def beam_search(model, src, max_len, *, beam_size=4, length_penalty=1.0, bos=BOS
     for b, (_, tokens) in enumerate(best):
         out[b, :len(tokens)] = tokens
     return (out, np.array([s for s, _ in best])) if return_scores else out
+
+
+# -- causal language models ------------------------------------------------------------------
+def top_k_filter(logits, top_k):
+    """Logits (..., V) with every entry below the k-th largest of its row set to -inf (ties
+    with the k-th are kept), as Hugging Face's TopKLogitsWarper. top_k: int >= 1 (capped at V)."""
+    scores = logits.data if isinstance(logits, Tensor) else logits
+    xp = backend.get_array_module(scores)
+    k = min(int(top_k), scores.shape[-1])
+    kth = -xp.partition(-scores, k - 1, axis=-1)[..., k - 1:k]                     # (..., 1) k-th largest
+    return xp.where(scores < kth, -math.inf, scores).astype(scores.dtype, copy=False)
+
+
+def top_p_filter(logits, top_p):
+    """Nucleus filtering, as Hugging Face's TopPLogitsWarper: sort each row's logits ascending,
+    take the cumulative softmax probability c; entries with c <= 1 - top_p are set to -inf,
+    the most likely entry always stays. What stays is the smallest set of most likely tokens
+    whose probabilities add up to more than top_p (1.0: everything)."""
+    scores = logits.data if isinstance(logits, Tensor) else logits
+    xp = backend.get_array_module(scores)
+    order = xp.argsort(scores, axis=-1, kind="stable")                             # (..., V) ascending
+    ascending = xp.take_along_axis(scores, order, axis=-1).astype("float64")
+    probs = xp.exp(ascending - ascending[..., -1:])                                # the max is last
+    cumulative = xp.cumsum(probs, axis=-1) / probs.sum(axis=-1, keepdims=True)    # (..., V)
+    remove_sorted = cumulative <= 1.0 - float(top_p)
+    remove_sorted[..., -1] = False                                                 # keep at least one
+    remove = xp.empty_like(remove_sorted)
+    xp.put_along_axis(remove, order, remove_sorted, axis=-1)                      # back to vocabulary order
+    return xp.where(remove, -math.inf, scores).astype(scores.dtype, copy=False)
+
+
+def sample_logits(logits, rng, temperature=1.0, top_k=None, top_p=None):
+    """Next tokens (B,) int64 on the host from logits (B, V): the argmax when temperature == 0,
+    else a draw from softmax(filtered logits / temperature) with `rng` (a numpy Generator), the
+    logits processed in Hugging Face's order: temperature, top-k, top-p."""
+    scores = logits.data if isinstance(logits, Tensor) else logits
+    xp = backend.get_array_module(scores)
+    if temperature == 0:
+        return backend.as_numpy(xp.argmax(scores, axis=-1)).astype(np.int64)
+    scores = scores.astype("float64") / temperature
+    if top_k:
+        scores = top_k_filter(scores, top_k)
+    if top_p is not None and top_p < 1.0:
+        scores = top_p_filter(scores, top_p)
+    probs = xp.exp(scores - scores.max(axis=-1, keepdims=True))                    # 0 where filtered
+    cumulative = xp.cumsum(probs, axis=-1)                                         # (B, V)
+    # inverse CDF: the first token whose cumulative mass exceeds u * total (never a 0-mass token)
+    u = backend.to_device(rng.random(len(scores)), backend.device_of(scores))      # (B,) in [0, 1)
+    chosen = (cumulative <= (u * cumulative[:, -1])[:, None]).sum(axis=-1)         # (B,)
+    return backend.as_numpy(xp.minimum(chosen, scores.shape[-1] - 1)).astype(np.int64)
+
+
+def _prompts(ids, key_padding_mask, pad):
+    """(prompt (B, P) int64 host array, key padding mask (B, P) bool or None, ragged) from a 2-D
+    array of ids (left-padded, with a mask) or a list of 1-D prompts of any lengths (left-padded
+    here with `pad`)."""
+    if isinstance(ids, Tensor):
+        ids = backend.as_numpy(ids.data)
+    if isinstance(ids, (list, tuple)):  # a list of prompts, left-padded here
+        if key_padding_mask is not None:
+            raise ValueError("generate: key_padding_mask is for a padded 2-D array of ids; prompts given as "
+                             "a list are padded here")
+        rows = [np.asarray(backend.as_numpy(row.data) if isinstance(row, Tensor) else row) for row in ids]
+        if not rows or any(row.ndim != 1 or row.size == 0 or row.dtype.kind not in "iu" for row in rows):
+            raise ValueError("generate: a list of prompts must hold at least one prompt, each a non-empty "
+                             "1-D sequence of integer token ids")
+        width = max(len(row) for row in rows)
+        prompt = np.full((len(rows), width), pad, dtype=np.int64)
+        key_padding_mask = np.ones((len(rows), width), dtype=bool)
+        for b, row in enumerate(rows):
+            prompt[b, width - len(row):] = row
+            key_padding_mask[b, width - len(row):] = False
+        return prompt, (key_padding_mask if key_padding_mask.any() else None), True
+    prompt = np.asarray(backend.as_numpy(ids) if backend.is_array(ids) else ids)
+    if prompt.dtype.kind not in "iu" or prompt.ndim != 2 or 0 in prompt.shape:
+        raise ValueError(f"generate: ids must be a non-empty 2-D array (batch, prompt length) of integer token "
+                         f"ids or a list of 1-D prompts, got {prompt.dtype} with shape {prompt.shape}")
+    if key_padding_mask is not None:
+        mask = np.asarray(backend.as_numpy(key_padding_mask.data if isinstance(key_padding_mask, Tensor)
+                                           else key_padding_mask))
+        if mask.dtype != bool or mask.shape != prompt.shape:
+            raise ValueError(f"generate: key_padding_mask must be a bool array of the shape of ids {prompt.shape} "
+                             f"(True = padding), got {mask.dtype} {mask.shape}")
+        if mask.all(axis=1).any():
+            raise ValueError(f"generate: rows {np.flatnonzero(mask.all(axis=1)).tolist()} of key_padding_mask "
+                             f"are all padding; every prompt needs at least one token")
+        if (mask[:, 1:] & ~mask[:, :-1]).any():
+            raise ValueError("generate: prompts must be left-padded (padding before the tokens, as Hugging "
+                             "Face's tokenizer(padding_side='left') gives); key_padding_mask has padding after "
+                             "a token")
+        key_padding_mask = mask if mask.any() else None
+    return prompt.astype(np.int64), key_padding_mask, False
+
+
+def _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed):
+    def real(x):
+        return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+    def integral(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    if not integral(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not real(temperature) or not temperature >= 0 or math.isinf(temperature):
+        raise ValueError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not integral(top_k) or top_k < 0):
+        raise ValueError(f"generate: top_k must be None or an integer >= 0 (0 or None: no top-k filtering), "
+                         f"got {top_k!r}")
+    if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p must be None or a number in (0, 1] (1: no nucleus filtering), "
+                         f"got {top_p!r}")
+    if eos is not None and not integral(eos):
+        raise ValueError(f"generate: eos must be None or an integer token id, got {eos!r}")
+    if seed is not None and not integral(seed):
+        raise ValueError(f"generate: seed must be None or an integer, got {seed!r}")
+
+
+def generate(model, ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos=None, seed=None, *,
+             key_padding_mask=None, pad=None, use_cache=True):
+    """Continue prompts with a causal LM (`CausalLM`, e.g. GPT-2 from `load_pretrained`), like
+    Hugging Face's `model.generate`. Returns prompt + new ids.
+
+    ids: a 2-D array (B, P) of token ids (numpy/cupy array or Tensor), left-padded when prompts
+    differ in length, with key_padding_mask (B, P) bool, True = padding (from a Hugging Face
+    tokenizer: `attention_mask == 0`); or a list of 1-D prompts of any lengths, left-padded here. Padding is masked out and positions count real tokens only, so
+    each row continues exactly as it would alone.
+    temperature: 0 = greedy (the argmax at every step; equals recomputing the whole prefix);
+    > 0 = sample from softmax(logits / temperature) after top_k (keep the k most likely; None or
+    0: all) and top_p (nucleus: the smallest set of most likely tokens with mass > top_p; None or
+    1: all), applied in Hugging Face's order (its generate defaults to top_k=50; here None).
+    eos: a row stops after producing this id and gets `pad` after it (pad defaults to eos, else
+    0); generation stops early when every row has. seed: an int makes sampling reproducible
+    (None: npformer's global generator, seeded by npformer.manual_seed).
+    use_cache=False recomputes the whole prefix at every step instead of using the KV cache.
+
+    Returns an int64 numpy array (B, P + n), n <= max_new_tokens, keeping the prompt's left
+    padding; for a list of prompts, a list of 1-D arrays, each its prompt and its new tokens
+    (up to and including eos, no padding).
+    """
+    _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed)
+    for method in ("init_cache", "decode_step", "project"):
+        if not callable(getattr(model, method, None)):
+            raise TypeError(f"generate: expected a causal LM with init_cache/decode_step (npformer.models."
+                            f"CausalLM), got {type(model).__name__}")
+    pad = (eos if eos is not None else 0) if pad is None else pad
+    prompt, mask, ragged = _prompts(ids, key_padding_mask, pad)
+    batch, width = prompt.shape
+    config = getattr(model, "config", None) or {}
+    table = config.get("max_len") if config.get("positional") in ("learned", "sinusoidal") else None
+    longest = width if mask is None else int((~mask).sum(axis=1).max())
+    if table is not None and longest + max_new_tokens > table:
+        raise ValueError(f"generate: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
+                         f"{longest + max_new_tokens} positions but the model's positional table has "
+                         f"max_len={table}")
+    rng = np.random.default_rng(seed) if seed is not None else random.global_rng("cpu")
+    device = model.tok_embed.weight.device
+    out = np.full((batch, max_new_tokens), pad, dtype=np.int64)
+    finished = np.zeros(batch, dtype=bool)
+    with _inference(model):
+        if use_cache:
+            cache = model.init_cache()
+            logits = model.decode_step(backend.to_device(prompt, device), cache, key_padding_mask=mask)
+        for t in range(max_new_tokens):
+            if not use_cache:
+                logits = _full_prefix_logits(model, np.concatenate([prompt, out[:, :t]], axis=1), mask, t)
+            tokens = sample_logits(logits, rng, temperature, top_k, top_p)
+            tokens[finished] = pad
+            out[:, t] = tokens
+            if eos is not None:
+                finished |= tokens == eos
+            if finished.all():
+                out = out[:, :t + 1]
+                break
+            if use_cache and t + 1 < max_new_tokens:
+                logits = model.decode_step(backend.to_device(tokens[:, None], device), cache)
+    result = np.concatenate([prompt, out], axis=1)
+    if not ragged:
+        return result
+    rows = []
+    for b in range(batch):
+        new = out[b]
+        if eos is not None and (new == eos).any():
+            new = new[:int(np.argmax(new == eos)) + 1]
+        rows.append(np.concatenate([prompt[b] if mask is None else prompt[b][~mask[b]], new]))
+    return rows
+
+
+def _full_prefix_logits(model, prefix, prompt_mask, generated):
+    """The uncached path: next-token logits (B, V) of the whole prefix (prompt + `generated`
+    new tokens) with its padding mask and per-row positions."""
+    device = model.tok_embed.weight.device
+    if prompt_mask is None:
+        return model(backend.to_device(prefix, device))[:, -1]
+    mask = np.concatenate([prompt_mask, np.zeros((len(prefix), generated), dtype=bool)], axis=1)
+    positions = np.maximum(np.cumsum(~mask, axis=1) - 1, 0)
+    return model(backend.to_device(prefix, device), key_padding_mask=backend.to_device(mask, device),
+                 position_ids=backend.to_device(positions, device))[:, -1]

@@ -150,17 +150,24 @@ class EncoderOnlyModel(nn.Module):
                              f"got {types.shape}")
         return types
 
-    def hidden_states(self, ids, key_padding_mask=None, is_causal=False, token_type_ids=None):
-        """ids (B, T) integer array -> (B, T, d_model): word (+ token type) + position
-        embeddings (+ LayerNorm), dropout, the encoder (+ its final LayerNorm)."""
+    def embed(self, ids, token_type_ids=None, offset=0, position_ids=None):
+        """ids (B, T) integer array -> (B, T, d_model): dropout of word (+ token type) + position
+        embeddings (+ LayerNorm). Positions offset .. offset + T - 1, or position_ids (B, T)
+        (per row, e.g. after left padding); with positional="rope" the positions are applied in
+        attention, where only their differences count, so position_ids are not needed there."""
         x = self.tok_embed(ids)                                                     # (B, T, d)
         types = self._type_ids(token_type_ids, ids)
         if types is not None:
             x = x + self.type_embed(types)
         positions = self._positions()
         if positions is not None:
-            x = positions(x)
+            x = positions(x, offset, position_ids)
         embed_norm = getattr(self, "embed_norm", None)
         if embed_norm is not None:
             x = embed_norm(x)
-        return self.encoder(self.dropout(x), src_key_padding_mask=key_padding_mask, is_causal=is_causal)
+        return self.dropout(x)
+
+    def hidden_states(self, ids, key_padding_mask=None, is_causal=False, token_type_ids=None, position_ids=None):
+        """ids (B, T) integer array -> (B, T, d_model): `embed`, then the encoder (+ its final LayerNorm)."""
+        x = self.embed(ids, token_type_ids, position_ids=position_ids)
+        return self.encoder(x, src_key_padding_mask=key_padding_mask, is_causal=is_causal)

@@ -1,8 +1,9 @@
 """A decoder-only (GPT-style) causal language model built from the encoder layers plus a causal mask."""
 import npformer.functional as F
+from autograd import backend
 
 from .. import nn
-from ._common import EncoderOnlyModel, padding_mask_from_ids
+from ._common import EncoderOnlyModel, padding_mask_from_ids, token_ids, valid_positions
 
 
 class CausalLM(EncoderOnlyModel):
@@ -33,10 +34,50 @@ class CausalLM(EncoderOnlyModel):
             self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self._reset_parameters()
 
-    def forward(self, input_ids, key_padding_mask=None):
+    def forward(self, input_ids, key_padding_mask=None, position_ids=None):
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
-        pad_idx when not given) -> logits (B, T, vocab_size)."""
+        pad_idx when not given); position_ids (B, T) ints (default 0 .. T-1 in every row; e.g.
+        cumsum(~key_padding_mask, 1) - 1 for left-padded rows, as Hugging Face's GPT-2 takes
+        them) -> logits (B, T, vocab_size)."""
         ids = self._ids(input_ids)
-        hidden = self.hidden_states(ids, padding_mask_from_ids(ids, self.pad_idx, key_padding_mask), is_causal=True)
-        weight = self.tok_embed.weight if self.tie_weights else self.lm_head.weight
-        return F.linear(hidden, weight)
+        mask = padding_mask_from_ids(ids, self.pad_idx, key_padding_mask)
+        return self.project(self.hidden_states(ids, mask, is_causal=True, position_ids=position_ids))
+
+    def project(self, hidden):
+        """Final hidden states (..., d_model) -> logits (..., vocab_size) (lm_head, or the tied embedding)."""
+        return F.linear(hidden, self.tok_embed.weight if self.tie_weights else self.lm_head.weight)
+
+    # -- cached decoding (see npformer.decoding.generate) ------------------------------------------
+    def init_cache(self):
+        """An empty `nn.DecoderCache`: every layer's self-attention keys/values, filled by `decode_step`."""
+        return self.encoder.init_cache()
+
+    def decode_step(self, input_ids, cache, key_padding_mask=None):
+        """input_ids (B, L): the new tokens (the whole prompt at the first call, then the newest
+        token of each row) -> next-token logits (B, vocab_size) after the last of them.
+
+        Their keys/values join `cache`, so each call costs only its L new positions; the logits
+        equal forward(prefix)[:, -1] on the whole prefix. key_padding_mask (B, L) bool, True =
+        padding (derived from pad_idx when not given): left padding of prompts of different
+        lengths; no later position attends to it, and positions count the real tokens of each
+        row only (a row's first real token is at position 0, as Hugging Face's
+        position_ids = cumsum(attention_mask) - 1)."""
+        owner = "CausalLM.decode_step"
+        if not isinstance(cache, nn.DecoderCache):
+            raise TypeError(f"{owner}: cache must come from init_cache, got {type(cache).__name__}")
+        ids = token_ids(input_ids, self.tok_embed, owner, "input_ids")
+        mask = padding_mask_from_ids(ids, self.pad_idx, key_padding_mask)
+        if mask is None and cache.key_padding is None:
+            x = self.embed(ids, offset=cache.length)                                 # positions t .. t+L-1
+        else:
+            x = self.embed(ids, position_ids=self._next_positions(ids, mask, cache))
+        hidden = self.encoder.step(x, cache, key_padding_mask=mask)                 # (B, L, d)
+        return self.project(hidden[:, -1])                                          # (B, V)
+
+    def _next_positions(self, ids, mask, cache):
+        """(B, L) positions of new tokens: each row continues after its real (non-padding) cached
+        tokens and counts only real new ones (padding gets its row's next position, unused)."""
+        xp = backend.get_array_module(ids)
+        real = valid_positions(mask, ids, "int64")                                  # (B, L) 1 = token
+        seen = cache.length if cache.key_padding is None else (~cache.key_padding).sum(axis=1, keepdims=True)
+        return xp.maximum(seen + xp.cumsum(real, axis=1) - 1, 0)

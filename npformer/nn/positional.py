@@ -15,6 +15,21 @@ def _check_span(length, offset, max_len, owner):
                          f"build the module with a larger max_len (sequence length {length}, offset {offset})")
 
 
+def _position_ids(position_ids, x, max_len, owner):
+    """position_ids (B, T) or (T,) integer array (or list/Tensor) for x (B, T, d), checked against
+    the table's max_len, as an array on x's device."""
+    ids = position_ids.data if isinstance(position_ids, Tensor) else position_ids
+    xp = x.xp
+    ids = backend.to_device(ids if backend.is_array(ids) else xp.asarray(ids), x.device)
+    if ids.dtype.kind not in "iu" or ids.shape not in ((x.shape[1],), x.shape[:2]):
+        raise ValueError(f"{owner}: position_ids must be integers of shape (batch, seq) = {x.shape[:2]} or "
+                         f"(seq,), got {ids.dtype} {ids.shape}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= max_len):
+        raise ValueError(f"{owner}: position_ids must be in [0, {max_len - 1}] (max_len={max_len}), got "
+                         f"values in [{int(ids.min())}, {int(ids.max())}]")
+    return ids
+
+
 def sinusoid_table(max_len, d_model, xp):
     """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)), in float64."""
     position = xp.arange(max_len, dtype="float64")[:, None]                          # (L, 1)
@@ -46,11 +61,16 @@ class SinusoidalPositionalEncoding(Module):
     def _move(self, device, dtype):
         self.pe = self._table(device or self.pe.device, dtype or self.pe.dtype)
 
-    def forward(self, x, offset=0):
+    def forward(self, x, offset=0, position_ids=None):
+        """x + PE[offset : offset + T], or x + PE[position_ids] with position_ids (B, T) or (T,)
+        (e.g. per-row positions of left-padded sequences)."""
+        owner = "SinusoidalPositionalEncoding"
         if not isinstance(x, Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"SinusoidalPositionalEncoding: expected a Tensor (B, T, {self.d_model}), "
+            raise ValueError(f"{owner}: expected a Tensor (B, T, {self.d_model}), "
                              f"got {getattr(x, 'shape', type(x).__name__)}")
-        _check_span(x.shape[1], offset, self.max_len, "SinusoidalPositionalEncoding")
+        if position_ids is not None:
+            return x + Tensor(self.pe.data[_position_ids(position_ids, x, self.max_len, owner)])
+        _check_span(x.shape[1], offset, self.max_len, owner)
         return x + Tensor(self.pe.data[offset: offset + x.shape[1]])
 
     def extra_repr(self):
@@ -66,11 +86,16 @@ class LearnedPositionalEmbedding(Module):
         self.d_model = check_positive_int(d_model, "d_model", "LearnedPositionalEmbedding")
         self.weight = init.normal_(new_parameter((max_len, d_model), device, dtype), std=0.02)
 
-    def forward(self, x, offset=0):
+    def forward(self, x, offset=0, position_ids=None):
+        """x + weight[offset : offset + T], or x + weight[position_ids] with position_ids (B, T)
+        or (T,) (e.g. per-row positions of left-padded sequences; the gradient reaches those rows)."""
+        owner = "LearnedPositionalEmbedding"
         if not isinstance(x, Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"LearnedPositionalEmbedding: expected a Tensor (B, T, {self.d_model}), "
+            raise ValueError(f"{owner}: expected a Tensor (B, T, {self.d_model}), "
                              f"got {getattr(x, 'shape', type(x).__name__)}")
-        _check_span(x.shape[1], offset, self.max_len, "LearnedPositionalEmbedding")
+        if position_ids is not None:
+            return x + F.embedding(_position_ids(position_ids, x, self.max_len, owner), self.weight)
+        _check_span(x.shape[1], offset, self.max_len, owner)
         return x + self.weight[offset: offset + x.shape[1]]
 
     def extra_repr(self):

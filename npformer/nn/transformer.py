@@ -9,6 +9,9 @@ dropout before the residual add. Masks use torch.nn's convention (bool True = ma
 Cached decoding: `TransformerDecoder.init_cache(memory)` projects the cross-attention keys
 and values of every layer once; `TransformerDecoder.step(x, cache)` runs one new target
 position through every layer, reusing and extending each layer's self-attention K/V.
+`TransformerEncoder.init_cache()` / `step(x, cache, key_padding_mask)` do the same for a
+causal encoder stack (a GPT-style decoder-only model): new positions, one or a whole prompt
+at a time, attend causally to the cached ones and to each other.
 """
 import copy
 import math
@@ -112,6 +115,31 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         x = self.norm1(x + self.dropout1(self_attention(x)))
         return self.norm2(x + self._ff_block(x))
 
+    def forward_step(self, x, layer_cache, mask, is_causal, position):
+        """New positions x (B, L, d) attending to the cached self-attention keys and values
+        (extended in place with theirs); mask (SDPA convention) covers cached + new keys."""
+        def self_attention(h):
+            return cached_self_attention(self.self_attn, h, layer_cache, mask, is_causal, position)
+        if self.norm_first:
+            x = x + self.dropout1(self_attention(self.norm1(x)))
+            return x + self._ff_block(self.norm2(x))
+        x = self.norm1(x + self.dropout1(self_attention(x)))
+        return self.norm2(x + self._ff_block(x))
+
+
+def cached_self_attention(attn, h, layer_cache, mask, is_causal, position):
+    """Self-attention of new positions h (B, L, E), the first at `position`, over the keys and
+    values of `layer_cache` (self_k, self_v (B, H, t, hd)) and their own, which are appended to
+    the cache. -> (B, L, E)."""
+    q, k, v = attn.project_qkv(h, h, h)                                          # (B, H, L, hd)
+    if attn.rotary_emb is not None:
+        q, k = attn.rotary_emb(q, position), attn.rotary_emb(k, position)
+    if layer_cache.self_k is not None:
+        k = concatenate([layer_cache.self_k, k], axis=2)                         # (B, H, t+L, hd)
+        v = concatenate([layer_cache.self_v, v], axis=2)
+    layer_cache.self_k, layer_cache.self_v = k, v
+    return attn.attend(q, k, v, mask, is_causal)[0]
+
 
 class TransformerDecoderLayer(_FeedForwardLayer):
     """Masked self-attention, cross-attention over memory, feed-forward
@@ -169,15 +197,7 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         """One new target position x (B, 1, d) attending to the cached self-attention keys and
         values (extended in place with this position's) and to the cached memory keys/values."""
         def self_attention(h):
-            attn = self.self_attn
-            q, k, v = attn.project_qkv(h, h, h)                                  # (B, H, 1, hd)
-            if attn.rotary_emb is not None:
-                q, k = attn.rotary_emb(q, position), attn.rotary_emb(k, position)
-            if layer_cache.self_k is not None:
-                k = concatenate([layer_cache.self_k, k], axis=2)                 # (B, H, t+1, hd)
-                v = concatenate([layer_cache.self_v, v], axis=2)
-            layer_cache.self_k, layer_cache.self_v = k, v
-            return attn.attend(q, k, v)[0]
+            return cached_self_attention(self.self_attn, h, layer_cache, None, False, position)
 
         def cross_attention(h):
             q = self.multihead_attn.project_q(h)                                 # (B, H, 1, hd)
@@ -234,6 +254,31 @@ class TransformerEncoder(_LayerStack):
             x = layer.forward_masked(x, *prepared)
         return self._final_norm(x)
 
+    # -- cached causal decoding (decoder-only models) --------------------------------------------
+    def init_cache(self):
+        """An empty DecoderCache (self-attention keys/values of every layer, no memory) for `step`."""
+        return DecoderCache([LayerCache() for _ in self.layers])
+
+    def step(self, x, cache, key_padding_mask=None):
+        """x (B, L, d): L new embedded positions (a prompt, or the newest token) -> (B, L, d)
+        after the final norm. Causal: new position i attends to every cached position and to new
+        positions <= i. key_padding_mask (B, L) bool, True = padding, marks new positions that no
+        later query attends to (left padding); it is kept in `cache` for the later steps.
+        Appends this step's keys/values to `cache`; equals forward(prefix, is_causal=True) on the
+        whole prefix for the real positions."""
+        if not isinstance(cache, DecoderCache):
+            raise TypeError(f"TransformerEncoder.step: cache must come from init_cache, got {type(cache).__name__}")
+        check_sequence(x, self.layers[0].d_model, "TransformerEncoder.step", "x")
+        B, L = x.shape[:2]
+        if cache.length and x.shape[0] != cache.batch_size:
+            raise ValueError(f"TransformerEncoder.step: x must have the cache's batch size {cache.batch_size}, "
+                             f"got shape {x.shape}")
+        mask, is_causal = cache.extend_padding(key_padding_mask, B, L, x.data)
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer.forward_step(x, layer_cache, mask, is_causal, cache.length)
+        cache.length += L
+        return self._final_norm(x)
+
 
 class TransformerDecoder(_LayerStack):
     """A stack of `num_layers` deep copies of `decoder_layer`, then the optional final `norm`."""
@@ -282,10 +327,10 @@ class TransformerDecoder(_LayerStack):
 
 
 class LayerCache:
-    """Keys/values of one decoder layer: cross_k, cross_v (B, H, S, hd) fixed; self_k, self_v
-    (B, H, t, hd) growing by one position per step (None before the first step)."""
+    """Keys/values of one layer: cross_k, cross_v (B, H, S, hd) fixed (None without a memory);
+    self_k, self_v (B, H, t, hd) growing with every step (None before the first)."""
 
-    def __init__(self, cross_k, cross_v):
+    def __init__(self, cross_k=None, cross_v=None):
         self.cross_k, self.cross_v = cross_k, cross_v
         self.self_k = self.self_v = None
 
@@ -294,24 +339,57 @@ class LayerCache:
 
 
 class DecoderCache:
-    """State of cached step-wise decoding: `layers` (one LayerCache per decoder layer),
-    `cross_mask` (memory padding, SDPA convention, (B, 1, 1, S) or None), `length` (target
-    positions decoded so far). `reorder(indices)` selects batch rows (beam search)."""
+    """State of cached step-wise decoding: `layers` (one LayerCache per layer), `cross_mask`
+    (memory padding, SDPA convention, (B, 1, 1, S) or None), `length` (positions decoded so
+    far), `key_padding` (B, length) bool, True = a padding position no query attends to (None:
+    none so far). `reorder(indices)` selects batch rows (beam search)."""
 
-    def __init__(self, layers, cross_mask):
+    def __init__(self, layers, cross_mask=None):
         self.layers, self.cross_mask, self.length = layers, cross_mask, 0
+        self.key_padding = None
 
     @property
     def batch_size(self):
-        return self.layers[0].cross_k.shape[0]
+        for layer in self.layers[:1]:
+            for t in layer.tensors().values():
+                if t is not None:
+                    return t.shape[0]
+        return None  # an empty cache takes the batch size of its first step
 
     def __len__(self):
         return self.length
 
+    def extend_padding(self, key_padding_mask, batch, new, like):
+        """Append the padding of `new` positions (key_padding_mask (batch, new), True = padding,
+        or None) and return the self-attention mask of those queries over every key so far:
+        (mask in SDPA convention (batch, 1, new, length + new) or None, is_causal)."""
+        xp = backend.get_array_module(like)
+        if key_padding_mask is not None:
+            padding = key_padding_mask.data if isinstance(key_padding_mask, Tensor) else key_padding_mask
+            padding = backend.to_device(padding if backend.is_array(padding) else xp.asarray(padding),
+                                        backend.device_of(like))
+            if padding.dtype != bool or padding.shape != (batch, new):
+                raise ValueError(f"key_padding_mask must be a bool array of shape (batch, new positions) = "
+                                 f"{(batch, new)}, got {padding.dtype} {padding.shape}")
+            if self.key_padding is None:
+                self.key_padding = xp.zeros((batch, self.length), dtype=bool)
+            self.key_padding = xp.concatenate([self.key_padding, padding], axis=1)     # (B, t + L)
+        elif self.key_padding is not None:
+            self.key_padding = xp.concatenate([self.key_padding, xp.zeros((batch, new), dtype=bool)], axis=1)
+        causal = _causal_allowed(xp, self.length, new)[None, None]                   # (1, 1, L, t + L)
+        if self.key_padding is not None:
+            return causal & ~self.key_padding[:, None, None, :], False                 # (B, 1, L, t + L)
+        if new == 1:  # one new query sees every key: no mask
+            return None, False
+        return (None, True) if self.length == 0 else (causal, False)
+
     def reorder(self, indices):
         """Keep batch rows `indices` (ints in [0, batch), repeats allowed, any length) in that
-        order, in every cached tensor and the memory mask; returns self."""
-        like = self.layers[0].cross_k.data
+        order, in every cached tensor and mask; returns self."""
+        cached = [t for layer in self.layers for t in layer.tensors().values() if t is not None]
+        if not cached:
+            raise ValueError("DecoderCache.reorder: the cache is empty (nothing decoded yet)")
+        like = cached[0].data
         idx = indices.data if isinstance(indices, Tensor) else indices
         if not backend.is_array(idx):
             idx = backend.module_for("cpu").asarray(idx)
@@ -327,7 +405,14 @@ class DecoderCache:
                     setattr(layer, name, t[idx])
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask[idx]
+        if self.key_padding is not None:
+            self.key_padding = self.key_padding[idx]
         return self
+
+
+def _causal_allowed(xp, cached, new):
+    """(new, cached + new) bool, True where new query i (at position cached + i) may attend to key j <= cached + i."""
+    return xp.arange(cached + new)[None, :] <= (cached + xp.arange(new))[:, None]
 
 
 class Transformer(Module):
