@@ -12,10 +12,15 @@ Because npformer then splits the GEMMs itself, numpy's BLAS must run one thread:
 own threads the two pools would compete for the cores (OpenBLAS's idle workers spin for a
 while after every GEMM). set_num_threads(n > 1) does that through threadpoolctl when it is
 installed (and restores BLAS's threads at set_num_threads(1)); without it, set
-OPENBLAS_NUM_THREADS=1 (or MKL_NUM_THREADS=1) yourself.
+OPENBLAS_NUM_THREADS=1 (or MKL_NUM_THREADS=1) yourself (set_num_threads(n > 1) warns).
 
-Default: 1 thread (each op runs in the caller; BLAS keeps its own threads), or the
-NPFORMER_NUM_THREADS environment variable.
+Default, like torch's intra-op threads: NPFORMER_NUM_THREADS when set, else one thread per
+core this process may run on (len(os.sched_getaffinity(0)), os.cpu_count() where that is
+missing) when threadpoolctl is installed. Without threadpoolctl (numpy is npformer's only
+dependency) the default is 1, silently: each op runs in the caller and numpy's BLAS threads
+the GEMMs with its own threads, since npformer could not stop BLAS from competing with its
+pool. Results are the same for any number of threads. The default is chosen at the first op
+(or get_num_threads()), not at import.
 """
 import numbers
 import os
@@ -36,8 +41,38 @@ _local = threading.local()  # .busy: this thread is running a block (nested spli
 def get_num_threads():
     """Threads that npformer's ops use on the CPU (like torch.get_num_threads)."""
     if _state["threads"] is None:
-        set_num_threads(int(os.environ.get("NPFORMER_NUM_THREADS", "1")))
+        set_num_threads(default_num_threads())
     return _state["threads"]
+
+
+def available_cores():
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def default_num_threads():
+    """NPFORMER_NUM_THREADS (an integer >= 1) when set; else available_cores() when
+    threadpoolctl can hold numpy's BLAS to one thread; else 1 (see the module docstring)."""
+    value = os.environ.get("NPFORMER_NUM_THREADS")
+    if value is not None:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"NPFORMER_NUM_THREADS must be an integer >= 1, got {value!r}")
+        return n
+    return available_cores() if _has_threadpoolctl() else 1
+
+
+def _has_threadpoolctl():
+    try:
+        import threadpoolctl  # noqa: F401  (an optional package)
+    except ImportError:
+        return False
+    return True
 
 
 def set_num_threads(n):
