@@ -1,15 +1,17 @@
 """One training step (forward, cross-entropy, backward, Adam) of Seq2SeqTransformer, ours and
 PyTorch eager side by side in one run, float32.
 
-    python benchmarks/train_step.py --config tiny|base|paper [--steps N] [--device cpu|cuda]
-                                    [--threads N] [--ours-threads N] [--no-memory]
+    python benchmarks/train_step.py --config tiny|base|paper|gpt_char [--steps N] [--device cpu|cuda]
+                                    [--threads N] [--ours-threads N] [--defaults] [--no-memory]
 
 Prints the median ms/step of each (steps alternate between the two), the ratio ours/torch,
 tokens/s, achieved GFLOP/s and its share of this machine's measured float32 GEMM rate, and
 the peak memory of each side measured in a separate process. Configurations: REFERENCE.md s.7.
 Threads: torch.set_num_threads(--threads) and npformer.set_num_threads(--ours-threads,
 default --threads; above 1 npformer splits the GEMMs and numpy's BLAS runs one thread;
---ours-threads 1 leaves the GEMMs to BLAS's own threads).
+--ours-threads 1 leaves the GEMMs to BLAS's own threads). --defaults: each library's default
+threads instead (npformer's set_num_threads default, torch's intra-op default).
+gpt_char is a CausalLM step (AdamW) against its torch.nn twin (npformer.interop.torch_model_classes).
 """
 import argparse
 import json
@@ -29,8 +31,10 @@ CONFIGS = {  # vocab, d_model, heads, d_ff, layers (enc = dec), seq, batch
     "tiny": dict(vocab=20, d_model=32, nhead=4, d_ff=64, layers=2, seq=6, batch=64),
     "base": dict(vocab=1000, d_model=256, nhead=8, d_ff=1024, layers=4, seq=64, batch=32),
     "paper": dict(vocab=8000, d_model=512, nhead=8, d_ff=2048, layers=6, seq=128, batch=16),
+    # a character-level GPT (CausalLM, pre-LN, GELU, learned positions, AdamW): demos/gpt_char.py's shape
+    "gpt_char": dict(vocab=100, d_model=128, nhead=4, d_ff=512, layers=4, seq=64, batch=32, causal=True),
 }
-DEFAULT_STEPS = {"tiny": 200, "base": 12, "paper": 5}
+DEFAULT_STEPS = {"tiny": 200, "base": 12, "paper": 5, "gpt_char": 40}
 
 
 def make_batch(cfg, seed=0):
@@ -46,8 +50,26 @@ def training_flops(cfg):
     n = B * T
     attention = 2 * 2 * B * T * T * d  # QK^T and PV
     enc = 2 * n * d * 3 * d + 2 * n * d * d + attention + 2 * 2 * n * d * ff
+    if cfg.get("causal"):
+        return 3 * (L * enc + 2 * n * d * V)
     dec = enc + 2 * n * d * d + 2 * n * d * 2 * d + 2 * n * d * d + attention  # + cross-attention
     return 3 * (L * (enc + dec) + 2 * n * d * V)
+
+
+def causal_config(cfg):
+    """The CausalLM config of a causal benchmark configuration (ours and the torch twin's)."""
+    return dict(vocab_size=cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"], num_layers=cfg["layers"],
+                dim_feedforward=cfg["d_ff"], dropout=0.1, max_len=cfg["seq"])
+
+
+def causal_step(model, optimizer, cross_entropy, batch, vocab):
+    """Next-token cross-entropy on (inputs, targets), backward, optimizer step (either library)."""
+    _, inputs, targets = batch
+    loss = cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 def gemm_rate(device):
@@ -76,16 +98,22 @@ class Ours:
         import npformer.functional as F
         npformer.manual_seed(0)
         self.F, self.cfg, self.device = F, cfg, device
+        from autograd import backend
+        self.batch = [backend.to_device(a, device) for a in make_batch(cfg)]
+        if cfg.get("causal"):
+            self.model = models.CausalLM(**causal_config(cfg)).to(device).train()
+            self.optimizer = optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
+            return
         self.model = models.Seq2SeqTransformer(
             cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"],
             num_encoder_layers=cfg["layers"], num_decoder_layers=cfg["layers"],
             dim_feedforward=cfg["d_ff"], dropout=0.1, max_len=max(cfg["seq"], 16)).to(device)
         self.model.train()
         self.optimizer = optim.Adam(self.model.parameters(), lr=1e-4)
-        from autograd import backend
-        self.batch = [backend.to_device(a, device) for a in make_batch(cfg)]
 
     def step(self):
+        if self.cfg.get("causal"):
+            return causal_step(self.model, self.optimizer, self.F.cross_entropy, self.batch, self.cfg["vocab"])
         src, tgt_in, tgt_out = self.batch
         logits = self.model(src, tgt_in)
         loss = self.F.cross_entropy(logits.reshape(-1, self.cfg["vocab"]), tgt_out.reshape(-1))
@@ -102,6 +130,13 @@ class Torch:
         from torch import nn
         torch.manual_seed(0)
         self.torch, self.cfg = torch, cfg
+        self.device = "cuda" if device == "cuda" else "cpu"
+        self.batch = [torch.as_tensor(a).to(self.device) for a in make_batch(cfg)]
+        if cfg.get("causal"):  # the torch.nn composition npformer.interop.to_torch converts a CausalLM to
+            from npformer.interop import torch_model_classes
+            self.model = torch_model_classes()["CausalLM"](**causal_config(cfg)).to(self.device).train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
+            return
         d, V = cfg["d_model"], cfg["vocab"]
 
         class Model(nn.Module):
@@ -127,12 +162,13 @@ class Torch:
                                        tgt_mask=mask, tgt_is_causal=True)
                 return self.generator(out)
 
-        self.device = "cuda" if device == "cuda" else "cpu"
         self.model = Model().to(self.device).train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.batch = [torch.as_tensor(a).to(self.device) for a in make_batch(cfg)]
 
     def step(self):
+        if self.cfg.get("causal"):
+            return causal_step(self.model, self.optimizer, self.torch.nn.functional.cross_entropy, self.batch,
+                               self.cfg["vocab"])
         src, tgt_in, tgt_out = self.batch
         logits = self.model(src, tgt_in)
         loss = self.torch.nn.functional.cross_entropy(logits.reshape(-1, self.cfg["vocab"]), tgt_out.reshape(-1))
@@ -165,7 +201,7 @@ def peak_memory_mb(args, side, steps):
     """Peak resident memory of a fresh process that builds one side and runs `steps` steps."""
     cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--device", args.device,
            "--only", side, "--steps", str(steps), "--threads", str(args.threads),
-           "--ours-threads", str(args.ours_threads)]
+           "--ours-threads", str(args.ours_threads)] + (["--defaults"] if args.defaults else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mb"]
 
@@ -180,6 +216,8 @@ def main():
                         help="torch's intra-op threads and, by default, npformer's (default: every core)")
     parser.add_argument("--ours-threads", type=int,
                         help="npformer.set_num_threads (default --threads; 1: BLAS threads the GEMMs)")
+    parser.add_argument("--defaults", action="store_true",
+                        help="each library's default threads (--threads and --ours-threads are not applied)")
     parser.add_argument("--only", choices=["ours", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     cfg = CONFIGS[args.config]
@@ -187,10 +225,12 @@ def main():
     args.ours_threads = args.ours_threads or args.threads
     peak_rate = gemm_rate(args.device) if not args.only else None  # with BLAS's own threads
     import npformer
-    npformer.set_num_threads(args.ours_threads)
+    if not args.defaults:
+        npformer.set_num_threads(args.ours_threads)
     if args.only != "ours":  # the memory of our side is measured without torch loaded
         import torch
-        torch.set_num_threads(args.threads)
+        if not args.defaults:
+            torch.set_num_threads(args.threads)
 
     if args.only:  # a child process measuring one side's peak memory
         runner = (Ours if args.only == "ours" else Torch)(cfg, args.device)

@@ -1,0 +1,50 @@
+"""The faster paths issue 17 added for generation and the char-level GPT step: float32 erf (one
+rational function), GELU in blocks on the threads, and linear's few-rows forward (y^T = W x^T by
+output features): accuracy and the same results for any number of threads."""
+import math
+
+import numpy as np
+import pytest
+
+from autograd import Tensor
+from npformer import functional as F
+from npformer.functional._erf import erf
+
+from test_parallel import assert_same_with_threads, threads  # noqa: F401  (the fixture)
+
+
+def test_float32_erf_within_its_documented_error():
+    x = np.concatenate([np.linspace(-7, 7, 400_001), [0.0, -0.0, 1e-30, -1e-30, 3.4e38, -3.4e38, np.inf, -np.inf]])
+    x32 = x.astype(np.float32)
+    got = erf(x32)
+    assert got.dtype == np.float32
+    want = np.array([math.erf(v) for v in x32.astype(np.float64)])
+    error = np.abs(got.astype(np.float64) - want)
+    assert error.max() <= 4.5e-7
+    ulps = error / np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 7.5
+    assert np.all(np.sign(got) == np.sign(x32)) and np.all(np.abs(got) <= 1)  # odd, bounded (erf(+-0) = +-0)
+    assert np.isnan(erf(np.array([np.nan], dtype=np.float32)))[0]
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_in_blocks_matches_one_thread(threads, rng, approximate):  # noqa: F811
+    x = rng.standard_normal((5, 7, 3)) * 3
+    assert_same_with_threads(threads, lambda x: F.gelu(x, approximate=approximate), [x])
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_float32_matches_float64(rng, approximate):
+    x = rng.standard_normal(10_000) * 4
+    y64 = F.gelu(Tensor(x), approximate=approximate).numpy()
+    y32 = F.gelu(Tensor(x.astype(np.float32)), approximate=approximate).numpy()
+    np.testing.assert_allclose(y32, y64, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 33])  # 33: the row-blocked path
+def test_linear_few_rows_path_is_the_same_product(rows, rng):
+    x = rng.standard_normal((rows, 24))
+    w, b = rng.standard_normal((40, 24)), rng.standard_normal(40)
+    y = F.linear(Tensor(x), Tensor(w), Tensor(b)).numpy()
+    assert y.flags.c_contiguous and y.shape == (rows, 40)
+    np.testing.assert_allclose(y, x @ w.T + b, rtol=1e-12, atol=1e-12)
