@@ -31,10 +31,11 @@ def _group_of(name):
     return "decoder_self" if ".decoder." in f".{name}" else "encoder_self"
 
 
-def record_attention(model, src, tgt_in):
-    """Run `model(src, tgt_in)` once in eval mode and return the attention probabilities of
-    every MultiheadAttention, per head: {"encoder_self": [(B, H, S, S) per layer],
-    "decoder_self": [(B, H, T, T)], "cross": [(B, H, T, S)]} as numpy arrays.
+def record_attention(model, *inputs):
+    """Run `model(*inputs)` (e.g. `model(src, tgt_in)`, or `model(ids)` for a causal LM) once in
+    eval mode and return the attention probabilities of every MultiheadAttention, per head:
+    {"encoder_self": [(B, H, S, S) per layer], "decoder_self": [(B, H, T, T)], "cross":
+    [(B, H, T, S)]} as numpy arrays (a causal LM's layers are its encoder stack: "encoder_self").
 
     Each attention module's `attend` is wrapped for the duration of the call (an instance
     attribute shadowing the method, removed afterwards) so that it also returns its
@@ -62,7 +63,7 @@ def record_attention(model, src, tgt_in):
             wrapped.append(module)
     try:
         with _inference(model):
-            model(src, tgt_in)
+            model(*inputs)
     finally:
         for module in wrapped:
             del module.__dict__["attend"]
@@ -92,6 +93,26 @@ def plot_curves(history, path, title="training"):
     ax_lr.plot(steps, history["lr"], color="C2")
     ax_lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
     fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_loss(steps, loss, path, title, evaluations=None, baselines=None, ylabel="cross-entropy (bits per token)"):
+    """Training loss per step (and its running mean), held-out evaluations {label: (steps,
+    values)} as points, horizontal reference lines {label: value}."""
+    fig = _figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    steps, loss = np.asarray(steps), np.asarray(loss)
+    ax.plot(steps, loss, lw=0.6, alpha=0.4, color="C0", label="training batch")
+    if len(loss) >= 20:
+        k = max(len(loss) // 50, 5)
+        ax.plot(steps[k - 1:], np.convolve(loss, np.ones(k) / k, mode="valid"), color="C0", label=f"mean of {k}")
+    for i, (label, (at, values)) in enumerate((evaluations or {}).items()):
+        ax.plot(at, values, "o-", color=f"C{i + 1}", label=label)
+    for i, (label, value) in enumerate((baselines or {}).items()):
+        ax.axhline(value, ls="--", color=f"C{i + 4}", label=label)
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
+    ax.legend()
     fig.savefig(path, dpi=110)
     return path
 

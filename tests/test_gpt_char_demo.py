@@ -1,0 +1,37 @@
+"""Smoke test of demos/gpt_char.py with a tiny model and a few steps: the corpus is found, the
+files are written, metrics.json holds the held-out and unigram figures, the checkpoint loads."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+import npformer
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    pytest.importorskip("matplotlib", reason="the demo's figures need matplotlib (pip install -e .[plot])")
+    spec = importlib.util.spec_from_file_location("demo_gpt_char", os.path.join(ROOT, "demos", "gpt_char.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    out = tmp_path_factory.mktemp("gpt_char")
+    metrics = demo.main(["--steps", "4", "--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32",
+                         "--context", "16", "--batch-size", "4", "--eval-windows", "8", "--eval-every", "2",
+                         "--warmup", "1", "--sample-length", "20", "--out", str(out), "--quiet"])
+    return out, metrics
+
+
+def test_writes_metrics_figures_and_checkpoint(run):
+    out, metrics = run
+    assert {"metrics.json", "loss.png", "attention.png", "checkpoint.npz"} <= set(os.listdir(out))
+    assert json.loads((out / "metrics.json").read_text()) == metrics
+    assert metrics["steps"] == 4 and metrics["stopped_by"] == "steps"
+    assert metrics["heldout_characters_scored"] == 8 * 16
+    assert 0 < metrics["heldout_bits_per_char"] < 10 and 3 < metrics["unigram_bits_per_char"] < 7
+    assert metrics["corpus"]["train_characters"] > 100_000 and "docstrings" in metrics["corpus"]["source"]
+    assert metrics["sample_after"].startswith("Return the ") and len(metrics["sample_after"]) == len("Return the ") + 20
+    ckpt = npformer.load_checkpoint(out / "checkpoint.npz", restore_rng=False)
+    assert ckpt["config"]["d_model"] == 16 and len(ckpt["demo"]["vocabulary"]) == metrics["vocabulary"]
