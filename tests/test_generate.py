@@ -294,3 +294,26 @@ def test_bad_prompts():
         generate(npformer.nn.Linear(2, 2), ids, 2)
     with pytest.raises(TypeError, match="cache must come from init_cache"):
         model.decode_step(ids, object())
+
+
+def test_the_readme_fine_tuning_example_runs_on_a_gpt2_shaped_folder(tmp_path, monkeypatch, safetensors):
+    """The README's fine-tuning block (fenced `py`: it needs the download) on a folder laid out
+    like it, with GPT-2's vocabulary and tiny layers: it trains and writes a folder that loads."""
+    import pathlib
+    import re
+
+    from npformer.models import load_pretrained
+    from test_safetensors import GPT2, gpt2_download
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = [b for b in re.findall(r"```py\n(.*?)```", readme, re.S) if "save_pretrained(" in b][0]
+    tiny = CausalLM(50257, d_model=8, nhead=2, num_layers=1, dim_feedforward=32, max_len=16, **GPT2)
+    gpt2_download(tmp_path / "gpt2", tiny)
+    np.save(tmp_path / "my_tokens.npy", np.random.default_rng(0).integers(0, 50257, size=400))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    tuned = load_pretrained(tmp_path / "gpt2-finetuned")
+    before = load_pretrained(tmp_path / "gpt2")
+    assert tuned.config == before.config
+    changed = [name for name, array in tuned.state_dict().items()
+               if not np.array_equal(array, before.state_dict()[name])]
+    assert "tok_embed.weight" in changed and len(changed) == len(tuned.state_dict())
