@@ -30,8 +30,11 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from autograd import backend
 
-# below this many entries touched, handing a block to a thread (~20 us) costs more than it saves
-MIN_PARALLEL_ENTRIES = 1 << 16
+# below this many entries touched, handing a block to a thread costs more than it saves: besides
+# the hand-off (~20 us), two threads running short numpy calls wait on each other for the GIL.
+# Measured (benchmarks/train_step.py, 2 cores): 1 << 18 instead of 1 << 16 takes the char-level
+# GPT step from 187 to 143 ms and leaves the tiny and base steps as they were.
+MIN_PARALLEL_ENTRIES = 1 << 18
 
 _state = {"threads": None, "pool": None, "blas_limit": None}
 _lock = threading.Lock()     # guards _state: set_num_threads may run while other threads run ops
