@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from autograd import Tensor, backend, no_grad, random
+from autograd import Tensor, backend, no_grad, random, threads
 from . import functional as F
 from .data import BOS, EOS, PAD
 
@@ -31,6 +31,23 @@ def _inference(model):
             yield
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def _blas_threads(device):
+    """On the CPU, run ops in the caller (npformer.set_num_threads(1)) and let numpy's BLAS thread
+    the products, restoring the thread count afterwards. A decoding step multiplies a few rows
+    by every weight matrix: measured on 2 cores (benchmarks/generate.py, GPT-2 small), OpenBLAS's
+    own threads run these matrix-vector products 1.6x faster than npformer's split."""
+    count = threads.get_num_threads()
+    if device != "cpu" or count == 1:
+        yield
+        return
+    threads.set_num_threads(1)
+    try:
+        yield
+    finally:
+        threads.set_num_threads(count)
 
 
 def _source(model, src, src_key_padding_mask):
@@ -343,7 +360,7 @@ def generate(model, ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     device = model.tok_embed.weight.device
     out = np.full((batch, max_new_tokens), pad, dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)
-    with _inference(model):
+    with _inference(model), _blas_threads(device):
         if use_cache:
             cache = model.init_cache()
             logits = model.decode_step(backend.to_device(prompt, device), cache, key_padding_mask=mask)

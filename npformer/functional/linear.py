@@ -10,28 +10,24 @@ class LinearFunction(Function):
 
     dx = dy W,  dW = dy^T x,  db = sum of dy over all rows (with x, dy flattened to 2-D).
     With set_num_threads(n > 1) the GEMMs are split across the threads of `autograd.threads`:
-    y and dx by rows, dW and db by output features; y by output features too for at most
-    FEW_ROWS rows on the CPU (computed as y^T = W x^T, see `_few_rows`).
+    y and dx by rows, dW and db by output features.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         xp = backend.get_array_module(x)
         x2d = x.reshape(-1, x.shape[-1])                  # (N, in), a view when x is contiguous
+        y2d = xp.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
+
+        def rows(start, stop):
+            # y = x W^T + b
+            xp.matmul(x2d[start:stop], weight.T, out=y2d[start:stop])
+            if bias is not None:
+                y2d[start:stop] += bias
+
+        for_rows(rows, x2d.shape[0], y2d.size, x)
         ctx.save_for_backward(x2d, weight)
         ctx.x_shape = x.shape
-        if x2d.shape[0] <= FEW_ROWS and backend.device_of(x) == "cpu":
-            y2d = _few_rows(xp, x2d, weight, bias)
-        else:
-            y2d = xp.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
-
-            def rows(start, stop):
-                # y = x W^T + b
-                xp.matmul(x2d[start:stop], weight.T, out=y2d[start:stop])
-                if bias is not None:
-                    y2d[start:stop] += bias
-
-            for_rows(rows, x2d.shape[0], y2d.size, x)
         return y2d.reshape(x.shape[:-1] + (weight.shape[0],))
 
     @staticmethod
@@ -61,27 +57,6 @@ class LinearFunction(Function):
         if need_w or need_b:
             for_rows(features, weight.shape[0], dy2d.size, dy)
         return (dx2d.reshape(ctx.x_shape) if need_x else None), dweight, dbias
-
-
-# up to this many rows (e.g. a decoding step: one row per sequence) the CPU forward computes
-# y^T = W x^T by blocks of output features: OpenBLAS runs these skinny products 1.5-2x faster
-# in that orientation from 4 to 32 rows (benchmarks/generate.py), and the features, unlike so
-# few rows, split evenly across threads
-FEW_ROWS = 32
-
-
-def _few_rows(xp, x2d, weight, bias):
-    """y (N, out) = x W^T + b as y^T = W x^T + b, blocks of output features on the threads."""
-    y_t = xp.empty((weight.shape[0], x2d.shape[0]), dtype=x2d.dtype)     # (out, N)
-
-    def features(start, stop):
-        # y^T = W x^T + b (one column of b per row of x)
-        xp.matmul(weight[start:stop], x2d.T, out=y_t[start:stop])
-        if bias is not None:
-            y_t[start:stop] += bias[start:stop, None]
-
-    for_rows(features, weight.shape[0], weight.size, x2d)
-    return xp.ascontiguousarray(y_t.T)                                  # (N, out)
 
 
 @has_twin

@@ -134,10 +134,7 @@ def cached_self_attention(attn, h, layer_cache, mask, is_causal, position):
     q, k, v = attn.project_qkv(h, h, h)                                          # (B, H, L, hd)
     if attn.rotary_emb is not None:
         q, k = attn.rotary_emb(q, position), attn.rotary_emb(k, position)
-    if layer_cache.self_k is not None:
-        k = concatenate([layer_cache.self_k, k], axis=2)                         # (B, H, t+L, hd)
-        v = concatenate([layer_cache.self_v, v], axis=2)
-    layer_cache.self_k, layer_cache.self_v = k, v
+    k, v = layer_cache.append_self(k, v)                                         # (B, H, t+L, hd)
     return attn.attend(q, k, v, mask, is_causal)[0]
 
 
@@ -333,9 +330,33 @@ class LayerCache:
     def __init__(self, cross_k=None, cross_v=None):
         self.cross_k, self.cross_v = cross_k, cross_v
         self.self_k = self.self_v = None
+        self.buffers = None  # (keys, values) arrays (B, H, capacity, hd) that self_k/self_v view
 
     def tensors(self):
         return {name: getattr(self, name) for name in ("cross_k", "cross_v", "self_k", "self_v")}
+
+    def append_self(self, k, v):
+        """Append new self-attention keys/values (B, H, L, hd); returns all of them (B, H, t+L, hd).
+        When nothing needs a gradient they go into buffers of doubling capacity (no copy of the
+        cached positions per step); otherwise through autograd's concatenate."""
+        if self.self_k is None:
+            self.self_k, self.self_v = k, v
+            return k, v
+        if k.requires_grad or v.requires_grad or self.self_k.requires_grad or self.self_v.requires_grad:
+            self.buffers = None
+            self.self_k = concatenate([self.self_k, k], axis=2)
+            self.self_v = concatenate([self.self_v, v], axis=2)
+            return self.self_k, self.self_v
+        t, new = self.self_k.shape[2], k.shape[2]
+        if self.buffers is None or self.buffers[0].shape[2] < t + new:
+            xp, shape = k.xp, self.self_k.shape
+            capacity = max(2 * (t + new), 16)
+            self.buffers = tuple(xp.empty(shape[:2] + (capacity,) + shape[3:], dtype=k.dtype) for _ in range(2))
+            self.buffers[0][:, :, :t], self.buffers[1][:, :, :t] = self.self_k.data, self.self_v.data
+        keys, values = self.buffers
+        keys[:, :, t:t + new], values[:, :, t:t + new] = k.data, v.data
+        self.self_k, self.self_v = Tensor(keys[:, :, :t + new]), Tensor(values[:, :, :t + new])
+        return self.self_k, self.self_v
 
 
 class DecoderCache:
@@ -400,6 +421,7 @@ class DecoderCache:
             raise IndexError(f"DecoderCache.reorder: indices must be in [0, {self.batch_size - 1}], "
                              f"got values in [{int(idx.min())}, {int(idx.max())}]")
         for layer in self.layers:
+            layer.buffers = None  # the reordered tensors are new arrays
             for name, t in layer.tensors().items():
                 if t is not None:
                     setattr(layer, name, t[idx])
