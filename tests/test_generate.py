@@ -52,6 +52,24 @@ def test_decode_step_equals_the_full_forward(positional, device, rng):
         np.testing.assert_allclose(logits.numpy(), full[:, 3 + i], atol=1e-12)
 
 
+def test_decode_step_with_gradients_equals_the_full_forward(rng):
+    """With autograd on, the cache concatenates (no buffers): the gradients of the stepped
+    logits equal those of the same positions of the full forward."""
+    model = lm(dropout=0.0)
+    ids = rng.integers(0, 50, size=(2, 6))
+    upstream = [rng.standard_normal((2, 50)) for _ in range(3)]
+    cache = model.init_cache()
+    steps = [model.decode_step(ids[:, :4], cache)] + [model.decode_step(ids[:, t:t + 1], cache) for t in (4, 5)]
+    sum((s * Tensor(g)).sum() for s, g in zip(steps, upstream)).backward()
+    stepped = {name: p.grad.copy() for name, p in model.named_parameters()}
+    model.zero_grad()
+    full = model(ids)
+    sum((full[:, 3 + i] * Tensor(g)).sum() for i, g in enumerate(upstream)).backward()
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(stepped[name], p.grad, atol=1e-12, err_msg=name)
+    assert cache.layers[0].buffers is None
+
+
 @pytest.mark.parametrize("positional", POSITIONAL)
 def test_left_padded_prompts_step_like_each_alone(positional, rng):
     model = lm(positional).eval()
