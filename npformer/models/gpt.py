@@ -17,6 +17,8 @@ class CausalLM(EncoderOnlyModel):
     GPT-2 is CausalLM(activation="gelu_tanh", tie_weights=True, activation_dropout=0.0):
     npformer.interop.from_hf / to_hf and npformer.models.load_pretrained convert its weights.
     Equivalent torch composition: npformer.interop.to_torch(model).
+    Generation: npformer.decoding.generate(model, ids, max_new_tokens, ...) on the KV cache of
+    init_cache() / decode_step() (the seq2seq decoder's machinery: nn.DecoderCache).
     """
 
     def __init__(self, vocab_size, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048, dropout=0.1,
