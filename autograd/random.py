@@ -18,8 +18,15 @@ give four random 32-bit words. npformer's streams use key = (seed mod 2^32, seed
 (word m gives value 2m from its low half and 2m + 1 from its high half). Value i of a stream at
 `offset` is value (offset + i) of that sequence; a draw of n values advances the offset by n
 rounded up to a multiple of 8, so every draw starts on a fresh counter.
+
+Under graph capture (autograd.graphs, npformer.cuda.graphed) a replayed step must draw new values
+each time, so `Philox.draw` then hands out offsets relative to a base that lives in device memory:
+a (2,) uint64 array (seed, base) that kernels read (`PhiloxDraw.state`), rewritten before each
+replay with the next unused offset, like torch's Philox state under CUDA graphs.
 """
-from . import backend, threads
+from typing import Any, NamedTuple
+
+from . import backend, graphs, threads
 
 _generators = {}
 
@@ -41,6 +48,7 @@ def manual_seed(seed):
     """Reseed every global generator: each device's Generator and the dropout stream."""
     _generators.clear()
     _generators["seed"] = int(seed)
+    _dropout.seeded = False  # reseeded (in place) when next used
 
 
 def _seed_words(index, words):
@@ -60,11 +68,22 @@ def global_rng(device="cpu"):
 
 
 def dropout_stream():
-    """The global Philox stream of every dropout mask, on every device."""
-    if "dropout" not in _generators:
+    """The global Philox stream of every dropout mask, on every device (one object for the whole
+    run: manual_seed reseeds it in place, so a captured graph keeps drawing from it)."""
+    stream = _generators.setdefault("dropout", _dropout)
+    if not stream.seeded:
         low, high = _seed_words(len(backend.DEVICES), 2)
-        _generators["dropout"] = Philox(low | high << 32)
-    return _generators["dropout"]
+        stream.manual_seed(low | high << 32)
+    return stream
+
+
+class PhiloxDraw(NamedTuple):
+    """Where a draw of a Philox stream starts: value (offset + i) of the stream of `seed` is the
+    i-th; with `state` (a device (2,) uint64 array, under graph capture) the seed is state[0] and
+    the offset counts from state[1]."""
+    seed: int
+    offset: int
+    state: Any = None
 
 
 class Philox:
@@ -75,9 +94,10 @@ class Philox:
 
     def __init__(self, seed=0, offset=0):
         self.seed, self.offset = int(seed) % 2**64, int(offset)
+        self.seeded = True
 
     def manual_seed(self, seed):
-        self.seed, self.offset = int(seed) % 2**64, 0
+        self.seed, self.offset, self.seeded = int(seed) % 2**64, 0, True
         return self
 
     def take(self, n):
@@ -90,6 +110,29 @@ class Philox:
         """The next n 16-bit values (uint16, on `device`)."""
         return bits16(self.seed, self.take(n), n, device)
 
+    def draw(self, n, device):
+        """Reserve the next n values for a kernel on `device`: a PhiloxDraw. Outside graph capture,
+        (seed, take(n)). While a step on `device` is being captured, the seed and a base offset live
+        in a device array that is rewritten before each replay, and the draw's offset counts from
+        that base, so each replay draws the values that the same step run eagerly would."""
+        capture = graphs.current(device)
+        if capture is None:
+            return PhiloxDraw(self.seed, self.take(n))
+        key = ("philox", id(self))
+        if key not in capture.slots:
+            record = {"base": self.offset, "per_step": 0}
+            state = capture.slot(key, lambda: backend.module_for(device).empty(2, dtype="uint64"))
+            capture.slots[key + ("record",)] = record
+
+            def before_replay(replay):  # replay 0 performs the captured step: the values it reserved
+                base = record["base"] if replay == 0 else self.take(record["per_step"])
+                backend.copy_from_host(state, backend.module_for("cpu").array([self.seed, base], dtype="uint64"))
+            capture.before_replay(before_replay)
+        record = capture.slots[key + ("record",)]
+        offset = self.take(n) - record["base"]
+        record["per_step"] = self.offset - record["base"]
+        return PhiloxDraw(self.seed, offset, capture.slots[key])
+
     def state_dict(self):
         return {"seed": self.seed, "offset": self.offset}
 
@@ -100,44 +143,57 @@ class Philox:
         return f"Philox(seed={self.seed}, offset={self.offset})"
 
 
+_dropout = Philox()  # the dropout stream (dropout_stream()), seeded on first use
+_dropout.seeded = False
+
+
 def philox4x32(counter, key):
     """Philox4x32-10 of four arrays of 32-bit counter words (any integer dtype, values < 2^32)
-    under a key of two ints -> four uint64 arrays holding the 32-bit output words."""
+    under a key of two ints (or two uint64 device arrays that broadcast, values < 2^32) -> four
+    uint64 arrays holding the 32-bit output words."""
     xp = backend.get_array_module(*counter)
     c0, c1, c2, c3 = (xp.array(c, dtype="uint64") for c in counter)   # owned copies, updated in place
-    k0, k1 = (int(k) & _LOW32 for k in key)
+    k0, k1 = (k if backend.is_array(k) else xp.uint64(int(k) & _LOW32) for k in key)
     m0, m1, low, shift = xp.uint64(M0), xp.uint64(M1), xp.uint64(_LOW32), xp.uint64(32)
     p0, p1 = xp.empty_like(c0), xp.empty_like(c0)
     for r in range(ROUNDS):
         if r:
-            k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
+            k0, k1 = (k0 + xp.uint64(W0)) & low, (k1 + xp.uint64(W1)) & low
         xp.multiply(c0, m0, out=p0)           # (hi0, lo0) = M0 * c0
         xp.multiply(c2, m1, out=p1)           # (hi1, lo1) = M1 * c2
         xp.right_shift(p1, shift, out=c0)     # c0 = hi1 ^ c1 ^ k0
         c0 ^= c1
-        c0 ^= xp.uint64(k0)
+        c0 ^= k0
         xp.right_shift(p0, shift, out=c2)     # c2 = hi0 ^ c3 ^ k1
         c2 ^= c3
-        c2 ^= xp.uint64(k1)
+        c2 ^= k1
         xp.bitwise_and(p1, low, out=c1)       # c1 = lo1
         xp.bitwise_and(p0, low, out=c3)       # c3 = lo0
     return c0, c1, c2, c3
 
 
-def bits16(seed, offset, n, device="cpu"):
-    """Values offset, ..., offset + n - 1 (uint16, shape (n,)) of the stream of `seed`.
+def bits16(seed, offset, n, device="cpu", state=None):
+    """Values offset, ..., offset + n - 1 (uint16, shape (n,)) of the stream of `seed`; with
+    `state` (a device (2,) uint64 array: seed, base), of the stream of state[0] from state[1] +
+    offset (state[1] a multiple of 8), computed without reading state on the host.
     On the CPU, blocks of counters run on the threads of `autograd.threads`."""
     xp = backend.module_for(device)
     first = int(offset) // VALUES_PER_COUNTER
     skip = int(offset) - first * VALUES_PER_COUNTER
     count = -(-(skip + int(n)) // VALUES_PER_COUNTER)                   # counters covering the range
     words = xp.empty((count, 4), dtype="uint32")                        # 4 output words per counter
-    key = (seed & _LOW32, (seed >> 32) & _LOW32)
+    if state is None:
+        key, base = (seed & _LOW32, (seed >> 32) & _LOW32), None
+    else:                                                               # (1,) arrays, read on the device
+        low, shift = xp.uint64(_LOW32), xp.uint64(32)
+        key, base = (state[0:1] & low, state[0:1] >> shift), state[1:2] >> xp.uint64(3)
 
     def block(start, stop):
         for lo in range(start, stop, _CHUNK):                           # chunks whose temporaries stay in cache
             hi = min(lo + _CHUNK, stop)
             index = xp.arange(first + lo, first + hi, dtype="uint64")
+            if base is not None:
+                index += base
             zero = xp.zeros(hi - lo, dtype="uint64")
             for m, w in enumerate(philox4x32((index & xp.uint64(_LOW32), index >> xp.uint64(32), zero, zero), key)):
                 words[lo:hi, m] = w

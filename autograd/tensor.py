@@ -1,5 +1,5 @@
 """`Tensor` and the primitive differentiable ops, each a small `Function`."""
-from . import backend
+from . import backend, checks
 from .function import Function, run_backward
 
 
@@ -91,11 +91,23 @@ class Tensor:
         return self
 
     # -- conversion ----------------------------------------------------------------------
+    # reading a value is where the deferred device checks of the ops before it report (autograd.checks)
     def numpy(self):
+        checks.raise_pending()
         return backend.as_numpy(self.data)
 
     def item(self):
+        checks.raise_pending()
         return self.data.item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
 
     def to(self, device=None, dtype=None):
         """Move and/or cast; differentiable like torch's `.to`."""

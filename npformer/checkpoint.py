@@ -82,15 +82,23 @@ def _model_device(model):
 
 
 def _rng_state(devices):
-    """{"cpu": bit generator state} of the host's global generator. CuPy's generator exposes
-    no portable state: after resuming on "cuda" (or "test", which stands in for it) the dropout
-    stream differs from an uninterrupted run (everything else is restored)."""
-    return {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
+    """{"cpu": bit generator state} of the host's global generator and {"dropout": (seed, offset)}
+    of the Philox dropout stream (the same on every device). CuPy's generator exposes no portable
+    state: after resuming on "cuda" (or "test", which stands in for it) the masks drawn from it
+    differ from an uninterrupted run (everything else is restored)."""
+    states = {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
+    states["dropout"] = random.dropout_stream().state_dict()
+    return states
 
 
 def _set_rng_state(states):
     for device, state in states.items():
-        if device in backend.available_devices():
+        if device == "dropout":
+            if not (isinstance(state, dict) and all(isinstance(state.get(k), int) and state[k] >= 0
+                                                    for k in ("seed", "offset"))):
+                raise CheckpointError(f"the dropout stream's state must be {{'seed': int, 'offset': int}}, got {state!r}")
+            random.dropout_stream().load_state_dict(state)
+        elif device in backend.available_devices():
             random.global_rng(device).bit_generator.state = state
 
 

@@ -138,7 +138,7 @@ class Trainer:
                 self.history["layer_grad_norm"][name].append(grad_norm(params))
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.clip_norm is not None:
-            total = clip_grad_norm_(params, self.clip_norm)
+            total = float(clip_grad_norm_(params, self.clip_norm))
         else:
             total = grad_norm(params)
         if math.isfinite(total):

@@ -171,8 +171,8 @@ def test_clip_grad_norm_matches_torch(torch, device, rng, max_norm, norm_type):
         p.grad, r.grad = backend.to_device(g, device), torch.from_numpy(g.copy())
     total = optim.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     expected = torch.nn.utils.clip_grad_norm_(ref, max_norm, norm_type=norm_type)
-    assert isinstance(total, float)
-    assert total == pytest.approx(expected.item(), rel=1e-6)
+    assert isinstance(total, Tensor) and total.shape == () and total.device == device  # like torch: on the device
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6)
     for p, r in zip(params, ref):
         assert p.grad.dtype == np.float32
         np.testing.assert_allclose(backend.as_numpy(p.grad), r.grad.numpy(), rtol=1e-6, atol=1e-7)
@@ -181,7 +181,7 @@ def test_clip_grad_norm_matches_torch(torch, device, rng, max_norm, norm_type):
 def test_clip_grad_norm_nonfinite(rng):
     p = _params(rng, "cpu")[0]
     p.grad = np.full(p.shape, np.inf, dtype="float32")
-    assert optim.clip_grad_norm_([p], 1.0) == math.inf
+    assert float(optim.clip_grad_norm_([p], 1.0)) == math.inf
     with pytest.raises(RuntimeError, match="norm"):
         optim.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
     with pytest.raises(ValueError, match="max_norm"):

@@ -9,10 +9,11 @@ from .embedding import embedding
 from .linear import linear
 from .loss import cross_entropy
 from .normalization import layer_norm
+from .residual import dropout_add
 from .rotary import apply_rotary_emb, rotary_cos_sin
 from .softmax import log_softmax, softmax
 
 from . import cuda  # noqa: E402,F401  (registers the CUDA kernels in the kernel tables; runs only on a GPU)
 
-__all__ = ["apply_rotary_emb", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear",
+__all__ = ["apply_rotary_emb", "cross_entropy", "dropout", "dropout_add", "embedding", "gelu", "layer_norm", "linear",
            "log_softmax", "relu", "rotary_cos_sin", "scaled_dot_product_attention", "softmax", "split_heads"]

@@ -4,11 +4,13 @@ The rational approximations and their coefficients are those of fdlibm's s_erf.c
 Microsystems, 1993; also used by FreeBSD's libm and Go's math.Erf): on each interval of |x| a
 ratio of two polynomials approximates erf (small |x|) or log(x erfc(x)) + x^2 (large |x|).
 Each branch is written with arithmetic operators and an `exp` callable only, so the same
-formulas run on arrays (the fused GELU) and on autograd Tensors (its composite twin).
+formulas run on arrays (the fused GELU's reference) and on autograd Tensors (its composite twin).
+On a GPU the GELU kernels call CUDA's erf instead (npformer/functional/cuda/activation.cu).
 """
 import math
 
 from autograd import backend
+from autograd.kernels import kernel_table
 
 ERX = 8.45062911510467529297e-01  # erf(1) rounded to 24 bits: erf(x) = ERX + P/Q near 1
 EFX = 1.28379167095512586316e-01  # 2/sqrt(pi) - 1: erf(x) ~ x + EFX x for tiny x
@@ -85,12 +87,30 @@ def erf_far(a, exp):
     return 1.0 - exp(-a * a - 0.5625 + horner(RB, s) / horner(SB, s)) / a
 
 
+@kernel_table
 def erf(x):
     """Elementwise erf of an array (numpy, cupy or the test device), dtype kept.
 
-    The small-|x| formula runs in place over the whole array; each other interval's formula
-    runs only on the entries in it (gathered with take, written back with put). NaN stays NaN.
+    Every interval's formula runs on the whole array (each fed |x| clamped into its interval) and
+    `where` picks each entry's: no data-dependent sizes, so nothing waits for the device (and a
+    graph capture can record it). NaN stays NaN.
     """
+    xp = backend.get_array_module(x)
+    flat_x = x.reshape(-1)                                              # 1-D, so 0-d inputs stay arrays
+    a = xp.abs(flat_x)
+    out = erf_small(xp.minimum(a, BOUNDS[0]))                           # right on [0, 0.84375)
+    for lo, hi, formula in ((BOUNDS[0], BOUNDS[1], erf_middle),
+                            (BOUNDS[1], BOUNDS[2], lambda t: erf_near(t, xp.exp)),
+                            (BOUNDS[2], BOUNDS[3], lambda t: erf_far(t, xp.exp))):
+        out = xp.where(a >= lo, formula(xp.clip(a, lo, hi)), out)
+    xp.copyto(out, 1.0, where=a >= BOUNDS[3])                          # NaN fails every test: stays NaN
+    return xp.copysign(out, flat_x, out=out).reshape(x.shape)
+
+
+@erf.register("cpu")
+def erf_cpu(x):
+    """The small-|x| formula in place over the whole array; each other interval's formula only on
+    the entries in it (gathered with take, written back with put): a quarter of the reference's work."""
     xp = backend.get_array_module(x)
     flat_x = x.reshape(-1)                           # 1-D, so 0-d inputs stay arrays
     a = xp.abs(flat_x)

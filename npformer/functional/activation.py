@@ -1,7 +1,8 @@
-"""Elementwise activations (ReLU, GELU) and inverted dropout."""
+"""Elementwise activations (ReLU, GELU; with a bias: the epilogue of `linear`) and inverted dropout."""
 import math
 
 from autograd import Function, backend, random
+from autograd.kernels import kernel_table
 from autograd.threads import for_rows, row_blocks, run_blocks
 
 from ._common import check_tensor, has_twin
@@ -13,29 +14,101 @@ TANH_K = 0.044715
 RAW_64BIT_ADVANCE = ("PCG64", "PCG64DXSM")
 
 
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # bias_activation kinds (gelu: the exact form)
+
+
+@kernel_table
+def bias_activation_forward(x, bias, kind):
+    """y = act(x + bias) for x (..., N), bias (N,) or None, kind in ACTIVATIONS -> (y, saved):
+    relu saves (keep,) with keep = not (h <= 0) (bool); gelu saves (h, aux) with h = x + bias (x
+    itself without a bias) and aux = Phi(h) (exact) or tanh(u) (tanh form)."""
+    xp = backend.get_array_module(x)
+    h = x + bias if bias is not None else x
+    if kind == "relu":
+        keep = ~(h <= 0)                                    # NaN is kept: relu(NaN) = NaN, as torch's
+        return xp.where(keep, h, 0), (keep,)                # relu(-inf) = 0
+    if kind == "gelu_tanh":
+        t = xp.tanh(TANH_C * (h + TANH_K * h * h * h))      # t = tanh(u)
+        return 0.5 * h * (1.0 + t), (h, t)
+    cdf = erf(h / SQRT_2)                                   # Phi(h) = (1 + erf(h / sqrt 2)) / 2
+    cdf += 1.0
+    cdf *= 0.5
+    return h * cdf, (h, cdf)
+
+
+@bias_activation_forward.register("cpu", supports=lambda x, bias, kind: kind == "relu")
+def bias_activation_forward_cpu(x, bias, kind):
+    """ReLU in flat blocks on the threads of `autograd.threads` (the bias added in place)."""
+    xp = backend.get_array_module(x)
+    keep = xp.empty(x.shape, dtype=bool)                    # (...) bool: 1 byte per entry saved
+    y = xp.empty(x.shape, dtype=x.dtype)
+    n = x.shape[-1] if bias is not None else 1                 # rows of the bias's length, or single entries
+    xf, kf, yf = x.reshape(-1, n), keep.reshape(-1, n), y.reshape(-1, n)
+
+    def block(start, stop):
+        h = xf[start:stop]
+        if bias is not None:
+            h = xp.add(h, bias, out=yf[start:stop])
+        xp.less_equal(h, 0, out=kf[start:stop])
+        xp.logical_not(kf[start:stop], out=kf[start:stop])
+        xp.maximum(h, 0, out=yf[start:stop])
+
+    for_rows(block, xf.shape[0], x.size, x)
+    return y, (keep,)
+
+
+@kernel_table
+def bias_activation_backward(dy, saved, kind):
+    """dh = dy * act'(h), from what bias_activation_forward saved; the bias gradient is the sum of
+    dh over the leading dimensions."""
+    xp = backend.get_array_module(dy)
+    if kind == "relu":
+        (keep,) = saved
+        # y = h where keep, else 0  ->  dh = dy where keep, else 0 (also for a NaN dy, as torch)
+        return xp.where(keep, dy, 0)
+    h, aux = saved
+    if kind == "gelu_tanh":
+        # u = TANH_C (h + k h^3)  ->  du/dh = TANH_C (1 + 3 k h^2)
+        du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
+        # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
+        return dy * (0.5 * (1.0 + aux) + 0.5 * h * (1.0 - aux * aux) * du)
+    density = h * h                                         # phi(h) = exp(-h^2/2) / sqrt(2 pi)
+    density *= -0.5
+    xp.exp(density, out=density)
+    density *= INV_SQRT_2PI
+    # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
+    density *= h
+    density += aux
+    density *= dy
+    return density
+
+
+@bias_activation_backward.register("cpu", supports=lambda dy, saved, kind: kind == "relu")
+def bias_activation_backward_cpu(dy, saved, kind):
+    """ReLU's dh in flat blocks on the threads of `autograd.threads`."""
+    xp = backend.get_array_module(dy)
+    (keep,) = saved
+    dh = xp.zeros(dy.shape, dtype=dy.dtype)
+    df, kf, hf = dy.reshape(-1), keep.reshape(-1), dh.reshape(-1)
+
+    def block(start, stop):
+        xp.copyto(hf[start:stop], df[start:stop], where=kf[start:stop])
+
+    for_rows(block, dy.size, dy.size, dy)
+    return dh
+
+
 class ReLUFunction(Function):
-    """y = max(x, 0), any shape.  dx = dy * [x > 0]."""
+    """y = max(x, 0), any shape (relu(NaN) = NaN).  dx = dy where not (x <= 0), else 0."""
 
     @staticmethod
     def forward(ctx, x):
-        xp = backend.get_array_module(x)
-        positive = xp.empty(x.shape, dtype=bool)            # (...) bool: 1 byte per entry saved
-        y = xp.empty(x.shape, dtype=x.dtype)
-        xf, pf, yf = x.reshape(-1), positive.reshape(-1), y.reshape(-1)
-
-        def block(start, stop):
-            xp.greater(xf[start:stop], 0, out=pf[start:stop])
-            xp.multiply(xf[start:stop], pf[start:stop], out=yf[start:stop])
-
-        for_rows(block, x.size, x.size, x)
-        ctx.save_for_backward(positive)
+        y, ctx.activation_saved = bias_activation_forward(x, None, "relu")
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (positive,) = ctx.saved_tensors
-        # y = x * [x > 0]  ->  dx = dy * [x > 0]
-        return elementwise_product(dy, positive)
+        return bias_activation_backward(dy, ctx.activation_saved, "relu")
 
 
 @has_twin
@@ -53,37 +126,13 @@ class GELUFunction(Function):
 
     @staticmethod
     def forward(ctx, x, approximate):
-        ctx.approximate = approximate
-        xp = backend.get_array_module(x)
-        if approximate == "tanh":
-            t = xp.tanh(TANH_C * (x + TANH_K * x * x * x))   # t = tanh(u)
-            ctx.save_for_backward(x, t)
-            return 0.5 * x * (1.0 + t)
-        cdf = erf(x / SQRT_2)                               # Phi(x) = (1 + erf(x / sqrt 2)) / 2
-        cdf += 1.0
-        cdf *= 0.5
-        ctx.save_for_backward(x, cdf)
-        return x * cdf
+        ctx.kind = "gelu_tanh" if approximate == "tanh" else "gelu"
+        y, ctx.activation_saved = bias_activation_forward(x, None, ctx.kind)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        xp = backend.get_array_module(dy)
-        if ctx.approximate == "tanh":
-            x, t = ctx.saved_tensors
-            # u = TANH_C (x + k x^3)  ->  du/dx = TANH_C (1 + 3 k x^2)
-            du = TANH_C * (1.0 + 3.0 * TANH_K * x * x)
-            # y = 0.5 x (1 + tanh(u))  ->  dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx
-            return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
-        x, cdf = ctx.saved_tensors
-        density = x * x                                     # phi(x) = exp(-x^2/2) / sqrt(2 pi)
-        density *= -0.5
-        xp.exp(density, out=density)
-        density *= INV_SQRT_2PI
-        # y = x Phi(x)  ->  dy/dx = Phi(x) + x phi(x)
-        density *= x
-        density += cdf
-        density *= dy
-        return density
+        return bias_activation_backward(dy, ctx.activation_saved, ctx.kind)
 
 
 @has_twin

@@ -5,21 +5,25 @@ test suite uses them as a second reference next to torch and finite differences.
 import contextlib
 import math
 
-from autograd import Tensor, concatenate, where
+from autograd import Tensor, concatenate, random, where
 
 from . import _erf as formulas
 from .activation import TANH_C, TANH_K, check_dropout_p, dropout_mask
 from .attention import _lead_shape, _prepare_mask, causal_blocked
 from ._common import _twins, on_device_of
+from .residual import check_dropout_add, dropout_scale
 
 
 def _tensor(x):
     return x if isinstance(x, Tensor) else Tensor(x)
 
 
-def linear(input, weight, bias=None):
+def linear(input, weight, bias=None, activation=None):
     y = _tensor(input) @ _tensor(weight).T
-    return y + bias if bias is not None else y
+    y = y + bias if bias is not None else y
+    if activation == "relu":
+        return relu(y)
+    return gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none") if activation else y
 
 
 def relu(input):
@@ -58,6 +62,17 @@ def dropout(input, p=0.5, training=True, generator=None):
         return x * 0.0
     keep = dropout_mask(x.shape, p, x.device, generator)
     return x * Tensor(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+
+
+def dropout_add(input, residual, p=0.5, training=True, generator=None):
+    x, p = check_dropout_add(input, residual, p, generator, "dropout_add")
+    x, r = _tensor(input), _tensor(residual)
+    if not training or p == 0.0:
+        return r + x
+    if p == 1.0:
+        return r + x * 0.0
+    draw = (generator or random.dropout_stream()).draw(x.size, x.device)
+    return r + x * Tensor(dropout_scale(x.data, p, draw))
 
 
 def _stable_shift(x, dim):

@@ -83,6 +83,7 @@ class SoftmaxFunction(Function):
         return softmax_backward(y, dy, ctx.dim)
 
 
+@kernel_table
 def log_softmax_forward(x, axis):
     """x - max - log(sum(exp(x - max))) along axis; a row that is entirely -inf stays -inf."""
     xp = backend.get_array_module(x)
@@ -91,6 +92,17 @@ def log_softmax_forward(x, axis):
     xp.copyto(total, 1.0, where=total == 0)         # fully -inf row: log 1 = 0, output -inf
     shifted -= xp.log(total)
     return shifted
+
+
+@kernel_table
+def log_softmax_backward(logp, dy, axis):
+    """dx = dy - exp(logp) * sum(dy) along axis."""
+    xp = backend.get_array_module(dy)
+    # logp_i = x_i - log sum_j exp(x_j)  ->  dx_i = dy_i - softmax_i * sum_j dy_j
+    dx = xp.exp(logp)
+    dx *= -dy.sum(axis=axis, keepdims=True)
+    dx += dy
+    return dx
 
 
 class LogSoftmaxFunction(Function):
@@ -106,12 +118,7 @@ class LogSoftmaxFunction(Function):
     @staticmethod
     def backward(ctx, dy):
         (logp,) = ctx.saved_tensors
-        xp = backend.get_array_module(dy)
-        # logp_i = x_i - log sum_j exp(x_j)  ->  dx_i = dy_i - softmax_i * sum_j dy_j
-        dx = xp.exp(logp)
-        dx *= -dy.sum(axis=ctx.dim, keepdims=True)
-        dx += dy
-        return dx
+        return log_softmax_backward(logp, dy, ctx.dim)
 
 
 @has_twin

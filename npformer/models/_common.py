@@ -2,6 +2,7 @@
 from autograd import Tensor, backend
 
 from .. import nn
+from ..functional._common import check_index_range
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
 from ..nn.transformer import check_d_model_nhead
@@ -27,19 +28,21 @@ def additive_positions(positional, d_model, max_len):
 
 def token_ids(ids, embedding, owner, name, max_len=None):
     """Integer ids (B, T) (numpy/cupy array, list or Tensor) on the device of `embedding`, checked
-    against its vocabulary and, when given, the length of the positional table."""
-    ids = as_ids(ids, embedding.weight.data, owner, name)
-    if ids.ndim != 2 or 0 in ids.shape:
-        raise ValueError(f"{owner}: {name} must be a non-empty (batch, seq) array of token ids, got shape {ids.shape}")
+    against its vocabulary (host ids before their copy to the device, device ids on the device:
+    autograd.checks) and, when given, the length of the positional table."""
+    raw = ids.data if isinstance(ids, Tensor) else ids
+    if not backend.is_array(raw):
+        raw = backend.module_for("cpu").asarray(raw)
+    raw = as_ids(raw, raw, owner, name)  # integer ids where they are
+    if raw.ndim != 2 or 0 in raw.shape:
+        raise ValueError(f"{owner}: {name} must be a non-empty (batch, seq) array of token ids, got shape {raw.shape}")
     vocab = embedding.num_embeddings
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        raise IndexError(f"{owner}: {name} token ids must be in [0, {vocab - 1}] (vocabulary size {vocab}), "
-                         f"got min {lo} and max {hi}")
-    if max_len is not None and ids.shape[1] > max_len:
-        raise ValueError(f"{owner}: {name} has {ids.shape[1]} positions but max_len={max_len}; shorten it or "
+    check_index_range(raw, vocab, lambda lo, hi: IndexError(
+        f"{owner}: {name} token ids must be in [0, {vocab - 1}] (vocabulary size {vocab}), got min {lo} and max {hi}"))
+    if max_len is not None and raw.shape[1] > max_len:
+        raise ValueError(f"{owner}: {name} has {raw.shape[1]} positions but max_len={max_len}; shorten it or "
                          f"build the model with a larger max_len")
-    return ids
+    return backend.to_device(raw, backend.device_of(embedding.weight.data))
 
 
 def padding_mask_from_ids(ids, pad_idx, mask):

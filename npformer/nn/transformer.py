@@ -4,7 +4,8 @@ Post-LN (norm_first=False):  x = norm1(x + SA(x));  x = norm2(x + FF(x))
 Pre-LN  (norm_first=True):   x = x + SA(norm1(x));  x = x + FF(norm2(x))
 (the decoder adds cross-attention with norm2, and its feed-forward uses norm3).
 FF(x) = linear2(dropout(activation(linear1(x)))); each sublayer output goes through its own
-dropout before the residual add. Masks use torch.nn's convention (bool True = may NOT attend).
+dropout before the residual add (one fused op, F.dropout_add; a named activation runs fused with
+linear1's bias, F.linear(..., activation=...)). Masks use torch.nn's convention (bool True = may NOT attend).
 
 Cached decoding: `TransformerDecoder.init_cache(memory)` projects the cross-attention keys
 and values of every layer once; `TransformerDecoder.step(x, cache)` runs one new target
@@ -67,7 +68,20 @@ class _FeedForwardLayer(Module):
         self.activation = _activation(activation, type(self).__name__)
 
     def _ff_block(self, x):
-        return self.dropout_last(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        """linear2(dropout(activation(linear1(x)))), before the last dropout; a named activation runs
+        fused with linear1's bias (F.linear(..., activation=...))."""
+        if type(self.linear1) is Linear and self.activation is _ACTIVATIONS.get(self.activation_name):
+            hidden = F.linear(x, self.linear1.weight, self.linear1.bias, activation=self.activation_name)
+        else:
+            hidden = self.activation(self.linear1(x))
+        return self.linear2(self.dropout(hidden))
+
+    @staticmethod
+    def _residual(x, dropout, y):
+        """x + dropout(y), as one fused op (F.dropout_add: no mask stored) when `dropout` is a Dropout."""
+        if type(dropout) is Dropout:
+            return F.dropout_add(y, x, dropout.p, dropout.training)
+        return x + dropout(y)
 
 
 class TransformerEncoderLayer(_FeedForwardLayer):
@@ -88,9 +102,6 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
 
-    def dropout_last(self, x):
-        return self.dropout2(x)
-
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
         """src (B, S, d) -> (B, S, d). src_mask (S, S) or (B*nhead, S, S); src_key_padding_mask (B, S)."""
         check_sequence(src, self.d_model, "TransformerEncoderLayer", "src")
@@ -107,10 +118,10 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         def self_attention(h):
             return self.self_attn.forward_masked(h, h, h, mask, is_causal)[0]
         if self.norm_first:
-            x = x + self.dropout1(self_attention(self.norm1(x)))
-            return x + self._ff_block(self.norm2(x))
-        x = self.norm1(x + self.dropout1(self_attention(x)))
-        return self.norm2(x + self._ff_block(x))
+            x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
+            return self._residual(x, self.dropout2, self._ff_block(self.norm2(x)))
+        x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
+        return self.norm2(self._residual(x, self.dropout2, self._ff_block(x)))
 
 
 class TransformerDecoderLayer(_FeedForwardLayer):
@@ -132,9 +143,6 @@ class TransformerDecoderLayer(_FeedForwardLayer):
             setattr(self, f"norm{i}", LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype))
         for i in (1, 2, 3):
             setattr(self, f"dropout{i}", Dropout(dropout))
-
-    def dropout_last(self, x):
-        return self.dropout3(x)
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
@@ -158,12 +166,12 @@ class TransformerDecoderLayer(_FeedForwardLayer):
 
     def _sublayers(self, x, self_attention, cross_attention):
         if self.norm_first:
-            x = x + self.dropout1(self_attention(self.norm1(x)))
-            x = x + self.dropout2(cross_attention(self.norm2(x)))
-            return x + self._ff_block(self.norm3(x))
-        x = self.norm1(x + self.dropout1(self_attention(x)))
-        x = self.norm2(x + self.dropout2(cross_attention(x)))
-        return self.norm3(x + self._ff_block(x))
+            x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
+            x = self._residual(x, self.dropout2, cross_attention(self.norm2(x)))
+            return self._residual(x, self.dropout3, self._ff_block(self.norm3(x)))
+        x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
+        x = self.norm2(self._residual(x, self.dropout2, cross_attention(x)))
+        return self.norm3(self._residual(x, self.dropout3, self._ff_block(x)))
 
     def forward_step(self, x, layer_cache, cross_mask, position):
         """One new target position x (B, 1, d) attending to the cached self-attention keys and

@@ -9,10 +9,11 @@ State dicts follow torch's layout: `{"state": {index: {name: array or number}},
 "param_groups": [{hyperparameters..., "params": [indices]}]}`; arrays are host (numpy)
 copies, and `load_state_dict` moves them to each parameter's device and dtype.
 """
-import functools
 import math
+from typing import NamedTuple
 
-from autograd import backend
+from autograd import backend, graphs
+from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
 
@@ -75,8 +76,13 @@ class Optimizer:
             elif p.grad is not None:
                 p.grad[...] = 0
 
+    capturable = False  # its step can be captured in a CUDA graph (npformer.cuda.graphed) and replayed
+
     def step(self):
         """One update of every parameter that has a gradient (parameters without one are skipped)."""
+        if not self.capturable and any(graphs.current(p.device) for p in self.parameters()):
+            raise RuntimeError(f"{type(self).__name__}.step() cannot be captured in a graph: its hyperparameters "
+                               "would be baked into the graph; use Adam or AdamW, or step it outside the graph")
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -214,6 +220,7 @@ class Adam(Optimizer):
     """
 
     decoupled = False
+    capturable = True  # under graph capture the step-dependent scalars live in device memory
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -229,78 +236,115 @@ class Adam(Optimizer):
         _check_range("weight_decay", group["weight_decay"], 0.0)
 
     def _update(self, p, grad, group, state):
-        xp = p.xp
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if not state:
+            if graphs.current(p.device) is not None:
+                raise RuntimeError("Adam: a parameter without optimizer state inside a graph capture: run one "
+                                   "step eagerly first (npformer.cuda.graphed does: warmup >= 1)")
             state["step"] = 0
-            state["exp_avg"] = xp.zeros_like(p.data)  # m
-            state["exp_avg_sq"] = xp.zeros_like(p.data)  # v
+            state["exp_avg"] = p.xp.zeros_like(p.data)  # m
+            state["exp_avg_sq"] = p.xp.zeros_like(p.data)  # v
         state["step"] += 1
-        t = state["step"]
-        bias_correction1, bias_correction2_sqrt = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
-        if p.device != "cpu":  # one fused kernel instead of ~13 launches
-            variant = "decoupled" if wd != 0 and self.decoupled else "l2" if wd != 0 else "plain"
-            _adam_kernel(xp, variant)(grad, 1.0 - beta1, beta2, 1.0 - beta2, lr / bias_correction1,
-                                      bias_correction2_sqrt, eps, wd, 1.0 - lr * wd,
-                                      p.data, state["exp_avg"], state["exp_avg_sq"])
-            return
-        arrays = (p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p))
+        hyper = self._captured_hyperparameters(p, group, state)
+        adam_update(p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p),
+                    self._settings(group, state["step"]), hyper)
 
-        def update(start, stop):  # the entries [start, stop) of flat arrays, or whole arrays
-            param, g, m, v, tmp = (a[start:stop] for a in arrays) if stop is not None else arrays
-            if wd != 0:
-                if self.decoupled:
-                    # AdamW: p = p * (1 - lr * weight_decay), before the Adam step
-                    param *= 1.0 - lr * wd
-                else:
-                    # Adam: g = grad + weight_decay * p (a new array: grad itself is not touched)
-                    g = g + wd * param
-            # m = lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
-            xp.subtract(g, m, out=tmp)
-            tmp *= 1.0 - beta1
-            m += tmp
-            # v = beta2 * v + (1 - beta2) * g * g
-            v *= beta2
-            xp.multiply(g, 1.0 - beta2, out=tmp)
-            tmp *= g
-            v += tmp
-            # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-            xp.sqrt(v, out=tmp)
-            tmp /= bias_correction2_sqrt
-            tmp += eps
-            # p -= lr / (1 - beta1^t) * m / denom
-            xp.divide(m, tmp, out=tmp)
-            tmp *= lr / bias_correction1
-            param -= tmp
+    def _settings(self, group, step):
+        """The AdamSettings of a step of `group` (step: the 1-based count of the parameter's steps)."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        return AdamSettings(1.0 - beta1, beta2, 1.0 - beta2, eps, wd,
+                            "decoupled" if wd != 0 and self.decoupled else "l2" if wd != 0 else "plain",
+                            lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), 1.0 - lr * wd)
 
-        if p.data.flags.c_contiguous:  # flat views, split across npformer's threads when big
-            arrays = tuple(a.reshape(-1) for a in arrays)
-            for_rows(update, p.size, p.size, p.data)
-        else:
-            update(0, None)
+    def _captured_hyperparameters(self, p, group, state):
+        """Under graph capture: the device row (step_size, bias_correction2_sqrt, decay) of parameter
+        p, rewritten before each replay from its step count and its group's lr then; else None."""
+        capture = graphs.current(p.device)
+        if capture is None:
+            return None
+        rows = capture.slot(("adam", id(self), p.device, "rows"), list)   # [(param state, group)] captured
+        if not rows:
+            table = capture.slot(("adam", id(self), p.device), lambda: p.xp.empty((len(self.parameters()), 3)))
+
+            def before_replay(replay):  # replay 0 performs the captured step, whose counts are already in
+                host = backend.module_for("cpu").zeros(table.shape)
+                for i, (st, g) in enumerate(rows):
+                    st["step"] += replay > 0
+                    s = self._settings(g, st["step"])
+                    host[i] = (s.step_size, s.bias_correction2_sqrt, s.decay)
+                backend.copy_from_host(table, host)
+            capture.before_replay(before_replay)
+        table = capture.slots[("adam", id(self), p.device)]
+        rows.append((state, group))
+        return table[len(rows) - 1]
 
 
-# Adam's update of one entry as the body of a fused elementwise kernel (cupy.ElementwiseKernel
-# on a GPU; the test device runs the same text with numpy): the arithmetic of the host path
-# above, operation for operation, so the test device agrees with the CPU bit for bit (a GPU
-# may fuse a * b + c into one FMA, as torch's CUDA Adam does). {g} is the gradient used:
-# g, or g + weight_decay * p (Adam's L2 penalty); AdamW first decays p.
-ADAM_KERNEL_BODY = """
-m = m + one_minus_beta1 * ({g} - m);
-v = beta2 * v + one_minus_beta2 * {g} * {g};
-p = p - step_size * (m / (sqrt(v) / bias_correction2_sqrt + eps));
-"""
+class AdamSettings(NamedTuple):
+    """The scalars of one Adam step: hyperparameters, the variant ("plain", "l2": Adam's coupled
+    weight decay, "decoupled": AdamW's) and the step-dependent step_size = lr / (1 - beta1^t),
+    bias_correction2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr * weight_decay."""
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    variant: str
+    step_size: float
+    bias_correction2_sqrt: float
+    decay: float
 
 
-@functools.lru_cache(maxsize=None)  # the body is put together once, not for every parameter at every step
-def _adam_kernel(xp, variant):
-    """The fused Adam step of a device's array module; variant "plain", "l2" or "decoupled"."""
-    body = ADAM_KERNEL_BODY.format(g="(g + weight_decay * p)" if variant == "l2" else "g")
-    if variant == "decoupled":
-        body = "p = p * decay;" + body
-    return backend.elementwise_kernel(
-        xp, "T g, T one_minus_beta1, T beta2, T one_minus_beta2, T step_size, T bias_correction2_sqrt, "
-        "T eps, T weight_decay, T decay", "T p, T m, T v", body, f"npformer_adam_{variant}")
+def _adam_entries(param, g, m, v, tmp, s, step_size, bias_correction2_sqrt, decay):
+    """Adam's update of the entries of (flat blocks of) arrays, in place; the step-dependent
+    scalars are floats or (1,) device arrays of the parameter's dtype."""
+    xp = backend.get_array_module(param)
+    if s.variant == "decoupled":
+        # AdamW: p = p * (1 - lr * weight_decay), before the Adam step
+        param *= decay
+    elif s.variant == "l2":
+        # Adam: g = grad + weight_decay * p (a new array: grad itself is not touched)
+        g = g + s.weight_decay * param
+    # m = lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
+    xp.subtract(g, m, out=tmp)
+    tmp *= s.one_minus_beta1
+    m += tmp
+    # v = beta2 * v + (1 - beta2) * g * g
+    v *= s.beta2
+    xp.multiply(g, s.one_minus_beta2, out=tmp)
+    tmp *= g
+    v += tmp
+    # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
+    xp.sqrt(v, out=tmp)
+    tmp /= bias_correction2_sqrt
+    tmp += s.eps
+    # p -= lr / (1 - beta1^t) * m / denom
+    xp.divide(m, tmp, out=tmp)
+    tmp *= step_size
+    param -= tmp
+
+
+@kernel_table
+def adam_update(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=None):
+    """One Adam/AdamW step of one parameter in place (param, exp_avg, exp_avg_sq; scratch: a temporary
+    of the parameter's shape), the arithmetic of torch.optim.Adam. hyper: None, or (under graph
+    capture) a device array (3,) float64 holding (step_size, bias_correction2_sqrt, decay), which
+    then replace those of `settings`."""
+    scalars = (settings.step_size, settings.bias_correction2_sqrt, settings.decay)
+    if hyper is not None:  # read on the device, in the parameter's dtype (as a float argument would be)
+        scalars = tuple(hyper[i:i + 1].astype(param.dtype) for i in range(3))
+    _adam_entries(param, grad, exp_avg, exp_avg_sq, scratch, settings, *scalars)
+
+
+@adam_update.register("cpu", supports=lambda param, *args, **kwargs: param.flags.c_contiguous)
+def adam_update_cpu(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=None):
+    """The reference's arithmetic on flat blocks on the threads of `autograd.threads` (bit-identical
+    for any thread count)."""
+    arrays = tuple(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq, scratch))
+
+    def update(start, stop):
+        _adam_entries(*(a[start:stop] for a in arrays), settings, settings.step_size,
+                      settings.bias_correction2_sqrt, settings.decay)
+
+    for_rows(update, param.size, param.size, param)
 
 
 class AdamW(Adam):

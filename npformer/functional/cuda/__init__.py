@@ -18,6 +18,13 @@ from autograd import backend
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
 SOURCES = {  # file (without .cu) -> its kernels
     "softmax": ("softmax_forward", "softmax_backward"),
+    "layer_norm": ("layer_norm_forward", "layer_norm_backward_input", "layer_norm_backward_params", "column_sum"),
+    "cross_entropy": ("log_softmax_forward", "log_softmax_backward", "cross_entropy_forward",
+                      "cross_entropy_backward"),
+    "activation": ("bias_relu_forward", "relu_backward", "bias_gelu_forward", "gelu_backward"),
+    "dropout": ("dropout_add_forward", "dropout_backward"),
+    "embedding": ("embedding_backward",),
+    "adam": ("adam_step",),  # launched by npformer/optim/cuda.py (the optimizer's layer)
 }
 CTYPES = {"float32": "float", "float64": "double"}
 OPTIONS = ("-std=c++17",)
@@ -32,8 +39,9 @@ def name_expressions(source):
 _modules = {}
 
 
-def function(source, kernel, dtype):
-    """The compiled `kernel<T>` of `source`.cu for arrays of `dtype`, on the current GPU."""
+def load_raw_module(source, kernel, dtype):
+    """The compiled `kernel<T>` of `source`.cu for arrays of `dtype` on the current GPU (CuPy's
+    RawModule: NVRTC compiles the file the first time, CuPy caches the binary on disk)."""
     cupy = backend.cupy
     key = (source, cupy.cuda.Device().id)
     if key not in _modules:
@@ -43,8 +51,31 @@ def function(source, kernel, dtype):
     return _modules[key].get_function(f"{kernel}<{CTYPES[str(dtype)]}>")
 
 
+_loader = load_raw_module  # the tests swap in a host emulator of the kernels (tests/cuda_emulator.py)
+
+
+def function(source, kernel, dtype):
+    """The kernel `kernel<T>` of `source`.cu for arrays of `dtype`, called as
+    `function(...)((blocks,), (threads,), (arg, ...))` like a CuPy RawKernel."""
+    return _loader(source, kernel, dtype)
+
+
 def supported_dtype(*arrays):
     return all(str(a.dtype) in CTYPES for a in arrays)
+
+
+def contiguous_floats(*arrays):
+    """The arrays (None skipped) are C-contiguous, of one dtype that the kernels are built for:
+    what the row kernels need."""
+    arrays = [a for a in arrays if a is not None]
+    return (supported_dtype(*arrays) and len({a.dtype for a in arrays}) == 1
+            and all(a.flags.c_contiguous for a in arrays))
+
+
+def null(array):
+    """An optional array argument: the array, or 0 (a null pointer: CuPy passes a Python int as a
+    64-bit value) for None; the kernels test the pointer."""
+    return 0 if array is None else array
 
 
 def row_threads(n):
@@ -53,10 +84,10 @@ def row_threads(n):
     return min(MAX_THREADS, max(32, -(-n // 32) * 32))
 
 
-def row_shape(rows, n):
+def row_shape(xp, rows, n):
     """(rows, n) as the kernels' (long long, int) arguments: CuPy passes a Python int as a
     long long, so the int is made explicit."""
-    return backend.cupy.int64(rows), backend.cupy.int32(n)
+    return xp.int64(rows), xp.int32(n)
 
 
 def row_grid(rows):
@@ -64,4 +95,12 @@ def row_grid(rows):
     return max(1, min(rows, 2**31 - 1))
 
 
-from . import softmax  # noqa: E402,F401  (registers the softmax kernels)
+MAX_ENTRY_BLOCKS = 65536  # blocks of an elementwise kernel (its threads loop over the rest)
+
+
+def entry_grid(size, threads):
+    """Blocks for an elementwise kernel of `threads` threads per block over `size` entries."""
+    return max(1, min(-(-size // threads), MAX_ENTRY_BLOCKS))
+
+
+from . import activation, cross_entropy, dropout, embedding, layer_norm, softmax  # noqa: E402,F401  (register the kernels)

@@ -13,18 +13,20 @@ def _last_axis_rows(*arrays, axis):
 
 @softmax_forward.register("cuda", supports=lambda x, axis, out=None: _last_axis_rows(x, out, axis=axis))
 def softmax_forward_cuda(x, axis, out=None):
-    y = backend.cupy.empty_like(x) if out is None else out
+    xp = backend.get_array_module(x)
+    y = xp.empty_like(x) if out is None else out
     n = x.shape[-1]
     rows = x.size // n
-    function("softmax", "softmax_forward", x.dtype)((row_grid(rows),), (row_threads(n),), (x, y, *row_shape(rows, n)))
+    function("softmax", "softmax_forward", x.dtype)((row_grid(rows),), (row_threads(n),), (x, y, *row_shape(xp, rows, n)))
     return y
 
 
 @softmax_backward.register("cuda", supports=lambda y, dy, axis, out=None: _last_axis_rows(y, dy, out, axis=axis))
 def softmax_backward_cuda(y, dy, axis, out=None):
-    dx = backend.cupy.empty_like(dy) if out is None else out
+    xp = backend.get_array_module(dy)
+    dx = xp.empty_like(dy) if out is None else out
     n = y.shape[-1]
     rows = y.size // n
     function("softmax", "softmax_backward", y.dtype)((row_grid(rows),), (row_threads(n),),
-                                                      (y, dy, dx, *row_shape(rows, n)))
+                                                      (y, dy, dx, *row_shape(xp, rows, n)))
     return dx

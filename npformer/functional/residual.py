@@ -1,0 +1,71 @@
+"""Dropout fused with the residual add: y = residual + dropout(x), the mask drawn from a Philox
+stream (autograd.random) by the dropout contract and drawn again in backward instead of stored."""
+from autograd import Function, Tensor, backend, random
+from autograd.kernels import kernel_table
+
+from ._common import check_tensor, has_twin
+from .activation import check_dropout_p
+
+
+def keep_threshold(p):
+    """Entry i is kept iff its 16-bit value is >= this (p rounded to a multiple of 2^-16)."""
+    return min(round(p * 2**16), 2**16 - 1)
+
+
+def dropout_scale(like, p, draw):
+    """keep / (1 - p) in the shape and dtype of the array `like`, keep drawn from the PhiloxDraw
+    `draw` by the dropout contract: entry i (C order) kept iff value offset + i >= keep_threshold(p)."""
+    bits = random.bits16(draw.seed, draw.offset, like.size, backend.device_of(like), state=draw.state)
+    return (bits >= keep_threshold(p)).reshape(like.shape).astype(like.dtype) * (1.0 / (1.0 - p))
+
+
+@kernel_table
+def dropout_add_forward(x, residual, p, draw):
+    """residual + x * keep / (1 - p) for arrays of one shape, 0 < p < 1."""
+    return residual + x * dropout_scale(x, p, draw)
+
+
+@kernel_table
+def dropout_backward(dy, p, draw):
+    """dx = dy * keep / (1 - p), with the forward's keep drawn again from `draw`."""
+    return dy * dropout_scale(dy, p, draw)
+
+
+class DropoutAddFunction(Function):
+    """y = residual + x * m, m = keep / (1 - p) from a Philox draw.  dx = dy * m,  dresidual = dy."""
+
+    @staticmethod
+    def forward(ctx, x, residual, p, draw):
+        ctx.p, ctx.draw = p, draw                          # (seed, offset): m is not stored
+        return dropout_add_forward(x, residual, p, draw)
+
+    @staticmethod
+    def backward(ctx, dy):
+        # y = residual + x * m  ->  dx = dy * m (drawn again),  dresidual = dy
+        return dropout_backward(dy, ctx.p, ctx.draw), dy
+
+
+def check_dropout_add(input, residual, p, generator, op):
+    x = check_tensor("input", input, op)
+    r = check_tensor("residual", residual, op)
+    if tuple(x.shape) != tuple(r.shape):
+        raise ValueError(f"{op}: input and residual must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
+    if generator is not None and not isinstance(generator, random.Philox):
+        raise TypeError(f"{op}: generator must be an autograd.random.Philox or None, got {type(generator).__name__}")
+    return x, check_dropout_p(p, op)
+
+
+@has_twin
+def dropout_add(input, residual, p=0.5, training=True, generator=None):
+    """residual + dropout(input, p): the residual connection of a Transformer sublayer in one op.
+    The mask comes from `generator` (an autograd.random.Philox; default the global dropout stream)
+    by the dropout contract, so a GPU kernel draws the same mask as the CPU, and backward draws it
+    again from (seed, offset) instead of storing it. p=0 or training=False: residual + input."""
+    x, p = check_dropout_add(input, residual, p, generator, "dropout_add")
+    as_tensor = lambda t: t if isinstance(t, Tensor) else Tensor(t)  # noqa: E731
+    if not training or p == 0.0:
+        return as_tensor(residual) + input
+    if p == 1.0:
+        return as_tensor(residual) + as_tensor(input) * 0.0
+    draw = (generator or random.dropout_stream()).draw(x.size, backend.device_of(x))
+    return DropoutAddFunction.apply(input, residual, p=p, draw=draw)

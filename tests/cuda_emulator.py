@@ -1,0 +1,137 @@
+"""Run npformer's CUDA kernels on the CPU (tests/cuda_emulator.h): a .cu source compiled with g++
+against the emulator, its kernels launched through ctypes with CuPy's argument rules.
+
+    with emulated_kernels(monkeypatch):          # npformer.functional.cuda.function -> the emulator
+        y = layer_norm_forward_cuda(x, w, b, 1e-5)  # numpy arrays in, the real launcher and kernel run
+
+Arguments follow CuPy's RawKernel conventions: an array passes its pointer, a numpy scalar its
+bytes, a Python int a long long, a float a double, a bool a bool; each is checked against the size
+of the kernel's parameter (a Python int passed for an `int` parameter is the bug CuPy would not
+report). Every array is checked for writes past either end (guard bytes around a copy), and the
+emulator reports blocks whose threads miss a barrier.
+"""
+import contextlib
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+from npformer.functional import cuda
+
+HEADER = pathlib.Path(__file__).with_name("cuda_emulator.h")
+GUARD = 256  # bytes before and after every array, checked after each launch
+GUARD_BYTE = 0xA5
+
+
+def compiler():
+    return shutil.which("g++") or shutil.which("c++")
+
+
+class LaunchError(RuntimeError):
+    """The emulator refused a launch (bad arguments, divergent barriers, out-of-bounds writes)."""
+
+
+class Module:
+    """One .cu source compiled with the emulator: `get_function("kernel<float>")`."""
+
+    def __init__(self, source):
+        code = (cuda.SOURCE_DIR / f"{source}.cu").read_text()
+        instances = cuda.name_expressions(source)
+        wrapper = (f'#include "{HEADER}"\n#include "{source}.cu"\n'
+                   f"EMULATED_KERNELS({' '.join(f'EMULATED({e})' for e in instances)})\n")
+        headers = "".join(p.read_text() for p in sorted(cuda.SOURCE_DIR.glob("*.cuh")))
+        key = hashlib.sha256((HEADER.read_text() + headers + code + wrapper).encode()).hexdigest()[:16]
+        build = pathlib.Path(tempfile.gettempdir()) / f"npformer-cuda-emulator-{os.getuid()}"
+        build.mkdir(exist_ok=True)
+        library = build / f"{source}-{key}.so"
+        if not library.exists():
+            cpp = build / f"{source}-{key}.cpp"
+            cpp.write_text(wrapper)
+            partial = library.with_suffix(f".{os.getpid()}.tmp")
+            subprocess.run([compiler(), "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-ffp-contract=off",
+                            f"-I{cuda.SOURCE_DIR}", str(cpp), "-o", str(partial)], check=True,
+                           capture_output=True, text=True)
+            os.replace(partial, library)
+        self.lib = ctypes.CDLL(str(library))
+        self.lib.emu_name.restype = ctypes.c_char_p
+        self.lib.emu_error.restype = ctypes.c_char_p
+        self.lib.emu_param_size.restype = ctypes.c_size_t
+        self.kernels = {self.lib.emu_name(i).decode().replace(" ", ""): i for i in range(self.lib.emu_count())}
+
+    def get_function(self, name):
+        return Kernel(self, self.kernels[name.replace(" ", "")], name)
+
+
+def _dims(d):
+    d = tuple(int(v) for v in d) + (1, 1, 1)
+    return d[:3]
+
+
+class Kernel:
+    def __init__(self, module, index, name):
+        self.lib, self.index, self.name = module.lib, index, name
+        self.sizes = [self.lib.emu_param_size(index, j) for j in range(self.lib.emu_params(index))]
+        self.launches = 0
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        if len(args) != len(self.sizes):
+            raise LaunchError(f"{self.name}: {len(args)} arguments for {len(self.sizes)} parameters")
+        buffers, guarded = [], []
+        for j, (a, size) in enumerate(zip(args, self.sizes)):
+            if isinstance(a, np.ndarray):
+                if not a.flags.c_contiguous:
+                    raise LaunchError(f"{self.name}: argument {j} is not C-contiguous (shape {a.shape}, strides "
+                                      f"{a.strides}): a kernel would read it as if it were")
+                padded = np.full(a.nbytes + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)
+                padded[GUARD:GUARD + a.nbytes] = a.reshape(-1).view(np.uint8) if a.size else padded[:0]
+                guarded.append((a, padded))
+                value = ctypes.c_void_p(padded.ctypes.data + GUARD)
+                actual = 8
+            else:
+                if isinstance(a, np.generic):
+                    raw = a.tobytes()
+                elif isinstance(a, bool):
+                    raw = np.bool_(a).tobytes()
+                elif isinstance(a, int):
+                    raw = np.int64(a).tobytes()
+                elif isinstance(a, float):
+                    raw = np.float64(a).tobytes()
+                else:
+                    raise LaunchError(f"{self.name}: argument {j} has type {type(a).__name__}, which CuPy cannot pass")
+                value = ctypes.create_string_buffer(raw, len(raw))
+                actual = len(raw)
+            if actual != size:
+                raise LaunchError(f"{self.name}: argument {j} passes {actual} bytes ({type(a).__name__}) for a "
+                                  f"parameter of {size} bytes")
+            buffers.append(value)
+        params = (ctypes.c_void_p * max(1, len(buffers)))(*[ctypes.addressof(b) for b in buffers])
+        if self.lib.emu_launch(self.index, *_dims(grid), *_dims(block), params):
+            raise LaunchError(f"{self.name}: {self.lib.emu_error().decode()}")
+        self.launches += 1
+        for a, padded in guarded:
+            if (padded[:GUARD] != GUARD_BYTE).any() or (padded[GUARD + a.nbytes:] != GUARD_BYTE).any():
+                raise LaunchError(f"{self.name}: a write past the end of an argument of shape {a.shape}")
+            if a.size:
+                a.reshape(-1).view(np.uint8)[...] = padded[GUARD:GUARD + a.nbytes]
+
+
+_modules = {}
+
+
+def load(source, kernel, dtype):
+    """Drop-in for npformer.functional.cuda's loader: the emulated `kernel<T>` of `source`.cu."""
+    if source not in _modules:
+        _modules[source] = Module(source)
+    return _modules[source].get_function(f"{kernel}<{cuda.CTYPES[str(dtype)]}>")
+
+
+@contextlib.contextmanager
+def emulated_kernels(monkeypatch):
+    """Within the block, every CUDA launcher of npformer runs its kernels on the emulator."""
+    monkeypatch.setattr(cuda, "_loader", load)
+    yield
