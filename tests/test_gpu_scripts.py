@@ -41,8 +41,8 @@ def test_gpu_check_script_is_valid_bash_and_stops_clearly_without_cupy():
 
 
 def test_launch_count_shows_one_fused_adam_kernel_per_parameter():
-    """benchmarks/launch_count.py on the test device (GPU code paths): Adam is one fused kernel
-    call per parameter (composed, it would be 13)."""
+    """benchmarks/launch_count.py on the test device (the cuda code paths, kernel launches counted):
+    Adam is one kernel launch per parameter (its reference would make 13)."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "launch_count.py"), "--config", "base"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
