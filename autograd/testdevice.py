@@ -267,6 +267,9 @@ class _OnTestDevice:
                 _refuse_during_capture(f"{self._name} of host data (a host-to-device copy)")
             if self._name in self._SYNCHRONISING:
                 _refuse_during_capture(f"{self._name} (the size of its result is read on the host)")
+            if self._name.startswith("numpy.random."):
+                _refuse_during_capture(f"{self._name}: a generator's draws would repeat at every replay (its state "
+                                       "is host memory); draw from a Philox stream, autograd.random.Philox.draw")
             written = [kwargs["out"]] if "out" in kwargs else []
             if args and (self._name in self._WRITES_FIRST_ARGUMENT or at):
                 written.append(args[0])
@@ -342,15 +345,21 @@ class Capture:
         self.ops = []          # (fn, result): fn() recomputes; its value is copied into result
         self._saved = {}       # id(root) -> (root, copy): memory from before the capture, written in it
         self._made = {}        # id(root) -> root: memory the capture made (no need to restore)
+        self._errors = None
 
     def __enter__(self):
         if getattr(_calls, "capture", None) is not None:
             raise RuntimeError("a test-device capture is already in progress in this thread")
         _calls.capture = self
+        # memory that the replays fill in first (e.g. the dropout stream's device state) holds
+        # garbage while capturing, as a GPU's would: its arithmetic may overflow, harmlessly
+        self._errors = numpy.errstate(all="ignore")
+        self._errors.__enter__()
         return self
 
     def __exit__(self, *exc):
         _calls.capture = None
+        self._errors.__exit__(*exc)
         for root, saved in self._saved.values():   # the capture ran nothing: older memory as it was
             numpy.copyto(root.view(numpy.ndarray), saved)
         self._saved.clear()
@@ -366,7 +375,7 @@ class Capture:
                     if old.shape != numpy.shape(new):
                         raise RuntimeError(f"replay: an operation of the captured step now gives shape "
                                            f"{numpy.shape(new)} instead of {old.shape}")
-                    numpy.copyto(old.view(numpy.ndarray), new)
+                    numpy.copyto(old.view(numpy.ndarray), _host(new))
         finally:
             _calls.depth -= 1
 
@@ -422,4 +431,4 @@ def _before_write(*arrays):
             if isinstance(array, numpy.ndarray):
                 root = _root(array)
                 if id(root) not in capture._made and id(root) not in capture._saved:
-                    capture._saved[id(root)] = (root, numpy.ndarray.copy(root))
+                    capture._saved[id(root)] = (root, root.view(numpy.ndarray).copy())

@@ -204,6 +204,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         checks.defer(_zero_weighted_mean, divisor)
     elif reduction == "mean":
         divisor = valid.sum().astype(logits.dtype)
+    if divisor is not None:  # a 0 divisor is reported by the checks; meanwhile the loss is 0, not NaN
+        divisor = backend.get_array_module(divisor).where(divisor == 0, 1, divisor).astype(logits.dtype, copy=False)
     x = input if isinstance(input, Tensor) else Tensor(input)
     if logits.ndim > 2:  # (N, C, d1, ...) -> (N, d1, ..., C): classes last
         x = x.permute(0, *range(2, logits.ndim), 1)
