@@ -169,8 +169,9 @@ def test_dropout_add_kernels_draw_the_reference_mask_exactly(size, p, dtype, rng
     dy = rng.standard_normal((size,)).astype(dtype)
     state = np.array([2**63 + 5, 8 * 2**33], dtype=np.uint64)
     for draw in (random.PhiloxDraw(123456789012345, 8 * 2**32 + 16), random.PhiloxDraw(0, 24, state)):
-        np.testing.assert_array_equal(cuda(dropout_add_forward, x, residual, p, draw),
-                                      dropout_add_forward.reference(x, residual, p, draw))
+        y, keep = cuda(dropout_add_forward, x, residual, p, draw)
+        assert keep is None                                           # drawn again in backward
+        np.testing.assert_array_equal(y, dropout_add_forward.reference(x, residual, p, draw)[0])
         np.testing.assert_array_equal(cuda(dropout_backward, dy, p, draw), dropout_backward.reference(dy, p, draw))
 
 

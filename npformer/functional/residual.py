@@ -1,10 +1,12 @@
 """Dropout fused with the residual add: y = residual + dropout(x), the mask drawn from a Philox
-stream (autograd.random) by the dropout contract and drawn again in backward instead of stored."""
+stream (autograd.random) by the dropout contract; on a GPU drawn again in backward instead of
+stored (the CPU keeps it: there, drawing costs more than a byte per entry)."""
 from autograd import Function, Tensor, backend, random
 from autograd.kernels import kernel_table
+from autograd.threads import for_rows
 
 from ._common import check_tensor, has_twin
-from .activation import check_dropout_p
+from .activation import check_dropout_p, elementwise_product
 
 
 def keep_threshold(p):
@@ -21,14 +23,41 @@ def dropout_scale(like, p, draw):
 
 @kernel_table
 def dropout_add_forward(x, residual, p, draw):
-    """residual + x * keep / (1 - p) for arrays of one shape, 0 < p < 1."""
-    return residual + x * dropout_scale(x, p, draw)
+    """(residual + x * keep / (1 - p), keep or None) for arrays of one shape, 0 < p < 1: keep (bool)
+    when the implementation keeps the mask for backward, None when backward draws it again."""
+    return residual + x * dropout_scale(x, p, draw), None
+
+
+@dropout_add_forward.register("cpu", supports=lambda x, residual, p, draw: draw.state is None)
+def dropout_add_forward_cpu(x, residual, p, draw):
+    """In flat blocks on the threads of `autograd.threads`, each block drawing its own slice of the
+    stream; the mask is kept (1 byte per entry): on the CPU drawing it again costs more."""
+    xp = backend.get_array_module(x)
+    y, keep = xp.empty(x.shape, dtype=x.dtype), xp.empty(x.shape, dtype=bool)
+    xf, rf, yf, kf = x.reshape(-1), residual.reshape(-1), y.reshape(-1), keep.reshape(-1)
+    threshold, scale = keep_threshold(p), 1.0 / (1.0 - p)
+
+    def block(start, stop):
+        xp.greater_equal(random.bits16(draw.seed, draw.offset + start, stop - start), threshold, out=kf[start:stop])
+        yb = xp.multiply(xf[start:stop], kf[start:stop], out=yf[start:stop])   # y = residual + x * keep * scale
+        yb *= scale
+        yb += rf[start:stop]
+
+    for_rows(block, x.size, x.size, x)
+    return y, keep
 
 
 @kernel_table
-def dropout_backward(dy, p, draw):
-    """dx = dy * keep / (1 - p), with the forward's keep drawn again from `draw`."""
+def dropout_backward(dy, p, draw, keep=None):
+    """dx = dy * keep / (1 - p), with the forward's keep, or drawn again from `draw` (keep None)."""
+    if keep is not None:
+        return dy * (keep.astype(dy.dtype) * (1.0 / (1.0 - p)))
     return dy * dropout_scale(dy, p, draw)
+
+
+@dropout_backward.register("cpu", supports=lambda dy, p, draw, keep=None: keep is not None)
+def dropout_backward_cpu(dy, p, draw, keep=None):
+    return elementwise_product(dy, keep, 1.0 / (1.0 - p))
 
 
 class DropoutAddFunction(Function):
@@ -36,13 +65,14 @@ class DropoutAddFunction(Function):
 
     @staticmethod
     def forward(ctx, x, residual, p, draw):
-        ctx.p, ctx.draw = p, draw                          # (seed, offset): m is not stored
-        return dropout_add_forward(x, residual, p, draw)
+        y, ctx.keep = dropout_add_forward(x, residual, p, draw)  # keep: None where backward draws m again
+        ctx.p, ctx.draw = p, draw
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        # y = residual + x * m  ->  dx = dy * m (drawn again),  dresidual = dy
-        return dropout_backward(dy, ctx.p, ctx.draw), dy
+        # y = residual + x * m  ->  dx = dy * m,  dresidual = dy
+        return dropout_backward(dy, ctx.p, ctx.draw, ctx.keep), dy
 
 
 def check_dropout_add(input, residual, p, generator, op):

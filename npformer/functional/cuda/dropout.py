@@ -21,11 +21,11 @@ def dropout_add_forward_cuda(x, residual, p, draw):
         function("dropout", "dropout_add_forward", x.dtype)(
             (entry_grid(-(-x.size // 8), THREADS),), (THREADS,),
             (x, residual, y, *_philox_arguments(xp, p, draw), xp.int64(x.size)))
-    return y
+    return y, None                        # the mask is not kept: backward draws it again
 
 
-@dropout_backward.register("cuda", supports=lambda dy, p, draw: contiguous_floats(dy))
-def dropout_backward_cuda(dy, p, draw):
+@dropout_backward.register("cuda", supports=lambda dy, p, draw, keep=None: keep is None and contiguous_floats(dy))
+def dropout_backward_cuda(dy, p, draw, keep=None):
     xp = backend.get_array_module(dy)
     dx = xp.empty_like(dy)
     if dy.size:
