@@ -85,14 +85,17 @@ def bias_activation_backward(dy, saved, kind):
 
 @bias_activation_backward.register("cpu", supports=lambda dy, saved, kind: kind == "relu")
 def bias_activation_backward_cpu(dy, saved, kind):
-    """ReLU's dh in flat blocks on the threads of `autograd.threads`."""
+    """ReLU's dh in flat blocks on the threads of `autograd.threads`: dy's bits ANDed with a mask of
+    all ones (kept) or zeros (dropped), the exact `where(keep, dy, 0)` at the cost of a multiply
+    (numpy's where and copyto(where=) are ~8x slower)."""
     xp = backend.get_array_module(dy)
     (keep,) = saved
-    dh = xp.zeros(dy.shape, dtype=dy.dtype)
-    df, kf, hf = dy.reshape(-1), keep.reshape(-1), dh.reshape(-1)
+    dh = xp.empty(dy.shape, dtype=dy.dtype)
+    bits = f"int{8 * dy.itemsize}"                              # an integer of the float's width
+    df, kf, hf = dy.reshape(-1).view(bits), keep.reshape(-1).view("int8"), dh.reshape(-1).view(bits)
 
     def block(start, stop):
-        xp.copyto(hf[start:stop], df[start:stop], where=kf[start:stop])
+        xp.bitwise_and(df[start:stop], xp.negative(kf[start:stop], dtype=bits), out=hf[start:stop])  # -1: all ones
 
     for_rows(block, dy.size, dy.size, dy)
     return dh

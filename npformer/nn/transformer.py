@@ -16,6 +16,7 @@ import math
 
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
+from npformer.functional._common import check_index_range
 
 from . import init
 from .attention import MultiheadAttention, attention_mask
@@ -323,12 +324,11 @@ class DecoderCache:
         idx = indices.data if isinstance(indices, Tensor) else indices
         if not backend.is_array(idx):
             idx = backend.module_for("cpu").asarray(idx)
-        idx = backend.to_device(idx, backend.device_of(like))
         if idx.ndim != 1 or idx.dtype.kind not in "iu":
             raise ValueError(f"DecoderCache.reorder: indices must be a 1-D integer array, got {idx.dtype} {idx.shape}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.batch_size):
-            raise IndexError(f"DecoderCache.reorder: indices must be in [0, {self.batch_size - 1}], "
-                             f"got values in [{int(idx.min())}, {int(idx.max())}]")
+        check_index_range(idx, self.batch_size, lambda lo, hi: IndexError(  # host indices now, device ones deferred
+            f"DecoderCache.reorder: indices must be in [0, {self.batch_size - 1}], got values in [{lo}, {hi}]"))
+        idx = backend.to_device(idx, backend.device_of(like))
         for layer in self.layers:
             for name, t in layer.tensors().items():
                 if t is not None:
