@@ -140,3 +140,21 @@ def test_dropout_add_edge_cases_and_errors(rng):
         F.dropout_add(x, r, 1.5)
     with pytest.raises(TypeError, match="generator must be an autograd.random.Philox or None, got Generator"):
         F.dropout_add(x, r, 0.5, generator=np.random.default_rng(0))
+
+
+def test_docs_list_every_kernel_table_and_where_it_has_implementations():
+    """docs/gpu.md's table "which implementation runs where" names every kernel table of npformer;
+    its "cpu" and "cuda" columns start with "(" exactly where nothing is registered."""
+    import pathlib
+
+    from autograd import kernels
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    text = text.split("## Kernel tables")[1].split("\n## ")[0]
+    for table in kernels.TABLES:
+        if not table.reference.__module__.startswith("npformer"):
+            continue  # tables the tests make
+        rows = [line for line in text.splitlines() if line.startswith("|") and f"`{table.__name__}`" in line]
+        assert len(rows) == 1, f"docs/gpu.md: no row (or several) for the kernel table {table.__name__}"
+        columns = [c.strip() for c in rows[0].split("|")]
+        for device, column in (("cpu", columns[3]), ("cuda", columns[4])):
+            assert (device in table.implementations) == (not column.startswith("(")), (table.__name__, device)
