@@ -50,8 +50,9 @@ def test_matches_torch_for_20_steps(torch, device, rng, name, kwargs):
 @pytest.mark.parametrize("name,kwargs", [o for o in OPTIMIZERS if o[0] != "SGD"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_fused_adam_kernel_equals_the_host_path_bit_for_bit(name, kwargs, dtype):
-    """Off the CPU, Adam runs one fused kernel (ADAM_KERNEL_BODY); the test device runs its text
-    with numpy, and it must give exactly the host path's numbers, step after step."""
+    """The kernel table adam_update: the test device runs its reference (whole arrays; on a GPU,
+    adam.cu), the CPU its row-threaded implementation; both give the same numbers bit for bit,
+    step after step (the CUDA kernel's arithmetic: tests/test_kernels_emulated.py)."""
     results = {}
     for device in ("cpu", "test"):
         params = _params(np.random.default_rng(0), device, dtype)
