@@ -36,6 +36,8 @@ Where it runs: "cuda" (CuPy stream capture into a private memory pool, replayed 
 same arrays (autograd.testdevice), so the same code path is tested without a GPU; "cpu": no graph,
 every call runs eagerly.
 """
+import contextlib
+
 from autograd import Tensor, backend, checks, graphs, testdevice
 
 __all__ = ["graphed", "GraphedStep"]
@@ -50,9 +52,18 @@ class _CudaGraph:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graph = None
 
+    @contextlib.contextmanager
     def eager(self):
-        """A context for the warm-up calls: on the capture stream, like the capture."""
-        return self.stream
+        """A context for the warm-up calls: on the capture stream, like the capture, ordered after
+        the work queued before it (the inputs) and before the work queued after it (the results)."""
+        cupy = backend.cupy
+        current = cupy.cuda.get_current_stream()
+        self.stream.wait_event(current.record())
+        try:
+            with self.stream:
+                yield
+        finally:
+            current.wait_event(self.stream.record())
 
     def capturing(self, run):
         cupy = backend.cupy
@@ -86,7 +97,7 @@ class _EmulatedGraph:
 
     @staticmethod
     def eager():
-        return _nothing()
+        return contextlib.nullcontext()
 
     def capturing(self, run):
         with self.record:
@@ -94,14 +105,6 @@ class _EmulatedGraph:
 
     def replay(self):
         self.record.replay()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class GraphedStep:
