@@ -58,7 +58,6 @@ PRESETS = {
                  dropout=0.0, batch_size=64, steps=3000, lr=1e-3, warmup=300, schedule="cosine",
                  label_smoothing=0.0, clip_norm=1.0, eval_every=250),
 }
-SETTINGS = tuple(PRESETS["default"])
 SNAPSHOT_STEP = 150  # attention_grads.py's default model: partly trained, so dL/dP is still large
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 

@@ -6,7 +6,7 @@ import pytest
 
 import npformer
 import npformer.functional as F
-from autograd import Tensor, no_grad
+from autograd import Tensor, backend, no_grad
 from npformer import nn
 from npformer.models import CausalLM, EncoderClassifier, Seq2SeqTransformer
 
@@ -68,19 +68,22 @@ def test_p_and_dl_dp_equal_a_manual_computation_and_torch(rng, torch):
     assert (record.weights.numpy()[1, :, :, 3] == 0).all()
 
 
-def test_recording_changes_neither_outputs_nor_parameter_gradients(rng):
+def test_recording_changes_neither_outputs_nor_parameter_gradients(rng, device):
     mha, query, memory, padding, g = small_attention(rng)
+    mha.to(device)
 
     def run(record):
         mha.zero_grad()
-        x = Tensor(query, requires_grad=True)
+        x, m = Tensor(query, requires_grad=True, device=device), Tensor(memory, device=device)
         if record:
-            with nn.record_attention(mha):
-                out, weights = mha(x, Tensor(memory), Tensor(memory), key_padding_mask=padding)
+            with nn.record_attention(mha) as recorder:
+                out, weights = mha(x, m, m, key_padding_mask=padding)
         else:
-            out, weights = mha(x, Tensor(memory), Tensor(memory), key_padding_mask=padding)
-        (out * Tensor(g)).sum().backward()
-        return [out.numpy(), weights.numpy(), x.grad] + [p.grad for p in mha.parameters()]
+            out, weights = mha(x, m, m, key_padding_mask=padding)
+        (out * Tensor(g, device=device)).sum().backward()
+        if record:
+            assert backend.device_of(recorder[""].grad) == device
+        return [backend.as_numpy(a) for a in [out.data, weights.data, x.grad] + [p.grad for p in mha.parameters()]]
 
     for plain, recorded in zip(run(False), run(True)):
         np.testing.assert_allclose(recorded, plain, rtol=1e-12, atol=1e-13 * np.abs(plain).max())
