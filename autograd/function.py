@@ -92,7 +92,9 @@ class Function:
         def backward(ctx, *grad_outputs) -> one gradient (or None) per positional input
 
     and are called as `MyOp.apply(*inputs, **options)`. Non-Tensor inputs get no gradient.
-    `ctx.needs_input_grad[i]` says whether input i needs one.
+    `ctx.needs_input_grad[i]` says whether input i needs one. What backward returns is checked
+    like torch's engine does (count, shape, dtype, device; a gradient of a shape the input
+    broadcasts to is summed back): a mistake raises an error naming the op and the input.
     """
 
     saved_tensors = ()
