@@ -14,6 +14,7 @@ A new op adds a `Family` below, its cases (in ops.py, or modules.py for an nn mo
 file that calls `op_tests(family)`, and a section in docs/backprop.md.
 """
 import dataclasses
+import re
 
 from . import modules, ops
 from .case import (TOLERANCE, Comparison, Instance, OpCase, compare, compare_with_torch, compare_with_twin,
@@ -76,16 +77,22 @@ def select(pattern="", modules=True):
             and (modules or c.module is None)]
 
 
+def anchor(heading):
+    """The link target of a markdown heading (GitHub's rule): lower case, punctuation dropped,
+    spaces as hyphens."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
+
+
 def markdown_table():
     """The op table of docs/backprop.md: one row per op family with a derivation."""
     rows = ["| ops | derivation | code | autograd.Function | tests |", "|---|---|---|---|---|"]
     for f in FAMILIES.values():
         if f.section is not None:
-            rows.append(f"| {', '.join(f'`{op}`' for op in f.ops)} | {f.section} | `{f.source}` | "
+            rows.append(f"| {', '.join(f'`{op}`' for op in f.ops)} | [{f.section}](#{anchor(f.section)}) | `{f.source}` | "
                         f"{', '.join(f'`{name}`' for name in f.functions)} | `{f.tests}` |")
     return "\n".join(rows)
 
 
-__all__ = ["CASES", "FAMILIES", "TOLERANCE", "Comparison", "Family", "Instance", "OpCase", "cases", "compare",
+__all__ = ["CASES", "FAMILIES", "TOLERANCE", "Comparison", "Family", "Instance", "OpCase", "anchor", "cases", "compare",
            "compare_with_torch", "compare_with_twin", "gradcheck_case", "instantiate", "markdown_table", "select",
            "torch_args"]
