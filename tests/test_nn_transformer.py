@@ -13,7 +13,7 @@ from npformer import nn
 
 from npformer.opcases.modules import randomize_vectors
 
-from helpers import F32, F64, assert_torch_parity, gradcheck_module, op_tests
+from helpers import F32, F64, assert_torch_parity, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("transformer")
 

@@ -26,11 +26,11 @@ def _module_case(name, family, module, inputs, fn, torch=None, **options):
     return OpCase(name, family, inputs, fn, torch, module=lambda rng: randomize_vectors(module(), rng), **options)
 
 
-def _same(m, *inputs):
+def _call(m, *inputs):
     return m(*inputs)
 
 
-def _torch_same(t, m, *inputs):
+def _torch_call(t, m, *inputs):
     return m(*inputs)
 
 
@@ -45,10 +45,6 @@ def _activation_inputs(rng):
     return [x]
 
 
-def _torch_mask(t, array):
-    return t.tensor(array)
-
-
 _SMALL = dict(d_model=4, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=6)
 
 
@@ -61,12 +57,12 @@ def _layer_cases(norm_first):
         _module_case(f"nn.TransformerEncoderLayer ({name})", "transformer",
                      lambda: nn.TransformerEncoderLayer(4, 2, **options), normal((B, 3, 4)),
                      lambda m, x: m(x, src_key_padding_mask=pad),
-                     lambda t, m, x: m(x, src_key_padding_mask=_torch_mask(t, pad))),
+                     lambda t, m, x: m(x, src_key_padding_mask=t.tensor(pad))),
         _module_case(f"nn.TransformerDecoderLayer ({name}, gelu)", "transformer",
                      lambda: nn.TransformerDecoderLayer(4, 2, activation="gelu", **options), normal((B, 2, 4), (B, 3, 4)),
                      lambda m, x, mem: m(x, mem, tgt_is_causal=True, memory_key_padding_mask=pad),
-                     lambda t, m, x, mem: m(x, mem, tgt_mask=_torch_mask(t, CAUSAL[:2, :2]), tgt_is_causal=True,
-                                            memory_key_padding_mask=_torch_mask(t, pad))),
+                     lambda t, m, x, mem: m(x, mem, tgt_mask=t.tensor(CAUSAL[:2, :2]), tgt_is_causal=True,
+                                            memory_key_padding_mask=t.tensor(pad))),
     ]
 
 
@@ -81,38 +77,38 @@ def _embedding_case(padding_idx):
 
 
 CASES = [
-    _module_case("nn.Linear", "linear", lambda: nn.Linear(4, 3), normal((2, 5, 4)), _same, _torch_same),
-    _module_case("nn.Linear (bias=False)", "linear", lambda: nn.Linear(3, 2, bias=False), normal((2, 2, 3)), _same,
-                 _torch_same),
-    _module_case("nn.ReLU", "relu", nn.ReLU, _activation_inputs, _same, lambda t, m, x: t.relu(x), convert=False),
-    _module_case("nn.GELU", "gelu", nn.GELU, _activation_inputs, _same, lambda t, m, x: t.nn.functional.gelu(x),
+    _module_case("nn.Linear", "linear", lambda: nn.Linear(4, 3), normal((2, 5, 4)), _call, _torch_call),
+    _module_case("nn.Linear (bias=False)", "linear", lambda: nn.Linear(3, 2, bias=False), normal((2, 2, 3)), _call,
+                 _torch_call),
+    _module_case("nn.ReLU", "relu", nn.ReLU, _activation_inputs, _call, lambda t, m, x: t.relu(x), convert=False),
+    _module_case("nn.GELU", "gelu", nn.GELU, _activation_inputs, _call, lambda t, m, x: t.nn.functional.gelu(x),
                  convert=False),
-    _module_case("nn.GELU (tanh)", "gelu", lambda: nn.GELU("tanh"), _activation_inputs, _same,
+    _module_case("nn.GELU (tanh)", "gelu", lambda: nn.GELU("tanh"), _activation_inputs, _call,
                  lambda t, m, x: t.nn.functional.gelu(x, approximate="tanh"), convert=False),
-    _module_case("nn.Dropout (eval)", "dropout", lambda: nn.Dropout(0.3).eval(), normal((3, 4)), _same,
+    _module_case("nn.Dropout (eval)", "dropout", lambda: nn.Dropout(0.3).eval(), normal((3, 4)), _call,
                  lambda t, m, x: t.nn.functional.dropout(x, 0.3, training=False), convert=False),
     _module_case("nn.Dropout (train, seeded)", "dropout", lambda: nn.Dropout(0.4), normal((4, 5)), _seeded_call),
-    _module_case("nn.LayerNorm", "layer_norm", lambda: nn.LayerNorm(5), normal((2, 3, 5), scale=3.0, offset=2.0), _same, _torch_same),
+    _module_case("nn.LayerNorm", "layer_norm", lambda: nn.LayerNorm(5), normal((2, 3, 5), scale=3.0, offset=2.0), _call, _torch_call),
     _module_case("nn.LayerNorm (bias=False)", "layer_norm", lambda: nn.LayerNorm(4, bias=False),
-                 normal((2, 3, 4), scale=3.0, offset=2.0), _same, _torch_same),
+                 normal((2, 3, 4), scale=3.0, offset=2.0), _call, _torch_call),
     _module_case("nn.LayerNorm (no affine)", "layer_norm", lambda: nn.LayerNorm(4, elementwise_affine=False),
-                 normal((2, 3, 4), scale=3.0, offset=2.0), _same, _torch_same),
+                 normal((2, 3, 4), scale=3.0, offset=2.0), _call, _torch_call),
     _module_case("nn.LayerNorm (eps=1e-3)", "layer_norm", lambda: nn.LayerNorm(4, eps=1e-3),
-                 normal((2, 3, 4), scale=3.0, offset=2.0), _same, _torch_same),
+                 normal((2, 3, 4), scale=3.0, offset=2.0), _call, _torch_call),
     _embedding_case(None),
     _embedding_case(1),
     _embedding_case(-1),
-    _module_case("nn.RotaryEmbedding", "rotary", lambda: nn.RotaryEmbedding(6), normal((2, 2, 5, 6)), _same,
+    _module_case("nn.RotaryEmbedding", "rotary", lambda: nn.RotaryEmbedding(6), normal((2, 2, 5, 6)), _call,
                  lambda t, m, x: torch_rope(t, x), convert=False),
     _module_case("nn.MultiheadAttention", "multihead_attention", lambda: nn.MultiheadAttention(E, 2, batch_first=True),
                  normal((B, T, E), (B, T, E)),
                  lambda m, x, mem: m(x, mem, mem, key_padding_mask=PAD, attn_mask=CAUSAL),
-                 lambda t, m, x, mem: m(x, mem, mem, key_padding_mask=_torch_mask(t, PAD),
-                                        attn_mask=_torch_mask(t, CAUSAL))),
+                 lambda t, m, x, mem: m(x, mem, mem, key_padding_mask=t.tensor(PAD),
+                                        attn_mask=t.tensor(CAUSAL))),
 ] + [case for norm_first in (False, True) for case in _layer_cases(norm_first)] + [
     _module_case("nn.Transformer (1+1 layers, d=4)", "transformer", lambda: nn.Transformer(**_SMALL, dropout=0.0),
                  normal((B, 3, 4), (B, 2, 4)),
                  lambda m, s, x: m(s, x, tgt_is_causal=True, src_key_padding_mask=PAD[:, 1:]),
-                 lambda t, m, s, x: m(s, x, tgt_mask=_torch_mask(t, CAUSAL[:2, :2]), tgt_is_causal=True,
-                                      src_key_padding_mask=_torch_mask(t, PAD[:, 1:]))),
+                 lambda t, m, s, x: m(s, x, tgt_mask=t.tensor(CAUSAL[:2, :2]), tgt_is_causal=True,
+                                      src_key_padding_mask=t.tensor(PAD[:, 1:]))),
 ]

@@ -56,10 +56,10 @@ def torch_sdpa(t, q, k, v, attn_mask=None, is_causal=False, **kwargs):
     return t.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **mask, **kwargs)
 
 
-def torch_attention_with_weights(t, q, k, v, keep=None):
-    """Attention through an explicit softmax, returning (out, weights); keep: bool mask, True = takes part."""
+def torch_causal_attention_with_weights(t, q, k, v):
+    """Causal attention through an explicit softmax, returning (out, weights)."""
     scores = (q @ k.transpose(-1, -2)) / np.sqrt(q.shape[-1])
-    allowed = t.ones(q.shape[-2], k.shape[-2], dtype=t.bool).tril() if keep is None else t.tensor(keep)
+    allowed = t.ones(q.shape[-2], k.shape[-2], dtype=t.bool).tril()
     weights = t.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return weights @ v, weights
 
@@ -220,7 +220,7 @@ ATTENTION = [attention_case(f"{path}({mask})", kwargs, PATHS[path])
                    {"memory_efficient": True, "block_size": 2}, ((1, 2, 5, 3), (1, 2, 3, 3), (1, 2, 3, 2))),
     OpCase("F.sdpa (return_weights, causal)", "attention", normal(*_SMALL),
            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True),
-           torch_attention_with_weights),
+           torch_causal_attention_with_weights),
     OpCase("F.sdpa (seeded dropout, return_weights)", "attention", normal(*_SMALL),
            lambda q, k, v: _dropout_attention(q, k, v, return_weights=True)),
     # the blockwise path draws its dropout masks per block: other masks than the twin's
