@@ -5,6 +5,7 @@
     python demos/reverse.py --steps 2000 --min-len 2 --max-len 16 --out runs/long
     python demos/reverse.py --resume runs/reverse/checkpoint.npz --steps 1500
     python demos/reverse.py --checkpoint runs/reverse/checkpoint.npz --input "3 7 1 5"
+    mpiexec -n 2 python demos/reverse.py --distributed   # data-parallel over 2 ranks (MPI)
 
 Symbols are the integers 1..vocab-3 (ids 0, 1, 2 are PAD, BOS, EOS). Writes to --out:
 metrics.json (held-out exact-sequence and token accuracy of greedy decoding on 1,000
@@ -27,11 +28,12 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autograd  # noqa: E402
+import npformer.distributed as dist  # noqa: E402
 from npformer import load_checkpoint, load_model, optim  # noqa: E402
 from npformer.data import EOS, SequenceTask  # noqa: E402
 from npformer.decoding import greedy_decode  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
-from npformer.training import Trainer  # noqa: E402
+from npformer.training import Seq2SeqTrainer  # noqa: E402
 
 # Each preset: task, model, optimisation. "default" is tuned to reach >= 99% exact-sequence
 # accuracy on the held-out set in about a minute and a half on a 2-core CPU.
@@ -67,9 +69,14 @@ def parse_args(argv=None):
     p.add_argument("--input", help='with --checkpoint: symbols to reverse, e.g. "3 7 1 5"')
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the figures")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--distributed", action="store_true",
+                   help="data-parallel training over the ranks of an MPI job (mpiexec -n N ...): each rank "
+                        "takes its share of every batch; rank 0 writes the outputs")
     args = p.parse_args(argv)
     if (args.checkpoint is None) != (args.input is None):
         p.error("--checkpoint and --input go together")
+    if args.distributed and args.checkpoint:
+        p.error("--distributed is for training; it does not go with --checkpoint/--input")
     try:
         autograd.backend.module_for(args.device)
     except RuntimeError as e:  # cuda asked for without CuPy or a GPU: say how to install it
@@ -174,23 +181,30 @@ def main(argv=None):
         settings, seed = demo["settings"], demo["seed"]
         if args.steps is not None:
             settings["steps"] = args.steps
+    ranks, main_rank = 1, True
+    if args.distributed:  # before the model is built: with GPUs, each rank takes its own
+        ranks, main_rank = dist.init().size, dist.rank() == 0
     os.makedirs(args.out, exist_ok=True)
     task = make_task(settings, seed)
     model, optimizer, scheduler = build(settings, seed, args.device)
-    trainer = Trainer(model, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
-                      label_smoothing=settings["label_smoothing"], clip_norm=settings["clip_norm"],
-                      eval_every=settings["eval_every"], eval_size=200, progress=not args.quiet,
-                      extra_state={"demo": {"settings": settings, "seed": seed, "preset": args.preset}})
+    trained = dist.DistributedDataParallel(model) if args.distributed else model
+    trainer = Seq2SeqTrainer(trained, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
+                             label_smoothing=settings["label_smoothing"], clip_norm=settings["clip_norm"],
+                             eval_every=settings["eval_every"], eval_size=200, progress=not args.quiet,
+                             extra_state={"demo": {"settings": settings, "seed": seed, "preset": args.preset}})
     if args.resume:
         trainer.resume(args.resume)
     parameters = sum(p.size for p in model.parameters())
-    print(f"reverse: preset {args.preset}, {task}, {parameters:,} parameters, {settings['steps']} steps "
-          f"on {args.device}", file=sys.stderr)
+    if main_rank:
+        print(f"reverse: preset {args.preset}, {task}, {parameters:,} parameters, {settings['steps']} steps "
+              f"on {args.device}" + (f", {ranks} ranks" if args.distributed else ""), file=sys.stderr)
 
     train_start = time.perf_counter()
     checkpoint_path = os.path.join(args.out, "checkpoint.npz")
     result = trainer.fit(settings["steps"], checkpoint_path=checkpoint_path, checkpoint_every=500)
     train_seconds = time.perf_counter() - train_start
+    if not main_rank:
+        return None
 
     example = task.heldout[0]
     predicted = greedy_decode(model, [example], task.max_target_len, eos=EOS if task.eos else None)
@@ -203,7 +217,7 @@ def main(argv=None):
         "steps": trainer.step, "train_seconds": round(train_seconds, 2),
         "wall_seconds": round(time.perf_counter() - START, 2), "cpu_seconds": round(time.process_time(), 2),
         "parameters": int(parameters),
-        "preset": args.preset, "seed": seed, "device": args.device, "settings": settings,
+        "preset": args.preset, "seed": seed, "device": args.device, "ranks": ranks, "settings": settings,
         "model_config": model.config, "checkpoint": checkpoint_path, "figures": files,
     }
     with open(os.path.join(args.out, "metrics.json"), "w") as f:

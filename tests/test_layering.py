@@ -12,7 +12,8 @@ LAYERS = [
     ("npformer.nn",),
     ("npformer.models",),
     ("npformer.optim", "npformer.data", "npformer.training", "npformer.decoding",
-     "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.gradcheck"),
+     "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.gradcheck", "npformer.progress",
+     "npformer.distributed", "npformer._args"),
 ]
 # op math lives here: only autograd/backend.py may import numpy or cupy
 NO_ARRAY_LIBRARY = ("autograd", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim")
