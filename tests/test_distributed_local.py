@@ -2,11 +2,14 @@
 and end-of-backward callback, DistributedDataParallel in a world of one (buckets, views, dtypes),
 exact loss scaling, and sharded data (data.shard, SequenceTask.batch, RandomBatches).
 The real multi-rank runs are in test_distributed.py."""
+import sys
+
 import numpy as np
 import pytest
 
 import autograd
 import npformer.distributed as dist
+from npformer.distributed import comm
 import npformer.functional as F
 from autograd import Tensor
 from autograd.function import queue_callback
@@ -123,6 +126,7 @@ def test_ddp_buckets_keep_dtypes_apart_and_accumulate_across_backwards():
 
 
 def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
+    monkeypatch.setattr(comm, "_world", None)  # as before init()
     monkeypatch.setenv("PMI_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"init\(\) was not called"):
         dist.DistributedDataParallel(model())
@@ -133,8 +137,7 @@ def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
 
 
 def test_one_process_is_rank_0_of_1():
-    assert not dist.is_initialized()
-    assert (dist.rank(), dist.world_size()) == (0, 1)
+    assert (dist.rank(), dist.world_size()) == (0, 1)  # initialised or not (the README's example calls init)
     dist.barrier()
     assert dist.global_count(7) == 7
 
@@ -195,3 +198,15 @@ def test_random_batches_shard_epochs_and_resume():
         RandomBatches(x, batch_size=11)
     with pytest.raises(ValueError, match="same number of rows"):
         RandomBatches(x, y[:5], batch_size=2)
+
+
+def test_init_without_mpi4py(monkeypatch):
+    monkeypatch.setattr(comm, "_world", None)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as if not installed
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert dist.init() is comm.LOCAL and dist.is_initialized()  # started alone: rank 0 of 1 without MPI
+    monkeypatch.setattr(comm, "_world", None)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    with pytest.raises(ImportError, match=r"pip install -e '.\[mpi\]'"):
+        dist.init()

@@ -10,6 +10,7 @@ MPI by the transport of their device:
 A single process without `init()` is rank 0 of 1 (`LOCAL`): every collective is then the
 identity, so code written for several ranks runs unchanged in one.
 """
+import os
 import sys
 import traceback
 
@@ -292,7 +293,8 @@ def _nccl_available():
 
 def init(cuda_aware: bool = False) -> ProcessGroup:
     """Join the MPI job this process was started in (`mpiexec -n N python script.py`; a script
-    started alone is rank 0 of 1) and return the world group; later calls return the same group.
+    started alone is rank 0 of 1, with MPI or, when mpi4py is not installed, without) and return
+    the world group; later calls return the same group.
 
     Also: an exception that reaches the top of any rank aborts the whole job (MPI_Abort), so
     that the other ranks never wait forever in a collective; with CuPy and GPUs present, each
@@ -304,8 +306,11 @@ def init(cuda_aware: bool = False) -> ProcessGroup:
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise ImportError("npformer.distributed needs mpi4py and an MPI library: pip install -e '.[mpi]' "
-                          "(mpi4py and mpich)") from e
+        if launched_by_mpi():
+            raise ImportError("npformer.distributed needs mpi4py and an MPI library: pip install -e '.[mpi]' "
+                              "(mpi4py and mpich)") from e
+        _world = LOCAL  # started alone, without mpi4py: rank 0 of 1
+        return _world
     _world = ProcessGroup(MPI.COMM_WORLD, MPI, cuda_aware=cuda_aware)
     if _world.size > 1:
         sys.excepthook = _aborting_excepthook(sys.excepthook, _world)
@@ -323,6 +328,15 @@ def _aborting_excepthook(previous, group):
         group.abort(1)
         previous(kind, value, tb)  # only reached if Abort returned
     return excepthook
+
+
+def launched_by_mpi() -> bool:
+    """Whether the environment says this process is one of several ranks (MPICH, Intel MPI,
+    MVAPICH, Open MPI, Slurm)."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(name, "1").strip() not in ("", "1"):
+            return True
+    return False
 
 
 def is_initialized() -> bool:

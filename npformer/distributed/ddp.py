@@ -12,7 +12,6 @@ every bucket is waited for and divided by the number of ranks: each `.grad` then
 mean over ranks. See docs/distributed.md.
 """
 import contextlib
-import os
 import time
 
 import numpy as np
@@ -94,7 +93,7 @@ class DistributedDataParallel(Module):
                 or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
         group = comm.group() if group is None else group
-        if group is comm.LOCAL and _launched_by_mpi():
+        if group is comm.LOCAL and comm.launched_by_mpi():
             raise RuntimeError("DistributedDataParallel: this process is one rank of an MPI job but "
                                "npformer.distributed.init() was not called; call it first")
         self.module = module
@@ -181,11 +180,3 @@ def split_random_streams(group):
     with one number drawn on rank 0 combined with the rank."""
     base = group.broadcast_object(int(backend.global_rng("cpu").integers(2 ** 62)) if group.rank == 0 else None)
     manual_seed(int(np.random.SeedSequence([base, group.rank]).generate_state(1)[0]))
-
-
-def _launched_by_mpi():
-    """Whether the environment says this process is one of several ranks (MPICH, Open MPI, Slurm)."""
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
-        if int(os.environ.get(name, "1") or 1) > 1:
-            return True
-    return False
