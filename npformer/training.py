@@ -116,6 +116,9 @@ def classification_loss(label_smoothing=0.0):
 
 def _as_loss(out):
     if isinstance(out, Loss):
+        if not (isinstance(out.sum, Tensor) and out.sum.size == 1):
+            raise TypeError(f"loss_fn: Loss.sum must be a scalar Tensor (the summed loss), got "
+                            f"{type(out.sum).__name__}")
         return out
     if isinstance(out, Tensor) and out.size == 1:
         return Loss(out, 1)

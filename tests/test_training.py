@@ -170,6 +170,9 @@ def test_a_loss_function_may_return_a_mean_tensor_and_data_may_be_a_callable():
     assert trainer.history["loss"][-1] < 0.1 * trainer.history["loss"][0] and trainer.history["items"][0] == 1
     with pytest.raises(TypeError, match="loss_fn: expected a Loss or a scalar Tensor"):
         Trainer(model, optim.SGD(model.parameters(), lr=0.1), [x], lambda m, b: 3.0, progress=False).train_step()
+    with pytest.raises(TypeError, match="Loss.sum must be a scalar Tensor"):
+        Trainer(model, optim.SGD(model.parameters(), lr=0.1), [x], lambda m, b: Loss(2.0, 1),
+                progress=False).train_step()
     empty = Trainer(model, optim.SGD(model.parameters(), lr=0.1), [x],
                     lambda m, b: Loss(m(Tensor(b)).sum() * 0, 0), progress=False)
     with pytest.raises(ValueError, match="no items to average over"):
