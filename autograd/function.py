@@ -219,7 +219,8 @@ def _run_nodes(tensor, grad, retain_graph):
                 continue
             if t.creator is None:
                 t._accumulate_leaf(g)
-                hooked_with_grad.add(id(t))
+                if t._post_accumulate_grad_hooks:
+                    hooked_with_grad.add(id(t))
             else:
                 _accumulate(t.creator.output_grads, t.output_index, g)
         for leaf in hooked_last_uses.get(i, ()):  # gradients that are now final

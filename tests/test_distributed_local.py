@@ -31,7 +31,8 @@ def test_post_accumulate_grad_hook_fires_once_when_the_gradient_is_final(rng):
 
 
 def test_the_hook_of_a_late_layer_fires_before_earlier_layers_have_gradients(rng):
-    first, last = Tensor(rng.normal(size=(3, 3)), requires_grad=True), Tensor(rng.normal(size=(3, 3)), requires_grad=True)
+    first = Tensor(rng.normal(size=(3, 3)), requires_grad=True)
+    last = Tensor(rng.normal(size=(3, 3)), requires_grad=True)
     grads_when_last_final = []
     last.register_post_accumulate_grad_hook(lambda t: grads_when_last_final.append(first.grad))
     x = Tensor(rng.normal(size=(2, 3)))

@@ -193,7 +193,7 @@ class ProcessGroup:
         if device not in self._transports:
             if device == "cpu":
                 made = HostTransport(self.comm, self.MPI)
-            elif device == "cuda" and _nccl_available() and backend.module_for("cuda").cuda.runtime.getDeviceCount() > 1:
+            elif device == "cuda" and _nccl_available() and _gpus_on_this_machine() > 1:
                 made = NcclTransport(self.comm, self.MPI)
             elif device == "cuda" and self.cuda_aware:
                 made = CudaAwareTransport(self.comm, self.MPI)
@@ -283,6 +283,10 @@ LOCAL = _LocalGroup()
 _world = None
 
 
+def _gpus_on_this_machine():
+    return backend.module_for("cuda").cuda.runtime.getDeviceCount()
+
+
 def _nccl_available():
     try:
         from cupy.cuda import nccl  # noqa: F401
@@ -315,8 +319,7 @@ def init(cuda_aware: bool = False) -> ProcessGroup:
     if _world.size > 1:
         sys.excepthook = _aborting_excepthook(sys.excepthook, _world)
     if backend.cuda_available():
-        cupy = backend.module_for("cuda")
-        cupy.cuda.Device(_world.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+        backend.module_for("cuda").cuda.Device(_world.local_rank % _gpus_on_this_machine()).use()
     return _world
 
 

@@ -43,18 +43,22 @@ class _Bucket:
         self.final = 0  # parameters whose gradient is final in the running backward pass
         self.request = None
 
+    def complete(self):
+        """Whether every gradient of the bucket is final in the running backward pass."""
+        return self.final == len(self.params)
+
     def start(self):
         """Move every gradient into the flat array (a no-op for those already viewing it) and
         begin the sum over ranks."""
+        used = np.ones(len(self.params), dtype=self.flat.dtype)  # on the host: one transfer below
         for i, (p, view) in enumerate(zip(self.params, self.views)):
             if p.grad is None:  # no gradient on this rank: it adds zeros
                 view[...] = 0
-                self.used[i] = 0
-            else:
-                if p.grad is not view:
-                    view[...] = p.grad
-                    p.grad = view
-                self.used[i] = 1
+                used[i] = 0
+            elif p.grad is not view:
+                view[...] = p.grad
+                p.grad = view
+        self.used[...] = backend.to_device(used, backend.device_of(self.flat))
         self.request = self.transport.start_sum(self.flat, self.staging)
 
     def finish(self, world_size):
@@ -153,7 +157,7 @@ class DistributedDataParallel(Module):
         every rank, whatever order this rank's gradients became final in)."""
         start = time.perf_counter()
         buckets = self.buckets
-        while self._next_bucket < len(buckets) and buckets[self._next_bucket].final == len(buckets[self._next_bucket].params):
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].complete():
             buckets[self._next_bucket].start()
             self._next_bucket += 1
         for bucket in buckets[:self._next_bucket]:  # let MPI move the messages in flight along
