@@ -3,7 +3,7 @@ from autograd import Tensor, backend
 
 from .. import nn
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
-from ..nn.layers import as_ids
+from ..nn.layers import as_ids, check_positive_int
 from ..nn.transformer import check_d_model_nhead
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
@@ -23,6 +23,40 @@ def additive_positions(positional, d_model, max_len):
     if positional == "learned":
         return LearnedPositionalEmbedding(max_len, d_model)
     return None
+
+
+# -- state_dict shapes from a config, without building anything (load_model checks a file with them) --
+def dims(config, names, owner):
+    """config[name] for each name, each checked to be a positive int."""
+    return [check_positive_int(config[name], name, owner) for name in names]
+
+
+def layer_norm_shapes(prefix, d_model):
+    return {f"{prefix}.weight": (d_model,), f"{prefix}.bias": (d_model,)}
+
+
+def linear_shapes(prefix, in_features, out_features, bias=True):
+    shapes = {f"{prefix}.weight": (out_features, in_features)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out_features,)
+    return shapes
+
+
+def stack_shapes(prefix, num_layers, d_model, dim_feedforward, cross_attention):
+    """nn.TransformerEncoder (cross_attention=False) or nn.TransformerDecoder with its final norm."""
+    shapes = {}
+    for i in range(num_layers):
+        layer = f"{prefix}.layers.{i}"
+        for attention in ("self_attn", "multihead_attn") if cross_attention else ("self_attn",):
+            shapes[f"{layer}.{attention}.in_proj_weight"] = (3 * d_model, d_model)
+            shapes[f"{layer}.{attention}.in_proj_bias"] = (3 * d_model,)
+            shapes.update(linear_shapes(f"{layer}.{attention}.out_proj", d_model, d_model))
+        shapes.update(linear_shapes(f"{layer}.linear1", d_model, dim_feedforward))
+        shapes.update(linear_shapes(f"{layer}.linear2", dim_feedforward, d_model))
+        for norm in ("norm1", "norm2", "norm3") if cross_attention else ("norm1", "norm2"):
+            shapes.update(layer_norm_shapes(f"{layer}.{norm}", d_model))
+    shapes.update(layer_norm_shapes(f"{prefix}.norm", d_model))
+    return shapes
 
 
 def token_ids(ids, embedding, owner, name, max_len=None):
@@ -84,6 +118,23 @@ class EncoderOnlyModel(nn.Module):
         layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
                                            norm_first=norm_first, rotary=positional == "rope")
         self.encoder = nn.TransformerEncoder(layer, num_layers, nn.LayerNorm(d_model, eps=layer_norm_eps))
+
+    @staticmethod
+    def _trunk_shapes(config, owner, persistent):
+        """state_dict shapes of the trunk built by _build_trunk from `config` (with
+        persistent=False also the sinusoidal table, a non-persistent buffer)."""
+        check_choice(config["positional"], POSITIONAL, "positional", owner)
+        check_d_model_nhead(config["d_model"], config["nhead"], owner)
+        vocab_size, max_len, num_layers, dim_feedforward = dims(
+            config, ("vocab_size", "max_len", "num_layers", "dim_feedforward"), owner)
+        d_model = config["d_model"]
+        shapes = {"tok_embed.weight": (vocab_size, d_model)}
+        if config["positional"] == "learned":
+            shapes["pos_embed.weight"] = (max_len, d_model)
+        elif config["positional"] == "sinusoidal" and not persistent:
+            shapes["positional.pe"] = (max_len, d_model)
+        shapes.update(stack_shapes("encoder", num_layers, d_model, dim_feedforward, cross_attention=False))
+        return shapes
 
     def _reset_parameters(self):
         for name, p in self.named_parameters():

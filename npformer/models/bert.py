@@ -1,6 +1,6 @@
 """An encoder-only (BERT-style) sequence classifier with mean or first-token pooling."""
 from .. import nn
-from ._common import EncoderOnlyModel, check_choice, padding_mask_from_ids, valid_positions
+from ._common import EncoderOnlyModel, check_choice, dims, linear_shapes, padding_mask_from_ids, valid_positions
 
 
 class EncoderClassifier(EncoderOnlyModel):
@@ -26,6 +26,16 @@ class EncoderClassifier(EncoderOnlyModel):
         self.pooling = pooling
         self.classifier = nn.Linear(d_model, num_classes)
         self._reset_parameters()
+
+    @classmethod
+    def state_shapes(cls, config, persistent=True):
+        """{name: shape} of `EncoderClassifier(**config).state_dict()` from the config alone
+        (config holds every constructor argument), building nothing; persistent=False adds the
+        non-persistent buffers (named as in named_buffers)."""
+        shapes = cls._trunk_shapes(config, cls.__name__, persistent)
+        (num_classes,) = dims(config, ("num_classes",), cls.__name__)
+        shapes.update(linear_shapes("classifier", config["d_model"], num_classes))
+        return shapes
 
     def forward(self, input_ids, key_padding_mask=None):
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
