@@ -111,7 +111,8 @@ def _read(path):
         if missing:
             raise CheckpointError(f"{path}: the metadata lacks the entries {missing}")
         ckpt = {k: unpack(v, archive, k) for k, v in meta.items() if k not in ("format", "version")}
-    _check_section(path, "model_class", ckpt.get("model_class", ""), str, "a class name")
+    ckpt.setdefault("model_class", None)  # files written before the class was stored
+    _check_section(path, "model_class", ckpt["model_class"], str, "a class name")
     _check_section(path, "config", ckpt["config"], dict, "a dict with string keys")
     _check_section(path, "model", ckpt["model"], dict, "a dict of arrays with string keys")
     for name, value in (ckpt["model"] or {}).items():
@@ -187,8 +188,9 @@ def load_checkpoint(path, model=None, optimizer=None, scheduler=None, restore_rn
     load the weights into a differently configured model on purpose.
 
     Returns a dict: "config" (rebuild with `Seq2SeqTransformer(**config)`, or use `load_model`),
-    "model_class", "model"/"optimizer"/"scheduler" (their state dicts), "rng", and every
-    `**state` value given to save_checkpoint (numpy Generators come back as Generators).
+    "model_class" (None in files written before it was stored), "model"/"optimizer"/"scheduler"
+    (their state dicts), "rng", and every `**state` value given to save_checkpoint (numpy
+    Generators come back as Generators).
     Raises FileNotFoundError, IsADirectoryError, RuntimeError when the model's keys or shapes
     do not fit (as torch's load_state_dict), or CheckpointError (a ValueError) naming the path
     for everything else: a damaged, foreign or malformed file, a config mismatch, an optimizer
@@ -227,7 +229,7 @@ def load_checkpoint(path, model=None, optimizer=None, scheduler=None, restore_rn
 
 
 def _model_class(path, ckpt):
-    name = ckpt.get("model_class", _DEFAULT_MODEL_CLASS)
+    name = _DEFAULT_MODEL_CLASS if ckpt["model_class"] is None else ckpt["model_class"]
     if name not in MODEL_CLASSES:
         raise CheckpointError(f"{path}: the checkpoint holds a {name!r}; load_model rebuilds "
                               f"{sorted(MODEL_CLASSES)}. Build the model yourself and call "

@@ -16,6 +16,7 @@ array that the metadata references. `Archive` opens such a file and reads:
 """
 import json
 import os
+import tokenize
 import zipfile
 import zlib
 
@@ -201,7 +202,8 @@ class Archive:
                 shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(member)
             else:
                 raise ValueError(f".npy format version {version} (npformer reads 1.0 and 2.0)")
-        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError) as e:
+        except (ValueError, TypeError, SyntaxError, tokenize.TokenError, RecursionError, MemoryError) as e:
+            # what numpy's header parser raises on bytes that are not a header
             raise _corrupted(self.path, f"{what}: bad .npy header: {type(e).__name__}: {str(e)[:200]}") from e
         if any(n < 0 for n in shape):
             raise _corrupted(self.path, f"{what}: negative dimension in shape {shape}")
