@@ -30,7 +30,7 @@ def gradcheck(fn, inputs, *, eps=1e-6, atol=1e-5, rtol=1e-3, seed=0):
     inputs = list(inputs)
     checked = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
     if not checked:
-        raise ValueError("gradcheck: no input has requires_grad=True")
+        raise ValueError(_no_checked_input_message(inputs))
     for i in checked:
         if str(inputs[i].dtype) != "float64":
             raise TypeError(f"gradcheck: input {i} must be float64 for finite differences, got {inputs[i].dtype}")
@@ -69,6 +69,16 @@ def gradcheck(fn, inputs, *, eps=1e-6, atol=1e-5, rtol=1e-3, seed=0):
     numeric = (values[0] - values[1]) / (2 * eps)
     _compare("random direction over all inputs", xp.asarray([expected]), xp.asarray([numeric]), (1,), atol, rtol)
     return True
+
+
+def _no_checked_input_message(inputs):
+    """Why gradcheck has nothing to check, and what to do."""
+    raw = [i for i, x in enumerate(inputs) if backend.is_array(x)]
+    if raw:
+        return (f"gradcheck: no input has requires_grad=True; input(s) {raw} are raw arrays, which get no "
+                "gradient: wrap them: Tensor(x, requires_grad=True) (float64)")
+    return ("gradcheck: no input has requires_grad=True; create the inputs to check with "
+            "Tensor(x, requires_grad=True) (float64)")
 
 
 def numeric_gradient(loss, tensor, eps=1e-6):

@@ -294,11 +294,19 @@ SHAPE_CONFIGS = {
     "CausalLM": [dict(vocab_size=11, d_model=8, nhead=2, num_layers=2, dim_feedforward=16, max_len=12),
                  dict(vocab_size=11, d_model=12, nhead=3, num_layers=1, dim_feedforward=8, max_len=12,
                       tie_weights=True, positional="sinusoidal"),
-                 dict(vocab_size=11, d_model=8, nhead=2, num_layers=1, dim_feedforward=16, positional="rope")],
+                 dict(vocab_size=11, d_model=8, nhead=2, num_layers=1, dim_feedforward=16, positional="rope",
+                      activation="gelu_tanh", attention_dropout=0.0)],
+    "BidirectionalEncoder": [dict(vocab_size=11, d_model=8, nhead=2, num_layers=2, dim_feedforward=16, max_len=12),
+                             dict(vocab_size=11, d_model=8, nhead=2, num_layers=1, dim_feedforward=16, max_len=12,
+                                  pooling="first", pooler=True, type_vocab_size=2, embed_norm=True, final_norm=False,
+                                  activation="gelu_tanh")],
     "EncoderClassifier": [dict(vocab_size=11, num_classes=3, d_model=8, nhead=2, num_layers=2, dim_feedforward=16,
                                max_len=12),
                           dict(vocab_size=11, num_classes=5, d_model=8, nhead=4, num_layers=1, dim_feedforward=4,
-                               max_len=7, positional="sinusoidal", pooling="first", pad_idx=0)],
+                               max_len=7, positional="sinusoidal", pooling="first", pad_idx=0),
+                          dict(vocab_size=11, num_classes=2, d_model=8, nhead=2, num_layers=1, dim_feedforward=16,
+                               max_len=12, pooler=True, type_vocab_size=3, embed_norm=True, final_norm=False,
+                               classifier_dropout=0.1, attention_dropout=0.0, activation_dropout=0.0)],
 }
 
 

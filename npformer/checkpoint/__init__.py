@@ -8,7 +8,7 @@ Layout of the file (a plain numpy `.npz`, readable with `numpy.load(path)`):
 - one array per model parameter (`model/<name>`), per optimizer state entry
   (`optimizer/state/<i>/<name>`) and per array inside `**state`, stored uncompressed.
 
-Saving is atomic and keeps the file's mode (see `files`). Loading trusts nothing in the file:
+Saving is atomic and keeps the file's mode (npformer.files.atomic_write). Loading trusts nothing in the file:
 it never unpickles, never picks a function by a name read from the file, checks every array's
 declared size before allocating it (`archive`), checks the metadata's structure (`packing`),
 and validates the model, optimizer, scheduler and random state before changing any of them.
@@ -23,8 +23,8 @@ import numpy as np
 
 from autograd import random
 
+from ..files import atomic_write
 from ..models import MODEL_CLASSES
-from . import files
 from .archive import Archive, CheckpointError
 from .packing import bit_generator, pack, unpack
 
@@ -91,7 +91,12 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, **state):
     }
     meta.update({k: pack(v, f"state/{k}", arrays) for k, v in state.items()})
     arrays["meta"] = np.array(json.dumps(meta))
-    return files.atomic_write(path, lambda f: _write_npz(f, arrays))
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            _write_npz(f, arrays)
+
+    return atomic_write(path, write)
 
 
 # -- loading -----------------------------------------------------------------------------
