@@ -626,14 +626,16 @@ def binary(path):
 
 
 @pytest.mark.parametrize("make, message", [
-    (plain_npz, r"x\.npz: a plain numpy \.npz archive \(arrays: weights, bias\) without npformer's 'meta' entry"),
-    (torch_zip, r"x\.npz: a PyTorch checkpoint \(torch\.save's zip format\).*npformer never unpickles files\. Load "
-                r"it with torch and convert with npformer\.interop\.from_torch"),
-    (a_pickle, r"x\.npz: a Python pickle .*load it with torch and convert with npformer\.interop\.from_torch"),
-    (text, r"x\.npz: a text file \(it begins 'step,loss'\), not an npformer checkpoint"),
+    (plain_npz, r"x\.npz: not an npformer checkpoint but a plain numpy \.npz archive \(arrays: weights, bias\) "
+                r"without npformer's 'meta' entry"),
+    (torch_zip, r"x\.npz: not an npformer checkpoint but a PyTorch checkpoint \(torch\.save's zip format\).*"
+                r"npformer never unpickles files\. Load it with torch and convert with npformer\.interop\.from_torch"),
+    (a_pickle, r"x\.npz: not an npformer checkpoint but a Python pickle .*load it with torch and convert with "
+               r"npformer\.interop\.from_torch"),
+    (text, r"x\.npz: not an npformer checkpoint but a text file \(it begins 'step,loss'"),
     (empty, r"x\.npz: not a readable npformer checkpoint: the file is empty \(0 bytes"),
-    (one_array, r"x\.npz: a single numpy array \(\.npy file\)"),
-    (other_zip, r"x\.npz: a zip archive without numpy arrays \(members: readme\.txt\)"),
+    (one_array, r"x\.npz: not an npformer checkpoint but a single numpy array \(a \.npy file"),
+    (other_zip, r"x\.npz: not an npformer checkpoint but a zip archive without numpy arrays \(members: readme\.txt\)"),
     (binary, r"x\.npz: not a readable npformer checkpoint, the file is truncated or corrupted \(not a zip archive\)"),
 ], ids=["npz", "torch-zip", "pickle", "text", "empty", "npy", "zip", "binary"])
 def test_foreign_files_say_what_they_are(tmp_path, make, message):
@@ -646,7 +648,8 @@ def test_foreign_files_say_what_they_are(tmp_path, make, message):
 
 def test_a_real_torch_checkpoint_says_to_use_interop(tmp_path, torch):
     torch.save(torch.nn.Linear(2, 3).state_dict(), tmp_path / "model.pt")
-    with pytest.raises(CheckpointError, match=r"model\.pt: a PyTorch checkpoint .*npformer\.interop\.from_torch"):
+    message = r"model\.pt: not an npformer checkpoint but a PyTorch checkpoint .*npformer\.interop\.from_torch"
+    with pytest.raises(CheckpointError, match=message):
         npformer.load_model(tmp_path / "model.pt")
 
 

@@ -53,17 +53,17 @@ def _describe_foreign(path, head):
     if head.startswith(b"PK\x03\x04"):
         return _corrupted(path, "a zip archive without its central directory")
     if head.startswith(b"\x93NUMPY"):
-        return CheckpointError(f"{path}: a single numpy array (.npy file), not an npformer checkpoint "
-                               "(an .npz archive written by npformer.save_checkpoint)")
+        return CheckpointError(f"{path}: not an npformer checkpoint but a single numpy array (a .npy file; "
+                               "checkpoints are .npz archives written by npformer.save_checkpoint)")
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        return CheckpointError(f"{path}: a Python pickle (e.g. PyTorch's legacy torch.save format), not an "
-                               "npformer checkpoint; npformer never unpickles files. If it is a PyTorch "
+        return CheckpointError(f"{path}: not an npformer checkpoint but a Python pickle (e.g. PyTorch's legacy "
+                               "torch.save format); npformer never unpickles files. If it is a PyTorch "
                                "checkpoint, load it with torch and convert with npformer.interop.from_torch")
     text = _as_text(head)
     if text is not None:
         first = text.strip().splitlines()[0][:60] if text.strip() else ""
-        return CheckpointError(f"{path}: a text file (it begins {first!r}), not an npformer checkpoint "
-                               "(an .npz archive written by npformer.save_checkpoint)")
+        return CheckpointError(f"{path}: not an npformer checkpoint but a text file (it begins {first!r}; "
+                               "checkpoints are .npz archives written by npformer.save_checkpoint)")
     return _corrupted(path, "not a zip archive")
 
 
@@ -81,17 +81,17 @@ def _as_text(head):
 def _describe_foreign_zip(path, names):
     """The error for a zip archive without npformer's `meta.npy`."""
     if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
-        return CheckpointError(f"{path}: a PyTorch checkpoint (torch.save's zip format), not an npformer "
-                               "checkpoint; npformer never unpickles files. Load it with torch and convert with "
+        return CheckpointError(f"{path}: not an npformer checkpoint but a PyTorch checkpoint (torch.save's zip "
+                               "format); npformer never unpickles files. Load it with torch and convert with "
                                "npformer.interop.from_torch")
     arrays = [n[:-4] for n in names if n.endswith(".npy")]
     shown = ", ".join(arrays[:5]) + (f", ... ({len(arrays)} in all)" if len(arrays) > 5 else "")
     if arrays:
-        return CheckpointError(f"{path}: a plain numpy .npz archive (arrays: {shown}) without npformer's "
-                               f"'{META}' entry, not an npformer checkpoint; read it with numpy.load, or write "
+        return CheckpointError(f"{path}: not an npformer checkpoint but a plain numpy .npz archive (arrays: "
+                               f"{shown}) without npformer's '{META}' entry; read it with numpy.load, or write "
                                "checkpoints with npformer.save_checkpoint")
-    return CheckpointError(f"{path}: a zip archive without numpy arrays (members: {', '.join(names[:5])}), not "
-                           "an npformer checkpoint")
+    return CheckpointError(f"{path}: not an npformer checkpoint but a zip archive without numpy arrays (members: "
+                           f"{', '.join(names[:5])})")
 
 
 class Archive:
