@@ -63,6 +63,23 @@ def _rng_generators(states, path):
     return generators
 
 
+def _prepare_rng_restore(states, path):
+    """The function that sets the global generators to `states` (it cannot fail), after checking
+    that each state fits its generator."""
+    generators = _rng_generators(states, path)
+    for device, generator in generators.items():
+        own = random.global_rng(device).bit_generator
+        if type(generator) is not type(own):
+            raise CheckpointError(f"{path}: metadata rng/{device}: a {type(generator).__name__} state for the "
+                                  f"global {type(own).__name__} generator")
+
+    def restore():
+        for device, generator in generators.items():
+            random.global_rng(device).bit_generator.state = generator.state
+
+    return restore
+
+
 # -- saving ------------------------------------------------------------------------------
 def _write_npz(fileobj, arrays):
     np.savez(fileobj, **arrays)  # stored, not compressed: a member's size is its array's size
@@ -218,18 +235,12 @@ def load_checkpoint(path, model=None, optimizer=None, scheduler=None, restore_rn
             raise CheckpointError(f"{path}: the checkpoint's config differs from the model's: "
                                   + "; ".join(differences) + ". Rebuild the model from the file "
                                   "(npformer.load_model) or pass strict_config=False to load anyway")
-    rng = _rng_generators(ckpt["rng"], path) if restore_rng else {}
-    for device, generator in rng.items():
-        own = random.global_rng(device).bit_generator
-        if type(generator) is not type(own):
-            raise CheckpointError(f"{path}: metadata rng/{device}: a {type(generator).__name__} state for the "
-                                  f"global {type(own).__name__} generator")
+    if restore_rng:
+        loads.append(_prepare_rng_restore(ckpt["rng"], path))
     for target, state in others:
         target.load_state_dict(state)
     for load in loads:
         load()
-    for device, generator in rng.items():
-        random.global_rng(device).bit_generator.state = generator.state
     return ckpt
 
 
