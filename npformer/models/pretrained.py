@@ -28,6 +28,8 @@ from .huggingface import config_from_hf, hf_config, hf_state_dict, state_dict_fr
 from .seq2seq import Seq2SeqTransformer
 
 FORMAT, VERSION = "npformer-safetensors", 1
+# every model rebuilt from a file (safetensors here, checkpoints by npformer.load_model), by the
+# class name the file stores: a fixed allow-list, a name read from a file never reaches getattr
 MODEL_CLASSES = {cls.__name__: cls for cls in (Seq2SeqTransformer, CausalLM, BidirectionalEncoder, EncoderClassifier)}
 HF_NAMES, OUR_NAMES = "huggingface", "npformer"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
