@@ -31,11 +31,12 @@ History (`trainer.history`, saved in checkpoints, drawn by `plots.plot_curves`):
 Reproducible: the losses depend only on the seeds (`autograd.manual_seed` before building the
 model, the data's seed); `save`/`resume` continue exactly where a run stopped.
 """
+import copy
 import math
 import time
 from dataclasses import dataclass, field
 
-from autograd import Tensor, backend
+from autograd import Tensor, backend, random
 
 from . import _args
 from . import functional as F
@@ -324,7 +325,7 @@ class Trainer:
     def state_dict(self):
         """Step, history, the data's position and every rank's random stream (the model,
         optimizer and scheduler have their own state dicts). Collective with several ranks."""
-        rng = backend.global_rng("cpu").bit_generator.state
+        rng = random.global_rng("cpu").bit_generator.state
         state = {"step": self.step, "history": self.history, "world_size": self.group.size,
                  "rank_rng": self.group.gather_object(rng)}
         if hasattr(self.data, "state_dict"):
@@ -332,13 +333,40 @@ class Trainer:
         return state
 
     def load_state_dict(self, state):
-        self.step = int(state["step"])
-        self.history = state["history"]
-        if hasattr(self.data, "load_state_dict") and "data" in state:
-            self.data.load_state_dict(state["data"])
+        self.prepare_load_state_dict(state)()
+
+    def prepare_load_state_dict(self, state):
+        """Check `state` (ValueError or TypeError naming what is wrong) and return the function
+        that loads it, which cannot fail: the data stream's state is first loaded into a copy."""
+        if not isinstance(state, dict) or not isinstance(state.get("history"), dict):
+            raise ValueError(f"expected a dict with 'step' and 'history', got {type(state).__name__}")
+        step = _args.integer("step", state.get("step"), minimum=0)
+        for name, owner in self._state_owners():
+            if name in state:
+                copy.deepcopy(owner).load_state_dict(state[name])  # raises here, or loads below too
         saved_rngs = state.get("rank_rng")
+        if saved_rngs is not None:
+            if not isinstance(saved_rngs, list):
+                raise ValueError(f"rank_rng: expected a list, got {type(saved_rngs).__name__}")
+            trial = type(random.global_rng("cpu").bit_generator)()
+            for saved in saved_rngs:
+                trial.state = saved
+
+        def apply():
+            self.step, self.history = step, state["history"]
+            for name, owner in self._state_owners():
+                if name in state:
+                    owner.load_state_dict(state[name])
+            self._restore_rank_rng(saved_rngs)
+        return apply
+
+    def _state_owners(self):
+        """(key in the state dict, object with its own load_state_dict) pairs."""
+        return [("data", self.data)] if hasattr(self.data, "load_state_dict") else []
+
+    def _restore_rank_rng(self, saved_rngs):
         if saved_rngs and len(saved_rngs) == self.group.size:  # same ranks: each continues its stream
-            backend.global_rng("cpu").bit_generator.state = saved_rngs[self.group.rank]
+            random.global_rng("cpu").bit_generator.state = saved_rngs[self.group.rank]
         elif self.group.size > 1:  # another number of ranks: new independent streams
             split_random_streams(self.group)
 
@@ -356,11 +384,9 @@ class Trainer:
 
     def resume(self, path):
         """Load a checkpoint written by `save` (by any number of ranks) into this trainer's
-        model, optimizer, scheduler, random generators and data stream. Every rank reads the
-        file. Returns the checkpoint dict."""
-        ckpt = load_checkpoint(path, self.module, self.optimizer, self.scheduler)
-        self.load_state_dict(ckpt["trainer"])
-        return ckpt
+        model, optimizer, scheduler, random generators and data stream, all or nothing. Every
+        rank reads the file. Returns the checkpoint dict."""
+        return load_checkpoint(path, self.module, self.optimizer, self.scheduler, state_targets={"trainer": self})
 
 
 _CORE_KEYS = ("step", "loss", "lr", "grad_norm", "items", "seconds")
@@ -419,6 +445,5 @@ class Seq2SeqTrainer(Trainer):
         """Trainer's state plus the task's training stream ("task")."""
         return {**super().state_dict(), "task": self.task.state_dict()}
 
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.task.load_state_dict(state["task"])
+    def _state_owners(self):
+        return super()._state_owners() + [("task", self.task)]

@@ -168,5 +168,5 @@ def test_reverse_demo_distributed(mpiexec, tmp_path):
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["ranks"] == 2 and metrics["steps"] == 12 and metrics["heldout_sequences"] == 1000
     assert {"checkpoint.npz", "curves.png", "grad_norms.png"} <= {p.name for p in tmp_path.iterdir()}
-    assert run.stderr.count("held-out (1000 unseen sequences)") == 1  # rank 0 alone reports
+    assert run.stdout.count("held-out (1000 unseen sequences)") == 1  # rank 0 alone reports (results on stdout)
     assert load_checkpoint(tmp_path / "checkpoint.npz", restore_rng=False)["step"] == 12

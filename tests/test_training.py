@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import npformer
-from autograd import Tensor, manual_seed
+from autograd import Tensor, manual_seed, random
 from npformer import nn, optim
 from npformer.data import PAD, RandomBatches, SequenceTask
 from npformer.models import CausalLM, EncoderClassifier, Seq2SeqTransformer
@@ -45,6 +45,30 @@ def test_resume_refuses_another_task(tmp_path):
     first.save(tmp_path / "ck.npz")
     with pytest.raises(ValueError, match="seed"):
         _trainer(seed=1).resume(tmp_path / "ck.npz")
+
+
+def test_a_resume_that_fails_changes_nothing(tmp_path):
+    """Another task's stream or a malformed trainer entry is refused before the model, optimizer,
+    scheduler, random generators or the trainer change."""
+    from npformer.checkpoint import save_checkpoint
+    first = _trainer()
+    first.fit(2)
+    first.save(tmp_path / "other_task.npz")
+    state = first.state_dict()
+    broken = {"missing step": {k: v for k, v in state.items() if k != "step"},
+              "step -1": dict(state, step=-1),
+              "bad stream": dict(state, task=dict(state["task"], rng={"bit_generator": "PCG64", "state": 1}))}
+    for name, bad in broken.items():
+        save_checkpoint(tmp_path / f"{name}.npz", first.model, first.optimizer, first.scheduler, step=2, trainer=bad)
+    for name in ["other_task"] + list(broken):
+        second = _trainer(seed=1)
+        before = {k: v.copy() for k, v in second.model.state_dict().items()}
+        lr, rng_state = second.optimizer.param_groups[0]["lr"], random.global_rng().bit_generator.state
+        with pytest.raises(ValueError):
+            second.resume(tmp_path / f"{name}.npz")
+        assert second.step == 0 and not second.optimizer.state and second.optimizer.param_groups[0]["lr"] == lr
+        assert random.global_rng().bit_generator.state == rng_state
+        assert all(np.array_equal(before[k], v) for k, v in second.model.state_dict().items()), name
 
 
 def test_history_evaluation_and_clipping():

@@ -196,7 +196,8 @@ def _checked_load(path, target, key, state):
         raise CheckpointError(f"{path}: {key} state: {e}") from e
 
 
-def load_checkpoint(path, model=None, optimizer=None, scheduler=None, restore_rng=True, strict_config=True):
+def load_checkpoint(path, model=None, optimizer=None, scheduler=None, restore_rng=True, strict_config=True,
+                    state_targets=None):
     """Read a checkpoint; load it into whichever of model/optimizer/scheduler are given.
 
     Everything is checked before anything changes: a failed load leaves the model, optimizer,
@@ -208,6 +209,10 @@ def load_checkpoint(path, model=None, optimizer=None, scheduler=None, restore_rn
     (nhead, activation, norm_first, positional, layer_norm_eps, pad_idx, dropout, ...) refuse
     with a CheckpointError listing the differences, even when the shapes fit; pass False to
     load the weights into a differently configured model on purpose.
+
+    state_targets: {name: object} for `**state` entries saved by save_checkpoint (e.g.
+    {"trainer": trainer}), each with `prepare_load_state_dict(state)` (check, then return the
+    function that loads), checked and loaded with the rest.
 
     Returns a dict: "config" (rebuild with `Seq2SeqTransformer(**config)`, or use `load_model`),
     "model_class" (None in files written before it was stored), "model"/"optimizer"/"scheduler"
@@ -235,6 +240,10 @@ def load_checkpoint(path, model=None, optimizer=None, scheduler=None, restore_rn
             raise CheckpointError(f"{path}: the checkpoint's config differs from the model's: "
                                   + "; ".join(differences) + ". Rebuild the model from the file "
                                   "(npformer.load_model) or pass strict_config=False to load anyway")
+    for key, target in (state_targets or {}).items():
+        if key in _RESERVED or key not in ckpt:
+            raise CheckpointError(f"{path}: the checkpoint has no {key!r} state to load")
+        loads.append(_checked_load(path, target, key, ckpt[key]))
     if restore_rng:
         loads.append(_prepare_rng_restore(ckpt["rng"], path))
     for target, state in others:

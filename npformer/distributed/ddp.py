@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from autograd import backend, manual_seed
+from autograd import backend, manual_seed, random
 from autograd.function import queue_callback
 
 from ..nn import Module
@@ -182,5 +182,5 @@ class DistributedDataParallel(Module):
 def split_random_streams(group):
     """Give each rank its own stream of the global random generators (dropout): reseed them
     with one number drawn on rank 0 combined with the rank."""
-    base = group.broadcast_object(int(backend.global_rng("cpu").integers(2 ** 62)) if group.rank == 0 else None)
+    base = group.broadcast_object(int(random.global_rng("cpu").integers(2 ** 62)) if group.rank == 0 else None)
     manual_seed(int(np.random.SeedSequence([base, group.rank]).generate_state(1)[0]))
