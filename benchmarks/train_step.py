@@ -8,7 +8,7 @@ On cuda (and on "test", its stand-in without a GPU) ours runs twice: eager and a
 graph (npformer.cuda.graphed: one capture, then one replay per step), beside torch's CUDA eager.
 Prints the median ms/step of each (steps alternate between the runners), the ratio ours/torch,
 tokens/s, achieved GFLOP/s and its share of this machine's measured float32 GEMM rate, and
-the peak memory of each side measured in a separate process. Configurations: REFERENCE.md s.7.
+the peak memory of each side measured in a separate process. Configurations: docs/benchmark_configurations.md.
 Threads: torch.set_num_threads(--threads) and npformer.set_num_threads(--ours-threads,
 default --threads; above 1 npformer splits the GEMMs and numpy's BLAS runs one thread;
 --ours-threads 1 leaves the GEMMs to BLAS's own threads).

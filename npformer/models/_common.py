@@ -1,13 +1,14 @@
-"""Pieces shared by the models: argument checks, token ids, padding masks, positions."""
+"""Pieces shared by the models: argument checks, token ids, padding masks, positions, the encoder trunk."""
 from autograd import Tensor, backend
 
 from .. import nn
 from ..functional._common import check_index_range
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
-from ..nn.layers import as_ids
+from ..nn.layers import as_ids, check_positive_int, check_probability
 from ..nn.transformer import check_d_model_nhead
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 def check_choice(value, choices, name, owner):
@@ -24,6 +25,42 @@ def additive_positions(positional, d_model, max_len):
     if positional == "learned":
         return LearnedPositionalEmbedding(max_len, d_model)
     return None
+
+
+# -- state_dict shapes from a config, without building anything (load_model checks a file with them) --
+def dims(config, names, owner):
+    """config[name] for each name, each checked to be a positive int."""
+    return [check_positive_int(config[name], name, owner) for name in names]
+
+
+def layer_norm_shapes(prefix, d_model):
+    return {f"{prefix}.weight": (d_model,), f"{prefix}.bias": (d_model,)}
+
+
+def linear_shapes(prefix, in_features, out_features, bias=True):
+    shapes = {f"{prefix}.weight": (out_features, in_features)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out_features,)
+    return shapes
+
+
+def stack_shapes(prefix, num_layers, d_model, dim_feedforward, cross_attention, final_norm=True):
+    """nn.TransformerEncoder (cross_attention=False) or nn.TransformerDecoder, with its final
+    norm when final_norm."""
+    shapes = {}
+    for i in range(num_layers):
+        layer = f"{prefix}.layers.{i}"
+        for attention in ("self_attn", "multihead_attn") if cross_attention else ("self_attn",):
+            shapes[f"{layer}.{attention}.in_proj_weight"] = (3 * d_model, d_model)
+            shapes[f"{layer}.{attention}.in_proj_bias"] = (3 * d_model,)
+            shapes.update(linear_shapes(f"{layer}.{attention}.out_proj", d_model, d_model))
+        shapes.update(linear_shapes(f"{layer}.linear1", d_model, dim_feedforward))
+        shapes.update(linear_shapes(f"{layer}.linear2", dim_feedforward, d_model))
+        for norm in ("norm1", "norm2", "norm3") if cross_attention else ("norm1", "norm2"):
+            shapes.update(layer_norm_shapes(f"{layer}.{norm}", d_model))
+    if final_norm:
+        shapes.update(layer_norm_shapes(f"{prefix}.norm", d_model))
+    return shapes
 
 
 def token_ids(ids, embedding, owner, name, max_len=None):
@@ -65,28 +102,88 @@ def valid_positions(mask, ids, dtype):
     return (~mask).astype(dtype)
 
 
+def layer_activation(activation):
+    """The encoder layer's `activation` argument for a model's activation name: "relu" and
+    "gelu" by name (torch.nn's choices), "gelu_tanh" (GPT-2's "gelu_new") as nn.GELU("tanh")."""
+    return nn.GELU(approximate="tanh") if activation == "gelu_tanh" else activation
+
+
+def dropout_rate(config, name, owner):
+    """config[name] as a probability, or config["dropout"] when it is None (the default)."""
+    value = config.get(name)
+    return config["dropout"] if value is None else check_probability(value, name, owner)
+
+
+def _type_vocab_size(config, owner):
+    type_vocab_size = config.get("type_vocab_size", 0)
+    if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:
+        raise ValueError(f"{owner}: type_vocab_size must be an int >= 0 (0: no token types), got {type_vocab_size!r}")
+    return type_vocab_size
+
+
 class EncoderOnlyModel(nn.Module):
-    """Token embedding + positions + dropout + a TransformerEncoder with a final LayerNorm:
-    the trunk of CausalLM and EncoderClassifier. state_dict keys: tok_embed.weight,
-    pos_embed.weight (positional="learned" only), encoder.layers.{i}.*, encoder.norm.*.
+    """Token embedding (+ token-type embedding) + positions (+ LayerNorm) + dropout + a
+    TransformerEncoder (with a final LayerNorm unless final_norm=False): the trunk of CausalLM,
+    BidirectionalEncoder and EncoderClassifier, built from the model's `config` dict.
+
+    state_dict keys: tok_embed.weight, pos_embed.weight (positional="learned" only),
+    type_embed.weight (type_vocab_size > 0), embed_norm.* (embed_norm=True),
+    encoder.layers.{i}.*, encoder.norm.* (final_norm=True).
+    Dropout: `dropout` on the embeddings and on each sublayer's output before the residual
+    add; `attention_dropout` on the attention probabilities and `activation_dropout` between
+    the feed-forward activation and its second linear (both default to `dropout`, as in
+    torch.nn.TransformerEncoderLayer; GPT-2 and BERT have activation_dropout=0).
     Init: N(0, 0.02^2) on every parameter matrix, other biases zero, LayerNorm 1/0,
     the padding row zero."""
 
-    def _build_trunk(self, vocab_size, d_model, nhead, num_layers, dim_feedforward, dropout, max_len, activation,
-                     norm_first, positional, pad_idx, layer_norm_eps):
+    def _build_trunk(self, config):
         owner = type(self).__name__
-        check_choice(positional, POSITIONAL, "positional", owner)
-        check_choice(activation, ("relu", "gelu"), "activation", owner)
-        check_d_model_nhead(d_model, nhead, owner)
-        self.d_model, self.pad_idx, self.positional_kind = d_model, pad_idx, positional
-        self.tok_embed = nn.Embedding(vocab_size, d_model, padding_idx=pad_idx)
-        positions = additive_positions(positional, d_model, max_len)
+        c = config
+        check_choice(c["positional"], POSITIONAL, "positional", owner)
+        check_choice(c["activation"], ACTIVATIONS, "activation", owner)
+        check_d_model_nhead(c["d_model"], c["nhead"], owner)
+        type_vocab_size = _type_vocab_size(c, owner)
+        d_model, eps = c["d_model"], c["layer_norm_eps"]
+        self.d_model, self.pad_idx, self.positional_kind = d_model, c["pad_idx"], c["positional"]
+        self.tok_embed = nn.Embedding(c["vocab_size"], d_model, padding_idx=c["pad_idx"])
+        positions = additive_positions(c["positional"], d_model, c["max_len"])
         if positions is not None:
-            setattr(self, "pos_embed" if positional == "learned" else "positional", positions)
-        self.dropout = nn.Dropout(dropout)
-        layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                                           norm_first=norm_first, rotary=positional == "rope")
-        self.encoder = nn.TransformerEncoder(layer, num_layers, nn.LayerNorm(d_model, eps=layer_norm_eps))
+            setattr(self, "pos_embed" if c["positional"] == "learned" else "positional", positions)
+        if type_vocab_size:
+            self.type_embed = nn.Embedding(type_vocab_size, d_model)
+        if c.get("embed_norm", False):
+            self.embed_norm = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(c["dropout"])
+        layer = nn.TransformerEncoderLayer(d_model, c["nhead"], c["dim_feedforward"], c["dropout"],
+                                           layer_activation(c["activation"]), eps, norm_first=c["norm_first"],
+                                           rotary=c["positional"] == "rope")
+        layer.self_attn.dropout = dropout_rate(c, "attention_dropout", owner)
+        layer.dropout = nn.Dropout(dropout_rate(c, "activation_dropout", owner))
+        final_norm = nn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
+        self.encoder = nn.TransformerEncoder(layer, c["num_layers"], final_norm)
+
+    @staticmethod
+    def _trunk_shapes(config, owner, persistent):
+        """state_dict shapes of the trunk that _build_trunk builds from `config` (with
+        persistent=False also the sinusoidal table, a non-persistent buffer)."""
+        c = config
+        check_choice(c["positional"], POSITIONAL, "positional", owner)
+        check_d_model_nhead(c["d_model"], c["nhead"], owner)
+        vocab_size, max_len, num_layers, dim_feedforward = dims(
+            c, ("vocab_size", "max_len", "num_layers", "dim_feedforward"), owner)
+        d_model, type_vocab_size = c["d_model"], _type_vocab_size(c, owner)
+        shapes = {"tok_embed.weight": (vocab_size, d_model)}
+        if c["positional"] == "learned":
+            shapes["pos_embed.weight"] = (max_len, d_model)
+        elif c["positional"] == "sinusoidal" and not persistent:
+            shapes["positional.pe"] = (max_len, d_model)
+        if type_vocab_size:
+            shapes["type_embed.weight"] = (type_vocab_size, d_model)
+        if c.get("embed_norm", False):
+            shapes.update(layer_norm_shapes("embed_norm", d_model))
+        shapes.update(stack_shapes("encoder", num_layers, d_model, dim_feedforward, cross_attention=False,
+                                   final_norm=c.get("final_norm", True)))
+        return shapes
 
     def _reset_parameters(self):
         for name, p in self.named_parameters():
@@ -96,14 +193,40 @@ class EncoderOnlyModel(nn.Module):
                 init.zeros_(p)
         self.tok_embed.zero_padding_row()
 
-    def _ids(self, ids, name="input_ids"):
-        positions = getattr(self, "pos_embed", None) or getattr(self, "positional", None)
-        return token_ids(ids, self.tok_embed, type(self).__name__, name, getattr(positions, "max_len", None))
+    def _positions(self):
+        return getattr(self, "pos_embed", None) or getattr(self, "positional", None)
 
-    def hidden_states(self, ids, key_padding_mask=None, is_causal=False):
-        """ids (B, T) integer array -> (B, T, d_model) after the final LayerNorm."""
-        x = self.tok_embed(ids)
-        positions = getattr(self, "pos_embed", None) or getattr(self, "positional", None)
+    def _ids(self, ids, name="input_ids"):
+        return token_ids(ids, self.tok_embed, type(self).__name__, name, getattr(self._positions(), "max_len", None))
+
+    def _type_ids(self, token_type_ids, ids):
+        """token_type_ids (B, T) checked against ids and the token-type vocabulary; zeros when None."""
+        type_embed = getattr(self, "type_embed", None)
+        owner = type(self).__name__
+        if type_embed is None:
+            if token_type_ids is not None:
+                raise ValueError(f"{owner}: token_type_ids given but the model has no token-type embedding "
+                                 f"(build it with type_vocab_size > 0)")
+            return None
+        if token_type_ids is None:
+            return backend.get_array_module(ids).zeros(ids.shape, dtype=ids.dtype)
+        types = token_ids(token_type_ids, type_embed, owner, "token_type_ids")
+        if types.shape != ids.shape:
+            raise ValueError(f"{owner}: token_type_ids must have the shape of input_ids {ids.shape}, "
+                             f"got {types.shape}")
+        return types
+
+    def hidden_states(self, ids, key_padding_mask=None, is_causal=False, token_type_ids=None):
+        """ids (B, T) integer array -> (B, T, d_model): word (+ token type) + position
+        embeddings (+ LayerNorm), dropout, the encoder (+ its final LayerNorm)."""
+        x = self.tok_embed(ids)                                                     # (B, T, d)
+        types = self._type_ids(token_type_ids, ids)
+        if types is not None:
+            x = x + self.type_embed(types)
+        positions = self._positions()
         if positions is not None:
             x = positions(x)
+        embed_norm = getattr(self, "embed_norm", None)
+        if embed_norm is not None:
+            x = embed_norm(x)
         return self.encoder(self.dropout(x), src_key_padding_mask=key_padding_mask, is_causal=is_causal)

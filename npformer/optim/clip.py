@@ -1,5 +1,6 @@
 """Gradient clipping by the global norm, as torch.nn.utils.clip_grad_norm_."""
 import math
+import sys
 
 from autograd import Tensor, backend
 
@@ -17,21 +18,31 @@ def _check_norm_type(norm_type):
     return norm_type
 
 
+LOG_MAX = math.log(sys.float_info.max)
+
+
 def total_norm(grads, norm_type=2.0):
     """The norm of the arrays `grads` (all on one device) together, as if concatenated into one
     vector: a 0-d float64 array on their device, computed there (no host round trip):
-    `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf."""
+    `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. As torch's: inf when the sum of the
+    q-th powers overflows (it is summed scaled by the largest norm, so nothing warns)."""
     xp = backend.get_array_module(grads[0])
     if norm_type == math.inf:
         return xp.stack([xp.abs(g).max() for g in grads]).astype("float64").max()
     norms = xp.stack([xp.linalg.norm(g.ravel(), ord=norm_type) for g in grads]).astype("float64")
-    return (norms ** norm_type).sum() ** (1.0 / norm_type)
+    largest = norms.max()
+    usable = xp.isfinite(largest) & (largest > 0)                # else the result is largest: 0, inf or NaN
+    scale = xp.where(usable, largest, 1.0)
+    powers = ((norms / scale) ** norm_type).sum()                # in [1, number of gradients]
+    total = scale * powers ** (1.0 / norm_type)
+    overflows = norm_type * xp.log(scale) + xp.log(xp.where(powers > 0, powers, 1.0)) > LOG_MAX
+    return xp.where(usable, xp.where(overflows, math.inf, total), largest)
 
 
 def grad_norm(parameters, norm_type=2.0):
     """The norm of all gradients together, as if concatenated into one vector (a Python float, so
     read on the host): `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no
-    gradient exists."""
+    gradient exists; inf when the sum of powers overflows (as torch)."""
     norm_type = _check_norm_type(norm_type)
     grads = [p.grad for p in _parameters_with_grad(parameters)]
     if not grads:
@@ -42,7 +53,10 @@ def grad_norm(parameters, norm_type=2.0):
     per_device = [float(total_norm(group, norm_type)) for group in by_device.values()]  # one read per device
     if norm_type == math.inf:
         return max(per_device)
-    return math.fsum(n ** norm_type for n in per_device) ** (1.0 / norm_type)
+    try:
+        return math.fsum(n ** norm_type for n in per_device) ** (1.0 / norm_type)
+    except OverflowError:  # gradients on several devices whose sum of powers passes float's range
+        return math.inf
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
