@@ -43,6 +43,7 @@ FAMILIES = {f.name: f for f in [
     _op("relu", ("F.relu", "nn.ReLU"), "activation.py", ("ReLUFunction",), "ReLU"),
     _op("gelu", ("F.gelu", "nn.GELU"), "activation.py", ("GELUFunction",), "GELU"),
     _op("dropout", ("F.dropout", "nn.Dropout"), "activation.py", ("DropoutFunction",), "Dropout"),
+    _op("dropout_add", ("F.dropout_add",), "residual.py", ("DropoutAddFunction",), "Dropout + residual"),
     _op("softmax", ("F.softmax", "F.log_softmax"), "softmax.py", ("SoftmaxFunction", "LogSoftmaxFunction"),
         "Softmax"),
     _op("cross_entropy", ("F.cross_entropy",), "loss.py", ("CrossEntropyFunction",), "Cross-entropy"),

@@ -5,6 +5,7 @@ import numpy as np
 
 import autograd
 import npformer.functional as F
+from npformer.functional.residual import dropout_scale
 
 from .case import OpCase, torch_args
 
@@ -74,9 +75,22 @@ def _linear_torch(t, *args):
     return t.nn.functional.linear(*args)
 
 
+def _linear_activation_torch(kind):
+    def reference(t, *args):
+        h = t.nn.functional.linear(*args)
+        return t.relu(h) if kind == "relu" else t.nn.functional.gelu(h, approximate="tanh" if kind == "gelu_tanh" else "none")
+    return reference
+
+
 LINEAR = [
     OpCase("F.linear", "linear", normal((2, 3, 4), (5, 4), (5,)), F.linear, _linear_torch),
     OpCase("F.linear (no bias)", "linear", normal((2, 7, 5), (6, 5)), F.linear, _linear_torch),
+] + [  # the bias and the activation fused after the GEMM; ReLU's inputs kept away from its kink
+    OpCase(f"F.linear (activation={kind})", "linear",
+           (lambda rng: [rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)), 0.5 + rng.random(5)])
+           if kind == "relu" else normal((2, 3, 4), (5, 4), (5,)),
+           lambda x, w, b, kind=kind: F.linear(x, w, b, activation=kind), _linear_activation_torch(kind))
+    for kind in ("relu", "gelu", "gelu_tanh")
 ]
 
 RELU = [OpCase("F.relu", "relu", away_from_zero((3, 5)), F.relu, lambda t, x: t.relu(x))]
@@ -89,6 +103,16 @@ GELU = [
 
 DROPOUT = [OpCase("F.dropout (seeded)", "dropout", normal((4, 5)),
                   lambda x: F.dropout(x, 0.4, generator=seeded(7, x)))]
+
+
+def _dropout_add_torch(t, x, residual):
+    """residual + x * m with m the mask of a fresh Philox(7) stream (the dropout contract)."""
+    draw = autograd.random.Philox(7).draw(x.numel(), "cpu")
+    return residual + x * t.as_tensor(dropout_scale(x.detach().numpy(), 0.4, draw))
+
+
+DROPOUT_ADD = [OpCase("F.dropout_add (seeded)", "dropout_add", normal((4, 5), (4, 5)),
+                      lambda x, r: F.dropout_add(x, r, 0.4, generator=autograd.random.Philox(7)), _dropout_add_torch)]
 
 # -- softmax, cross-entropy ----------------------------------------------------------------------------
 SOFTMAX = [
@@ -240,5 +264,5 @@ _COS, _SIN = F.rotary_cos_sin(4, 6, dtype="float64")
 ROTARY = [OpCase("F.apply_rotary_emb", "rotary", normal((2, 4, 6)), lambda x: F.apply_rotary_emb(x, _COS, _SIN),
                  lambda t, x: torch_rope(t, x, _COS, _SIN))]
 
-CASES = LINEAR + RELU + GELU + DROPOUT + SOFTMAX + CROSS_ENTROPY + LAYER_NORM + EMBEDDING + ATTENTION + SPLIT_HEADS \
+CASES = LINEAR + RELU + GELU + DROPOUT + DROPOUT_ADD + SOFTMAX + CROSS_ENTROPY + LAYER_NORM + EMBEDDING + ATTENTION + SPLIT_HEADS \
     + ROTARY
