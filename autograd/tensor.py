@@ -1,5 +1,5 @@
 """`Tensor` and the primitive differentiable ops, each a small `Function`."""
-from . import backend, checks
+from . import backend, deferred
 from .function import Function, run_backward
 
 
@@ -110,13 +110,13 @@ class Tensor:
         return self
 
     # -- conversion ----------------------------------------------------------------------
-    # reading a value is where the deferred device checks of the ops before it report (autograd.checks)
+    # reading a value is where the deferred device checks of the ops before it report (autograd.deferred)
     def numpy(self):
-        checks.raise_pending()
+        deferred.raise_pending()
         return backend.as_numpy(self.data)
 
     def item(self):
-        checks.raise_pending()
+        deferred.raise_pending()
         return self.data.item()
 
     def tolist(self):

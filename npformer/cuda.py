@@ -27,7 +27,7 @@ contents rewritten by each replay; host values computed inside the step are froz
 keeps on the device for this purpose: the dropout stream's (seed, offset) advances on the device
 (each replay draws the masks an eager step would), Adam's step count and learning rate are
 rewritten before each replay (a scheduler stepped outside the graph applies), and the deferred id
-checks (autograd.checks) report when the loss is read. Optimizers other than Adam/AdamW refuse to
+checks (autograd.deferred) report when the loss is read. Optimizers other than Adam/AdamW refuse to
 be captured. Model and optimizer state must exist before the capture: the first `warmup` calls
 run eagerly (default 1).
 
@@ -38,7 +38,7 @@ every call runs eagerly.
 """
 import contextlib
 
-from autograd import Tensor, backend, checks, graphs, testdevice
+from autograd import Tensor, backend, deferred, graphs, testdevice
 
 __all__ = ["graphed", "GraphedStep"]
 
@@ -191,7 +191,7 @@ class GraphedStep:
             hook(self.replays)
         self.graph.replay()
         self.replays += 1
-        checks.add_pending(self.capture.checks)
+        deferred.add_pending(self.capture.checks)
 
 
 def graphed(fn, device="cuda", warmup=1):

@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from autograd import backend, checks, testdevice
+from autograd import backend, deferred, testdevice
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -68,9 +68,9 @@ def rng():
 
 @pytest.fixture(autouse=True)
 def no_pending_checks_between_tests():
-    """A deferred device check that a test left unread (autograd.checks) must not raise in the next."""
+    """A deferred device check that a test left unread (autograd.deferred) must not raise in the next."""
     yield
-    checks.discard_pending()
+    deferred.discard_pending()
 
 
 def pytest_collection_modifyitems(items):

@@ -3,13 +3,13 @@ device-to-host read: as_numpy, bool/int/float of an array, .item(), .tolist(), p
 step of Seq2SeqTransformer (forward, label-smoothed cross-entropy with ignore_index, backward,
 clip_grad_norm_, Adam) reads nothing on the host until `loss.item()`. Ids and targets that
 arrive as host arrays are checked on the host before their copy; ids already on the device are
-checked there and reported when the loss is read (autograd.checks)."""
+checked there and reported when the loss is read (autograd.deferred)."""
 import numpy as np
 import pytest
 
 import npformer
 import npformer.functional as F
-from autograd import backend, checks, testdevice
+from autograd import backend, deferred, testdevice
 from npformer import models, optim
 
 VOCAB, PAD = 31, 0
@@ -65,7 +65,7 @@ def test_host_ids_out_of_range_raise_at_once_device_ids_when_the_loss_is_read(st
     src[0, 0] = VOCAB
     with pytest.raises(IndexError, match=rf"src token ids must be in \[0, {VOCAB - 1}\].*max {VOCAB}"):
         step(src, tgt_in, tgt_out)                               # host ids: checked before the copy
-    checks.discard_pending()
+    deferred.discard_pending()
     device_batch = [backend.to_device(a, "test") for a in (src, tgt_in, tgt_out)]
     loss = step(*device_batch)                                   # device ids: the step runs (CuPy wraps them)
     with pytest.raises(IndexError, match=rf"token ids must be in \[0, {VOCAB - 1}\].*max {VOCAB}"):

@@ -3,7 +3,7 @@ the per-thread switch to the composite twins."""
 import functools
 import threading
 
-from autograd import Tensor, backend, checks
+from autograd import Tensor, backend, deferred
 
 _twins = threading.local()  # .active: this thread runs the composite twins (composite.installed())
 
@@ -54,7 +54,7 @@ def on_device_of(array, like, name, op, check=None):
 
 def check_index_range(ids, high, error, skip=None):
     """Check 0 <= ids < high (ids equal to `skip` aside) without a host round trip: host ids now,
-    device ids on the device, the verdict read with the next result (autograd.checks).
+    device ids on the device, the verdict read with the next result (autograd.deferred).
     `error(lo, hi)` makes the exception from the smallest and largest id."""
     if ids.size == 0:
         return
@@ -65,7 +65,7 @@ def check_index_range(ids, high, error, skip=None):
         kept = ids != skip
         info = xp.iinfo(ids.dtype)
         lo, hi = xp.where(kept, ids, info.max).min(), xp.where(kept, ids, info.min).max()
-    checks.defer(lambda lo, hi: error(lo, hi) if lo <= hi and (lo < 0 or hi >= high) else None, lo, hi)
+    deferred.defer(lambda lo, hi: error(lo, hi) if lo <= hi and (lo < 0 or hi >= high) else None, lo, hi)
 
 
 def normalize_dim(dim, ndim, op, name="dim"):

@@ -53,7 +53,7 @@ class EmbeddingFunction(Function):
 
 def check_token_ids(ids, num, op, name="input"):
     """Integer token ids in [0, num): host ids now, device ids on the device (read with the next
-    result; autograd.checks)."""
+    result; autograd.deferred)."""
     if ids.dtype.kind not in "iu":
         raise TypeError(f"{op}: {name} must hold integer token ids, got dtype {ids.dtype}")
     check_index_range(ids, num, lambda lo, hi: IndexError(
@@ -66,7 +66,7 @@ def embedding(input, weight, padding_idx=None):
     weight (num_embeddings, embedding_dim) -> (*input.shape, embedding_dim). The
     `padding_idx` row (negative counts from the end) gets exactly zero gradient. Ids that arrive as
     host arrays are checked at once; ids already on a GPU are checked there, and a bad one raises
-    when the result is first read (autograd.checks)."""
+    when the result is first read (autograd.deferred)."""
     w = check_tensor("weight", weight, "embedding")
     if w.ndim != 2:
         raise ValueError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(w.shape)}")

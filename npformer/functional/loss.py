@@ -1,5 +1,5 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
-from autograd import Function, Tensor, backend, checks
+from autograd import Function, Tensor, backend, deferred
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
@@ -161,7 +161,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     weight: class weights (C,) or None. Targets equal to `ignore_index` add nothing. Raises
     ValueError when reduction="mean" and every target is ignored (torch returns NaN there).
     Targets that arrive as host arrays are checked at once; targets already on a GPU are checked
-    there, and a bad one raises when the result is first read (autograd.checks).
+    there, and a bad one raises when the result is first read (autograd.deferred).
     """
     logits = check_tensor("input", input, "cross_entropy")
     if reduction not in ("none", "mean", "sum"):
@@ -180,7 +180,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
             f"cross_entropy: target class indices must be in [0, {c - 1}] (C={c}) or ignore_index={ignore_index}, "
             f"got min {lo} and max {hi}"), skip=ignore_index)
         if reduction == "mean" and ids.size:
-            checks.defer(_every_target_ignored(ignore_index), (ids != ignore_index).sum())
+            deferred.defer(_every_target_ignored(ignore_index), (ids != ignore_index).sum())
 
     tgt = on_device_of(target, logits, "target", "cross_entropy", check=check_classes)
     expected = logits.shape[:class_dim] + logits.shape[class_dim + 1:]
@@ -201,7 +201,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     divisor = None  # "mean": the sum of w[target] over valid targets (checked like the ids), or their number
     if reduction == "mean" and weight is not None:
         divisor = (data_of(weight)[safe_target] * valid).sum()
-        checks.defer(_zero_weighted_mean, divisor)
+        deferred.defer(_zero_weighted_mean, divisor)
     elif reduction == "mean":
         divisor = valid.sum().astype(logits.dtype)
     if divisor is not None:  # a 0 divisor is reported by the checks; meanwhile the loss is 0, not NaN

@@ -66,7 +66,7 @@ def stack_shapes(prefix, num_layers, d_model, dim_feedforward, cross_attention, 
 def token_ids(ids, embedding, owner, name, max_len=None):
     """Integer ids (B, T) (numpy/cupy array, list or Tensor) on the device of `embedding`, checked
     against its vocabulary (host ids before their copy to the device, device ids on the device:
-    autograd.checks) and, when given, the length of the positional table."""
+    autograd.deferred) and, when given, the length of the positional table."""
     raw = ids.data if isinstance(ids, Tensor) else ids
     if not backend.is_array(raw):
         raw = backend.module_for("cpu").asarray(raw)

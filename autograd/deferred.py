@@ -6,7 +6,7 @@ that stalls the pipeline, and under CUDA-graph capture it is an error. So a chec
 (token ids in range, a mean with a nonzero divisor) computes what it needs on the device, e.g.
 the minimum and maximum id, and `defer`s the verdict:
 
-    checks.defer(lambda lo, hi: IndexError(...) if lo < 0 or hi >= n else None, ids.min(), ids.max())
+    deferred.defer(lambda lo, hi: IndexError(...) if lo < 0 or hi >= n else None, ids.min(), ids.max())
 
 The first read of a result afterwards (`raise_pending()`, called by Tensor.item() and friends)
 copies the values, asks each check, and raises the first error, as if the op had raised it.
