@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autograd.checks import check_int
+
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3
 TASKS = ("reverse", "copy", "sort")
@@ -64,16 +66,18 @@ class SequenceTask:
                  heldout_size=1000):
         if task not in TASKS:
             raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
-        max_len = min_len if max_len is None else max_len
-        if int(vocab_size) < NUM_SPECIAL + 2:
-            raise ValueError(f"vocab_size: expected >= {NUM_SPECIAL + 2} (PAD, BOS, EOS and at least "
-                             f"2 symbols), got {vocab_size}")
-        if not 1 <= int(min_len) <= int(max_len):
-            raise ValueError(f"min_len, max_len: expected 1 <= min_len <= max_len, got {min_len}, {max_len}")
-        self.task, self.vocab_size = task, int(vocab_size)
-        self.min_len, self.max_len = int(min_len), int(max_len)
+        owner = "SequenceTask"
+        vocab_size = check_int(vocab_size, "vocab_size (PAD, BOS, EOS and at least 2 symbols)", owner,
+                               at_least=NUM_SPECIAL + 2)
+        min_len = check_int(min_len, "min_len", owner, at_least=1)
+        max_len = min_len if max_len is None else check_int(max_len, "max_len", owner, at_least=1)
+        if max_len < min_len:
+            raise ValueError(f"{owner}: expected min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+        heldout_size = check_int(heldout_size, "heldout_size", owner, at_least=0)
+        self.task, self.vocab_size = task, vocab_size
+        self.min_len, self.max_len = min_len, max_len
         self.eos = self.min_len != self.max_len if eos is None else bool(eos)
-        self.seed = seed
+        self.seed = None if seed is None else check_int(seed, "seed", owner, at_least=0)
         n_symbols = self.vocab_size - NUM_SPECIAL
         possible = sum(n_symbols ** n for n in range(self.min_len, self.max_len + 1))
         if heldout_size > possible // 4:
@@ -147,12 +151,11 @@ class SequenceTask:
 
     def batch(self, batch_size):
         """A fresh training batch (advances the task's random stream)."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
-        return self.collate(self.sample(batch_size))
+        return self.collate(self.sample(check_int(batch_size, "batch_size", "SequenceTask.batch", at_least=1)))
 
     def heldout_batches(self, batch_size=500):
         """The held-out set as Batches, always in the same order."""
+        batch_size = check_int(batch_size, "batch_size", "SequenceTask.heldout_batches", at_least=1)
         for start in range(0, len(self.heldout), batch_size):
             yield self.collate(self.heldout[start:start + batch_size])
 

@@ -217,7 +217,7 @@ CASES = [
     ("greedy_decode_float_src", lambda _: decoding.greedy_decode(seq2seq(), np.ones((1, 3)), max_len=3), TypeError,
      r"src: expected integer token ids, got dtype float64"),
     ("clip_grad_norm_nan_max_norm", lambda _: optim.clip_grad_norm_(seq2seq().parameters(), float("nan")),
-     ValueError, r"max_norm: expected a number >= 0, got nan"),
+     ValueError, r"clip_grad_norm_: max_norm must be a real number >= 0, got nan"),
     ("load_checkpoint_from_a_directory", lambda tmp: npformer.load_checkpoint(tmp), IsADirectoryError, r"."),
     # -- cross-entropy with every target ignored ------------------------------------------------------------------
     ("cross_entropy_every_target_padding", lambda _: cross_entropy_every_target_pad(), ValueError,

@@ -4,6 +4,7 @@ import functools
 import threading
 
 from autograd import Tensor, backend
+from autograd.checks import as_array, check_int
 
 _twins = threading.local()  # .active: this thread runs the composite twins (composite.installed())
 
@@ -45,14 +46,17 @@ def on_device_of(array, like, name, op):
                                f"'{backend.device_of(like)}'; move it with .to(device)")
         return array.data
     if not backend.is_array(array):
-        array = backend.get_array_module(like).asarray(array)
+        array = as_array(array, name, op, backend.get_array_module(like))
     return backend.to_device(array, backend.device_of(like))
 
 
 def normalize_dim(dim, ndim, op, name="dim"):
-    if not -ndim <= dim < max(ndim, 1):
-        raise IndexError(f"{op}: {name} out of range: expected in [{-ndim}, {ndim - 1}], got {dim}")
-    return dim % max(ndim, 1)
+    """`dim` in [0, ndim); like torch, a 0-d tensor takes dim 0 or -1 (as if it were 1-d)."""
+    dim = check_int(dim, name, op)
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise IndexError(f"{op}: {name} out of range: expected in [{-size}, {size - 1}], got {dim}")
+    return dim % size
 
 
 def broadcast_shapes(*shapes):

@@ -2,6 +2,7 @@
 import math
 
 from autograd import Function, backend, random
+from autograd.checks import check_real
 from autograd.threads import for_rows, row_blocks, run_blocks
 
 from ._common import check_tensor, has_twin
@@ -14,18 +15,20 @@ RAW_64BIT_ADVANCE = ("PCG64", "PCG64DXSM")
 
 
 class ReLUFunction(Function):
-    """y = max(x, 0), any shape.  dx = dy * [x > 0]."""
+    """y = max(x, 0), any shape (relu(-inf) = 0, NaN stays NaN).  dx = dy * [not x <= 0]: like
+    torch, the gradient at a NaN input is the upstream gradient."""
 
     @staticmethod
     def forward(ctx, x):
         xp = backend.get_array_module(x)
-        positive = xp.empty(x.shape, dtype=bool)            # (...) bool: 1 byte per entry saved
+        positive = xp.empty(x.shape, dtype=bool)            # (...) bool [not x <= 0]: 1 byte per entry saved
         y = xp.empty(x.shape, dtype=x.dtype)
         xf, pf, yf = x.reshape(-1), positive.reshape(-1), y.reshape(-1)
 
         def block(start, stop):
-            xp.greater(xf[start:stop], 0, out=pf[start:stop])
-            xp.multiply(xf[start:stop], pf[start:stop], out=yf[start:stop])
+            xp.less_equal(xf[start:stop], 0, out=pf[start:stop])
+            xp.logical_not(pf[start:stop], out=pf[start:stop])      # NaN is not <= 0: passes dy
+            xp.maximum(xf[start:stop], 0, out=yf[start:stop])       # not x * [x > 0]: -inf * 0 is NaN
 
         for_rows(block, x.size, x.size, x)
         ctx.save_for_backward(positive)
@@ -34,7 +37,7 @@ class ReLUFunction(Function):
     @staticmethod
     def backward(ctx, dy):
         (positive,) = ctx.saved_tensors
-        # y = x * [x > 0]  ->  dx = dy * [x > 0]
+        # y = max(x, 0)  ->  dx = dy * [x > 0], taken as [not x <= 0] so a NaN passes dy (torch's)
         return elementwise_product(dy, positive)
 
 
@@ -166,18 +169,12 @@ def dropout_mask(shape, p, device, generator=None):
     return backend.to_device(keep[:size].reshape(shape), device)
 
 
-def check_dropout_p(p, op):
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"{op}: dropout probability must be a number in [0, 1], got {p!r}")
-    return float(p)
-
-
 @has_twin
 def dropout(input, p=0.5, training=True, generator=None):
     """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
     scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros."""
     x = check_tensor("input", input, "dropout")
-    p = check_dropout_p(p, "dropout")
+    p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
     device = backend.device_of(x)

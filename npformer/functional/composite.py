@@ -6,9 +6,10 @@ import contextlib
 import math
 
 from autograd import Tensor, concatenate, where
+from autograd.checks import check_real, check_shape
 
 from . import _erf as formulas
-from .activation import TANH_C, TANH_K, check_dropout_p, dropout_mask
+from .activation import TANH_C, TANH_K, dropout_mask
 from .attention import _lead_shape, _prepare_mask, causal_blocked
 from ._common import _twins, on_device_of
 
@@ -51,7 +52,7 @@ def gelu(input, approximate="none"):
 
 def dropout(input, p=0.5, training=True, generator=None):
     x = _tensor(input)
-    p = check_dropout_p(p, "dropout")
+    p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
     if p == 1.0:
@@ -68,12 +69,16 @@ def _stable_shift(x, dim):
 
 
 def softmax(input, dim=-1):
+    if _tensor(input).ndim == 0:  # one row of one entry: 1
+        return softmax(_tensor(input).reshape(1)).reshape(())
     e = _stable_shift(_tensor(input), dim).exp()
     total = e.sum(axis=dim, keepdims=True)
     return e / where(total.data == 0, 1.0, total)
 
 
 def log_softmax(input, dim=-1):
+    if _tensor(input).ndim == 0:  # one row of one entry: 0
+        return log_softmax(_tensor(input).reshape(1)).reshape(())
     shifted = _stable_shift(_tensor(input), dim)
     total = shifted.exp().sum(axis=dim, keepdims=True)
     return shifted - where(total.data == 0, 1.0, total).log()
@@ -81,7 +86,7 @@ def log_softmax(input, dim=-1):
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     x = _tensor(input)
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    shape = check_shape(normalized_shape, "normalized_shape", "layer_norm")
     axes = tuple(range(x.ndim - len(shape), x.ndim))
     centered = x - x.mean(axis=axes, keepdims=True)
     y = centered / ((centered * centered).mean(axis=axes, keepdims=True) + eps).sqrt()
@@ -141,7 +146,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if blocked is not None:
         scores = where(blocked, -math.inf, scores)
     probs = softmax(scores, dim=-1)
-    dropout_p = check_dropout_p(dropout_p, "scaled_dot_product_attention")
+    dropout_p = check_real(dropout_p, "dropout_p", "scaled_dot_product_attention", at_least=0, at_most=1)
     if dropout_p == 1.0:
         probs = probs * 0.0
     elif dropout_p > 0:

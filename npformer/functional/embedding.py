@@ -1,5 +1,6 @@
 """Embedding lookup with a sort-based scatter-add backward."""
 from autograd import Function, backend
+from autograd.checks import check_int
 
 from ._common import check_tensor, has_twin, on_device_of
 
@@ -64,7 +65,5 @@ def embedding(input, weight, padding_idx=None):
             raise IndexError(f"embedding: token ids must be in [0, {num - 1}] (num_embeddings={num}), "
                              f"got min {lo} and max {hi}")
     if padding_idx is not None:
-        if not -num <= padding_idx < num:
-            raise ValueError(f"embedding: padding_idx must be in [{-num}, {num - 1}], got {padding_idx}")
-        padding_idx %= num
+        padding_idx = check_int(padding_idx, "padding_idx", "embedding", at_least=-num, at_most=num - 1) % num
     return EmbeddingFunction.apply(weight, ids=ids, padding_idx=padding_idx)

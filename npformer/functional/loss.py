@@ -1,5 +1,6 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
-from autograd import Function, Tensor, backend
+from autograd import Function, Tensor, backend, is_grad_enabled
+from autograd.checks import check_int, check_real
 from autograd.threads import for_rows
 
 from ._common import check_tensor, data_of, has_twin, on_device_of
@@ -92,12 +93,13 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     input: logits (N, C), (N, C, d1, ...) or (C,); target: integer ids (N,), (N, d1, ...) or ();
     weight: class weights (C,) or None. Targets equal to `ignore_index` add nothing. Raises
     ValueError when reduction="mean" and every target is ignored (torch returns NaN there).
+    The class weights are constants: a weight Tensor that requires grad is refused, as in torch.
     """
     logits = check_tensor("input", input, "cross_entropy")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"cross_entropy: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "cross_entropy", at_least=0, at_most=1)
+    ignore_index = check_int(ignore_index, "ignore_index", "cross_entropy")
     tgt = on_device_of(target, logits, "target", "cross_entropy")
     if tgt.dtype.kind not in "iu":
         raise TypeError(f"cross_entropy: target must hold integer class indices, got dtype {tgt.dtype}")
@@ -112,6 +114,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if weight is not None:
         if tuple(check_tensor("weight", weight, "cross_entropy").shape) != (c,):
             raise ValueError(f"cross_entropy: weight must have shape ({c},), got {tuple(weight.shape)}")
+        if isinstance(weight, Tensor) and weight.requires_grad and is_grad_enabled():
+            raise RuntimeError("cross_entropy: weight requires grad, but the class weights are constants and get "
+                             "no gradient (torch refuses them too); pass weight.detach()")
         if not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
             weight = on_device_of(weight, logits, "weight", "cross_entropy").astype(logits.dtype, copy=False)
     flat_target = tgt.reshape(-1)
@@ -140,5 +145,5 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if logits.ndim != 2:
         x = x.reshape(-1, c)
     loss = CrossEntropyFunction.apply(x, weight, target=flat_target, valid=valid, reduction=reduction,
-                              label_smoothing=float(label_smoothing))
+                              label_smoothing=label_smoothing)
     return loss.reshape(tgt.shape) if reduction == "none" else loss

@@ -1,5 +1,6 @@
 """Pieces shared by the models: argument checks, token ids, padding masks, positions."""
 from autograd import Tensor, backend
+from autograd.checks import as_array, check_int, check_optional_int, check_real
 
 from .. import nn
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
@@ -13,6 +14,25 @@ def check_choice(value, choices, name, owner):
     if value not in choices:
         raise ValueError(f"{owner}: {name} must be one of {choices}, got {value!r}")
     return value
+
+
+_SIZES = ("vocab_size", "src_vocab_size", "tgt_vocab_size", "num_classes", "d_model", "nhead", "num_layers",
+          "num_encoder_layers", "num_decoder_layers", "dim_feedforward", "max_len")
+
+
+def check_config(config, owner):
+    """A model's constructor arguments with every number checked and made a plain int or float
+    (so the config stays JSON-serialisable): sizes integers >= 1, dropout in [0, 1],
+    layer_norm_eps > 0, pad_idx None or an id of every vocabulary."""
+    config = dict(config)
+    for name in _SIZES:
+        if name in config:
+            config[name] = check_int(config[name], name, owner, at_least=1)
+    config["dropout"] = check_real(config["dropout"], "dropout", owner, at_least=0, at_most=1)
+    config["layer_norm_eps"] = check_real(config["layer_norm_eps"], "layer_norm_eps", owner, above=0)
+    vocab = min(config[name] for name in ("vocab_size", "src_vocab_size", "tgt_vocab_size") if name in config)
+    config["pad_idx"] = check_optional_int(config["pad_idx"], "pad_idx", owner, at_least=0, at_most=vocab - 1)
+    return config
 
 
 def additive_positions(positional, d_model, max_len):
@@ -55,7 +75,8 @@ def valid_positions(mask, ids, dtype):
     if mask is None:
         return xp.ones(ids.shape, dtype=dtype)
     mask = mask.data if isinstance(mask, Tensor) else mask
-    mask = backend.to_device(mask if backend.is_array(mask) else xp.asarray(mask), backend.device_of(ids))
+    mask = mask if backend.is_array(mask) else as_array(mask, "key_padding_mask", "EncoderClassifier", xp)
+    mask = backend.to_device(mask, backend.device_of(ids))
     if mask.dtype != bool or mask.shape != ids.shape:
         raise ValueError(f"key_padding_mask must be a bool array of shape {ids.shape} for pooling, "
                          f"got {mask.dtype} {mask.shape}")
@@ -74,7 +95,7 @@ class EncoderOnlyModel(nn.Module):
         owner = type(self).__name__
         check_choice(positional, POSITIONAL, "positional", owner)
         check_choice(activation, ("relu", "gelu"), "activation", owner)
-        check_d_model_nhead(d_model, nhead, owner)
+        d_model, nhead = check_d_model_nhead(d_model, nhead, owner)
         self.d_model, self.pad_idx, self.positional_kind = d_model, pad_idx, positional
         self.tok_embed = nn.Embedding(vocab_size, d_model, padding_idx=pad_idx)
         positions = additive_positions(positional, d_model, max_len)

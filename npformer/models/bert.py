@@ -1,6 +1,6 @@
 """An encoder-only (BERT-style) sequence classifier with mean or first-token pooling."""
 from .. import nn
-from ._common import EncoderOnlyModel, check_choice, padding_mask_from_ids, valid_positions
+from ._common import EncoderOnlyModel, check_choice, check_config, padding_mask_from_ids, valid_positions
 
 
 class EncoderClassifier(EncoderOnlyModel):
@@ -21,6 +21,7 @@ class EncoderClassifier(EncoderOnlyModel):
                            num_layers=num_layers, dim_feedforward=dim_feedforward, dropout=dropout,
                            max_len=max_len, norm_first=norm_first, activation=activation, pooling=pooling,
                            positional=positional, pad_idx=pad_idx, layer_norm_eps=layer_norm_eps)
+        self.config = check_config(self.config, "EncoderClassifier")
         self._build_trunk(vocab_size, d_model, nhead, num_layers, dim_feedforward, dropout, max_len, activation,
                           norm_first, positional, pad_idx, layer_norm_eps)
         self.pooling = pooling

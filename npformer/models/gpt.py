@@ -2,7 +2,7 @@
 import npformer.functional as F
 
 from .. import nn
-from ._common import EncoderOnlyModel, padding_mask_from_ids
+from ._common import EncoderOnlyModel, check_config, padding_mask_from_ids
 
 
 class CausalLM(EncoderOnlyModel):
@@ -22,6 +22,7 @@ class CausalLM(EncoderOnlyModel):
                            dim_feedforward=dim_feedforward, dropout=dropout, max_len=max_len,
                            norm_first=norm_first, activation=activation, positional=positional,
                            tie_weights=bool(tie_weights), pad_idx=pad_idx, layer_norm_eps=layer_norm_eps)
+        self.config = check_config(self.config, "CausalLM")
         self._build_trunk(vocab_size, d_model, nhead, num_layers, dim_feedforward, dropout, max_len, activation,
                           norm_first, positional, pad_idx, layer_norm_eps)
         self.tie_weights = bool(tie_weights)

@@ -2,6 +2,7 @@
 import math
 
 from autograd import backend
+from autograd.checks import check_real
 
 
 def _parameters_with_grad(parameters):
@@ -13,9 +14,7 @@ def _parameters_with_grad(parameters):
 def grad_norm(parameters, norm_type=2.0):
     """The norm of all gradients together, as if concatenated into one vector (a Python float):
     `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no gradient exists."""
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(f"norm_type: expected a positive number or inf, got {norm_type}")
+    norm_type = check_real(norm_type, "norm_type", "grad_norm", above=0, finite=False)
     grads = [p.grad for p in _parameters_with_grad(parameters)]
     if not grads:
         return 0.0
@@ -43,9 +42,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     A non-finite total norm raises RuntimeError with error_if_nonfinite=True; otherwise the
     gradients are left unchanged (torch would scale them into NaN) and the norm is returned.
     """
-    max_norm = float(max_norm)
-    if not max_norm >= 0:  # also refuses NaN
-        raise ValueError(f"max_norm: expected a number >= 0, got {max_norm}")
+    max_norm = check_real(max_norm, "max_norm", "clip_grad_norm_", at_least=0, finite=False)
     params = _parameters_with_grad(parameters)
     total = grad_norm(params, norm_type)
     if not math.isfinite(total):
