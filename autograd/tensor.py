@@ -398,7 +398,7 @@ class Relu(Function):
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
-        return grad * (out > 0)  # d relu(x) = [x > 0]
+        return grad * ~(out <= 0)  # d relu(x) = [x > 0], taken as [not x <= 0]: a NaN passes grad (torch's)
 
 
 class Where(Function):

@@ -69,16 +69,12 @@ def _stable_shift(x, dim):
 
 
 def softmax(input, dim=-1):
-    if _tensor(input).ndim == 0:  # one row of one entry: 1
-        return softmax(_tensor(input).reshape(1)).reshape(())
     e = _stable_shift(_tensor(input), dim).exp()
     total = e.sum(axis=dim, keepdims=True)
     return e / where(total.data == 0, 1.0, total)
 
 
 def log_softmax(input, dim=-1):
-    if _tensor(input).ndim == 0:  # one row of one entry: 0
-        return log_softmax(_tensor(input).reshape(1)).reshape(())
     shifted = _stable_shift(_tensor(input), dim)
     total = shifted.exp().sum(axis=dim, keepdims=True)
     return shifted - where(total.data == 0, 1.0, total).log()

@@ -1,0 +1,83 @@
+"""Tolerances from magnitudes, for comparing two correct computations that round differently.
+
+Another CPU runs other BLAS kernels (AVX-512 vs AVX2 blocking, fused multiply-adds, other
+summation orders), and torch orders its sums differently from numpy: results agree only up to
+rounding, and rounding scales with the magnitudes of what is summed, not with the result. A
+sum of `terms` products whose factors are about m1, m2, ... rounds by about
+eps * terms * m1 * m2 * ...; an exactly 0 entry (a saturated softmax) may come back as
+1e-10 from a chain whose terms are 1e6. So every tolerance here is built from:
+
+    rounding_tolerance(dtype, *magnitudes, terms)   one step of a chain: ULPS * eps * terms * prod(magnitudes)
+    magnitude(array)                                the typical |entry|: the RMS (norm / sqrt(size))
+    scaled(atol, *arrays)                           a tolerance set at unit scale, times max(1, magnitude)
+                                                    of each array the compared values are made from
+
+and a chain of ops adds one rounding_tolerance per step, each error carried forward by the
+magnitudes it is multiplied with (tests/test_numerics.py writes attention's out). Never a bare
+absolute tolerance fitted to one machine.
+"""
+import math
+
+import numpy as np
+
+from autograd import backend
+
+ULPS = 8  # rounding steps of slack per term: two correct kernels differ by a few each way
+
+
+def eps(dtype):
+    return float(np.finfo(dtype).eps)
+
+
+def host(array):
+    """A Tensor, torch tensor or (numpy, cupy, test-device) array as a float64 numpy array."""
+    if hasattr(array, "detach"):                    # autograd.Tensor or torch.Tensor
+        array = array.detach().numpy()
+    return np.asarray(backend.as_numpy(array) if backend.is_array(array) else array, dtype=np.float64)
+
+
+def magnitude(array):
+    """The typical |entry| of an array: the RMS of its finite entries (0 when there are none).
+    By Cauchy-Schwarz a sum of n products of entries of a and b is at most n * magnitude(a) *
+    magnitude(b) when the magnitudes are taken over those n entries."""
+    values = host(array)
+    values = values[np.isfinite(values)]
+    return math.sqrt(float(np.mean(values * values))) if values.size else 0.0
+
+
+def rounding_tolerance(dtype, *magnitudes, terms=1):
+    """The rounding error of one entry that sums `terms` products of factors of sizes
+    `magnitudes` (floats or arrays, elementwise): ULPS * eps(dtype) * terms * product."""
+    bound = ULPS * eps(dtype) * terms
+    for m in magnitudes:
+        bound = bound * m
+    return bound
+
+
+def scaled(atol, *arrays):
+    """A tolerance chosen at unit scale, multiplied by max(1, magnitude) of each array the
+    compared values are made from (inputs, weights, upstream gradients)."""
+    for a in arrays:
+        atol *= max(1.0, magnitude(a))
+    return atol
+
+
+def assert_close(actual, desired, atol, rtol=0.0, err_msg=""):
+    """NaN and infinities where `desired` has them, and |actual - desired| <= atol + rtol |desired|
+    elsewhere; atol may be an array (one tolerance per entry)."""
+    actual, desired = host(actual), host(desired)
+    assert actual.shape == desired.shape, f"{err_msg}: shapes {actual.shape} vs {desired.shape}"
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(desired), err_msg=f"{err_msg}: NaN positions")
+    infinite = np.isinf(desired)
+    np.testing.assert_array_equal(actual[infinite], desired[infinite], err_msg=f"{err_msg}: infinities")
+    finite = np.isfinite(desired)
+    with np.errstate(invalid="ignore", over="ignore"):     # inf - inf where desired is not finite
+        limit = np.broadcast_to(np.asarray(atol, dtype=np.float64), desired.shape) + rtol * np.abs(desired)
+        error = np.abs(actual - desired)
+    bad = finite & ~(error <= limit)
+    if bad.any():
+        with np.errstate(invalid="ignore", over="ignore"):
+            worst = np.unravel_index(np.argmax(np.where(bad, error / np.maximum(limit, 1e-300), 0)), desired.shape)
+        raise AssertionError(f"{err_msg}: {int(bad.sum())} of {desired.size} entries differ by more than the "
+                             f"tolerance; worst at {worst}: {actual[worst]!r} vs {desired[worst]!r}, difference "
+                             f"{error[worst]:.3g} > tolerance {limit[worst]:.3g}")
