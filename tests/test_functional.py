@@ -9,6 +9,8 @@ import npformer.functional as F
 from npformer.functional import composite
 from autograd import Tensor
 
+from tolerances import scaled
+
 
 def leaf(array, device="cpu", dtype=np.float64):
     return Tensor(np.array(array, dtype=dtype), requires_grad=True, device=device)
@@ -19,23 +21,26 @@ def torch_leaf(torch, array, dtype=np.float64):
 
 
 def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1e-10, device="cpu",
-                       dtype=np.float64, torch_dtype=None):
+                       dtype=np.float64, torch_dtype=None, scale=None):
     """Run both on the same inputs, backward with one random upstream gradient; compare the
     output and the gradient of every input (and that ours keeps the dtype). torch_dtype=float64
-    runs torch in float64 on our float32 inputs (where torch's float32 kernel is the less exact)."""
+    runs torch in float64 on our float32 inputs (where torch's float32 kernel is the less exact).
+    atol is set at unit scale: it is multiplied by `scale`, by default max(1, magnitude) of every
+    input (tolerances.scaled), and for the gradients also by that of the upstream gradient."""
     ours_in = [leaf(a, device, dtype) for a in arrays]
     theirs_in = [torch_leaf(torch, np.asarray(a, dtype), torch_dtype or dtype) for a in arrays]
     out = ours_fn(*ours_in)
     ref = torch_fn(*theirs_in)
     assert out.dtype == dtype
+    atol = scaled(atol, *arrays) if scale is None else atol * scale
     np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=atol, rtol=rtol)
     g = rng.standard_normal(out.shape).astype(dtype)
     out.backward(autograd.backend.to_device(g, out.device))
     ref.backward(torch.tensor(g.astype(torch_dtype or dtype)))
     for i, (a, b) in enumerate(zip(ours_in, theirs_in)):
         assert a.grad.dtype == dtype
-        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), b.grad.numpy(), atol=atol, rtol=rtol,
-                                   err_msg=f"gradient of input {i}")
+        np.testing.assert_allclose(autograd.backend.as_numpy(a.grad), b.grad.numpy(), atol=scaled(atol, g),
+                                   rtol=rtol, err_msg=f"gradient of input {i}")
 
 
 def compare_runs(fn_a, fn_b, arrays, rng, device="cpu", atol=1e-12):

@@ -81,3 +81,26 @@ def assert_close(actual, desired, atol, rtol=0.0, err_msg=""):
         raise AssertionError(f"{err_msg}: {int(bad.sum())} of {desired.size} entries differ by more than the "
                              f"tolerance; worst at {worst}: {actual[worst]!r} vs {desired[worst]!r}, difference "
                              f"{error[worst]:.3g} > tolerance {limit[worst]:.3g}")
+
+
+class Rounded:
+    """One quantity of a chain of ops, for deriving its tolerance: `size`, the typical |entry|
+    (a magnitude), and `error`, a bound on how far two correct computations of it may differ.
+    Inputs start exact (error 0); each step adds its own rounding and carries the errors of
+    its operands, multiplied by the sizes they meet."""
+
+    def __init__(self, size, error=0.0):
+        self.size, self.error = float(size), float(error)
+
+    @classmethod
+    def of(cls, array):
+        return cls(magnitude(array))
+
+    def dot(self, other, terms, dtype, scale=1.0):
+        """scale * (sums of `terms` products of entries of self and other): a matmul step."""
+        size = scale * terms * self.size * other.size
+        carried = scale * terms * (self.error * other.size + self.size * other.error)
+        return Rounded(size, carried + rounding_tolerance(dtype, scale, self.size, other.size, terms=terms))
+
+    def __repr__(self):
+        return f"Rounded(size={self.size:.3g}, error={self.error:.3g})"
