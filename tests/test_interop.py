@@ -7,6 +7,8 @@ import pytest
 from autograd import Tensor
 from npformer import interop, models, nn
 
+from tolerances import scaled
+
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 
 MODULES = {
@@ -60,7 +62,7 @@ def test_torch_built_transformer_converts_and_computes_the_same(torch, rng):
     mask = torch.nn.Transformer.generate_square_subsequent_mask(3, dtype=torch.float64)
     np.testing.assert_allclose(ours(Tensor(src), Tensor(tgt), tgt_mask=mask.numpy()).numpy(),
                                theirs(torch.tensor(src), torch.tensor(tgt), tgt_mask=mask).detach().numpy(),
-                               atol=1e-10)
+                               atol=scaled(1e-10, src, tgt, *ours.parameters()))
 
 
 def test_torch_composition_keys_equal_ours_for_every_tie(torch):

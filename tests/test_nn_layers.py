@@ -12,6 +12,8 @@ import autograd
 from autograd import Tensor, backend
 from npformer import interop, nn
 
+from tolerances import scaled
+
 F64 = dict(atol=1e-10, rtol=0.0)
 F32 = dict(atol=1e-5, rtol=1e-4)
 
@@ -27,7 +29,8 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
     ours_fn(module, *tensors) and as torch leaves to torch_fn(torch_module, *tensors); the
     functions return one output or a tuple (None entries are skipped). Backward uses random
     upstream gradients; compared: every output, every input gradient and the gradient of
-    every parameter (matched by name).
+    every parameter (matched by name). atol is set at unit scale: it grows with the magnitudes
+    of the inputs and parameters (and, for gradients, of the upstream gradients).
     """
     theirs = interop.to_torch(ours)
     ours.zero_grad()
@@ -39,6 +42,8 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
     outs = outs if isinstance(outs, tuple) else (outs,)
     refs = refs if isinstance(refs, tuple) else (refs,)
     assert len(outs) == len(refs)
+    atol = scaled(atol, *arrays, *ours.parameters())
+    upstream = []
     ours_loss, theirs_loss = 0, 0
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert (o is None) == (r is None), f"output {i}: one side returned None"
@@ -49,10 +54,12 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
         assert got.shape == want.shape, f"output {i}: shape {got.shape} vs torch {want.shape}"
         np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=f"output {i}")
         g = rng.standard_normal(got.shape).astype(got.dtype)
+        upstream.append(g)
         ours_loss = ours_loss + (o * Tensor(g, device=device)).sum()
         theirs_loss = theirs_loss + (r * torch.tensor(g)).sum()
     ours_loss.backward()
     theirs_loss.backward()
+    atol = scaled(atol, *upstream)
     for i, (a, b) in enumerate(zip(ours_in, theirs_in)):  # an unused input has no gradient on either side
         assert (a.grad is None) == (b.grad is None), f"gradient of input {i}: present on one side only"
         if a.grad is not None:
