@@ -292,7 +292,8 @@ CASES = [
     ("cross_entropy_ignore_index_float", lambda _: F.cross_entropy(floats(2, 3), ids(2, value=1), ignore_index=1.5),
      TypeError, r"cross_entropy: ignore_index must be an integer, got 1\.5 of type float"),
     ("cross_entropy_weight_requires_grad", lambda _: F.cross_entropy(
-        floats(2, 3), ids(2, value=1), weight=Tensor(np.ones(3, np.float32), requires_grad=True)), RuntimeError, r"cross_entropy: weight requires grad, but the class weights are constants.*weight\.detach\(\)"),
+        floats(2, 3), ids(2, value=1), weight=Tensor(np.ones(3, np.float32), requires_grad=True)), RuntimeError,
+     r"cross_entropy: weight requires grad, but the class weights are constants.*weight\.detach\(\)"),
     ("softmax_dim_float", lambda _: F.softmax(floats(2, 3), dim=1.0), TypeError,
      r"softmax: dim must be an integer, got 1\.0 of type float"),
     ("log_softmax_0d_dim_1", lambda _: F.log_softmax(floats(), dim=1), IndexError,
