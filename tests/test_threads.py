@@ -53,37 +53,47 @@ def wait(event):
     assert event.wait(WAIT), "a thread did not reach its step"
 
 
+def inside_and_outside(mode, probe):
+    """probe() run by a worker thread inside `with mode():` and, while it is still inside, by
+    this thread: (the worker's result, this thread's)."""
+    entered, checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def inside():
+        with mode():
+            seen["inside"] = probe()
+            entered.set()
+            wait(checked)
+
+    worker = Worker(inside)
+    worker.start()
+    wait(entered)
+    try:
+        seen["outside"] = probe()
+    finally:
+        checked.set()
+        worker.finish()
+    return seen["inside"], seen["outside"]
+
+
 def records_a_graph():
     x = Tensor(np.ones(3), requires_grad=True)
     return (x * 2.0).sum().requires_grad
 
 
+def grad_mode():
+    return autograd.is_grad_enabled(), records_a_graph()
+
+
 # -- grad mode ---------------------------------------------------------------------------------------
 def test_no_grad_in_one_thread_leaves_gradients_on_in_another():
-    entered, checked = threading.Event(), threading.Event()
-    seen = {}
-
-    def inside_no_grad():
-        with autograd.no_grad():
-            seen["worker"] = autograd.is_grad_enabled(), records_a_graph()
-            entered.set()
-            wait(checked)
-
-    worker = Worker(inside_no_grad)
-    worker.start()
-    wait(entered)
-    try:
-        assert autograd.is_grad_enabled() and records_a_graph()
-    finally:
-        checked.set()
-        worker.finish()
-    assert seen["worker"] == (False, False)
+    assert inside_and_outside(autograd.no_grad, grad_mode) == ((False, False), (True, True))
 
 
 def test_a_new_thread_starts_with_gradients_on_while_its_creator_is_in_no_grad():
     seen = []
     with autograd.no_grad():
-        worker = Worker(lambda: seen.append((autograd.is_grad_enabled(), records_a_graph())))
+        worker = Worker(lambda: seen.append(grad_mode()))
         worker.start()
         worker.finish()
         assert not autograd.is_grad_enabled()
@@ -93,14 +103,14 @@ def test_a_new_thread_starts_with_gradients_on_while_its_creator_is_in_no_grad()
 def test_two_threads_entering_and_leaving_no_grad_interleaved_leave_gradients_on():
     """A enters, B enters, A leaves, B leaves: with one process-wide flag, B's exit would restore
     the False it saw on entry, leaving gradients off for the whole process."""
-    steps = {name: threading.Event() for name in ("a_in", "b_in", "a_out", "b_out")}
+    steps = {name: threading.Event() for name in ("a_in", "b_in", "a_out")}
     after = {}
 
     def a():
         with autograd.no_grad():
             steps["a_in"].set()
             wait(steps["b_in"])
-        after["a"] = autograd.is_grad_enabled(), records_a_graph()
+        after["a"] = grad_mode()
         steps["a_out"].set()
 
     def b():
@@ -108,51 +118,36 @@ def test_two_threads_entering_and_leaving_no_grad_interleaved_leave_gradients_on
         with autograd.no_grad():
             steps["b_in"].set()
             wait(steps["a_out"])
-        after["b"] = autograd.is_grad_enabled(), records_a_graph()
-        steps["b_out"].set()
+        after["b"] = grad_mode()
 
     workers = [Worker(a), Worker(b)]
     for w in workers:
         w.start()
     for w in workers:
         w.finish()
-    assert after == {"a": (True, True), "b": (True, True)}
-    assert autograd.is_grad_enabled() and records_a_graph()
+    assert after == {"a": (True, True), "b": (True, True)} and grad_mode() == (True, True)
 
 
 # -- anomaly mode ------------------------------------------------------------------------------------
-def log_of_minus_one():
-    """An op whose forward makes a NaN (numpy's warning silenced: the detector is what is tested)."""
+def detects_a_nan():
+    """Whether the detector stops an op whose forward makes a NaN (log(-1))."""
     with np.errstate(invalid="ignore"):
-        return Tensor(np.array([-1.0]), requires_grad=True).log()
+        try:
+            Tensor(np.array([-1.0]), requires_grad=True).log()
+        except FloatingPointError:
+            return True
+    return False
 
 
 def test_detect_anomaly_is_per_thread():
-    entered, checked = threading.Event(), threading.Event()
-    caught = []
-
-    def inside_detect_anomaly():
-        with autograd.detect_anomaly():
-            with pytest.raises(FloatingPointError, match="produced NaN or Inf"):
-                log_of_minus_one()
-            caught.append("worker")
-            entered.set()
-            wait(checked)
-
-    worker = Worker(inside_detect_anomaly)
-    worker.start()
-    wait(entered)
-    try:
-        assert np.isnan(log_of_minus_one().numpy()).all()         # this thread: no detector, a NaN
-    finally:
-        checked.set()
-        worker.finish()
-    assert caught == ["worker"]
-    with autograd.detect_anomaly():                                # and one started inside it has none
-        worker = Worker(lambda: caught.append(np.isnan(log_of_minus_one().numpy()).all()))
+    assert inside_and_outside(autograd.detect_anomaly, detects_a_nan) == (True, False)
+    seen = []
+    with autograd.detect_anomaly():                                # a thread started inside it has none
+        worker = Worker(lambda: seen.append(detects_a_nan()))
         worker.start()
         worker.finish()
-    assert caught == ["worker", True]
+        assert detects_a_nan()
+    assert seen == [False]
 
 
 # -- composite twins ---------------------------------------------------------------------------------
@@ -163,24 +158,8 @@ def softmax_op():
 
 
 def test_composite_installed_only_in_the_thread_that_installed_it():
-    entered, checked = threading.Event(), threading.Event()
-    seen = {}
-
-    def with_twins():
-        with composite.installed():
-            seen["worker"] = softmax_op()
-            entered.set()
-            wait(checked)
-
-    worker = Worker(with_twins)
-    worker.start()
-    wait(entered)
-    try:
-        seen["main"] = softmax_op()
-    finally:
-        checked.set()
-        worker.finish()
-    assert seen["main"] == "SoftmaxFunction" and seen["worker"] != "SoftmaxFunction", seen
+    inside, outside = inside_and_outside(composite.installed, softmax_op)
+    assert outside == "SoftmaxFunction" and inside != "SoftmaxFunction", (inside, outside)
 
 
 # -- set_num_threads while other threads run ops -------------------------------------------------------
