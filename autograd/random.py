@@ -20,6 +20,7 @@ give four random 32-bit words. npformer's streams use key = (seed mod 2^32, seed
 rounded up to a multiple of 8, so every draw starts on a fresh counter.
 """
 from . import backend, threads
+from .checks import check_int
 
 _generators = {}
 
@@ -39,8 +40,9 @@ def default_rng(seed=None, device="cpu"):
 
 def manual_seed(seed):
     """Reseed every global generator: each device's Generator and the dropout stream."""
+    seed = check_int(seed, "seed", "manual_seed", at_least=0)
     _generators.clear()
-    _generators["seed"] = int(seed)
+    _generators["seed"] = seed
 
 
 def _seed_words(index, words):

@@ -36,7 +36,10 @@ _local = threading.local()  # .busy: this thread is running a block (nested spli
 def get_num_threads():
     """Threads that npformer's ops use on the CPU (like torch.get_num_threads)."""
     if _state["threads"] is None:
-        set_num_threads(int(os.environ.get("NPFORMER_NUM_THREADS", "1")))
+        value = os.environ.get("NPFORMER_NUM_THREADS", "1")
+        if not value.strip().isdigit():
+            raise ValueError(f"NPFORMER_NUM_THREADS must be an integer >= 1, got {value!r}")
+        set_num_threads(int(value))
     return _state["threads"]
 
 

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+import autograd
 import npformer
 import npformer.functional as F
 from autograd import Tensor, threads
@@ -282,6 +283,10 @@ CASES = [
      r"normal_: std must be a finite real number >= 0, got '1' of type str"),
     ("set_num_threads_string", lambda _: threads.set_num_threads("2"), TypeError,
      r"set_num_threads: n must be an integer >= 1, got '2' of type str"),
+    ("manual_seed_float", lambda _: autograd.manual_seed(1.5), TypeError,
+     r"manual_seed: seed must be an integer >= 0, got 1\.5 of type float"),
+    ("manual_seed_negative", lambda _: autograd.manual_seed(-1), ValueError,
+     r"manual_seed: seed must be an integer >= 0, got -1"),
     # -- numbers of the functional ops ------------------------------------------------------------------------
     ("cross_entropy_label_smoothing_string", lambda _: F.cross_entropy(floats(2, 3), ids(2, value=1),
                                                                        label_smoothing="0.1"),

@@ -179,6 +179,13 @@ def frequent_switches():
     sys.setswitchinterval(saved)
 
 
+def test_npformer_num_threads_must_be_an_integer(monkeypatch):
+    monkeypatch.setenv("NPFORMER_NUM_THREADS", "two")
+    monkeypatch.setitem(threads._state, "threads", None)          # not set yet: read from the environment
+    with pytest.raises(ValueError, match="NPFORMER_NUM_THREADS must be an integer >= 1, got 'two'"):
+        threads.get_num_threads()
+
+
 def test_set_num_threads_from_one_thread_never_breaks_ops_in_flight_in_others(restore_num_threads,
                                                                               frequent_switches):
     """Three threads each run 50 rounds of ops big enough to use the pool (relu, softmax,
