@@ -92,7 +92,9 @@ class Function:
         def backward(ctx, *grad_outputs) -> one gradient (or None) per positional input
 
     and are called as `MyOp.apply(*inputs, **options)`. Non-Tensor inputs get no gradient.
-    `ctx.needs_input_grad[i]` says whether input i needs one.
+    `ctx.needs_input_grad[i]` says whether input i needs one. What backward returns is checked
+    like torch's engine does (count, shape, dtype, device; a gradient of a shape the input
+    broadcasts to is summed back): a mistake raises an error naming the op and the input.
     """
 
     saved_tensors = ()
@@ -113,7 +115,7 @@ class Function:
         single = not isinstance(outputs, tuple)
         outputs = (outputs,) if single else outputs
         xp = backend.get_array_module(*raw)
-        outputs = tuple(o if backend.is_array(o) else xp.asarray(o) for o in outputs)
+        outputs = tuple(o if backend.is_array(o) else _output_array(cls, i, o, xp) for i, o in enumerate(outputs))
         record = _state.grad_enabled and any(t.requires_grad for t in tensors)
         if _state.anomaly:
             ctx.created_at = _where_created()
@@ -128,6 +130,20 @@ class Function:
             for i, r in enumerate(results):
                 r.creator, r.output_index = ctx, i
         return results[0] if single else results
+
+
+def _output_array(op, index, value, xp):
+    """A forward output that is not an array: a number becomes one; anything else is the
+    author's mistake, named."""
+    from .tensor import Tensor
+
+    if isinstance(value, Tensor):
+        raise TypeError(f"{op_name(op)}.forward returned a Tensor as output {index}: forward works on raw "
+                        "arrays and must return arrays (use `.data` of a Tensor); apply wraps them in Tensors")
+    if isinstance(value, (int, float, complex)) or getattr(value, "shape", None) == ():  # numbers, numpy scalars
+        return xp.asarray(value)
+    raise TypeError(f"{op_name(op)}.forward returned {type(value).__name__} as output {index}: expected an "
+                    "array, or a tuple of arrays for several outputs")
 
 
 def _check_same_device_and_dtype(op, tensors):
@@ -159,6 +175,65 @@ def _topological_nodes(root):
     return order[::-1]
 
 
+def _checked_gradients(node, grads):
+    """The gradients a backward returned, checked against the node's inputs like torch's engine:
+    one per positional input of forward (extra trailing Nones are dropped), each None or an
+    array of its input's shape, dtype and device. A gradient of a shape the input broadcasts to
+    is summed back to the input's shape (torch's rule); any other shape is an error."""
+    inputs = node.inputs
+    if len(grads) != len(inputs):
+        if len(grads) > len(inputs) and all(g is None for g in grads[len(inputs):]):
+            grads = grads[:len(inputs)]
+        else:
+            raise RuntimeError(f"function {op_name(type(node))} returned an incorrect number of gradients "
+                               f"(expected {len(inputs)}, got {len(grads)}): backward returns one gradient "
+                               "(or None) per positional input of forward")
+    fixed = None
+    for i, (t, g) in enumerate(zip(inputs, grads)):
+        if g is None or t is None or not t.requires_grad:
+            continue
+        data = t.data
+        if type(g) is not type(data) or g.shape != data.shape or g.dtype != data.dtype:  # cheap: the rare path
+            fixed = fixed or list(grads)
+            fixed[i] = _conforming_gradient(node, i, g, data)
+    return grads if fixed is None else tuple(fixed)
+
+
+def _conforming_gradient(node, index, grad, data):
+    """`grad` for input `index` (whose array is `data`) made to conform, or a RuntimeError
+    that names the Function, the index, what was expected and what came."""
+    from .tensor import Tensor, unbroadcast
+
+    where = f"Function {op_name(type(node))} returned an invalid gradient at index {index}"
+    if isinstance(grad, Tensor):
+        raise RuntimeError(f"{where} - got a Tensor: backward works on raw arrays and must return arrays "
+                           "(use `.data` of a Tensor)")
+    if not backend.is_array(grad):
+        if getattr(grad, "shape", None) != () or not hasattr(grad, "dtype"):  # a numpy scalar is fine
+            raise RuntimeError(f"{where} - got {type(grad).__name__}: expected an array of shape "
+                               f"{data.shape} or None")
+        grad = backend.get_array_module(data).asarray(grad)
+    if backend.device_of(grad) != backend.device_of(data):
+        raise RuntimeError(f"{where} - expected device '{backend.device_of(data)}' but got "
+                           f"'{backend.device_of(grad)}'")
+    if grad.dtype != data.dtype:
+        raise RuntimeError(f"{where} - expected dtype {data.dtype} but got {grad.dtype}: return it in the "
+                           f"input's dtype (e.g. `.astype(x.dtype)`)")
+    if grad.shape != data.shape:
+        if not _expands_to(data.shape, grad.shape):
+            raise RuntimeError(f"{where} - got shape {grad.shape} but expected shape compatible with "
+                               f"{data.shape} (the input's shape, or one it broadcasts to)")
+        grad = unbroadcast(grad, data.shape).reshape(data.shape)  # summed over the broadcast axes, as torch
+    return grad
+
+
+def _expands_to(shape, target):
+    """Whether an array of `shape` broadcasts to `target` (torch's is_expandable_to)."""
+    if len(shape) > len(target):
+        return False
+    return all(n == m or n == 1 for n, m in zip(shape[::-1], target[::-1]))
+
+
 def _accumulate(slot_owner, index, grad):
     current = slot_owner[index]
     slot_owner[index] = grad if current is None else current + grad
@@ -186,6 +261,7 @@ def run_backward(tensor, grad, retain_graph=False):
         input_grads = node.backward(node, *grads)
         if not isinstance(input_grads, tuple):
             input_grads = (input_grads,)
+        input_grads = _checked_gradients(node, input_grads)
         if _state.anomaly:
             _check_finite(input_grads, node, "backward")
         for t, g in zip(node.inputs, input_grads):

@@ -6,7 +6,7 @@ PyTorch eager side by side in one run, float32.
 
 Prints the median ms/step of each (steps alternate between the two), the ratio ours/torch,
 tokens/s, achieved GFLOP/s and its share of this machine's measured float32 GEMM rate, and
-the peak memory of each side measured in a separate process. Configurations: REFERENCE.md s.7.
+the peak memory of each side measured in a separate process. Configurations: docs/benchmark_configurations.md.
 Threads: torch.set_num_threads(--threads) and npformer.set_num_threads(--ours-threads,
 default --threads; above 1 npformer splits the GEMMs and numpy's BLAS runs one thread;
 --ours-threads 1 leaves the GEMMs to BLAS's own threads).

@@ -3,11 +3,13 @@
 Layers, left to right (nothing imports to its right): autograd -> npformer.functional ->
 npformer.nn -> npformer.models -> optim, decoding, training, checkpoints, interop, plots.
 """
+__version__ = "0.1.0"  # the one place the version is written: setup.cfg reads it (version = attr: ...)
+
 from autograd import Tensor, manual_seed, no_grad
 from autograd.threads import get_num_threads, set_num_threads
 
 from . import functional, models, nn
 from .checkpoint import load_checkpoint, load_model, save_checkpoint
 
-__all__ = ["Tensor", "manual_seed", "no_grad", "functional", "nn", "models", "save_checkpoint", "load_checkpoint",
-           "load_model", "get_num_threads", "set_num_threads"]
+__all__ = ["__version__", "Tensor", "manual_seed", "no_grad", "functional", "nn", "models", "save_checkpoint",
+           "load_checkpoint", "load_model", "get_num_threads", "set_num_threads"]

@@ -4,12 +4,13 @@ matplotlib is imported only when a figure is drawn (`pip install -e .[plot]`), a
 its object-oriented API is used (`matplotlib.figure.Figure`, saved by the Agg canvas), so
 no pyplot backend or global state is touched.
 
-`record_attention` (no matplotlib needed) returns the per-head attention probabilities of
-every attention module of a model for one forward pass.
+`attention_maps` (no matplotlib needed) returns the per-head attention probabilities of
+every attention module of a Seq2SeqTransformer for one forward pass.
 """
 import numpy as np
 
 from .decoding import _inference
+from .nn import record_attention
 
 _GROUPS = ("encoder_self", "decoder_self", "cross")
 TITLES = {"encoder_self": "encoder self-attention", "decoder_self": "decoder self-attention (causal)",
@@ -31,41 +32,16 @@ def _group_of(name):
     return "decoder_self" if ".decoder." in f".{name}" else "encoder_self"
 
 
-def record_attention(model, src, tgt_in):
+def attention_maps(model, src, tgt_in):
     """Run `model(src, tgt_in)` once in eval mode and return the attention probabilities of
     every MultiheadAttention, per head: {"encoder_self": [(B, H, S, S) per layer],
-    "decoder_self": [(B, H, T, T)], "cross": [(B, H, T, S)]} as numpy arrays.
-
-    Each attention module's `attend` is wrapped for the duration of the call (an instance
-    attribute shadowing the method, removed afterwards) so that it also returns its
-    per-head weights; the model's own code path runs unchanged.
-    """
-    from .nn import MultiheadAttention
-
+    "decoder_self": [(B, H, T, T)], "cross": [(B, H, T, S)]} as numpy arrays
+    (recorded with `npformer.nn.record_attention`)."""
     maps = {group: [] for group in _GROUPS}
-    wrapped = []
-
-    def recorder(module, group):
-        method = type(module).attend
-
-        def attend(q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
-            out, weights = method(module, q, k, v, mask, is_causal, need_weights=True, average_attn_weights=False)
-            maps[group].append(weights.numpy())                               # (B, H, Tq, Tk)
-            if not need_weights:
-                return out, None
-            return out, weights.mean(axis=1) if average_attn_weights else weights
-        return attend
-
-    for name, module in model.named_modules():
-        if isinstance(module, MultiheadAttention):
-            module.__dict__["attend"] = recorder(module, _group_of(name))
-            wrapped.append(module)
-    try:
-        with _inference(model):
-            model(src, tgt_in)
-    finally:
-        for module in wrapped:
-            del module.__dict__["attend"]
+    with _inference(model), record_attention(model) as recorder:
+        model(src, tgt_in)
+    for record in recorder:
+        maps[_group_of(record.name)].append(record.weights.numpy())          # (B, H, Tq, Tk)
     return maps
 
 
@@ -96,17 +72,43 @@ def plot_curves(history, path, title="training"):
     return path
 
 
+def _grad_norm_panels(names):
+    """Per-layer gradient-norm names (training.layer_of) grouped for small multiples:
+    {panel title: [(name, line label)]}. A stack's layers and final norm share a panel
+    ('encoder': 'layer 0', 'layer 1', 'final norm'); embeddings and output layers share the last."""
+    panels = {}
+    for name in names:
+        head, sep, tail = f".{name}".rpartition(".layers.")
+        if sep and tail.isdigit():
+            panel, label = head.rpartition(".")[2] or "layers", f"layer {tail}"
+        elif name.endswith(".norm") and any(n.startswith(name[:-len("norm")] + "layers.") for n in names):
+            panel, label = name[:-len(".norm")].rpartition(".")[2], "final norm"
+        else:
+            panel, label = "embeddings and output", name
+        panels.setdefault(panel, []).append((name, label))
+    other = panels.pop("embeddings and output", None)
+    return {**panels, **({"embeddings and output": other} if other else {})}  # the stacks first
+
+
 def plot_grad_norms(history, path):
-    """The gradient norm of every layer (before clipping) against the step, and the total."""
-    fig = _figure(figsize=(10, 5), layout="constrained")
-    ax = fig.subplots()
+    """The gradient norm of every layer (before clipping) against the step: one panel per
+    layer stack (encoder, decoder) and one for the embeddings and output, layers coloured from
+    first (dark) to last (light), the total norm of all layers in grey behind each."""
+    import matplotlib
+
+    panels = _grad_norm_panels(list(history["layer_grad_norm"]))
+    fig = _figure(figsize=(4.6 * len(panels), 4), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
     steps = history["layer_grad_norm_step"]
-    for i, (name, norms) in enumerate(history["layer_grad_norm"].items()):
-        style = "-" if "decoder" in name else "--" if "encoder" in name else ":"
-        ax.plot(steps, norms, style, color=f"C{i % 10}", label=name)
-    ax.plot(history["step"], history["grad_norm"], color="black", lw=0.5, alpha=0.4, label="total (all layers)")
-    ax.set(yscale="log", xlabel="step", ylabel="gradient L2 norm", title="gradient norm per layer")
-    ax.legend(fontsize=7, ncol=2)
+    for ax, (title, lines) in zip(axes, panels.items()):
+        ax.plot(history["step"], history["grad_norm"], color="0.6", lw=0.6, alpha=0.6, label="total (all layers)")
+        colours = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, len(lines)))
+        for (name, label), colour in zip(lines, colours):
+            ax.plot(steps, history["layer_grad_norm"][name], color=colour, lw=1.4, label=label)
+        ax.set(yscale="log", xlabel="step", title=title)
+        ax.legend(fontsize=8, loc="upper right", framealpha=0.8)
+    axes[0].set_ylabel("gradient L2 norm (before clipping)")
+    fig.suptitle("gradient norm per layer")
     fig.savefig(path, dpi=110)
     return path
 
@@ -139,12 +141,14 @@ def plot_attention(layers, path, title, query_labels, key_labels):
     return path
 
 
-def plot_attention_and_grads(weights, grads, path, title, query_labels, key_labels):
+def plot_attention_and_grads(weights, grads, path, title, query_labels, key_labels, query_axis="query",
+                             key_axis="key"):
     """Per head: the attention probabilities P (top row) next to dL/dP (bottom row,
-    a diverging scale centred on 0). weights, grads: (H, Tq, Tk)."""
+    a diverging scale centred on 0). weights, grads: (H, Tq, Tk); the ticks are labelled
+    with the query and key tokens, the axes with query_axis and key_axis."""
     n_heads, tq, tk = weights.shape
     cell = 0.3 * max(tq, tk) + 1.2
-    fig = _figure(figsize=(cell * n_heads + 1.5, 2 * cell + 0.8), layout="constrained")
+    fig = _figure(figsize=(cell * n_heads + 1.5, 2 * cell + 1.2), layout="constrained")
     axes = np.asarray(fig.subplots(2, n_heads, squeeze=False))
     limit = float(np.abs(grads).max()) or 1.0
     top = bottom = None
@@ -156,8 +160,11 @@ def plot_attention_and_grads(weights, grads, path, title, query_labels, key_labe
         for ax in axes[:, h]:
             ax.set_xticks(range(tk), key_labels, fontsize=7)
             ax.set_yticks(range(tq), query_labels, fontsize=7)
+        axes[1, h].set_xlabel(key_axis, fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(query_axis, fontsize=8)
     fig.colorbar(top, ax=axes[0].tolist(), shrink=0.8, label="P")
-    fig.colorbar(bottom, ax=axes[1].tolist(), shrink=0.8, label="dL/dP")
-    fig.suptitle(title)
+    fig.colorbar(bottom, ax=axes[1].tolist(), shrink=0.8, label="dL/dP (red: attending more raises the loss)")
+    fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=110)
     return path

@@ -36,6 +36,31 @@ def torch():
     return module
 
 
+def dev_package(name):
+    """The dev-extra package `name`, skipping the test when it is missing (failing under CI)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if IN_CI:
+            pytest.fail(f"{name} is required under CI: install the dev extra (`make test`)")
+        pytest.skip(f"{name} is not installed: `pip install -e .[dev]`")
+
+
+@pytest.fixture(scope="session")
+def transformers(torch):
+    """Hugging Face transformers (test dependency only), quiet: no progress bars or warnings."""
+    module = dev_package("transformers")
+    module.logging.set_verbosity_error()
+    module.utils.logging.disable_progress_bar()
+    return module
+
+
+@pytest.fixture(scope="session")
+def safetensors():
+    """The safetensors package (npformer's optional extra, in the dev extra)."""
+    return dev_package("safetensors")
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -9,6 +9,7 @@ import pytest
 import autograd
 from autograd import Function, GradcheckError, Tensor, backend, gradcheck, random, testdevice
 
+from helpers import WrongSoftmax
 from tolerances import scaled
 
 # name -> (function of tensors, input shapes); inputs drawn standard normal, positive where needed
@@ -323,25 +324,6 @@ def test_non_array_forward_arguments_get_no_gradient():
     t = Tensor(np.array([1.0, 2.0]), requires_grad=True)
     Scale.apply(t, 3.0, True).sum().backward()
     np.testing.assert_allclose(t.grad, [3.0, 3.0])
-
-
-class WrongSoftmax(Function):
-    """A softmax whose backward centres dy by its plain mean instead of its y-weighted mean:
-    dx = y * (dy - mean(dy)) instead of y * (dy - sum(dy * y)). Its gradient of out.sum() is zero like the right one, so only a random upstream gradient
-    can tell them apart."""
-
-    @staticmethod
-    def forward(ctx, x):
-        xp = backend.get_array_module(x)
-        e = xp.exp(x - x.max(axis=-1, keepdims=True))
-        y = e / e.sum(axis=-1, keepdims=True)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        return y * (grad - grad.mean(axis=-1, keepdims=True))
 
 
 def test_gradcheck_catches_a_wrong_softmax_backward_that_sum_would_miss():

@@ -364,6 +364,93 @@ CASES = [
 ]
 
 
+
+# -- custom autograd Functions: what a backward or forward returns -------------------------------------------
+class MultiplyBy(autograd.Function):
+    """out = x * w (w broadcast over x); `backward_returns(dy, x, w)` is the mistake under test."""
+
+    backward_returns = None
+
+    @classmethod
+    def forward(cls, ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @classmethod
+    def backward(cls, ctx, dy):
+        x, w = ctx.saved_tensors
+        return cls.backward_returns(dy, x, w)
+
+
+def backward_returning(returns, x_shape=(2, 3, 5), w_shape=(5,), device="cpu", check=False):
+    """Backpropagate through a MultiplyBy whose backward returns `returns(dy, x, w)` (float32 inputs;
+    check=True: through autograd.gradcheck, in float64)."""
+    op = type("MultiplyBy", (MultiplyBy,), {"backward_returns": staticmethod(returns)})
+    dtype = np.float64 if check else np.float32
+    x = Tensor(np.ones(x_shape, dtype), requires_grad=True, device=device)
+    w = Tensor(np.ones(w_shape, dtype), requires_grad=True, device=device)
+    if check:
+        autograd.gradcheck(op.apply, [x, w])
+    op.apply(x, w).sum().backward()
+
+
+class ReturnsTensor(autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return Tensor(x * 2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy * 2
+
+
+class ReturnsList(autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return [x, x]
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
+CASES += [
+    ("backward_returns_fewer_gradients", lambda _: backward_returning(lambda dy, x, w: dy * w), RuntimeError,
+     r"function test_errors\.MultiplyBy returned an incorrect number of gradients \(expected 2, got 1\)"),
+    ("backward_returns_one_too_many", lambda _: backward_returning(lambda dy, x, w: (dy * w, dy * x, dy)),
+     RuntimeError, r"MultiplyBy returned an incorrect number of gradients \(expected 2, got 3\)"),
+    ("backward_gradient_of_a_transposed_shape",
+     lambda _: backward_returning(lambda dy, x, w: (dy * w, (dy * x).T), x_shape=(3, 5), w_shape=(3, 5)),
+     RuntimeError, r"Function test_errors\.MultiplyBy returned an invalid gradient at index 1 - got shape "
+                   r"\(5, 3\) but expected shape compatible with \(3, 5\)"),
+    ("backward_gradient_broadcastable_but_not_reducible",
+     lambda _: backward_returning(lambda dy, x, w: (dy * w, (dy * x)[:1]), x_shape=(3, 5), w_shape=(3, 5)),
+     RuntimeError, r"invalid gradient at index 1 - got shape \(1, 5\) but expected shape compatible with \(3, 5\)"),
+    ("backward_gradient_float64_for_float32",
+     lambda _: backward_returning(lambda dy, x, w: (dy * w, (dy * x).sum(axis=(0, 1)).astype(np.float64))),
+     RuntimeError, r"MultiplyBy returned an invalid gradient at index 1 - expected dtype float32 but got float64"),
+    ("backward_gradient_on_another_device",
+     lambda _: backward_returning(lambda dy, x, w: (dy * w, np.ones(5, np.float32)), device="test"), RuntimeError,
+     r"MultiplyBy returned an invalid gradient at index 1 - expected device 'test' but got 'cpu'"),
+    ("backward_returns_a_tensor", lambda _: backward_returning(lambda dy, x, w: (Tensor(dy * w), None)),
+     RuntimeError, r"invalid gradient at index 0 - got a Tensor: backward works on raw arrays .*`\.data`"),
+    ("backward_returns_a_python_float", lambda _: backward_returning(lambda dy, x, w: (dy * w, 1.0)),
+     RuntimeError, r"invalid gradient at index 1 - got float: expected an array of shape \(5,\) or None"),
+    ("gradcheck_names_a_wrong_gradient_shape",
+     lambda _: backward_returning(lambda dy, x, w: (dy * w, (dy * x).T), x_shape=(3, 5), w_shape=(3, 5),
+                                  check=True),
+     RuntimeError, r"MultiplyBy returned an invalid gradient at index 1 - got shape \(5, 3\)"),
+    ("forward_returns_a_tensor", lambda _: ReturnsTensor.apply(floats(3)), TypeError,
+     r"test_errors\.ReturnsTensor\.forward returned a Tensor as output 0: .*return arrays \(use `\.data`"),
+    ("forward_returns_a_list", lambda _: ReturnsList.apply(floats(3)), TypeError,
+     r"ReturnsList\.forward returned list as output 0: expected an array, or a tuple of arrays"),
+    ("gradcheck_of_raw_numpy_inputs", lambda _: autograd.gradcheck(F.relu, [np.ones(3)]), ValueError,
+     r"gradcheck: no input has requires_grad=True; input\(s\) \[0\] are raw arrays.*"
+     r"wrap them: Tensor\(x, requires_grad=True\)"),
+    ("gradcheck_of_tensors_without_requires_grad", lambda _: autograd.gradcheck(F.relu, [floats(3)]), ValueError,
+     r"no input has requires_grad=True; create the inputs to check with Tensor\(x, requires_grad=True\)"),
+]
+
 @pytest.mark.parametrize("call, error, pattern", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_bad_input_raises_a_clear_error(call, error, pattern, tmp_path):
     with pytest.raises(error) as info:

@@ -1,6 +1,9 @@
 """Static checks of the architecture: one backend switch, and dependencies pointing one way."""
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -8,14 +11,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # layers left to right; a module may import only from its own layer or those to its left
 LAYERS = [
     ("autograd",),
-    ("npformer.functional",),
+    ("npformer.functional", "npformer.files", "npformer.safetensors_file"),  # these need only autograd
     ("npformer.nn",),
     ("npformer.models",),
     ("npformer.optim", "npformer.data", "npformer.training", "npformer.decoding",
-     "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.gradcheck"),
+     "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.opcases", "npformer.gradcheck"),
 ]
 # op math lives here: only the backend switch and its CuPy stand-in may import numpy or cupy
 NO_ARRAY_LIBRARY = ("autograd", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim")
+# optional packages: imported only inside functions (lazily) of these modules
+OPTIONAL = {"torch": ("npformer.interop",), "transformers": ("npformer.interop",),
+            "safetensors": ("npformer.safetensors_file",)}
 
 
 def module_name(path):
@@ -63,7 +69,17 @@ def test_imports_point_left_and_op_math_uses_the_backend_switch(path):
         if root in ("numpy", "cupy", "cupyx"):
             assert not any(name == p or name.startswith(p + ".") for p in NO_ARRAY_LIBRARY) \
                 or name in ("autograd.backend", "autograd.testdevice"), f"{where}: get xp from autograd.backend instead"
-        if root == "torch":
-            assert name == "npformer.interop" and not top, f"{where}: torch is a test dependency only"
+        if root in OPTIONAL:
+            assert any(name == p or name.startswith(p + ".") for p in OPTIONAL[root]) and not top, \
+                f"{where}: {root} is optional, imported only inside functions of {OPTIONAL[root]}"
         if own_layer is not None and layer_of(imported) is not None:
             assert layer_of(imported) <= own_layer, f"{where}: a layer imports from one to its right"
+
+
+def test_importing_npformer_imports_no_optional_package():
+    """torch, transformers and safetensors load only when a function that needs them is called."""
+    code = ("import sys, npformer, npformer.interop, npformer.models, npformer.safetensors_file; "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -104,3 +104,30 @@ class Rounded:
 
     def __repr__(self):
         return f"Rounded(size={self.size:.3g}, error={self.error:.3g})"
+
+
+def spread(probs):
+    """The largest 1 - max_j P_ij over the softmax rows P_i that see a key: how far from one-hot
+    the softmax is. A score error e moves row i's probabilities by at most 2 (1 - max_j P_ij) e
+    each (4 (1 - max_j P_ij) e together), so a saturated softmax passes none of it on."""
+    probs = host(probs)
+    seen = probs.sum(axis=-1) > 0
+    return float((1.0 - probs.max(axis=-1))[seen].max(initial=0.0))
+
+
+def attention_chain(dtype, q, k, v, dout, scale, hd, tq, tk, spread=1.0):
+    """Rounded out, dq, dk, dv of out = softmax(scale q k^T) v (per head: tq queries, tk keys,
+    head size hd) from the Rounded q, k, v and upstream gradient dout, for a softmax `spread`
+    away from one-hot (1: any). Each step is a sum of products (Rounded.dot) except the softmax,
+    which moves each probability by at most 2 spread times the error of its scores and rounds
+    by a few ulps of 1 per key. With |q|, |k| ~ 1e3 the scores are ~1e6 and carry ~1e-9 of
+    rounding: a softmax that mixes keys passes that on to every gradient, a saturated one does not."""
+    scores = q.dot(k, hd, dtype, scale)                                    # (tq, tk)
+    probs = Rounded(1.0, 2 * spread * scores.error + rounding_tolerance(dtype, terms=tk))
+    out = probs.dot(v, tk, dtype)
+    out.size = v.size                                                      # a convex combination of v's rows
+    # dP = dout v^T;  dS = P * (dP - sum_j P_j dP_j);  dq = scale dS k;  dk = scale dS^T q;  dv = P^T dout
+    d_probs = dout.dot(v, hd, dtype)
+    d_scores = Rounded(2 * d_probs.size, 2 * d_probs.error + (2 + tk) * probs.error * d_probs.size
+                       + rounding_tolerance(dtype, d_probs.size, terms=tk))
+    return out, d_scores.dot(k, tk, dtype, scale), d_scores.dot(q, tq, dtype, scale), probs.dot(dout, tq, dtype)

@@ -111,7 +111,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     valid = flat != ignore_index
     safe = x.xp.where(valid, flat, 0)
     logp = log_softmax(x, dim=1)
-    w = _tensor(weight) if weight is not None else None
+    w = weight
+    if weight is not None and not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
+        w = Tensor(on_device_of(weight, x.data, "weight", "cross_entropy").astype(x.dtype, copy=False))
     picked = logp[x.xp.arange(x.shape[0]), safe]
     w_target = w[safe] if w is not None else None
     nll = -(picked * w_target if w is not None else picked)

@@ -1,4 +1,4 @@
-"""Pieces shared by the models: argument checks, token ids, padding masks, positions."""
+"""Pieces shared by the models: argument checks, token ids, padding masks, positions, the encoder trunk."""
 from autograd import Tensor, backend
 from autograd.checks import as_array, check_int, check_optional_int, check_real
 
@@ -8,6 +8,7 @@ from ..nn.layers import as_ids
 from ..nn.transformer import check_d_model_nhead
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 def check_choice(value, choices, name, owner):
@@ -18,17 +19,23 @@ def check_choice(value, choices, name, owner):
 
 _SIZES = ("vocab_size", "src_vocab_size", "tgt_vocab_size", "num_classes", "d_model", "nhead", "num_layers",
           "num_encoder_layers", "num_decoder_layers", "dim_feedforward", "max_len")
+_RATES = ("attention_dropout", "activation_dropout", "classifier_dropout")  # optional (None: `dropout`)
 
 
 def check_config(config, owner):
     """A model's constructor arguments with every number checked and made a plain int or float
-    (so the config stays JSON-serialisable): sizes integers >= 1, dropout in [0, 1],
-    layer_norm_eps > 0, pad_idx None or an id of every vocabulary."""
+    (so the config stays JSON-serialisable): sizes integers >= 1, type_vocab_size >= 0,
+    dropout rates in [0, 1], layer_norm_eps > 0, pad_idx None or an id of every vocabulary."""
     config = dict(config)
     for name in _SIZES:
         if name in config:
             config[name] = check_int(config[name], name, owner, at_least=1)
-    config["dropout"] = check_real(config["dropout"], "dropout", owner, at_least=0, at_most=1)
+    if "type_vocab_size" in config:
+        config["type_vocab_size"] = check_int(config["type_vocab_size"], "type_vocab_size (0: no token types)",
+                                              owner, at_least=0)
+    for name in ("dropout",) + _RATES:
+        if config.get(name) is not None:
+            config[name] = check_real(config[name], name, owner, at_least=0, at_most=1)
     config["layer_norm_eps"] = check_real(config["layer_norm_eps"], "layer_norm_eps", owner, above=0)
     vocab = min(config[name] for name in ("vocab_size", "src_vocab_size", "tgt_vocab_size") if name in config)
     config["pad_idx"] = check_optional_int(config["pad_idx"], "pad_idx", owner, at_least=0, at_most=vocab - 1)
@@ -83,28 +90,61 @@ def valid_positions(mask, ids, dtype):
     return (~mask).astype(dtype)
 
 
+def layer_activation(activation):
+    """The encoder layer's `activation` argument for a model's activation name: "relu" and
+    "gelu" by name (torch.nn's choices), "gelu_tanh" (GPT-2's "gelu_new") as nn.GELU("tanh")."""
+    return nn.GELU(approximate="tanh") if activation == "gelu_tanh" else activation
+
+
+def dropout_rate(config, name):
+    """config[name] (checked by check_config), or config["dropout"] when it is None (the default)."""
+    value = config.get(name)
+    return config["dropout"] if value is None else value
+
+
 class EncoderOnlyModel(nn.Module):
-    """Token embedding + positions + dropout + a TransformerEncoder with a final LayerNorm:
-    the trunk of CausalLM and EncoderClassifier. state_dict keys: tok_embed.weight,
-    pos_embed.weight (positional="learned" only), encoder.layers.{i}.*, encoder.norm.*.
+    """Token embedding (+ token-type embedding) + positions (+ LayerNorm) + dropout + a
+    TransformerEncoder (with a final LayerNorm unless final_norm=False): the trunk of CausalLM,
+    BidirectionalEncoder and EncoderClassifier, built from the model's `config` dict.
+
+    state_dict keys: tok_embed.weight, pos_embed.weight (positional="learned" only),
+    type_embed.weight (type_vocab_size > 0), embed_norm.* (embed_norm=True),
+    encoder.layers.{i}.*, encoder.norm.* (final_norm=True).
+    Dropout: `dropout` on the embeddings and on each sublayer's output before the residual
+    add; `attention_dropout` on the attention probabilities and `activation_dropout` between
+    the feed-forward activation and its second linear (both default to `dropout`, as in
+    torch.nn.TransformerEncoderLayer; GPT-2 and BERT have activation_dropout=0).
     Init: N(0, 0.02^2) on every parameter matrix, other biases zero, LayerNorm 1/0,
     the padding row zero."""
 
-    def _build_trunk(self, vocab_size, d_model, nhead, num_layers, dim_feedforward, dropout, max_len, activation,
-                     norm_first, positional, pad_idx, layer_norm_eps):
+    def _build_trunk(self, config):
+        """Build the trunk from `config` (the model's config dict), whose numbers are checked
+        and made plain ints and floats in place first (check_config)."""
         owner = type(self).__name__
-        check_choice(positional, POSITIONAL, "positional", owner)
-        check_choice(activation, ("relu", "gelu"), "activation", owner)
-        d_model, nhead = check_d_model_nhead(d_model, nhead, owner)
-        self.d_model, self.pad_idx, self.positional_kind = d_model, pad_idx, positional
-        self.tok_embed = nn.Embedding(vocab_size, d_model, padding_idx=pad_idx)
-        positions = additive_positions(positional, d_model, max_len)
+        config.update(check_config(config, owner))
+        c = config
+        check_choice(c["positional"], POSITIONAL, "positional", owner)
+        check_choice(c["activation"], ACTIVATIONS, "activation", owner)
+        check_d_model_nhead(c["d_model"], c["nhead"], owner)
+        type_vocab_size = c.get("type_vocab_size", 0)
+        d_model, eps = c["d_model"], c["layer_norm_eps"]
+        self.d_model, self.pad_idx, self.positional_kind = d_model, c["pad_idx"], c["positional"]
+        self.tok_embed = nn.Embedding(c["vocab_size"], d_model, padding_idx=c["pad_idx"])
+        positions = additive_positions(c["positional"], d_model, c["max_len"])
         if positions is not None:
-            setattr(self, "pos_embed" if positional == "learned" else "positional", positions)
-        self.dropout = nn.Dropout(dropout)
-        layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                                           norm_first=norm_first, rotary=positional == "rope")
-        self.encoder = nn.TransformerEncoder(layer, num_layers, nn.LayerNorm(d_model, eps=layer_norm_eps))
+            setattr(self, "pos_embed" if c["positional"] == "learned" else "positional", positions)
+        if type_vocab_size:
+            self.type_embed = nn.Embedding(type_vocab_size, d_model)
+        if c.get("embed_norm", False):
+            self.embed_norm = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(c["dropout"])
+        layer = nn.TransformerEncoderLayer(d_model, c["nhead"], c["dim_feedforward"], c["dropout"],
+                                           layer_activation(c["activation"]), eps, norm_first=c["norm_first"],
+                                           rotary=c["positional"] == "rope")
+        layer.self_attn.dropout = dropout_rate(c, "attention_dropout")
+        layer.dropout = nn.Dropout(dropout_rate(c, "activation_dropout"))
+        final_norm = nn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
+        self.encoder = nn.TransformerEncoder(layer, c["num_layers"], final_norm)
 
     def _reset_parameters(self):
         for name, p in self.named_parameters():
@@ -114,14 +154,40 @@ class EncoderOnlyModel(nn.Module):
                 init.zeros_(p)
         self.tok_embed.zero_padding_row()
 
-    def _ids(self, ids, name="input_ids"):
-        positions = getattr(self, "pos_embed", None) or getattr(self, "positional", None)
-        return token_ids(ids, self.tok_embed, type(self).__name__, name, getattr(positions, "max_len", None))
+    def _positions(self):
+        return getattr(self, "pos_embed", None) or getattr(self, "positional", None)
 
-    def hidden_states(self, ids, key_padding_mask=None, is_causal=False):
-        """ids (B, T) integer array -> (B, T, d_model) after the final LayerNorm."""
-        x = self.tok_embed(ids)
-        positions = getattr(self, "pos_embed", None) or getattr(self, "positional", None)
+    def _ids(self, ids, name="input_ids"):
+        return token_ids(ids, self.tok_embed, type(self).__name__, name, getattr(self._positions(), "max_len", None))
+
+    def _type_ids(self, token_type_ids, ids):
+        """token_type_ids (B, T) checked against ids and the token-type vocabulary; zeros when None."""
+        type_embed = getattr(self, "type_embed", None)
+        owner = type(self).__name__
+        if type_embed is None:
+            if token_type_ids is not None:
+                raise ValueError(f"{owner}: token_type_ids given but the model has no token-type embedding "
+                                 f"(build it with type_vocab_size > 0)")
+            return None
+        if token_type_ids is None:
+            return backend.get_array_module(ids).zeros(ids.shape, dtype=ids.dtype)
+        types = token_ids(token_type_ids, type_embed, owner, "token_type_ids")
+        if types.shape != ids.shape:
+            raise ValueError(f"{owner}: token_type_ids must have the shape of input_ids {ids.shape}, "
+                             f"got {types.shape}")
+        return types
+
+    def hidden_states(self, ids, key_padding_mask=None, is_causal=False, token_type_ids=None):
+        """ids (B, T) integer array -> (B, T, d_model): word (+ token type) + position
+        embeddings (+ LayerNorm), dropout, the encoder (+ its final LayerNorm)."""
+        x = self.tok_embed(ids)                                                     # (B, T, d)
+        types = self._type_ids(token_type_ids, ids)
+        if types is not None:
+            x = x + self.type_embed(types)
+        positions = self._positions()
         if positions is not None:
             x = positions(x)
+        embed_norm = getattr(self, "embed_norm", None)
+        if embed_norm is not None:
+            x = embed_norm(x)
         return self.encoder(self.dropout(x), src_key_padding_mask=key_padding_mask, is_causal=is_causal)

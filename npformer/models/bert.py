@@ -1,39 +1,27 @@
-"""An encoder-only (BERT-style) sequence classifier with mean or first-token pooling."""
+"""Encoder-only (BERT-style) models: a bidirectional encoder with a pooled output, and a
+sequence classifier on top of it."""
 from .. import nn
-from ._common import EncoderOnlyModel, check_choice, check_config, padding_mask_from_ids, valid_positions
+from ._common import EncoderOnlyModel, check_choice, padding_mask_from_ids, valid_positions
 
 
-class EncoderClassifier(EncoderOnlyModel):
-    """ids (B, T) -> class logits (B, num_classes).
+class PooledEncoder(EncoderOnlyModel):
+    """The trunk (see EncoderOnlyModel) plus pooling: what BidirectionalEncoder and
+    EncoderClassifier share."""
 
-    h = encoder(dropout(tok_embed(ids) + positions)) with a final LayerNorm (bidirectional,
-    padding masked); pooled = mean of h over non-padding positions (pooling="mean") or h[:, 0]
-    (pooling="first", e.g. a CLS token); logits = classifier(pooled).
-    Equivalent torch composition: npformer.interop.to_torch(model).
-    """
+    def _build_pooled_encoder(self, config):
+        check_choice(config["pooling"], ("mean", "first"), "pooling", type(self).__name__)
+        self._build_trunk(config)
+        self.pooling = config["pooling"]
+        if config["pooler"]:
+            self.pooler = nn.Linear(config["d_model"], config["d_model"])
 
-    def __init__(self, vocab_size, num_classes, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048,
-                 dropout=0.1, max_len=512, norm_first=False, activation="gelu", pooling="mean",
-                 positional="learned", pad_idx=None, layer_norm_eps=1e-5):
-        super().__init__()
-        check_choice(pooling, ("mean", "first"), "pooling", "EncoderClassifier")
-        self.config = dict(vocab_size=vocab_size, num_classes=num_classes, d_model=d_model, nhead=nhead,
-                           num_layers=num_layers, dim_feedforward=dim_feedforward, dropout=dropout,
-                           max_len=max_len, norm_first=norm_first, activation=activation, pooling=pooling,
-                           positional=positional, pad_idx=pad_idx, layer_norm_eps=layer_norm_eps)
-        self.config = check_config(self.config, "EncoderClassifier")
-        self._build_trunk(vocab_size, d_model, nhead, num_layers, dim_feedforward, dropout, max_len, activation,
-                          norm_first, positional, pad_idx, layer_norm_eps)
-        self.pooling = pooling
-        self.classifier = nn.Linear(d_model, num_classes)
-        self._reset_parameters()
-
-    def forward(self, input_ids, key_padding_mask=None):
+    def encode(self, input_ids, key_padding_mask=None, token_type_ids=None):
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
-        pad_idx when not given) -> logits (B, num_classes)."""
+        pad_idx when not given); token_type_ids (B, T) ints (zeros when not given, needs
+        type_vocab_size > 0) -> (hidden (B, T, d), pooled (B, d))."""
         ids = self._ids(input_ids)
         mask = padding_mask_from_ids(ids, self.pad_idx, key_padding_mask)
-        hidden = self.hidden_states(ids, mask)                                      # (B, T, d)
+        hidden = self.hidden_states(ids, mask, token_type_ids=token_type_ids)        # (B, T, d)
         if self.pooling == "first":
             pooled = hidden[:, 0]                                                   # (B, d)
         else:
@@ -41,4 +29,71 @@ class EncoderClassifier(EncoderOnlyModel):
             counts = valid.sum(axis=1, keepdims=True)                               # (B, 1)
             counts[counts == 0] = 1  # an all-padding row pools to 0, not NaN
             pooled = (hidden * valid[:, :, None]).sum(axis=1) / counts              # (B, d)
-        return self.classifier(pooled)
+        pooler = getattr(self, "pooler", None)
+        return hidden, (pooler(pooled).tanh() if pooler is not None else pooled)
+
+
+class BidirectionalEncoder(PooledEncoder):
+    """ids (B, T) -> (hidden states (B, T, d_model), pooled (B, d_model)): BERT's BertModel.
+
+    hidden = encoder(dropout(embed_norm(tok_embed(ids) + type_embed(types) + positions)))
+    (bidirectional, padding masked; embed_norm and type_embed when enabled; the encoder's
+    final LayerNorm unless final_norm=False); pooled = mean of hidden over non-padding
+    positions (pooling="mean") or hidden[:, 0] (pooling="first", a CLS token), then
+    tanh(pooler(.)) with pooler=True.
+    BERT is BidirectionalEncoder(pooling="first", pooler=True, type_vocab_size=2,
+    embed_norm=True, final_norm=False, layer_norm_eps=1e-12, activation_dropout=0.0):
+    npformer.interop.from_hf / to_hf and npformer.models.load_pretrained convert its weights.
+    """
+
+    def __init__(self, vocab_size, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048, dropout=0.1,
+                 max_len=512, norm_first=False, activation="gelu", pooling="mean", positional="learned",
+                 pad_idx=None, layer_norm_eps=1e-5, *, attention_dropout=None, activation_dropout=None,
+                 type_vocab_size=0, embed_norm=False, final_norm=True, pooler=False):
+        super().__init__()
+        self.config = dict(vocab_size=vocab_size, d_model=d_model, nhead=nhead, num_layers=num_layers,
+                           dim_feedforward=dim_feedforward, dropout=dropout, max_len=max_len,
+                           norm_first=norm_first, activation=activation, pooling=pooling, positional=positional,
+                           pad_idx=pad_idx, layer_norm_eps=layer_norm_eps, attention_dropout=attention_dropout,
+                           activation_dropout=activation_dropout, type_vocab_size=type_vocab_size,
+                           embed_norm=bool(embed_norm), final_norm=bool(final_norm), pooler=bool(pooler))
+        self._build_pooled_encoder(self.config)
+        self._reset_parameters()
+
+    def forward(self, input_ids, key_padding_mask=None, token_type_ids=None):
+        """See `encode`: (hidden (B, T, d_model), pooled (B, d_model))."""
+        return self.encode(input_ids, key_padding_mask, token_type_ids)
+
+
+class EncoderClassifier(PooledEncoder):
+    """ids (B, T) -> class logits (B, num_classes): classifier(dropout(pooled)), where pooled is
+    BidirectionalEncoder's pooled output (same options) and the dropout has p=classifier_dropout.
+    BERT's BertForSequenceClassification is EncoderClassifier with BERT's options (see
+    BidirectionalEncoder) and classifier_dropout = its hidden dropout.
+    Equivalent torch composition: npformer.interop.to_torch(model).
+    """
+
+    def __init__(self, vocab_size, num_classes, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048,
+                 dropout=0.1, max_len=512, norm_first=False, activation="gelu", pooling="mean",
+                 positional="learned", pad_idx=None, layer_norm_eps=1e-5, *, attention_dropout=None,
+                 activation_dropout=None, type_vocab_size=0, embed_norm=False, final_norm=True, pooler=False,
+                 classifier_dropout=0.0):
+        super().__init__()
+        self.config = dict(vocab_size=vocab_size, num_classes=num_classes, d_model=d_model, nhead=nhead,
+                           num_layers=num_layers, dim_feedforward=dim_feedforward, dropout=dropout,
+                           max_len=max_len, norm_first=norm_first, activation=activation, pooling=pooling,
+                           positional=positional, pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
+                           attention_dropout=attention_dropout, activation_dropout=activation_dropout,
+                           type_vocab_size=type_vocab_size, embed_norm=bool(embed_norm),
+                           final_norm=bool(final_norm), pooler=bool(pooler), classifier_dropout=classifier_dropout)
+        self._build_pooled_encoder(self.config)
+        self.head_dropout = nn.Dropout(classifier_dropout)
+        self.classifier = nn.Linear(d_model, num_classes)
+        self._reset_parameters()
+
+    def forward(self, input_ids, key_padding_mask=None, token_type_ids=None):
+        """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
+        pad_idx when not given); token_type_ids (B, T) (type_vocab_size > 0 only)
+        -> logits (B, num_classes)."""
+        _, pooled = self.encode(input_ids, key_padding_mask, token_type_ids)
+        return self.classifier(self.head_dropout(pooled))

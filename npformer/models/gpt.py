@@ -2,7 +2,7 @@
 import npformer.functional as F
 
 from .. import nn
-from ._common import EncoderOnlyModel, check_config, padding_mask_from_ids
+from ._common import EncoderOnlyModel, padding_mask_from_ids
 
 
 class CausalLM(EncoderOnlyModel):
@@ -11,20 +11,23 @@ class CausalLM(EncoderOnlyModel):
     h = encoder(dropout(tok_embed(ids) + positions), causal mask) with a final LayerNorm,
     logits = lm_head(h) (no bias), or h tok_embed.weight^T with tie_weights=True (then no
     lm_head key). Pre-LN by default (norm_first=True), GELU, learned positions.
+    activation: "relu", "gelu" (exact) or "gelu_tanh" (GPT-2's "gelu_new"). attention_dropout
+    and activation_dropout default to `dropout` (see EncoderOnlyModel).
+    GPT-2 is CausalLM(activation="gelu_tanh", tie_weights=True, activation_dropout=0.0):
+    npformer.interop.from_hf / to_hf and npformer.models.load_pretrained convert its weights.
     Equivalent torch composition: npformer.interop.to_torch(model).
     """
 
     def __init__(self, vocab_size, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048, dropout=0.1,
                  max_len=1024, norm_first=True, activation="gelu", positional="learned", tie_weights=False,
-                 pad_idx=None, layer_norm_eps=1e-5):
+                 pad_idx=None, layer_norm_eps=1e-5, *, attention_dropout=None, activation_dropout=None):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, d_model=d_model, nhead=nhead, num_layers=num_layers,
                            dim_feedforward=dim_feedforward, dropout=dropout, max_len=max_len,
                            norm_first=norm_first, activation=activation, positional=positional,
-                           tie_weights=bool(tie_weights), pad_idx=pad_idx, layer_norm_eps=layer_norm_eps)
-        self.config = check_config(self.config, "CausalLM")
-        self._build_trunk(vocab_size, d_model, nhead, num_layers, dim_feedforward, dropout, max_len, activation,
-                          norm_first, positional, pad_idx, layer_norm_eps)
+                           tie_weights=bool(tie_weights), pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
+                           attention_dropout=attention_dropout, activation_dropout=activation_dropout)
+        self._build_trunk(self.config)
         self.tie_weights = bool(tie_weights)
         if not self.tie_weights:
             self.lm_head = nn.Linear(d_model, vocab_size, bias=False)

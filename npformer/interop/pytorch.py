@@ -1,0 +1,205 @@
+"""Move modules between npformer and torch.nn with the same weights and the same numbers.
+
+`to_torch(module)` builds the equivalent torch module (same dtype, training mode and
+state_dict) and `from_torch(torch_module)` builds ours. Supported: nn.Transformer,
+TransformerEncoder/DecoderLayer, TransformerEncoder/Decoder, MultiheadAttention, Linear,
+LayerNorm, Embedding, and npformer's models, whose torch counterparts are the compositions of
+torch.nn modules in `torch_modules` (identical state_dict keys and forward math).
+npformer is batch-first only: torch modules built with batch_first=False are refused (the
+error says how to rebuild them). torch is imported inside these functions only.
+"""
+import warnings
+
+from .. import models, nn
+from .torch_modules import torch_model_classes
+
+MODELS = (models.Seq2SeqTransformer, models.CausalLM, models.BidirectionalEncoder, models.EncoderClassifier)
+
+
+def _torch():
+    import torch  # a dev/test dependency: only imported when interop is used
+    return torch
+
+
+def _torch_dtype(module, owner="to_torch"):
+    torch = _torch()
+    dtypes = {str(p.dtype) for p in module.parameters()}
+    if not dtypes:
+        return None  # nothing to convert (e.g. LayerNorm without affine parameters)
+    if len(dtypes) != 1:
+        raise TypeError(f"{owner}: expected one parameter dtype, got {sorted(dtypes)}")
+    return {"float32": torch.float32, "float64": torch.float64}[dtypes.pop()]
+
+
+def _our_dtype(torch_module, owner="from_torch"):
+    dtypes = {str(p.dtype).replace("torch.", "") for p in torch_module.parameters()}
+    if not dtypes:
+        return None
+    if len(dtypes) != 1 or not dtypes <= {"float32", "float64"}:
+        raise TypeError(f"{owner}: expected float32 or float64 parameters of one dtype, got {sorted(dtypes)}")
+    return dtypes.pop()
+
+
+def _activation_name(layer):
+    name = layer.activation_name
+    if name is None:
+        raise ValueError("to_torch: only activation 'relu' or 'gelu' (given by name) can be converted")
+    return name
+
+
+def _no_rotary(module):
+    for m in module.modules():
+        if isinstance(m, nn.MultiheadAttention) and m.rotary:
+            raise NotImplementedError("to_torch: rotary position embeddings (RoPE) have no torch.nn "
+                                      "counterpart; only sinusoidal, learned or no positions convert")
+
+
+def _layer_options(layer):
+    """Constructor arguments shared by our encoder and decoder layers, read off the layer."""
+    return dict(d_model=layer.d_model, nhead=layer.self_attn.num_heads, dim_feedforward=layer.linear1.out_features,
+                dropout=layer.dropout.p, activation=_activation_name(layer), layer_norm_eps=layer.norm1.eps,
+                norm_first=layer.norm_first, bias=layer.linear1.bias is not None)
+
+
+def _torch_layer_options(layer):
+    """The same arguments read off a torch.nn.TransformerEncoderLayer/DecoderLayer."""
+    tnn, tF = _torch().nn, _torch().nn.functional
+    act = layer.activation
+    if act is tF.relu or isinstance(act, tnn.ReLU):
+        activation = "relu"
+    elif act is tF.gelu or (isinstance(act, tnn.GELU) and act.approximate == "none"):
+        activation = "gelu"
+    else:
+        raise ValueError("from_torch: only layers with activation relu or gelu (exact) can be converted")
+    return dict(d_model=layer.self_attn.embed_dim, nhead=layer.self_attn.num_heads,
+                dim_feedforward=layer.linear1.out_features, dropout=layer.dropout.p,
+                activation=activation, layer_norm_eps=layer.norm1.eps,
+                norm_first=layer.norm_first, bias=layer.linear1.bias is not None)
+
+
+def _torch_layer(layer, dtype):
+    torch = _torch()
+    options = _layer_options(layer)
+    cls = (torch.nn.TransformerEncoderLayer if isinstance(layer, nn.TransformerEncoderLayer)
+           else torch.nn.TransformerDecoderLayer)
+    return cls(options.pop("d_model"), options.pop("nhead"), batch_first=True, dtype=dtype, **options)
+
+
+def _norm_options(norm):
+    """LayerNorm arguments, read off ours or torch's (same attribute names)."""
+    return dict(eps=norm.eps, elementwise_affine=norm.weight is not None, bias=norm.bias is not None)
+
+
+def _build_torch(module, dtype):
+    torch = _torch()
+    tnn = torch.nn
+    if isinstance(module, MODELS):
+        return torch_model_classes()[type(module).__name__](**module.config).to(dtype)
+    if isinstance(module, nn.Transformer):
+        layer = module.encoder.layers[0]
+        options = _layer_options(layer)
+        return tnn.Transformer(num_encoder_layers=len(module.encoder.layers),
+                               num_decoder_layers=len(module.decoder.layers), batch_first=True, dtype=dtype,
+                               **options)
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return _torch_layer(module, dtype)
+    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)):
+        norm = module.norm and tnn.LayerNorm(module.norm.normalized_shape, dtype=dtype, **_norm_options(module.norm))
+        if isinstance(module, nn.TransformerEncoder):
+            return tnn.TransformerEncoder(_torch_layer(module.layers[0], dtype), len(module.layers), norm,
+                                          enable_nested_tensor=False)
+        return tnn.TransformerDecoder(_torch_layer(module.layers[0], dtype), len(module.layers), norm)
+    if isinstance(module, nn.MultiheadAttention):
+        return tnn.MultiheadAttention(module.embed_dim, module.num_heads, dropout=module.dropout,
+                                      bias=module.in_proj_bias is not None, batch_first=True, dtype=dtype)
+    if isinstance(module, nn.Linear):
+        return tnn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
+    if isinstance(module, nn.LayerNorm):
+        return tnn.LayerNorm(module.normalized_shape, dtype=dtype, **_norm_options(module))
+    if isinstance(module, nn.Embedding):
+        return tnn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx, dtype=dtype)
+    raise TypeError(f"to_torch: no torch counterpart for {type(module).__name__}")
+
+
+def to_torch(module):
+    """The equivalent torch module with `module`'s weights (copied), dtype and training mode."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"to_torch: expected an npformer nn.Module, got {type(module).__name__}")
+    _no_rotary(module)
+    torch = _torch()
+    with warnings.catch_warnings():  # torch warns that norm_first disables its nested-tensor fast path
+        warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+        target = _build_torch(module, _torch_dtype(module))
+    target.load_state_dict({name: torch.from_numpy(array) for name, array in module.state_dict().items()})
+    return target.train(module.training)
+
+
+def _build_ours(module):
+    torch = _torch()
+    tnn = torch.nn
+    classes = torch_model_classes()
+    for name, cls in classes.items():
+        if isinstance(module, cls):
+            return getattr(models, name)(**module.config)
+    if isinstance(module, tnn.Transformer):
+        options = _torch_layer_options(module.encoder.layers[0])
+        return nn.Transformer(num_encoder_layers=len(module.encoder.layers),
+                              num_decoder_layers=len(module.decoder.layers), **options)
+    if isinstance(module, (tnn.TransformerEncoderLayer, tnn.TransformerDecoderLayer)):
+        return _our_layer(module)
+    if isinstance(module, (tnn.TransformerEncoder, tnn.TransformerDecoder)):
+        norm = module.norm and nn.LayerNorm(module.norm.normalized_shape, **_norm_options(module.norm))
+        if isinstance(module, tnn.TransformerEncoder):
+            return nn.TransformerEncoder(_our_layer(module.layers[0]), len(module.layers), norm)
+        return nn.TransformerDecoder(_our_layer(module.layers[0]), len(module.layers), norm)
+    if isinstance(module, tnn.MultiheadAttention):
+        if not (module._qkv_same_embed_dim and module.batch_first and module.bias_k is None and not module.add_zero_attn):
+            raise ValueError("from_torch: only MultiheadAttention(batch_first=True) with one embed_dim for q, k, v, "
+                             "no add_bias_kv and no add_zero_attn can be converted")
+        return nn.MultiheadAttention(module.embed_dim, module.num_heads, dropout=module.dropout,
+                                     bias=module.in_proj_bias is not None)
+    if isinstance(module, tnn.Linear):
+        return nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    if isinstance(module, tnn.LayerNorm):
+        return nn.LayerNorm(module.normalized_shape, **_norm_options(module))
+    if isinstance(module, tnn.Embedding):
+        return nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx)
+    raise TypeError(f"from_torch: no npformer counterpart for {type(module).__name__}")
+
+
+def _our_layer(layer):
+    torch = _torch()
+    options = _torch_layer_options(layer)
+    cls = nn.TransformerEncoderLayer if isinstance(layer, torch.nn.TransformerEncoderLayer) else nn.TransformerDecoderLayer
+    return cls(options.pop("d_model"), options.pop("nhead"), **options)
+
+
+def _check_batch_first(torch_module):
+    """Refuse a torch transformer module built with batch_first=False (torch's default): ours
+    takes (batch, seq, feature), so the same (seq, batch, feature) input would silently mean
+    something else. The weights do not depend on the layout: the message says how to rebuild."""
+    tnn = _torch().nn
+    attentions = [m for m in torch_module.modules() if isinstance(m, tnn.MultiheadAttention)]
+    if isinstance(torch_module, tnn.MultiheadAttention) or all(a.batch_first for a in attentions):
+        return
+    name = type(torch_module).__name__
+    raise ValueError(
+        f"from_torch: this torch.nn.{name} was built with batch_first=False (torch's default: inputs "
+        f"(seq, batch, feature)), but npformer is batch-first only (inputs (batch, seq, feature)), so the "
+        f"same input would mean something else. Rebuild it with batch_first=True and copy the weights, "
+        f"which do not depend on the layout: `twin = torch.nn.{name}(..., batch_first=True); "
+        f"twin.load_state_dict(module.state_dict()); ours = from_torch(twin)`, then feed ours x.transpose(0, 1)")
+
+
+def from_torch(torch_module):
+    """Our module equivalent to `torch_module`, with its weights (copied), dtype and training
+    mode. Transformer modules must be batch-first (batch_first=True): one built with torch's
+    default batch_first=False is refused with a message saying how to rebuild it."""
+    torch = _torch()
+    if not isinstance(torch_module, torch.nn.Module):
+        raise TypeError(f"from_torch: expected a torch.nn.Module, got {type(torch_module).__name__}")
+    _check_batch_first(torch_module)
+    dtype = _our_dtype(torch_module)
+    ours = _build_ours(torch_module).to(dtype=dtype)
+    ours.load_state_dict({name: t.detach().cpu().numpy() for name, t in torch_module.state_dict().items()})
+    return ours.train(torch_module.training)

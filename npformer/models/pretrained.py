@@ -1,0 +1,198 @@
+"""Models in safetensors files: npformer's own, and Hugging Face GPT-2/BERT folders.
+
+- `save_safetensors(model, path)` / `load_safetensors(path, model=None)`: any npformer model.
+  A model with a Hugging Face counterpart (CausalLM -> GPT-2, BidirectionalEncoder -> BertModel,
+  EncoderClassifier -> BertForSequenceClassification; see npformer.models.huggingface) is
+  stored under Hugging Face's names and layouts, anything else under its state_dict names.
+  The metadata holds {"format": "pt"} (what transformers expects) and "npformer": a JSON
+  string with the model's class, config and which names the file uses, so load_safetensors
+  rebuilds the model from the file alone.
+- `load_pretrained(folder)`: a Hugging Face folder (config.json + model.safetensors, e.g. a
+  GPT-2 download) as an npformer model in eval mode; `save_pretrained(model, folder)` writes
+  one that transformers' from_pretrained and load_pretrained both read.
+
+Files are untrusted: the header is checked before anything is allocated
+(npformer.safetensors_file), the class comes from a fixed table (never a name looked up in a
+module), and a load either succeeds whole or leaves the model unchanged. Errors about a file's
+contents are SafetensorsError (a ValueError) naming the file.
+"""
+import json
+import os
+import warnings
+
+from ..files import atomic_write
+from ..safetensors_file import SafetensorsError, read_header, read_safetensors, write_safetensors
+from .bert import BidirectionalEncoder, EncoderClassifier
+from .gpt import CausalLM
+from .huggingface import config_from_hf, hf_config, hf_state_dict, state_dict_from_hf
+from .seq2seq import Seq2SeqTransformer
+
+FORMAT, VERSION = "npformer-safetensors", 1
+MODEL_CLASSES = {cls.__name__: cls for cls in (Seq2SeqTransformer, CausalLM, BidirectionalEncoder, EncoderClassifier)}
+HF_NAMES, OUR_NAMES = "huggingface", "npformer"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+def _has_hf_counterpart(model):
+    try:
+        hf_config(model)
+    except ValueError:
+        return False
+    return True
+
+
+def save_safetensors(model, path: str | os.PathLike, hf_names: bool | None = None) -> str:
+    """Write `model`'s weights to a safetensors file at `path` (atomically; an existing file
+    keeps its mode), with its class and config in the metadata. hf_names: store Hugging Face
+    names and layouts (default: when the model has a GPT-2/BERT counterpart), else the
+    model's state_dict names. Returns path."""
+    if hf_names is None:
+        hf_names = _has_hf_counterpart(model)
+    arrays = hf_state_dict(model) if hf_names else model.state_dict()
+    name = type(model).__name__
+    info = {"format": FORMAT, "version": VERSION, "class": name if name in MODEL_CLASSES else None,
+            "config": getattr(model, "config", None), "names": HF_NAMES if hf_names else OUR_NAMES}
+    return write_safetensors(path, arrays, {"format": "pt", "npformer": json.dumps(info)})
+
+
+def _npformer_info(path, metadata):
+    """The checked "npformer" metadata entry, or None for a file written elsewhere."""
+    if "npformer" not in metadata:
+        return None
+    try:
+        info = json.loads(metadata["npformer"])
+    except (ValueError, RecursionError) as e:
+        raise SafetensorsError(f"{path}: damaged npformer metadata ({type(e).__name__}: {e})") from e
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise SafetensorsError(f"{path}: the npformer metadata has no '{FORMAT}' format tag")
+    if not isinstance(info.get("version"), int) or info["version"] > VERSION:
+        raise SafetensorsError(f"{path}: npformer safetensors version {info.get('version')!r} is not one this "
+                               f"npformer reads (up to {VERSION})")
+    if info.get("class") is not None and info["class"] not in MODEL_CLASSES:
+        raise SafetensorsError(f"{path}: unknown model class {info['class']!r} (known: {sorted(MODEL_CLASSES)})")
+    if info.get("names") not in (HF_NAMES, OUR_NAMES) or not isinstance(info.get("config"), (dict, type(None))):
+        raise SafetensorsError(f"{path}: damaged npformer metadata (names {info.get('names')!r}, "
+                               f"config {type(info.get('config')).__name__})")
+    return info
+
+
+def _float_dtype(header):
+    """float64 when every floating tensor of the file is float64, else float32."""
+    floats = {dtype for dtype, _ in header.values() if dtype.startswith("float")}
+    return "float64" if floats == {"float64"} else "float32"
+
+
+def _build(path, cls, config):
+    try:
+        return cls(**config)
+    except (TypeError, ValueError) as e:
+        raise SafetensorsError(f"{path}: cannot build {cls.__name__} from the stored config ({e})") from e
+
+
+def _load_into(path, model, state):
+    """model.load_state_dict(state), which checks every key and shape before copying anything."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise SafetensorsError(f"{path}: does not fit the model: {e}") from e
+
+
+def load_safetensors(path: str | os.PathLike, model=None, device: str | None = None):
+    """Load a safetensors file into `model`, or rebuild the model from the file's npformer
+    metadata when `model` is None (in the file's floating dtype, on `device`, default cpu).
+    A file without npformer metadata (e.g. a Hugging Face model.safetensors) loads into a given
+    model with a GPT-2/BERT counterpart (see load_pretrained for whole folders). Succeeds whole
+    or leaves `model` unchanged. Returns the model. Raises FileNotFoundError or SafetensorsError."""
+    path = os.fspath(path)
+    header, metadata = read_header(path)
+    info = _npformer_info(path, metadata)
+    if model is None:
+        if info is None or info.get("class") is None or info.get("config") is None:
+            raise SafetensorsError(f"{path}: the file does not say which npformer model it holds (no npformer "
+                                   f"class and config in its metadata): pass model=, or, for a Hugging Face "
+                                   f"folder, use npformer.models.load_pretrained(folder)")
+        model = _build(path, MODEL_CLASSES[info["class"]], info["config"]).to(device, _float_dtype(header))
+    elif info is not None and info.get("class") not in (None, type(model).__name__):
+        raise SafetensorsError(f"{path}: holds a {info['class']}, not a {type(model).__name__}")
+    if info is not None:
+        hf_names = info["names"] == HF_NAMES
+    else:
+        hf_names = set(header) != set(model.state_dict()) and _has_hf_counterpart(model)
+    arrays, _ = read_safetensors(path)
+    state = arrays
+    if hf_names:
+        try:
+            state, _ = state_dict_from_hf(model, arrays)
+        except ValueError as e:
+            raise SafetensorsError(f"{path}: {e}") from e
+    _load_into(path, model, state)
+    return model
+
+
+def _read_config(path):
+    size = os.path.getsize(path)
+    if size > MAX_CONFIG_BYTES:
+        raise SafetensorsError(f"{path}: {size} bytes is too large for a model config")
+    with open(path, "rb") as f:
+        try:
+            config = json.loads(f.read().decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, JSON nested too deep
+            raise SafetensorsError(f"{path}: not a JSON model config ({type(e).__name__}: {e})") from e
+    if not isinstance(config, dict):
+        raise SafetensorsError(f"{path}: not a model config (a JSON object)")
+    return config
+
+
+def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype: str | None = None):
+    """The npformer model of a Hugging Face folder holding config.json and model.safetensors
+    (GPT-2: CausalLM; BertForSequenceClassification: EncoderClassifier; other BERT models:
+    BidirectionalEncoder, with the pooler when the file has one), in eval mode, on `device`
+    (default cpu), in `dtype` (default: float64 if the file is, else float32).
+    BERT pretraining heads (cls.*) are skipped with a warning. Raises FileNotFoundError,
+    SafetensorsError naming the file, or ValueError for an unsupported config."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise NotADirectoryError(f"load_pretrained: {folder} is not a folder (expected one holding "
+                                 f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    config_path, weights_path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)
+    if not os.path.exists(weights_path) and os.path.exists(weights_path + ".index.json"):
+        raise SafetensorsError(f"{folder}: sharded checkpoints ({WEIGHTS_FILE}.index.json) are not supported; "
+                               f"merge the shards into one {WEIGHTS_FILE}")
+    hf = _read_config(config_path)
+    header, _ = read_header(weights_path)
+    pooler = any(name.endswith("pooler.dense.weight") for name in header)
+    try:
+        class_name, config = config_from_hf(hf, pooler=pooler)
+    except (KeyError, ValueError) as e:
+        detail = f"missing {e}" if isinstance(e, KeyError) else str(e)
+        raise SafetensorsError(f"{config_path}: {detail}") from e
+    model = _build(config_path, MODEL_CLASSES[class_name], config)
+    model.to(device, dtype or _float_dtype(header))
+    arrays, _ = read_safetensors(weights_path)
+    try:
+        state, skipped = state_dict_from_hf(model, arrays)
+    except ValueError as e:
+        raise SafetensorsError(f"{weights_path}: {e}") from e
+    if skipped:
+        warnings.warn(f"{weights_path}: skipped {len(skipped)} tensors of heads npformer's {class_name} does not "
+                      f"have (e.g. {skipped[0]!r})", stacklevel=2)
+    _load_into(weights_path, model, state)
+    return model.eval()
+
+
+def save_pretrained(model, folder: str | os.PathLike) -> str:
+    """Write `folder`/config.json (the Hugging Face config) and `folder`/model.safetensors
+    (Hugging Face names, npformer metadata) for a model with a GPT-2/BERT counterpart, so that
+    transformers' from_pretrained(folder) and load_pretrained(folder) both read it. Returns folder."""
+    folder = os.fspath(folder)
+    config = hf_config(model)  # refuses a model without a Hugging Face counterpart before writing
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(model, os.path.join(folder, WEIGHTS_FILE), hf_names=True)
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    atomic_write(os.path.join(folder, CONFIG_FILE), write)
+    return folder

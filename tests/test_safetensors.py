@@ -1,0 +1,324 @@
+"""safetensors files: every npformer model round-trips bit for bit and rebuilds from the file
+alone; GPT-2/BERT models are stored under Hugging Face's names, so transformers reads our files
+and a Hugging Face folder (config.json + model.safetensors, laid out like a GPT-2 download)
+loads with npformer.models.load_pretrained; npformer -> safetensors -> HF -> npformer keeps
+every number. Foreign, truncated and damaged files are refused with SafetensorsError naming the
+file, before anything is allocated, leaving the model unchanged; writes are atomic and keep
+the file's mode."""
+import json
+import os
+import pathlib
+import re
+import stat
+import struct
+
+import numpy as np
+import pytest
+
+from npformer import interop, models, nn
+from npformer.models import huggingface, load_pretrained, load_safetensors, save_pretrained, save_safetensors
+from npformer.safetensors_file import SafetensorsError, read_header, read_safetensors, write_safetensors
+
+pytestmark = pytest.mark.usefixtures("safetensors")
+SMALL = dict(d_model=8, nhead=2, num_layers=2, dim_feedforward=16, max_len=12)
+GPT2 = dict(activation="gelu_tanh", tie_weights=True, attention_dropout=0.1, activation_dropout=0.0)
+BERT = dict(pooling="first", pooler=True, type_vocab_size=2, embed_norm=True, final_norm=False, layer_norm_eps=1e-12,
+            attention_dropout=0.1, activation_dropout=0.0, pad_idx=0)
+MODELS = {
+    "seq2seq": lambda: models.Seq2SeqTransformer(11, 11, d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                                 dim_feedforward=16, tie_weights="all"),
+    "causal_lm_rope": lambda: models.CausalLM(13, positional="rope", **SMALL),
+    "causal_lm": lambda: models.CausalLM(13, **SMALL),
+    "gpt2": lambda: models.CausalLM(13, **SMALL, **GPT2),
+    "bert": lambda: models.BidirectionalEncoder(13, **SMALL, **BERT),
+    "bert_classifier": lambda: models.EncoderClassifier(13, 3, **SMALL, **BERT, classifier_dropout=0.2),
+    "classifier": lambda: models.EncoderClassifier(13, 3, **SMALL),
+}
+HF_NAMED = {"causal_lm", "gpt2", "bert", "bert_classifier"}
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype, key
+        np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_round_trip_rebuilds_the_model_bit_for_bit(name, dtype, tmp_path):
+    ours = MODELS[name]().to(dtype=dtype)
+    path = save_safetensors(ours, tmp_path / "model.safetensors")
+    header, metadata = read_header(path)
+    info = json.loads(metadata["npformer"])
+    assert metadata["format"] == "pt" and info["class"] == type(ours).__name__ and info["config"] == ours.config
+    assert info["names"] == ("huggingface" if name in HF_NAMED else "npformer")
+    if name in HF_NAMED:
+        assert set(header) == set(huggingface.hf_state_dict(ours))
+    else:
+        assert set(header) == set(ours.state_dict())
+    back = load_safetensors(path)
+    assert type(back) is type(ours) and back.config == ours.config
+    assert_same_weights(ours, back)
+    into = MODELS[name]().to(dtype=dtype)
+    assert load_safetensors(path, into) is into
+    assert_same_weights(ours, into)
+
+
+def test_a_module_without_config_loads_into_a_given_module(tmp_path):
+    layer = nn.TransformerEncoderLayer(8, 2, 16)
+    path = save_safetensors(layer, tmp_path / "layer.safetensors")
+    with pytest.raises(SafetensorsError, match="pass model="):
+        load_safetensors(path)
+    other = nn.TransformerEncoderLayer(8, 2, 16)
+    assert_same_weights(layer, load_safetensors(path, other))
+
+
+def test_npformer_to_safetensors_to_hf_to_npformer_keeps_every_number(tmp_path, torch, transformers):
+    for name, cls in (("gpt2", transformers.GPT2LMHeadModel), ("bert", transformers.BertModel),
+                      ("bert_classifier", transformers.BertForSequenceClassification)):
+        for dtype in ("float32", "float64"):
+            ours = MODELS[name]().to(dtype=dtype)
+            folder = save_pretrained(ours, tmp_path / f"{name}-{dtype}")
+            hf_model = cls.from_pretrained(folder, dtype=getattr(torch, dtype))
+            back = interop.from_hf(hf_model)
+            assert back.config == ours.config, name
+            assert_same_weights(ours, back)
+            assert_same_weights(ours, load_pretrained(folder))
+            again = tmp_path / f"{name}-{dtype}-hf"
+            hf_model.save_pretrained(again)  # transformers' own file: prefixed names, no npformer metadata
+            assert_same_weights(ours, load_pretrained(again))
+            assert_same_weights(ours, load_safetensors(again / "model.safetensors", MODELS[name]().to(dtype=dtype)))
+
+
+def gpt2_download(folder, ours):
+    """A folder laid out like a GPT-2 download: config.json as published, and model.safetensors
+    with unprefixed names, no lm_head (tied) and the causal-mask buffers h.{i}.attn.bias."""
+    c = ours.config
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+        "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+        "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": c["max_len"], "n_embd": c["d_model"],
+        "n_head": c["nhead"], "n_layer": c["num_layers"], "n_positions": c["max_len"], "resid_pdrop": 0.1,
+        "summary_activation": None, "summary_first_dropout": 0.1, "summary_proj_to_labels": True,
+        "summary_type": "cls_index", "summary_use_proj": True, "vocab_size": c["vocab_size"],
+        "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}}}))
+    tensors = huggingface.hf_state_dict(ours, prefixed=False)
+    n = c["max_len"]
+    for i in range(c["num_layers"]):
+        tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((n, n), dtype="float32"))[None, None]
+    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
+    return folder
+
+
+def test_load_pretrained_reads_a_gpt2_download(tmp_path, rng):
+    ours = models.CausalLM(13, d_model=8, nhead=2, num_layers=2, dim_feedforward=32, max_len=12, **GPT2)
+    folder = gpt2_download(tmp_path / "gpt2", ours)
+    loaded = load_pretrained(folder)
+    assert isinstance(loaded, models.CausalLM) and not loaded.training
+    assert loaded.config == ours.config
+    assert_same_weights(ours, loaded)
+    ids = rng.integers(0, 13, size=(2, 12))
+    np.testing.assert_array_equal(loaded(ids).numpy(), ours.eval()(ids).numpy())
+    assert load_pretrained(folder, dtype="float64").tok_embed.weight.dtype == np.float64
+
+
+def test_load_pretrained_skips_bert_pretraining_heads_with_a_warning(tmp_path):
+    ours = MODELS["bert"]()
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    config = dict(huggingface.hf_config(ours), architectures=["BertForPreTraining"])
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {"bert." + k: v for k, v in huggingface.hf_state_dict(ours).items()}
+    tensors = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in tensors.items()}  # the names of BERT's original checkpoints
+    tensors["cls.predictions.bias"] = np.zeros(13, dtype="float32")
+    tensors["bert.embeddings.position_ids"] = np.arange(12)[None]
+    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
+    with pytest.warns(UserWarning, match=r"skipped 1 tensors .* 'cls\.predictions\.bias'"):
+        loaded = load_pretrained(folder)
+    assert isinstance(loaded, models.BidirectionalEncoder)
+    assert_same_weights(ours, loaded)
+
+
+def test_load_pretrained_errors_name_the_file(tmp_path):
+    ours = models.CausalLM(13, **SMALL, **GPT2)
+    folder = save_pretrained(ours, tmp_path / "ok")
+    with pytest.raises(NotADirectoryError, match="not a folder"):
+        load_pretrained(tmp_path / "nowhere")
+    config = json.loads((folder / "config.json").read_text() if hasattr(folder, "read_text")
+                        else open(os.path.join(folder, "config.json")).read())
+    bad = tmp_path / "bad_config"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(dict(config, activation_function="silu")))
+    os.link(os.path.join(folder, "model.safetensors"), bad / "model.safetensors")
+    with pytest.raises(SafetensorsError, match=r"config\.json: GPT-2 config: activation_function='silu'"):
+        load_pretrained(bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(SafetensorsError, match=r"config\.json: not a JSON model config"):
+        load_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps(dict(config, n_layer=3)))
+    with pytest.raises(SafetensorsError, match=r"model\.safetensors: missing key 'transformer\.h\.2\.ln_1\.weight'"):
+        load_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "n_embd"}))
+    with pytest.raises(SafetensorsError, match=r"config\.json: missing 'n_embd'"):
+        load_pretrained(bad)
+
+
+# -- untrusted files ------------------------------------------------------------------------
+def safetensors_bytes(header, data=b""):
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+DAMAGED = {
+    "empty": (b"", "too short"),
+    "npz": (b"PK\x03\x04" + b"\x00" * 60, "header claims"),
+    "text": (b"hello, this is a text file and certainly not tensors\n" * 3, "header claims"),
+    "torch_pickle": (b"\x80\x02\x8a\x0alo\xfc\x9cF\xf9 j\xa8P\x19.\x80\x02}q\x00" * 4, "header claims"),
+    "header_not_json": (struct.pack("<Q", 4) + b"{{{{", "not JSON"),
+    "header_a_list": (safetensors_bytes([1, 2]), "not a JSON object"),
+    "header_nested_too_deep": (struct.pack("<Q", 200000) + b"[" * 200000, "not JSON: RecursionError"),
+    "header_not_utf8": (struct.pack("<Q", 2) + b"\xff\xfe", "not JSON: UnicodeDecodeError"),
+    "unknown_dtype": (safetensors_bytes({"w": {"dtype": "F8", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
+                      "unknown dtype 'F8'"),
+    "bfloat16": (safetensors_bytes({"w": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}, b"\0\0"),
+                 "bfloat16"),
+    "negative_shape": (safetensors_bytes({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
+                       "list of ints >= 0"),
+    "size_mismatch": (safetensors_bytes({"w": {"dtype": "F32", "shape": [10 ** 9], "data_offsets": [0, 4]}},
+                                        b"\0" * 4), "needs 4000000000 bytes"),
+    "truncated_data": (safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
+                       "describes 16 bytes of data, the file holds 8"),
+    "overlap": (safetensors_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                   "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
+                "without gaps or overlaps"),
+    "extra_field": (safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}},
+                                      b"\0" * 4), "exactly dtype, shape and data_offsets"),
+    "metadata_not_strings": (safetensors_bytes({"__metadata__": {"a": 1}}), "strings to strings"),
+    "bool_shape": (safetensors_bytes({"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4),
+                   "list of ints"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGED))
+def test_foreign_and_damaged_files_are_refused_and_change_nothing(name, tmp_path):
+    content, message = DAMAGED[name]
+    path = tmp_path / f"{name}.safetensors"
+    path.write_bytes(content)
+    model = MODELS["gpt2"]()
+    before = model.state_dict()
+    for load in (lambda: load_safetensors(path, model), lambda: load_safetensors(path), lambda: read_safetensors(path)):
+        with pytest.raises(SafetensorsError, match=message) as info:
+            load()
+        assert str(path) in str(info.value)
+    assert_same_weights_dict(before, model.state_dict())
+
+
+def assert_same_weights_dict(a, b):
+    assert list(a) == list(b)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_a_huge_declared_header_is_refused_before_reading_it(tmp_path):
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(struct.pack("<Q", 2 ** 62) + b"{}")
+    with pytest.raises(SafetensorsError, match=r"header claims 4611686018427387904 bytes but the file has 2"):
+        read_header(path)
+
+
+def test_files_that_do_not_fit_change_nothing(tmp_path):
+    source = MODELS["gpt2"]()
+    path = save_safetensors(source, tmp_path / "gpt2.safetensors")
+    for target, message in ((models.CausalLM(13, **dict(SMALL, num_layers=1), **GPT2), "unmapped key"),
+                            (models.CausalLM(13, **dict(SMALL, d_model=4), **GPT2), "mis-shaped key"),
+                            (MODELS["bert"](), "holds a CausalLM, not a BidirectionalEncoder")):
+        before = target.state_dict()
+        with pytest.raises(SafetensorsError, match=message):
+            load_safetensors(path, target)
+        assert_same_weights_dict(before, target.state_dict())
+    ours_named = save_safetensors(MODELS["classifier"](), tmp_path / "classifier.safetensors")
+    smaller = models.EncoderClassifier(13, 2, **SMALL)
+    before = smaller.state_dict()
+    with pytest.raises(SafetensorsError, match=r"does not fit the model: (?s:.*)classifier\.weight"):
+        load_safetensors(ours_named, smaller)
+    assert_same_weights_dict(before, smaller.state_dict())
+
+
+def test_metadata_is_checked_and_never_names_code(tmp_path):
+    model = MODELS["causal_lm_rope"]()
+    arrays = model.state_dict()
+    for info, message in (({"format": "npformer-safetensors", "version": 1, "class": "os.system", "config": {},
+                            "names": "npformer"}, "unknown model class 'os.system'"),
+                          ({"format": "other"}, "no 'npformer-safetensors' format tag"),
+                          ({"format": "npformer-safetensors", "version": 99}, "version 99"),
+                          ({"format": "npformer-safetensors", "version": 1, "class": "CausalLM",
+                            "config": {"vocab_size": 13, "bogus": 1}, "names": "npformer"}, "cannot build CausalLM")):
+        path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": json.dumps(info)})
+        with pytest.raises(SafetensorsError, match=message):
+            load_safetensors(path)
+    path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": "{not json"})
+    with pytest.raises(SafetensorsError, match="damaged npformer metadata"):
+        load_safetensors(path)
+    path = write_safetensors(tmp_path / "plain.safetensors", arrays)
+    with pytest.raises(SafetensorsError, match="load_pretrained"):
+        load_safetensors(path)
+    assert_same_weights(model, load_safetensors(path, MODELS["causal_lm_rope"]()))
+    with pytest.raises(FileNotFoundError):
+        load_safetensors(tmp_path / "missing.safetensors")
+    with pytest.raises(IsADirectoryError):
+        load_safetensors(tmp_path)
+
+
+def test_writes_are_atomic_and_keep_the_mode(tmp_path, monkeypatch):
+    model = MODELS["gpt2"]()
+    path = tmp_path / "model.safetensors"
+    save_safetensors(model, path)
+    os.chmod(path, 0o640)
+    first = path.read_bytes()
+    save_safetensors(MODELS["gpt2"](), path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640 and path.read_bytes() != first
+    kept = path.read_bytes()
+
+    import safetensors.numpy
+
+    def fail_midway(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+    monkeypatch.setattr(safetensors.numpy, "save_file", fail_midway)
+    with pytest.raises(OSError, match="disk full"):
+        save_safetensors(model, path)
+    assert path.read_bytes() == kept and os.listdir(tmp_path) == ["model.safetensors"]
+    monkeypatch.undo()
+    umask = os.umask(0o022)
+    try:
+        fresh = save_safetensors(model, tmp_path / "fresh.safetensors")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o644
+
+
+def test_write_refuses_what_safetensors_cannot_store(tmp_path):
+    with pytest.raises(TypeError, match="dtype complex128"):
+        write_safetensors(tmp_path / "x.safetensors", {"z": np.zeros(2, dtype=complex)})
+    with pytest.raises(TypeError, match="metadata must map strings to strings"):
+        write_safetensors(tmp_path / "x.safetensors", {"z": np.zeros(2)}, {"a": 1})
+    assert not os.listdir(tmp_path)
+
+
+def test_the_readme_gpt2_example_runs_on_a_gpt2_shaped_folder(tmp_path, monkeypatch, capsys):
+    """The README's GPT-2 block (fenced `py`: it needs a download) on a folder laid out like the
+    download, with GPT-2's vocabulary and tiny layers."""
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```py\n(.*?)```", readme, re.S).group(1)
+    assert 'load_pretrained("gpt2")' in block
+    tiny = models.CausalLM(50257, d_model=8, nhead=2, num_layers=1, dim_feedforward=32, max_len=16, **GPT2)
+    gpt2_download(tmp_path / "gpt2", tiny)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    printed = json.loads(capsys.readouterr().out)
+    assert printed[:5] == [15496, 11, 616, 3290, 318] and len(printed) == 13
