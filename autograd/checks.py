@@ -94,3 +94,10 @@ def check_shape(value, name: str, owner: str) -> tuple:
     if not isinstance(value, (list, tuple)) or not value:
         _refuse_type(value, name, owner, "an integer >= 1 or a non-empty tuple of them")
     return tuple(check_int(n, name, owner, at_least=1) for n in value)
+
+
+def check_bool(value, name: str, owner: str) -> bool:
+    """`value` as a bool: TypeError unless it is True or False (numpy's bools too)."""
+    if not _is_bool(value):
+        raise TypeError(f"{owner}: {name} must be True or False, got {value!r} of type {type(value).__name__}")
+    return bool(value)

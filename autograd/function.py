@@ -6,6 +6,11 @@ arrays of the active backend. `apply` unwraps Tensors, runs forward, and, when s
 requires grad, records the call as a node of the graph. `backward` walks the nodes in
 reverse topological order (iteratively, so deep graphs never hit the recursion limit),
 accumulates each gradient with `+`, and frees every node it has used.
+
+Two hooks for code that must act during backward (data-parallel training starts each
+gradient's all-reduce as soon as that gradient is final): a leaf's
+`register_post_accumulate_grad_hook(fn)` runs `fn(leaf)` once its gradient for this pass is
+complete, and `queue_callback(fn)` runs `fn()` when the pass now running ends (torch's).
 """
 import contextlib
 import os
@@ -234,21 +239,63 @@ def _expands_to(shape, target):
     return all(n == m or n == 1 for n, m in zip(shape[::-1], target[::-1]))
 
 
+_backward = threading.local()  # .callbacks: those queued during the backward pass running in this thread
+
+
+def queue_callback(fn):
+    """Run `fn()` once, when the backward pass running in this thread has finished (every
+    gradient accumulated and every post-accumulate-grad hook run); like torch's
+    `Variable._execution_engine.queue_callback`. Only valid inside a backward pass (from a hook)."""
+    callbacks = getattr(_backward, "callbacks", None)
+    if callbacks is None:
+        raise RuntimeError("queue_callback: no backward pass is running in this thread; call it from a hook")
+    callbacks.append(fn)
+
+
+def _last_uses_of_hooked_leaves(nodes):
+    """{index of a node in `nodes`: [leaves with post-accumulate-grad hooks whose last use in
+    this pass is that node]}: after that node, nothing else adds to those leaves' gradients."""
+    last = {}
+    for i, node in enumerate(nodes):
+        for t in node.inputs:
+            if t is not None and t.creator is None and t._post_accumulate_grad_hooks:
+                last[id(t)] = (i, t)
+    by_node = {}
+    for i, t in last.values():
+        by_node.setdefault(i, []).append(t)
+    return by_node
+
+
 def _accumulate(slot_owner, index, grad):
     current = slot_owner[index]
     slot_owner[index] = grad if current is None else current + grad
 
 
 def run_backward(tensor, grad, retain_graph=False):
-    """Propagate `grad` (d loss / d tensor) to every leaf that requires grad."""
-    if tensor.creator is None:
-        tensor._accumulate_leaf(grad)
-        return
+    """Propagate `grad` (d loss / d tensor) to every leaf that requires grad, then run the
+    callbacks queued during the pass."""
+    outer, _backward.callbacks = getattr(_backward, "callbacks", None), []
+    try:
+        if tensor.creator is None:
+            tensor._accumulate_leaf(grad)
+            tensor._run_post_accumulate_grad_hooks()
+        else:
+            _run_nodes(tensor, grad, retain_graph)
+        callbacks = _backward.callbacks
+    finally:
+        _backward.callbacks = outer
+    for fn in callbacks:
+        fn()
+
+
+def _run_nodes(tensor, grad, retain_graph):
     if tensor.creator.inputs is None:
         raise RuntimeError("backward through a graph that was already freed: "
                            "call backward(retain_graph=True) the first time")
     tensor.creator.output_grads[tensor.output_index] = grad
-    for node in _topological_nodes(tensor.creator):
+    nodes = _topological_nodes(tensor.creator)
+    hooked_last_uses, hooked_with_grad = _last_uses_of_hooked_leaves(nodes), set()
+    for i, node in enumerate(nodes):
         xp = None
         grads = []
         for g, (shape, dtype) in zip(node.output_grads, node.output_meta):
@@ -256,8 +303,8 @@ def run_backward(tensor, grad, retain_graph=False):
                 xp = xp or backend.get_array_module(*[t.data for t in node.inputs if t is not None])
                 g = xp.zeros(shape, dtype)
             grads.append(g)
-        for i, t in node.retained.items():
-            t.grad = grads[i]
+        for j, t in node.retained.items():
+            t.grad = grads[j]
         input_grads = node.backward(node, *grads)
         if not isinstance(input_grads, tuple):
             input_grads = (input_grads,)
@@ -269,8 +316,13 @@ def run_backward(tensor, grad, retain_graph=False):
                 continue
             if t.creator is None:
                 t._accumulate_leaf(g)
+                if t._post_accumulate_grad_hooks:
+                    hooked_with_grad.add(id(t))
             else:
                 _accumulate(t.creator.output_grads, t.output_index, g)
+        for leaf in hooked_last_uses.get(i, ()):  # gradients that are now final
+            if id(leaf) in hooked_with_grad:
+                leaf._run_post_accumulate_grad_hooks()
         if retain_graph:
             node.output_grads = [None] * len(node.output_meta)
         else:  # free the graph: everything the op saved, and the links to its inputs

@@ -20,6 +20,7 @@ class Tensor:
     """
 
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
+    _post_accumulate_grad_hooks = ()  # a list once a hook is registered
 
     def __init__(self, data, requires_grad=False, dtype=None, device=None):
         if isinstance(data, Tensor):
@@ -77,6 +78,24 @@ class Tensor:
             self.grad = grad.copy()  # own it: gradients of different leaves may alias
         else:
             self.grad += grad
+
+    def register_post_accumulate_grad_hook(self, hook):
+        """Call `hook(self)` each time a backward pass has finished adding to this leaf's `.grad`
+        (every contribution of that pass accumulated), as torch's hook of the same name.
+        Returns a handle whose `remove()` unregisters it."""
+        if self.creator is not None:
+            raise RuntimeError("register_post_accumulate_grad_hook: only leaves (parameters) have one; "
+                               "this tensor was made by an op")
+        if not callable(hook):
+            raise TypeError(f"hook: expected a callable, got {type(hook).__name__}")
+        if not self._post_accumulate_grad_hooks:
+            self._post_accumulate_grad_hooks = []
+        self._post_accumulate_grad_hooks.append(hook)
+        return _HookHandle(self._post_accumulate_grad_hooks, hook)
+
+    def _run_post_accumulate_grad_hooks(self):
+        for hook in list(self._post_accumulate_grad_hooks):
+            hook(self)
 
     def retain_grad(self):
         """Keep `.grad` of this non-leaf after backward (leaves always keep theirs)."""
@@ -174,6 +193,17 @@ class Tensor:
     def tanh(self): return Tanh.apply(self)
     def relu(self): return Relu.apply(self)
     def matmul(self, other): return MatMul.apply(self, other)
+
+
+class _HookHandle:
+    """What `register_post_accumulate_grad_hook` returns: `remove()` unregisters the hook."""
+
+    def __init__(self, hooks, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self):
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
 
 
 def _shape_arg(shape):

@@ -6,6 +6,7 @@
     python demos/reverse.py --steps 2000 --min-len 2 --max-len 16 --out runs/long
     python demos/reverse.py --resume runs/reverse/checkpoint.npz --steps 1500
     python demos/reverse.py --checkpoint runs/reverse/checkpoint.npz --input "3 7 1 5"
+    mpiexec -n 2 python demos/reverse.py --distributed   # data-parallel over 2 ranks (MPI)
 
 Symbols are the integers 1..vocab-3 (ids 0, 1, 2 are PAD, BOS, EOS). Each preset writes to its
 own folder (runs/reverse for the default, runs/reverse-<preset> for the others; --out to
@@ -37,12 +38,13 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autograd  # noqa: E402
+import npformer.distributed as dist  # noqa: E402
 from npformer import load_checkpoint, load_model, optim  # noqa: E402
 from npformer.checkpoint import CheckpointError  # noqa: E402
 from npformer.data import EOS, SequenceTask  # noqa: E402
 from npformer.decoding import greedy_decode  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
-from npformer.training import Trainer  # noqa: E402
+from npformer.training import Seq2SeqTrainer  # noqa: E402
 
 PROG = "reverse.py"
 # Each preset: task, model, optimisation. "default" is tuned to reach >= 99% exact-sequence
@@ -93,9 +95,14 @@ def parse_args(argv=None):
     p.add_argument("--input", help='with --checkpoint: symbols to reverse, e.g. "3 7 1 5"')
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the figures")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--distributed", action="store_true",
+                   help="data-parallel training over the ranks of an MPI job (mpiexec -n N ...): each rank "
+                        "takes its share of every batch; rank 0 writes the outputs")
     args = p.parse_args(argv)
     if (args.checkpoint is None) != (args.input is None):
         p.error("--checkpoint and --input go together")
+    if args.distributed and args.checkpoint:
+        p.error("--distributed is for training; it does not go with --checkpoint/--input")
     try:
         autograd.backend.module_for(args.device)
     except RuntimeError as e:  # cuda asked for without CuPy or a GPU: say how to install it
@@ -279,13 +286,17 @@ def after_each_step(trainer, hook):
 
 def train(args):
     settings, seed, preset, out, resumed = run_settings(args)
+    ranks, main_rank = 1, True
+    if args.distributed:  # before the model is built: with GPUs, each rank takes its own
+        ranks, main_rank = dist.init().size, dist.rank() == 0
     os.makedirs(out, exist_ok=True)
     task = make_task(settings, seed)
     model, optimizer, scheduler = build(settings, seed, args.device)
-    trainer = Trainer(model, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
-                      label_smoothing=settings["label_smoothing"], clip_norm=settings["clip_norm"],
-                      eval_every=settings["eval_every"], eval_size=200, progress=not args.quiet,
-                      extra_state={"demo": {"settings": settings, "seed": seed, "preset": preset}})
+    trained = dist.DistributedDataParallel(model) if args.distributed else model
+    trainer = Seq2SeqTrainer(trained, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
+                             label_smoothing=settings["label_smoothing"], clip_norm=settings["clip_norm"],
+                             eval_every=settings["eval_every"], eval_size=200, progress=not args.quiet,
+                             extra_state={"demo": {"settings": settings, "seed": seed, "preset": preset}})
     if resumed:
         trainer.resume(args.resume)
     parameters = sum(p.size for p in model.parameters())
@@ -300,8 +311,11 @@ def train(args):
                 raise Interrupted
 
         after_each_step(trainer, between_steps)
-        print(f"reverse: preset {preset}" + (f" (resumed at step {trainer.step} from {args.resume})" if resumed else "")
-              + f", {task}, {parameters:,} parameters, {settings['steps']} steps on {args.device}", file=sys.stderr)
+        if main_rank:
+            print(f"reverse: preset {preset}" + (f" (resumed at step {trainer.step} from {args.resume})" if resumed
+                                                 else "")
+                  + f", {task}, {parameters:,} parameters, {settings['steps']} steps on {args.device}"
+                  + (f", {ranks} ranks" if args.distributed else ""), file=sys.stderr)
         train_start = time.perf_counter()
         try:
             result = trainer.fit(settings["steps"], checkpoint_path=checkpoint_path, checkpoint_every=500)
@@ -313,6 +327,8 @@ def train(args):
                   f"resume with: python demos/reverse.py --resume {checkpoint_path}", file=sys.stderr)
             raise SystemExit(EXIT_INTERRUPTED) from None
     train_seconds = time.perf_counter() - train_start
+    if not main_rank:
+        return None
 
     example = task.heldout[0]
     predicted = greedy_decode(model, [example], task.max_target_len, eos=EOS if task.eos else None)
@@ -324,7 +340,7 @@ def train(args):
         "steps": trainer.step, "train_seconds": round(train_seconds, 2),
         "wall_seconds": round(time.perf_counter() - START, 2), "cpu_seconds": round(time.process_time(), 2),
         "parameters": int(parameters),
-        "preset": preset, "seed": seed, "device": args.device, "settings": settings,
+        "preset": preset, "seed": seed, "device": args.device, "ranks": ranks, "settings": settings,
         "model_config": model.config, "checkpoint": checkpoint_path, "figures": files,
     }
     with open(os.path.join(out, "metrics.json"), "w") as f:

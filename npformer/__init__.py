@@ -10,6 +10,8 @@ from autograd.threads import get_num_threads, set_num_threads
 
 from . import functional, models, nn
 from .checkpoint import load_checkpoint, load_model, save_checkpoint
+from .models import load_pretrained, load_safetensors, save_pretrained, save_safetensors
 
 __all__ = ["__version__", "Tensor", "manual_seed", "no_grad", "functional", "nn", "models", "save_checkpoint",
-           "load_checkpoint", "load_model", "get_num_threads", "set_num_threads"]
+           "load_checkpoint", "load_model", "save_safetensors", "load_safetensors", "save_pretrained",
+           "load_pretrained", "get_num_threads", "set_num_threads"]

@@ -14,6 +14,10 @@ to stop; fixed-length tasks (the tutorial's) have no EOS unless asked for.
 Held-out set: `heldout_size` distinct sequences drawn once from a separate seeded stream.
 Training batches reject (and redraw) every sequence that is in the held-out set, so the
 held-out sequences are never trained on, whatever the vocabulary and lengths.
+
+Data parallelism: every rank draws the same global batch from the same stream and keeps its
+own contiguous share (`shard`), so N ranks see exactly the batches of one process, and a
+run saved on N ranks continues on M. `RandomBatches` does the same for any dataset of arrays.
 """
 from dataclasses import dataclass
 
@@ -51,6 +55,76 @@ class Batch:
 
     def __len__(self):
         return len(self.src)
+
+
+def shard(n, rank, world_size):
+    """The slice of n items (a global batch) that `rank` of `world_size` takes: contiguous
+    shares whose sizes differ by at most one, together the whole batch in order."""
+    world_size = check_int(world_size, "world_size", "shard", at_least=1)
+    rank = check_int(rank, "rank", "shard", at_least=0)
+    if rank >= world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+    if n < world_size:
+        raise ValueError(f"batch_size: expected at least one item per rank (>= world_size={world_size}), got {n}")
+    return slice(rank * n // world_size, (rank + 1) * n // world_size)
+
+
+class RandomBatches:
+    """Endless shuffled mini-batches of a dataset held in arrays (row i of every array is
+    example i), like a torch DataLoader with shuffle=True and a DistributedSampler.
+
+    Each epoch is a seeded permutation of the examples; each step takes its next batch_size
+    examples (a partial batch at the end of an epoch is dropped) and rank keeps its share
+    (`shard`). Iterating yields one array per array given (the array itself when one is given).
+    `state_dict`/`load_state_dict` continue the stream (on any number of ranks).
+
+    rank / world_size: default to npformer.distributed's (0 and 1 without an MPI job).
+    """
+
+    def __init__(self, *arrays, batch_size, seed=0, rank=None, world_size=None):
+        from . import distributed
+
+        if not arrays:
+            raise ValueError("arrays: expected at least one array of examples")
+        arrays = tuple(np.asarray(a) for a in arrays)
+        if any(a.ndim == 0 or len(a) != len(arrays[0]) for a in arrays):
+            raise ValueError(f"arrays: expected arrays with the same number of rows, got shapes "
+                             f"{[a.shape for a in arrays]}")
+        self.arrays = arrays
+        self.batch_size = check_int(batch_size, "batch_size", "RandomBatches", at_least=1)
+        if self.batch_size > len(arrays[0]):
+            raise ValueError(f"batch_size: expected at most the {len(arrays[0])} examples, got {batch_size}")
+        self.rank = distributed.rank() if rank is None else rank
+        self.world_size = distributed.world_size() if world_size is None else world_size
+        self.share = shard(self.batch_size, self.rank, self.world_size)
+        self.rng = np.random.default_rng(check_int(seed, "seed", "RandomBatches", at_least=0))
+        self._new_epoch()
+
+    def _new_epoch(self):
+        self.epoch_start_state = self.rng.bit_generator.state
+        self.order = self.rng.permutation(len(self.arrays[0]))
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.position + self.batch_size > len(self.order):
+            self._new_epoch()
+        indices = self.order[self.position:self.position + self.batch_size][self.share]
+        self.position += self.batch_size
+        batch = tuple(a[indices] for a in self.arrays)
+        return batch[0] if len(batch) == 1 else batch
+
+    def state_dict(self):
+        """The stream's position: the generator state the epoch's permutation came from, and
+        how many examples of it were used."""
+        return {"epoch_start": self.epoch_start_state, "position": self.position}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["epoch_start"]
+        self._new_epoch()
+        self.position = int(state["position"])
 
 
 class SequenceTask:
@@ -149,9 +223,11 @@ class SequenceTask:
         tgt_in[tgt_in == EOS] = PAD
         return Batch(src, tgt_in, tgt_out)
 
-    def batch(self, batch_size):
-        """A fresh training batch (advances the task's random stream)."""
-        return self.collate(self.sample(check_int(batch_size, "batch_size", "SequenceTask.batch", at_least=1)))
+    def batch(self, batch_size, rank=0, world_size=1):
+        """A fresh training batch (advances the task's random stream). With world_size > 1:
+        rank's share of the global batch of batch_size sequences (see `shard`)."""
+        batch_size = check_int(batch_size, "batch_size", "SequenceTask.batch", at_least=1)
+        return self.collate(self.sample(batch_size)[shard(batch_size, rank, world_size)])
 
     def heldout_batches(self, batch_size=500):
         """The held-out set as Batches, always in the same order."""

@@ -45,26 +45,51 @@ def attention_maps(model, src, tgt_in):
     return maps
 
 
+_CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "items", "seconds")
+
+
 def plot_curves(history, path, title="training"):
-    """Loss, accuracy (teacher-forced token accuracy and held-out greedy exact/token accuracy)
-    and learning rate against the step, side by side."""
-    fig = _figure(figsize=(15, 4), layout="constrained")
-    ax_loss, ax_acc, ax_lr = fig.subplots(1, 3)
+    """Loss, metrics and learning rate against the step, side by side, from a Trainer's
+    history (see npformer.training for its keys).
+
+    Needs "step", "loss" and "lr" (one entry per step). Also drawn when present: every other
+    per-step list of the same length (the loss function's metrics, e.g. "accuracy") and every
+    "eval_<name>" list of numbers other than counts against "eval_step" ("eval_loss" beside
+    the training loss, the rest beside the metrics). The metrics panel is left out when there are none."""
+    missing = [k for k in ("step", "loss", "lr") if k not in history]
+    if missing:
+        raise KeyError(f"history: expected the keys 'step', 'loss' and 'lr' (a Trainer's history), "
+                       f"missing {missing}")
     steps = np.asarray(history["step"])
+    per_step = {k: v for k, v in history.items() if k not in _CURVE_KEYS and not k.startswith(("eval_", "layer_"))
+                and isinstance(v, list) and len(v) == len(steps) and len(v)}
+    eval_steps = history.get("eval_step", [])
+    evals = {k[len("eval_"):]: v for k, v in history.items() if k.startswith("eval_") and k != "eval_step"
+             and isinstance(v, list) and len(v) == len(eval_steps) and len(v)
+             and not all(isinstance(x, int) for x in v)}  # counts (eval_sequences) are not drawn
+    eval_loss = evals.pop("loss", None)
+    panels = 3 if per_step or evals else 2
+    fig = _figure(figsize=(5 * panels, 4), layout="constrained")
+    axes = fig.subplots(1, panels)
+    ax_loss, ax_lr = axes[0], axes[-1]
     loss = np.asarray(history["loss"])
-    ax_loss.plot(steps, loss, lw=0.6, alpha=0.4, color="C0", label="batch")
+    ax_loss.plot(steps, loss, lw=0.6, alpha=0.4, color="C0", label="training (batch)")
     if len(loss) >= 20:
         k = max(len(loss) // 50, 5)
         ax_loss.plot(steps[k - 1:], np.convolve(loss, np.ones(k) / k, mode="valid"), color="C0",
-                     label=f"mean of {k}")
-    ax_loss.set(yscale="log", xlabel="step", ylabel="cross-entropy", title="training loss")
+                     label=f"training (mean of {k})")
+    if eval_loss is not None:
+        ax_loss.plot(eval_steps, eval_loss, "o-", color="C1", label="held-out")
+    ax_loss.set(yscale="log" if (loss > 0).all() else "linear", xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend()
-    ax_acc.plot(steps, history["accuracy"], lw=0.6, alpha=0.6, label="train token acc (teacher forcing)")
-    if history["eval_step"]:
-        ax_acc.plot(history["eval_step"], history["eval_token_accuracy"], "o-", label="held-out token acc (greedy)")
-        ax_acc.plot(history["eval_step"], history["eval_exact_match"], "s-", label="held-out exact sequence (greedy)")
-    ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title="accuracy")
-    ax_acc.legend(loc="lower right", fontsize=8)
+    if panels == 3:
+        ax_metrics = axes[1]
+        for name, values in per_step.items():
+            ax_metrics.plot(steps, values, lw=0.6, alpha=0.6, label=f"{name} (training batch)")
+        for name, values in evals.items():
+            ax_metrics.plot(eval_steps, values, "o-", label=f"{name} (held-out)")
+        ax_metrics.set(xlabel="step", title="metrics")
+        ax_metrics.legend(loc="lower right", fontsize=8)
     ax_lr.plot(steps, history["lr"], color="C2")
     ax_lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
     fig.suptitle(title)

@@ -31,8 +31,7 @@ def check_config(config, owner):
         if name in config:
             config[name] = check_int(config[name], name, owner, at_least=1)
     if "type_vocab_size" in config:
-        config["type_vocab_size"] = check_int(config["type_vocab_size"], "type_vocab_size (0: no token types)",
-                                              owner, at_least=0)
+        config["type_vocab_size"] = _type_vocab_size(config, owner)
     for name in ("dropout",) + _RATES:
         if config.get(name) is not None:
             config[name] = check_real(config[name], name, owner, at_least=0, at_most=1)
@@ -50,6 +49,42 @@ def additive_positions(positional, d_model, max_len):
     if positional == "learned":
         return LearnedPositionalEmbedding(max_len, d_model)
     return None
+
+
+# -- state_dict shapes from a config, without building anything (load_model checks a file with them) --
+def dims(config, names, owner):
+    """config[name] for each name, each checked to be an integer >= 1."""
+    return [check_int(config[name], name, owner, at_least=1) for name in names]
+
+
+def layer_norm_shapes(prefix, d_model):
+    return {f"{prefix}.weight": (d_model,), f"{prefix}.bias": (d_model,)}
+
+
+def linear_shapes(prefix, in_features, out_features, bias=True):
+    shapes = {f"{prefix}.weight": (out_features, in_features)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out_features,)
+    return shapes
+
+
+def stack_shapes(prefix, num_layers, d_model, dim_feedforward, cross_attention, final_norm=True):
+    """nn.TransformerEncoder (cross_attention=False) or nn.TransformerDecoder, with its final
+    norm when final_norm."""
+    shapes = {}
+    for i in range(num_layers):
+        layer = f"{prefix}.layers.{i}"
+        for attention in ("self_attn", "multihead_attn") if cross_attention else ("self_attn",):
+            shapes[f"{layer}.{attention}.in_proj_weight"] = (3 * d_model, d_model)
+            shapes[f"{layer}.{attention}.in_proj_bias"] = (3 * d_model,)
+            shapes.update(linear_shapes(f"{layer}.{attention}.out_proj", d_model, d_model))
+        shapes.update(linear_shapes(f"{layer}.linear1", d_model, dim_feedforward))
+        shapes.update(linear_shapes(f"{layer}.linear2", dim_feedforward, d_model))
+        for norm in ("norm1", "norm2", "norm3") if cross_attention else ("norm1", "norm2"):
+            shapes.update(layer_norm_shapes(f"{layer}.{norm}", d_model))
+    if final_norm:
+        shapes.update(layer_norm_shapes(f"{prefix}.norm", d_model))
+    return shapes
 
 
 def token_ids(ids, embedding, owner, name, max_len=None):
@@ -102,6 +137,11 @@ def dropout_rate(config, name):
     return config["dropout"] if value is None else value
 
 
+def _type_vocab_size(config, owner):
+    """config's type_vocab_size (default 0: no token types) as an integer >= 0."""
+    return check_int(config.get("type_vocab_size", 0), "type_vocab_size (0: no token types)", owner, at_least=0)
+
+
 class EncoderOnlyModel(nn.Module):
     """Token embedding (+ token-type embedding) + positions (+ LayerNorm) + dropout + a
     TransformerEncoder (with a final LayerNorm unless final_norm=False): the trunk of CausalLM,
@@ -145,6 +185,29 @@ class EncoderOnlyModel(nn.Module):
         layer.dropout = nn.Dropout(dropout_rate(c, "activation_dropout"))
         final_norm = nn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
         self.encoder = nn.TransformerEncoder(layer, c["num_layers"], final_norm)
+
+    @staticmethod
+    def _trunk_shapes(config, owner, persistent):
+        """state_dict shapes of the trunk that _build_trunk builds from `config` (with
+        persistent=False also the sinusoidal table, a non-persistent buffer)."""
+        c = config
+        check_choice(c["positional"], POSITIONAL, "positional", owner)
+        check_d_model_nhead(c["d_model"], c["nhead"], owner)
+        vocab_size, max_len, num_layers, dim_feedforward = dims(
+            c, ("vocab_size", "max_len", "num_layers", "dim_feedforward"), owner)
+        d_model, type_vocab_size = c["d_model"], _type_vocab_size(c, owner)
+        shapes = {"tok_embed.weight": (vocab_size, d_model)}
+        if c["positional"] == "learned":
+            shapes["pos_embed.weight"] = (max_len, d_model)
+        elif c["positional"] == "sinusoidal" and not persistent:
+            shapes["positional.pe"] = (max_len, d_model)
+        if type_vocab_size:
+            shapes["type_embed.weight"] = (type_vocab_size, d_model)
+        if c.get("embed_norm", False):
+            shapes.update(layer_norm_shapes("embed_norm", d_model))
+        shapes.update(stack_shapes("encoder", num_layers, d_model, dim_feedforward, cross_attention=False,
+                                   final_norm=c.get("final_norm", True)))
+        return shapes
 
     def _reset_parameters(self):
         for name, p in self.named_parameters():

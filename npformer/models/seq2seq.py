@@ -7,7 +7,8 @@ from .. import nn
 from ..nn import init
 from ..nn.layers import as_ids
 from ..nn.transformer import check_d_model_nhead
-from ._common import POSITIONAL, additive_positions, check_choice, check_config, padding_mask_from_ids, token_ids
+from ._common import (POSITIONAL, additive_positions, check_choice, check_config, dims, padding_mask_from_ids,
+                      stack_shapes, token_ids)
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -76,6 +77,32 @@ class Seq2SeqTransformer(nn.Module):
         if tie_weights:
             self.generator.weight = None  # logits use tgt_embed.weight
         self._reset_parameters()
+
+    @classmethod
+    def state_shapes(cls, config, persistent=True):
+        """{name: shape} of `Seq2SeqTransformer(**config).state_dict()` from the config alone
+        (config holds every constructor argument), building nothing; persistent=False adds the
+        non-persistent buffers (named as in named_buffers)."""
+        owner = cls.__name__
+        check_choice(config["positional"], POSITIONAL, "positional", owner)
+        check_choice(config["tie_weights"], (False, True, "all"), "tie_weights", owner)
+        check_d_model_nhead(config["d_model"], config["nhead"], owner)
+        src_vocab, tgt_vocab, max_len, encoder_layers, decoder_layers, dim_feedforward = dims(
+            config, ("src_vocab_size", "tgt_vocab_size", "max_len", "num_encoder_layers", "num_decoder_layers",
+                     "dim_feedforward"), owner)
+        d_model, tie, positional = config["d_model"], config["tie_weights"], config["positional"]
+        shapes = {} if tie == "all" else {"src_embed.weight": (src_vocab, d_model)}
+        shapes["tgt_embed.weight"] = (tgt_vocab, d_model)
+        if positional == "learned":
+            shapes["src_pos_embed.weight"] = shapes["tgt_pos_embed.weight"] = (max_len, d_model)
+        elif positional == "sinusoidal" and not persistent:
+            shapes["positional.pe"] = (max_len, d_model)
+        shapes.update(stack_shapes("transformer.encoder", encoder_layers, d_model, dim_feedforward, False))
+        shapes.update(stack_shapes("transformer.decoder", decoder_layers, d_model, dim_feedforward, True))
+        if not tie:
+            shapes["generator.weight"] = (tgt_vocab, d_model)
+        shapes["generator.bias"] = (tgt_vocab,)
+        return shapes
 
     def _reset_parameters(self):
         for p in self.parameters():

@@ -13,7 +13,8 @@ def _parameters_with_grad(parameters):
 
 def grad_norm(parameters, norm_type=2.0):
     """The norm of all gradients together, as if concatenated into one vector (a Python float):
-    `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no gradient exists."""
+    `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no gradient exists;
+    inf when the sum of powers overflows (as torch)."""
     norm_type = check_real(norm_type, "norm_type", "grad_norm", above=0, finite=False)
     grads = [p.grad for p in _parameters_with_grad(parameters)]
     if not grads:
@@ -31,7 +32,10 @@ def grad_norm(parameters, norm_type=2.0):
         per_param.extend(float(n) for n in norms.tolist())
     if norm_type == math.inf:
         return max(per_param)
-    return math.fsum(n ** norm_type for n in per_param) ** (1.0 / norm_type)
+    try:
+        return math.fsum(n ** norm_type for n in per_param) ** (1.0 / norm_type)
+    except OverflowError:  # the sum of powers passes float's range (e.g. float64 gradients of 1e154):
+        return math.inf    # inf, as torch's norm of the per-parameter norms gives
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):

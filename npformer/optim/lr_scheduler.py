@@ -48,14 +48,39 @@ class LambdaLR:
         return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs), "last_lr": list(self._last_lr)}
 
     def load_state_dict(self, state_dict):
-        if len(state_dict["base_lrs"]) != len(self.base_lrs):
-            raise ValueError(f"state_dict: {len(state_dict['base_lrs'])} base lrs for "
-                             f"{len(self.base_lrs)} parameter groups")
-        self.last_epoch = int(state_dict["last_epoch"])
-        self.base_lrs = [float(lr) for lr in state_dict["base_lrs"]]
-        self._last_lr = [float(lr) for lr in state_dict["last_lr"]]
-        for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
-            group["initial_lr"], group["lr"] = base, lr
+        """Restore last_epoch, base_lrs and last_lr (and set every group's lr). Everything is
+        checked first (ValueError or TypeError); a failed load changes nothing."""
+        self.prepare_load_state_dict(state_dict)()
+
+    def prepare_load_state_dict(self, state_dict):
+        """Check `state_dict` as load_state_dict does, changing nothing; returns a function
+        that loads it (it cannot fail)."""
+        keys = {"last_epoch", "base_lrs", "last_lr"}
+        if not isinstance(state_dict, dict) or set(state_dict) != keys:
+            got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"state_dict: expected a dict with the keys {sorted(keys)}, got {got}")
+        last_epoch = state_dict["last_epoch"]
+        if isinstance(last_epoch, bool) or not isinstance(last_epoch, int) or last_epoch < -1:
+            raise TypeError(f"state_dict: last_epoch must be an int >= -1, got {last_epoch!r}")
+        lrs = {}
+        for key in ("base_lrs", "last_lr"):
+            values = state_dict[key]
+            if not isinstance(values, (list, tuple)) or not all(_is_lr(v) for v in values):
+                raise TypeError(f"state_dict: {key} must be a list of finite numbers >= 0, got {values!r}")
+            if len(values) != len(self.base_lrs):
+                raise ValueError(f"state_dict: {len(values)} {key} for {len(self.base_lrs)} parameter groups")
+            lrs[key] = [float(v) for v in values]
+
+        def load():
+            self.last_epoch, self.base_lrs, self._last_lr = last_epoch, lrs["base_lrs"], lrs["last_lr"]
+            for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
+                group["initial_lr"], group["lr"] = base, lr
+
+        return load
+
+
+def _is_lr(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def noam_factor(step, d_model, warmup_steps):

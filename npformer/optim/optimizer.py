@@ -17,6 +17,31 @@ from autograd.checks import check_real
 from autograd.threads import for_rows
 
 
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _like(value, default):
+    """Whether a saved hyperparameter has the type of the optimizer's default (bools stay bools,
+    tuples stay tuples of the same length, numbers stay numbers)."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, tuple):
+        return isinstance(value, (list, tuple)) and len(value) == len(default)
+    return _is_number(value)
+
+
+def _is_hyperparameter(value):
+    """What a saved param group may hold besides its params: None, a bool, a number or numbers."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_number(v) for v in value)
+    return value is None or isinstance(value, bool) or _is_number(value)
+
+
 class Optimizer:
     """Base class: parameter groups, `zero_grad`, state dicts, a shared scratch buffer.
 
@@ -24,6 +49,10 @@ class Optimizer:
     `{"params": [...], **overrides}` (parameter groups, e.g. no weight decay on biases).
     defaults: the hyperparameters each group gets unless it overrides them.
     """
+
+    # a parameter's state entries: name -> "array" (the parameter's shape), "count" (an int >= 0)
+    # or "number"; a state holds all of them or none. None: any names (arrays, numbers).
+    state_kinds = None
 
     def __init__(self, params, defaults):
         self.defaults = dict(defaults)
@@ -109,38 +138,103 @@ class Optimizer:
 
     def load_state_dict(self, state_dict):
         """Restore hyperparameters and per-parameter state; arrays go to each parameter's
-        device and dtype. Raises ValueError when the groups or shapes do not match."""
+        device and dtype. Everything is checked first (ValueError or TypeError naming what is
+        wrong: group count or sizes, hyperparameter types and ranges, state names, shapes and
+        dtypes); a failed load changes nothing."""
+        self.prepare_load_state_dict(state_dict)()
+
+    def prepare_load_state_dict(self, state_dict):
+        """Check `state_dict` as load_state_dict does, changing nothing; returns a function
+        that loads it (it cannot fail)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("state_dict: expected a dict with the keys 'param_groups' and 'state', got "
+                             + (str(sorted(map(str, state_dict))) if isinstance(state_dict, dict)
+                                else type(state_dict).__name__))
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict: expected {len(self.param_groups)} parameter groups, got {len(groups)}")
-        by_index = {}
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
+            got = len(groups) if isinstance(groups, (list, tuple)) else type(groups).__name__
+            raise ValueError(f"state_dict: expected {len(self.param_groups)} parameter groups, got {got}")
+        by_index, hyperparameters = {}, []
         for i, (mine, saved) in enumerate(zip(self.param_groups, groups)):
-            if len(mine["params"]) != len(saved["params"]):
-                raise ValueError(f"state_dict: group {i} has {len(saved['params'])} parameters, "
-                                 f"this optimizer's has {len(mine['params'])}")
+            hyperparameters.append(self._checked_group(i, mine, saved))
             for p, j in zip(mine["params"], saved["params"]):
-                by_index[int(j)] = p
+                if j in by_index:
+                    raise ValueError(f"state_dict: parameter index {j} appears in more than one place")
+                by_index[j] = p
+        state = state_dict["state"]
+        if not isinstance(state, dict):
+            raise ValueError(f"state_dict: 'state' must be a dict, got {type(state).__name__}")
         new_state = {}
-        for j, values in state_dict["state"].items():
-            p = by_index.get(int(j))
+        for j, values in state.items():
+            p = by_index.get(j) if _is_int(j) else None
             if p is None:
-                raise ValueError(f"state_dict: state for parameter index {j}, which no group lists")
-            restored = {}
-            for name, v in values.items():
-                if backend.is_array(v) and v.ndim > 0:
-                    if tuple(v.shape) != p.shape:
-                        raise ValueError(f"state_dict: {name} of parameter {j} has shape {tuple(v.shape)}, "
-                                         f"the parameter has {p.shape}")
-                    v = backend.to_device(backend.as_numpy(v), p.device).astype(p.dtype, copy=True)
-                elif backend.is_array(v):
+                raise ValueError(f"state_dict: state for parameter index {j!r}, which no group lists")
+            new_state[id(p)] = self._checked_state(j, p, values)
+
+        def load():
+            for mine, values in zip(self.param_groups, hyperparameters):
+                mine.update(values)
+            self.state = new_state
+
+        return load
+
+    def _checked_group(self, i, mine, saved):
+        """Group i's saved hyperparameters, checked against this optimizer's group `mine`."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"state_dict: parameter group {i} must be a dict, got {type(saved).__name__}")
+        params = saved.get("params")
+        if not isinstance(params, (list, tuple)) or not all(_is_int(j) for j in params):
+            raise ValueError(f"state_dict: group {i}: 'params' must be a list of parameter indices")
+        if len(params) != len(mine["params"]):
+            raise ValueError(f"state_dict: group {i} has {len(params)} parameters, "
+                             f"this optimizer's has {len(mine['params'])}")
+        missing = [k for k in self.defaults if k not in saved]
+        if missing:
+            raise ValueError(f"state_dict: group {i} lacks the hyperparameters {missing}")
+        values = {}
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            if not isinstance(key, str) or not _is_hyperparameter(value):
+                raise TypeError(f"state_dict: group {i}: hyperparameter {key!r} must be a number, a bool, None "
+                                f"or a list of numbers, got {type(value).__name__}")
+            if key in self.defaults and not _like(value, self.defaults[key]):
+                raise TypeError(f"state_dict: group {i}: {key} must be like this optimizer's default "
+                                f"{self.defaults[key]!r}, got {value!r}")
+            values[key] = tuple(value) if isinstance(value, (list, tuple)) else value
+        self._check_group({**mine, **values})
+        return values
+
+    def _checked_state(self, j, p, values):
+        """Parameter j's saved state, checked against `p` and converted to its device and dtype."""
+        if not isinstance(values, dict) or not all(isinstance(name, str) for name in values):
+            raise ValueError(f"state_dict: the state of parameter {j} must be a dict with string keys")
+        if self.state_kinds is not None and values and set(values) != set(self.state_kinds):
+            raise ValueError(f"state_dict: the state of parameter {j} must have the entries "
+                             f"{sorted(self.state_kinds)} (or none), got {sorted(values)}")
+        restored = {}
+        for name, v in values.items():
+            if self.state_kinds is not None:
+                kind = self.state_kinds[name]
+            else:
+                kind = "array" if backend.is_array(v) and v.ndim > 0 else "number"
+            if kind == "array":
+                if not backend.is_array(v) or tuple(v.shape) != p.shape:
+                    got = tuple(v.shape) if backend.is_array(v) else type(v).__name__
+                    raise ValueError(f"state_dict: {name} of parameter {j} must be an array of the parameter's "
+                                     f"shape {p.shape}, got {got}")
+                if not backend.module_for("cpu").can_cast(v.dtype, p.dtype, casting="same_kind"):
+                    raise TypeError(f"state_dict: {name} of parameter {j} has dtype {v.dtype}, which does not "
+                                    f"cast to the parameter's {p.dtype}")
+                v = backend.to_device(backend.as_numpy(v), p.device).astype(p.dtype, copy=True)
+            else:
+                if backend.is_array(v) and v.ndim == 0:
                     v = v.item()
-                restored[name] = v
-            new_state[id(p)] = restored
-        for mine, saved in zip(self.param_groups, groups):
-            for key, value in saved.items():
-                if key != "params":
-                    mine[key] = tuple(value) if key == "betas" else value
-        self.state = new_state
+                if not _is_number(v) or (kind == "count" and (not _is_int(v) or v < 0)):
+                    raise TypeError(f"state_dict: {name} of parameter {j} must be "
+                                    f"{'an int >= 0' if kind == 'count' else 'a number'}, got {v!r}")
+            restored[name] = v
+        return restored
 
     def __repr__(self):
         groups = ", ".join(str({k: v for k, v in g.items() if k != "params"}) for g in self.param_groups)
@@ -154,6 +248,8 @@ class SGD(Optimizer):
         g = grad + weight_decay * p;  b = momentum * b + (1 - dampening) * g  (b = g at first);
         g = g + momentum * b if nesterov else b;  p -= lr * g
     """
+
+    state_kinds = {"momentum_buffer": "array"}
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -208,8 +304,10 @@ class Adam(Optimizer):
     """
 
     decoupled = False
+    state_kinds = {"step": "count", "exp_avg": "array", "exp_avg_sq": "array"}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        betas = tuple(betas) if isinstance(betas, (list, tuple)) else betas     # else refused by _check_group
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def _check_group(self, group):
