@@ -27,6 +27,7 @@ replay with the next unused offset, like torch's Philox state under CUDA graphs.
 from typing import Any, NamedTuple
 
 from . import backend, graphs, threads
+from .checks import check_int
 
 _generators = {}
 
@@ -46,8 +47,9 @@ def default_rng(seed=None, device="cpu"):
 
 def manual_seed(seed):
     """Reseed every global generator: each device's Generator and the dropout stream."""
+    seed = check_int(seed, "seed", "manual_seed", at_least=0)
     _generators.clear()
-    _generators["seed"] = int(seed)
+    _generators["seed"] = seed
     _dropout.seeded = False  # reseeded (in place) when next used
 
 

@@ -1,5 +1,6 @@
 """`Tensor` and the primitive differentiable ops, each a small `Function`."""
 from . import backend, deferred
+from .checks import as_array
 from .function import Function, run_backward
 
 
@@ -7,7 +8,7 @@ def _as_array(data):
     """Arrays keep their dtype; Python scalars and lists of floats become float32 (torch's default)."""
     if backend.is_array(data):
         return data
-    arr = backend.get_array_module(data).asarray(data)
+    arr = as_array(data, "data", "Tensor", backend.get_array_module(data))
     return arr.astype("float32") if arr.dtype == "float64" else arr
 
 
@@ -439,7 +440,7 @@ class Relu(Function):
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
-        return grad * (out > 0)  # d relu(x) = [x > 0]
+        return grad * ~(out <= 0)  # d relu(x) = [x > 0], taken as [not x <= 0]: a NaN passes grad (torch's)
 
 
 class Where(Function):

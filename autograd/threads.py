@@ -17,13 +17,13 @@ OPENBLAS_NUM_THREADS=1 (or MKL_NUM_THREADS=1) yourself.
 Default: 1 thread (each op runs in the caller; BLAS keeps its own threads), or the
 NPFORMER_NUM_THREADS environment variable.
 """
-import numbers
 import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from autograd import backend
+from autograd.checks import check_int
 
 # below this many entries touched, handing a block to a thread (~20 us) costs more than it saves
 MIN_PARALLEL_ENTRIES = 1 << 16
@@ -36,15 +36,17 @@ _local = threading.local()  # .busy: this thread is running a block (nested spli
 def get_num_threads():
     """Threads that npformer's ops use on the CPU (like torch.get_num_threads)."""
     if _state["threads"] is None:
-        set_num_threads(int(os.environ.get("NPFORMER_NUM_THREADS", "1")))
+        value = os.environ.get("NPFORMER_NUM_THREADS", "1")
+        if not value.strip().isdigit():
+            raise ValueError(f"NPFORMER_NUM_THREADS must be an integer >= 1, got {value!r}")
+        set_num_threads(int(value))
     return _state["threads"]
 
 
 def set_num_threads(n):
     """Split the work of every op across `n` threads (an int >= 1) on the CPU; with n > 1
     numpy's BLAS is limited to one thread (via threadpoolctl), since npformer splits the GEMMs."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ValueError(f"set_num_threads: expected an integer >= 1, got {n!r}")
+    n = check_int(n, "n", "set_num_threads", at_least=1)
     with _lock:
         if n > 1 and _state["blas_limit"] is None:
             _state["blas_limit"] = _limit_blas_threads()
@@ -53,7 +55,7 @@ def set_num_threads(n):
             _state["blas_limit"] = None
         # the old pool is dropped, not shut down: ops in flight in other threads keep using it,
         # and its idle workers exit once the last of them lets go of it (garbage collection)
-        _state.update(threads=int(n), pool=None)
+        _state.update(threads=n, pool=None)
 
 
 def _limit_blas_threads():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _args
+from autograd.checks import check_int
 
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3
@@ -60,8 +60,8 @@ class Batch:
 def shard(n, rank, world_size):
     """The slice of n items (a global batch) that `rank` of `world_size` takes: contiguous
     shares whose sizes differ by at most one, together the whole batch in order."""
-    world_size = _args.integer("world_size", world_size, 1)
-    rank = _args.integer("rank", rank, 0)
+    world_size = check_int(world_size, "world_size", "shard", at_least=1)
+    rank = check_int(rank, "rank", "shard", at_least=0)
     if rank >= world_size:
         raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
     if n < world_size:
@@ -91,13 +91,13 @@ class RandomBatches:
             raise ValueError(f"arrays: expected arrays with the same number of rows, got shapes "
                              f"{[a.shape for a in arrays]}")
         self.arrays = arrays
-        self.batch_size = _args.integer("batch_size", batch_size, 1)
+        self.batch_size = check_int(batch_size, "batch_size", "RandomBatches", at_least=1)
         if self.batch_size > len(arrays[0]):
             raise ValueError(f"batch_size: expected at most the {len(arrays[0])} examples, got {batch_size}")
         self.rank = distributed.rank() if rank is None else rank
         self.world_size = distributed.world_size() if world_size is None else world_size
         self.share = shard(self.batch_size, self.rank, self.world_size)
-        self.rng = np.random.default_rng(_args.integer("seed", seed, 0))
+        self.rng = np.random.default_rng(check_int(seed, "seed", "RandomBatches", at_least=0))
         self._new_epoch()
 
     def _new_epoch(self):
@@ -140,16 +140,18 @@ class SequenceTask:
                  heldout_size=1000):
         if task not in TASKS:
             raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
-        max_len = min_len if max_len is None else max_len
-        if int(vocab_size) < NUM_SPECIAL + 2:
-            raise ValueError(f"vocab_size: expected >= {NUM_SPECIAL + 2} (PAD, BOS, EOS and at least "
-                             f"2 symbols), got {vocab_size}")
-        if not 1 <= int(min_len) <= int(max_len):
-            raise ValueError(f"min_len, max_len: expected 1 <= min_len <= max_len, got {min_len}, {max_len}")
-        self.task, self.vocab_size = task, int(vocab_size)
-        self.min_len, self.max_len = int(min_len), int(max_len)
+        owner = "SequenceTask"
+        vocab_size = check_int(vocab_size, "vocab_size (PAD, BOS, EOS and at least 2 symbols)", owner,
+                               at_least=NUM_SPECIAL + 2)
+        min_len = check_int(min_len, "min_len", owner, at_least=1)
+        max_len = min_len if max_len is None else check_int(max_len, "max_len", owner, at_least=1)
+        if max_len < min_len:
+            raise ValueError(f"{owner}: expected min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+        heldout_size = check_int(heldout_size, "heldout_size", owner, at_least=0)
+        self.task, self.vocab_size = task, vocab_size
+        self.min_len, self.max_len = min_len, max_len
         self.eos = self.min_len != self.max_len if eos is None else bool(eos)
-        self.seed = seed
+        self.seed = None if seed is None else check_int(seed, "seed", owner, at_least=0)
         n_symbols = self.vocab_size - NUM_SPECIAL
         possible = sum(n_symbols ** n for n in range(self.min_len, self.max_len + 1))
         if heldout_size > possible // 4:
@@ -224,11 +226,12 @@ class SequenceTask:
     def batch(self, batch_size, rank=0, world_size=1):
         """A fresh training batch (advances the task's random stream). With world_size > 1:
         rank's share of the global batch of batch_size sequences (see `shard`)."""
-        batch_size = _args.integer("batch_size", batch_size, 1)
+        batch_size = check_int(batch_size, "batch_size", "SequenceTask.batch", at_least=1)
         return self.collate(self.sample(batch_size)[shard(batch_size, rank, world_size)])
 
     def heldout_batches(self, batch_size=500):
         """The held-out set as Batches, always in the same order."""
+        batch_size = check_int(batch_size, "batch_size", "SequenceTask.heldout_batches", at_least=1)
         for start in range(0, len(self.heldout), batch_size):
             yield self.collate(self.heldout[start:start + batch_size])
 

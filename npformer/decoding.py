@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from autograd import Tensor, backend, no_grad
+from autograd.checks import as_array, check_int, check_optional_int, check_real
 from . import functional as F
 from .data import BOS, EOS, PAD
 
@@ -31,31 +32,39 @@ def _inference(model):
         model.train(was_training)
 
 
-def _source(model, src, src_key_padding_mask):
+def _source(model, src, src_key_padding_mask, owner):
     """src as a 2-D int array and its key padding mask (derived from pad ids when the model has pad_idx)."""
-    src = np.asarray(backend.as_numpy(src.data if isinstance(src, Tensor) else src))
+    src = src.data if isinstance(src, Tensor) else src
+    src = backend.as_numpy(src) if backend.is_array(src) else as_array(src, "src", owner, np)
     if src.dtype.kind not in "iu":
-        raise TypeError(f"src: expected integer token ids, got dtype {src.dtype}")
+        raise TypeError(f"{owner}: src: expected integer token ids, got dtype {src.dtype}")
     if src.ndim != 2:
-        raise ValueError(f"src: expected a 2-D array (B, S) of token ids, got shape {src.shape}")
+        raise ValueError(f"{owner}: src: expected a 2-D array (B, S) of token ids, got shape {src.shape}")
     if src_key_padding_mask is None:
         pad_idx = (getattr(model, "config", None) or {}).get("pad_idx")
         if pad_idx is not None:
             src_key_padding_mask = src == pad_idx
     elif np.shape(src_key_padding_mask) != src.shape:
-        raise ValueError(f"src_key_padding_mask: expected shape {src.shape}, got {np.shape(src_key_padding_mask)}")
+        raise ValueError(f"{owner}: src_key_padding_mask: expected shape {src.shape}, got "
+                         f"{np.shape(src_key_padding_mask)}")
     return src, src_key_padding_mask
 
 
-def _check_max_len(model, max_len):
-    """max_len generated tokens need a positional table of at least max_len decoder positions."""
-    if not isinstance(max_len, (int, np.integer)) or max_len < 1:
-        raise ValueError(f"max_len: expected a positive integer, got {max_len!r}")
+def _check_max_len(model, max_len, owner):
+    """max_len (an int >= 1) generated tokens need a positional table of at least max_len decoder positions."""
+    max_len = check_int(max_len, "max_len", owner, at_least=1)
     config = getattr(model, "config", None) or {}
     table = config.get("max_len") if config.get("positional", "sinusoidal") != "none" else None
     if table is not None and max_len > table:
-        raise ValueError(f"max_len: decoding {max_len} tokens needs {max_len} target positions but the "
+        raise ValueError(f"{owner}: max_len: decoding {max_len} tokens needs {max_len} target positions but the "
                          f"model's positional table has max_len={table}")
+    return max_len
+
+
+def _check_special_ids(bos, eos, pad, owner):
+    """bos and pad as ints >= 0, eos None or an int >= 0."""
+    return (check_int(bos, "bos", owner, at_least=0), check_optional_int(eos, "eos", owner, at_least=0),
+            check_int(pad, "pad", owner, at_least=0))
 
 
 def _log_probs(logits):
@@ -95,8 +104,9 @@ def greedy_decode(model, src, max_len, *, bos=BOS, eos=EOS, pad=PAD, src_key_pad
     src: (B, S) int ids. max_len: most tokens to generate. eos: stop a sequence at this id
     (None: always generate max_len tokens). Returns (B, L) int64, L <= max_len.
     """
-    _check_max_len(model, max_len)
-    src, mask = _source(model, src, src_key_padding_mask)
+    max_len = _check_max_len(model, max_len, "greedy_decode")
+    bos, eos, pad = _check_special_ids(bos, eos, pad, "greedy_decode")
+    src, mask = _source(model, src, src_key_padding_mask, "greedy_decode")
     batch = len(src)
     out = np.full((batch, max_len), pad, dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)
@@ -127,11 +137,12 @@ def beam_search(model, src, max_len, *, beam_size=4, length_penalty=1.0, bos=BOS
     hypothesis per sequence, (B, L) int64 (and its scores (B,) with return_scores).
     beam_size=1 gives greedy decoding.
     """
-    _check_max_len(model, max_len)
-    if not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
-        raise ValueError(f"beam_size: expected a positive integer, got {beam_size!r}")
-    src, mask = _source(model, src, src_key_padding_mask)
-    batch, k = len(src), int(beam_size)
+    max_len = _check_max_len(model, max_len, "beam_search")
+    k = check_int(beam_size, "beam_size", "beam_search", at_least=1)
+    length_penalty = check_real(length_penalty, "length_penalty", "beam_search")
+    bos, eos, pad = _check_special_ids(bos, eos, pad, "beam_search")
+    src, mask = _source(model, src, src_key_padding_mask, "beam_search")
+    batch = len(src)
     rows = np.repeat(np.arange(batch), k)  # (B*k,) source row of each beam
     scores = np.zeros((batch, k))
     scores[:, 1:] = -math.inf  # all beams start identical: expand only the first

@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass, field
 
 from autograd import Tensor, backend, random
+from autograd.checks import check_bool, check_int, check_real
 
-from . import _args
 from . import functional as F
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import EOS, PAD, SequenceTask, shard
@@ -87,7 +87,7 @@ def token_loss(logits, target, ignore_index=-100, label_smoothing=0.0) -> Loss:
 def seq2seq_loss(label_smoothing=0.0):
     """Loss function for an encoder-decoder on `data.Batch`es: teacher-forced token
     cross-entropy of model(src, tgt_in) against tgt_out, PAD ignored."""
-    label_smoothing = _args.real("label_smoothing", label_smoothing, 0.0, 1.0)
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "seq2seq_loss", at_least=0, at_most=1)
 
     def loss_fn(model, batch):
         return token_loss(model(batch.src, batch.tgt_in), batch.tgt_out, PAD, label_smoothing)
@@ -97,7 +97,7 @@ def seq2seq_loss(label_smoothing=0.0):
 def causal_lm_loss(ignore_index=-100, label_smoothing=0.0):
     """Loss function for a causal LM on batches of token ids (B, T + 1): predict ids[:, 1:]
     from ids[:, :-1]; targets equal to ignore_index (e.g. the padding id) do not count."""
-    label_smoothing = _args.real("label_smoothing", label_smoothing, 0.0, 1.0)
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "causal_lm_loss", at_least=0, at_most=1)
 
     def loss_fn(model, ids):
         return token_loss(model(ids[:, :-1]), ids[:, 1:], ignore_index, label_smoothing)
@@ -107,7 +107,7 @@ def causal_lm_loss(ignore_index=-100, label_smoothing=0.0):
 def classification_loss(label_smoothing=0.0):
     """Loss function for a classifier on batches (inputs, labels): cross-entropy of
     model(inputs) (B, C) against labels (B,), summed over the examples; metric accuracy."""
-    label_smoothing = _args.real("label_smoothing", label_smoothing, 0.0, 1.0)
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "classification_loss", at_least=0, at_most=1)
 
     def loss_fn(model, batch):
         inputs, labels = batch
@@ -202,19 +202,19 @@ class Trainer:
             raise TypeError(f"evaluate: expected a callable (model) -> dict or None, got {type(evaluate).__name__}")
         if extra_state is not None and not isinstance(extra_state, dict):
             raise TypeError(f"extra_state: expected a dict or None, got {type(extra_state).__name__}")
-        self.clip_norm = None if clip_norm is None else _args.real("clip_norm", clip_norm, 0.0)
-        self.eval_every = _args.integer("eval_every", eval_every, 0)
-        self.grad_norm_every = _args.integer("grad_norm_every", grad_norm_every, 0)
-        self.log_every = _args.integer("log_every", log_every, 1)
+        self.clip_norm = None if clip_norm is None else check_real(clip_norm, "clip_norm", "Trainer", at_least=0)
+        self.eval_every = check_int(eval_every, "eval_every", "Trainer", at_least=0)
+        self.grad_norm_every = check_int(grad_norm_every, "grad_norm_every", "Trainer", at_least=0)
+        self.log_every = check_int(log_every, "log_every", "Trainer", at_least=1)
         self.distributed = isinstance(model, DistributedDataParallel)
         self.group = model.group if self.distributed else comm.LOCAL
         self.module = model.module if self.distributed else model
-        if _args.flag("shard_optimizer", shard_optimizer):
+        if check_bool(shard_optimizer, "shard_optimizer", "Trainer"):
             if not self.distributed:
                 raise ValueError("shard_optimizer: needs a DistributedDataParallel model (there is nothing "
                                  "to split the optimizer's state across in one process)")
             optimizer = ZeroRedundancyOptimizer(optimizer, self.group)
-        self.progress = _args.flag("progress", progress) and self.group.rank == 0
+        self.progress = check_bool(progress, "progress", "Trainer") and self.group.rank == 0
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data, self.loss_fn, self.evaluate_fn = data, loss_fn, evaluate
         self.extra_state = dict(extra_state or {})
@@ -289,8 +289,8 @@ class Trainer:
         """Train until `self.step == steps` (a total: a resumed trainer continues where it
         stopped), evaluating every `eval_every` steps and at the end; with checkpoint_path,
         save there every `checkpoint_every` steps and at the end. Returns the final evaluation."""
-        steps = _args.integer("steps", steps, 0)
-        checkpoint_every = _args.integer("checkpoint_every", checkpoint_every, 0)
+        steps = check_int(steps, "steps", "Trainer.fit", at_least=0)
+        checkpoint_every = check_int(checkpoint_every, "checkpoint_every", "Trainer.fit", at_least=0)
         self._bar = Progress(steps, self.step, self.progress)
         window_items, window_seconds = 0, 0.0
         last_eval = ""
@@ -340,7 +340,7 @@ class Trainer:
         that loads it, which cannot fail: the data stream's state is first loaded into a copy."""
         if not isinstance(state, dict) or not isinstance(state.get("history"), dict):
             raise ValueError(f"expected a dict with 'step' and 'history', got {type(state).__name__}")
-        step = _args.integer("step", state.get("step"), minimum=0)
+        step = check_int(state.get("step"), "step", "Trainer.prepare_load_state_dict", at_least=0)
         for name, owner in self._state_owners():
             if name in state:
                 copy.deepcopy(owner).load_state_dict(state[name])  # raises here, or loads below too
@@ -408,10 +408,10 @@ class Seq2SeqTrainer(Trainer):
         if not isinstance(task, SequenceTask):
             raise TypeError(f"task: expected a npformer.data.SequenceTask, got {type(task).__name__}")
         self.task = task
-        self.batch_size = _args.integer("batch_size", batch_size, 1)
-        self.label_smoothing = _args.real("label_smoothing", label_smoothing, 0.0, 1.0)
-        self.eval_size = None if eval_size is None else _args.integer("eval_size", eval_size, 1)
-        self.eval_batch_size = _args.integer("eval_batch_size", eval_batch_size, 1)
+        self.batch_size = check_int(batch_size, "batch_size", "Seq2SeqTrainer", at_least=1)
+        self.label_smoothing = check_real(label_smoothing, "label_smoothing", "Seq2SeqTrainer", at_least=0, at_most=1)
+        self.eval_size = None if eval_size is None else check_int(eval_size, "eval_size", "Seq2SeqTrainer", at_least=1)
+        self.eval_batch_size = check_int(eval_batch_size, "eval_batch_size", "Seq2SeqTrainer", at_least=1)
         group = model.group if isinstance(model, DistributedDataParallel) else comm.LOCAL
         shard(self.batch_size, group.rank, group.size)  # a clear error now if the batch cannot be shared
 

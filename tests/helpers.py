@@ -14,6 +14,8 @@ from autograd import Function, Tensor, backend
 from autograd.gradcheck import vjp
 from npformer import interop, opcases
 
+from tolerances import scaled
+
 F64 = dict(atol=1e-10, rtol=0.0)
 F32 = dict(atol=1e-5, rtol=1e-4)
 
@@ -53,20 +55,23 @@ def leaf(array, device="cpu", dtype=np.float64):
 
 
 def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1e-10, device="cpu",
-                       dtype=np.float64, torch_dtype=None):
+                       dtype=np.float64, torch_dtype=None, scale=None):
     """Run both on the same inputs, backward with one random upstream gradient; compare the
     output and the gradient of every input (and that ours keeps the dtype). torch_dtype=float64
-    runs torch in float64 on our float32 inputs (where torch's float32 kernel is the less exact)."""
+    runs torch in float64 on our float32 inputs (where torch's float32 kernel is the less exact).
+    atol is set at unit scale: it is multiplied by `scale`, by default max(1, magnitude) of every
+    input (tolerances.scaled), and for the gradients also by that of the upstream gradient."""
     ours_in = [leaf(a, device, dtype) for a in arrays]
     theirs_in = [torch.tensor(np.asarray(a, dtype).astype(torch_dtype or dtype), requires_grad=True) for a in arrays]
     (out,), (g,), grads = vjp(ours_fn, ours_in, seed=int(rng.integers(2**31)))
     ref = torch_fn(*theirs_in)
     assert out.dtype == dtype
+    atol = scaled(atol, *arrays) if scale is None else atol * scale
     np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=atol, rtol=rtol)
     ref.backward(torch.tensor(backend.as_numpy(g).astype(torch_dtype or dtype)))
     for i, (a, b) in enumerate(zip(grads, theirs_in)):
         assert a.dtype == dtype
-        np.testing.assert_allclose(backend.as_numpy(a), b.grad.numpy(), atol=atol, rtol=rtol,
+        np.testing.assert_allclose(backend.as_numpy(a), b.grad.numpy(), atol=scaled(atol, g), rtol=rtol,
                                    err_msg=f"gradient of input {i}")
 
 
@@ -84,16 +89,6 @@ def compare_runs(fn_a, fn_b, arrays, rng, device="cpu", atol=1e-12):
     return outs_a
 
 
-def assert_finite_and_close(ours, ref, tol=1e-10, err_msg="", scale=1.0):
-    """Finite, and within tol * max(scale, max|ref|) of torch: huge inputs make some results huge
-    (a weight gradient of ~5e3 carries ~1e-7 of float64 rounding) and others pure rounding noise
-    around 0 (a saturated softmax has dS = 0; torch returns ~1e-13 there), whose size follows
-    from the magnitudes that went into it (`scale`)."""
-    ours, ref = backend.as_numpy(ours), np.asarray(ref)
-    assert np.all(np.isfinite(ours)), err_msg
-    np.testing.assert_allclose(ours, ref, rtol=0, atol=tol * max(scale, 1.0, np.abs(ref).max()), err_msg=err_msg)
-
-
 def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.0, device="cpu", seed=0):
     """Compare `ours` with `interop.to_torch(ours)` forward and backward.
 
@@ -101,7 +96,8 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
     ours_fn(module, *tensors) and as torch leaves to torch_fn(torch_module, *tensors); the
     functions return one output or a tuple (None entries are skipped). Backward uses random
     upstream gradients; compared: every output, every input gradient and the gradient of
-    every parameter (matched by name).
+    every parameter (matched by name). atol is set at unit scale: it grows with the magnitudes
+    of the inputs and parameters (and, for gradients, of the upstream gradients).
     """
     theirs = interop.to_torch(ours)
     ours.zero_grad()
@@ -116,6 +112,7 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
 
     outs, upstream, _ = vjp(run, ours_in, seed=seed)
     refs = torch_fn(theirs, *theirs_in)
+    atol = scaled(atol, *arrays, *ours.parameters())
     everything = results[0] if isinstance(results[0], tuple) else (results[0],)
     refs = refs if isinstance(refs, tuple) else (refs,)
     assert len(everything) == len(refs)
@@ -128,6 +125,7 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
         assert got.shape == want.shape, f"output {i}: shape {got.shape} vs torch {want.shape}"
         np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=f"output {i}")
     sum((r * torch.tensor(backend.as_numpy(g))).sum() for r, g in zip(refs, upstream)).backward()
+    atol = scaled(atol, *upstream)
     for i, (a, b) in enumerate(zip(ours_in, theirs_in)):  # an unused input has no gradient on either side
         assert (a.grad is None) == (b.grad is None), f"gradient of input {i}: present on one side only"
         if a.grad is not None:

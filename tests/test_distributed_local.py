@@ -161,7 +161,7 @@ def test_shard_splits_a_batch_into_contiguous_near_equal_shares():
         shard(4, 2, 2)
     with pytest.raises(ValueError, match="at least one item per rank"):
         shard(1, 0, 2)
-    with pytest.raises(TypeError, match="world_size: expected an integer"):
+    with pytest.raises(TypeError, match="shard: world_size must be an integer >= 1, got 2.0"):
         shard(4, 0, 2.0)
 
 

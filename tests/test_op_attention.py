@@ -2,6 +2,8 @@
 kind, fully masked rows, returned weights, dropout: gradcheck, torch, composite twin on every
 device), fully masked rows, blockwise against naive in float32, large scores and additive -1e9
 masks against torch, dropout semantics, empty keys, property-based tests, and clear errors."""
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -11,8 +13,8 @@ import npformer.functional as F
 from autograd import Tensor
 from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks
 
-from helpers import (DTYPES, HYPOTHESIS, assert_finite_and_close, compare_runs, compare_with_torch, leaf, op_tests,
-                     tolerance)
+from helpers import DTYPES, HYPOTHESIS, compare_runs, compare_with_torch, leaf, op_tests, tolerance
+from tolerances import Rounded, assert_close, attention_chain, rounding_tolerance, scaled, spread
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("attention")
 
@@ -68,13 +70,15 @@ def test_memory_efficient_equals_naive_float32(shape, causal, device):
 
 
 def test_large_scores_stay_finite_and_match_torch(torch):
-    """|q|, |k| ~ 1e3: scores ~ 1e6; the subtracted row max keeps exp finite."""
+    """|q|, |k| ~ 1e3: scores ~ 1e6; the subtracted row max keeps exp finite. The tolerance is
+    float64 rounding over the keys at unit scale, scaled by the inputs' magnitudes (1e6)."""
     rng = np.random.default_rng(6)
     arrays = [a * 1e3 for a in qkv(rng)[:2]] + [qkv(rng)[2]]
     for path in PATHS.values():
         compare_with_torch(torch, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, **path),
                            lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                           arrays, np.random.default_rng(7), atol=1e-7, rtol=1e-7)
+                           arrays, np.random.default_rng(7), atol=rounding_tolerance(np.float64, terms=TK),
+                           rtol=0)
 
 
 def test_returned_weights_are_probabilities_and_take_gradient(torch):
@@ -89,14 +93,14 @@ def test_returned_weights_are_probabilities_and_take_gradient(torch):
     scores = (tq @ tk.transpose(-1, -2)) / np.sqrt(HD)
     t_weights = torch.softmax(scores.masked_fill(~torch.tensor(keep), float("-inf")), dim=-1)
     t_out = t_weights @ tv
-    np.testing.assert_allclose(weights.numpy(), t_weights.detach().numpy(), atol=1e-12)
-    np.testing.assert_allclose(out.numpy(), t_out.detach().numpy(), atol=1e-12)
+    np.testing.assert_allclose(weights.numpy(), t_weights.detach().numpy(), atol=scaled(1e-12, *arrays))
+    np.testing.assert_allclose(out.numpy(), t_out.detach().numpy(), atol=scaled(1e-12, *arrays))
     g_out, g_w = rng.standard_normal(out.shape), rng.standard_normal(weights.shape)
     loss = (out * Tensor(g_out)).sum() + (weights * Tensor(g_w)).sum()
     loss.backward()
     ((t_out * torch.tensor(g_out)).sum() + (t_weights * torch.tensor(g_w)).sum()).backward()
     for ours, ref in zip(ins, (tq, tk, tv)):
-        np.testing.assert_allclose(ours.grad, ref.grad.numpy(), atol=1e-10)
+        np.testing.assert_allclose(ours.grad, ref.grad.numpy(), atol=scaled(1e-10, *arrays, g_out, g_w))
     assert autograd.gradcheck(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, return_weights=True),
                               [leaf(a) for a in qkv(rng, 3, 4, 2)])
 
@@ -161,22 +165,23 @@ def test_attention_with_an_additive_minus_1e9_mask_and_a_fully_padded_row_matche
     """An additive -1e9 mask (the seeds' masking constant): every row with a visible key equals the
     bool-masked result (exp(-1e9) is exactly 0); a row whose keys are all -1e9 is shifted as a
     whole, so it attends as if unmasked, as in torch. Its scores sit next to 1e9, where float64
-    spacing is 1.2e-7: that row agrees with torch and the unmasked result only to ~1e-7."""
+    spacing is 1.2e-7: that row agrees with torch and the unmasked result only to ~eps * 1e9."""
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((2, 2, 5, 4)) for _ in range(3))
     keep = rng.random((2, 1, 5, 5)) > 0.3
     keep[..., 0] = True                                             # every row sees key 0 ...
     keep[0, 0, 2] = False                                           # ... but query 2 of batch 0: none
     mask = np.where(keep, 0.0, -1e9)
+    near_1e9 = rounding_tolerance(np.float64, 1e9, terms=5)         # scores of 1e9 summed over 5 keys
     compare_with_torch(torch, lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, **PATHS[path]),
                        lambda *a: torch.nn.functional.scaled_dot_product_attention(*a, attn_mask=torch.tensor(mask)),
-                       [q, k, v], rng, atol=1e-6, rtol=1e-6)
+                       [q, k, v], rng, atol=near_1e9, rtol=0)
     run = lambda **kw: F.scaled_dot_product_attention(Tensor(q), Tensor(k), Tensor(v), **kw, **PATHS[path]).numpy()
     additive, by_bool, unmasked = run(attn_mask=mask), run(attn_mask=keep), run()
     visible = np.ones((2, 2, 5), dtype=bool)
     visible[0, :, 2] = False
-    np.testing.assert_allclose(additive[visible], by_bool[visible], atol=1e-15)
-    np.testing.assert_allclose(additive[0, :, 2], unmasked[0, :, 2], atol=1e-6)
+    assert_close(additive[visible], by_bool[visible], rounding_tolerance(np.float64, np.abs(v).max(), terms=5))
+    assert_close(additive[0, :, 2], unmasked[0, :, 2], near_1e9 * np.abs(v).max())
     assert np.abs(additive[0, :, 2]).min() > 0                      # not the 0 of a bool/-inf mask
 
 
@@ -198,21 +203,34 @@ def test_attention_large_qk_over_many_blocks_with_padding_matches_torch(path, to
     g = rng.standard_normal(out.shape)
     out.backward(g)
     ref.backward(torch.tensor(g))
-    assert_finite_and_close(out.numpy(), ref.detach().numpy(), err_msg="output")
-    for name, a, b in zip("qkv", ours, theirs):
-        assert_finite_and_close(a.grad, b.grad.numpy(), err_msg=f"gradient of {name}")
+    probs = torch.softmax((0.5 * torch.tensor(q) @ torch.tensor(k).transpose(-1, -2)).masked_fill(
+        ~torch.tensor(keep & np.tril(np.ones((7, 7), dtype=bool))), -math.inf), -1).nan_to_num()
+    chain = attention_chain(np.float64, *map(Rounded.of, (q, k, v, g)), scale=0.5, hd=4, tq=7, tk=7,
+                            spread=spread(probs))
+    assert_close(out, ref, chain[0].error, err_msg="output")
+    for name, a, b, bound in zip("qkv", ours, theirs, chain[1:]):
+        assert_close(a.grad, b.grad, bound.error, err_msg=f"gradient of {name}")
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_attention_large_qk_float32_stays_finite_and_close_to_torch_float64(path, torch):
+    """float32 scores of ~1e6 carry ~0.1 of rounding: a probability moves by at most 4 (1 - the
+    row's largest probability) times that, so saturated rows (gaps of 1e5) stay exact to float32
+    rounding of v while a row that mixes keys may move by much more."""
     rng = np.random.default_rng(5)
     q, k = (1e3 * rng.standard_normal((1, 2, 9, 8)).astype(np.float32) for _ in range(2))
     v = rng.standard_normal((1, 2, 9, 8)).astype(np.float32)
     out = F.scaled_dot_product_attention(Tensor(q), Tensor(k), Tensor(v), is_causal=True, **PATHS[path])
-    ref = torch.nn.functional.scaled_dot_product_attention(*(torch.tensor(a, dtype=torch.float64) for a in (q, k, v)),
-                                                           is_causal=True)
+    q64, k64, v64 = (torch.tensor(a, dtype=torch.float64) for a in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
     assert out.dtype == np.float32
-    assert_finite_and_close(out.numpy(), ref.numpy(), 1e-6)
+    scale = 1 / math.sqrt(8)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    probs = torch.softmax((scale * q64 @ k64.transpose(-1, -2)).masked_fill(~causal, -math.inf), -1).numpy()
+    scores = Rounded.of(q).dot(Rounded.of(k), 8, np.float32, scale)
+    mixing = 1.0 - probs.max(axis=-1, keepdims=True)                        # (1, 2, 9, 1): 0 when saturated
+    bound = 4 * mixing * scores.error * np.abs(v).max() + rounding_tolerance(np.float32, np.abs(v).max(), terms=9)
+    assert_close(out, ref, bound)
 
 
 @pytest.mark.parametrize("memory_efficient", [False, True])

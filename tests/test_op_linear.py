@@ -31,7 +31,7 @@ def test_linear_errors():
         m(Tensor(np.zeros((2, 4))))
     with pytest.raises(TypeError, match="autograd.Tensor"):
         m(np.zeros((2, 3)))
-    with pytest.raises(ValueError, match="in_features must be a positive int"):
+    with pytest.raises(ValueError, match="in_features must be an integer >= 1, got 0"):
         nn.Linear(0, 2)
 
 

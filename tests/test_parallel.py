@@ -136,9 +136,9 @@ def test_blas_runs_one_thread_while_npformer_splits(threads):
     assert blas_threads() == before and _parallel.row_blocks(10, 10) == [(0, 10)]
 
 
-@pytest.mark.parametrize("n", [0, -1, 1.5, True])
-def test_set_num_threads_rejects_bad_values(n):
-    with pytest.raises(ValueError, match="set_num_threads"):
+@pytest.mark.parametrize("n, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_set_num_threads_rejects_bad_values(n, error):
+    with pytest.raises(error, match="set_num_threads: n must be an integer >= 1"):
         _parallel.set_num_threads(n)
 
 

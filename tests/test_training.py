@@ -210,22 +210,22 @@ def test_trainer_with_a_sequence_task_is_the_seq2seq_trainer():
 
 # -- arguments are checked when the trainer is made --------------------------------------------------------
 BAD_ARGUMENTS = [
-    (dict(eval_batch_size=0), ValueError, r"eval_batch_size: expected an integer >= 1, got 0"),
-    (dict(clip_norm=-1), ValueError, r"clip_norm: expected a finite number >= 0.0, got -1"),
-    (dict(clip_norm=float("nan")), ValueError, r"clip_norm: .*got nan"),
-    (dict(clip_norm=True), TypeError, r"clip_norm: expected a real number, got True"),
-    (dict(clip_norm="1"), TypeError, r"clip_norm: expected a real number, got '1'"),
-    (dict(eval_every=-1), ValueError, r"eval_every: expected an integer >= 0, got -1"),
-    (dict(eval_every=2.5), TypeError, r"eval_every: expected an integer, got 2.5"),
-    (dict(eval_size=0), ValueError, r"eval_size: expected an integer >= 1, got 0"),
-    (dict(batch_size=0), ValueError, r"batch_size: expected an integer >= 1, got 0"),
-    (dict(batch_size=True), TypeError, r"batch_size: expected an integer, got True"),
-    (dict(label_smoothing="0.1"), TypeError, r"label_smoothing: expected a real number, got '0.1'"),
-    (dict(label_smoothing=1.5), ValueError, r"label_smoothing: expected a finite number >= 0.0 and <= 1.0"),
-    (dict(label_smoothing=True), TypeError, r"label_smoothing: expected a real number, got True"),
-    (dict(grad_norm_every=-2), ValueError, r"grad_norm_every: expected an integer >= 0"),
-    (dict(log_every=0), ValueError, r"log_every: expected an integer >= 1, got 0"),
-    (dict(progress="yes"), TypeError, r"progress: expected True or False, got 'yes'"),
+    (dict(eval_batch_size=0), ValueError, r"Seq2SeqTrainer: eval_batch_size must be an integer >= 1, got 0"),
+    (dict(clip_norm=-1), ValueError, r"Trainer: clip_norm must be a finite real number >= 0, got -1"),
+    (dict(clip_norm=float("nan")), ValueError, r"clip_norm must be .*got nan"),
+    (dict(clip_norm=True), TypeError, r"Trainer: clip_norm must be a finite real number >= 0, got True \(a bool"),
+    (dict(clip_norm="1"), TypeError, r"Trainer: clip_norm must be a finite real number >= 0, got '1' of type str"),
+    (dict(eval_every=-1), ValueError, r"Trainer: eval_every must be an integer >= 0, got -1"),
+    (dict(eval_every=2.5), TypeError, r"Trainer: eval_every must be an integer >= 0, got 2.5 of type float"),
+    (dict(eval_size=0), ValueError, r"Seq2SeqTrainer: eval_size must be an integer >= 1, got 0"),
+    (dict(batch_size=0), ValueError, r"Seq2SeqTrainer: batch_size must be an integer >= 1, got 0"),
+    (dict(batch_size=True), TypeError, r"Seq2SeqTrainer: batch_size must be an integer >= 1, got True \(a bool"),
+    (dict(label_smoothing="0.1"), TypeError, r"Seq2SeqTrainer: label_smoothing must be a real number in \[0, 1\], got '0.1' of type str"),
+    (dict(label_smoothing=1.5), ValueError, r"Seq2SeqTrainer: label_smoothing must be a real number in \[0, 1\], got 1.5"),
+    (dict(label_smoothing=True), TypeError, r"Seq2SeqTrainer: label_smoothing must be a real number in \[0, 1\], got True \(a bool"),
+    (dict(grad_norm_every=-2), ValueError, r"Trainer: grad_norm_every must be an integer >= 0"),
+    (dict(log_every=0), ValueError, r"Trainer: log_every must be an integer >= 1, got 0"),
+    (dict(progress="yes"), TypeError, r"Trainer: progress must be True or False, got 'yes'"),
     (dict(extra_state=[1]), TypeError, r"extra_state: expected a dict or None, got list"),
     (dict(shard_optimizer=True), ValueError, r"shard_optimizer: needs a DistributedDataParallel model"),
     (dict(scheduler=3), TypeError, r"scheduler: expected an lr scheduler"),
@@ -263,9 +263,9 @@ def test_bad_model_optimizer_data_and_fit_arguments():
     with pytest.raises(TypeError, match="evaluate: expected a callable"):
         Trainer(model, opt, [1], lambda m, b: None, evaluate="loss")
     trainer = Trainer(model, opt, [1], lambda m, b: None, progress=False)
-    with pytest.raises(ValueError, match="steps: expected an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="Trainer.fit: steps must be an integer >= 0, got -1"):
         trainer.fit(-1)
-    with pytest.raises(TypeError, match="checkpoint_every: expected an integer, got 1.5"):
+    with pytest.raises(TypeError, match="Trainer.fit: checkpoint_every must be an integer >= 0, got 1.5"):
         trainer.fit(1, checkpoint_every=1.5)
 
 

@@ -4,6 +4,7 @@ import functools
 import threading
 
 from autograd import Tensor, backend, deferred
+from autograd.checks import as_array, check_int
 
 _twins = threading.local()  # .active: this thread runs the composite twins (composite.installed())
 
@@ -46,7 +47,7 @@ def on_device_of(array, like, name, op, check=None):
                                f"'{backend.device_of(like)}'; move it with .to(device)")
         array = array.data
     elif not backend.is_array(array):
-        array = backend.module_for("cpu").asarray(array)
+        array = as_array(array, name, op, backend.module_for("cpu"))   # lists: on the host, checked before the copy
     if check is not None:
         check(array)
     return backend.to_device(array, backend.device_of(like))
@@ -69,9 +70,12 @@ def check_index_range(ids, high, error, skip=None):
 
 
 def normalize_dim(dim, ndim, op, name="dim"):
-    if not -ndim <= dim < max(ndim, 1):
-        raise IndexError(f"{op}: {name} out of range: expected in [{-ndim}, {ndim - 1}], got {dim}")
-    return dim % max(ndim, 1)
+    """`dim` in [0, ndim); like torch, a 0-d tensor takes dim 0 or -1 (as if it were 1-d)."""
+    dim = check_int(dim, name, op)
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise IndexError(f"{op}: {name} out of range: expected in [{-size}, {size - 1}], got {dim}")
+    return dim % size
 
 
 def broadcast_shapes(*shapes):

@@ -2,6 +2,7 @@
 import math
 
 from autograd import Function, backend, random
+from autograd.checks import check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows, row_blocks, run_blocks
 
@@ -218,18 +219,12 @@ def dropout_mask(shape, p, device, generator=None):
     return backend.to_device(keep[:size].reshape(shape), device)
 
 
-def check_dropout_p(p, op):
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"{op}: dropout probability must be a number in [0, 1], got {p!r}")
-    return float(p)
-
-
 @has_twin
 def dropout(input, p=0.5, training=True, generator=None):
     """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
     scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros."""
     x = check_tensor("input", input, "dropout")
-    p = check_dropout_p(p, "dropout")
+    p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
     device = backend.device_of(x)

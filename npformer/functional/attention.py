@@ -4,10 +4,11 @@ the output and one logsumexp per query row. Both have hand-written backward pass
 import math
 
 from autograd import Function, backend, random, unbroadcast
+from autograd.checks import check_int, check_real
 from autograd.threads import for_rows, row_blocks, run_blocks
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
-from .activation import check_dropout_p, dropout_mask
+from .activation import dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
 
@@ -294,9 +295,8 @@ def split_heads(input, num_heads, chunks=1):
     when chunks=1): the heads of each E-wide block of columns, e.g. q, k, v of a packed
     projection. Views in forward; the backward assembles one gradient array."""
     x = check_tensor("input", input, "split_heads")
-    for name, value in (("num_heads", num_heads), ("chunks", chunks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"split_heads: {name} must be a positive int, got {value!r}")
+    num_heads = check_int(num_heads, "num_heads", "split_heads", at_least=1)
+    chunks = check_int(chunks, "chunks", "split_heads", at_least=1)
     if x.ndim != 3 or x.shape[-1] % (chunks * num_heads):
         raise ValueError(f"split_heads: input must be (batch, seq, chunks * num_heads * head_dim) with "
                          f"chunks={chunks}, num_heads={num_heads}, got shape {tuple(x.shape)}")
@@ -354,16 +354,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     except ValueError:
         raise ValueError(f"{op}: the leading (batch, head) dimensions of query, key and value must "
                          f"broadcast, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}") from None
-    dropout_p = check_dropout_p(dropout_p, op)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dropout_p = check_real(dropout_p, "dropout_p", op, at_least=0, at_most=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real(scale, "scale", op)
     blocked, additive = _prepare_mask(attn_mask, q, lead + (q.shape[-2], k.shape[-2]))
     causal = bool(is_causal)
     if memory_efficient:
         if return_weights:
             raise ValueError(f"{op}: return_weights=True needs the full attention matrix; "
                              "it cannot be combined with memory_efficient=True")
-        if not (isinstance(block_size, int) and block_size > 0):
-            raise ValueError(f"{op}: block_size must be a positive int, got {block_size!r}")
+        block_size = check_int(block_size, "block_size", op, at_least=1)
         seed = None
         if dropout_p > 0:
             rng = generator if generator is not None else random.global_rng(backend.device_of(q))

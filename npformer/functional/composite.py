@@ -6,9 +6,10 @@ import contextlib
 import math
 
 from autograd import Tensor, concatenate, random, where
+from autograd.checks import check_real, check_shape
 
 from . import _erf as formulas
-from .activation import TANH_C, TANH_K, check_dropout_p, dropout_mask
+from .activation import TANH_C, TANH_K, dropout_mask
 from .attention import _lead_shape, _prepare_mask, causal_blocked
 from ._common import _twins, on_device_of
 from .residual import check_dropout_add, dropout_scale
@@ -55,7 +56,7 @@ def gelu(input, approximate="none"):
 
 def dropout(input, p=0.5, training=True, generator=None):
     x = _tensor(input)
-    p = check_dropout_p(p, "dropout")
+    p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
     if p == 1.0:
@@ -96,7 +97,7 @@ def log_softmax(input, dim=-1):
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     x = _tensor(input)
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    shape = check_shape(normalized_shape, "normalized_shape", "layer_norm")
     axes = tuple(range(x.ndim - len(shape), x.ndim))
     centered = x - x.mean(axis=axes, keepdims=True)
     y = centered / ((centered * centered).mean(axis=axes, keepdims=True) + eps).sqrt()
@@ -158,7 +159,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if blocked is not None:
         scores = where(blocked, -math.inf, scores)
     probs = softmax(scores, dim=-1)
-    dropout_p = check_dropout_p(dropout_p, "scaled_dot_product_attention")
+    dropout_p = check_real(dropout_p, "dropout_p", "scaled_dot_product_attention", at_least=0, at_most=1)
     if dropout_p == 1.0:
         probs = probs * 0.0
     elif dropout_p > 0:

@@ -1,5 +1,6 @@
 """Embedding lookup; its backward is a scatter-add of rows (a kernel table)."""
 from autograd import Function, backend
+from autograd.checks import check_int
 from autograd.kernels import kernel_table
 
 from ._common import check_index_range, check_tensor, has_twin, on_device_of
@@ -73,7 +74,5 @@ def embedding(input, weight, padding_idx=None):
     num = w.shape[0]
     ids = on_device_of(input, w, "input", "embedding", check=lambda ids: check_token_ids(ids, num, "embedding"))
     if padding_idx is not None:
-        if not -num <= padding_idx < num:
-            raise ValueError(f"embedding: padding_idx must be in [{-num}, {num - 1}], got {padding_idx}")
-        padding_idx %= num
+        padding_idx = check_int(padding_idx, "padding_idx", "embedding", at_least=-num, at_most=num - 1) % num
     return EmbeddingFunction.apply(weight, ids=ids, padding_idx=padding_idx)

@@ -1,5 +1,6 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
-from autograd import Function, Tensor, backend, deferred
+from autograd import Function, Tensor, backend, deferred, is_grad_enabled
+from autograd.checks import check_int, check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
@@ -162,12 +163,13 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     ValueError when reduction="mean" and every target is ignored (torch returns NaN there).
     Targets that arrive as host arrays are checked at once; targets already on a GPU are checked
     there, and a bad one raises when the result is first read (autograd.deferred).
+    The class weights are constants: a weight Tensor that requires grad is refused, as in torch.
     """
     logits = check_tensor("input", input, "cross_entropy")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"cross_entropy: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "cross_entropy", at_least=0, at_most=1)
+    ignore_index = check_int(ignore_index, "ignore_index", "cross_entropy")
     if logits.ndim == 0:
         raise ValueError("cross_entropy: input must have a class dimension, got a 0-d input")
     class_dim = 0 if logits.ndim == 1 else 1
@@ -190,6 +192,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if weight is not None:
         if tuple(check_tensor("weight", weight, "cross_entropy").shape) != (c,):
             raise ValueError(f"cross_entropy: weight must have shape ({c},), got {tuple(weight.shape)}")
+        if isinstance(weight, Tensor) and weight.requires_grad and is_grad_enabled():
+            raise RuntimeError("cross_entropy: weight requires grad, but the class weights are constants and get "
+                             "no gradient (torch refuses them too); pass weight.detach()")
         if not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
             weight = on_device_of(weight, logits, "weight", "cross_entropy").astype(logits.dtype, copy=False)
     if reduction == "mean" and tgt.size == 0:
@@ -212,5 +217,5 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if logits.ndim != 2:
         x = x.reshape(-1, c)
     loss = CrossEntropyFunction.apply(x, weight, safe_target=safe_target, valid=valid, divisor=divisor,
-                                      reduction=reduction, label_smoothing=float(label_smoothing))
+                                      reduction=reduction, label_smoothing=label_smoothing)
     return loss.reshape(tgt.shape) if reduction == "none" else loss

@@ -2,6 +2,7 @@
 import math
 
 from autograd import Function, backend
+from autograd.checks import check_real, check_shape
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
@@ -141,13 +142,12 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Like torch.nn.functional.layer_norm: normalize over the trailing `normalized_shape` dims,
     then scale by `weight` and shift by `bias` (each of shape normalized_shape, or None)."""
     x = check_tensor("input", input, "layer_norm")
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or tuple(x.shape[x.ndim - len(shape):]) != shape or len(shape) > x.ndim:
+    shape = check_shape(normalized_shape, "normalized_shape", "layer_norm")
+    if tuple(x.shape[x.ndim - len(shape):]) != shape or len(shape) > x.ndim:
         raise ValueError(f"layer_norm: normalized_shape {shape} must match the trailing dimensions "
                          f"of input, got input shape {tuple(x.shape)}")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(check_tensor(name, p, "layer_norm").shape) != shape:
             raise ValueError(f"layer_norm: {name} must have shape {shape}, got {tuple(p.shape)}")
-    if not eps > 0:
-        raise ValueError(f"layer_norm: eps must be positive, got {eps!r}")
-    return LayerNormFunction.apply(input, weight, bias, normalized_shape=shape, eps=float(eps))
+    eps = check_real(eps, "eps", "layer_norm", above=0)
+    return LayerNormFunction.apply(input, weight, bias, normalized_shape=shape, eps=eps)

@@ -2,11 +2,12 @@
 stream (autograd.random) by the dropout contract; on a GPU drawn again in backward instead of
 stored (the CPU keeps it: there, drawing costs more than a byte per entry)."""
 from autograd import Function, Tensor, backend, random
+from autograd.checks import check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
 from ._common import check_tensor, has_twin
-from .activation import check_dropout_p, elementwise_product
+from .activation import elementwise_product
 
 
 def keep_threshold(p):
@@ -82,7 +83,7 @@ def check_dropout_add(input, residual, p, generator, op):
         raise ValueError(f"{op}: input and residual must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
     if generator is not None and not isinstance(generator, random.Philox):
         raise TypeError(f"{op}: generator must be an autograd.random.Philox or None, got {type(generator).__name__}")
-    return x, check_dropout_p(p, op)
+    return x, check_real(p, "p", op, at_least=0, at_most=1)
 
 
 @has_twin

@@ -1,10 +1,11 @@
 """Pieces shared by the models: argument checks, token ids, padding masks, positions, the encoder trunk."""
 from autograd import Tensor, backend
+from autograd.checks import as_array, check_int, check_optional_int, check_real
 
 from .. import nn
 from ..functional._common import check_index_range
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
-from ..nn.layers import as_ids, check_positive_int, check_probability
+from ..nn.layers import as_ids
 from ..nn.transformer import check_d_model_nhead
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
@@ -15,6 +16,30 @@ def check_choice(value, choices, name, owner):
     if value not in choices:
         raise ValueError(f"{owner}: {name} must be one of {choices}, got {value!r}")
     return value
+
+
+_SIZES = ("vocab_size", "src_vocab_size", "tgt_vocab_size", "num_classes", "d_model", "nhead", "num_layers",
+          "num_encoder_layers", "num_decoder_layers", "dim_feedforward", "max_len")
+_RATES = ("attention_dropout", "activation_dropout", "classifier_dropout")  # optional (None: `dropout`)
+
+
+def check_config(config, owner):
+    """A model's constructor arguments with every number checked and made a plain int or float
+    (so the config stays JSON-serialisable): sizes integers >= 1, type_vocab_size >= 0,
+    dropout rates in [0, 1], layer_norm_eps > 0, pad_idx None or an id of every vocabulary."""
+    config = dict(config)
+    for name in _SIZES:
+        if name in config:
+            config[name] = check_int(config[name], name, owner, at_least=1)
+    if "type_vocab_size" in config:
+        config["type_vocab_size"] = _type_vocab_size(config, owner)
+    for name in ("dropout",) + _RATES:
+        if config.get(name) is not None:
+            config[name] = check_real(config[name], name, owner, at_least=0, at_most=1)
+    config["layer_norm_eps"] = check_real(config["layer_norm_eps"], "layer_norm_eps", owner, above=0)
+    vocab = min(config[name] for name in ("vocab_size", "src_vocab_size", "tgt_vocab_size") if name in config)
+    config["pad_idx"] = check_optional_int(config["pad_idx"], "pad_idx", owner, at_least=0, at_most=vocab - 1)
+    return config
 
 
 def additive_positions(positional, d_model, max_len):
@@ -29,8 +54,8 @@ def additive_positions(positional, d_model, max_len):
 
 # -- state_dict shapes from a config, without building anything (load_model checks a file with them) --
 def dims(config, names, owner):
-    """config[name] for each name, each checked to be a positive int."""
-    return [check_positive_int(config[name], name, owner) for name in names]
+    """config[name] for each name, each checked to be an integer >= 1."""
+    return [check_int(config[name], name, owner, at_least=1) for name in names]
 
 
 def layer_norm_shapes(prefix, d_model):
@@ -95,7 +120,8 @@ def valid_positions(mask, ids, dtype):
     if mask is None:
         return xp.ones(ids.shape, dtype=dtype)
     mask = mask.data if isinstance(mask, Tensor) else mask
-    mask = backend.to_device(mask if backend.is_array(mask) else xp.asarray(mask), backend.device_of(ids))
+    mask = mask if backend.is_array(mask) else as_array(mask, "key_padding_mask", "EncoderClassifier", xp)
+    mask = backend.to_device(mask, backend.device_of(ids))
     if mask.dtype != bool or mask.shape != ids.shape:
         raise ValueError(f"key_padding_mask must be a bool array of shape {ids.shape} for pooling, "
                          f"got {mask.dtype} {mask.shape}")
@@ -108,17 +134,15 @@ def layer_activation(activation):
     return nn.GELU(approximate="tanh") if activation == "gelu_tanh" else activation
 
 
-def dropout_rate(config, name, owner):
-    """config[name] as a probability, or config["dropout"] when it is None (the default)."""
+def dropout_rate(config, name):
+    """config[name] (checked by check_config), or config["dropout"] when it is None (the default)."""
     value = config.get(name)
-    return config["dropout"] if value is None else check_probability(value, name, owner)
+    return config["dropout"] if value is None else value
 
 
 def _type_vocab_size(config, owner):
-    type_vocab_size = config.get("type_vocab_size", 0)
-    if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:
-        raise ValueError(f"{owner}: type_vocab_size must be an int >= 0 (0: no token types), got {type_vocab_size!r}")
-    return type_vocab_size
+    """config's type_vocab_size (default 0: no token types) as an integer >= 0."""
+    return check_int(config.get("type_vocab_size", 0), "type_vocab_size (0: no token types)", owner, at_least=0)
 
 
 class EncoderOnlyModel(nn.Module):
@@ -137,12 +161,15 @@ class EncoderOnlyModel(nn.Module):
     the padding row zero."""
 
     def _build_trunk(self, config):
+        """Build the trunk from `config` (the model's config dict), whose numbers are checked
+        and made plain ints and floats in place first (check_config)."""
         owner = type(self).__name__
+        config.update(check_config(config, owner))
         c = config
         check_choice(c["positional"], POSITIONAL, "positional", owner)
         check_choice(c["activation"], ACTIVATIONS, "activation", owner)
         check_d_model_nhead(c["d_model"], c["nhead"], owner)
-        type_vocab_size = _type_vocab_size(c, owner)
+        type_vocab_size = c.get("type_vocab_size", 0)
         d_model, eps = c["d_model"], c["layer_norm_eps"]
         self.d_model, self.pad_idx, self.positional_kind = d_model, c["pad_idx"], c["positional"]
         self.tok_embed = nn.Embedding(c["vocab_size"], d_model, padding_idx=c["pad_idx"])
@@ -157,8 +184,8 @@ class EncoderOnlyModel(nn.Module):
         layer = nn.TransformerEncoderLayer(d_model, c["nhead"], c["dim_feedforward"], c["dropout"],
                                            layer_activation(c["activation"]), eps, norm_first=c["norm_first"],
                                            rotary=c["positional"] == "rope")
-        layer.self_attn.dropout = dropout_rate(c, "attention_dropout", owner)
-        layer.dropout = nn.Dropout(dropout_rate(c, "activation_dropout", owner))
+        layer.self_attn.dropout = dropout_rate(c, "attention_dropout")
+        layer.dropout = nn.Dropout(dropout_rate(c, "activation_dropout"))
         final_norm = nn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
         self.encoder = nn.TransformerEncoder(layer, c["num_layers"], final_norm)
 

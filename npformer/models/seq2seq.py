@@ -7,8 +7,8 @@ from .. import nn
 from ..nn import init
 from ..nn.layers import as_ids
 from ..nn.transformer import check_d_model_nhead
-from ._common import (POSITIONAL, additive_positions, check_choice, dims, padding_mask_from_ids, stack_shapes,
-                      token_ids)
+from ._common import (POSITIONAL, additive_positions, check_choice, check_config, dims, padding_mask_from_ids,
+                      stack_shapes, token_ids)
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -44,18 +44,19 @@ class Seq2SeqTransformer(nn.Module):
         check_choice(positional, POSITIONAL, "positional", owner)
         check_choice(tie_weights, (False, True, "all"), "tie_weights", owner)
         check_choice(activation, ("relu", "gelu"), "activation", owner)
-        check_d_model_nhead(d_model, nhead, owner)
-        if tie_weights == "all" and src_vocab_size != tgt_vocab_size:
-            raise ValueError(f"{owner}: tie_weights='all' shares one matrix between both embeddings and the "
-                             f"generator, so src_vocab_size ({src_vocab_size}) must equal tgt_vocab_size "
-                             f"({tgt_vocab_size})")
+        d_model, nhead = check_d_model_nhead(d_model, nhead, owner)
         self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
                            nhead=nhead, num_encoder_layers=num_encoder_layers,
                            num_decoder_layers=num_decoder_layers, dim_feedforward=dim_feedforward,
                            dropout=dropout, max_len=max_len, activation=activation, norm_first=norm_first,
                            pad_idx=pad_idx, tie_weights=tie_weights, positional=positional,
                            layer_norm_eps=layer_norm_eps)
-        self.d_model, self.pad_idx, self.tie_weights = d_model, pad_idx, tie_weights
+        self.config = check_config(self.config, owner)
+        if tie_weights == "all" and src_vocab_size != tgt_vocab_size:
+            raise ValueError(f"{owner}: tie_weights='all' shares one matrix between both embeddings and the "
+                             f"generator, so src_vocab_size ({src_vocab_size}) must equal tgt_vocab_size "
+                             f"({tgt_vocab_size})")
+        self.d_model, self.pad_idx, self.tie_weights = d_model, self.config["pad_idx"], tie_weights
         self.positional_kind = positional
         if tie_weights == "all":
             self.tgt_embed = nn.Embedding(tgt_vocab_size, d_model, padding_idx=pad_idx)

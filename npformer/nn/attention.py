@@ -8,9 +8,10 @@ import math
 
 import npformer.functional as F
 from autograd import Tensor, backend
+from autograd.checks import as_array, check_int, check_real
 
 from . import init
-from .layers import Linear, check_positive_int, check_probability, new_parameter
+from .layers import Linear, new_parameter
 from .module import Module
 from .positional import RotaryEmbedding
 
@@ -21,7 +22,7 @@ def _mask_array(mask, name, like):
     if isinstance(mask, Tensor):
         mask = mask.data
     if not backend.is_array(mask):
-        mask = backend.get_array_module(like).asarray(mask)
+        mask = as_array(mask, name, None, backend.get_array_module(like))
     if mask.dtype.kind == "f":
         mask = mask.astype(like.dtype, copy=False)
     elif mask.dtype != bool:
@@ -91,8 +92,8 @@ class MultiheadAttention(Module):
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, batch_first=True, device=None,
                  dtype=None, rotary=False, rotary_base=10000.0, memory_efficient=False, block_size=512):
         super().__init__()
-        check_positive_int(embed_dim, "embed_dim", "MultiheadAttention")
-        check_positive_int(num_heads, "num_heads", "MultiheadAttention")
+        embed_dim = check_int(embed_dim, "embed_dim", "MultiheadAttention", at_least=1)
+        num_heads = check_int(num_heads, "num_heads", "MultiheadAttention", at_least=1)
         if embed_dim % num_heads:
             raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} must be divisible by "
                              f"num_heads={num_heads} (head_dim = embed_dim / num_heads)")
@@ -101,9 +102,10 @@ class MultiheadAttention(Module):
                              "and inputs shaped (batch, seq, feature)")
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
-        self.dropout = check_probability(dropout, "dropout", "MultiheadAttention")
+        self.dropout = check_real(dropout, "dropout", "MultiheadAttention", at_least=0, at_most=1)
         self.batch_first = True
-        self.memory_efficient, self.block_size = bool(memory_efficient), block_size
+        self.memory_efficient = bool(memory_efficient)
+        self.block_size = check_int(block_size, "block_size", "MultiheadAttention", at_least=1)
         self.in_proj_weight = new_parameter((3 * embed_dim, embed_dim), device, dtype)
         if bias:
             self.in_proj_bias = new_parameter((3 * embed_dim,), device, dtype)

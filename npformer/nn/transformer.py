@@ -16,11 +16,12 @@ import math
 
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
+from autograd.checks import as_array, check_int, check_real
 from npformer.functional._common import check_index_range
 
 from . import init
 from .attention import MultiheadAttention, attention_mask
-from .layers import Dropout, LayerNorm, Linear, check_positive_int
+from .layers import Dropout, LayerNorm, Linear
 from .module import Module, ModuleList
 
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
@@ -35,12 +36,21 @@ def _activation(activation, owner):
 
 
 def check_d_model_nhead(d_model, nhead, owner):
-    check_positive_int(d_model, "d_model", owner)
-    check_positive_int(nhead, "nhead", owner)
+    """(d_model, nhead) as ints >= 1, d_model divisible by nhead."""
+    d_model = check_int(d_model, "d_model", owner, at_least=1)
+    nhead = check_int(nhead, "nhead", owner, at_least=1)
     if d_model % nhead:
         raise ValueError(f"{owner}: d_model={d_model} is not divisible by nhead={nhead}; each head gets "
                          f"d_model / nhead features, so choose e.g. nhead in "
                          f"{[h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]}")
+    return d_model, nhead
+
+
+def check_layer_options(dim_feedforward, dropout, layer_norm_eps, owner):
+    """(dim_feedforward, dropout, layer_norm_eps) as an int >= 1, a probability and a float > 0."""
+    return (check_int(dim_feedforward, "dim_feedforward", owner, at_least=1),
+            check_real(dropout, "dropout", owner, at_least=0, at_most=1),
+            check_real(layer_norm_eps, "layer_norm_eps", owner, above=0))
 
 
 def check_sequence(x, d_model, owner, name):
@@ -92,7 +102,9 @@ class TransformerEncoderLayer(_FeedForwardLayer):
                  layer_norm_eps=1e-5, batch_first=True, norm_first=False, bias=True, device=None, dtype=None,
                  rotary=False, memory_efficient=False):
         super().__init__()
-        check_d_model_nhead(d_model, nhead, "TransformerEncoderLayer")
+        d_model, nhead = check_d_model_nhead(d_model, nhead, "TransformerEncoderLayer")
+        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
+                                                                       "TransformerEncoderLayer")
         self.d_model, self.norm_first = d_model, bool(norm_first)
         self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first,
                                             device=device, dtype=dtype, rotary=rotary,
@@ -133,7 +145,9 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                  layer_norm_eps=1e-5, batch_first=True, norm_first=False, bias=True, device=None, dtype=None,
                  rotary=False, memory_efficient=False):
         super().__init__()
-        check_d_model_nhead(d_model, nhead, "TransformerDecoderLayer")
+        d_model, nhead = check_d_model_nhead(d_model, nhead, "TransformerDecoderLayer")
+        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
+                                                                       "TransformerDecoderLayer")
         self.d_model, self.norm_first = d_model, bool(norm_first)
         options = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype,
                        memory_efficient=memory_efficient)
@@ -216,7 +230,7 @@ class _LayerStack(Module):
         owner = type(self).__name__
         if not isinstance(layer, self.layer_type):
             raise TypeError(f"{owner}: expected a {self.layer_type.__name__} to copy, got {type(layer).__name__}")
-        check_positive_int(num_layers, "num_layers", owner)
+        num_layers = check_int(num_layers, "num_layers", owner, at_least=1)
         self.layers = ModuleList([copy.deepcopy(layer) for _ in range(num_layers)])
         self.num_layers = num_layers
         self.norm = norm
@@ -323,7 +337,7 @@ class DecoderCache:
         like = self.layers[0].cross_k.data
         idx = indices.data if isinstance(indices, Tensor) else indices
         if not backend.is_array(idx):
-            idx = backend.module_for("cpu").asarray(idx)
+            idx = as_array(idx, "indices", "DecoderCache.reorder", backend.module_for("cpu"))
         if idx.ndim != 1 or idx.dtype.kind not in "iu":
             raise ValueError(f"DecoderCache.reorder: indices must be a 1-D integer array, got {idx.dtype} {idx.shape}")
         check_index_range(idx, self.batch_size, lambda lo, hi: IndexError(  # host indices now, device ones deferred
@@ -352,8 +366,11 @@ class Transformer(Module):
                  batch_first=True, norm_first=False, bias=True, device=None, dtype=None, rotary=False,
                  memory_efficient=False):
         super().__init__()
-        check_d_model_nhead(d_model, nhead, "Transformer")
-        check_positive_int(dim_feedforward, "dim_feedforward", "Transformer")
+        d_model, nhead = check_d_model_nhead(d_model, nhead, "Transformer")
+        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
+                                                                       "Transformer")
+        num_encoder_layers = check_int(num_encoder_layers, "num_encoder_layers", "Transformer", at_least=1)
+        num_decoder_layers = check_int(num_decoder_layers, "num_decoder_layers", "Transformer", at_least=1)
         layer_options = dict(dim_feedforward=dim_feedforward, dropout=dropout, activation=activation,
                              layer_norm_eps=layer_norm_eps, batch_first=batch_first, norm_first=norm_first,
                              bias=bias, device=device, dtype=dtype, rotary=rotary, memory_efficient=memory_efficient)
@@ -399,6 +416,6 @@ class Transformer(Module):
     @staticmethod
     def generate_square_subsequent_mask(sz, device=None, dtype=None):
         """(sz, sz) float array: -inf above the diagonal (future positions), 0 elsewhere."""
-        check_positive_int(sz, "sz", "generate_square_subsequent_mask")
+        sz = check_int(sz, "sz", "generate_square_subsequent_mask", at_least=1)
         xp = backend.module_for(device or "cpu")
         return xp.triu(xp.full((sz, sz), -math.inf, dtype=dtype or "float32"), 1)

@@ -3,19 +3,13 @@ import math
 import sys
 
 from autograd import Tensor, backend
+from autograd.checks import check_real
 
 
 def _parameters_with_grad(parameters):
     if hasattr(parameters, "data") and hasattr(parameters, "grad"):
         parameters = [parameters]
     return [p for p in parameters if p.grad is not None]
-
-
-def _check_norm_type(norm_type):
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(f"norm_type: expected a positive number or inf, got {norm_type}")
-    return norm_type
 
 
 LOG_MAX = math.log(sys.float_info.max)
@@ -43,7 +37,7 @@ def grad_norm(parameters, norm_type=2.0):
     """The norm of all gradients together, as if concatenated into one vector (a Python float, so
     read on the host): `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no
     gradient exists; inf when the sum of powers overflows (as torch)."""
-    norm_type = _check_norm_type(norm_type)
+    norm_type = check_real(norm_type, "norm_type", "grad_norm", above=0, finite=False)
     grads = [p.grad for p in _parameters_with_grad(parameters)]
     if not grads:
         return 0.0
@@ -69,10 +63,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     RuntimeError with error_if_nonfinite=True (which reads it on the host); otherwise the
     gradients are left unchanged (torch would scale them into NaN) and the norm is returned.
     """
-    max_norm = float(max_norm)
-    if not max_norm >= 0:  # also refuses NaN
-        raise ValueError(f"max_norm: expected a number >= 0, got {max_norm}")
-    norm_type = _check_norm_type(norm_type)
+    max_norm = check_real(max_norm, "max_norm", "clip_grad_norm_", at_least=0, finite=False)
+    norm_type = check_real(norm_type, "norm_type", "clip_grad_norm_", above=0, finite=False)
     params = _parameters_with_grad(parameters)
     if not params:
         return Tensor(backend.module_for("cpu").zeros((), dtype="float64"))

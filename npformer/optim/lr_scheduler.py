@@ -6,6 +6,8 @@ first lr), call `scheduler.step()` after each `optimizer.step()`, read `get_last
 """
 import math
 
+from autograd.checks import check_int, check_real
+
 
 class LambdaLR:
     """lr of group i = base_lr_i * lr_lambda(last_epoch), like torch.optim.lr_scheduler.LambdaLR."""
@@ -13,6 +15,9 @@ class LambdaLR:
     def __init__(self, optimizer, lr_lambda, last_epoch=-1):
         if not hasattr(optimizer, "param_groups"):
             raise TypeError(f"optimizer: expected an Optimizer, got {type(optimizer).__name__}")
+        if not callable(lr_lambda):
+            raise TypeError(f"{type(self).__name__}: lr_lambda must be a callable, got {type(lr_lambda).__name__}")
+        last_epoch = check_int(last_epoch, "last_epoch", type(self).__name__, at_least=-1)
         self.optimizer = optimizer
         self.lr_lambda = lr_lambda
         for group in optimizer.param_groups:
@@ -92,10 +97,8 @@ class NoamLR(LambdaLR):
     """
 
     def __init__(self, optimizer, d_model, warmup_steps=4000, last_epoch=-1):
-        if d_model <= 0:
-            raise ValueError(f"d_model: expected a positive integer, got {d_model}")
-        if warmup_steps <= 0:
-            raise ValueError(f"warmup_steps: expected a positive integer, got {warmup_steps}")
+        d_model = check_int(d_model, "d_model", "NoamLR", at_least=1)
+        warmup_steps = check_int(warmup_steps, "warmup_steps", "NoamLR", at_least=1)
         self.d_model, self.warmup_steps = d_model, warmup_steps
         super().__init__(optimizer, lambda epoch: noam_factor(epoch + 1, d_model, warmup_steps), last_epoch)
 
@@ -113,13 +116,11 @@ class WarmupCosineLR(LambdaLR):
     """lr = base_lr * warmup_cosine_factor(last_epoch + 1, warmup_steps, total_steps, min_ratio)."""
 
     def __init__(self, optimizer, warmup_steps, total_steps, min_ratio=0.0, last_epoch=-1):
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps: expected an integer >= 0, got {warmup_steps}")
-        if total_steps < max(warmup_steps, 1):
-            raise ValueError(f"total_steps: expected an integer >= max(warmup_steps, 1) = "
-                             f"{max(warmup_steps, 1)}, got {total_steps}")
-        if not 0.0 <= min_ratio <= 1.0:
-            raise ValueError(f"min_ratio: expected a value in [0, 1], got {min_ratio}")
+        warmup_steps = check_int(warmup_steps, "warmup_steps", "WarmupCosineLR", at_least=0)
+        total_steps = check_int(total_steps, "total_steps", "WarmupCosineLR", at_least=1)
+        if total_steps < warmup_steps:
+            raise ValueError(f"WarmupCosineLR: total_steps must be >= warmup_steps={warmup_steps}, got {total_steps}")
+        min_ratio = check_real(min_ratio, "min_ratio", "WarmupCosineLR", at_least=0, at_most=1)
         self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
         super().__init__(optimizer, lambda epoch: warmup_cosine_factor(epoch + 1, warmup_steps, total_steps,
                                                                        min_ratio), last_epoch)

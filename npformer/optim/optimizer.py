@@ -13,18 +13,9 @@ import math
 from typing import NamedTuple
 
 from autograd import backend, graphs
+from autograd.checks import check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
-
-
-def _check_range(name, value, low, high=None, low_inclusive=True):
-    """Raise ValueError unless low <= value (< high)."""
-    ok = value >= low if low_inclusive else value > low
-    if high is not None:
-        ok = ok and value < high
-    if not ok:
-        bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and < {high}" if high is not None else "")
-        raise ValueError(f"{name}: expected a value {bound}, got {value!r}")
 
 
 def _is_int(value):
@@ -92,7 +83,9 @@ class Optimizer:
         self._scratch = {}
 
     def _check_group(self, group):
-        _check_range("lr", group["lr"], 0.0)
+        """Check a group's hyperparameters and make each number a Python float (a numpy float64
+        lr would turn float32 parameters into float64)."""
+        group["lr"] = check_real(group["lr"], "lr", type(self).__name__, at_least=0)
 
     def parameters(self):
         return [p for group in self.param_groups for p in group["params"]]
@@ -265,16 +258,17 @@ class SGD(Optimizer):
     state_kinds = {"momentum_buffer": "array"}
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(f"nesterov: needs momentum > 0 and dampening == 0, got momentum={momentum}, "
-                             f"dampening={dampening}")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
     def _check_group(self, group):
         super()._check_group(group)
-        _check_range("momentum", group["momentum"], 0.0)
-        _check_range("weight_decay", group["weight_decay"], 0.0)
+        group["momentum"] = check_real(group["momentum"], "momentum", "SGD", at_least=0)
+        group["dampening"] = check_real(group["dampening"], "dampening", "SGD")
+        group["weight_decay"] = check_real(group["weight_decay"], "weight_decay", "SGD", at_least=0)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"SGD: nesterov=True needs momentum > 0 and dampening == 0, got "
+                             f"momentum={group['momentum']}, dampening={group['dampening']}")
 
     def _update(self, p, grad, group, state):
         xp = p.xp
@@ -320,17 +314,19 @@ class Adam(Optimizer):
     state_kinds = {"step": "count", "exp_avg": "array", "exp_avg_sq": "array"}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        betas = tuple(betas) if isinstance(betas, (list, tuple)) else betas     # else refused by _check_group
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def _check_group(self, group):
         super()._check_group(group)
-        betas = tuple(group["betas"])
-        if len(betas) != 2:
-            raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
-        _check_range("betas[0]", betas[0], 0.0, 1.0)
-        _check_range("betas[1]", betas[1], 0.0, 1.0)
-        _check_range("eps", group["eps"], 0.0)
-        _check_range("weight_decay", group["weight_decay"], 0.0)
+        owner = type(self).__name__
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            error = ValueError if isinstance(betas, (tuple, list)) else TypeError
+            raise error(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
+        group["betas"] = tuple(check_real(b, f"betas[{i}]", owner, at_least=0, below=1) for i, b in enumerate(betas))
+        group["eps"] = check_real(group["eps"], "eps", owner, at_least=0)
+        group["weight_decay"] = check_real(group["weight_decay"], "weight_decay", owner, at_least=0)
 
     def _update(self, p, grad, group, state):
         if not state:
