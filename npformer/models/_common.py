@@ -93,9 +93,8 @@ def token_ids(ids, embedding, owner, name, max_len=None):
     against its vocabulary (host ids before their copy to the device, device ids on the device:
     autograd.deferred) and, when given, the length of the positional table."""
     raw = ids.data if isinstance(ids, Tensor) else ids
-    if not backend.is_array(raw):
-        raw = backend.module_for("cpu").asarray(raw)
-    raw = as_ids(raw, raw, owner, name)  # integer ids where they are
+    host = backend.module_for("cpu").empty(0)
+    raw = as_ids(raw, raw if backend.is_array(raw) else host, owner, name)  # integer ids where they are (lists: host)
     if raw.ndim != 2 or 0 in raw.shape:
         raise ValueError(f"{owner}: {name} must be a non-empty (batch, seq) array of token ids, got shape {raw.shape}")
     vocab = embedding.num_embeddings
