@@ -191,12 +191,33 @@ inline T shuffle(T value, int source_lane_of_warp) {
     return result;
 }
 
+// The type of a kernel parameter as one character, for the launcher's argument check: scalars
+// f d i l I L ? (float, double, int, long long, unsigned, unsigned long long, bool), pointers to
+// them F D B X U W (float, double, bool, long long, unsigned long long, unsigned int).
+template <typename T> struct TypeCode { static constexpr char value = '-'; };
+template <> struct TypeCode<float> { static constexpr char value = 'f'; };
+template <> struct TypeCode<double> { static constexpr char value = 'd'; };
+template <> struct TypeCode<int> { static constexpr char value = 'i'; };
+template <> struct TypeCode<long long> { static constexpr char value = 'l'; };
+template <> struct TypeCode<unsigned int> { static constexpr char value = 'I'; };
+template <> struct TypeCode<unsigned long long> { static constexpr char value = 'L'; };
+template <> struct TypeCode<bool> { static constexpr char value = '?'; };
+template <typename T> struct TypeCode<T*> {
+    static constexpr char value = std::is_same_v<std::remove_cv_t<T>, float> ? 'F'
+        : std::is_same_v<std::remove_cv_t<T>, double> ? 'D'
+        : std::is_same_v<std::remove_cv_t<T>, bool> ? 'B'
+        : std::is_same_v<std::remove_cv_t<T>, long long> ? 'X'
+        : std::is_same_v<std::remove_cv_t<T>, unsigned long long> ? 'U'
+        : std::is_same_v<std::remove_cv_t<T>, unsigned int> ? 'W' : '*';
+};
+
 // The launch entries of a compiled source, one per kernel instance (see EMULATED_KERNELS).
 struct Entry {
     const char* name;
     bool (*launch)(dim3, dim3, void**);
     int params;
     size_t sizes[32];
+    char types[33];
 };
 
 template <auto Kernel> struct Launcher;
@@ -211,9 +232,10 @@ struct Launcher<Kernel> {
         return call(grid, block, params, std::index_sequence_for<Args...>{});
     }
     static Entry entry(const char* name) {
-        Entry e{name, &run, int(sizeof...(Args)), {}};
+        Entry e{name, &run, int(sizeof...(Args)), {}, {}};
         size_t sizes[] = {sizeof(std::decay_t<Args>)..., 0};
-        for (size_t i = 0; i < sizeof...(Args); ++i) e.sizes[i] = sizes[i];
+        char types[] = {TypeCode<std::decay_t<Args>>::value..., 0};
+        for (size_t i = 0; i < sizeof...(Args); ++i) { e.sizes[i] = sizes[i]; e.types[i] = types[i]; }
         return e;
     }
 };
@@ -248,6 +270,7 @@ template <typename T> inline T atomicExch(T* address, T value) { T old = *addres
     extern "C" const char* emu_name(int i) { return emulated_entries[i].name; }                   \
     extern "C" int emu_params(int i) { return emulated_entries[i].params; }                       \
     extern "C" size_t emu_param_size(int i, int j) { return emulated_entries[i].sizes[j]; }       \
+    extern "C" const char* emu_param_types(int i) { return emulated_entries[i].types; }           \
     extern "C" const char* emu_error() { return emu::error.c_str(); }                             \
     extern "C" int emu_launch(int i, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, \
                               unsigned bz, void** params) {                                       \

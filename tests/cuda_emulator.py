@@ -5,10 +5,11 @@ against the emulator, its kernels launched through ctypes with CuPy's argument r
         y = layer_norm_forward_cuda(x, w, b, 1e-5)  # numpy arrays in, the real launcher and kernel run
 
 Arguments follow CuPy's RawKernel conventions: an array passes its pointer, a numpy scalar its
-bytes, a Python int a long long, a float a double, a bool a bool; each is checked against the size
-of the kernel's parameter (a Python int passed for an `int` parameter is the bug CuPy would not
-report). Every array is checked for writes past either end (guard bytes around a copy), and the
-emulator reports blocks whose threads miss a barrier.
+bytes, a Python int a long long, a float a double, a bool a bool; each is checked against the type
+of the kernel's parameter (a Python int passed for an `int` parameter, or a float64 array for a
+`float*`, are bugs CuPy would not report; a Python int 0 is the null pointer of an optional array).
+Every array is checked for writes past either end (guard bytes around a copy), and the emulator
+reports blocks whose threads miss a barrier.
 """
 import contextlib
 import ctypes
@@ -26,6 +27,9 @@ from npformer.functional import cuda
 HEADER = pathlib.Path(__file__).with_name("cuda_emulator.h")
 GUARD = 256  # bytes before and after every array, checked after each launch
 GUARD_BYTE = 0xA5
+# the emulator's type codes (cuda_emulator.h, TypeCode) of numpy dtypes: pointers, scalars
+POINTER_CODES = {"float32": "F", "float64": "D", "bool": "B", "int64": "X", "uint64": "U", "uint32": "W"}
+SCALAR_CODES = {"float32": "f", "float64": "d", "int32": "i", "int64": "l", "uint32": "I", "uint64": "L", "bool": "?"}
 
 
 def compiler():
@@ -61,6 +65,7 @@ class Module:
         self.lib.emu_name.restype = ctypes.c_char_p
         self.lib.emu_error.restype = ctypes.c_char_p
         self.lib.emu_param_size.restype = ctypes.c_size_t
+        self.lib.emu_param_types.restype = ctypes.c_char_p
         self.kernels = {self.lib.emu_name(i).decode().replace(" ", ""): i for i in range(self.lib.emu_count())}
 
     def get_function(self, name):
@@ -76,38 +81,40 @@ class Kernel:
     def __init__(self, module, index, name):
         self.lib, self.index, self.name = module.lib, index, name
         self.sizes = [self.lib.emu_param_size(index, j) for j in range(self.lib.emu_params(index))]
+        self.types = self.lib.emu_param_types(index).decode()
         self.launches = 0
 
     def __call__(self, grid, block, args, shared_mem=0):
         if len(args) != len(self.sizes):
             raise LaunchError(f"{self.name}: {len(args)} arguments for {len(self.sizes)} parameters")
         buffers, guarded = [], []
-        for j, (a, size) in enumerate(zip(args, self.sizes)):
+        for j, (a, code) in enumerate(zip(args, self.types)):
             if isinstance(a, np.ndarray):
                 if not a.flags.c_contiguous:
                     raise LaunchError(f"{self.name}: argument {j} is not C-contiguous (shape {a.shape}, strides "
                                       f"{a.strides}): a kernel would read it as if it were")
+                given = POINTER_CODES.get(str(a.dtype), "?array")
                 padded = np.full(a.nbytes + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)
                 padded[GUARD:GUARD + a.nbytes] = a.reshape(-1).view(np.uint8) if a.size else padded[:0]
                 guarded.append((a, padded))
                 value = ctypes.c_void_p(padded.ctypes.data + GUARD)
-                actual = 8
             else:
                 if isinstance(a, np.generic):
-                    raw = a.tobytes()
+                    given, raw = SCALAR_CODES.get(str(a.dtype), "?scalar"), a.tobytes()
                 elif isinstance(a, bool):
-                    raw = np.bool_(a).tobytes()
-                elif isinstance(a, int):
-                    raw = np.int64(a).tobytes()
+                    given, raw = "?", np.bool_(a).tobytes()
+                elif isinstance(a, int):  # CuPy: a long long; 0 also serves as a null pointer
+                    given, raw = ("null" if a == 0 and code.isupper() else "l"), np.int64(a).tobytes()
                 elif isinstance(a, float):
-                    raw = np.float64(a).tobytes()
+                    given, raw = "d", np.float64(a).tobytes()
                 else:
                     raise LaunchError(f"{self.name}: argument {j} has type {type(a).__name__}, which CuPy cannot pass")
                 value = ctypes.create_string_buffer(raw, len(raw))
-                actual = len(raw)
-            if actual != size:
-                raise LaunchError(f"{self.name}: argument {j} passes {actual} bytes ({type(a).__name__}) for a "
-                                  f"parameter of {size} bytes")
+            if given != code and not (given == "null" and code.isupper()):
+                raise LaunchError(f"{self.name}: argument {j} is a {type(a).__name__}"
+                                  f"{' of ' + str(a.dtype) if hasattr(a, 'dtype') else ''} (type code {given!r}) for a "
+                                  f"parameter of type code {code!r} ({self.sizes[j]} bytes; see TypeCode in "
+                                  "cuda_emulator.h)")
             buffers.append(value)
         params = (ctypes.c_void_p * max(1, len(buffers)))(*[ctypes.addressof(b) for b in buffers])
         if self.lib.emu_launch(self.index, *_dims(grid), *_dims(block), params):

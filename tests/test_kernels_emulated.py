@@ -235,10 +235,12 @@ def test_the_emulator_reports_writes_past_the_end(broken):
         broken("writes_past_the_end")((1,), (32,), (np.ones(4, np.float32), np.int64(4)))
 
 
-def test_the_emulator_checks_the_argument_sizes_as_cupy_passes_them(broken):
+def test_the_emulator_checks_the_argument_types_as_cupy_passes_them(broken):
     x = np.zeros(32, np.float32)
-    with pytest.raises(cuda_emulator.LaunchError, match="8 bytes .* parameter of 4 bytes"):
+    with pytest.raises(cuda_emulator.LaunchError, match=r"argument 1 is a int \(type code .l.\) for a parameter of type code .i."):
         broken("takes_an_int")((1,), (32,), (x, 5))          # a Python int goes as a long long
+    with pytest.raises(cuda_emulator.LaunchError, match=r"float64 \(type code .D.\) for a parameter of type code .F."):
+        broken("takes_an_int")((1,), (32,), (np.zeros(32), np.int32(5)))      # a float64 array for a float*
     with pytest.raises(cuda_emulator.LaunchError, match="not C-contiguous"):
         broken("takes_an_int")((1,), (32,), (np.zeros(64, np.float32)[::2], np.int32(5)))
     broken("takes_an_int")((1,), (32,), (x, np.int32(5)))
