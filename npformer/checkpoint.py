@@ -82,16 +82,31 @@ def _model_device(model):
 
 
 def _rng_state(devices):
-    """{"cpu": bit generator state} of the host's global generator. CuPy's generator exposes
-    no portable state: after resuming on "cuda" (or "test", which stands in for it) the dropout
-    stream differs from an uninterrupted run (everything else is restored)."""
-    return {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
+    """{"cpu": bit generator state} of the host's global generator (the initialisers; CuPy's
+    generator exposes no portable state), and {"dropout": {"seed", "offset"}}: the dropout
+    stream's two ints, so that a resumed run draws the masks of an uninterrupted one, on any device."""
+    state = {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
+    state["dropout"] = random.dropout_stream().state_dict()
+    return state
+
+
+def _dropout_state(state):
+    """The saved dropout stream state, checked: two ints, 0 <= seed < 2^64, offset >= 0."""
+    ints = {k: state.get(k) if isinstance(state, dict) else None for k in ("seed", "offset")}
+    if (not isinstance(state, dict) or set(state) != set(ints)
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in ints.values())
+            or not 0 <= ints["seed"] < 2**64 or ints["offset"] < 0):
+        raise CheckpointError(f"rng/dropout: expected {{'seed': int in [0, 2^64), 'offset': int >= 0}}, got {state!r}")
+    return ints
 
 
 def _set_rng_state(states):
+    dropout = _dropout_state(states["dropout"]) if "dropout" in states else None
     for device, state in states.items():
         if device in backend.available_devices():
             random.global_rng(device).bit_generator.state = state
+    if dropout is not None:
+        random.dropout_stream().load_state_dict(dropout)
 
 
 # -- saving ------------------------------------------------------------------------------

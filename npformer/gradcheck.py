@@ -182,11 +182,11 @@ def _functional_checks():
         return [rng.standard_normal((2, 2, 4, 3)) for _ in range(3)]
 
     def seeded_dropout(x):
-        return F.dropout(x, 0.4, generator=autograd.random.default_rng(7))
+        return F.dropout(x, 0.4, generator=autograd.random.Philox(7))
 
     def seeded_attention_dropout(q, k, v, **kw):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True,
-                                              generator=autograd.random.default_rng(7), **kw)
+                                              generator=autograd.random.Philox(7), **kw)
 
     def float_mask_case(rng):
         mask = _fully_masked_float(rng, 4, 4)

@@ -18,6 +18,7 @@ from autograd import backend
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
 SOURCES = {  # file (without .cu) -> its kernels
     "softmax": ("softmax_forward", "softmax_backward"),
+    "dropout": ("dropout_apply",),
 }
 CTYPES = {"float32": "float", "float64": "double"}
 OPTIONS = ("-std=c++17",)
@@ -64,4 +65,4 @@ def row_grid(rows):
     return max(1, min(rows, 2**31 - 1))
 
 
-from . import softmax  # noqa: E402,F401  (registers the softmax kernels)
+from . import dropout, softmax  # noqa: E402,F401  (register the kernels)
