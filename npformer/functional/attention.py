@@ -429,6 +429,9 @@ def flash_unsupported(q, k, v, additive=None, mask_grad=False):
                 f"for equal head dims in {FLASH_HEAD_DIMS}")
     if not 0 < q.shape[-2] < 2**31 or not 0 < k.shape[-2] < 2**31:
         return f"sequence lengths {q.shape[-2]} (query) and {k.shape[-2]} (key) must be in [1, 2^31)"
+    heads = math.prod(_lead_shape(q, k, v))
+    if heads * -(-max(q.shape[-2], k.shape[-2]) // 32) >= 2**31:
+        return f"{heads} (batch, head) pairs of these lengths need more than 2^31 - 1 thread blocks"
     if mask_grad:
         return "the float attn_mask requires a gradient, which the kernels do not write"
     return None

@@ -19,29 +19,39 @@ SOURCE_DIR = pathlib.Path(__file__).resolve().parent
 SOURCES = {  # file (without .cu) -> its kernels
     "softmax": ("softmax_forward", "softmax_backward"),
     "dropout": ("dropout_apply",),
+    "flash_attention": ("flash_attention_forward", "flash_attention_backward_dq", "flash_attention_backward_dkdv"),
+}
+TEMPLATE_ARGS = {  # file -> the values of each kernel's second template argument, if it has one
+    "flash_attention": ("32", "64", "128"),  # head dims
 }
 CTYPES = {"float32": "float", "float64": "double"}
 OPTIONS = ("-std=c++17",)
 MAX_THREADS = 1024  # threads per block
 
 
+def instance(kernel, ctype, extra=None):
+    """The name expression of one template instance: 'softmax_forward<float>', 'k<double, 64>'."""
+    return f"{kernel}<{ctype}>" if extra is None else f"{kernel}<{ctype}, {extra}>"
+
+
 def name_expressions(source):
     """The template instances of a source that are compiled: 'softmax_forward<float>', ..."""
-    return [f"{kernel}<{ctype}>" for kernel in SOURCES[source] for ctype in CTYPES.values()]
+    return [instance(kernel, ctype, extra) for kernel in SOURCES[source] for ctype in CTYPES.values()
+            for extra in TEMPLATE_ARGS.get(source, (None,))]
 
 
 _modules = {}
 
 
-def function(source, kernel, dtype):
-    """The compiled `kernel<T>` of `source`.cu for arrays of `dtype`, on the current GPU."""
+def function(source, kernel, dtype, extra=None):
+    """The compiled `kernel<T>` (or `kernel<T, extra>`) of `source`.cu for arrays of `dtype`, on the current GPU."""
     cupy = backend.cupy
     key = (source, cupy.cuda.Device().id)
     if key not in _modules:
         _modules[key] = cupy.RawModule(code=(SOURCE_DIR / f"{source}.cu").read_text(),
                                        options=OPTIONS + (f"-I{SOURCE_DIR}",),
                                        name_expressions=name_expressions(source))
-    return _modules[key].get_function(f"{kernel}<{CTYPES[str(dtype)]}>")
+    return _modules[key].get_function(instance(kernel, CTYPES[str(dtype)], extra))
 
 
 def supported_dtype(*arrays):
@@ -65,4 +75,4 @@ def row_grid(rows):
     return max(1, min(rows, 2**31 - 1))
 
 
-from . import dropout, softmax  # noqa: E402,F401  (register the kernels)
+from . import dropout, flash_attention, softmax  # noqa: E402,F401  (register the kernels)

@@ -9,16 +9,16 @@ THREADS = 256
 
 
 def dropout_apply(x, seed, offset, p):
-    """x * keep * scale for the mask of (seed, offset, p), as a new contiguous array."""
-    cupy = backend.cupy
-    x = cupy.ascontiguousarray(x)
-    y = cupy.empty_like(x)
+    """x * keep * scale for the mask of (seed, offset, p), as a new contiguous array (the
+    array module comes from x: on host arrays the kernel runs in the test suite's emulator)."""
+    xp = backend.get_array_module(x)
+    x = xp.ascontiguousarray(x)
+    y = xp.empty_like(x)
     counters = (offset % 8 + x.size + 7) // 8                        # Philox counters covering the values
-    blocks = max(1, min(-(-counters // THREADS), 2**31 - 1))
-    scale = x.dtype.type(dropout_scale(p))
+    blocks = max(1, min(-(-counters // THREADS), 2**31 - 1))         # the kernel loops past 2^31 blocks
     function("dropout", "dropout_apply", x.dtype)(
-        (blocks,), (THREADS,), (x, y, cupy.int64(x.size), cupy.uint64(seed), cupy.uint64(offset),
-                               cupy.uint32(dropout_threshold(p)), scale))
+        (blocks,), (THREADS,), (x, y, xp.int64(x.size), xp.uint64(seed), xp.uint64(offset),
+                               xp.uint32(dropout_threshold(p)), x.dtype.type(dropout_scale(p))))
     return y
 
 
