@@ -419,8 +419,6 @@ class _Call:
 
 def flash_unsupported(q, k, v, additive=None, mask_grad=False):
     """Why the flash kernels cannot run attention on these arrays (a sentence), or None when they can."""
-    if backend.device_of(q) != "cuda":
-        return f"the flash kernels run on CUDA arrays, these are on '{backend.device_of(q)}'"
     dtypes = {str(a.dtype) for a in (q, k, v, additive) if a is not None}
     if len(dtypes) > 1 or not dtypes <= set(FLASH_DTYPES):
         return f"dtype {sorted(dtypes)}: the kernels are compiled for one of {FLASH_DTYPES}"
@@ -434,6 +432,8 @@ def flash_unsupported(q, k, v, additive=None, mask_grad=False):
         return f"{heads} (batch, head) pairs of these lengths need more than 2^31 - 1 thread blocks"
     if mask_grad:
         return "the float attn_mask requires a gradient, which the kernels do not write"
+    if backend.device_of(q) != "cuda":
+        return f"the flash kernels run on CUDA arrays, these are on '{backend.device_of(q)}'"
     return None
 
 
@@ -451,12 +451,14 @@ def _choose_path(call, return_weights, backend_name, memory_efficient, op):
         return "naive", "return_weights=True needs the (Tq, Tk) weights"
     if asked == "naive":
         return "naive", "backend='naive' was asked for"
-    flash = attention_blockwise_forward.select(call.q, call.k, call.v, None, _data(call.additive), call.causal,
-                                               call.scale, 1, None, call.mask_grad)
+    args = (call.q, call.k, call.v, None, _data(call.additive), call.causal, call.scale, 1, None, call.mask_grad)
     reason = None
-    if flash is attention_blockwise_forward.reference:
-        reason = flash_unsupported(call.q, call.k, call.v, _data(call.additive), call.mask_grad) or \
-            "autograd.kernels.reference_only() is active"
+    if attention_blockwise_forward.select(*args) is attention_blockwise_forward.reference:
+        flash, supports = attention_blockwise_forward.implementations.get(_device(call.q), (None, None))
+        if flash is not None and (supports is None or supports(*args)):
+            reason = "autograd.kernels.reference_only() is active"
+        else:
+            reason = flash_unsupported(call.q, call.k, call.v, _data(call.additive), call.mask_grad)
     if asked == "flash":
         if reason:
             raise ValueError(f"{op}: backend='flash' cannot run this call: {reason}")
