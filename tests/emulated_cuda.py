@@ -10,11 +10,13 @@ Each launch checks what a GPU would not report: the type of every argument again
 parameter (a Python int where the kernel takes an int, a float64 array where it takes float*),
 C-contiguous arrays, and writes outside an array (each array is copied between guard bytes)."""
 import ctypes
+import os
 import pathlib
 import shutil
 import subprocess
 
 import numpy as np
+import pytest
 
 from npformer.functional import cuda
 
@@ -23,6 +25,16 @@ SCALARS = {"int32": ("i", ctypes.c_int32), "int64": ("l", ctypes.c_int64), "uint
            "uint64": ("L", ctypes.c_uint64), "float32": ("f", ctypes.c_float), "float64": ("d", ctypes.c_double)}
 POINTERS = {"float32": "F", "float64": "D", "bool": "B", "int64": "X"}
 GUARD = 256  # bytes before and after every array, which the kernels must leave alone
+
+
+def build_or_skip(directory):
+    """The Emulator built in `directory`; without a C++ compiler the test is skipped (under CI it fails)."""
+    built = Emulator.build(directory)
+    if built is None:
+        if os.environ.get("CI"):
+            pytest.fail("a C++ compiler (g++) is required under CI to run the CUDA kernels' emulator")
+        pytest.skip("no C++ compiler: the CUDA emulator cannot be built")
+    return built
 
 
 class Emulator:

@@ -9,8 +9,6 @@
 - Everywhere: backend= / attention_backend (which path runs, and why flash does not apply), and
   the gradient of a float attn_mask that requires grad (naive and memory-efficient, vs torch).
 """
-import os
-
 import numpy as np
 import pytest
 
@@ -22,20 +20,12 @@ from npformer.functional import attention, composite
 from npformer.functional.attention import attention_blockwise_backward, attention_blockwise_forward
 from npformer.functional.cuda import flash_attention
 
-from emulated_cuda import Emulator
+from emulated_cuda import build_or_skip
 from test_functional import compare_runs, leaf
-
-IN_CI = bool(os.environ.get("CI"))
-
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    built = Emulator.build(tmp_path_factory.mktemp("cuda_emulator"))
-    if built is None:
-        if IN_CI:
-            pytest.fail("a C++ compiler (g++) is required under CI to run the CUDA kernels' emulator")
-        pytest.skip("no C++ compiler: the CUDA emulator cannot be built")
-    return built
+    return build_or_skip(tmp_path_factory.mktemp("cuda_emulator"))
 
 
 @pytest.fixture
