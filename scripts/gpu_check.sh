@@ -24,7 +24,7 @@ print(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
 PY
 
 echo "== 1. test suite on cuda" | log gpu_check.log
-timeout 300 $PY -m pytest -q -p no:cacheprovider -k cuda tests 2>&1 | log gpu_check.log || status=1
+timeout 420 $PY -m pytest -q -p no:cacheprovider -k cuda tests 2>&1 | log gpu_check.log || status=1
 
 echo "== 2. training-step parity with torch CUDA (float32)" | log gpu_check.log
 timeout 120 $PY scripts/gpu_parity.py 2>&1 | log gpu_check.log || status=1
