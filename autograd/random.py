@@ -209,7 +209,7 @@ def bits16(seed, offset, n, device="cpu"):
     return philox_bits16(counters, _key(int(seed)))[skip:skip + int(n)]
 
 
-def bits16_runs(seed, starts, width):
+def bits16_runs(seed: int, starts, width: int):
     """Values starts[r], ..., starts[r] + width - 1 of the stream of `seed` for every r: starts
     (R,) uint64 -> (R, width) uint16, on the device of `starts`. Draws whole counters around
     each run (at most one more than width / 8 per run) and picks the run out of them, so that a

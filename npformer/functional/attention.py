@@ -13,6 +13,7 @@ entry i of the flat (..., Tq, Tk) index is kept iff bits16(seed, offset + i) >= 
 all paths, on every device, drop the same entries for the same generator state."""
 import math
 import numbers
+from typing import Optional, Tuple
 
 from autograd import Function, Tensor, backend, is_grad_enabled, random, unbroadcast
 from autograd.kernels import kernel_table
@@ -417,7 +418,7 @@ class _Call:
             self.additive = attn_mask
 
 
-def flash_unsupported(q, k, v, additive=None, mask_grad=False):
+def flash_unsupported(q, k, v, additive=None, mask_grad: bool = False) -> Optional[str]:
     """Why the flash kernels cannot run attention on these arrays (a sentence), or None when they can."""
     dtypes = {str(a.dtype) for a in (q, k, v, additive) if a is not None}
     if len(dtypes) > 1 or not dtypes <= set(FLASH_DTYPES):
@@ -480,8 +481,9 @@ def _data(x):
     return x.data if isinstance(x, Tensor) else x
 
 
-def attention_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                      return_weights=False, backend=None, memory_efficient=False):
+def attention_backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                      scale: Optional[float] = None, *, return_weights: bool = False, backend: Optional[str] = None,
+                      memory_efficient: bool = False) -> Tuple[str, str]:
     """(path, reason): which path `scaled_dot_product_attention` takes for these arguments
     ("naive", "memory_efficient" or "flash") and why, e.g. why the flash kernels do not apply
     (the device, the dtype, a head dim they are not compiled for, a mask that needs a gradient).

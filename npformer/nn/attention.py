@@ -213,5 +213,5 @@ class MultiheadAttention(Module):
         return self.attend(q, k, v, mask, is_causal, need_weights, average_attn_weights)
 
     def extra_repr(self):
-        extra = ", rotary=True" if self.rotary else ""
+        extra = (", rotary=True" if self.rotary else "") + (f", backend={self.backend!r}" if self.backend else "")
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"

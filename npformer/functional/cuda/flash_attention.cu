@@ -30,6 +30,25 @@ template <typename T> struct FlashTile;
 template <> struct FlashTile<float>  { static constexpr int ROWS = 64, DIMS = 32, KEYS = 32; };
 template <> struct FlashTile<double> { static constexpr int ROWS = 32, DIMS = 16, KEYS = 16; };
 
+// The rows of one thread: block b owns rows [first, first + ROWS) (of Tq, or of Tk for dK/dV) of
+// (batch, head) bh, and this thread is lane g of the group of row `index`. A row past the last
+// (`count` rows in all) computes on the last row, `row`, and stores nothing: every thread runs
+// every loop and barrier.
+template <typename T, int D>
+struct Rows {
+    static constexpr int ROWS = FlashTile<T>::ROWS, G = D / FlashTile<T>::DIMS;
+    long long bh;
+    int first, index, row, g;
+    __device__ explicit Rows(int count) {
+        const int tiles = (count + ROWS - 1) / ROWS;
+        bh = blockIdx.x / tiles;
+        first = (int)(blockIdx.x % tiles) * ROWS;
+        g = threadIdx.x % G;
+        index = first + threadIdx.x / G;
+        row = index < count ? index : count - 1;
+    }
+};
+
 enum MaskKind { NO_MASK = 0, BOOL_MASK = 1, FLOAT_MASK = 2 };
 
 // The attention mask of one (batch, head), as it applies to a score S_ij.
@@ -111,12 +130,9 @@ flash_attention_forward(const T* __restrict__ q, const T* __restrict__ k, const 
     static_assert(D % DIMS == 0 && 32 % G == 0, "a row group is a power-of-two share of one warp");
     __shared__ T k_tile[KEYS * D];
     __shared__ T v_tile[KEYS * D];
-    const int tiles = (tq + ROWS - 1) / ROWS;
-    const long long bh = blockIdx.x / tiles;
-    const int first_row = (int)(blockIdx.x % tiles) * ROWS;
-    const int g = threadIdx.x % G;
-    const int i = first_row + threadIdx.x / G;
-    const int row = i < tq ? i : tq - 1;         // rows past Tq compute on the last row and store nothing
+    const Rows<T, D> rows(tq);
+    const long long bh = rows.bh;
+    const int first_row = rows.first, i = rows.index, row = rows.row, g = rows.g;
     const Mask<T> mask = mask_of(bh, mask_kind, hidden, added, mask_base, mask_stride_q, mask_stride_k, tk, causal);
     const Dropout dropout = {seed, offset, threshold};
 
@@ -189,12 +205,9 @@ flash_attention_backward_dq(const T* __restrict__ q, const T* __restrict__ k, co
     static_assert(D % DIMS == 0 && 32 % G == 0, "a row group is a power-of-two share of one warp");
     __shared__ T k_tile[KEYS * D];
     __shared__ T v_tile[KEYS * D];
-    const int tiles = (tq + ROWS - 1) / ROWS;
-    const long long bh = blockIdx.x / tiles;
-    const int first_row = (int)(blockIdx.x % tiles) * ROWS;
-    const int g = threadIdx.x % G;
-    const int i = first_row + threadIdx.x / G;
-    const int row = i < tq ? i : tq - 1;
+    const Rows<T, D> rows(tq);
+    const long long bh = rows.bh;
+    const int first_row = rows.first, i = rows.index, row = rows.row, g = rows.g;
     const long long at = (long long)bh * tq + row;                // this row in (BH, Tq)
     const Mask<T> mask = mask_of(bh, mask_kind, hidden, added, mask_base, mask_stride_q, mask_stride_k, tk, causal);
     const Dropout dropout = {seed, offset, threshold};
@@ -254,18 +267,15 @@ flash_attention_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
                               long long mask_stride_k, int tq, int tk, int causal, T scale,
                               unsigned long long seed, unsigned long long offset, unsigned int threshold,
                               T dropout_scale) {
-    constexpr int ROWS = FlashTile<T>::ROWS, DIMS = FlashTile<T>::DIMS, QUERIES = FlashTile<T>::KEYS, G = D / DIMS;
+    constexpr int DIMS = FlashTile<T>::DIMS, QUERIES = FlashTile<T>::KEYS, G = D / DIMS;
     static_assert(D % DIMS == 0 && 32 % G == 0, "a row group is a power-of-two share of one warp");
     __shared__ T q_tile[QUERIES * D];
     __shared__ T do_tile[QUERIES * D];
     __shared__ T lse_tile[QUERIES];
     __shared__ T delta_tile[QUERIES];
-    const int tiles = (tk + ROWS - 1) / ROWS;
-    const long long bh = blockIdx.x / tiles;
-    const int first_key = (int)(blockIdx.x % tiles) * ROWS;
-    const int g = threadIdx.x % G;
-    const int j = first_key + threadIdx.x / G;
-    const int key = j < tk ? j : tk - 1;                          // keys past Tk compute on the last key
+    const Rows<T, D> rows(tk);                                    // key rows
+    const long long bh = rows.bh;
+    const int first_key = rows.first, j = rows.index, key = rows.row, g = rows.g;
     const long long at = (long long)bh * tk + key;                // this key in (BH, Tk)
     const Mask<T> mask = mask_of(bh, mask_kind, hidden, added, mask_base, mask_stride_q, mask_stride_k, tk, causal);
     const Dropout dropout = {seed, offset, threshold};
