@@ -160,18 +160,23 @@ def _counter_words(counters, key, words, work):
         words[:, m] = w
 
 
+def _fill_words(counters, key, words, start, stop, chunk):
+    """words[start:stop] (uint32, 4 per counter) of counters[start:stop], `chunk` counters at a
+    time (48 bytes of temporaries per counter)."""
+    xp = backend.get_array_module(counters)
+    work = [xp.empty(min(chunk, stop - start), dtype="uint64") for _ in range(6)]
+    for lo in range(start, stop, chunk):
+        hi = min(lo + chunk, stop)
+        _counter_words(counters[lo:hi], key, words[lo:hi], [w[:hi - lo] for w in work])
+
+
 @kernel_table
 def philox_bits16(counters, key):
     """The eight 16-bit values of each counter: counters (n,) uint64 -> (8 n,) uint16, value 8 i + 2 m
     the low half of output word m of counter i and 8 i + 2 m + 1 its high half. In chunks of
-    _REFERENCE_CHUNK counters, so the temporaries stay bounded (48 bytes per counter)."""
-    xp = backend.get_array_module(counters)
-    n = counters.shape[0]
-    words = xp.empty((n, 4), dtype="uint32")
-    work = [xp.empty(min(n, _REFERENCE_CHUNK), dtype="uint64") for _ in range(6)]
-    for lo in range(0, n, _REFERENCE_CHUNK):
-        hi = min(lo + _REFERENCE_CHUNK, n)
-        _counter_words(counters[lo:hi], key, words[lo:hi], [w[:hi - lo] for w in work])
+    _REFERENCE_CHUNK counters, so the temporaries stay bounded."""
+    words = backend.get_array_module(counters).empty((counters.shape[0], 4), dtype="uint32")
+    _fill_words(counters, key, words, 0, counters.shape[0], _REFERENCE_CHUNK)
     # value 2m of a counter is the low half of word m, value 2m + 1 its high half: on a
     # little-endian machine (x86, Arm, GPUs) that is the uint16 view of the words
     return words.view("uint16").reshape(-1)
@@ -181,17 +186,9 @@ def philox_bits16(counters, key):
 def philox_bits16_cpu(counters, key):
     """Blocks of counters on the threads of `autograd.threads`, each in chunks of _CHUNK counters
     whose temporaries stay in the cache."""
-    xp = backend.get_array_module(counters)
     n = counters.shape[0]
-    words = xp.empty((n, 4), dtype="uint32")
-
-    def block(start, stop):
-        work = [xp.empty(min(_CHUNK, stop - start), dtype="uint64") for _ in range(6)]
-        for lo in range(start, stop, _CHUNK):
-            hi = min(lo + _CHUNK, stop)
-            _counter_words(counters[lo:hi], key, words[lo:hi], [w[:hi - lo] for w in work])
-
-    threads.for_rows(block, n, 4 * n, words)
+    words = backend.get_array_module(counters).empty((n, 4), dtype="uint32")
+    threads.for_rows(lambda start, stop: _fill_words(counters, key, words, start, stop, _CHUNK), n, 4 * n, words)
     return words.view("uint16").reshape(-1)
 
 
