@@ -4,8 +4,11 @@ One `.cu` file per op family in this folder, read like the reference it is teste
 (the derivation of each gradient in comments), plus shared headers (`reduce.cuh`: block
 reductions; `philox.cuh`: the dropout generator). CuPy compiles a file with NVRTC the first time
 one of its kernels runs (and caches the binary); `SOURCES` lists each file's kernels, every one
-a template instantiated for float and double. Without a GPU nothing here runs, but every source
-is compiled in the test suite (`nvrtc.py`), so a typo cannot land.
+a template instantiated for float and double (and, for the files in `TEMPLATE_ARGS`, for each
+value of a second template argument, e.g. the head dims of flash attention). Without a GPU
+nothing here runs on a GPU, but every source is compiled in the test suite (`nvrtc.py`), so a
+typo cannot land, and tests/emulated_cuda.py runs the dropout and flash-attention kernels on
+the CPU through their launchers.
 
 The Python side of each family (`softmax.py`, ...) registers its launchers with the tables,
 e.g. `@softmax_forward.register("cuda", supports=...)`; arguments the kernels do not support
