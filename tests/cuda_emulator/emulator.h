@@ -30,6 +30,7 @@
 #define __restrict__
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct uint3 { unsigned int x, y, z; };
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };

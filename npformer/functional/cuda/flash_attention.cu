@@ -8,8 +8,7 @@
 //
 // Work split: a block owns ROWS rows (query rows in the forward and the dQ kernel, key rows in
 // the dK/dV kernel) of one (batch, head). Each row belongs to a group of G = D / DIMS consecutive
-// lanes of one warp; lane g of the group holds the DIMS dimensions d G + g of the row (interleaved,
-// so that the lanes of a group read consecutive shared-memory words: no bank conflicts). A dot
+// lanes of one warp; lane g of the group holds DIMS dimensions of the row (`dim_of`). A dot
 // product over D is DIMS products per lane and a sum over the group (warp shuffles). The other
 // operand streams through shared memory in tiles of KEYS rows (keys, or queries for dK/dV), read
 // by every group of the block.
@@ -48,6 +47,16 @@ struct Rows {
         row = index < count ? index : count - 1;
     }
 };
+
+// Dimension d (0 <= d < DIMS) of lane g: the lanes hold a row in chunks of VEC = 16 bytes / sizeof(T)
+// consecutive dimensions, chunk c G + g for c = 0, 1, ... So the G lanes of a group read G
+// consecutive 16-byte chunks of a shared-memory row (one vector load each, no bank conflicts),
+// and each load feeds VEC multiply-adds.
+template <typename T, int G>
+__device__ __forceinline__ int dim_of(int d, int g) {
+    constexpr int VEC = 16 / sizeof(T);
+    return ((d / VEC) * G + g) * VEC + d % VEC;
+}
 
 enum MaskKind { NO_MASK = 0, BOOL_MASK = 1, FLOAT_MASK = 2 };
 
@@ -128,8 +137,8 @@ flash_attention_forward(const T* __restrict__ q, const T* __restrict__ k, const 
                         unsigned long long seed, unsigned long long offset, unsigned int threshold, T dropout_scale) {
     constexpr int ROWS = FlashTile<T>::ROWS, DIMS = FlashTile<T>::DIMS, KEYS = FlashTile<T>::KEYS, G = D / DIMS;
     static_assert(D % DIMS == 0 && 32 % G == 0, "a row group is a power-of-two share of one warp");
-    __shared__ T k_tile[KEYS * D];
-    __shared__ T v_tile[KEYS * D];
+    __shared__ __align__(16) T k_tile[KEYS * D];
+    __shared__ __align__(16) T v_tile[KEYS * D];
     const Rows<T, D> rows(tq);
     const long long bh = rows.bh;
     const int first_row = rows.first, i = rows.index, row = rows.row, g = rows.g;
@@ -139,7 +148,7 @@ flash_attention_forward(const T* __restrict__ q, const T* __restrict__ k, const 
     T q_row[DIMS], acc[DIMS];
     #pragma unroll
     for (int d = 0; d < DIMS; ++d) {
-        q_row[d] = q[((long long)bh * tq + row) * D + d * G + g] * scale;   // s q_i, as the reference
+        q_row[d] = q[((long long)bh * tq + row) * D + dim_of<T, G>(d, g)] * scale;   // s q_i, as the reference
         acc[d] = T(0);
     }
     T m = -infinity<T>(), l = T(0);
@@ -156,7 +165,7 @@ flash_attention_forward(const T* __restrict__ q, const T* __restrict__ k, const 
         for (int jj = 0; jj < KEYS; ++jj) {
             T dot = T(0);
             #pragma unroll
-            for (int d = 0; d < DIMS; ++d) dot += q_row[d] * k_tile[jj * D + d * G + g];
+            for (int d = 0; d < DIMS; ++d) dot += q_row[d] * k_tile[jj * D + dim_of<T, G>(d, g)];
             s[jj] = mask.apply(group_sum<G>(dot), row, k0 + jj);
             tile_max = s[jj] > tile_max ? s[jj] : tile_max;
         }
@@ -172,14 +181,14 @@ flash_attention_forward(const T* __restrict__ q, const T* __restrict__ k, const 
             l += p;                                               // before dropout
             if (p != T(0) && !dropout.keep(bh, tq, tk, row, k0 + jj)) p = T(0);   // P keep
             #pragma unroll
-            for (int d = 0; d < DIMS; ++d) acc[d] += p * v_tile[jj * D + d * G + g];
+            for (int d = 0; d < DIMS; ++d) acc[d] += p * v_tile[jj * D + dim_of<T, G>(d, g)];
         }
         m = new_max;
     }
     if (i < tq) {
         const T factor = l > T(0) ? dropout_scale / l : T(0);    // O = acc / l / (1 - p); 0 if all hidden
         #pragma unroll
-        for (int d = 0; d < DIMS; ++d) out[((long long)bh * tq + i) * D + d * G + g] = acc[d] * factor;
+        for (int d = 0; d < DIMS; ++d) out[((long long)bh * tq + i) * D + dim_of<T, G>(d, g)] = acc[d] * factor;
         if (g == 0) lse[(long long)bh * tq + i] = l > T(0) ? m + log(l) : -infinity<T>();
     }
 }
@@ -203,8 +212,8 @@ flash_attention_backward_dq(const T* __restrict__ q, const T* __restrict__ k, co
                             T dropout_scale) {
     constexpr int ROWS = FlashTile<T>::ROWS, DIMS = FlashTile<T>::DIMS, KEYS = FlashTile<T>::KEYS, G = D / DIMS;
     static_assert(D % DIMS == 0 && 32 % G == 0, "a row group is a power-of-two share of one warp");
-    __shared__ T k_tile[KEYS * D];
-    __shared__ T v_tile[KEYS * D];
+    __shared__ __align__(16) T k_tile[KEYS * D];
+    __shared__ __align__(16) T v_tile[KEYS * D];
     const Rows<T, D> rows(tq);
     const long long bh = rows.bh;
     const int first_row = rows.first, i = rows.index, row = rows.row, g = rows.g;
@@ -216,9 +225,9 @@ flash_attention_backward_dq(const T* __restrict__ q, const T* __restrict__ k, co
     T row_delta = T(0);                                           // D_i = dO_i . O_i
     #pragma unroll
     for (int d = 0; d < DIMS; ++d) {
-        q_row[d] = q[at * D + d * G + g] * scale;
-        do_row[d] = dout[at * D + d * G + g];
-        row_delta += do_row[d] * out[at * D + d * G + g];
+        q_row[d] = q[at * D + dim_of<T, G>(d, g)] * scale;
+        do_row[d] = dout[at * D + dim_of<T, G>(d, g)];
+        row_delta += do_row[d] * out[at * D + dim_of<T, G>(d, g)];
         dq_row[d] = T(0);
     }
     row_delta = group_sum<G>(row_delta);
@@ -235,20 +244,20 @@ flash_attention_backward_dq(const T* __restrict__ q, const T* __restrict__ k, co
             T dot = T(0), dpd = T(0);
             #pragma unroll
             for (int d = 0; d < DIMS; ++d) {
-                dot += q_row[d] * k_tile[jj * D + d * G + g];
-                dpd += do_row[d] * v_tile[jj * D + d * G + g];
+                dot += q_row[d] * k_tile[jj * D + dim_of<T, G>(d, g)];
+                dpd += do_row[d] * v_tile[jj * D + dim_of<T, G>(d, g)];
             }
             const T p = exp(mask.apply(group_sum<G>(dot), row, k0 + jj) - row_lse);   // P_ij
             dpd = group_sum<G>(dpd);                                                  // dPd_ij
             const bool keep = p == T(0) || dropout.keep(bh, tq, tk, row, k0 + jj);
             const T ds = p * ((keep ? dpd * dropout_scale : T(0)) - row_delta);      // dS_ij = P (dP - D)
             #pragma unroll
-            for (int d = 0; d < DIMS; ++d) dq_row[d] += ds * k_tile[jj * D + d * G + g];
+            for (int d = 0; d < DIMS; ++d) dq_row[d] += ds * k_tile[jj * D + dim_of<T, G>(d, g)];
         }
     }
     if (i < tq) {
         #pragma unroll
-        for (int d = 0; d < DIMS; ++d) dq[at * D + d * G + g] = dq_row[d] * scale;   // dQ = s dS K
+        for (int d = 0; d < DIMS; ++d) dq[at * D + dim_of<T, G>(d, g)] = dq_row[d] * scale;   // dQ = s dS K
     }
 }
 
@@ -269,8 +278,8 @@ flash_attention_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
                               T dropout_scale) {
     constexpr int DIMS = FlashTile<T>::DIMS, QUERIES = FlashTile<T>::KEYS, G = D / DIMS;
     static_assert(D % DIMS == 0 && 32 % G == 0, "a row group is a power-of-two share of one warp");
-    __shared__ T q_tile[QUERIES * D];
-    __shared__ T do_tile[QUERIES * D];
+    __shared__ __align__(16) T q_tile[QUERIES * D];
+    __shared__ __align__(16) T do_tile[QUERIES * D];
     __shared__ T lse_tile[QUERIES];
     __shared__ T delta_tile[QUERIES];
     const Rows<T, D> rows(tk);                                    // key rows
@@ -283,8 +292,8 @@ flash_attention_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
     T k_row[DIMS], v_row[DIMS], dk_row[DIMS], dv_row[DIMS];
     #pragma unroll
     for (int d = 0; d < DIMS; ++d) {
-        k_row[d] = k[at * D + d * G + g];
-        v_row[d] = v[at * D + d * G + g];
+        k_row[d] = k[at * D + dim_of<T, G>(d, g)];
+        v_row[d] = v[at * D + dim_of<T, G>(d, g)];
         dk_row[d] = dv_row[d] = T(0);
     }
     // causal: queries before the block's first key see none of its keys
@@ -305,8 +314,8 @@ flash_attention_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
             T dot = T(0), dpd = T(0);
             #pragma unroll
             for (int d = 0; d < DIMS; ++d) {
-                dot += q_tile[ii * D + d * G + g] * k_row[d];
-                dpd += do_tile[ii * D + d * G + g] * v_row[d];
+                dot += q_tile[ii * D + dim_of<T, G>(d, g)] * k_row[d];
+                dpd += do_tile[ii * D + dim_of<T, G>(d, g)] * v_row[d];
             }
             dot = group_sum<G>(dot);
             const T score = i < tq ? mask.apply(dot, i, key) : -infinity<T>();     // no row past Tq
@@ -317,16 +326,16 @@ flash_attention_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
             const T ds = p * ((keep ? dpd * dropout_scale : T(0)) - delta_tile[ii]);  // dS_ij = P (dP - D)
             #pragma unroll
             for (int d = 0; d < DIMS; ++d) {
-                dv_row[d] += pd * do_tile[ii * D + d * G + g];                      // dV_j += Pd_ij dO_i
-                dk_row[d] += ds * q_tile[ii * D + d * G + g];                       // dK_j += dS_ij s q_i
+                dv_row[d] += pd * do_tile[ii * D + dim_of<T, G>(d, g)];                      // dV_j += Pd_ij dO_i
+                dk_row[d] += ds * q_tile[ii * D + dim_of<T, G>(d, g)];                       // dK_j += dS_ij s q_i
             }
         }
     }
     if (j < tk) {
         #pragma unroll
         for (int d = 0; d < DIMS; ++d) {
-            dk[at * D + d * G + g] = dk_row[d];
-            dv[at * D + d * G + g] = dv_row[d];
+            dk[at * D + dim_of<T, G>(d, g)] = dk_row[d];
+            dv[at * D + dim_of<T, G>(d, g)] = dv_row[d];
         }
     }
 }
