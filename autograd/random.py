@@ -21,6 +21,7 @@ rounded up to a multiple of 8, so every draw starts on a fresh counter.
 """
 from . import backend, threads
 from .checks import check_int
+from .kernels import kernel_table
 
 _generators = {}
 
@@ -29,7 +30,8 @@ W0, W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments (golden ratio, sq
 ROUNDS = 10
 VALUES_PER_COUNTER = 8                   # 16-bit values per Philox call (128 bits)
 _LOW32 = 0xFFFFFFFF
-_CHUNK = 1 << 14                         # counters per chunk on the CPU (a few 100 KB of temporaries)
+_CHUNK = 1 << 14                         # counters per chunk on the CPU (temporaries in the cache)
+_REFERENCE_CHUNK = 1 << 20               # counters per chunk elsewhere (48 MB of temporaries)
 
 
 def default_rng(seed=None, device="cpu"):
@@ -96,55 +98,131 @@ class Philox:
         return {"seed": self.seed, "offset": self.offset}
 
     def load_state_dict(self, state):
-        self.seed, self.offset = int(state["seed"]) % 2**64, int(state["offset"])
+        """Continue from `state` ({"seed": int in [0, 2^64), "offset": int >= 0}); anything else
+        is a TypeError or ValueError, and the stream is left as it was."""
+        if not isinstance(state, dict) or set(state) != {"seed", "offset"}:
+            raise ValueError(f"Philox state: expected {{'seed': ..., 'offset': ...}}, got {state!r:.80}")
+        seed = check_int(state["seed"], "seed", "Philox state", at_least=0, at_most=2**64 - 1)
+        self.offset = check_int(state["offset"], "offset", "Philox state", at_least=0)
+        self.seed = seed
 
     def __repr__(self):
         return f"Philox(seed={self.seed}, offset={self.offset})"
 
 
 def philox4x32(counter, key):
-    """Philox4x32-10 of four arrays of 32-bit counter words (any integer dtype, values < 2^32)
-    under a key of two ints -> four uint64 arrays holding the 32-bit output words."""
+    """Philox4x32-10 of four 1-D arrays of 32-bit counter words (any integer dtype, values < 2^32)
+    under a key of two ints -> the four output words, uint32 arrays."""
     xp = backend.get_array_module(*counter)
-    c0, c1, c2, c3 = (xp.array(c, dtype="uint64") for c in counter)   # owned copies, updated in place
+    c0, c1, c2, c3 = (xp.asarray(c).astype("uint64") for c in counter)       # owned copies
+    work = [xp.empty_like(c0) for _ in range(4)]
+    return _philox_rounds(c0, _low(c1), c2, _low(c3), key, work)
+
+
+def _low(words):
+    """The low 32-bit halves of a uint64 array, as a (strided) uint32 view (little-endian)."""
+    return words.view("uint32")[0::2]
+
+
+def _high(words):
+    return words.view("uint32")[1::2]
+
+
+def _philox_rounds(c0, c1, c2, c3, key, work):
+    """The ten rounds on 1-D arrays: c0 and c2 uint64 holding 32-bit values (overwritten: their
+    high halves stay 0), c1 and c3 uint32 (read only), `work` four uint64 arrays of their length.
+    Returns the output words as uint32 views of c0, c2 and `work`.
+
+    Six passes per round instead of ten: the two 64-bit products go to buffers whose uint32
+    views are hi and lo (no shifts, no masks), lo1 and lo0 are the next round's c1 and c3 as
+    views (the two buffers of each product alternate between rounds), and c0 and c2 are written
+    into the low halves of 64-bit arrays that the next products read as they are."""
+    xp = backend.get_array_module(c0)
     k0, k1 = (int(k) & _LOW32 for k in key)
-    m0, m1, low, shift = xp.uint64(M0), xp.uint64(M1), xp.uint64(_LOW32), xp.uint64(32)
-    p0, p1 = xp.empty_like(c0), xp.empty_like(c0)
+    m0, m1 = xp.uint64(M0), xp.uint64(M1)
+    p0, p0_next, p1, p1_next = work
     for r in range(ROUNDS):
         if r:
             k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
-        xp.multiply(c0, m0, out=p0)           # (hi0, lo0) = M0 * c0
-        xp.multiply(c2, m1, out=p1)           # (hi1, lo1) = M1 * c2
-        xp.right_shift(p1, shift, out=c0)     # c0 = hi1 ^ c1 ^ k0
-        c0 ^= c1
+        xp.multiply(c0, m0, out=p0)                       # (hi0, lo0) = M0 * c0
+        xp.multiply(c2, m1, out=p1)                       # (hi1, lo1) = M1 * c2
+        xp.bitwise_xor(_high(p1), c1, out=_low(c0))       # c0 = hi1 ^ c1 ^ k0
         c0 ^= xp.uint64(k0)
-        xp.right_shift(p0, shift, out=c2)     # c2 = hi0 ^ c3 ^ k1
-        c2 ^= c3
+        xp.bitwise_xor(_high(p0), c3, out=_low(c2))       # c2 = hi0 ^ c3 ^ k1
         c2 ^= xp.uint64(k1)
-        xp.bitwise_and(p1, low, out=c1)       # c1 = lo1
-        xp.bitwise_and(p0, low, out=c3)       # c3 = lo0
-    return c0, c1, c2, c3
+        c1, c3 = _low(p1), _low(p0)                       # c1 = lo1, c3 = lo0
+        p0, p0_next, p1, p1_next = p0_next, p0, p1_next, p1
+    return _low(c0), c1, _low(c2), c3
+
+
+def _counter_words(counters, key, words, work):
+    """words (n, 4) uint32 <- Philox4x32-10 of the counters (n,) uint64 (counter c is the words
+    (c mod 2^32, c >> 32, 0, 0)); `work`: six uint64 arrays of length n."""
+    xp = backend.get_array_module(counters)
+    c0, c2 = work[4], work[5]
+    xp.bitwise_and(counters, xp.uint64(_LOW32), out=c0)
+    c1 = xp.right_shift(counters, xp.uint64(32)).astype("uint32")
+    c2[...] = 0
+    zero = xp.zeros(counters.shape[0], dtype="uint32")
+    for m, w in enumerate(_philox_rounds(c0, c1, c2, zero, key, work[:4])):
+        words[:, m] = w
+
+
+def _fill_words(counters, key, words, start, stop, chunk):
+    """words[start:stop] (uint32, 4 per counter) of counters[start:stop], `chunk` counters at a
+    time (48 bytes of temporaries per counter)."""
+    xp = backend.get_array_module(counters)
+    work = [xp.empty(min(chunk, stop - start), dtype="uint64") for _ in range(6)]
+    for lo in range(start, stop, chunk):
+        hi = min(lo + chunk, stop)
+        _counter_words(counters[lo:hi], key, words[lo:hi], [w[:hi - lo] for w in work])
+
+
+@kernel_table
+def philox_bits16(counters, key):
+    """The eight 16-bit values of each counter: counters (n,) uint64 -> (8 n,) uint16, value 8 i + 2 m
+    the low half of output word m of counter i and 8 i + 2 m + 1 its high half. In chunks of
+    _REFERENCE_CHUNK counters, so the temporaries stay bounded."""
+    words = backend.get_array_module(counters).empty((counters.shape[0], 4), dtype="uint32")
+    _fill_words(counters, key, words, 0, counters.shape[0], _REFERENCE_CHUNK)
+    # value 2m of a counter is the low half of word m, value 2m + 1 its high half: on a
+    # little-endian machine (x86, Arm, GPUs) that is the uint16 view of the words
+    return words.view("uint16").reshape(-1)
+
+
+@philox_bits16.register("cpu")
+def philox_bits16_cpu(counters, key):
+    """Blocks of counters on the threads of `autograd.threads`, each in chunks of _CHUNK counters
+    whose temporaries stay in the cache."""
+    n = counters.shape[0]
+    words = backend.get_array_module(counters).empty((n, 4), dtype="uint32")
+    threads.for_rows(lambda start, stop: _fill_words(counters, key, words, start, stop, _CHUNK), n, 4 * n, words)
+    return words.view("uint16").reshape(-1)
+
+
+def _key(seed):
+    return seed & _LOW32, (seed >> 32) & _LOW32
 
 
 def bits16(seed, offset, n, device="cpu"):
-    """Values offset, ..., offset + n - 1 (uint16, shape (n,)) of the stream of `seed`.
-    On the CPU, blocks of counters run on the threads of `autograd.threads`."""
+    """Values offset, ..., offset + n - 1 (uint16, shape (n,)) of the stream of `seed`, on `device`."""
     xp = backend.module_for(device)
     first = int(offset) // VALUES_PER_COUNTER
     skip = int(offset) - first * VALUES_PER_COUNTER
     count = -(-(skip + int(n)) // VALUES_PER_COUNTER)                   # counters covering the range
-    words = xp.empty((count, 4), dtype="uint32")                        # 4 output words per counter
-    key = (seed & _LOW32, (seed >> 32) & _LOW32)
+    counters = xp.arange(first, first + count, dtype="uint64")
+    return philox_bits16(counters, _key(int(seed)))[skip:skip + int(n)]
 
-    def block(start, stop):
-        for lo in range(start, stop, _CHUNK):                           # chunks whose temporaries stay in cache
-            hi = min(lo + _CHUNK, stop)
-            index = xp.arange(first + lo, first + hi, dtype="uint64")
-            zero = xp.zeros(hi - lo, dtype="uint64")
-            for m, w in enumerate(philox4x32((index & xp.uint64(_LOW32), index >> xp.uint64(32), zero, zero), key)):
-                words[lo:hi, m] = w
 
-    threads.for_rows(block, count, 4 * count, words)
-    # value 2m of a counter is the low half of word m, value 2m + 1 its high half: on a
-    # little-endian machine (x86, Arm, GPUs) that is the uint16 view of the words
-    return words.view("uint16").reshape(-1)[skip:skip + int(n)]
+def bits16_runs(seed: int, starts, width: int):
+    """Values starts[r], ..., starts[r] + width - 1 of the stream of `seed` for every r: starts
+    (R,) uint64 -> (R, width) uint16, on the device of `starts`. Draws whole counters around
+    each run (at most one more than width / 8 per run) and picks the run out of them, so that a
+    tile of a bigger mask is drawn alone, from the flat indices of its entries."""
+    xp = backend.get_array_module(starts)
+    per_run = -(-(int(width) + VALUES_PER_COUNTER - 1) // VALUES_PER_COUNTER)   # covers any skip < 8
+    first = starts // xp.uint64(VALUES_PER_COUNTER)                              # (R,)
+    counters = first[:, None] + xp.arange(per_run, dtype="uint64")              # (R, per_run)
+    values = philox_bits16(counters.reshape(-1), _key(int(seed))).reshape(starts.shape[0], -1)
+    skip = (starts - first * xp.uint64(VALUES_PER_COUNTER)).astype("int64")     # (R,) in [0, 8)
+    return xp.take_along_axis(values, skip[:, None] + xp.arange(int(width)), axis=1)

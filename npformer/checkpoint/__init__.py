@@ -44,29 +44,44 @@ def _model_device(model):
 
 
 def _rng_state(devices):
-    """{"cpu": bit generator state} of the host's global generator. CuPy's generator exposes
-    no portable state: after resuming on "cuda" (or "test", which stands in for it) the dropout
-    stream differs from an uninterrupted run (everything else is restored)."""
-    return {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
+    """{"cpu": bit generator state} of the host's global generator (the initialisers; CuPy's
+    generator exposes no portable state), and {"dropout": {"seed", "offset"}}: the dropout
+    stream's two ints, so that a resumed run draws the masks of an uninterrupted one, on any device."""
+    state = {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
+    state["dropout"] = random.dropout_stream().state_dict()
+    return state
+
+
+def _dropout_state(state, path):
+    """The saved dropout stream state, checked by loading it into a scratch stream."""
+    try:
+        random.Philox().load_state_dict(state)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: metadata rng/dropout: {e}") from e
+    return dict(state)
 
 
 def _rng_generators(states, path):
-    """{device: bit generator} set to the states of a checkpoint's `rng` entry, each checked."""
+    """({device: bit generator} set to the states of a checkpoint's `rng` entry, the dropout
+    stream's state or None), each checked."""
     if not isinstance(states, dict):
         raise CheckpointError(f"{path}: metadata rng: expected a dict, got {type(states).__name__}")
-    generators = {}
+    generators, dropout = {}, None
     for device, state in states.items():
-        if device != "cpu":
+        if device == "dropout":
+            dropout = _dropout_state(state, path)
+        elif device == "cpu":
+            generators[device] = bit_generator(state, f"{path}: metadata rng/{device}")
+        else:
             raise CheckpointError(f"{path}: metadata rng/{device}: unknown generator (a checkpoint holds the "
-                                  "'cpu' one)")
-        generators[device] = bit_generator(state, f"{path}: metadata rng/{device}")
-    return generators
+                                  "'cpu' one and the dropout stream)")
+    return generators, dropout
 
 
 def _prepare_rng_restore(states, path):
-    """The function that sets the global generators to `states` (it cannot fail), after checking
-    that each state fits its generator."""
-    generators = _rng_generators(states, path)
+    """The function that sets the global generators and the dropout stream to `states` (it
+    cannot fail), after checking that each state fits its generator."""
+    generators, dropout = _rng_generators(states, path)
     for device, generator in generators.items():
         own = random.global_rng(device).bit_generator
         if type(generator) is not type(own):
@@ -76,6 +91,8 @@ def _prepare_rng_restore(states, path):
     def restore():
         for device, generator in generators.items():
             random.global_rng(device).bit_generator.state = generator.state
+        if dropout is not None:  # files written before the Philox stream have none
+            random.dropout_stream().load_state_dict(dropout)
 
     return restore
 

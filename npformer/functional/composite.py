@@ -9,7 +9,7 @@ from autograd import Tensor, concatenate, where
 from autograd.checks import check_real, check_shape
 
 from . import _erf as formulas
-from .activation import TANH_C, TANH_K, dropout_mask
+from .activation import TANH_C, TANH_K, dropout_mask, dropout_scale
 from .attention import _lead_shape, _prepare_mask, causal_blocked
 from ._common import _twins, on_device_of
 
@@ -55,10 +55,8 @@ def dropout(input, p=0.5, training=True, generator=None):
     p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
-    if p == 1.0:
-        return x * 0.0
-    keep = dropout_mask(x.shape, p, x.device, generator)
-    return x * Tensor(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+    keep = dropout_mask(x.shape, p, x.device, generator)     # the same values of the same stream as F.dropout
+    return x * Tensor(keep.astype(x.dtype) * dropout_scale(p))
 
 
 def _stable_shift(x, dim):
@@ -128,7 +126,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, *, return_weights=False, memory_efficient=False,
+                                 scale=None, *, return_weights=False, backend=None, memory_efficient=False,
                                  block_size=512, generator=None):
     q, k, v = _tensor(query), _tensor(key), _tensor(value)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -136,8 +134,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     score_shape = lead + (q.shape[-2], k.shape[-2])
     scores = (q @ k.swapaxes(-1, -2)) * scale
     blocked, additive = _prepare_mask(attn_mask, q.data, score_shape)
-    if additive is not None:
-        scores = scores + Tensor(additive)
+    if additive is not None:  # a mask Tensor that requires grad gets it from the tape
+        mask_grad = isinstance(attn_mask, Tensor) and attn_mask.requires_grad
+        scores = scores + (attn_mask if mask_grad else Tensor(additive))
     if is_causal:
         causal = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2])
         blocked = causal if blocked is None else blocked | causal
@@ -145,11 +144,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         scores = where(blocked, -math.inf, scores)
     probs = softmax(scores, dim=-1)
     dropout_p = check_real(dropout_p, "dropout_p", "scaled_dot_product_attention", at_least=0, at_most=1)
-    if dropout_p == 1.0:
-        probs = probs * 0.0
-    elif dropout_p > 0:
-        keep = dropout_mask(score_shape, dropout_p, q.device, generator)
-        probs = probs * Tensor(keep.astype(q.dtype) * (1.0 / (1.0 - dropout_p)))
+    if dropout_p > 0:  # the mask of the dropout contract over (..., Tq, Tk), as on every path
+        keep = dropout_mask(score_shape, dropout_p, q.device, generator, "scaled_dot_product_attention")
+        probs = probs * Tensor(keep.astype(q.dtype) * dropout_scale(dropout_p))
     out = probs @ v
     return (out, probs) if return_weights else out
 
