@@ -270,7 +270,8 @@ class _OnTestDevice:
             if self._name.startswith("numpy.random."):
                 _refuse_during_capture(f"{self._name}: a generator's draws would repeat at every replay (its state "
                                        "is host memory); draw from a Philox stream, autograd.random.Philox.draw")
-            written = [kwargs["out"]] if "out" in kwargs else []
+            has_out = kwargs.get("out") is not None
+            written = [kwargs["out"]] if has_out else []
             if args and (self._name in self._WRITES_FIRST_ARGUMENT or at):
                 written.append(args[0])
             _before_write(*written)
@@ -283,7 +284,7 @@ class _OnTestDevice:
             if self._name.endswith((".empty", ".empty_like")):  # allocations run no kernel
                 _allocated(result)
             else:
-                produced = result if isinstance(result, (numpy.ndarray, tuple)) and "out" not in kwargs else None
+                produced = result if isinstance(result, (numpy.ndarray, tuple)) and not has_out else None
                 _record(run, produced)
         return result
 

@@ -325,7 +325,7 @@ class Trainer:
     def state_dict(self):
         """Step, history, the data's position and every rank's random stream (the model,
         optimizer and scheduler have their own state dicts). Collective with several ranks."""
-        rng = random.global_rng("cpu").bit_generator.state
+        rng = {"cpu": random.global_rng("cpu").bit_generator.state, "dropout": random.dropout_stream().state_dict()}
         state = {"step": self.step, "history": self.history, "world_size": self.group.size,
                  "rank_rng": self.group.gather_object(rng)}
         if hasattr(self.data, "state_dict"):
@@ -348,9 +348,12 @@ class Trainer:
         if saved_rngs is not None:
             if not isinstance(saved_rngs, list):
                 raise ValueError(f"rank_rng: expected a list, got {type(saved_rngs).__name__}")
-            trial = type(random.global_rng("cpu").bit_generator)()
+            trial, stream = type(random.global_rng("cpu").bit_generator)(), random.Philox()
             for saved in saved_rngs:
-                trial.state = saved
+                if not isinstance(saved, dict) or set(saved) != {"cpu", "dropout"}:
+                    raise ValueError(f"rank_rng: expected {{'cpu': ..., 'dropout': ...}} per rank, got {saved!r:.80}")
+                trial.state = saved["cpu"]
+                stream.load_state_dict(saved["dropout"])
 
         def apply():
             self.step, self.history = step, state["history"]
@@ -365,8 +368,9 @@ class Trainer:
         return [("data", self.data)] if hasattr(self.data, "load_state_dict") else []
 
     def _restore_rank_rng(self, saved_rngs):
-        if saved_rngs and len(saved_rngs) == self.group.size:  # same ranks: each continues its stream
-            random.global_rng("cpu").bit_generator.state = saved_rngs[self.group.rank]
+        if saved_rngs and len(saved_rngs) == self.group.size:  # same ranks: each continues its streams
+            random.global_rng("cpu").bit_generator.state = saved_rngs[self.group.rank]["cpu"]
+            random.dropout_stream().load_state_dict(saved_rngs[self.group.rank]["dropout"])
         elif self.group.size > 1:  # another number of ranks: new independent streams
             split_random_streams(self.group)
 

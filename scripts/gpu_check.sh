@@ -78,7 +78,7 @@ if [ "$DRY" = 1 ]; then
     $PY "$1" --help 2>/dev/null | grep -q -- "$2" && echo "-- $1 has $2" | log || echo "-- $1 lacks $2 (that piece would fail)" | log
   done
 else
-  run environment 60 $PY - <<'PY'
+  run environment 30 $PY - <<'PY'
 import cupy, numpy, torch
 print("numpy", numpy.__version__, "cupy", cupy.__version__, "torch", torch.__version__,
       "GPUs", cupy.cuda.runtime.getDeviceCount(), "torch.cuda", torch.cuda.is_available())
@@ -91,15 +91,15 @@ PY
   fi
 fi
 
-run "1. test suite: cuda cases" 150 $PY -m pytest -q -p no:cacheprovider -k cuda tests
-needs scripts/gpu_parity.py && run "2. training-step parity with torch CUDA (float32)" 45 $PY scripts/gpu_parity.py
+run "1. test suite: cuda cases" 130 $PY -m pytest -q -p no:cacheprovider -k cuda tests
+needs scripts/gpu_parity.py && run "2. training-step parity with torch CUDA (float32)" 35 $PY scripts/gpu_parity.py
 for config in base paper; do
-  needs benchmarks/train_step.py && run "3. ms/step $config: ours eager, ours graphed, torch CUDA eager" 45 \
+  needs benchmarks/train_step.py && run "3. ms/step $config: ours eager, ours graphed, torch CUDA eager" 40 \
     $PY benchmarks/train_step.py --config "$config" --device cuda --steps 10 --no-memory
 done
-needs benchmarks/attention.py && run "4. attention at T = 1024, 4096, 16384" 40 \
-  $PY benchmarks/attention.py --device cuda --lengths 1024 4096 16384 --repeats 3
-needs demos/reverse.py && run "5. reversal demo on cuda (default preset)" 60 \
+needs benchmarks/attention.py && run "4. attention at T = 1024, 4096, 16384: flash vs torch SDPA" 50 \
+  $PY benchmarks/attention.py --device cuda --lengths 1024 4096 16384 --impls ours-flash torch --repeats 3 --timeout 20
+needs demos/reverse.py && run "5. reversal demo on cuda (default preset)" 45 \
   $PY demos/reverse.py --device cuda --out "$OUTDIR/reverse" --no-plots --quiet
 
 echo "== elapsed $((SECONDS - START))s of a ${BUDGET}s budget" | log

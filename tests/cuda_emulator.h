@@ -2,14 +2,16 @@
 // that their indexing, loops, block reductions and launch arguments are tested on machines
 // without a GPU (tests/cuda_emulator.py builds and drives it; tests/test_kernels_emulated.py).
 //
-// Every CUDA thread of a block is a fiber (ucontext) on one OS thread. A block runs its fibers in
-// turn; a fiber runs until it reaches a barrier (__syncthreads, a warp shuffle) or returns. When
-// every fiber has arrived at the same barrier, the next phase starts, so a block behaves like a
-// GPU block whose threads meet at each barrier. Stricter than a GPU on purpose: every thread of
-// the block must take part in every barrier and every shuffle (a kernel whose threads leave while
-// others wait, or that mixes barriers, is reported), which is how npformer's kernels are written.
-// Blocks run one after the other, so `__shared__` variables are function statics and atomics are
-// plain read-modify-writes. Math comes from <cmath> (float overloads for float arguments).
+// Every CUDA thread of a block is a fiber (ucontext) on one OS thread. A fiber runs until it
+// reaches a barrier: __syncthreads() (the whole block) or a warp shuffle (its warp), or returns.
+// When every fiber is blocked, the warps whose lanes all wait at a shuffle are released, else the
+// block barrier once every thread waits there. The fibers run in an order drawn anew from `seed`
+// for every round, so a missing barrier (a thread reading shared memory before another wrote it,
+// or overwriting it before another read it) gives wrong results for some seeds. Reported as
+// errors: threads that return while others wait at a barrier, a shuffle that not every lane of
+// the warp reaches, a deadlock. Blocks run one after the other, so `__shared__` variables are
+// function statics and atomics are plain read-modify-writes. Math comes from <cmath> (float
+// overloads for float arguments).
 #pragma once
 #include <ucontext.h>
 
@@ -29,6 +31,7 @@
 #define __forceinline__ inline
 #define __shared__ static
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 
 struct dim3 {
     unsigned int x = 1, y = 1, z = 1;
@@ -71,6 +74,7 @@ struct Fiber {
 };
 
 constexpr size_t STACK_BYTES = 256 * 1024;
+inline unsigned long long seed = 0;            // the order of the fibers in each round (emu_set_seed)
 inline ucontext_t scheduler;
 inline std::vector<Fiber> fibers;
 inline std::vector<std::vector<char>> stacks;
@@ -100,11 +104,24 @@ inline void entry() {
     fibers[current].state = DONE;  // returns to uc_link, the scheduler
 }
 
+// xorshift64*: the permutations of the rounds
+inline unsigned long long next_random(unsigned long long& state) {
+    state ^= state >> 12; state ^= state << 25; state ^= state >> 27;
+    return state * 2685821657736338717ull;
+}
+
+inline bool block_error(const std::string& what) {
+    error = what + " (block " + std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + ", " +
+            std::to_string(blockIdx.z) + ")";
+    return false;
+}
+
 // Runs one block of `threads` fibers to completion; false (and `error`) when it goes wrong.
-inline bool run_block(int threads) {
+inline bool run_block(int threads, unsigned long long block_seed) {
     fibers.resize(threads);
     if (stacks.size() < size_t(threads)) stacks.resize(threads);
     exchange.assign(16 * size_t(threads), 0);
+    std::vector<int> order(threads);
     for (int i = 0; i < threads; ++i) {
         Fiber& f = fibers[i];
         if (stacks[i].empty()) stacks[i].resize(STACK_BYTES);
@@ -117,37 +134,45 @@ inline bool run_block(int threads) {
         f.context.uc_stack.ss_size = STACK_BYTES;
         f.context.uc_link = &scheduler;
         makecontext(&f.context, entry, 0);
+        order[i] = i;
     }
+    unsigned long long random = block_seed * 0x9E3779B97F4A7C15ull + 1;
     for (;;) {
-        for (int i = 0; i < threads; ++i) {
-            if (fibers[i].state == DONE) continue;
+        for (int i = threads - 1; i > 0; --i) std::swap(order[i], order[next_random(random) % (i + 1)]);
+        for (int i : order) {
+            if (fibers[i].state != RUNNING) continue;
             current = i;
             threadIdx = fibers[i].thread;
-            fibers[i].state = RUNNING;
             swapcontext(&scheduler, &fibers[i].context);
             if (fibers[i].state == FAILED) return false;
         }
-        int done = 0, waiting = 0, kind = 0;
-        bool mixed = false;
+        int done = 0, at_block = 0;
         for (const Fiber& f : fibers) {
-            if (f.state == DONE) ++done;
-            else {
-                ++waiting;
-                if (kind && f.barrier != kind) mixed = true;
-                kind = f.barrier;
-            }
+            done += f.state == DONE;
+            at_block += f.state == AT_BARRIER && f.barrier == SYNCTHREADS;
         }
-        if (!waiting) return true;
-        if (done) {
-            error = std::to_string(done) + " threads of block (" + std::to_string(blockIdx.x) + ", " +
-                    std::to_string(blockIdx.y) + ", " + std::to_string(blockIdx.z) + ") returned while " +
-                    std::to_string(waiting) + " wait at a " + (kind == SHUFFLE ? "warp shuffle" : "__syncthreads");
-            return false;
+        if (done == threads) return true;
+        bool released = false;
+        for (int first = 0; first < threads; first += 32) {   // warps whose lanes all wait at a shuffle
+            const int last = std::min(threads, first + 32);
+            int at_shuffle = 0;
+            for (int i = first; i < last; ++i) at_shuffle += fibers[i].state == AT_BARRIER && fibers[i].barrier == SHUFFLE;
+            if (!at_shuffle) continue;
+            if (at_shuffle != last - first)
+                return block_error("a warp shuffle that not every lane of warp " + std::to_string(first / 32) +
+                                   " reaches (" + std::to_string(at_shuffle) + " of " + std::to_string(last - first) + ")");
+            for (int i = first; i < last; ++i) fibers[i].state = RUNNING;
+            released = true;
         }
-        if (mixed) {
-            error = "the threads of a block wait at different barriers (__syncthreads and warp shuffles mixed)";
-            return false;
+        if (released) continue;
+        if (at_block == threads) {                              // then the block barrier
+            for (Fiber& f : fibers) f.state = RUNNING;
+            continue;
         }
+        if (at_block && done)
+            return block_error(std::to_string(done) + " threads returned while " + std::to_string(at_block) +
+                               " wait at __syncthreads");
+        return block_error("a deadlock: no barrier can be released");
     }
 }
 
@@ -166,17 +191,18 @@ inline bool launch(dim3 grid, dim3 block, std::function<void()> kernel) {
     body = std::move(kernel);
     gridDim = grid;
     blockDim = block;
+    unsigned long long index = 0;
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
-                if (!run_block(int(threads))) return false;
+                if (!run_block(int(threads), seed + index++)) return false;
             }
     return true;
 }
 
-// A warp shuffle: every thread leaves its value, the block meets, each reads its source lane's
-// value, the block meets again (so the slots can be reused).
+// A warp shuffle: every lane leaves its value, the warp meets, each reads its source lane's value,
+// the warp meets again (so the slots can be reused).
 template <typename T>
 inline T shuffle(T value, int source_lane_of_warp) {
     static_assert(sizeof(T) <= 16, "shuffle of a value wider than 16 bytes");
@@ -272,6 +298,7 @@ template <typename T> inline T atomicExch(T* address, T value) { T old = *addres
     extern "C" size_t emu_param_size(int i, int j) { return emulated_entries[i].sizes[j]; }       \
     extern "C" const char* emu_param_types(int i) { return emulated_entries[i].types; }           \
     extern "C" const char* emu_error() { return emu::error.c_str(); }                             \
+    extern "C" void emu_set_seed(unsigned long long s) { emu::seed = s; }                         \
     extern "C" int emu_launch(int i, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, \
                               unsigned bz, void** params) {                                       \
         return emulated_entries[i].launch(dim3{gx, gy, gz}, dim3{bx, by, bz}, params) ? 0 : 1;    \

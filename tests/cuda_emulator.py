@@ -1,8 +1,13 @@
 """Run npformer's CUDA kernels on the CPU (tests/cuda_emulator.h): a .cu source compiled with g++
-against the emulator, its kernels launched through ctypes with CuPy's argument rules.
+against the emulator, its kernels launched through ctypes with CuPy's argument rules, so that the
+launchers of npformer.functional.cuda run unchanged on host arrays (their array module comes from
+the data):
 
-    with emulated_kernels(monkeypatch):          # npformer.functional.cuda.function -> the emulator
+    with emulated_kernels(monkeypatch):          # npformer.functional.cuda's loader -> the emulator
         y = layer_norm_forward_cuda(x, w, b, 1e-5)  # numpy arrays in, the real launcher and kernel run
+
+    emulator = build_or_skip()                    # or an Emulator: .function(source, kernel, dtype, extra),
+    monkeypatch.setattr(flash_attention, "function", emulator.function)   # .launches, .seed
 
 Arguments follow CuPy's RawKernel conventions: an array passes its pointer, a numpy scalar its
 bytes, a Python int a long long, a float a double, a bool a bool; each is checked against the type
@@ -21,6 +26,7 @@ import subprocess
 import tempfile
 
 import numpy as np
+import pytest
 
 from npformer.functional import cuda
 
@@ -37,7 +43,11 @@ def compiler():
 
 
 class LaunchError(RuntimeError):
-    """The emulator refused a launch (bad arguments, divergent barriers, out-of-bounds writes)."""
+    """The emulator refused a launch (divergent barriers, a deadlock, writes out of an array)."""
+
+
+class ArgumentError(LaunchError, TypeError):
+    """An argument that does not fit its kernel parameter (CuPy would pass it without a word)."""
 
 
 class Module:
@@ -66,10 +76,11 @@ class Module:
         self.lib.emu_error.restype = ctypes.c_char_p
         self.lib.emu_param_size.restype = ctypes.c_size_t
         self.lib.emu_param_types.restype = ctypes.c_char_p
+        self.lib.emu_set_seed.argtypes = [ctypes.c_ulonglong]
         self.kernels = {self.lib.emu_name(i).decode().replace(" ", ""): i for i in range(self.lib.emu_count())}
 
-    def get_function(self, name):
-        return Kernel(self, self.kernels[name.replace(" ", "")], name)
+    def get_function(self, name, symbol=None, emulator=None):
+        return Kernel(self, self.kernels[name.replace(" ", "")], name, symbol or name, emulator)
 
 
 def _dims(d):
@@ -78,20 +89,19 @@ def _dims(d):
 
 
 class Kernel:
-    def __init__(self, module, index, name):
-        self.lib, self.index, self.name = module.lib, index, name
+    def __init__(self, module, index, name, symbol, emulator=None):
+        self.lib, self.index, self.name, self.symbol, self.emulator = module.lib, index, name, symbol, emulator
         self.sizes = [self.lib.emu_param_size(index, j) for j in range(self.lib.emu_params(index))]
         self.types = self.lib.emu_param_types(index).decode()
-        self.launches = 0
 
     def __call__(self, grid, block, args, shared_mem=0):
         if len(args) != len(self.sizes):
-            raise LaunchError(f"{self.name}: {len(args)} arguments for {len(self.sizes)} parameters")
+            raise ArgumentError(f"{self.name}: {len(args)} arguments for {len(self.sizes)} parameters")
         buffers, guarded = [], []
         for j, (a, code) in enumerate(zip(args, self.types)):
             if isinstance(a, np.ndarray):
                 if not a.flags.c_contiguous:
-                    raise LaunchError(f"{self.name}: argument {j} is not C-contiguous (shape {a.shape}, strides "
+                    raise ArgumentError(f"{self.name}: argument {j} is not C-contiguous (shape {a.shape}, strides "
                                       f"{a.strides}): a kernel would read it as if it were")
                 given = POINTER_CODES.get(str(a.dtype), "?array")
                 padded = np.full(a.nbytes + 2 * GUARD, GUARD_BYTE, dtype=np.uint8)
@@ -108,33 +118,69 @@ class Kernel:
                 elif isinstance(a, float):
                     given, raw = "d", np.float64(a).tobytes()
                 else:
-                    raise LaunchError(f"{self.name}: argument {j} has type {type(a).__name__}, which CuPy cannot pass")
+                    raise ArgumentError(f"{self.name}: argument {j} has type {type(a).__name__}, which CuPy cannot pass")
                 value = ctypes.create_string_buffer(raw, len(raw))
             if given != code and not (given == "null" and code.isupper()):
-                raise LaunchError(f"{self.name}: argument {j} is a {type(a).__name__}"
+                raise ArgumentError(f"{self.name}: argument {j} is a {type(a).__name__}"
                                   f"{' of ' + str(a.dtype) if hasattr(a, 'dtype') else ''} (type code {given!r}) for a "
                                   f"parameter of type code {code!r} ({self.sizes[j]} bytes; see TypeCode in "
                                   "cuda_emulator.h)")
             buffers.append(value)
         params = (ctypes.c_void_p * max(1, len(buffers)))(*[ctypes.addressof(b) for b in buffers])
+        self.lib.emu_set_seed(self.emulator.seed if self.emulator is not None else 0)
         if self.lib.emu_launch(self.index, *_dims(grid), *_dims(block), params):
             raise LaunchError(f"{self.name}: {self.lib.emu_error().decode()}")
-        self.launches += 1
+        if self.emulator is not None:
+            self.emulator.launches.append((self.symbol, _dims(grid)[0], _dims(block)[0]))
         for a, padded in guarded:
             if (padded[:GUARD] != GUARD_BYTE).any() or (padded[GUARD + a.nbytes:] != GUARD_BYTE).any():
                 raise LaunchError(f"{self.name}: a write past the end of an argument of shape {a.shape}")
-            if a.size:
+            if not a.size:
+                continue
+            if a.flags.writeable:
                 a.reshape(-1).view(np.uint8)[...] = padded[GUARD:GUARD + a.nbytes]
+            elif (a.reshape(-1).view(np.uint8) != padded[GUARD:GUARD + a.nbytes]).any():
+                raise LaunchError(f"{self.name}: a write into a read-only argument of shape {a.shape}")
 
 
 _modules = {}
 
 
-def load(source, kernel, dtype):
-    """Drop-in for npformer.functional.cuda's loader: the emulated `kernel<T>` of `source`.cu."""
+def _module(source):
     if source not in _modules:
         _modules[source] = Module(source)
-    return _modules[source].get_function(f"{kernel}<{cuda.CTYPES[str(dtype)]}>")
+    return _modules[source]
+
+
+def load(source, kernel, dtype, extra=None):
+    """Drop-in for npformer.functional.cuda's loader: the emulated `kernel<T>` (or `kernel<T, extra>`)
+    of `source`.cu."""
+    return _module(source).get_function(cuda.instance(kernel, cuda.CTYPES[str(dtype)], extra))
+
+
+class Emulator:
+    """The emulator as a loader with a record: `function(source, kernel, dtype, extra=None)` (the
+    signature of npformer.functional.cuda.function) returns the emulated kernel; each launch is
+    appended to `launches` as (kernel_ctype[_extra], blocks, threads); `seed` orders the threads of
+    every round (tests set it to look for missing barriers)."""
+
+    def __init__(self, seed=0):
+        self.seed, self.launches = seed, []
+
+    def function(self, source, kernel, dtype, extra=None):
+        ctype = cuda.CTYPES[str(dtype)]
+        symbol = f"{kernel}_{ctype}" + (f"_{extra}" if extra is not None else "")
+        return _module(source).get_function(cuda.instance(kernel, ctype, extra), symbol, self)
+
+
+def build_or_skip(directory=None):
+    """An Emulator; without a C++ compiler the test is skipped (under CI it fails). `directory` is
+    not needed (the compiled sources are cached in the temporary directory by content)."""
+    if compiler() is None:
+        if os.environ.get("CI"):
+            pytest.fail("a C++ compiler (g++) is required under CI to run the CUDA kernels' emulator")
+        pytest.skip("no C++ compiler: the CUDA emulator cannot be built")
+    return Emulator()
 
 
 @contextlib.contextmanager

@@ -12,11 +12,11 @@ import autograd
 import npformer.functional as F
 from autograd import Tensor, backend, kernels, random
 from npformer import optim
-from npformer.functional.activation import bias_activation_backward, bias_activation_forward
+from npformer.functional.activation import bias_activation_backward, bias_activation_forward, dropout_backward
 from npformer.functional.embedding import scatter_add_rows
 from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
 from npformer.functional.normalization import layer_norm_backward, layer_norm_forward
-from npformer.functional.residual import dropout_add_forward, dropout_backward
+from npformer.functional.residual import dropout_add_forward
 from npformer.functional.softmax import log_softmax_backward, log_softmax_forward, softmax_backward, softmax_forward
 from npformer.optim.optimizer import AdamSettings, adam_update
 
@@ -92,9 +92,9 @@ def test_activation_dropout_embedding_adam_kernels_equal_their_references(kind, 
     (y, saved), (y_ref, saved_ref) = both(bias_activation_forward, x, bias, kind)
     close(y, y_ref, dtype, 1, 10)
     close(*both(bias_activation_backward, dy, saved_ref, kind), dtype, 1, 10)
-    draw = random.PhiloxDraw(2**50 + 1, 8 * 2**32)
-    np.testing.assert_array_equal(*(backend.as_numpy(y) for y, _ in both(dropout_add_forward, x, dy, 0.3, draw)))
-    np.testing.assert_array_equal(*map(backend.as_numpy, both(dropout_backward, dy, 0.3, draw)))
+    stream = (2**50 + 1, 8 * 2**32, 0.3)                            # seed, offset, p
+    np.testing.assert_array_equal(*(backend.as_numpy(y) for y, _ in both(dropout_add_forward, x, dy, *stream)))
+    np.testing.assert_array_equal(*map(backend.as_numpy, both(dropout_backward, dy, None, *stream)))
     if x.size:
         ids = backend.to_device(rng.integers(0, 4, shape[0]), "cuda")
         close(*both(scatter_add_rows, ids, x, 4), dtype, shape[0], 4)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import cuda_emulator
-from autograd import random
-from npformer.functional.activation import bias_activation_backward, bias_activation_forward
+from npformer.functional.activation import (bias_activation_backward, bias_activation_forward, dropout_backward,
+                                            dropout_forward)
 from npformer.functional.embedding import scatter_add_rows
 from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
 from npformer.functional.normalization import layer_norm_backward, layer_norm_forward
-from npformer.functional.residual import dropout_add_forward, dropout_backward
+from npformer.functional.residual import dropout_add_forward
 from npformer.functional.softmax import (log_softmax_backward, log_softmax_forward, softmax_backward,
                                          softmax_forward)
 from npformer.optim.optimizer import AdamSettings, adam_update
@@ -160,19 +160,22 @@ def test_bias_activation_kernels(kind, dtype, shape, with_bias, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("size", [1, 7, 8, 1003])
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.999])
-def test_dropout_add_kernels_draw_the_reference_mask_exactly(size, p, dtype, rng):
-    """The mask drawn in the kernel is the reference's, bit for bit, at offsets past 2^32 counters
-    too, and from a device (seed, base) state as under graph capture."""
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.999, 1.0])
+def test_dropout_kernels_draw_the_reference_mask_exactly(size, p, dtype, rng):
+    """The masks drawn in the kernels are the reference's, bit for bit, at offsets past 2^32 counters
+    and not multiples of 8, and from a device (seed, base) state as under graph capture."""
     x = rng.standard_normal((size,)).astype(dtype)
     residual = rng.standard_normal((size,)).astype(dtype)
     dy = rng.standard_normal((size,)).astype(dtype)
     state = np.array([2**63 + 5, 8 * 2**33], dtype=np.uint64)
-    for draw in (random.PhiloxDraw(123456789012345, 8 * 2**32 + 16), random.PhiloxDraw(0, 24, state)):
-        y, keep = cuda(dropout_add_forward, x, residual, p, draw)
+    for seed, offset, st in ((123456789012345, 8 * 2**32 + 16, None), (5, 8 * 2**32 + 3, None), (0, 24, state)):
+        y, keep = cuda(dropout_add_forward, x, residual, seed, offset, p, st)
         assert keep is None                                           # drawn again in backward
-        np.testing.assert_array_equal(y, dropout_add_forward.reference(x, residual, p, draw)[0])
-        np.testing.assert_array_equal(cuda(dropout_backward, dy, p, draw), dropout_backward.reference(dy, p, draw))
+        np.testing.assert_array_equal(y, dropout_add_forward.reference(x, residual, seed, offset, p, st)[0])
+        y, keep = cuda(dropout_forward, x, seed, offset, p, st)
+        np.testing.assert_array_equal(y, dropout_forward.reference(x, seed, offset, p, st)[0])
+        np.testing.assert_array_equal(cuda(dropout_backward, dy, None, seed, offset, p, st),
+                                      dropout_backward.reference(dy, None, seed, offset, p, st))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -226,7 +229,7 @@ def broken(monkeypatch, tmp_path):
 
 
 def test_the_emulator_reports_threads_that_miss_a_barrier(broken):
-    with pytest.raises(cuda_emulator.LaunchError, match="returned while .* wait"):
+    with pytest.raises(cuda_emulator.LaunchError, match="not every lane of warp 1 reaches|returned while .* wait"):
         broken("leaves_early")((1,), (64,), (np.ones(64, np.float32), np.int64(40)))
 
 

@@ -109,45 +109,31 @@ def test_dropout_zeroes_some_weights(device):
     """(The registry's "F.sdpa (seeded dropout, return_weights)" checks gradients and the twin.)"""
     q, k, v = (Tensor(a, device=device) for a in qkv(np.random.default_rng(9), 4, 4, 2))
     _, weights = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True, return_weights=True,
-                                                generator=autograd.random.default_rng(11, device))
+                                                generator=autograd.random.Philox(11))
     assert (weights.numpy() == 0).any()
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_memory_efficient_dropout_equals_naive_with_the_same_block_masks(causal, device):
-    """The blockwise path regenerates each block's mask from (seed, block): assembling those
-    masks and running the naive path with them gives the same output and gradients."""
-    from npformer.functional.attention import AttentionFunction, dropout_block_mask
+def test_memory_efficient_dropout_equals_naive_with_the_same_generator(causal, device):
+    """Both paths drop entry i of the flat (B, H, Tq, Tk) probabilities iff value offset + i of the
+    stream passes the keep test: the blockwise path draws each block's part alone (forward and
+    backward), and gives the naive path's output and gradients."""
     rng = np.random.default_rng(12)
     arrays = qkv(rng, 5, 7, 3)
-    p, block, seed_source = 0.3, 3, 21
-    seed = int(autograd.random.default_rng(seed_source, device).integers(0, 2**62))
-    keep = np.zeros((B, H, 5, 7), dtype=bool)
-    like = autograd.backend.module_for(device).zeros(1)
-    for qs in range(0, 5, block):
-        for ks in range(0, 7, block):
-            shape = (B, H, min(block, 5 - qs), min(block, 7 - ks))
-            keep[..., qs:qs + block, ks:ks + block] = autograd.backend.as_numpy(
-                dropout_block_mask(seed, qs, ks, shape, p, like))
-    assert 0.1 < 1 - keep.mean() < 0.5
-    compare_runs(
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, memory_efficient=True,
-                                                       block_size=block,
-                                                       generator=autograd.random.default_rng(seed_source, device)),
-        lambda q, k, v: AttentionFunction.apply(q, k, v, blocked=None, additive=None, causal=causal, scale=1 / np.sqrt(3),
-                                        keep=autograd.backend.to_device(keep, device), dropout_scale=1 / (1 - p),
-                                        return_weights=False),
-        arrays, rng, device)
-    assert autograd.gradcheck(
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, memory_efficient=True,
-                                                       block_size=block, generator=autograd.random.default_rng(1, device)),
-        [leaf(a, device) for a in qkv(rng, 4, 4, 2)])
+    p, block = 0.3, 3
+
+    def run(path):
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, **path,
+                                                              generator=autograd.random.Philox(21, offset=16))
+    compare_runs(run({"memory_efficient": True, "block_size": block}), run({}), arrays, rng, device)
+    assert autograd.gradcheck(run({"memory_efficient": True, "block_size": block}),
+                              [leaf(a, device) for a in qkv(rng, 4, 4, 2)])
 
 
 def test_dropout_rate_and_extremes():
     rng = np.random.default_rng(10)
     q, k, v = (Tensor(a) for a in qkv(rng, 64, 64, 4, (1, 1)))
-    gen = autograd.random.default_rng(0)
+    gen = autograd.random.Philox(0)
     _, w = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, generator=gen, return_weights=True)
     dropped = (w.numpy() == 0).mean()
     assert 0.22 < dropped < 0.28

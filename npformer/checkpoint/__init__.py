@@ -44,44 +44,43 @@ def _model_device(model):
 
 
 def _rng_state(devices):
-    """{"cpu": bit generator state} of the host's global generator and {"dropout": {"seed", "offset"}}
-    of the Philox dropout stream (the same on every device). CuPy's generator exposes no portable
-    state: after resuming on "cuda" (or "test", which stands in for it) what it draws differs from
-    an uninterrupted run (everything else is restored)."""
-    states = {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
-    states["dropout"] = random.dropout_stream().state_dict()
-    return states
+    """{"cpu": bit generator state} of the host's global generator (the initialisers; CuPy's
+    generator exposes no portable state), and {"dropout": {"seed", "offset"}}: the dropout
+    stream's two ints, so that a resumed run draws the masks of an uninterrupted one, on any device."""
+    state = {device: random.global_rng(device).bit_generator.state for device in devices if device == "cpu"}
+    state["dropout"] = random.dropout_stream().state_dict()
+    return state
 
 
-def _dropout_state(state, where):
-    """The dropout stream's state {"seed": int, "offset": int} of a checkpoint, checked."""
-    if not (isinstance(state, dict) and set(state) == {"seed", "offset"}
-            and all(isinstance(state[k], int) and not isinstance(state[k], bool) and 0 <= state[k] < 2**64
-                    for k in state)):
-        raise CheckpointError(f"{where}: expected {{'seed': int, 'offset': int}} in [0, 2^64), got {state!r}")
+def _dropout_state(state, path):
+    """The saved dropout stream state, checked by loading it into a scratch stream."""
+    try:
+        random.Philox().load_state_dict(state)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: metadata rng/dropout: {e}") from e
     return dict(state)
 
 
 def _rng_generators(states, path):
-    """{device: bit generator} set to the states of a checkpoint's `rng` entry, each checked, and
-    the dropout stream's state (None in checkpoints from before it)."""
+    """({device: bit generator} set to the states of a checkpoint's `rng` entry, the dropout
+    stream's state or None), each checked."""
     if not isinstance(states, dict):
         raise CheckpointError(f"{path}: metadata rng: expected a dict, got {type(states).__name__}")
     generators, dropout = {}, None
     for device, state in states.items():
         if device == "dropout":
-            dropout = _dropout_state(state, f"{path}: metadata rng/dropout")
-        elif device != "cpu":
+            dropout = _dropout_state(state, path)
+        elif device == "cpu":
+            generators[device] = bit_generator(state, f"{path}: metadata rng/{device}")
+        else:
             raise CheckpointError(f"{path}: metadata rng/{device}: unknown generator (a checkpoint holds the "
                                   "'cpu' one and the dropout stream)")
-        else:
-            generators[device] = bit_generator(state, f"{path}: metadata rng/{device}")
     return generators, dropout
 
 
 def _prepare_rng_restore(states, path):
-    """The function that sets the global generators to `states` (it cannot fail), after checking
-    that each state fits its generator."""
+    """The function that sets the global generators and the dropout stream to `states` (it
+    cannot fail), after checking that each state fits its generator."""
     generators, dropout = _rng_generators(states, path)
     for device, generator in generators.items():
         own = random.global_rng(device).bit_generator
@@ -92,7 +91,7 @@ def _prepare_rng_restore(states, path):
     def restore():
         for device, generator in generators.items():
             random.global_rng(device).bit_generator.state = generator.state
-        if dropout is not None:
+        if dropout is not None:  # files written before the Philox stream have none
             random.dropout_stream().load_state_dict(dropout)
 
     return restore

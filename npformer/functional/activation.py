@@ -4,15 +4,13 @@ import math
 from autograd import Function, backend, random
 from autograd.checks import check_real
 from autograd.kernels import kernel_table
-from autograd.threads import for_rows, row_blocks, run_blocks
+from autograd.threads import for_rows
 
 from ._common import check_tensor, has_twin
 from ._erf import INV_SQRT_2PI, SQRT_2, erf
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
 TANH_K = 0.044715
-# bit generators whose random_raw gives 64 random bits and whose advance(n) skips n of them
-RAW_64BIT_ADVANCE = ("PCG64", "PCG64DXSM")
 
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # bias_activation kinds (gelu: the exact form)
@@ -149,19 +147,41 @@ def gelu(input, approximate="none"):
 
 
 class DropoutFunction(Function):
-    """y = x * keep / (1 - p) with a fixed boolean mask `keep`; any shape.  dx = dy * keep / (1 - p)."""
+    """y = x * keep / (1 - p), any shape, keep_i = bits16(seed, offset + i) >= threshold over the
+    flat (C-order) index i of x.  dx = dy * keep / (1 - p).
+
+    What backward needs comes from the kernel table: on the CPU the mask (1 byte per entry,
+    cheaper than drawing it again), on a GPU nothing (the kernel regenerates it)."""
 
     @staticmethod
-    def forward(ctx, x, keep, scale):
+    def forward(ctx, x, seed, offset, p, state=None):
+        y, keep = dropout_forward(x, seed, offset, p, state)    # (...), (...) bool or None
         ctx.save_for_backward(keep)
-        ctx.scale = scale
-        return elementwise_product(x, keep, scale)          # (...)
+        ctx.stream = (seed, offset, p, state)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         (keep,) = ctx.saved_tensors
-        # y = x * keep * scale  ->  dx = dy * keep * scale
-        return elementwise_product(dy, keep, ctx.scale)
+        # y = x * keep / (1 - p)  ->  dx = dy * keep / (1 - p)
+        return dropout_backward(dy, keep, *ctx.stream)
+
+
+@kernel_table
+def dropout_forward(x, seed, offset, p, state=None):
+    """(y, keep): y = x * keep / (1 - p) with the mask of `keep_mask`, which is returned for
+    the backward (implementations that regenerate it return None instead). state: None, or under
+    graph capture the device (seed, base) of the draw (autograd.random.PhiloxDraw)."""
+    keep = keep_mask(x.shape, p, seed, offset, backend.device_of(x), state)
+    return elementwise_product(x, keep, dropout_scale(p)), keep
+
+
+@kernel_table
+def dropout_backward(dy, keep, seed, offset, p, state=None):
+    """dx = dy * keep / (1 - p) with the forward's mask `keep` (regenerated when None)."""
+    if keep is None:
+        keep = keep_mask(dy.shape, p, seed, offset, backend.device_of(dy), state)
+    return elementwise_product(dy, keep, dropout_scale(p))
 
 
 def elementwise_product(a, b, scale=None):
@@ -180,55 +200,60 @@ def elementwise_product(a, b, scale=None):
     return out
 
 
-def dropout_mask(shape, p, device, generator=None):
-    """Boolean mask, True with probability 1 - p, drawn from `generator` (a Generator of the
-    device) or the device's global generator.
+def dropout_threshold(p):
+    """Dropout's keep test: an entry is kept iff its 16 random bits are >= this threshold,
+    min(round(p 2^16), 2^16 - 1), so the drop probability is p rounded to a multiple of 2^-16
+    (within 7.7e-6); p = 1 gives 2^16, which keeps nothing."""
+    return 2**16 if p == 1.0 else min(round(p * 2**16), 2**16 - 1)
 
-    On the CPU: 16 random bits per entry compared to round(p * 2^16) (the drop probability is
-    p rounded to a multiple of 2^-16, within 7.7e-6). With PCG64 (numpy's default) the bits
-    are its raw 64-bit draws, four entries each, and a big mask is drawn by the threads of
-    `autograd.threads` from copies advanced to their block, so the mask does not depend on the number
-    of threads. On the GPU, where drawing is cheap: float32 uniforms compared to p.
-    """
-    rng = generator if generator is not None else random.global_rng(device)
-    if device != "cpu":  # cuda, and "test" standing in for it
-        return rng.random(shape, dtype="float32") >= p
-    threshold = min(round(p * 2**16), 2**16 - 1)
-    bits = rng.bit_generator                                # the numpy BitGenerator itself
-    if type(bits).__name__ not in RAW_64BIT_ADVANCE:         # e.g. MT19937: 32-bit raw draws
-        return rng.integers(0, 2**16, size=shape, dtype="uint16") >= threshold
+
+def dropout_scale(p):
+    """1 / (1 - p), the scale of the kept entries (0 for p = 1: everything is dropped)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+def dropout_stream(generator, op):
+    """The random.Philox stream a dropout draws from: `generator`, or the global
+    random.dropout_stream() when None."""
+    if generator is None:
+        return random.dropout_stream()
+    if not isinstance(generator, random.Philox):
+        raise TypeError(f"{op}: generator must be an autograd.random.Philox (a dropout stream, like a "
+                        f"torch.Generator) or None for the global one, got {type(generator).__name__}")
+    return generator
+
+
+def keep_mask(shape, p, seed, offset, device, state=None):
+    """The boolean mask of a dropout over an array of `shape` whose values start at `offset` of
+    the stream of `seed` (or, with `state`, of the device (seed, base): graph capture): entry i
+    (C order) is kept iff bits16(seed, offset + i) >= threshold."""
     size = math.prod(shape)
-    words = -(-size // 4)                                   # 64-bit draws, 4 entries each
-    host = backend.module_for("cpu")
-    keep = host.empty(4 * words, dtype=bool)
-    blocks = row_blocks(words, size)
-    start_state = bits.state
+    if p == 1.0:                                            # nothing passes a threshold of 2^16
+        return backend.module_for(device).zeros(shape, dtype=bool)
+    return (random.bits16(seed, offset, size, device, state=state) >= dropout_threshold(p)).reshape(shape)
 
-    def draw(start, stop):                                  # words [start, stop) of the stream
-        source = bits
-        if start:                                           # a copy advanced to this block
-            source = type(bits)()
-            source.state = start_state
-            source.advance(start)
-        raw = source.random_raw(stop - start)               # (stop - start,) uint64
-        host.greater_equal(raw.view("uint16"), threshold, out=keep[4 * start: 4 * stop])
 
-    run_blocks(draw, blocks)
-    if len(blocks) > 1:
-        bits.advance(words - blocks[0][1])                  # the stream continues after the mask
-    return backend.to_device(keep[:size].reshape(shape), device)
+def dropout_mask(shape, p, device, generator=None, op="dropout"):
+    """Boolean mask of `shape`, True (keep) with probability 1 - p, on `device`: takes
+    prod(shape) values from `generator` (an autograd.random.Philox; None: the global dropout
+    stream), so every dropout site, on every device, draws the same mask for the same stream
+    state. Kept entries are those whose 16 random bits are >= dropout_threshold(p)."""
+    draw = dropout_stream(generator, op).draw(math.prod(shape), device)
+    return keep_mask(shape, p, draw.seed, draw.offset, device, draw.state)
 
 
 @has_twin
 def dropout(input, p=0.5, training=True, generator=None):
     """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
-    scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros."""
+    scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros.
+
+    The mask comes from `generator`, an autograd.random.Philox (like a torch.Generator), or the
+    global stream `autograd.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
+    over n entries takes the next n values of the stream, and the mask is the same on every
+    device and for any number of threads."""
     x = check_tensor("input", input, "dropout")
     p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
-    device = backend.device_of(x)
-    if p == 1.0:
-        keep = backend.module_for(device).zeros(x.shape, dtype=bool)
-        return DropoutFunction.apply(input, keep=keep, scale=0.0)
-    return DropoutFunction.apply(input, keep=dropout_mask(x.shape, p, device, generator), scale=1.0 / (1.0 - p))
+    draw = dropout_stream(generator, "dropout").draw(x.size, backend.device_of(x))
+    return DropoutFunction.apply(input, seed=draw.seed, offset=draw.offset, p=p, state=draw.state)

@@ -5,14 +5,14 @@ test suite uses them as a second reference next to torch and finite differences.
 import contextlib
 import math
 
-from autograd import Tensor, concatenate, random, where
+from autograd import Tensor, concatenate, where
 from autograd.checks import check_real, check_shape
 
 from . import _erf as formulas
-from .activation import TANH_C, TANH_K, dropout_mask
+from .activation import TANH_C, TANH_K, dropout_mask, dropout_scale
 from .attention import _lead_shape, _prepare_mask, causal_blocked
 from ._common import _twins, on_device_of
-from .residual import check_dropout_add, dropout_scale
+from .residual import check_dropout_add
 
 
 def _tensor(x):
@@ -59,21 +59,13 @@ def dropout(input, p=0.5, training=True, generator=None):
     p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
-    if p == 1.0:
-        return x * 0.0
-    keep = dropout_mask(x.shape, p, x.device, generator)
-    return x * Tensor(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+    keep = dropout_mask(x.shape, p, x.device, generator)     # the same values of the same stream as F.dropout
+    return x * Tensor(keep.astype(x.dtype) * dropout_scale(p))
 
 
 def dropout_add(input, residual, p=0.5, training=True, generator=None):
-    x, p = check_dropout_add(input, residual, p, generator, "dropout_add")
-    x, r = _tensor(input), _tensor(residual)
-    if not training or p == 0.0:
-        return r + x
-    if p == 1.0:
-        return r + x * 0.0
-    draw = (generator or random.dropout_stream()).draw(x.size, x.device)
-    return r + x * Tensor(dropout_scale(x.data, p, draw))
+    check_dropout_add(input, residual, p, "dropout_add")
+    return _tensor(residual) + dropout(input, p, training, generator)   # the same stream's values as F's
 
 
 def _stable_shift(x, dim):
@@ -143,7 +135,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, *, return_weights=False, memory_efficient=False,
+                                 scale=None, *, return_weights=False, backend=None, memory_efficient=False,
                                  block_size=512, generator=None):
     q, k, v = _tensor(query), _tensor(key), _tensor(value)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -151,8 +143,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     score_shape = lead + (q.shape[-2], k.shape[-2])
     scores = (q @ k.swapaxes(-1, -2)) * scale
     blocked, additive = _prepare_mask(attn_mask, q.data, score_shape)
-    if additive is not None:
-        scores = scores + Tensor(additive)
+    if additive is not None:  # a mask Tensor that requires grad gets it from the tape
+        mask_grad = isinstance(attn_mask, Tensor) and attn_mask.requires_grad
+        scores = scores + (attn_mask if mask_grad else Tensor(additive))
     if is_causal:
         causal = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2])
         blocked = causal if blocked is None else blocked | causal
@@ -160,11 +153,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         scores = where(blocked, -math.inf, scores)
     probs = softmax(scores, dim=-1)
     dropout_p = check_real(dropout_p, "dropout_p", "scaled_dot_product_attention", at_least=0, at_most=1)
-    if dropout_p == 1.0:
-        probs = probs * 0.0
-    elif dropout_p > 0:
-        keep = dropout_mask(score_shape, dropout_p, q.device, generator)
-        probs = probs * Tensor(keep.astype(q.dtype) * (1.0 / (1.0 - dropout_p)))
+    if dropout_p > 0:  # the mask of the dropout contract over (..., Tq, Tk), as on every path
+        keep = dropout_mask(score_shape, dropout_p, q.device, generator, "scaled_dot_product_attention")
+        probs = probs * Tensor(keep.astype(q.dtype) * dropout_scale(dropout_p))
     out = probs @ v
     return (out, probs) if return_weights else out
 

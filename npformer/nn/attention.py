@@ -85,12 +85,15 @@ class MultiheadAttention(Module):
     Self-attention (query is key is value) projects q, k, v with one packed GEMM.
 
     Extras (not in torch): `rotary=True` applies RoPE to q and k (positions from 0, or from
-    `offset` in the cached step); `memory_efficient=True` uses the blockwise SDPA kernel whenever
-    no attention weights are asked for (need_weights=False, as inside the Transformer layers).
+    `offset` in the cached step); `backend` chooses the path of F.scaled_dot_product_attention
+    whenever no attention weights are asked for (need_weights=False, as inside the Transformer
+    layers): None (flash attention on a GPU where it applies, else naive), "naive",
+    "memory_efficient" (blocks of `block_size`; also `memory_efficient=True`) or "flash".
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, batch_first=True, device=None,
-                 dtype=None, rotary=False, rotary_base=10000.0, memory_efficient=False, block_size=512):
+                 dtype=None, rotary=False, rotary_base=10000.0, memory_efficient=False, block_size=512,
+                 backend=None):
         super().__init__()
         embed_dim = check_int(embed_dim, "embed_dim", "MultiheadAttention", at_least=1)
         num_heads = check_int(num_heads, "num_heads", "MultiheadAttention", at_least=1)
@@ -106,6 +109,10 @@ class MultiheadAttention(Module):
         self.batch_first = True
         self.memory_efficient = bool(memory_efficient)
         self.block_size = check_int(block_size, "block_size", "MultiheadAttention", at_least=1)
+        if backend is not None and backend not in F.attention.BACKENDS:
+            raise ValueError(f"MultiheadAttention: backend must be None or one of {F.attention.BACKENDS}, "
+                             f"got {backend!r}")
+        self.backend = backend
         self.in_proj_weight = new_parameter((3 * embed_dim, embed_dim), device, dtype)
         if bias:
             self.in_proj_bias = new_parameter((3 * embed_dim,), device, dtype)
@@ -160,11 +167,11 @@ class MultiheadAttention(Module):
     def attend(self, q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
         """SDPA over heads (mask in SDPA convention) then out_proj: (B, T, E), weights or None."""
         B, H, T, hd = q.shape
-        # the blockwise kernel never forms the weights: use it when they are not asked for
+        # the memory-efficient and flash paths never form the weights: they run when none are asked for
         result = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
             return_weights=need_weights, memory_efficient=self.memory_efficient and not need_weights,
-            block_size=self.block_size)
+            block_size=self.block_size, backend=None if need_weights else self.backend)
         out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
         if weights is not None and average_attn_weights:
@@ -208,5 +215,5 @@ class MultiheadAttention(Module):
         return self.attend(q, k, v, mask, is_causal, need_weights, average_attn_weights)
 
     def extra_repr(self):
-        extra = ", rotary=True" if self.rotary else ""
+        extra = (", rotary=True" if self.rotary else "") + (f", backend={self.backend!r}" if self.backend else "")
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"

@@ -135,7 +135,9 @@ class LayerNorm(Module):
 
 
 class Dropout(Module):
-    """Zero each element with probability p and scale the rest by 1/(1-p) in training mode."""
+    """Zero each element with probability p and scale the rest by 1/(1-p) in training mode. The
+    masks come from the global dropout stream (autograd.random.dropout_stream(), seeded by
+    npformer.manual_seed, saved in checkpoints): the same masks on every device (F.dropout)."""
 
     def __init__(self, p=0.5):
         super().__init__()

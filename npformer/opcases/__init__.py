@@ -49,7 +49,7 @@ FAMILIES = {f.name: f for f in [
     _op("cross_entropy", ("F.cross_entropy",), "loss.py", ("CrossEntropyFunction",), "Cross-entropy"),
     _op("layer_norm", ("F.layer_norm", "nn.LayerNorm"), "normalization.py", ("LayerNormFunction",), "LayerNorm"),
     _op("embedding", ("F.embedding", "nn.Embedding"), "embedding.py", ("EmbeddingFunction",), "Embedding"),
-    _op("attention", ("F.scaled_dot_product_attention",), "attention.py",
+    _op("attention", ("F.scaled_dot_product_attention", "F.attention_backend"), "attention.py",
         ("AttentionFunction", "MemoryEfficientAttentionFunction"), "Scaled dot-product attention"),
     _op("split_heads", ("F.split_heads",), "attention.py", ("SplitHeadsFunction",), "Splitting heads"),
     _op("rotary", ("F.apply_rotary_emb", "F.rotary_cos_sin", "nn.RotaryEmbedding"), "rotary.py",

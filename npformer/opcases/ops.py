@@ -5,7 +5,7 @@ import numpy as np
 
 import autograd
 import npformer.functional as F
-from npformer.functional.residual import dropout_scale
+from npformer.functional.activation import dropout_scale, keep_mask
 
 from .case import OpCase, torch_args
 
@@ -28,8 +28,9 @@ def fixed(*arrays):
 
 
 def seeded(seed, like):
-    """A fresh generator for a dropout inside a case: every evaluation draws the same mask."""
-    return autograd.random.default_rng(seed, like.device)
+    """A fresh dropout stream for a dropout inside a case: every evaluation, on every device
+    (`like`'s included), draws the same mask."""
+    return autograd.random.Philox(seed)
 
 
 # -- the PyTorch references -------------------------------------------------------------------------
@@ -107,8 +108,8 @@ DROPOUT = [OpCase("F.dropout (seeded)", "dropout", normal((4, 5)),
 
 def _dropout_add_torch(t, x, residual):
     """residual + x * m with m the mask of a fresh Philox(7) stream (the dropout contract)."""
-    draw = autograd.random.Philox(7).draw(x.numel(), "cpu")
-    return residual + x * t.as_tensor(dropout_scale(x.detach().numpy(), 0.4, draw))
+    keep = keep_mask(tuple(x.shape), 0.4, 7, 0, "cpu")
+    return residual + x * t.as_tensor(keep.astype(x.detach().numpy().dtype) * dropout_scale(0.4))
 
 
 DROPOUT_ADD = [OpCase("F.dropout_add (seeded)", "dropout_add", normal((4, 5), (4, 5)),
