@@ -6,7 +6,7 @@ from autograd.checks import check_real
 from autograd.kernels import kernel_table
 
 from ._common import check_tensor, has_twin
-from .activation import dropout_backward, dropout_forward, dropout_stream
+from .activation import DropoutFunction, dropout_forward, dropout_stream
 
 
 @kernel_table
@@ -30,9 +30,8 @@ class DropoutAddFunction(Function):
 
     @staticmethod
     def backward(ctx, dy):
-        (keep,) = ctx.saved_tensors
-        # y = residual + x * m  ->  dx = dy * m,  dresidual = dy
-        return dropout_backward(dy, keep, *ctx.stream), dy
+        # y = residual + x * m  ->  dx = dy * m (F.dropout's backward),  dresidual = dy
+        return DropoutFunction.backward(ctx, dy), dy
 
 
 def check_dropout_add(input, residual, p, op):
