@@ -264,7 +264,8 @@ def test_detect_anomaly_names_the_users_line_in_a_checkout_named_npformer(tmp_pa
     for name in ("conftest.py", "cupy_api.txt", "test_numerics.py"):
         shutil.copy(ROOT / "tests" / name, clone / "tests" / name)
     shutil.copy(ROOT / "setup.cfg", clone / "setup.cfg")
-    env = {**os.environ, "PYTHONPATH": str(clone)}
+    # not under CI's rules: the three tests run here compare with no torch reference
+    env = {**{k: v for k, v in os.environ.items() if k != "CI"}, "PYTHONPATH": str(clone)}
     where = subprocess.run([sys.executable, "-c", "import autograd, npformer; print(autograd.__file__, "
                             "npformer.__file__)"], cwd=clone, env=env, capture_output=True, text=True, check=True)
     where = where.stdout.split()
