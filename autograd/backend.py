@@ -7,6 +7,7 @@ machines without a GPU. Every op asks ``get_array_module(*arrays)`` for its ``xp
 """
 import numpy
 
+from . import testdevice
 from .testdevice import TestDeviceArray, test_xp
 
 try:  # optional GPU backend
@@ -15,18 +16,6 @@ except Exception:  # ImportError, or a CUDA driver that fails to load
     cupy = None
 
 DEVICES = ("cpu", "cuda", "test")
-
-_kernels = {}
-
-
-def elementwise_kernel(xp, in_params, out_params, operation, name):
-    """xp.ElementwiseKernel(in_params, out_params, operation, name), built once per array module:
-    on CuPy one fused CUDA kernel; on the test device the same text run by numpy."""
-    key = (xp, in_params, out_params, operation)
-    if key not in _kernels:
-        _kernels[key] = xp.ElementwiseKernel(in_params, out_params, operation, name)
-    return _kernels[key]
-
 
 def cuda_available():
     """True when cupy imports and sees at least one GPU."""
@@ -90,7 +79,7 @@ def to_device(array, device):
     host = as_numpy(array)
     if device == "cuda":
         return cupy.asarray(host)
-    return numpy.array(host).view(TestDeviceArray) if device == "test" else host  # a copy, as on a GPU
+    return testdevice.from_host(None, host) if device == "test" else host
 
 
 def as_numpy(array):
@@ -98,5 +87,16 @@ def as_numpy(array):
     if cupy is not None and isinstance(array, cupy.ndarray):
         return cupy.asnumpy(array)
     if isinstance(array, TestDeviceArray):
-        return array.view(numpy.ndarray).copy()  # a copy, as from a GPU
+        return testdevice.to_host(array)  # a copy, as from a GPU
     return numpy.asarray(array)
+
+
+def copy_from_host(dst, host):
+    """Write the host (numpy) array `host` into the existing device array `dst` of the same shape
+    and dtype, in place: a host-to-device copy (numpy.copyto on the CPU)."""
+    if cupy is not None and isinstance(dst, cupy.ndarray):
+        dst.set(numpy.ascontiguousarray(host, dtype=dst.dtype))
+    elif isinstance(dst, TestDeviceArray):
+        testdevice.from_host(dst, host)
+    else:
+        numpy.copyto(dst, host)

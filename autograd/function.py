@@ -6,6 +6,11 @@ arrays of the active backend. `apply` unwraps Tensors, runs forward, and, when s
 requires grad, records the call as a node of the graph. `backward` walks the nodes in
 reverse topological order (iteratively, so deep graphs never hit the recursion limit),
 accumulates each gradient with `+`, and frees every node it has used.
+
+Two hooks for code that must act during backward (data-parallel training starts each
+gradient's all-reduce as soon as that gradient is final): a leaf's
+`register_post_accumulate_grad_hook(fn)` runs `fn(leaf)` once its gradient for this pass is
+complete, and `queue_callback(fn)` runs `fn()` when the pass now running ends (torch's).
 """
 import contextlib
 import os
@@ -92,7 +97,9 @@ class Function:
         def backward(ctx, *grad_outputs) -> one gradient (or None) per positional input
 
     and are called as `MyOp.apply(*inputs, **options)`. Non-Tensor inputs get no gradient.
-    `ctx.needs_input_grad[i]` says whether input i needs one.
+    `ctx.needs_input_grad[i]` says whether input i needs one. What backward returns is checked
+    like torch's engine does (count, shape, dtype, device; a gradient of a shape the input
+    broadcasts to is summed back): a mistake raises an error naming the op and the input.
     """
 
     saved_tensors = ()
@@ -113,7 +120,7 @@ class Function:
         single = not isinstance(outputs, tuple)
         outputs = (outputs,) if single else outputs
         xp = backend.get_array_module(*raw)
-        outputs = tuple(o if backend.is_array(o) else xp.asarray(o) for o in outputs)
+        outputs = tuple(o if backend.is_array(o) else _output_array(cls, i, o, xp) for i, o in enumerate(outputs))
         record = _state.grad_enabled and any(t.requires_grad for t in tensors)
         if _state.anomaly:
             ctx.created_at = _where_created()
@@ -128,6 +135,20 @@ class Function:
             for i, r in enumerate(results):
                 r.creator, r.output_index = ctx, i
         return results[0] if single else results
+
+
+def _output_array(op, index, value, xp):
+    """A forward output that is not an array: a number becomes one; anything else is the
+    author's mistake, named."""
+    from .tensor import Tensor
+
+    if isinstance(value, Tensor):
+        raise TypeError(f"{op_name(op)}.forward returned a Tensor as output {index}: forward works on raw "
+                        "arrays and must return arrays (use `.data` of a Tensor); apply wraps them in Tensors")
+    if isinstance(value, (int, float, complex)) or getattr(value, "shape", None) == ():  # numbers, numpy scalars
+        return xp.asarray(value)
+    raise TypeError(f"{op_name(op)}.forward returned {type(value).__name__} as output {index}: expected an "
+                    "array, or a tuple of arrays for several outputs")
 
 
 def _check_same_device_and_dtype(op, tensors):
@@ -159,21 +180,122 @@ def _topological_nodes(root):
     return order[::-1]
 
 
+def _checked_gradients(node, grads):
+    """The gradients a backward returned, checked against the node's inputs like torch's engine:
+    one per positional input of forward (extra trailing Nones are dropped), each None or an
+    array of its input's shape, dtype and device. A gradient of a shape the input broadcasts to
+    is summed back to the input's shape (torch's rule); any other shape is an error."""
+    inputs = node.inputs
+    if len(grads) != len(inputs):
+        if len(grads) > len(inputs) and all(g is None for g in grads[len(inputs):]):
+            grads = grads[:len(inputs)]
+        else:
+            raise RuntimeError(f"function {op_name(type(node))} returned an incorrect number of gradients "
+                               f"(expected {len(inputs)}, got {len(grads)}): backward returns one gradient "
+                               "(or None) per positional input of forward")
+    fixed = None
+    for i, (t, g) in enumerate(zip(inputs, grads)):
+        if g is None or t is None or not t.requires_grad:
+            continue
+        data = t.data
+        if type(g) is not type(data) or g.shape != data.shape or g.dtype != data.dtype:  # cheap: the rare path
+            fixed = fixed or list(grads)
+            fixed[i] = _conforming_gradient(node, i, g, data)
+    return grads if fixed is None else tuple(fixed)
+
+
+def _conforming_gradient(node, index, grad, data):
+    """`grad` for input `index` (whose array is `data`) made to conform, or a RuntimeError
+    that names the Function, the index, what was expected and what came."""
+    from .tensor import Tensor, unbroadcast
+
+    where = f"Function {op_name(type(node))} returned an invalid gradient at index {index}"
+    if isinstance(grad, Tensor):
+        raise RuntimeError(f"{where} - got a Tensor: backward works on raw arrays and must return arrays "
+                           "(use `.data` of a Tensor)")
+    if not backend.is_array(grad):
+        if getattr(grad, "shape", None) != () or not hasattr(grad, "dtype"):  # a numpy scalar is fine
+            raise RuntimeError(f"{where} - got {type(grad).__name__}: expected an array of shape "
+                               f"{data.shape} or None")
+        grad = backend.get_array_module(data).asarray(grad)
+    if backend.device_of(grad) != backend.device_of(data):
+        raise RuntimeError(f"{where} - expected device '{backend.device_of(data)}' but got "
+                           f"'{backend.device_of(grad)}'")
+    if grad.dtype != data.dtype:
+        raise RuntimeError(f"{where} - expected dtype {data.dtype} but got {grad.dtype}: return it in the "
+                           f"input's dtype (e.g. `.astype(x.dtype)`)")
+    if grad.shape != data.shape:
+        if not _expands_to(data.shape, grad.shape):
+            raise RuntimeError(f"{where} - got shape {grad.shape} but expected shape compatible with "
+                               f"{data.shape} (the input's shape, or one it broadcasts to)")
+        grad = unbroadcast(grad, data.shape).reshape(data.shape)  # summed over the broadcast axes, as torch
+    return grad
+
+
+def _expands_to(shape, target):
+    """Whether an array of `shape` broadcasts to `target` (torch's is_expandable_to)."""
+    if len(shape) > len(target):
+        return False
+    return all(n == m or n == 1 for n, m in zip(shape[::-1], target[::-1]))
+
+
+_backward = threading.local()  # .callbacks: those queued during the backward pass running in this thread
+
+
+def queue_callback(fn):
+    """Run `fn()` once, when the backward pass running in this thread has finished (every
+    gradient accumulated and every post-accumulate-grad hook run); like torch's
+    `Variable._execution_engine.queue_callback`. Only valid inside a backward pass (from a hook)."""
+    callbacks = getattr(_backward, "callbacks", None)
+    if callbacks is None:
+        raise RuntimeError("queue_callback: no backward pass is running in this thread; call it from a hook")
+    callbacks.append(fn)
+
+
+def _last_uses_of_hooked_leaves(nodes):
+    """{index of a node in `nodes`: [leaves with post-accumulate-grad hooks whose last use in
+    this pass is that node]}: after that node, nothing else adds to those leaves' gradients."""
+    last = {}
+    for i, node in enumerate(nodes):
+        for t in node.inputs:
+            if t is not None and t.creator is None and t._post_accumulate_grad_hooks:
+                last[id(t)] = (i, t)
+    by_node = {}
+    for i, t in last.values():
+        by_node.setdefault(i, []).append(t)
+    return by_node
+
+
 def _accumulate(slot_owner, index, grad):
     current = slot_owner[index]
     slot_owner[index] = grad if current is None else current + grad
 
 
 def run_backward(tensor, grad, retain_graph=False):
-    """Propagate `grad` (d loss / d tensor) to every leaf that requires grad."""
-    if tensor.creator is None:
-        tensor._accumulate_leaf(grad)
-        return
+    """Propagate `grad` (d loss / d tensor) to every leaf that requires grad, then run the
+    callbacks queued during the pass."""
+    outer, _backward.callbacks = getattr(_backward, "callbacks", None), []
+    try:
+        if tensor.creator is None:
+            tensor._accumulate_leaf(grad)
+            tensor._run_post_accumulate_grad_hooks()
+        else:
+            _run_nodes(tensor, grad, retain_graph)
+        callbacks = _backward.callbacks
+    finally:
+        _backward.callbacks = outer
+    for fn in callbacks:
+        fn()
+
+
+def _run_nodes(tensor, grad, retain_graph):
     if tensor.creator.inputs is None:
         raise RuntimeError("backward through a graph that was already freed: "
                            "call backward(retain_graph=True) the first time")
     tensor.creator.output_grads[tensor.output_index] = grad
-    for node in _topological_nodes(tensor.creator):
+    nodes = _topological_nodes(tensor.creator)
+    hooked_last_uses, hooked_with_grad = _last_uses_of_hooked_leaves(nodes), set()
+    for i, node in enumerate(nodes):
         xp = None
         grads = []
         for g, (shape, dtype) in zip(node.output_grads, node.output_meta):
@@ -181,11 +303,12 @@ def run_backward(tensor, grad, retain_graph=False):
                 xp = xp or backend.get_array_module(*[t.data for t in node.inputs if t is not None])
                 g = xp.zeros(shape, dtype)
             grads.append(g)
-        for i, t in node.retained.items():
-            t.grad = grads[i]
+        for j, t in node.retained.items():
+            t.grad = grads[j]
         input_grads = node.backward(node, *grads)
         if not isinstance(input_grads, tuple):
             input_grads = (input_grads,)
+        input_grads = _checked_gradients(node, input_grads)
         if _state.anomaly:
             _check_finite(input_grads, node, "backward")
         for t, g in zip(node.inputs, input_grads):
@@ -193,8 +316,13 @@ def run_backward(tensor, grad, retain_graph=False):
                 continue
             if t.creator is None:
                 t._accumulate_leaf(g)
+                if t._post_accumulate_grad_hooks:
+                    hooked_with_grad.add(id(t))
             else:
                 _accumulate(t.creator.output_grads, t.output_index, g)
+        for leaf in hooked_last_uses.get(i, ()):  # gradients that are now final
+            if id(leaf) in hooked_with_grad:
+                leaf._run_post_accumulate_grad_hooks()
         if retain_graph:
             node.output_grads = [None] * len(node.output_meta)
         else:  # free the graph: everything the op saved, and the links to its inputs

@@ -24,6 +24,7 @@ import threading
 from . import backend
 
 _mode = threading.local()  # .reference_only: this thread runs the references
+TABLES = []                # every KernelTable made, in the order of definition
 
 
 class KernelTable:
@@ -35,6 +36,7 @@ class KernelTable:
         self.__doc__ = reference.__doc__
         self.__wrapped__ = reference
         self.implementations = {}  # device -> (function, supports or None)
+        TABLES.append(self)
 
     def register(self, device, supports=None):
         """Decorator: `fn` implements this table on `device` for the arguments that

@@ -18,8 +18,18 @@ give four random 32-bit words. npformer's streams use key = (seed mod 2^32, seed
 (word m gives value 2m from its low half and 2m + 1 from its high half). Value i of a stream at
 `offset` is value (offset + i) of that sequence; a draw of n values advances the offset by n
 rounded up to a multiple of 8, so every draw starts on a fresh counter.
+
+Under graph capture (autograd.graphs, npformer.cuda.graphed) a replayed step must draw new values
+each time, so `Philox.draw` then hands out offsets relative to a base that lives in device memory:
+a (2,) uint64 array (seed, base) that kernels read (`PhiloxDraw.state`), rewritten before each
+replay with the next unused offset, like torch's Philox state under CUDA graphs. Dropout sites
+draw with `draw(n, device)` and pass its `state` on (to `bits16` or a kernel).
 """
-from . import backend, threads
+from typing import Any, NamedTuple
+
+from . import backend, graphs, threads
+from .checks import check_int
+from .kernels import kernel_table
 
 _generators = {}
 
@@ -28,7 +38,8 @@ W0, W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments (golden ratio, sq
 ROUNDS = 10
 VALUES_PER_COUNTER = 8                   # 16-bit values per Philox call (128 bits)
 _LOW32 = 0xFFFFFFFF
-_CHUNK = 1 << 14                         # counters per chunk on the CPU (a few 100 KB of temporaries)
+_CHUNK = 1 << 14                         # counters per chunk on the CPU (temporaries in the cache)
+_REFERENCE_CHUNK = 1 << 20               # counters per chunk elsewhere (48 MB of temporaries)
 
 
 def default_rng(seed=None, device="cpu"):
@@ -39,8 +50,10 @@ def default_rng(seed=None, device="cpu"):
 
 def manual_seed(seed):
     """Reseed every global generator: each device's Generator and the dropout stream."""
+    seed = check_int(seed, "seed", "manual_seed", at_least=0)
     _generators.clear()
-    _generators["seed"] = int(seed)
+    _generators["seed"] = seed
+    _dropout.seeded = False  # reseeded (in place) when next used
 
 
 def _seed_words(index, words):
@@ -60,11 +73,22 @@ def global_rng(device="cpu"):
 
 
 def dropout_stream():
-    """The global Philox stream of every dropout mask, on every device."""
-    if "dropout" not in _generators:
+    """The global Philox stream of every dropout mask, on every device (one object for the whole
+    run: manual_seed reseeds it in place, so a captured graph keeps drawing from it)."""
+    stream = _generators.setdefault("dropout", _dropout)
+    if not stream.seeded:
         low, high = _seed_words(len(backend.DEVICES), 2)
-        _generators["dropout"] = Philox(low | high << 32)
-    return _generators["dropout"]
+        stream.manual_seed(low | high << 32)
+    return stream
+
+
+class PhiloxDraw(NamedTuple):
+    """Where a draw of a Philox stream starts: value (offset + i) of the stream of `seed` is the
+    i-th; with `state` (a device (2,) uint64 array, under graph capture) the seed is state[0] and
+    the offset counts from state[1]."""
+    seed: int
+    offset: int
+    state: Any = None
 
 
 class Philox:
@@ -75,13 +99,21 @@ class Philox:
 
     def __init__(self, seed=0, offset=0):
         self.seed, self.offset = int(seed) % 2**64, int(offset)
+        self.seeded = True
 
     def manual_seed(self, seed):
-        self.seed, self.offset = int(seed) % 2**64, 0
+        self.seed, self.offset, self.seeded = int(seed) % 2**64, 0, True
         return self
 
     def take(self, n):
-        """Reserve the next n values; returns their first offset."""
+        """Reserve the next n values; returns their first offset. Refused inside a graph capture,
+        where a host offset would be baked into the graph: draw(n, device) there."""
+        if graphs.current() is not None:
+            raise RuntimeError("Philox.take inside a graph capture: its offset would be the same at every replay; "
+                               "draw with Philox.draw(n, device) and pass its state to the kernel")
+        return self._reserve(n)
+
+    def _reserve(self, n):
         start = self.offset
         self.offset += -(-int(n) // VALUES_PER_COUNTER) * VALUES_PER_COUNTER
         return start
@@ -90,59 +122,176 @@ class Philox:
         """The next n 16-bit values (uint16, on `device`)."""
         return bits16(self.seed, self.take(n), n, device)
 
+    def draw(self, n, device):
+        """Reserve the next n values for a kernel on `device`: a PhiloxDraw. Outside graph capture,
+        (seed, take(n)). While a step on `device` is being captured, the seed and a base offset live
+        in a device array that is rewritten before each replay, and the draw's offset counts from
+        that base, so each replay draws the values that the same step run eagerly would."""
+        capture = graphs.current(device)
+        if capture is None:
+            return PhiloxDraw(self.seed, self._reserve(n))
+        key = ("philox", id(self))
+        if key not in capture.slots:
+            record = {"base": self.offset, "per_step": 0}
+            state = capture.slot(key, lambda: backend.module_for(device).empty(2, dtype="uint64"))
+            capture.slots[key + ("record",)] = record
+
+            def before_replay(replay):  # replay 0 performs the captured step: the values it reserved
+                base = record["base"] if replay == 0 else self._reserve(record["per_step"])
+                backend.copy_from_host(state, backend.module_for("cpu").array([self.seed, base], dtype="uint64"))
+            capture.before_replay(before_replay)
+        record = capture.slots[key + ("record",)]
+        offset = self._reserve(n) - record["base"]
+        record["per_step"] = self.offset - record["base"]
+        return PhiloxDraw(self.seed, offset, capture.slots[key])
+
     def state_dict(self):
         return {"seed": self.seed, "offset": self.offset}
 
     def load_state_dict(self, state):
-        self.seed, self.offset = int(state["seed"]) % 2**64, int(state["offset"])
+        """Continue from `state` ({"seed": int in [0, 2^64), "offset": int >= 0}); anything else
+        is a TypeError or ValueError, and the stream is left as it was."""
+        if not isinstance(state, dict) or set(state) != {"seed", "offset"}:
+            raise ValueError(f"Philox state: expected {{'seed': ..., 'offset': ...}}, got {state!r:.80}")
+        seed = check_int(state["seed"], "seed", "Philox state", at_least=0, at_most=2**64 - 1)
+        self.offset = check_int(state["offset"], "offset", "Philox state", at_least=0)
+        self.seed = seed
 
     def __repr__(self):
         return f"Philox(seed={self.seed}, offset={self.offset})"
 
 
+_dropout = Philox()  # the dropout stream (dropout_stream()), seeded on first use
+_dropout.seeded = False
+
+
 def philox4x32(counter, key):
-    """Philox4x32-10 of four arrays of 32-bit counter words (any integer dtype, values < 2^32)
-    under a key of two ints -> four uint64 arrays holding the 32-bit output words."""
+    """Philox4x32-10 of four 1-D arrays of 32-bit counter words (any integer dtype, values < 2^32)
+    under a key of two ints -> the four output words, uint32 arrays."""
     xp = backend.get_array_module(*counter)
-    c0, c1, c2, c3 = (xp.array(c, dtype="uint64") for c in counter)   # owned copies, updated in place
-    k0, k1 = (int(k) & _LOW32 for k in key)
-    m0, m1, low, shift = xp.uint64(M0), xp.uint64(M1), xp.uint64(_LOW32), xp.uint64(32)
-    p0, p1 = xp.empty_like(c0), xp.empty_like(c0)
+    c0, c1, c2, c3 = (xp.asarray(c).astype("uint64") for c in counter)       # owned copies
+    work = [xp.empty_like(c0) for _ in range(4)]
+    return _philox_rounds(c0, _low(c1), c2, _low(c3), key, work)
+
+
+def _low(words):
+    """The low 32-bit halves of a uint64 array, as a (strided) uint32 view (little-endian)."""
+    return words.view("uint32")[0::2]
+
+
+def _high(words):
+    return words.view("uint32")[1::2]
+
+
+def _philox_rounds(c0, c1, c2, c3, key, work):
+    """The ten rounds on 1-D arrays: c0 and c2 uint64 holding 32-bit values (overwritten: their
+    high halves stay 0), c1 and c3 uint32 (read only), `work` four uint64 arrays of their length.
+    Returns the output words as uint32 views of c0, c2 and `work`.
+
+    Six passes per round instead of ten: the two 64-bit products go to buffers whose uint32
+    views are hi and lo (no shifts, no masks), lo1 and lo0 are the next round's c1 and c3 as
+    views (the two buffers of each product alternate between rounds), and c0 and c2 are written
+    into the low halves of 64-bit arrays that the next products read as they are."""
+    xp = backend.get_array_module(c0)
+    low = xp.uint64(_LOW32)
+    # the key: two ints, or two uint64 device arrays that broadcast (read on the device, under capture)
+    k0, k1 = (k if backend.is_array(k) else xp.uint64(int(k) & _LOW32) for k in key)
+    m0, m1 = xp.uint64(M0), xp.uint64(M1)
+    p0, p0_next, p1, p1_next = work
     for r in range(ROUNDS):
         if r:
-            k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
-        xp.multiply(c0, m0, out=p0)           # (hi0, lo0) = M0 * c0
-        xp.multiply(c2, m1, out=p1)           # (hi1, lo1) = M1 * c2
-        xp.right_shift(p1, shift, out=c0)     # c0 = hi1 ^ c1 ^ k0
-        c0 ^= c1
-        c0 ^= xp.uint64(k0)
-        xp.right_shift(p0, shift, out=c2)     # c2 = hi0 ^ c3 ^ k1
-        c2 ^= c3
-        c2 ^= xp.uint64(k1)
-        xp.bitwise_and(p1, low, out=c1)       # c1 = lo1
-        xp.bitwise_and(p0, low, out=c3)       # c3 = lo0
-    return c0, c1, c2, c3
+            k0, k1 = (k0 + xp.uint64(W0)) & low, (k1 + xp.uint64(W1)) & low
+        xp.multiply(c0, m0, out=p0)                       # (hi0, lo0) = M0 * c0
+        xp.multiply(c2, m1, out=p1)                       # (hi1, lo1) = M1 * c2
+        xp.bitwise_xor(_high(p1), c1, out=_low(c0))       # c0 = hi1 ^ c1 ^ k0
+        c0 ^= k0
+        xp.bitwise_xor(_high(p0), c3, out=_low(c2))       # c2 = hi0 ^ c3 ^ k1
+        c2 ^= k1
+        c1, c3 = _low(p1), _low(p0)                       # c1 = lo1, c3 = lo0
+        p0, p0_next, p1, p1_next = p0_next, p0, p1_next, p1
+    return _low(c0), c1, _low(c2), c3
 
 
-def bits16(seed, offset, n, device="cpu"):
-    """Values offset, ..., offset + n - 1 (uint16, shape (n,)) of the stream of `seed`.
-    On the CPU, blocks of counters run on the threads of `autograd.threads`."""
+def _counter_words(counters, key, words, work):
+    """words (n, 4) uint32 <- Philox4x32-10 of the counters (n,) uint64 (counter c is the words
+    (c mod 2^32, c >> 32, 0, 0)); `work`: six uint64 arrays of length n."""
+    xp = backend.get_array_module(counters)
+    c0, c2 = work[4], work[5]
+    xp.bitwise_and(counters, xp.uint64(_LOW32), out=c0)
+    c1 = xp.right_shift(counters, xp.uint64(32)).astype("uint32")
+    c2[...] = 0
+    zero = xp.zeros(counters.shape[0], dtype="uint32")
+    for m, w in enumerate(_philox_rounds(c0, c1, c2, zero, key, work[:4])):
+        words[:, m] = w
+
+
+def _fill_words(counters, key, words, start, stop, chunk):
+    """words[start:stop] (uint32, 4 per counter) of counters[start:stop], `chunk` counters at a
+    time (48 bytes of temporaries per counter)."""
+    xp = backend.get_array_module(counters)
+    work = [xp.empty(min(chunk, stop - start), dtype="uint64") for _ in range(6)]
+    for lo in range(start, stop, chunk):
+        hi = min(lo + chunk, stop)
+        _counter_words(counters[lo:hi], key, words[lo:hi], [w[:hi - lo] for w in work])
+
+
+@kernel_table
+def philox_bits16(counters, key):
+    """The eight 16-bit values of each counter: counters (n,) uint64 -> (8 n,) uint16, value 8 i + 2 m
+    the low half of output word m of counter i and 8 i + 2 m + 1 its high half. In chunks of
+    _REFERENCE_CHUNK counters, so the temporaries stay bounded."""
+    words = backend.get_array_module(counters).empty((counters.shape[0], 4), dtype="uint32")
+    _fill_words(counters, key, words, 0, counters.shape[0], _REFERENCE_CHUNK)
+    # value 2m of a counter is the low half of word m, value 2m + 1 its high half: on a
+    # little-endian machine (x86, Arm, GPUs) that is the uint16 view of the words
+    return words.view("uint16").reshape(-1)
+
+
+@philox_bits16.register("cpu")
+def philox_bits16_cpu(counters, key):
+    """Blocks of counters on the threads of `autograd.threads`, each in chunks of _CHUNK counters
+    whose temporaries stay in the cache."""
+    n = counters.shape[0]
+    words = backend.get_array_module(counters).empty((n, 4), dtype="uint32")
+    threads.for_rows(lambda start, stop: _fill_words(counters, key, words, start, stop, _CHUNK), n, 4 * n, words)
+    return words.view("uint16").reshape(-1)
+
+
+def _key(seed):
+    return seed & _LOW32, (seed >> 32) & _LOW32
+
+
+def bits16(seed, offset, n, device="cpu", state=None):
+    """Values offset, ..., offset + n - 1 (uint16, shape (n,)) of the stream of `seed`, on `device`;
+    with `state` (a device (2,) uint64 array: seed, base, as under graph capture) those of the
+    stream of state[0] from state[1] + offset (state[1] a multiple of 8), without reading state
+    on the host."""
     xp = backend.module_for(device)
     first = int(offset) // VALUES_PER_COUNTER
     skip = int(offset) - first * VALUES_PER_COUNTER
     count = -(-(skip + int(n)) // VALUES_PER_COUNTER)                   # counters covering the range
-    words = xp.empty((count, 4), dtype="uint32")                        # 4 output words per counter
-    key = (seed & _LOW32, (seed >> 32) & _LOW32)
+    counters = xp.arange(first, first + count, dtype="uint64")
+    key = _key(int(seed))
+    if state is not None:                                               # (1,) arrays, read on the device
+        counters += state[1:2] >> xp.uint64(3)
+        key = (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
+    return philox_bits16(counters, key)[skip:skip + int(n)]
 
-    def block(start, stop):
-        for lo in range(start, stop, _CHUNK):                           # chunks whose temporaries stay in cache
-            hi = min(lo + _CHUNK, stop)
-            index = xp.arange(first + lo, first + hi, dtype="uint64")
-            zero = xp.zeros(hi - lo, dtype="uint64")
-            for m, w in enumerate(philox4x32((index & xp.uint64(_LOW32), index >> xp.uint64(32), zero, zero), key)):
-                words[lo:hi, m] = w
 
-    threads.for_rows(block, count, 4 * count, words)
-    # value 2m of a counter is the low half of word m, value 2m + 1 its high half: on a
-    # little-endian machine (x86, Arm, GPUs) that is the uint16 view of the words
-    return words.view("uint16").reshape(-1)[skip:skip + int(n)]
+def bits16_runs(seed: int, starts, width: int, state=None):
+    """Values starts[r], ..., starts[r] + width - 1 of the stream of `seed` for every r: starts
+    (R,) uint64 -> (R, width) uint16, on the device of `starts`. Draws whole counters around
+    each run (at most one more than width / 8 per run) and picks the run out of them, so that a
+    tile of a bigger mask is drawn alone, from the flat indices of its entries. With `state` (the
+    device (seed, base) of a draw under graph capture) the stream is state[0]'s, from state[1]."""
+    xp = backend.get_array_module(starts)
+    per_run = -(-(int(width) + VALUES_PER_COUNTER - 1) // VALUES_PER_COUNTER)   # covers any skip < 8
+    first = starts // xp.uint64(VALUES_PER_COUNTER)                              # (R,)
+    counters = first[:, None] + xp.arange(per_run, dtype="uint64")              # (R, per_run)
+    key = _key(int(seed))
+    if state is not None:                                                        # base a multiple of 8
+        counters += state[1:2] >> xp.uint64(3)
+        key = (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
+    values = philox_bits16(counters.reshape(-1), key).reshape(starts.shape[0], -1)
+    skip = (starts - first * xp.uint64(VALUES_PER_COUNTER)).astype("int64")     # (R,) in [0, 8)
+    return xp.take_along_axis(values, skip[:, None] + xp.arange(int(width)), axis=1)

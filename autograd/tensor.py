@@ -1,5 +1,6 @@
 """`Tensor` and the primitive differentiable ops, each a small `Function`."""
-from . import backend
+from . import backend, deferred
+from .checks import as_array
 from .function import Function, run_backward
 
 
@@ -7,7 +8,7 @@ def _as_array(data):
     """Arrays keep their dtype; Python scalars and lists of floats become float32 (torch's default)."""
     if backend.is_array(data):
         return data
-    arr = backend.get_array_module(data).asarray(data)
+    arr = as_array(data, "data", "Tensor", backend.get_array_module(data))
     return arr.astype("float32") if arr.dtype == "float64" else arr
 
 
@@ -19,6 +20,7 @@ class Tensor:
     """
 
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
+    _post_accumulate_grad_hooks = ()  # a list once a hook is registered
 
     def __init__(self, data, requires_grad=False, dtype=None, device=None):
         if isinstance(data, Tensor):
@@ -77,6 +79,24 @@ class Tensor:
         else:
             self.grad += grad
 
+    def register_post_accumulate_grad_hook(self, hook):
+        """Call `hook(self)` each time a backward pass has finished adding to this leaf's `.grad`
+        (every contribution of that pass accumulated), as torch's hook of the same name.
+        Returns a handle whose `remove()` unregisters it."""
+        if self.creator is not None:
+            raise RuntimeError("register_post_accumulate_grad_hook: only leaves (parameters) have one; "
+                               "this tensor was made by an op")
+        if not callable(hook):
+            raise TypeError(f"hook: expected a callable, got {type(hook).__name__}")
+        if not self._post_accumulate_grad_hooks:
+            self._post_accumulate_grad_hooks = []
+        self._post_accumulate_grad_hooks.append(hook)
+        return _HookHandle(self._post_accumulate_grad_hooks, hook)
+
+    def _run_post_accumulate_grad_hooks(self):
+        for hook in list(self._post_accumulate_grad_hooks):
+            hook(self)
+
     def retain_grad(self):
         """Keep `.grad` of this non-leaf after backward (leaves always keep theirs)."""
         if self.creator is not None:
@@ -91,11 +111,23 @@ class Tensor:
         return self
 
     # -- conversion ----------------------------------------------------------------------
+    # reading a value is where the deferred device checks of the ops before it report (autograd.deferred)
     def numpy(self):
+        deferred.raise_pending()
         return backend.as_numpy(self.data)
 
     def item(self):
+        deferred.raise_pending()
         return self.data.item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
 
     def to(self, device=None, dtype=None):
         """Move and/or cast; differentiable like torch's `.to`."""
@@ -173,6 +205,17 @@ class Tensor:
     def tanh(self): return Tanh.apply(self)
     def relu(self): return Relu.apply(self)
     def matmul(self, other): return MatMul.apply(self, other)
+
+
+class _HookHandle:
+    """What `register_post_accumulate_grad_hook` returns: `remove()` unregisters the hook."""
+
+    def __init__(self, hooks, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self):
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
 
 
 def _shape_arg(shape):
@@ -397,7 +440,7 @@ class Relu(Function):
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
-        return grad * (out > 0)  # d relu(x) = [x > 0]
+        return grad * ~(out <= 0)  # d relu(x) = [x > 0], taken as [not x <= 0]: a NaN passes grad (torch's)
 
 
 class Where(Function):

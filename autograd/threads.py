@@ -22,13 +22,13 @@ the GEMMs with its own threads, since npformer could not stop BLAS from competin
 pool. Results are the same for any number of threads. The default is chosen at the first op
 (or get_num_threads()), not at import.
 """
-import numbers
 import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from autograd import backend
+from autograd.checks import check_int
 
 # below this many entries touched, handing a block to a thread costs more than it saves: besides
 # the hand-off (~20 us), two threads running short numpy calls wait on each other for the GIL.
@@ -81,8 +81,7 @@ def _has_threadpoolctl():
 def set_num_threads(n):
     """Split the work of every op across `n` threads (an int >= 1) on the CPU; with n > 1
     numpy's BLAS is limited to one thread (via threadpoolctl), since npformer splits the GEMMs."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ValueError(f"set_num_threads: expected an integer >= 1, got {n!r}")
+    n = check_int(n, "n", "set_num_threads", at_least=1)
     with _lock:
         if n > 1 and _state["blas_limit"] is None:
             _state["blas_limit"] = _limit_blas_threads()
@@ -91,7 +90,7 @@ def set_num_threads(n):
             _state["blas_limit"] = None
         # the old pool is dropped, not shut down: ops in flight in other threads keep using it,
         # and its idle workers exit once the last of them lets go of it (garbage collection)
-        _state.update(threads=int(n), pool=None)
+        _state.update(threads=n, pool=None)
 
 
 def _limit_blas_threads():

@@ -44,7 +44,7 @@ from autograd import backend  # noqa: E402
 from npformer.decoding import greedy_decode  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
 
-CONFIGS = {  # REFERENCE.md section 7
+CONFIGS = {  # docs/benchmark_configurations.md
     "tiny": dict(vocab=20, d_model=32, nhead=4, dim_feedforward=64, layers=2),
     "base": dict(vocab=1000, d_model=256, nhead=8, dim_feedforward=1024, layers=4),
     "paper": dict(vocab=8000, d_model=512, nhead=8, dim_feedforward=2048, layers=6),

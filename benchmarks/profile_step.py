@@ -4,7 +4,8 @@ the optimizer, and the rest (Python between ops), for a config of train_step.py.
     python benchmarks/profile_step.py --config base [--steps N] [--threads N] [--cprofile | --torch]
 
 Every `Function` subclass gets its forward and backward wrapped in a timer (monkeypatched
-here only); `dropout_mask` and `Adam.step` are timed the same way. The median of `steps`
+here only); the dropout masks (`keep_mask`, also inside DropoutFunction.forward's row) and
+`Adam.step` are timed the same way. The median of `steps`
 steps after one warm-up is shown per row. --cprofile prints cProfile's top functions instead,
 --torch the torch.profiler table of the torch model (torch.set_num_threads(--threads)).
 """
@@ -25,7 +26,6 @@ from train_step import CONFIGS, Ours, Torch  # noqa: E402
 import autograd  # noqa: E402
 import npformer  # noqa: E402
 import npformer.functional.activation as activation  # noqa: E402
-import npformer.functional.attention as attention  # noqa: E402
 from npformer import optim  # noqa: E402
 
 TIMES = collections.defaultdict(float)
@@ -52,8 +52,7 @@ def instrument():
         for phase in ("forward", "backward"):
             if phase in op.__dict__:
                 setattr(op, phase, staticmethod(timed(f"{op.__name__}.{phase}", op.__dict__[phase].__func__)))
-    mask = timed("dropout masks", activation.dropout_mask)
-    activation.dropout_mask = attention.dropout_mask = mask
+    activation.keep_mask = timed("dropout masks", activation.keep_mask)
     optim.Adam.step = timed("Adam.step", optim.Adam.step)
 
 

@@ -1,12 +1,14 @@
 """One training step (forward, cross-entropy, backward, Adam) of Seq2SeqTransformer, ours and
 PyTorch eager side by side in one run, float32.
 
-    python benchmarks/train_step.py --config tiny|base|paper|gpt_char [--steps N] [--device cpu|cuda]
-                                    [--threads N] [--ours-threads N] [--defaults] [--no-memory]
+    python benchmarks/train_step.py --config tiny|base|paper|gpt_char [--steps N] [--device cpu|cuda|test]
+                                    [--threads N] [--ours-threads N] [--defaults] [--no-memory] [--no-graphed]
 
-Prints the median ms/step of each (steps alternate between the two), the ratio ours/torch,
+On cuda (and on "test", its stand-in without a GPU) ours runs twice: eager and as a captured CUDA
+graph (npformer.cuda.graphed: one capture, then one replay per step), beside torch's CUDA eager.
+Prints the median ms/step of each (steps alternate between the runners), the ratio ours/torch,
 tokens/s, achieved GFLOP/s and its share of this machine's measured float32 GEMM rate, and
-the peak memory of each side measured in a separate process. Configurations: REFERENCE.md s.7.
+the peak memory of each side measured in a separate process. Configurations: docs/benchmark_configurations.md.
 Threads: torch.set_num_threads(--threads) and npformer.set_num_threads(--ours-threads,
 default --threads; above 1 npformer splits the GEMMs and numpy's BLAS runs one thread;
 --ours-threads 1 leaves the GEMMs to BLAS's own threads). --defaults: each library's default
@@ -59,17 +61,7 @@ def training_flops(cfg):
 def causal_config(cfg):
     """The CausalLM config of a causal benchmark configuration (ours and the torch twin's)."""
     return dict(vocab_size=cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"], num_layers=cfg["layers"],
-                dim_feedforward=cfg["d_ff"], dropout=0.1, max_len=cfg["seq"])
-
-
-def causal_step(model, optimizer, cross_entropy, batch, vocab):
-    """Next-token cross-entropy on (inputs, targets), backward, optimizer step (either library)."""
-    _, inputs, targets = batch
-    loss = cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    return loss.item()
+                dim_feedforward=cfg["d_ff"], dropout=cfg.get("dropout", 0.1), max_len=cfg["seq"])
 
 
 def gemm_rate(device):
@@ -92,7 +84,7 @@ def gemm_rate(device):
 
 
 class Ours:
-    def __init__(self, cfg, device):
+    def __init__(self, cfg, device, graphed=False):
         import npformer
         from npformer import models, optim
         import npformer.functional as F
@@ -100,6 +92,7 @@ class Ours:
         self.F, self.cfg, self.device = F, cfg, device
         from autograd import backend
         self.batch = [backend.to_device(a, device) for a in make_batch(cfg)]
+        self.train = npformer.cuda.graphed(self.train_step, device) if graphed else self.train_step
         if cfg.get("causal"):
             self.model = models.CausalLM(**causal_config(cfg)).to(device).train()
             self.optimizer = optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -107,21 +100,21 @@ class Ours:
         self.model = models.Seq2SeqTransformer(
             cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"],
             num_encoder_layers=cfg["layers"], num_decoder_layers=cfg["layers"],
-            dim_feedforward=cfg["d_ff"], dropout=0.1, max_len=max(cfg["seq"], 16)).to(device)
+            dim_feedforward=cfg["d_ff"], dropout=cfg.get("dropout", 0.1), max_len=max(cfg["seq"], 16)).to(device)
         self.model.train()
         self.optimizer = optim.Adam(self.model.parameters(), lr=1e-4)
 
-    def step(self):
-        if self.cfg.get("causal"):
-            return causal_step(self.model, self.optimizer, self.F.cross_entropy, self.batch, self.cfg["vocab"])
-        src, tgt_in, tgt_out = self.batch
-        logits = self.model(src, tgt_in)
+    def train_step(self, src, tgt_in, tgt_out):
+        # a causal LM reads tgt_in and predicts tgt_out; the encoder-decoder also reads src
+        logits = self.model(tgt_in) if self.cfg.get("causal") else self.model(src, tgt_in)
         loss = self.F.cross_entropy(logits.reshape(-1, self.cfg["vocab"]), tgt_out.reshape(-1))
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        value = loss.item()  # synchronises a GPU
-        return value
+        return loss
+
+    def step(self):
+        return self.train(*self.batch).item()  # reading the loss synchronises a GPU
 
 
 class Torch:
@@ -130,7 +123,7 @@ class Torch:
         from torch import nn
         torch.manual_seed(0)
         self.torch, self.cfg = torch, cfg
-        self.device = "cuda" if device == "cuda" else "cpu"
+        self.device = "cuda" if device == "cuda" else "cpu"  # "test" stands in for a GPU: torch on the CPU
         self.batch = [torch.as_tensor(a).to(self.device) for a in make_batch(cfg)]
         if cfg.get("causal"):  # the torch.nn composition npformer.interop.to_torch converts a CausalLM to
             from npformer.interop import torch_model_classes
@@ -144,9 +137,9 @@ class Torch:
                 super().__init__()
                 self.src_embed, self.tgt_embed = nn.Embedding(V, d), nn.Embedding(V, d)
                 self.transformer = nn.Transformer(d, cfg["nhead"], cfg["layers"], cfg["layers"],
-                                                  cfg["d_ff"], dropout=0.1, batch_first=True)
+                                                  cfg["d_ff"], dropout=cfg.get("dropout", 0.1), batch_first=True)
                 self.generator = nn.Linear(d, V)
-                self.dropout = nn.Dropout(0.1)
+                self.dropout = nn.Dropout(cfg.get("dropout", 0.1))
                 pos = torch.arange(max(cfg["seq"], 16), dtype=torch.float64)[:, None]
                 div = torch.exp(torch.arange(0, d, 2, dtype=torch.float64) * (-math.log(10000.0) / d))
                 pe = torch.zeros(len(pos), d, dtype=torch.float64)
@@ -166,11 +159,8 @@ class Torch:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
 
     def step(self):
-        if self.cfg.get("causal"):
-            return causal_step(self.model, self.optimizer, self.torch.nn.functional.cross_entropy, self.batch,
-                               self.cfg["vocab"])
         src, tgt_in, tgt_out = self.batch
-        logits = self.model(src, tgt_in)
+        logits = self.model(tgt_in) if self.cfg.get("causal") else self.model(src, tgt_in)
         loss = self.torch.nn.functional.cross_entropy(logits.reshape(-1, self.cfg["vocab"]), tgt_out.reshape(-1))
         self.optimizer.zero_grad()
         loss.backward()
@@ -201,7 +191,8 @@ def peak_memory_mb(args, side, steps):
     """Peak resident memory of a fresh process that builds one side and runs `steps` steps."""
     cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--device", args.device,
            "--only", side, "--steps", str(steps), "--threads", str(args.threads),
-           "--ours-threads", str(args.ours_threads)] + (["--defaults"] if args.defaults else [])
+           "--ours-threads", str(args.ours_threads), "--dropout", str(args.dropout)] + \
+        (["--defaults"] if args.defaults else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mb"]
 
@@ -210,8 +201,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=CONFIGS, default="base")
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda", "test"], default="cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the separate-process memory runs")
+    parser.add_argument("--no-graphed", action="store_true", help="on cuda/test: skip the CUDA-graph runner")
+    parser.add_argument("--dropout", type=float, default=0.1, help="dropout probability of both models")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch's intra-op threads and, by default, npformer's (default: every core)")
     parser.add_argument("--ours-threads", type=int,
@@ -220,7 +213,7 @@ def main():
                         help="each library's default threads (--threads and --ours-threads are not applied)")
     parser.add_argument("--only", choices=["ours", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    cfg = CONFIGS[args.config]
+    cfg = dict(CONFIGS[args.config], dropout=args.dropout)
     steps = args.steps or DEFAULT_STEPS[args.config]
     args.ours_threads = args.ours_threads or args.threads
     peak_rate = gemm_rate(args.device) if not args.only else None  # with BLAS's own threads
@@ -240,9 +233,16 @@ def main():
         return
 
     runners = {"ours": Ours(cfg, args.device), "torch": Torch(cfg, args.device)}
+    if args.device != "cpu" and not args.no_graphed:
+        runners["graphed"] = Ours(cfg, args.device, graphed=True)
     times = {name: [] for name in runners}
-    for name, runner in runners.items():  # warm-up
-        runner.step()
+    for name, runner in list(runners.items()):  # warm-up (the graphed runner: eager, then the capture)
+        try:
+            for _ in range(2 if name == "graphed" else 1):
+                runner.step()
+        except Exception as error:  # a step that cannot be captured is reported, the others still run
+            print(f"{name}: could not run: {type(error).__name__}: {error}")
+            del runners[name], times[name]
     for _ in range(steps):
         for name, runner in runners.items():
             t0 = time.perf_counter()
@@ -250,18 +250,21 @@ def main():
             times[name].append(time.perf_counter() - t0)
     flops = training_flops(cfg)
     tokens = 2 * cfg["batch"] * cfg["seq"]
-    print(f"config {args.config} {cfg}  device {args.device}  steps {steps}")
+    print(f"config {args.config} {CONFIGS[args.config]}  dropout {args.dropout}  device {args.device}  steps {steps}")
     print(f"numpy BLAS: {blas_info()}   OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}  "
           f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE')}  load average {os.getloadavg()[0]:.2f}")
     print(f"threads: npformer {npformer.get_num_threads()}, torch {torch.get_num_threads()}")
     print(f"measured float32 GEMM rate: {peak_rate:.0f} GFLOP/s")
     median = {}
-    for name in runners:
+    for name in sorted(runners, key=["ours", "graphed", "torch"].index):
         median[name] = statistics.median(times[name])
         gflops = flops / median[name] / 1e9
-        print(f"{name:>5}: {median[name] * 1e3:9.1f} ms/step  {tokens / median[name]:9.0f} tokens/s  "
+        print(f"{name:>7}: {median[name] * 1e3:9.1f} ms/step  {tokens / median[name]:9.0f} tokens/s  "
               f"{gflops:6.1f} GFLOP/s  ({100 * gflops / peak_rate:4.1f}% of GEMM rate)")
     print(f"ratio ours/torch: {median['ours'] / median['torch']:.2f}x")
+    if "graphed" in median:
+        print(f"ratio graphed/torch: {median['graphed'] / median['torch']:.2f}x  "
+              f"(graphed/eager {median['graphed'] / median['ours']:.2f}x)")
     if not args.no_memory:
         mem = {side: peak_memory_mb(args, side, 2) for side in runners}
         print(f"peak memory (separate processes, 2 steps): ours {mem['ours']:.0f} MB, torch {mem['torch']:.0f} MB, "

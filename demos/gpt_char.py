@@ -174,7 +174,7 @@ def write_figures(out, history, model, chars, window, unigram):
                              "character-level GPT on the standard library's docstrings",
                              {"held-out": (history["eval_step"], np.array(history["eval_loss"]) * bits)},
                              {"unigram baseline (held-out)": unigram}, ylabel="cross-entropy (bits per character)")]
-    maps = plots.record_attention(model, window[None])["encoder_self"]              # layers of (1, H, T, T)
+    maps = plots.attention_maps(model, window[None])["encoder_self"]                # layers of (1, H, T, T)
     labels = [repr(c)[1:-1] or " " for c in chars.decode(window)]
     files.append(plots.plot_attention([m[0] for m in maps], os.path.join(out, "attention.png"),
                                       f"causal self-attention, every head: {chars.decode(window)!r}", labels, labels))

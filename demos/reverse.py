@@ -1,20 +1,31 @@
 """Train a Transformer to reverse sequences, then show what it learned.
 
-    python demos/reverse.py                      # default preset: lengths 3..12 with padding
-    python demos/reverse.py --preset seed        # the seed tutorial's setup (vocab 20, length 6)
+    python demos/reverse.py                      # default preset: lengths 3..12 with padding -> runs/reverse/
+    python demos/reverse.py --steps 20           # a quick smoke run (the warmup scales with the steps)
+    python demos/reverse.py --preset seed        # the seed tutorial's setup (vocab 20, length 6) -> runs/reverse-seed/
     python demos/reverse.py --steps 2000 --min-len 2 --max-len 16 --out runs/long
     python demos/reverse.py --resume runs/reverse/checkpoint.npz --steps 1500
     python demos/reverse.py --checkpoint runs/reverse/checkpoint.npz --input "3 7 1 5"
+    mpiexec -n 2 python demos/reverse.py --distributed   # data-parallel over 2 ranks (MPI)
 
-Symbols are the integers 1..vocab-3 (ids 0, 1, 2 are PAD, BOS, EOS). Writes to --out:
-metrics.json (held-out exact-sequence and token accuracy of greedy decoding on 1,000
-sequences never trained on, steps, seconds, parameters), checkpoint.npz, curves.png (loss,
-accuracy, lr), attention_encoder_self.png, attention_decoder_self.png, attention_cross.png
-(every head of every layer for one example) and grad_norms.png (gradient norm per layer).
+Symbols are the integers 1..vocab-3 (ids 0, 1, 2 are PAD, BOS, EOS). Each preset writes to its
+own folder (runs/reverse for the default, runs/reverse-<preset> for the others; --out to
+choose; --resume continues in the checkpoint's folder): metrics.json (held-out exact-sequence
+and token accuracy of greedy decoding on 1,000 sequences never trained on, steps, seconds,
+parameters), checkpoint.npz, checkpoint-step150.npz (the model after 150 steps, partly trained:
+what demos/attention_grads.py studies), curves.png (loss, accuracy, lr),
+attention_encoder_self.png, attention_decoder_self.png, attention_cross.png (every head of
+every layer for one example) and grad_norms.png (gradient norm per layer).
+
+Results go to stdout, progress to stderr. Ctrl-C stops after the current step, saves a
+checkpoint and prints the command that resumes it (exit status 130). A bad argument or file is
+one line on stderr (exit status 2).
 """
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -27,12 +38,15 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autograd  # noqa: E402
+import npformer.distributed as dist  # noqa: E402
 from npformer import load_checkpoint, load_model, optim  # noqa: E402
+from npformer.checkpoint import CheckpointError  # noqa: E402
 from npformer.data import EOS, SequenceTask  # noqa: E402
 from npformer.decoding import greedy_decode  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
-from npformer.training import Trainer  # noqa: E402
+from npformer.training import Seq2SeqTrainer  # noqa: E402
 
+PROG = "reverse.py"
 # Each preset: task, model, optimisation. "default" is tuned to reach >= 99% exact-sequence
 # accuracy on the held-out set in about a minute and a half on a 2-core CPU.
 PRESETS = {
@@ -46,14 +60,24 @@ PRESETS = {
                  dropout=0.0, batch_size=64, steps=3000, lr=1e-3, warmup=300, schedule="cosine",
                  label_smoothing=0.0, clip_norm=1.0, eval_every=250),
 }
-SETTINGS = tuple(PRESETS["default"])
+SNAPSHOT_STEP = 150  # attention_grads.py's default model: partly trained, so dL/dP is still large
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+
+
+class UsageError(Exception):
+    """A bad argument or file: main() prints it as one line and exits with status 2."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C during training, raised between two steps."""
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--steps", type=int, help="total optimisation steps (default: the preset's)")
+    p.add_argument("--warmup", type=int, help="learning-rate warmup steps (default: the preset's share of the steps)")
     p.add_argument("--vocab", type=int, help="vocabulary size including PAD/BOS/EOS")
     p.add_argument("--min-len", dest="min_len", type=int)
     p.add_argument("--max-len", dest="max_len", type=int)
@@ -61,15 +85,24 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join("runs", "reverse"))
+    p.add_argument("--out", help="output folder (default: runs/reverse, runs/reverse-<preset>, or the folder "
+                                 "of the --resume checkpoint)")
+    p.add_argument("--snapshot-step", dest="snapshot_step", type=int, default=SNAPSHOT_STEP,
+                   help=f"also keep the checkpoint of this step as checkpoint-step<N>.npz (default {SNAPSHOT_STEP}; "
+                        "0: none)")
     p.add_argument("--resume", metavar="CKPT", help="continue training from a checkpoint of this demo")
     p.add_argument("--checkpoint", metavar="CKPT", help="with --input: load a trained model")
     p.add_argument("--input", help='with --checkpoint: symbols to reverse, e.g. "3 7 1 5"')
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the figures")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--distributed", action="store_true",
+                   help="data-parallel training over the ranks of an MPI job (mpiexec -n N ...): each rank "
+                        "takes its share of every batch; rank 0 writes the outputs")
     args = p.parse_args(argv)
     if (args.checkpoint is None) != (args.input is None):
         p.error("--checkpoint and --input go together")
+    if args.distributed and args.checkpoint:
+        p.error("--distributed is for training; it does not go with --checkpoint/--input")
     try:
         autograd.backend.module_for(args.device)
     except RuntimeError as e:  # cuda asked for without CuPy or a GPU: say how to install it
@@ -78,8 +111,10 @@ def parse_args(argv=None):
 
 
 def settings_from(args):
-    """The preset's settings with the command line's overrides."""
-    settings = dict(PRESETS[args.preset])
+    """The preset's settings with the command line's overrides; the warmup keeps the preset's
+    share of the steps unless --warmup is given."""
+    preset = PRESETS[args.preset]
+    settings = dict(preset)
     for key in ("steps", "vocab", "min_len", "max_len", "batch_size", "lr"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -87,13 +122,30 @@ def settings_from(args):
         if args.max_len is None:  # only --min-len given: keep a valid range
             settings["max_len"] = settings["min_len"]
         else:
-            raise SystemExit(f"--min-len ({settings['min_len']}) must be <= --max-len ({settings['max_len']})")
+            raise UsageError(f"--min-len ({settings['min_len']}) must be <= --max-len ({settings['max_len']})")
+    if args.warmup is None and args.steps is not None:
+        settings["warmup"] = round(preset["warmup"] * settings["steps"] / preset["steps"])
+    return checked_schedule(settings, args)
+
+
+def checked_schedule(settings, args):
+    """The settings with --warmup applied, once steps and warmup fit together."""
+    if args.warmup is not None:
+        settings["warmup"] = args.warmup
+    if settings["steps"] < 1:
+        raise UsageError(f"--steps: expected a positive number of steps, got {settings['steps']}")
+    if not 0 <= settings["warmup"] <= settings["steps"]:
+        raise UsageError(f"--warmup: expected 0..{settings['steps']} (at most --steps), got {settings['warmup']}"
+                         + ("" if args.warmup is not None else "; give --warmup"))
     return settings
 
 
 def make_task(settings, seed):
-    return SequenceTask("reverse", vocab_size=settings["vocab"], min_len=settings["min_len"],
-                        max_len=settings["max_len"], seed=seed)
+    try:
+        return SequenceTask("reverse", vocab_size=settings["vocab"], min_len=settings["min_len"],
+                            max_len=settings["max_len"], seed=seed)
+    except ValueError as e:  # --vocab / --min-len / --max-len out of range
+        raise UsageError(str(e)) from None
 
 
 def build(settings, seed, device):
@@ -112,25 +164,44 @@ def build(settings, seed, device):
     return model, optimizer, scheduler
 
 
-def demo_state(ckpt, path):
-    """The settings a checkpoint of this demo was trained with."""
+def read_checkpoint(path, option):
+    """The checkpoint dict of a run of this demo at `path`, or a UsageError naming `option`."""
+    if not os.path.exists(path):
+        raise UsageError(f"{option}: {path} does not exist (train a model first: python demos/reverse.py)")
+    if os.path.isdir(path):
+        raise UsageError(f"{option}: {path} is a folder; give the checkpoint file, e.g. "
+                         f"{os.path.join(path, 'checkpoint.npz')}")
+    try:
+        ckpt = load_checkpoint(path, restore_rng=False)
+    except (CheckpointError, OSError) as e:
+        raise UsageError(f"{option}: {e}") from None
     if "demo" not in ckpt:
-        raise SystemExit(f"{path}: not a checkpoint of demos/reverse.py (it has no 'demo' settings)")
-    return ckpt["demo"]
+        raise UsageError(f"{option}: {path} is not a checkpoint of demos/reverse.py (it has no 'demo' settings)")
+    return ckpt
 
 
 def reverse_input(args):
     """--checkpoint CKPT --input "3 7 1 5": print the model's reversal."""
-    model, ckpt = load_model(args.checkpoint, device=args.device)
-    demo = demo_state(ckpt, args.checkpoint)
+    demo = read_checkpoint(args.checkpoint, "--checkpoint")["demo"]
     settings = demo["settings"]
+    model, _ = load_model(args.checkpoint, device=args.device)
     task = make_task(settings, demo["seed"])
     try:
-        ids = task.encode(args.input.replace(",", " ").split())
+        symbols = [int(s) for s in args.input.replace(",", " ").split()]
+    except ValueError:
+        raise UsageError(f"--input: expected symbols 1..{task.num_symbols} separated by spaces, "
+                         f"got {args.input!r}") from None
+    try:
+        ids = task.encode(symbols)
     except ValueError as e:
-        raise SystemExit(f"--input: {e}")
+        raise UsageError(f"--input: {e}") from None
     if not ids:
-        raise SystemExit("--input: give at least one symbol")
+        raise UsageError("--input: give at least one symbol")
+    longest = model.config["max_len"] - int(task.eos)  # the source and the decoded target must fit the table
+    if len(ids) > longest:
+        raise UsageError(f"--input: {len(ids)} symbols, but this model reads at most {longest} (its positional "
+                         f"table has {model.config['max_len']} positions; it was trained on lengths "
+                         f"{settings['min_len']}..{settings['max_len']})")
     if not settings["min_len"] <= len(ids) <= settings["max_len"]:
         print(f"note: the model was trained on lengths {settings['min_len']}..{settings['max_len']}, "
               f"this input has {len(ids)} symbols", file=sys.stderr)
@@ -153,7 +224,7 @@ def write_figures(out, trainer, task):
     tgt_in_labels = ["BOS"] + [str(s) for s in task.decode(batch.tgt_in[0, 1:])]
     files = [plots.plot_curves(trainer.history, os.path.join(out, "curves.png"), "sequence reversal"),
              plots.plot_grad_norms(trainer.history, os.path.join(out, "grad_norms.png"))]
-    maps = plots.record_attention(trainer.model, batch.src, batch.tgt_in)
+    maps = plots.attention_maps(trainer.model, batch.src, batch.tgt_in)
     labels = {"encoder_self": (src_labels, src_labels), "decoder_self": (tgt_in_labels, tgt_in_labels),
               "cross": (tgt_in_labels, src_labels)}
     for group, layers in maps.items():
@@ -164,54 +235,132 @@ def write_figures(out, trainer, task):
     return files
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.checkpoint:
-        return reverse_input(args)
-    settings, seed = settings_from(args), args.seed
-    if args.resume:  # the run's own settings; only --steps may change
-        demo = demo_state(load_checkpoint(args.resume, restore_rng=False), args.resume)
-        settings, seed = demo["settings"], demo["seed"]
-        if args.steps is not None:
-            settings["steps"] = args.steps
-    os.makedirs(args.out, exist_ok=True)
+def run_settings(args):
+    """(settings, seed, preset, out, resumed checkpoint or None) of a training run: from the
+    command line, or, with --resume, the run's own (only --steps and --warmup may change)."""
+    if not args.resume:
+        out = args.out or os.path.join("runs", "reverse" if args.preset == "default" else f"reverse-{args.preset}")
+        return settings_from(args), args.seed, args.preset, out, None
+    demo = read_checkpoint(args.resume, "--resume")["demo"]
+    settings = dict(demo["settings"])
+    if args.steps is not None:
+        settings["steps"] = args.steps
+    out = args.out or os.path.dirname(args.resume) or "."
+    return checked_schedule(settings, args), demo["seed"], demo["preset"], out, demo
+
+
+@contextlib.contextmanager
+def stop_on_ctrl_c():
+    """While open, the first Ctrl-C (SIGINT) asks to stop (state["asked"]; the training loop
+    stops after the current step); a second one stops at once (KeyboardInterrupt)."""
+    state = {"asked": False}
+
+    def ask(signum, frame):
+        if state["asked"]:
+            raise KeyboardInterrupt
+        state["asked"] = True
+        print("\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again: stop now, unsaved)",
+              file=sys.stderr, flush=True)
+
+    try:
+        previous = signal.signal(signal.SIGINT, ask)
+    except ValueError:  # not the main thread: leave Ctrl-C alone
+        yield state
+        return
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def after_each_step(trainer, hook):
+    """Call `hook()` after every `trainer.train_step` (between two steps the run is consistent)."""
+    train_step = trainer.train_step
+
+    def step_then_hook(*args, **kwargs):
+        record = train_step(*args, **kwargs)
+        hook()
+        return record
+    trainer.train_step = step_then_hook
+
+
+def train(args):
+    settings, seed, preset, out, resumed = run_settings(args)
+    ranks, main_rank = 1, True
+    if args.distributed:  # before the model is built: with GPUs, each rank takes its own
+        ranks, main_rank = dist.init().size, dist.rank() == 0
+    os.makedirs(out, exist_ok=True)
     task = make_task(settings, seed)
     model, optimizer, scheduler = build(settings, seed, args.device)
-    trainer = Trainer(model, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
-                      label_smoothing=settings["label_smoothing"], clip_norm=settings["clip_norm"],
-                      eval_every=settings["eval_every"], eval_size=200, progress=not args.quiet,
-                      extra_state={"demo": {"settings": settings, "seed": seed, "preset": args.preset}})
-    if args.resume:
+    trained = dist.DistributedDataParallel(model) if args.distributed else model
+    trainer = Seq2SeqTrainer(trained, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
+                             label_smoothing=settings["label_smoothing"], clip_norm=settings["clip_norm"],
+                             eval_every=settings["eval_every"], eval_size=200, progress=not args.quiet,
+                             extra_state={"demo": {"settings": settings, "seed": seed, "preset": preset}})
+    if resumed:
         trainer.resume(args.resume)
     parameters = sum(p.size for p in model.parameters())
-    print(f"reverse: preset {args.preset}, {task}, {parameters:,} parameters, {settings['steps']} steps "
-          f"on {args.device}", file=sys.stderr)
+    checkpoint_path = os.path.join(out, "checkpoint.npz")
+    snapshot_path = os.path.join(out, f"checkpoint-step{args.snapshot_step}.npz")
 
-    train_start = time.perf_counter()
-    checkpoint_path = os.path.join(args.out, "checkpoint.npz")
-    result = trainer.fit(settings["steps"], checkpoint_path=checkpoint_path, checkpoint_every=500)
+    with stop_on_ctrl_c() as ctrl_c:
+        def between_steps():
+            if trainer.step == args.snapshot_step:
+                trainer.save(snapshot_path)
+            if ctrl_c["asked"]:
+                raise Interrupted
+
+        after_each_step(trainer, between_steps)
+        if main_rank:
+            print(f"reverse: preset {preset}" + (f" (resumed at step {trainer.step} from {args.resume})" if resumed
+                                                 else "")
+                  + f", {task}, {parameters:,} parameters, {settings['steps']} steps on {args.device}"
+                  + (f", {ranks} ranks" if args.distributed else ""), file=sys.stderr)
+        train_start = time.perf_counter()
+        try:
+            result = trainer.fit(settings["steps"], checkpoint_path=checkpoint_path, checkpoint_every=500)
+            if ctrl_c["asked"]:  # during the final evaluation: the checkpoint is saved, skip the rest
+                raise Interrupted
+        except Interrupted:
+            trainer.save(checkpoint_path)
+            print(f"interrupted at step {trainer.step}/{settings['steps']}; saved {checkpoint_path}\n"
+                  f"resume with: python demos/reverse.py --resume {checkpoint_path}", file=sys.stderr)
+            raise SystemExit(EXIT_INTERRUPTED) from None
     train_seconds = time.perf_counter() - train_start
+    if not main_rank:
+        return None
 
     example = task.heldout[0]
     predicted = greedy_decode(model, [example], task.max_target_len, eos=EOS if task.eos else None)
-    print(f"example: {' '.join(map(str, task.decode(example)))} -> "
-          f"{' '.join(map(str, task.decode(predicted[0])))}", file=sys.stderr)
-    files = write_figures(args.out, trainer, task) if args.plots else []
+    print(f"example: {' '.join(map(str, task.decode(example)))} -> {' '.join(map(str, task.decode(predicted[0])))}")
+    files = write_figures(out, trainer, task) if args.plots else []
     metrics = {
         "exact_match": result["exact_match"], "token_accuracy": result["token_accuracy"],
         "heldout_sequences": result["sequences"], "decoding": "greedy, KV cache",
         "steps": trainer.step, "train_seconds": round(train_seconds, 2),
         "wall_seconds": round(time.perf_counter() - START, 2), "cpu_seconds": round(time.process_time(), 2),
         "parameters": int(parameters),
-        "preset": args.preset, "seed": seed, "device": args.device, "settings": settings,
+        "preset": preset, "seed": seed, "device": args.device, "ranks": ranks, "settings": settings,
         "model_config": model.config, "checkpoint": checkpoint_path, "figures": files,
     }
-    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+    with open(os.path.join(out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     print(f"held-out ({result['sequences']} unseen sequences): exact-sequence accuracy "
           f"{result['exact_match']:.2%}, token accuracy {result['token_accuracy']:.2%}; "
-          f"{trainer.step} steps, {metrics['wall_seconds']:.0f} s; wrote {args.out}/", file=sys.stderr)
+          f"{trainer.step} steps, {metrics['wall_seconds']:.0f} s; wrote {out}/")
     return metrics
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return reverse_input(args) if args.checkpoint else train(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+    except KeyboardInterrupt:
+        print("\ninterrupted (nothing saved since the last checkpoint)", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 if __name__ == "__main__":

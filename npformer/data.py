@@ -14,10 +14,16 @@ to stop; fixed-length tasks (the tutorial's) have no EOS unless asked for.
 Held-out set: `heldout_size` distinct sequences drawn once from a separate seeded stream.
 Training batches reject (and redraw) every sequence that is in the held-out set, so the
 held-out sequences are never trained on, whatever the vocabulary and lengths.
+
+Data parallelism: every rank draws the same global batch from the same stream and keeps its
+own contiguous share (`shard`), so N ranks see exactly the batches of one process, and a
+run saved on N ranks continues on M. `RandomBatches` does the same for any dataset of arrays.
 """
 from dataclasses import dataclass
 
 import numpy as np
+
+from autograd.checks import check_int
 
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3
@@ -51,6 +57,76 @@ class Batch:
         return len(self.src)
 
 
+def shard(n, rank, world_size):
+    """The slice of n items (a global batch) that `rank` of `world_size` takes: contiguous
+    shares whose sizes differ by at most one, together the whole batch in order."""
+    world_size = check_int(world_size, "world_size", "shard", at_least=1)
+    rank = check_int(rank, "rank", "shard", at_least=0)
+    if rank >= world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+    if n < world_size:
+        raise ValueError(f"batch_size: expected at least one item per rank (>= world_size={world_size}), got {n}")
+    return slice(rank * n // world_size, (rank + 1) * n // world_size)
+
+
+class RandomBatches:
+    """Endless shuffled mini-batches of a dataset held in arrays (row i of every array is
+    example i), like a torch DataLoader with shuffle=True and a DistributedSampler.
+
+    Each epoch is a seeded permutation of the examples; each step takes its next batch_size
+    examples (a partial batch at the end of an epoch is dropped) and rank keeps its share
+    (`shard`). Iterating yields one array per array given (the array itself when one is given).
+    `state_dict`/`load_state_dict` continue the stream (on any number of ranks).
+
+    rank / world_size: default to npformer.distributed's (0 and 1 without an MPI job).
+    """
+
+    def __init__(self, *arrays, batch_size, seed=0, rank=None, world_size=None):
+        from . import distributed
+
+        if not arrays:
+            raise ValueError("arrays: expected at least one array of examples")
+        arrays = tuple(np.asarray(a) for a in arrays)
+        if any(a.ndim == 0 or len(a) != len(arrays[0]) for a in arrays):
+            raise ValueError(f"arrays: expected arrays with the same number of rows, got shapes "
+                             f"{[a.shape for a in arrays]}")
+        self.arrays = arrays
+        self.batch_size = check_int(batch_size, "batch_size", "RandomBatches", at_least=1)
+        if self.batch_size > len(arrays[0]):
+            raise ValueError(f"batch_size: expected at most the {len(arrays[0])} examples, got {batch_size}")
+        self.rank = distributed.rank() if rank is None else rank
+        self.world_size = distributed.world_size() if world_size is None else world_size
+        self.share = shard(self.batch_size, self.rank, self.world_size)
+        self.rng = np.random.default_rng(check_int(seed, "seed", "RandomBatches", at_least=0))
+        self._new_epoch()
+
+    def _new_epoch(self):
+        self.epoch_start_state = self.rng.bit_generator.state
+        self.order = self.rng.permutation(len(self.arrays[0]))
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.position + self.batch_size > len(self.order):
+            self._new_epoch()
+        indices = self.order[self.position:self.position + self.batch_size][self.share]
+        self.position += self.batch_size
+        batch = tuple(a[indices] for a in self.arrays)
+        return batch[0] if len(batch) == 1 else batch
+
+    def state_dict(self):
+        """The stream's position: the generator state the epoch's permutation came from, and
+        how many examples of it were used."""
+        return {"epoch_start": self.epoch_start_state, "position": self.position}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["epoch_start"]
+        self._new_epoch()
+        self.position = int(state["position"])
+
+
 class SequenceTask:
     """A seeded generator of batches for one task, plus its fixed held-out set.
 
@@ -64,16 +140,18 @@ class SequenceTask:
                  heldout_size=1000):
         if task not in TASKS:
             raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
-        max_len = min_len if max_len is None else max_len
-        if int(vocab_size) < NUM_SPECIAL + 2:
-            raise ValueError(f"vocab_size: expected >= {NUM_SPECIAL + 2} (PAD, BOS, EOS and at least "
-                             f"2 symbols), got {vocab_size}")
-        if not 1 <= int(min_len) <= int(max_len):
-            raise ValueError(f"min_len, max_len: expected 1 <= min_len <= max_len, got {min_len}, {max_len}")
-        self.task, self.vocab_size = task, int(vocab_size)
-        self.min_len, self.max_len = int(min_len), int(max_len)
+        owner = "SequenceTask"
+        vocab_size = check_int(vocab_size, "vocab_size (PAD, BOS, EOS and at least 2 symbols)", owner,
+                               at_least=NUM_SPECIAL + 2)
+        min_len = check_int(min_len, "min_len", owner, at_least=1)
+        max_len = min_len if max_len is None else check_int(max_len, "max_len", owner, at_least=1)
+        if max_len < min_len:
+            raise ValueError(f"{owner}: expected min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+        heldout_size = check_int(heldout_size, "heldout_size", owner, at_least=0)
+        self.task, self.vocab_size = task, vocab_size
+        self.min_len, self.max_len = min_len, max_len
         self.eos = self.min_len != self.max_len if eos is None else bool(eos)
-        self.seed = seed
+        self.seed = None if seed is None else check_int(seed, "seed", owner, at_least=0)
         n_symbols = self.vocab_size - NUM_SPECIAL
         possible = sum(n_symbols ** n for n in range(self.min_len, self.max_len + 1))
         if heldout_size > possible // 4:
@@ -145,14 +223,15 @@ class SequenceTask:
         tgt_in[tgt_in == EOS] = PAD
         return Batch(src, tgt_in, tgt_out)
 
-    def batch(self, batch_size):
-        """A fresh training batch (advances the task's random stream)."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
-        return self.collate(self.sample(batch_size))
+    def batch(self, batch_size, rank=0, world_size=1):
+        """A fresh training batch (advances the task's random stream). With world_size > 1:
+        rank's share of the global batch of batch_size sequences (see `shard`)."""
+        batch_size = check_int(batch_size, "batch_size", "SequenceTask.batch", at_least=1)
+        return self.collate(self.sample(batch_size)[shard(batch_size, rank, world_size)])
 
     def heldout_batches(self, batch_size=500):
         """The held-out set as Batches, always in the same order."""
+        batch_size = check_int(batch_size, "batch_size", "SequenceTask.heldout_batches", at_least=1)
         for start in range(0, len(self.heldout), batch_size):
             yield self.collate(self.heldout[start:start + batch_size])
 

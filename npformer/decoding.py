@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from autograd import Tensor, backend, no_grad, random, threads
+from autograd.checks import as_array, check_int, check_optional_int, check_real
 from . import functional as F
 from .data import BOS, EOS, PAD
 
@@ -50,31 +51,39 @@ def _blas_threads(device):
         threads.set_num_threads(count)
 
 
-def _source(model, src, src_key_padding_mask):
+def _source(model, src, src_key_padding_mask, owner):
     """src as a 2-D int array and its key padding mask (derived from pad ids when the model has pad_idx)."""
-    src = np.asarray(backend.as_numpy(src.data if isinstance(src, Tensor) else src))
+    src = src.data if isinstance(src, Tensor) else src
+    src = backend.as_numpy(src) if backend.is_array(src) else as_array(src, "src", owner, np)
     if src.dtype.kind not in "iu":
-        raise TypeError(f"src: expected integer token ids, got dtype {src.dtype}")
+        raise TypeError(f"{owner}: src: expected integer token ids, got dtype {src.dtype}")
     if src.ndim != 2:
-        raise ValueError(f"src: expected a 2-D array (B, S) of token ids, got shape {src.shape}")
+        raise ValueError(f"{owner}: src: expected a 2-D array (B, S) of token ids, got shape {src.shape}")
     if src_key_padding_mask is None:
         pad_idx = (getattr(model, "config", None) or {}).get("pad_idx")
         if pad_idx is not None:
             src_key_padding_mask = src == pad_idx
     elif np.shape(src_key_padding_mask) != src.shape:
-        raise ValueError(f"src_key_padding_mask: expected shape {src.shape}, got {np.shape(src_key_padding_mask)}")
+        raise ValueError(f"{owner}: src_key_padding_mask: expected shape {src.shape}, got "
+                         f"{np.shape(src_key_padding_mask)}")
     return src, src_key_padding_mask
 
 
-def _check_max_len(model, max_len):
-    """max_len generated tokens need a positional table of at least max_len decoder positions."""
-    if not isinstance(max_len, (int, np.integer)) or max_len < 1:
-        raise ValueError(f"max_len: expected a positive integer, got {max_len!r}")
+def _check_max_len(model, max_len, owner):
+    """max_len (an int >= 1) generated tokens need a positional table of at least max_len decoder positions."""
+    max_len = check_int(max_len, "max_len", owner, at_least=1)
     config = getattr(model, "config", None) or {}
     table = config.get("max_len") if config.get("positional", "sinusoidal") != "none" else None
     if table is not None and max_len > table:
-        raise ValueError(f"max_len: decoding {max_len} tokens needs {max_len} target positions but the "
+        raise ValueError(f"{owner}: max_len: decoding {max_len} tokens needs {max_len} target positions but the "
                          f"model's positional table has max_len={table}")
+    return max_len
+
+
+def _check_special_ids(bos, eos, pad, owner):
+    """bos and pad as ints >= 0, eos None or an int >= 0."""
+    return (check_int(bos, "bos", owner, at_least=0), check_optional_int(eos, "eos", owner, at_least=0),
+            check_int(pad, "pad", owner, at_least=0))
 
 
 def _log_probs(logits):
@@ -114,8 +123,9 @@ def greedy_decode(model, src, max_len, *, bos=BOS, eos=EOS, pad=PAD, src_key_pad
     src: (B, S) int ids. max_len: most tokens to generate. eos: stop a sequence at this id
     (None: always generate max_len tokens). Returns (B, L) int64, L <= max_len.
     """
-    _check_max_len(model, max_len)
-    src, mask = _source(model, src, src_key_padding_mask)
+    max_len = _check_max_len(model, max_len, "greedy_decode")
+    bos, eos, pad = _check_special_ids(bos, eos, pad, "greedy_decode")
+    src, mask = _source(model, src, src_key_padding_mask, "greedy_decode")
     batch = len(src)
     out = np.full((batch, max_len), pad, dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)
@@ -146,11 +156,12 @@ def beam_search(model, src, max_len, *, beam_size=4, length_penalty=1.0, bos=BOS
     hypothesis per sequence, (B, L) int64 (and its scores (B,) with return_scores).
     beam_size=1 gives greedy decoding.
     """
-    _check_max_len(model, max_len)
-    if not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
-        raise ValueError(f"beam_size: expected a positive integer, got {beam_size!r}")
-    src, mask = _source(model, src, src_key_padding_mask)
-    batch, k = len(src), int(beam_size)
+    max_len = _check_max_len(model, max_len, "beam_search")
+    k = check_int(beam_size, "beam_size", "beam_search", at_least=1)
+    length_penalty = check_real(length_penalty, "length_penalty", "beam_search")
+    bos, eos, pad = _check_special_ids(bos, eos, pad, "beam_search")
+    src, mask = _source(model, src, src_key_padding_mask, "beam_search")
+    batch = len(src)
     rows = np.repeat(np.arange(batch), k)  # (B*k,) source row of each beam
     scores = np.zeros((batch, k))
     scores[:, 1:] = -math.inf  # all beams start identical: expand only the first
@@ -298,25 +309,14 @@ def _prompts(ids, key_padding_mask, pad):
 
 
 def _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed):
-    def real(x):
-        return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-
-    def integral(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-    if not integral(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not real(temperature) or not temperature >= 0 or math.isinf(temperature):
-        raise ValueError(f"generate: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not integral(top_k) or top_k < 0):
-        raise ValueError(f"generate: top_k must be None or an integer >= 0 (0 or None: no top-k filtering), "
-                         f"got {top_k!r}")
-    if top_p is not None and (not real(top_p) or not 0 < top_p <= 1):
-        raise ValueError(f"generate: top_p must be None or a number in (0, 1] (1: no nucleus filtering), "
-                         f"got {top_p!r}")
-    if eos is not None and not integral(eos):
-        raise ValueError(f"generate: eos must be None or an integer token id, got {eos!r}")
-    if seed is not None and not integral(seed):
-        raise ValueError(f"generate: seed must be None or an integer, got {seed!r}")
+    """The sampling arguments as plain numbers (autograd.checks: TypeError for a wrong type,
+    ValueError out of range)."""
+    owner = "generate"
+    return (check_real(temperature, "temperature", owner, at_least=0.0),
+            check_optional_int(top_k, "top_k", owner, at_least=0),
+            None if top_p is None else check_real(top_p, "top_p", owner, above=0.0, at_most=1.0),
+            check_int(max_new_tokens, "max_new_tokens", owner, at_least=1),
+            check_optional_int(eos, "eos", owner), check_optional_int(seed, "seed", owner))
 
 
 def generate(model, ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos=None, seed=None, *,
@@ -341,12 +341,13 @@ def generate(model, ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     padding; for a list of prompts, a list of 1-D arrays, each its prompt and its new tokens
     (up to and including eos, no padding).
     """
-    _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed)
+    temperature, top_k, top_p, max_new_tokens, eos, seed = _check_sampling(temperature, top_k, top_p,
+                                                                           max_new_tokens, eos, seed)
     for method in ("init_cache", "decode_step", "project"):
         if not callable(getattr(model, method, None)):
             raise TypeError(f"generate: expected a causal LM with init_cache/decode_step (npformer.models."
                             f"CausalLM), got {type(model).__name__}")
-    pad = (eos if eos is not None else 0) if pad is None else pad
+    pad = (eos if eos is not None else 0) if pad is None else check_int(pad, "pad", "generate")
     prompt, mask, ragged = _prompts(ids, key_padding_mask, pad)
     batch, width = prompt.shape
     config = getattr(model, "config", None) or {}

@@ -1,10 +1,19 @@
 """Atomic file writes, shared by the savers: a write that fails or is killed midway never leaves
-a half-written file where a good one was."""
+a half-written file where a good one was.
+
+The temporary file is `.<name>.<pid>.<random>.tmp` beside the target. A writer killed midway
+leaves it behind; the next write of the same target removes the temporaries whose writer process
+no longer exists and that were not modified for STALE_AFTER_S seconds (a live writer's, in this
+process or another, is never touched)."""
 import contextlib
 import os
+import re
 import secrets
 import stat
+import time
 from collections.abc import Callable
+
+STALE_AFTER_S = 60.0
 
 
 def _fsync_path(path, flags=os.O_RDONLY):
@@ -15,20 +24,52 @@ def _fsync_path(path, flags=os.O_RDONLY):
         os.close(fd)
 
 
+def _process_exists(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # someone else's process, or not a pid: leave it alone
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str, name: str) -> list[str]:
+    """Remove `directory`'s temporaries of the file `name` whose writer process no longer exists
+    and that were not modified for STALE_AFTER_S seconds. Returns the paths removed (none where
+    os.kill(pid, 0) is not a liveness check: outside POSIX)."""
+    if os.name != "posix":
+        return []
+    pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]+\.tmp")
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in list(os.scandir(directory)):
+            match = pattern.fullmatch(entry.name)
+            if match is None or _process_exists(int(match.group(1))):
+                continue
+            with contextlib.suppress(OSError):  # removed meanwhile by another writer, or not ours to remove
+                if entry.is_file(follow_symlinks=False) and time.time() - entry.stat().st_mtime >= STALE_AFTER_S:
+                    os.remove(entry.path)
+                    removed.append(entry.path)
+    return removed
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> str:
     """Write `path` atomically: `write(tmp)` fills a new temporary file in path's directory,
     which is fsynced and renamed over `path` (os.replace), then the directory is fsynced.
     The file keeps the mode of the file it replaces (a new file gets 0o666 less the umask, like
-    open()). If `write` raises, `path` is untouched and the temporary file removed. Returns path."""
+    open()). If `write` raises, `path` is untouched and the temporary file removed; temporaries
+    left by killed writers of `path` are removed first (see remove_stale_temporaries). Returns path."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    remove_stale_temporaries(directory, os.path.basename(path))
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         mode = None
     while True:
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies
             break

@@ -4,12 +4,13 @@ matplotlib is imported only when a figure is drawn (`pip install -e .[plot]`), a
 its object-oriented API is used (`matplotlib.figure.Figure`, saved by the Agg canvas), so
 no pyplot backend or global state is touched.
 
-`record_attention` (no matplotlib needed) returns the per-head attention probabilities of
-every attention module of a model for one forward pass.
+`attention_maps` (no matplotlib needed) returns the per-head attention probabilities of
+every attention module of a Seq2SeqTransformer for one forward pass.
 """
 import numpy as np
 
 from .decoding import _inference
+from .nn import record_attention
 
 _GROUPS = ("encoder_self", "decoder_self", "cross")
 TITLES = {"encoder_self": "encoder self-attention", "decoder_self": "decoder self-attention (causal)",
@@ -31,65 +32,65 @@ def _group_of(name):
     return "decoder_self" if ".decoder." in f".{name}" else "encoder_self"
 
 
-def record_attention(model, *inputs):
+def attention_maps(model, *inputs):
     """Run `model(*inputs)` (e.g. `model(src, tgt_in)`, or `model(ids)` for a causal LM) once in
     eval mode and return the attention probabilities of every MultiheadAttention, per head:
     {"encoder_self": [(B, H, S, S) per layer], "decoder_self": [(B, H, T, T)], "cross":
-    [(B, H, T, S)]} as numpy arrays (a causal LM's layers are its encoder stack: "encoder_self").
-
-    Each attention module's `attend` is wrapped for the duration of the call (an instance
-    attribute shadowing the method, removed afterwards) so that it also returns its
-    per-head weights; the model's own code path runs unchanged.
-    """
-    from .nn import MultiheadAttention
-
+    [(B, H, T, S)]} as numpy arrays (a causal LM's layers are its encoder stack: "encoder_self";
+    recorded with `npformer.nn.record_attention`)."""
     maps = {group: [] for group in _GROUPS}
-    wrapped = []
-
-    def recorder(module, group):
-        method = type(module).attend
-
-        def attend(q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
-            out, weights = method(module, q, k, v, mask, is_causal, need_weights=True, average_attn_weights=False)
-            maps[group].append(weights.numpy())                               # (B, H, Tq, Tk)
-            if not need_weights:
-                return out, None
-            return out, weights.mean(axis=1) if average_attn_weights else weights
-        return attend
-
-    for name, module in model.named_modules():
-        if isinstance(module, MultiheadAttention):
-            module.__dict__["attend"] = recorder(module, _group_of(name))
-            wrapped.append(module)
-    try:
-        with _inference(model):
-            model(*inputs)
-    finally:
-        for module in wrapped:
-            del module.__dict__["attend"]
+    with _inference(model), record_attention(model) as recorder:
+        model(*inputs)
+    for record in recorder:
+        maps[_group_of(record.name)].append(record.weights.numpy())          # (B, H, Tq, Tk)
     return maps
 
 
+_CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "items", "seconds")
+
+
 def plot_curves(history, path, title="training"):
-    """Loss, accuracy (teacher-forced token accuracy and held-out greedy exact/token accuracy)
-    and learning rate against the step, side by side."""
-    fig = _figure(figsize=(15, 4), layout="constrained")
-    ax_loss, ax_acc, ax_lr = fig.subplots(1, 3)
+    """Loss, metrics and learning rate against the step, side by side, from a Trainer's
+    history (see npformer.training for its keys).
+
+    Needs "step", "loss" and "lr" (one entry per step). Also drawn when present: every other
+    per-step list of the same length (the loss function's metrics, e.g. "accuracy") and every
+    "eval_<name>" list of numbers other than counts against "eval_step" ("eval_loss" beside
+    the training loss, the rest beside the metrics). The metrics panel is left out when there are none."""
+    missing = [k for k in ("step", "loss", "lr") if k not in history]
+    if missing:
+        raise KeyError(f"history: expected the keys 'step', 'loss' and 'lr' (a Trainer's history), "
+                       f"missing {missing}")
     steps = np.asarray(history["step"])
+    per_step = {k: v for k, v in history.items() if k not in _CURVE_KEYS and not k.startswith(("eval_", "layer_"))
+                and isinstance(v, list) and len(v) == len(steps) and len(v)}
+    eval_steps = history.get("eval_step", [])
+    evals = {k[len("eval_"):]: v for k, v in history.items() if k.startswith("eval_") and k != "eval_step"
+             and isinstance(v, list) and len(v) == len(eval_steps) and len(v)
+             and not all(isinstance(x, int) for x in v)}  # counts (eval_sequences) are not drawn
+    eval_loss = evals.pop("loss", None)
+    panels = 3 if per_step or evals else 2
+    fig = _figure(figsize=(5 * panels, 4), layout="constrained")
+    axes = fig.subplots(1, panels)
+    ax_loss, ax_lr = axes[0], axes[-1]
     loss = np.asarray(history["loss"])
-    ax_loss.plot(steps, loss, lw=0.6, alpha=0.4, color="C0", label="batch")
+    ax_loss.plot(steps, loss, lw=0.6, alpha=0.4, color="C0", label="training (batch)")
     if len(loss) >= 20:
         k = max(len(loss) // 50, 5)
         ax_loss.plot(steps[k - 1:], np.convolve(loss, np.ones(k) / k, mode="valid"), color="C0",
-                     label=f"mean of {k}")
-    ax_loss.set(yscale="log", xlabel="step", ylabel="cross-entropy", title="training loss")
+                     label=f"training (mean of {k})")
+    if eval_loss is not None:
+        ax_loss.plot(eval_steps, eval_loss, "o-", color="C1", label="held-out")
+    ax_loss.set(yscale="log" if (loss > 0).all() else "linear", xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend()
-    ax_acc.plot(steps, history["accuracy"], lw=0.6, alpha=0.6, label="train token acc (teacher forcing)")
-    if history["eval_step"]:
-        ax_acc.plot(history["eval_step"], history["eval_token_accuracy"], "o-", label="held-out token acc (greedy)")
-        ax_acc.plot(history["eval_step"], history["eval_exact_match"], "s-", label="held-out exact sequence (greedy)")
-    ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title="accuracy")
-    ax_acc.legend(loc="lower right", fontsize=8)
+    if panels == 3:
+        ax_metrics = axes[1]
+        for name, values in per_step.items():
+            ax_metrics.plot(steps, values, lw=0.6, alpha=0.6, label=f"{name} (training batch)")
+        for name, values in evals.items():
+            ax_metrics.plot(eval_steps, values, "o-", label=f"{name} (held-out)")
+        ax_metrics.set(xlabel="step", title="metrics")
+        ax_metrics.legend(loc="lower right", fontsize=8)
     ax_lr.plot(steps, history["lr"], color="C2")
     ax_lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
     fig.suptitle(title)
@@ -117,17 +118,43 @@ def plot_loss(steps, loss, path, title, evaluations=None, baselines=None, ylabel
     return path
 
 
+def _grad_norm_panels(names):
+    """Per-layer gradient-norm names (training.layer_of) grouped for small multiples:
+    {panel title: [(name, line label)]}. A stack's layers and final norm share a panel
+    ('encoder': 'layer 0', 'layer 1', 'final norm'); embeddings and output layers share the last."""
+    panels = {}
+    for name in names:
+        head, sep, tail = f".{name}".rpartition(".layers.")
+        if sep and tail.isdigit():
+            panel, label = head.rpartition(".")[2] or "layers", f"layer {tail}"
+        elif name.endswith(".norm") and any(n.startswith(name[:-len("norm")] + "layers.") for n in names):
+            panel, label = name[:-len(".norm")].rpartition(".")[2], "final norm"
+        else:
+            panel, label = "embeddings and output", name
+        panels.setdefault(panel, []).append((name, label))
+    other = panels.pop("embeddings and output", None)
+    return {**panels, **({"embeddings and output": other} if other else {})}  # the stacks first
+
+
 def plot_grad_norms(history, path):
-    """The gradient norm of every layer (before clipping) against the step, and the total."""
-    fig = _figure(figsize=(10, 5), layout="constrained")
-    ax = fig.subplots()
+    """The gradient norm of every layer (before clipping) against the step: one panel per
+    layer stack (encoder, decoder) and one for the embeddings and output, layers coloured from
+    first (dark) to last (light), the total norm of all layers in grey behind each."""
+    import matplotlib
+
+    panels = _grad_norm_panels(list(history["layer_grad_norm"]))
+    fig = _figure(figsize=(4.6 * len(panels), 4), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
     steps = history["layer_grad_norm_step"]
-    for i, (name, norms) in enumerate(history["layer_grad_norm"].items()):
-        style = "-" if "decoder" in name else "--" if "encoder" in name else ":"
-        ax.plot(steps, norms, style, color=f"C{i % 10}", label=name)
-    ax.plot(history["step"], history["grad_norm"], color="black", lw=0.5, alpha=0.4, label="total (all layers)")
-    ax.set(yscale="log", xlabel="step", ylabel="gradient L2 norm", title="gradient norm per layer")
-    ax.legend(fontsize=7, ncol=2)
+    for ax, (title, lines) in zip(axes, panels.items()):
+        ax.plot(history["step"], history["grad_norm"], color="0.6", lw=0.6, alpha=0.6, label="total (all layers)")
+        colours = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, len(lines)))
+        for (name, label), colour in zip(lines, colours):
+            ax.plot(steps, history["layer_grad_norm"][name], color=colour, lw=1.4, label=label)
+        ax.set(yscale="log", xlabel="step", title=title)
+        ax.legend(fontsize=8, loc="upper right", framealpha=0.8)
+    axes[0].set_ylabel("gradient L2 norm (before clipping)")
+    fig.suptitle("gradient norm per layer")
     fig.savefig(path, dpi=110)
     return path
 
@@ -160,12 +187,14 @@ def plot_attention(layers, path, title, query_labels, key_labels):
     return path
 
 
-def plot_attention_and_grads(weights, grads, path, title, query_labels, key_labels):
+def plot_attention_and_grads(weights, grads, path, title, query_labels, key_labels, query_axis="query",
+                             key_axis="key"):
     """Per head: the attention probabilities P (top row) next to dL/dP (bottom row,
-    a diverging scale centred on 0). weights, grads: (H, Tq, Tk)."""
+    a diverging scale centred on 0). weights, grads: (H, Tq, Tk); the ticks are labelled
+    with the query and key tokens, the axes with query_axis and key_axis."""
     n_heads, tq, tk = weights.shape
     cell = 0.3 * max(tq, tk) + 1.2
-    fig = _figure(figsize=(cell * n_heads + 1.5, 2 * cell + 0.8), layout="constrained")
+    fig = _figure(figsize=(cell * n_heads + 1.5, 2 * cell + 1.2), layout="constrained")
     axes = np.asarray(fig.subplots(2, n_heads, squeeze=False))
     limit = float(np.abs(grads).max()) or 1.0
     top = bottom = None
@@ -177,8 +206,11 @@ def plot_attention_and_grads(weights, grads, path, title, query_labels, key_labe
         for ax in axes[:, h]:
             ax.set_xticks(range(tk), key_labels, fontsize=7)
             ax.set_yticks(range(tq), query_labels, fontsize=7)
+        axes[1, h].set_xlabel(key_axis, fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(query_axis, fontsize=8)
     fig.colorbar(top, ax=axes[0].tolist(), shrink=0.8, label="P")
-    fig.colorbar(bottom, ax=axes[1].tolist(), shrink=0.8, label="dL/dP")
-    fig.suptitle(title)
+    fig.colorbar(bottom, ax=axes[1].tolist(), shrink=0.8, label="dL/dP (red: attending more raises the loss)")
+    fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=110)
     return path

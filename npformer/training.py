@@ -1,25 +1,54 @@
-"""A reusable training loop for sequence-to-sequence tasks (`Trainer`).
+"""Training loops: `Trainer` for any model, loss and data; `Seq2SeqTrainer` for a SequenceTask.
 
-One step: a fresh batch from the task, teacher-forced forward pass, cross-entropy (PAD
-ignored, optional label smoothing), backward, per-layer gradient norms (every
-`grad_norm_every` steps), gradient clipping, optimizer and scheduler steps. Every
-`eval_every` steps (and at the end) the held-out set is decoded greedily and scored by
-exact-sequence and token accuracy. A progress line shows loss, token accuracy, lr, tokens/s.
+One step: the next batch from `data`, `loss_fn(model, batch)`, backward, per-layer gradient
+norms (every `grad_norm_every` steps), gradient clipping, optimizer and scheduler steps; an
+update whose gradient norm is not finite is skipped. Every `eval_every` steps (and when `fit`
+ends) `evaluate` runs. A progress line shows the loss, metrics, lr and items/s.
 
-Reproducible: the losses depend only on the seeds (`autograd.manual_seed` before building
-the model, the task's seed); `save`/`resume` continue exactly where a run stopped.
+Loss functions return a `Loss`: the loss summed over `count` items (target tokens,
+sequences, ...) and metric sums over the same items (e.g. correct tokens); the Trainer
+divides by the count over all ranks, so a step's loss and gradient are those of the mean over
+the global batch, however padding splits it (see npformer.distributed.loss). A plain Tensor
+is taken as a mean (count 1). Ready-made: `seq2seq_loss`, `causal_lm_loss`,
+`classification_loss`; `evaluate_loss` evaluates any of them on held-out batches.
+
+Data parallelism: give the Trainer a `distributed.DistributedDataParallel` model; each rank
+then draws its share of every global batch (the data source shards: SequenceTask.batch,
+data.RandomBatches), and rank 0 alone shows progress and writes checkpoints.
+`shard_optimizer=True` splits the optimizer's state across ranks (ZeRO-1).
+
+History (`trainer.history`, saved in checkpoints, drawn by `plots.plot_curves`):
+    step, loss, lr, grad_norm, items, seconds   one entry per step: the mean loss over the
+        step's items, the lr the update used, the total gradient norm before clipping (not
+        finite: the update was skipped), the number of items over all ranks, the step's time
+    <metric>                                    one entry per step per metric of the loss
+        function (e.g. accuracy: correct / items)
+    layer_grad_norm_step, layer_grad_norm       the steps where per-layer gradient norms were
+        taken, and {layer name (`layer_of`): [norm at each of those steps]}
+    eval_step, eval_<name>                      the step of each evaluation, and each value
+        it returned (e.g. eval_exact_match)
+
+Reproducible: the losses depend only on the seeds (`autograd.manual_seed` before building the
+model, the data's seed); `save`/`resume` continue exactly where a run stopped.
 """
+import copy
 import math
-import sys
 import time
+from dataclasses import dataclass, field
 
-from autograd import backend
+from autograd import Tensor, backend, random
+from autograd.checks import check_bool, check_int, check_real
 
 from . import functional as F
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import EOS, PAD
-from .decoding import greedy_decode
+from .data import EOS, PAD, SequenceTask, shard
+from .decoding import _inference, greedy_decode
+from .distributed import comm
+from .distributed.ddp import DistributedDataParallel, split_random_streams
+from .distributed.zero import ZeroRedundancyOptimizer
+from .nn import Module
 from .optim import clip_grad_norm_, grad_norm
+from .progress import Progress
 
 
 def layer_of(name):
@@ -33,199 +62,392 @@ def layer_of(name):
     return ".".join(parts[:-1]) or name
 
 
-class _Progress:
-    """tqdm when installed, else one line rewritten with a carriage return on a terminal
-    (or a new line every ~10% of the run when the output is a file)."""
+@dataclass
+class Loss:
+    """What a loss function returns: `sum`, the loss summed over `count` items (a scalar
+    Tensor), and `metrics`, sums over the same items (numbers), reported divided by the count."""
 
-    def __init__(self, total, initial, enabled):
-        self.total, self.enabled, self.bar = total, enabled, None
-        self.tty = enabled and sys.stderr.isatty()
-        self.last_line = -1
-        if enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-            except ImportError:
-                pass
-
-    def update(self, step, text):
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix_str(text, refresh=True)
-            return
-        width = 20
-        filled = int(width * step / max(self.total, 1))
-        line = f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * filled}{'.' * (width - filled)}] {text}"
-        if self.tty:
-            sys.stderr.write("\r" + line + "\033[K")
-            sys.stderr.flush()
-        elif step * 10 // max(self.total, 1) != self.last_line or step == self.total:
-            self.last_line = step * 10 // max(self.total, 1)
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-        elif self.tty:
-            sys.stderr.write("\n")
+    sum: Tensor
+    count: float
+    metrics: dict = field(default_factory=dict)
 
 
+# -- loss functions ------------------------------------------------------------------------
+def token_loss(logits, target, ignore_index=-100, label_smoothing=0.0) -> Loss:
+    """Cross-entropy of logits (..., C) against integer targets (...), summed over the targets
+    that are not ignore_index; their count; metric "accuracy": how many of them the argmax gets."""
+    target = backend.to_device(target, logits.device)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+                           reduction="sum", label_smoothing=label_smoothing)
+    valid = target != ignore_index
+    correct = (logits.xp.argmax(logits.data, axis=-1) == target) & valid
+    return Loss(loss, int(valid.sum()), {"accuracy": int(correct.sum())})
+
+
+def seq2seq_loss(label_smoothing=0.0):
+    """Loss function for an encoder-decoder on `data.Batch`es: teacher-forced token
+    cross-entropy of model(src, tgt_in) against tgt_out, PAD ignored."""
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "seq2seq_loss", at_least=0, at_most=1)
+
+    def loss_fn(model, batch):
+        return token_loss(model(batch.src, batch.tgt_in), batch.tgt_out, PAD, label_smoothing)
+    return loss_fn
+
+
+def causal_lm_loss(ignore_index=-100, label_smoothing=0.0):
+    """Loss function for a causal LM on batches of token ids (B, T + 1): predict ids[:, 1:]
+    from ids[:, :-1]; targets equal to ignore_index (e.g. the padding id) do not count."""
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "causal_lm_loss", at_least=0, at_most=1)
+
+    def loss_fn(model, ids):
+        return token_loss(model(ids[:, :-1]), ids[:, 1:], ignore_index, label_smoothing)
+    return loss_fn
+
+
+def classification_loss(label_smoothing=0.0):
+    """Loss function for a classifier on batches (inputs, labels): cross-entropy of
+    model(inputs) (B, C) against labels (B,), summed over the examples; metric accuracy."""
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "classification_loss", at_least=0, at_most=1)
+
+    def loss_fn(model, batch):
+        inputs, labels = batch
+        return token_loss(model(inputs), labels, -100, label_smoothing)
+    return loss_fn
+
+
+def _as_loss(out):
+    if isinstance(out, Loss):
+        if not (isinstance(out.sum, Tensor) and out.sum.size == 1):
+            raise TypeError(f"loss_fn: Loss.sum must be a scalar Tensor (the summed loss), got "
+                            f"{type(out.sum).__name__}")
+        return out
+    if isinstance(out, Tensor) and out.size == 1:
+        return Loss(out, 1)
+    raise TypeError(f"loss_fn: expected a Loss or a scalar Tensor (a mean), got {type(out).__name__}"
+                    + (f" of shape {out.shape}" if isinstance(out, Tensor) else ""))
+
+
+def evaluate_loss(loss_fn, batches):
+    """An `evaluate` function for Trainer: the loss and metrics of `loss_fn` over fixed
+    held-out batches, in eval mode without a graph; batch i runs on rank i % world size and
+    the sums are added over ranks. Returns {"loss": ..., <metric>: ...}."""
+    batches = list(batches)
+
+    def evaluate(model):
+        group = comm.group()
+        if len(batches) < group.size:
+            raise ValueError(f"evaluate_loss: expected at least one held-out batch per rank ({group.size}), "
+                             f"got {len(batches)}")
+        loss = count = 0.0
+        metrics = {}
+        with _inference(model):
+            for batch in batches[group.rank::group.size]:
+                out = _as_loss(loss_fn(model, batch))
+                loss, count = loss + out.sum.item(), count + out.count
+                for name, value in out.metrics.items():
+                    metrics[name] = metrics.get(name, 0.0) + value
+        totals = group.sum([loss, count, *metrics.values()])
+        return {"loss": totals[0] / totals[1], **{k: v / totals[1] for k, v in zip(metrics, totals[2:])}}
+    return evaluate
+
+
+# -- the trainer ------------------------------------------------------------------------------
 class Trainer:
-    """Trains `model` (a Seq2SeqTransformer) on `task` (a `npformer.data.SequenceTask`).
+    """Trains `model` with `optimizer` on batches from `data`, minimising `loss_fn`.
 
+    model: an npformer Module, or a `distributed.DistributedDataParallel` (data parallelism).
     optimizer / scheduler: from npformer.optim (scheduler.step() after each optimizer step).
-    batch_size: sequences per step. label_smoothing: as in F.cross_entropy.
+    data: where training batches come from: an iterable or iterator (its next item each step)
+        or a callable (called each step). One with state_dict()/load_state_dict()
+        (data.RandomBatches) has its position saved in checkpoints.
+    loss_fn: (model, batch) -> `Loss` or a scalar Tensor (a mean); see the module docstring.
+    evaluate: (model) -> {name: number}, run every `eval_every` steps (0: only when `fit`
+        ends) and at the end of `fit`; e.g. `evaluate_loss(loss_fn, heldout_batches)`.
     clip_norm: max global gradient norm (None: no clipping; the norm is still recorded).
-    eval_every: decode the held-out set every N steps (0: only when `fit` ends).
-    eval_size: how many held-out sequences intermediate evaluations use (None: all);
-    the final evaluation of `fit` always uses the whole held-out set.
-    grad_norm_every: record per-layer gradient norms every N steps.
-    progress: show the progress line. log_every: refresh it every N steps.
+    grad_norm_every: record per-layer gradient norms every N steps (0: never).
+    progress: show the progress line (rank 0 only). log_every: refresh it every N steps.
     extra_state: a dict saved into every checkpoint of `save` (e.g. the run's settings).
+    shard_optimizer: with a DistributedDataParallel model, split the optimizer's state across
+        ranks (`distributed.ZeroRedundancyOptimizer`, ZeRO-1).
+
+    `Trainer(model, optimizer, sequence_task, batch_size=..., ...)` (a SequenceTask as data,
+    this class's earlier form) makes a `Seq2SeqTrainer`.
     """
 
-    def __init__(self, model, optimizer, task, *, scheduler=None, batch_size=64, label_smoothing=0.0,
-                 clip_norm=1.0, eval_every=0, eval_size=None, eval_batch_size=500, grad_norm_every=10,
-                 progress=True, log_every=10, extra_state=None):
-        if batch_size < 1:
-            raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
-        self.model, self.optimizer, self.task, self.scheduler = model, optimizer, task, scheduler
-        self.batch_size, self.label_smoothing, self.clip_norm = batch_size, label_smoothing, clip_norm
-        self.eval_every, self.eval_size, self.eval_batch_size = eval_every, eval_size, eval_batch_size
-        self.grad_norm_every, self.progress, self.log_every = grad_norm_every, progress, max(1, log_every)
+    def __new__(cls, model=None, optimizer=None, data=None, *args, **kwargs):
+        if cls is Trainer and isinstance(data, SequenceTask):
+            return super().__new__(Seq2SeqTrainer)
+        return super().__new__(cls)
+
+    def __init__(self, model, optimizer, data, loss_fn, *, evaluate=None, scheduler=None, clip_norm=1.0,
+                 eval_every=0, grad_norm_every=10, progress=True, log_every=10, extra_state=None,
+                 shard_optimizer=False):
+        if not isinstance(model, Module):
+            raise TypeError(f"model: expected an npformer.nn.Module, got {type(model).__name__}")
+        if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
+            raise TypeError(f"optimizer: expected an npformer.optim optimizer, got {type(optimizer).__name__}")
+        if scheduler is not None and not hasattr(scheduler, "step"):
+            raise TypeError(f"scheduler: expected an lr scheduler with step(), got {type(scheduler).__name__}")
+        if callable(data) and not hasattr(data, "__next__"):
+            self._next_batch = data
+        elif hasattr(data, "__iter__") or hasattr(data, "__next__"):
+            self._next_batch = iter(data).__next__
+        else:
+            raise TypeError(f"data: expected an iterable, an iterator or a callable giving batches, "
+                            f"got {type(data).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable (model, batch) -> Loss or Tensor, got "
+                            f"{type(loss_fn).__name__}")
+        if evaluate is not None and not callable(evaluate):
+            raise TypeError(f"evaluate: expected a callable (model) -> dict or None, got {type(evaluate).__name__}")
+        if extra_state is not None and not isinstance(extra_state, dict):
+            raise TypeError(f"extra_state: expected a dict or None, got {type(extra_state).__name__}")
+        self.clip_norm = None if clip_norm is None else check_real(clip_norm, "clip_norm", "Trainer", at_least=0)
+        self.eval_every = check_int(eval_every, "eval_every", "Trainer", at_least=0)
+        self.grad_norm_every = check_int(grad_norm_every, "grad_norm_every", "Trainer", at_least=0)
+        self.log_every = check_int(log_every, "log_every", "Trainer", at_least=1)
+        self.distributed = isinstance(model, DistributedDataParallel)
+        self.group = model.group if self.distributed else comm.LOCAL
+        self.module = model.module if self.distributed else model
+        if check_bool(shard_optimizer, "shard_optimizer", "Trainer"):
+            if not self.distributed:
+                raise ValueError("shard_optimizer: needs a DistributedDataParallel model (there is nothing "
+                                 "to split the optimizer's state across in one process)")
+            optimizer = ZeroRedundancyOptimizer(optimizer, self.group)
+        self.progress = check_bool(progress, "progress", "Trainer") and self.group.rank == 0
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.data, self.loss_fn, self.evaluate_fn = data, loss_fn, evaluate
         self.extra_state = dict(extra_state or {})
-        self.device = next(iter(model.parameters())).device
         self.layers = {}
-        for name, p in model.named_parameters():
+        for name, p in self.module.named_parameters():
             self.layers.setdefault(layer_of(name), []).append(p)
         self.step = 0
-        self.history = {
-            "step": [], "loss": [], "accuracy": [], "lr": [], "tokens": [], "seconds": [],
-            "grad_norm": [],  # total norm before clipping, every step
-            "layer_grad_norm_step": [], "layer_grad_norm": {name: [] for name in self.layers},
-            "eval_step": [], "eval_exact_match": [], "eval_token_accuracy": [],
-        }
+        self.history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "items": [], "seconds": [],
+                        "layer_grad_norm_step": [], "layer_grad_norm": {name: [] for name in self.layers},
+                        "eval_step": []}
+        self._bar = None
 
     # -- one step ------------------------------------------------------------------------
-    def loss_and_accuracy(self, batch):
-        """Teacher-forced cross-entropy (a Tensor) and token accuracy (float) of a batch."""
-        logits = self.model(batch.src, batch.tgt_in)                           # (B, T, V)
-        vocab = logits.shape[-1]
-        target = backend.to_device(batch.tgt_out, self.device)                 # (B, T)
-        loss = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), ignore_index=PAD,
-                               label_smoothing=self.label_smoothing)
-        xp = logits.xp
-        valid = target != PAD
-        correct = (xp.argmax(logits.data, axis=-1) == target) & valid
-        return loss, float(correct.sum()) / max(int(valid.sum()), 1)
-
     def train_step(self, batch=None):
-        """One optimisation step on `batch` (default: a fresh one from the task). Returns a dict
-        with loss, accuracy, lr, grad_norm, tokens, seconds."""
+        """One optimisation step on `batch` (default: the next one from `data`). Returns the
+        step's record: step, loss, lr, grad_norm, items, seconds and the loss's metrics."""
         start = time.perf_counter()
-        batch = self.task.batch(self.batch_size) if batch is None else batch
+        batch = self._next_batch() if batch is None else batch
         self.model.train()
         lr = self.optimizer.param_groups[0]["lr"]
-        loss, accuracy = self.loss_and_accuracy(batch)
+        out = _as_loss(self.loss_fn(self.model, batch))
+        # one message: the loss, the count and the metric sums of every rank
+        totals = self.group.sum([out.sum.item(), out.count, *out.metrics.values()])
+        count = totals[1]
+        if not count > 0:
+            raise ValueError(f"loss_fn: step {self.step + 1} has no items to average over (count {count}); "
+                             "check the batch (e.g. every target equal to ignore_index)")
         self.optimizer.zero_grad()
-        loss.backward()
+        # after DDP's mean over ranks: d(sum of every rank's loss) / (every rank's count)
+        (out.sum * (self.group.size / count)).backward()
         self.step += 1
         if self.grad_norm_every and self.step % self.grad_norm_every == 0:
             self.history["layer_grad_norm_step"].append(self.step)
             for name, params in self.layers.items():
                 self.history["layer_grad_norm"][name].append(grad_norm(params))
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.clip_norm is not None:
-            total = clip_grad_norm_(params, self.clip_norm)
-        else:
-            total = grad_norm(params)
+        params = self.optimizer.parameters()
+        total = float(clip_grad_norm_(params, self.clip_norm)) if self.clip_norm is not None else grad_norm(params)
         if math.isfinite(total):
             self.optimizer.step()
-        else:  # skip the update rather than write NaN into the weights
-            print(f"\nstep {self.step}: gradient norm {total}, update skipped", file=sys.stderr)
+        else:  # skip the update rather than write inf or NaN into the weights
+            self._say(f"step {self.step}: gradient norm {total}, update skipped")
         if self.scheduler is not None:
             self.scheduler.step()
-        record = {"step": self.step, "loss": loss.item(), "accuracy": accuracy, "lr": lr, "grad_norm": total,
-                  "tokens": batch.n_tokens, "seconds": time.perf_counter() - start}
+        record = {"step": self.step, "loss": totals[0] / count, "lr": lr, "grad_norm": total,
+                  "items": int(count) if float(count).is_integer() else count,
+                  "seconds": time.perf_counter() - start}
+        record.update({name: value / count for name, value in zip(out.metrics, totals[2:])})
         for key, value in record.items():
-            self.history[key].append(value)
+            self.history.setdefault(key, []).append(value)
         return record
 
+    def _say(self, message):
+        if self.group.rank == 0:
+            (self._bar or Progress(0, enabled=False)).write(message)
+
     # -- evaluation ----------------------------------------------------------------------
-    def evaluate(self, sequences=None, use_cache=True):
-        """Greedy-decode held-out sequences (default: all; or the first `sequences`) and score
-        them. Returns {"exact_match", "token_accuracy", "sequences"}."""
-        task = self.task
-        heldout = task.heldout if sequences is None else task.heldout[:sequences]
-        exact = correct = total = 0
-        for start in range(0, len(heldout), self.eval_batch_size):
-            batch = task.collate(heldout[start:start + self.eval_batch_size])
-            predicted = greedy_decode(self.model, batch.src, task.max_target_len,
-                                      eos=EOS if task.eos else None, use_cache=use_cache)
-            e, c, t = task.score(predicted, batch.tgt_out)
-            exact, correct, total = exact + e, correct + c, total + t
-        return {"exact_match": exact / max(len(heldout), 1), "token_accuracy": correct / max(total, 1),
-                "sequences": len(heldout)}
+    def evaluate(self):
+        """The `evaluate` function's results on the model ({} without one); every rank calls it."""
+        return {} if self.evaluate_fn is None else dict(self.evaluate_fn(self.module))
+
+    def _periodic_evaluation(self):
+        """The evaluation run every `eval_every` steps (subclasses may make it cheaper)."""
+        return self.evaluate()
 
     def _record_eval(self, result):
         self.history["eval_step"].append(self.step)
-        self.history["eval_exact_match"].append(result["exact_match"])
-        self.history["eval_token_accuracy"].append(result["token_accuracy"])
+        for name, value in result.items():
+            self.history.setdefault(f"eval_{name}", []).append(value)
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self, steps, checkpoint_path=None, checkpoint_every=0):
         """Train until `self.step == steps` (a total: a resumed trainer continues where it
-        stopped), evaluating every `eval_every` steps and on the whole held-out set at the end;
-        with checkpoint_path, save there every `checkpoint_every` steps and at the end.
-        Returns the final evaluation."""
-        bar = _Progress(steps, self.step, self.progress)
-        window_tokens, window_seconds = 0, 0.0
+        stopped), evaluating every `eval_every` steps and at the end; with checkpoint_path,
+        save there every `checkpoint_every` steps and at the end. Returns the final evaluation."""
+        steps = check_int(steps, "steps", "Trainer.fit", at_least=0)
+        checkpoint_every = check_int(checkpoint_every, "checkpoint_every", "Trainer.fit", at_least=0)
+        self._bar = Progress(steps, self.step, self.progress)
+        window_items, window_seconds = 0, 0.0
         last_eval = ""
         try:
             while self.step < steps:
                 record = self.train_step()
-                window_tokens += record["tokens"]
+                window_items += record["items"]
                 window_seconds += record["seconds"]
                 if self.eval_every and self.step % self.eval_every == 0 and self.step < steps:
-                    result = self.evaluate(self.eval_size)
+                    result = self._periodic_evaluation()
                     self._record_eval(result)
-                    last_eval = f" | held-out exact {result['exact_match']:.3f}"
+                    last_eval = " | eval " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()
+                                                       if isinstance(v, float))
                 if checkpoint_path and checkpoint_every and self.step % checkpoint_every == 0:
                     self.save(checkpoint_path)
                 if self.step % self.log_every == 0 or self.step == steps:
-                    bar.update(self.step, f"loss {record['loss']:.4f} | acc {record['accuracy']:.3f} | "
-                                          f"lr {record['lr']:.2e} | {window_tokens / max(window_seconds, 1e-9):,.0f} tok/s"
-                                          + last_eval)
-                    window_tokens, window_seconds = 0, 0.0
+                    metrics = "".join(f" | {k} {record[k]:.3f}" for k in record if k not in _CORE_KEYS)
+                    self._bar.update(self.step, f"loss {record['loss']:.4f}{metrics} | lr {record['lr']:.2e} | "
+                                                f"{window_items / max(window_seconds, 1e-9):,.0f} items/s" + last_eval)
+                    window_items, window_seconds = 0, 0.0
         finally:
-            bar.close()
+            self._bar.close()
+            self._bar = None
         result = self.evaluate()
-        self._record_eval(result)
+        if result:
+            self._record_eval(result)
         if checkpoint_path:
             self.save(checkpoint_path)
         return result
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self):
-        """Step, history and the task's random stream (the model, optimizer and scheduler
-        have their own state dicts)."""
-        return {"step": self.step, "history": self.history, "task": self.task.state_dict()}
+        """Step, history, the data's position and every rank's random stream (the model,
+        optimizer and scheduler have their own state dicts). Collective with several ranks."""
+        rng = {"cpu": random.global_rng("cpu").bit_generator.state, "dropout": random.dropout_stream().state_dict()}
+        state = {"step": self.step, "history": self.history, "world_size": self.group.size,
+                 "rank_rng": self.group.gather_object(rng)}
+        if hasattr(self.data, "state_dict"):
+            state["data"] = self.data.state_dict()
+        return state
 
     def load_state_dict(self, state):
-        self.step = int(state["step"])
-        self.history = state["history"]
-        self.task.load_state_dict(state["task"])
+        self.prepare_load_state_dict(state)()
+
+    def prepare_load_state_dict(self, state):
+        """Check `state` (ValueError or TypeError naming what is wrong) and return the function
+        that loads it, which cannot fail: the data stream's state is first loaded into a copy."""
+        if not isinstance(state, dict) or not isinstance(state.get("history"), dict):
+            raise ValueError(f"expected a dict with 'step' and 'history', got {type(state).__name__}")
+        step = check_int(state.get("step"), "step", "Trainer.prepare_load_state_dict", at_least=0)
+        for name, owner in self._state_owners():
+            if name in state:
+                copy.deepcopy(owner).load_state_dict(state[name])  # raises here, or loads below too
+        saved_rngs = state.get("rank_rng")
+        if saved_rngs is not None:
+            if not isinstance(saved_rngs, list):
+                raise ValueError(f"rank_rng: expected a list, got {type(saved_rngs).__name__}")
+            trial, stream = type(random.global_rng("cpu").bit_generator)(), random.Philox()
+            for saved in saved_rngs:
+                if not isinstance(saved, dict) or set(saved) != {"cpu", "dropout"}:
+                    raise ValueError(f"rank_rng: expected {{'cpu': ..., 'dropout': ...}} per rank, got {saved!r:.80}")
+                trial.state = saved["cpu"]
+                stream.load_state_dict(saved["dropout"])
+
+        def apply():
+            self.step, self.history = step, state["history"]
+            for name, owner in self._state_owners():
+                if name in state:
+                    owner.load_state_dict(state[name])
+            self._restore_rank_rng(saved_rngs)
+        return apply
+
+    def _state_owners(self):
+        """(key in the state dict, object with its own load_state_dict) pairs."""
+        return [("data", self.data)] if hasattr(self.data, "load_state_dict") else []
+
+    def _restore_rank_rng(self, saved_rngs):
+        if saved_rngs and len(saved_rngs) == self.group.size:  # same ranks: each continues its streams
+            random.global_rng("cpu").bit_generator.state = saved_rngs[self.group.rank]["cpu"]
+            random.dropout_stream().load_state_dict(saved_rngs[self.group.rank]["dropout"])
+        elif self.group.size > 1:  # another number of ranks: new independent streams
+            split_random_streams(self.group)
 
     def save(self, path):
-        """A checkpoint of everything needed to continue exactly (see `resume`), plus extra_state."""
-        return save_checkpoint(path, self.model, self.optimizer, self.scheduler, step=self.step,
-                               trainer=self.state_dict(), **self.extra_state)
+        """A checkpoint of everything needed to continue exactly (see `resume`), plus
+        extra_state, written by rank 0 (every rank calls it). The model is saved unwrapped: it
+        loads in one process, or on any number of ranks."""
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            self.optimizer.consolidate_state_dict()
+        trainer_state = self.state_dict()
+        if self.group.rank == 0:
+            save_checkpoint(path, self.module, self.optimizer, self.scheduler, step=self.step,
+                            trainer=trainer_state, **self.extra_state)
+        return path
 
     def resume(self, path):
-        """Load a checkpoint written by `save` into this trainer's model, optimizer,
-        scheduler, random generators and task stream. Returns the checkpoint dict."""
-        ckpt = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-        self.load_state_dict(ckpt["trainer"])
-        return ckpt
+        """Load a checkpoint written by `save` (by any number of ranks) into this trainer's
+        model, optimizer, scheduler, random generators and data stream, all or nothing. Every
+        rank reads the file. Returns the checkpoint dict."""
+        return load_checkpoint(path, self.module, self.optimizer, self.scheduler, state_targets={"trainer": self})
+
+
+_CORE_KEYS = ("step", "loss", "lr", "grad_norm", "items", "seconds")
+
+
+class Seq2SeqTrainer(Trainer):
+    """Trains an encoder-decoder (`Seq2SeqTransformer`) on a `data.SequenceTask`.
+
+    Each step: a fresh global batch of batch_size sequences from the task (this rank's share of
+    it), teacher-forced cross-entropy (PAD ignored, optional label smoothing) and token accuracy.
+    Evaluation decodes held-out sequences greedily and scores exact-sequence and token
+    accuracy, the held-out set split across ranks. eval_size: how many held-out sequences the
+    evaluations every eval_every steps use (None: all); the final one uses all.
+    eval_batch_size: sequences decoded at once. Other options: those of `Trainer`.
+    """
+
+    def __init__(self, model, optimizer, task, *, batch_size=64, label_smoothing=0.0, eval_size=None,
+                 eval_batch_size=500, **options):
+        if not isinstance(task, SequenceTask):
+            raise TypeError(f"task: expected a npformer.data.SequenceTask, got {type(task).__name__}")
+        self.task = task
+        self.batch_size = check_int(batch_size, "batch_size", "Seq2SeqTrainer", at_least=1)
+        self.label_smoothing = check_real(label_smoothing, "label_smoothing", "Seq2SeqTrainer", at_least=0, at_most=1)
+        self.eval_size = None if eval_size is None else check_int(eval_size, "eval_size", "Seq2SeqTrainer", at_least=1)
+        self.eval_batch_size = check_int(eval_batch_size, "eval_batch_size", "Seq2SeqTrainer", at_least=1)
+        group = model.group if isinstance(model, DistributedDataParallel) else comm.LOCAL
+        shard(self.batch_size, group.rank, group.size)  # a clear error now if the batch cannot be shared
+
+        def next_batch():
+            return task.batch(self.batch_size, group.rank, group.size)
+
+        super().__init__(model, optimizer, next_batch, seq2seq_loss(self.label_smoothing), **options)
+
+    def evaluate(self, sequences=None, use_cache=True):
+        """Greedy-decode held-out sequences (default: all; or the first `sequences`), each rank
+        its share, and score them. Returns {"exact_match", "token_accuracy", "sequences"}."""
+        task = self.task
+        heldout = task.heldout if sequences is None else task.heldout[:sequences]
+        mine = heldout[self.group.rank * len(heldout) // self.group.size:
+                       (self.group.rank + 1) * len(heldout) // self.group.size]
+        exact = correct = total = 0
+        for start in range(0, len(mine), self.eval_batch_size):
+            batch = task.collate(mine[start:start + self.eval_batch_size])
+            predicted = greedy_decode(self.module, batch.src, task.max_target_len,
+                                      eos=EOS if task.eos else None, use_cache=use_cache)
+            e, c, t = task.score(predicted, batch.tgt_out)
+            exact, correct, total = exact + e, correct + c, total + t
+        exact, correct, total = self.group.sum([exact, correct, total])
+        return {"exact_match": exact / max(len(heldout), 1), "token_accuracy": correct / max(total, 1),
+                "sequences": len(heldout)}
+
+    def _periodic_evaluation(self):
+        return self.evaluate(self.eval_size)
+
+    def state_dict(self):
+        """Trainer's state plus the task's training stream ("task")."""
+        return {**super().state_dict(), "task": self.task.state_dict()}
+
+    def _state_owners(self):
+        return super()._state_owners() + [("task", self.task)]

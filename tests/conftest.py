@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from autograd import backend, testdevice
+from autograd import backend, deferred, testdevice
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -64,6 +64,13 @@ def safetensors():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def no_pending_checks_between_tests():
+    """A deferred device check that a test left unread (autograd.deferred) must not raise in the next."""
+    yield
+    deferred.discard_pending()
 
 
 def pytest_collection_modifyitems(items):

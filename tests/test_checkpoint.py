@@ -1,7 +1,15 @@
-"""Checkpoints: round trip, atomic saves, clear errors on damaged files, exact resumption,
-loading onto another device. Uses a tiny stand-in model (two Parameters and dropout drawn
-from the global generator); the Transformer round trip is in test_training.py."""
+"""Checkpoints: round trip, atomic saves that keep the file's mode and clean up after killed
+saves, loads during saves, clear errors on damaged files, exact resumption, loading onto another
+device, load_model for every model class. Mostly a tiny stand-in model (two Parameters and
+dropout drawn from the global generator); the Transformer round trip is in test_training.py,
+malicious and malformed files in test_checkpoint_security.py."""
 import os
+import re
+import stat
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -9,6 +17,9 @@ import pytest
 import npformer
 from autograd import Tensor, backend, manual_seed, random
 from npformer import checkpoint, optim
+from npformer.models import BidirectionalEncoder, CausalLM, EncoderClassifier, Seq2SeqTransformer
+
+from checkpoint_files import meta_of, with_meta
 from npformer.nn.module import Module, Parameter
 
 
@@ -152,3 +163,148 @@ def test_bad_state_arguments(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="no optimizer"):
         npformer.save_checkpoint(tmp_path / "ck.npz", model)
         npformer.load_checkpoint(tmp_path / "ck.npz", optimizer=optim.SGD(model.parameters(), lr=0.1))
+
+
+# -- load_model rebuilds every npformer model ----------------------------------------------------------------
+@pytest.mark.parametrize("model, inputs", [
+    (lambda: CausalLM(20, d_model=8, nhead=2, num_layers=2, dim_feedforward=16, max_len=8, tie_weights=True),
+     lambda: (np.array([[1, 5, 7, 2]]),)),
+    (lambda: EncoderClassifier(20, 3, d_model=8, nhead=2, num_layers=1, dim_feedforward=16, max_len=8, pad_idx=0),
+     lambda: (np.array([[4, 5, 0, 0], [1, 2, 3, 4]]),)),
+    (lambda: BidirectionalEncoder(20, d_model=8, nhead=2, num_layers=1, dim_feedforward=16, max_len=8, pooler=True,
+                                  type_vocab_size=2, embed_norm=True, final_norm=False, pooling="first"),
+     lambda: (np.array([[4, 5, 6]]),)),
+    (lambda: Seq2SeqTransformer(10, 12, d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                dim_feedforward=16, positional="rope", tie_weights=True),
+     lambda: (np.array([[3, 4, 5]]), np.array([[1, 5, 4]]))),
+], ids=["causal-lm", "classifier", "bidirectional-encoder", "seq2seq"])
+def test_load_model_rebuilds_every_model_class(tmp_path, model, inputs):
+    manual_seed(0)
+    original = model().eval()
+    path = npformer.save_checkpoint(tmp_path / "ck.npz", original, step=3)
+    rebuilt, ckpt = npformer.load_model(path)
+    assert type(rebuilt) is type(original) and ckpt["model_class"] == type(original).__name__
+    assert rebuilt.config == original.config and not rebuilt.training and ckpt["step"] == 3
+    ours, theirs = rebuilt(*inputs()), original(*inputs())
+    for a, b in zip(ours if isinstance(ours, tuple) else (ours,), theirs if isinstance(theirs, tuple) else (theirs,)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_load_model_keeps_float64_weights_and_moves_to_a_device(tmp_path):
+    original = CausalLM(20, d_model=8, nhead=2, num_layers=1, dim_feedforward=16, max_len=8).double()
+    path = npformer.save_checkpoint(tmp_path / "ck.npz", original)
+    rebuilt, _ = npformer.load_model(path, device="test")
+    assert {p.dtype for p in rebuilt.parameters()} == {np.dtype("float64")}
+    assert {p.device for p in rebuilt.parameters()} == {"test"}
+    np.testing.assert_array_equal(rebuilt.tok_embed.weight.numpy(), original.tok_embed.weight.numpy())
+
+
+def test_files_without_a_model_class_are_seq2seq_and_unknown_classes_are_refused(tmp_path):
+    original = Seq2SeqTransformer(10, 12, d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                  dim_feedforward=16)
+    path = npformer.save_checkpoint(tmp_path / "ck.npz", original)
+    meta = meta_of(path)
+    del meta["model_class"]  # written before the class was stored
+    rebuilt, _ = npformer.load_model(with_meta(path, tmp_path / "old.npz", meta))
+    assert type(rebuilt) is Seq2SeqTransformer
+    for name in ("TinyNet", "Module", "os.system", "__class__"):
+        meta["model_class"] = name
+        message = (rf"x\.npz: the checkpoint holds a {re.escape(repr(name))}; load_model rebuilds "
+                   r"\['BidirectionalEncoder', 'CausalLM', 'EncoderClassifier', 'Seq2SeqTransformer'\]")
+        with pytest.raises(checkpoint.CheckpointError, match=message):
+            npformer.load_model(with_meta(path, tmp_path / "x.npz", meta))
+    tiny = npformer.save_checkpoint(tmp_path / "tiny.npz", TinyNet())
+    with pytest.raises(checkpoint.CheckpointError, match=r"'TinyNet'.*npformer\.load_checkpoint\(path, model\)"):
+        npformer.load_model(tiny)
+
+
+# -- saving: the file's mode, temporaries of killed saves, concurrent loads -----------------------------------
+def test_saving_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    model, opt, _ = _setup()
+    path = npformer.save_checkpoint(tmp_path / "ck.npz", model, opt)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask  # a new file: as open() makes it
+    for mode in (0o600, 0o640):
+        os.chmod(path, mode)
+        npformer.save_checkpoint(path, model, opt)
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode
+
+
+def temporary(directory, name, pid, age_s):
+    path = directory / f".{name}.{pid}.{age_s:08x}.tmp"
+    path.write_bytes(b"PK\x03\x04 half a checkpoint")
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def finished_pid():
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_temporaries_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
+    model, _, _ = _setup()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = finished_pid()
+        stale = temporary(tmp_path, "ck.npz", dead, age_s=3600)
+        fresh = temporary(tmp_path, "ck.npz", dead, age_s=2)  # its writer may be on another machine, mid-write
+        live = temporary(tmp_path, "ck.npz", sleeper.pid, age_s=3600)  # a live save that stalled
+        ours = temporary(tmp_path, "ck.npz", os.getpid(), age_s=3600)  # another thread of this process
+        other_file = temporary(tmp_path, "other.npz", dead, age_s=3600)
+        foreign = tmp_path / ".ck.npz.tmp"
+        foreign.write_bytes(b"not ours")
+        npformer.save_checkpoint(tmp_path / "ck.npz", model)
+        assert not stale.exists()
+        assert all(p.exists() for p in (fresh, live, ours, other_file, foreign))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_the_temporary_of_a_save_killed_midway_is_removed_by_the_next_save(tmp_path):
+    code = ("import os, sys; from npformer.files import atomic_write; "
+            "atomic_write(sys.argv[1], lambda tmp: (open(tmp, 'wb').write(b'PK half'), os._exit(9)))")
+    killed = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "ck.npz")])
+    assert killed.wait(timeout=60) == 9
+    (left,) = tmp_path.glob(".ck.npz.*.tmp")
+    assert left.name.startswith(f".ck.npz.{killed.pid}.")
+    os.utime(left, (time.time() - 3600, time.time() - 3600))
+    model, _, _ = _setup()
+    npformer.save_checkpoint(tmp_path / "ck.npz", model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.npz"]
+
+
+def test_loads_during_saves_always_see_a_whole_checkpoint(tmp_path):
+    model, opt, sched = _setup()
+    path = npformer.save_checkpoint(tmp_path / "ck.npz", model, opt, sched, step=0)
+    saves, errors, loaded = 12, [], []
+    done = threading.Event()
+
+    def save(first):
+        try:
+            for step in range(first, saves, 2):
+                npformer.save_checkpoint(path, model, opt, sched, step=step)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def load():
+        while not done.is_set():
+            try:
+                loaded.append(npformer.load_checkpoint(path, restore_rng=False)["step"])
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    savers = [threading.Thread(target=save, args=(first,)) for first in (0, 1)]
+    reader = threading.Thread(target=load)
+    reader.start()
+    for t in savers:
+        t.start()
+    for t in savers:
+        t.join()
+    done.set()
+    reader.join()
+    assert errors == [] and loaded and set(loaded) <= set(range(saves))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.npz"]

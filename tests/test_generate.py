@@ -277,19 +277,20 @@ def test_left_padded_batch_equals_huggingface_generate(torch, transformers, rng)
 
 
 # -- errors -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
-    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
-    (dict(temperature=True), "temperature must be a finite number"),
-    (dict(top_k=2.5), "top_k must be None or an integer >= 0"),
-    (dict(top_p=0.0), r"top_p must be None or a number in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be None or a number in \(0, 1\]"),
-    (dict(eos="x"), "eos must be None or an integer"),
-    (dict(seed=1.5), "seed must be None or an integer"),
-    (dict(max_new_tokens=40), r"needs 44 positions but the model's positional table has max_len=40"),
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(max_new_tokens=0), ValueError, "generate: max_new_tokens must be an integer >= 1, got 0"),
+    (dict(temperature=-0.5), ValueError, "generate: temperature must be a finite real number >= 0.0"),
+    (dict(temperature=True), TypeError, "generate: temperature must be a finite real number"),
+    (dict(top_k=2.5), TypeError, "generate: top_k must be an integer >= 0"),
+    (dict(top_p=0.0), ValueError, r"generate: top_p must be a real number in \(0.0, 1.0\], got 0.0"),
+    (dict(top_p=1.5), ValueError, r"generate: top_p must be a real number in \(0.0, 1.0\]"),
+    (dict(eos="x"), TypeError, "generate: eos must be an integer"),
+    (dict(seed=1.5), TypeError, "generate: seed must be an integer"),
+    (dict(pad=-0.5), TypeError, "generate: pad must be an integer"),
+    (dict(max_new_tokens=40), ValueError, r"needs 44 positions but the model's positional table has max_len=40"),
 ])
-def test_bad_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
         generate(lm(), np.ones((1, 4), dtype=np.int64), **{"max_new_tokens": 3, **kwargs})
 
 

@@ -15,7 +15,8 @@ LAYERS = [
     ("npformer.nn",),
     ("npformer.models",),
     ("npformer.optim", "npformer.data", "npformer.training", "npformer.decoding",
-     "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.gradcheck"),
+     "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.opcases", "npformer.gradcheck",
+     "npformer.progress", "npformer.distributed", "npformer.cuda"),
 ]
 # op math lives here: only the backend switch and its CuPy stand-in may import numpy or cupy
 NO_ARRAY_LIBRARY = ("autograd", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim")

@@ -12,8 +12,9 @@ import autograd
 from autograd import Tensor
 from npformer import interop, nn
 
-from test_nn_attention import randomize_biases, to_torch_kwargs
-from test_nn_layers import F64, assert_torch_parity, gradcheck_module
+from npformer.opcases.modules import randomize_vectors
+from helpers import F64, assert_torch_parity, gradcheck_module
+from test_nn_attention import to_torch_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
 
@@ -32,7 +33,7 @@ OPTIONS = {  # name -> constructor options
 
 def randomized(rng, **options):
     """A float64 module with non-zero biases (bias_k/bias_v are random at init already)."""
-    return randomize_biases(nn.MultiheadAttention(E, H, **options).double(), rng)
+    return randomize_vectors(nn.MultiheadAttention(E, H, **options).double(), rng)
 
 
 def masks(rng, tgt_len, src_len):
@@ -134,7 +135,7 @@ def test_is_causal_without_attn_mask_equals_the_causal_attn_mask(option, torch, 
 def test_gradcheck(option, device, rng):
     options = OPTIONS[option]
     m = nn.MultiheadAttention(4, 2, **{**options, **{k: 3 for k in ("kdim", "vdim") if k in options}})
-    randomize_biases(m, rng)
+    randomize_vectors(m, rng)
     padding = np.array([[False, False, True], [True, True, True]])  # the second row sees appended keys only
     kwargs = {"key_padding_mask": padding} if with_appended_keys(options) else {}
     arrays = [rng.standard_normal((B, 2, 4)), rng.standard_normal((B, 3, m.kdim)), rng.standard_normal((B, 3, m.vdim))]
@@ -144,7 +145,7 @@ def test_gradcheck(option, device, rng):
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_float32_on_every_device_matches_torch(option, device, torch, rng):
     options = OPTIONS[option]
-    m = randomize_biases(nn.MultiheadAttention(E, H, **options), rng)
+    m = randomize_vectors(nn.MultiheadAttention(E, H, **options), rng)
     kwargs = masks(rng, T, S)["per_head_and_padding"]
     t_kwargs = to_torch_kwargs(torch, kwargs)
     arrays = [rng.standard_normal((B, T, E)).astype("float32"),
@@ -205,13 +206,13 @@ def test_projection_gemm_count_with_separate_weights(monkeypatch):
     assert len(calls) == 4  # q, k, v, out_proj
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(kdim=0), "kdim must be a positive int"),
-    (dict(vdim=2.5), "vdim must be a positive int"),
-    (dict(kdim=True), "kdim must be a positive int"),
+@pytest.mark.parametrize("bad, error, message", [
+    (dict(kdim=0), ValueError, "MultiheadAttention: kdim must be an integer >= 1, got 0"),
+    (dict(vdim=2.5), TypeError, "MultiheadAttention: vdim must be an integer >= 1"),
+    (dict(kdim=True), TypeError, r"MultiheadAttention: kdim must be an integer >= 1, got True \(a bool"),
 ])
-def test_bad_dims_are_refused(bad, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_dims_are_refused(bad, error, message):
+    with pytest.raises(error, match=message):
         nn.MultiheadAttention(E, H, **bad)
 
 

@@ -11,6 +11,7 @@ from npformer import interop
 from npformer.models import CausalLM, EncoderClassifier
 
 from test_models_seq2seq import PAD, padded_batch
+from tolerances import scaled
 
 SMALL = dict(d_model=8, nhead=2, num_layers=2, dim_feedforward=12, dropout=0.0)
 
@@ -18,6 +19,7 @@ SMALL = dict(d_model=8, nhead=2, num_layers=2, dim_feedforward=12, dropout=0.0)
 def assert_parity(torch, model, ids, loss_fn, torch_loss_fn, atol=1e-10, rtol=0.0):
     theirs = interop.to_torch(model)
     out, ref = model(ids), theirs(torch.tensor(ids))
+    atol = scaled(atol, *model.parameters())         # atol is set at unit scale
     np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=atol, rtol=rtol, err_msg="logits")
     loss_fn(out).backward()
     torch_loss_fn(ref).backward()

@@ -11,6 +11,8 @@ from autograd import Tensor, backend
 from npformer import interop
 from npformer.models import Seq2SeqTransformer
 
+from tolerances import scaled
+
 PAD = 0
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 
@@ -25,9 +27,10 @@ def padded_batch(rng, vocab, lengths, width):
 
 def assert_model_parity(torch, model, src, tgt, labels, *, atol, rtol=0.0, masks=None):
     """Logits, the loss (label smoothing 0.1, ignore_index PAD) and every parameter's gradient
-    against the torch composition with the same weights."""
+    against the torch composition with the same weights. atol is set at unit scale."""
     masks = masks or {}
     theirs = interop.to_torch(model)
+    atol = scaled(atol, *model.parameters())
     vocab = model.config["tgt_vocab_size"]
     logits = model(src, tgt, **masks)
     ref = theirs(torch.tensor(src), torch.tensor(tgt), **{k: torch.tensor(v) for k, v in masks.items()})

@@ -1,6 +1,7 @@
-"""nn.MultiheadAttention: torch parity (forward, input and parameter gradients) for every mask
-kind in torch.nn's convention, returned weights, cross-attention, gradcheck, the packed
-projection, RoPE, the memory-efficient path and argument errors."""
+"""nn.MultiheadAttention: the registry's case (gradcheck, torch, composite twin on every device),
+torch parity (forward, input and parameter gradients) for every mask kind in torch.nn's
+convention, returned weights, cross-attention, inputs of 1e3, gradcheck, the packed projection,
+RoPE, the memory-efficient path and argument errors."""
 import math
 
 import numpy as np
@@ -9,19 +10,16 @@ import pytest
 import autograd
 import npformer.functional as F
 from autograd import Tensor
-from npformer import nn
+from npformer import interop, nn
+from npformer.opcases.modules import randomize_vectors
+from npformer.opcases.ops import torch_rope
 
-from test_nn_layers import F32, F64, assert_torch_parity, gradcheck_module, torch_rope
+from helpers import F32, F64, assert_torch_parity, gradcheck_module, leaf, op_tests
+from tolerances import Rounded, assert_close, attention_chain, spread
+
+test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("multihead_attention")
 
 B, T, S, E, H = 2, 4, 5, 8, 2
-
-
-def randomize_biases(module, rng):
-    """Non-zero biases (torch inits attention biases at 0, which would hide their gradients)."""
-    for name, p in module.named_parameters():
-        if name.endswith("bias"):
-            p.data = rng.standard_normal(p.shape).astype(p.dtype)
-    return module
 
 
 def mask_cases(rng, tgt_len=T, src_len=S):
@@ -68,7 +66,7 @@ def test_self_attention_matches_torch(mask, need_weights, torch):
     kwargs, weights_ok = mask_cases(rng, T, T)[mask]
     if need_weights and not weights_ok:
         pytest.skip("torch's need_weights path returns NaN for fully masked rows (ours returns 0)")
-    m = randomize_biases(nn.MultiheadAttention(E, H).double(), rng)
+    m = randomize_vectors(nn.MultiheadAttention(E, H).double(), rng)
     t_kwargs = to_torch_kwargs(torch, kwargs)
     outs = assert_torch_parity(
         torch, m, lambda m, x: m(x, x, x, need_weights=need_weights, **kwargs),
@@ -83,7 +81,7 @@ def test_self_attention_matches_torch(mask, need_weights, torch):
 @pytest.mark.parametrize("same_key_value", [True, False])
 def test_cross_attention_and_weights_match_torch(same_key_value, average, torch, rng):
     kwargs, _ = mask_cases(rng)["causal_and_padding"]
-    m = randomize_biases(nn.MultiheadAttention(E, H).double(), rng)
+    m = randomize_vectors(nn.MultiheadAttention(E, H).double(), rng)
     t_kwargs = to_torch_kwargs(torch, kwargs)
 
     def ours(m, q, k, v):
@@ -97,7 +95,7 @@ def test_cross_attention_and_weights_match_torch(same_key_value, average, torch,
 
 def test_float32_matches_torch(torch, rng, device):
     kwargs, _ = mask_cases(rng, T, T)["causal_and_padding"]
-    m = randomize_biases(nn.MultiheadAttention(E, H), rng)
+    m = randomize_vectors(nn.MultiheadAttention(E, H), rng)
     t_kwargs = to_torch_kwargs(torch, kwargs)
     assert_torch_parity(torch, m, lambda m, x: m(x, x, x, **kwargs), lambda t, x: t(x, x, x, **t_kwargs),
                         [rng.standard_normal((B, T, E)).astype("float32")], device=device, **F32)
@@ -110,7 +108,7 @@ def test_need_weights_false_returns_none():
 
 
 def test_is_causal_without_mask_applies_the_causal_mask(rng):
-    m = randomize_biases(nn.MultiheadAttention(E, H).double(), rng)
+    m = randomize_vectors(nn.MultiheadAttention(E, H).double(), rng)
     x = Tensor(rng.standard_normal((B, T, E)))
     causal = np.triu(np.ones((T, T), dtype=bool), 1)
     np.testing.assert_allclose(m(x, x, x, is_causal=True)[0].numpy(), m(x, x, x, attn_mask=causal)[0].numpy(), **F64)
@@ -125,13 +123,13 @@ def test_gradcheck_self_attention(mask, device):
     kwargs, _ = mask_cases(rng, 3, 3)[mask] if mask != "float_additive" else (None, None)
     if mask == "float_additive":
         kwargs = {"attn_mask": rng.standard_normal((3, 3))}
-    m = randomize_biases(nn.MultiheadAttention(4, 2), rng)
+    m = randomize_vectors(nn.MultiheadAttention(4, 2), rng)
     gradcheck_module(m, lambda m, x: m(x, x, x, average_attn_weights=False, **kwargs),
                      [rng.standard_normal((B, 3, 4))], device)
 
 
 def test_gradcheck_cross_attention(device, rng):
-    m = randomize_biases(nn.MultiheadAttention(4, 2), rng)
+    m = randomize_vectors(nn.MultiheadAttention(4, 2), rng)
     padding = np.array([[False, False], [False, True]])
     gradcheck_module(m, lambda m, q, k, v: m(q, k, v, key_padding_mask=padding),
                      [rng.standard_normal((B, 3, 4)), rng.standard_normal((B, 2, 4)), rng.standard_normal((B, 2, 4))],
@@ -163,7 +161,7 @@ def test_init_like_torch():
 
 def test_rotary_matches_torch_composition(torch, rng):
     """RoPE on q and k inside attention against the same math written with torch ops."""
-    m = randomize_biases(nn.MultiheadAttention(E, H, rotary=True).double(), rng)
+    m = randomize_vectors(nn.MultiheadAttention(E, H, rotary=True).double(), rng)
     state = {k: torch.tensor(v, requires_grad=True) for k, v in m.state_dict().items()}
     x = rng.standard_normal((B, T, E))
     padding = mask_cases(rng, T, T)["padding"][0]["key_padding_mask"]
@@ -189,7 +187,7 @@ def test_rotary_matches_torch_composition(torch, rng):
 
 
 def test_memory_efficient_equals_naive(rng, device):
-    naive = randomize_biases(nn.MultiheadAttention(E, H, dropout=0.2), rng).double().to(device)
+    naive = randomize_vectors(nn.MultiheadAttention(E, H, dropout=0.2), rng).double().to(device)
     blockwise = nn.MultiheadAttention(E, H, dropout=0.2, memory_efficient=True, block_size=2).double().to(device)
     blockwise.load_state_dict(naive.state_dict())
     kwargs = mask_cases(rng, T, T)["causal_and_padding"][0]
@@ -233,3 +231,54 @@ def test_errors():
         m(x, x, x, attn_mask=np.zeros((T, T), dtype=np.int64))
     with pytest.raises(TypeError, match="autograd.Tensor"):
         m(np.zeros((B, T, E)), x, x)
+
+
+def test_multihead_attention_on_inputs_of_1e3_matches_torch(torch):
+    """Inputs x 1e3 make q, k ~ 1e3 after the projections; output and every gradient (inputs
+    and parameters) against torch.nn.MultiheadAttention with the same weights, float64. Every
+    tolerance follows the op chain (projections, attention, output projection, and back) from
+    the magnitudes of the inputs, the weights and the upstream gradient, and torch's attention
+    weights say how far from one-hot the softmax is. Here it saturates (score gaps >= 2e4), so
+    the exact query gradient is 0, and torch's (computed another way) is rounding noise of the
+    size the chain allows."""
+    autograd.manual_seed(6)
+    rng = np.random.default_rng(6)
+    ours = nn.MultiheadAttention(8, 2).double()
+    theirs = interop.to_torch(ours)
+    query, memory = 1e3 * rng.standard_normal((2, 5, 8)), 1e3 * rng.standard_normal((2, 6, 8))
+    padding = np.zeros((2, 6), dtype=bool)
+    padding[1, 4:] = True
+    q_in, m_in = leaf(query), leaf(memory)
+    tq, tm = torch.tensor(query, requires_grad=True), torch.tensor(memory, requires_grad=True)
+    out, _ = ours(q_in, m_in, m_in, key_padding_mask=padding, need_weights=False)
+    ref, _ = theirs(tq, tm, tm, key_padding_mask=torch.tensor(padding), need_weights=False)
+    with torch.no_grad():                                    # torch's fused path above; its weights from the other
+        _, probs = theirs(tq, tm, tm, key_padding_mask=torch.tensor(padding), average_attn_weights=False)
+    g = rng.standard_normal(out.shape)
+    out.backward(g)
+    ref.backward(torch.tensor(g))
+
+    (B, T, E), S, hd, f64 = query.shape, memory.shape[1], ours.head_dim, np.float64
+    x, m, dout, one = Rounded.of(query), Rounded.of(memory), Rounded.of(g), Rounded(1.0)
+    w_q, w_k, w_v = (Rounded.of(ours.in_proj_weight.data[i * E:(i + 1) * E]) for i in range(3))
+    w_o = Rounded.of(ours.out_proj.weight)
+    q, k, v = x.dot(w_q, E, f64), m.dot(w_k, E, f64), m.dot(w_v, E, f64)            # projections (B, L, E)
+    d_o = dout.dot(w_o, E, f64)                                                      # back through out_proj
+    o, dq, dk, dv = attention_chain(f64, q, k, v, d_o, 1 / math.sqrt(hd), hd, T, S, spread(probs))
+    tolerances = {
+        "output": o.dot(w_o, E, f64).error,
+        "query": dq.dot(w_q, E, f64).error,                                          # dx = dq W_q
+        "memory": dk.dot(w_k, E, f64).error + dv.dot(w_v, E, f64).error,             # dm = dk W_k + dv W_v
+        "in_proj_weight": np.repeat([dq.dot(x, B * T, f64).error, dk.dot(m, B * S, f64).error,
+                                     dv.dot(m, B * S, f64).error], E)[:, None],   # dW = d{q,k,v}^T {x, m, m}
+        "in_proj_bias": np.repeat([dq.dot(one, B * T, f64).error, dk.dot(one, B * S, f64).error,
+                                   dv.dot(one, B * S, f64).error], E),
+        "out_proj.weight": dout.dot(o, B * T, f64).error,                          # dW_o = dout^T o
+        "out_proj.bias": dout.dot(one, B * T, f64).error,
+    }
+    assert_close(out, ref, tolerances["output"], err_msg="output")
+    assert_close(q_in.grad, tq.grad, tolerances["query"], err_msg="gradient of query")
+    assert_close(m_in.grad, tm.grad, tolerances["memory"], err_msg="gradient of key/value")
+    named = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        assert_close(p.grad, named[name].grad, tolerances[name], err_msg=f"gradient of {name}")

@@ -1,4 +1,5 @@
-"""Transformer layers, stacks and nn.Transformer: exact torch.nn.Transformer state_dict keys
+"""Transformer layers, stacks and nn.Transformer: the registry's cases (gradcheck, torch, composite
+twin on every device), exact torch.nn.Transformer state_dict keys
 and shapes, forward/backward parity with masks (post-LN and pre-LN, relu and gelu, float64
 and float32), gradcheck, init, devices and argument errors."""
 import math
@@ -10,8 +11,11 @@ import autograd
 from autograd import Tensor
 from npformer import nn
 
-from test_nn_attention import randomize_biases
-from test_nn_layers import F32, F64, assert_torch_parity, gradcheck_module
+from npformer.opcases.modules import randomize_vectors
+
+from helpers import F32, F64, assert_torch_parity, op_tests
+
+test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("transformer")
 
 B, S, T, D, H, FF = 2, 5, 4, 8, 2, 12
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched")  # torch warns on bool + float masks
@@ -68,7 +72,7 @@ def test_state_dict_keys_and_shapes_equal_torch(options, torch):
 def test_transformer_matches_torch_float64(mask, norm_first, activation, torch):
     rng = np.random.default_rng(3)
     kwargs = transformer_masks(rng)[mask]
-    m = randomize_biases(small_transformer(norm_first, activation).double(), rng)
+    m = randomize_vectors(small_transformer(norm_first, activation).double(), rng)
     t_kwargs = torch_kwargs(torch, kwargs)
     outs = assert_torch_parity(torch, m, lambda m, s, t: m(s, t, **kwargs), lambda tm, s, t: tm(s, t, **t_kwargs),
                                [rng.standard_normal((B, S, D)), rng.standard_normal((B, T, D))], **F64)
@@ -78,7 +82,7 @@ def test_transformer_matches_torch_float64(mask, norm_first, activation, torch):
 def test_transformer_matches_torch_float32(torch, rng, device):
     kwargs = transformer_masks(rng)["causal_and_padding"]
     kwargs["tgt_mask"] = kwargs["tgt_mask"].astype("float32")
-    m = randomize_biases(small_transformer(True, "gelu"), rng)
+    m = randomize_vectors(small_transformer(True, "gelu"), rng)
     t_kwargs = torch_kwargs(torch, kwargs)
     assert_torch_parity(torch, m, lambda m, s, t: m(s, t, **kwargs), lambda tm, s, t: tm(s, t, **t_kwargs),
                         [rng.standard_normal((B, S, D)).astype("float32"),
@@ -93,7 +97,7 @@ def layer(kind, norm_first, activation="relu"):
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("stack", [False, True])
 def test_encoder_layer_and_stack_match_torch(stack, norm_first, torch, rng):
-    m = randomize_biases(layer("encoder", norm_first, "gelu"), rng)
+    m = randomize_vectors(layer("encoder", norm_first, "gelu"), rng)
     if stack:
         m = nn.TransformerEncoder(m, 2, nn.LayerNorm(D))
     kwargs = transformer_masks(rng)["padding"]
@@ -107,7 +111,7 @@ def test_encoder_layer_and_stack_match_torch(stack, norm_first, torch, rng):
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("stack", [False, True])
 def test_decoder_layer_and_stack_match_torch(stack, norm_first, torch, rng):
-    m = randomize_biases(layer("decoder", norm_first), rng)
+    m = randomize_vectors(layer("decoder", norm_first), rng)
     if stack:
         m = nn.TransformerDecoder(m, 2, nn.LayerNorm(D))
     kwargs = transformer_masks(rng)["causal_and_padding"]
@@ -115,24 +119,6 @@ def test_decoder_layer_and_stack_match_torch(stack, norm_first, torch, rng):
     t_kwargs = torch_kwargs(torch, kwargs)
     assert_torch_parity(torch, m.double(), lambda m, t, s: m(t, s, **kwargs), lambda tm, t, s: tm(t, s, **t_kwargs),
                         [rng.standard_normal((B, T, D)), rng.standard_normal((B, S, D))], **F64)
-
-
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_gradcheck_layers(norm_first, rng):  # cpu only to stay fast; devices: test_runs_on_device_and_double
-    pad = np.array([[False, False, False], [False, False, True]])
-    enc = randomize_biases(nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, norm_first=norm_first), rng)
-    gradcheck_module(enc, lambda m, x: m(x, src_key_padding_mask=pad), [rng.standard_normal((B, 3, 4))])
-    dec = randomize_biases(nn.TransformerDecoderLayer(4, 2, 6, dropout=0.0, activation="gelu", norm_first=norm_first),
-                           rng)
-    gradcheck_module(dec, lambda m, t, s: m(t, s, tgt_is_causal=True, memory_key_padding_mask=pad),
-                     [rng.standard_normal((B, 2, 4)), rng.standard_normal((B, 3, 4))])
-
-
-def test_gradcheck_whole_transformer(rng):
-    m = randomize_biases(nn.Transformer(4, 2, 1, 1, 6, dropout=0.0), rng)
-    kwargs = dict(tgt_is_causal=True, src_key_padding_mask=np.array([[False, False, True], [False, False, False]]))
-    gradcheck_module(m, lambda m, s, t: m(s, t, **kwargs), [rng.standard_normal((B, 3, 4)),
-                                                            rng.standard_normal((B, 2, 4))])
 
 
 def test_tgt_is_causal_equals_the_causal_mask(rng):

@@ -13,7 +13,7 @@ from autograd import Tensor
 from npformer import interop, optim
 from npformer.models import Seq2SeqTransformer, load_safetensors, save_safetensors
 
-from test_nn_layers import F64, assert_torch_parity
+from helpers import F64, assert_torch_parity
 
 PAD = 0
 
@@ -76,14 +76,14 @@ def test_config_normalises_the_sharing_arguments():
     assert Seq2SeqTransformer(**old.config).config == old.config
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(src_vocab_size=11, tgt_vocab_size=12), r"src_vocab_size \(11\) must equal tgt_vocab_size \(12\)"),
-    (dict(tie_weights=False), "which tie_weights=False contradicts"),
-    (dict(tie_weights="some"), "tie_weights must be True or False, got 'some'"),
-    (dict(share_embeddings="yes"), "share_embeddings must be True or False"),
+@pytest.mark.parametrize("options, error, message", [
+    (dict(src_vocab_size=11, tgt_vocab_size=12), ValueError, r"src_vocab_size \(11\) must equal tgt_vocab_size \(12\)"),
+    (dict(tie_weights=False), ValueError, "which tie_weights=False contradicts"),
+    (dict(tie_weights="some"), TypeError, "tie_weights must be True or False, got 'some'"),
+    (dict(share_embeddings="yes"), TypeError, "share_embeddings must be True or False"),
 ])
-def test_bad_sharing_arguments(options, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_sharing_arguments(options, error, message):
+    with pytest.raises(error, match=message):
         small(**options)
 
 

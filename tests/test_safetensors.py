@@ -322,3 +322,27 @@ def test_the_readme_gpt2_example_runs_on_a_gpt2_shaped_folder(tmp_path, monkeypa
     exec(compile(block, "README.md", "exec"), {})
     printed = json.loads(capsys.readouterr().out)
     assert printed[:5] == [15496, 11, 616, 3290, 318] and len(printed) == 13
+
+
+def test_a_config_declaring_a_huge_model_fails_before_building(tmp_path, monkeypatch):
+    """vocab 3,000,000 beside the arrays of a vocab-13 model: refused from the header and config
+    alone (no embedding table is ever built), in an npformer file and in a Hugging Face folder."""
+    model = MODELS["gpt2"]()
+    config = dict(model.config, vocab_size=3_000_000)
+    info = {"format": "npformer-safetensors", "version": 1, "class": "CausalLM", "config": config, "names": "npformer"}
+    path = write_safetensors(tmp_path / "m.safetensors", model.state_dict(), {"npformer": json.dumps(info)})
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(nn.Embedding, "__init__", never)
+    with pytest.raises(SafetensorsError, match=r"implies a CausalLM of [\d,]+ entries but the weights hold [\d,]+"):
+        load_safetensors(path)
+    monkeypatch.undo()
+    folder = tmp_path / "gpt2"
+    save_pretrained(model, folder)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(hf, vocab_size=3_000_000)))
+    monkeypatch.setattr(nn.Embedding, "__init__", never)
+    with pytest.raises(SafetensorsError, match="nothing was built"):
+        load_pretrained(folder)

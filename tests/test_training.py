@@ -1,14 +1,20 @@
-"""Trainer: reproducibility, exact resumption from a checkpoint, learning, history, and
-rebuilding a model from a checkpoint alone."""
+"""Trainer: reproducibility, exact resumption from a checkpoint, learning (seq2seq, language
+modelling, classification), history, argument checks, skipped updates, progress, figures, and
+rebuilding a model from a checkpoint alone. Data parallelism: test_distributed*.py."""
+import math
+import sys
+
 import numpy as np
 import pytest
 
 import npformer
-from autograd import manual_seed
-from npformer import optim
-from npformer.data import PAD, SequenceTask
-from npformer.models import Seq2SeqTransformer
-from npformer.training import Trainer, layer_of
+from autograd import Tensor, manual_seed, random
+from npformer import nn, optim
+from npformer.data import PAD, RandomBatches, SequenceTask
+from npformer.models import CausalLM, EncoderClassifier, Seq2SeqTransformer
+from npformer.progress import Progress
+from npformer.training import (Loss, Seq2SeqTrainer, Trainer, causal_lm_loss, classification_loss, evaluate_loss,
+                               layer_of)
 
 
 def _trainer(seed=0, steps=8, model_seed=None, **kwargs):
@@ -33,27 +39,36 @@ def test_same_seed_same_losses():
     assert c.history["loss"] != a.history["loss"]
 
 
-def test_resume_continues_bit_for_bit(tmp_path):
-    full = _trainer()
-    full.fit(8)
-    first = _trainer()
-    first.fit(4)
-    first.save(tmp_path / "ck.npz")
-    resumed = _trainer(model_seed=5)  # as in a new process: other weights, random and data streams
-    resumed.task.batch(3)
-    resumed.resume(tmp_path / "ck.npz")
-    assert resumed.step == 4
-    resumed.fit(8)
-    assert resumed.history["loss"] == full.history["loss"]  # bit for bit, steps 1..8
-    assert resumed.history["lr"] == full.history["lr"]
-
-
 def test_resume_refuses_another_task(tmp_path):
     first = _trainer()
     first.fit(1)
     first.save(tmp_path / "ck.npz")
     with pytest.raises(ValueError, match="seed"):
         _trainer(seed=1).resume(tmp_path / "ck.npz")
+
+
+def test_a_resume_that_fails_changes_nothing(tmp_path):
+    """Another task's stream or a malformed trainer entry is refused before the model, optimizer,
+    scheduler, random generators or the trainer change."""
+    from npformer.checkpoint import save_checkpoint
+    first = _trainer()
+    first.fit(2)
+    first.save(tmp_path / "other_task.npz")
+    state = first.state_dict()
+    broken = {"missing step": {k: v for k, v in state.items() if k != "step"},
+              "step -1": dict(state, step=-1),
+              "bad stream": dict(state, task=dict(state["task"], rng={"bit_generator": "PCG64", "state": 1}))}
+    for name, bad in broken.items():
+        save_checkpoint(tmp_path / f"{name}.npz", first.model, first.optimizer, first.scheduler, step=2, trainer=bad)
+    for name in ["other_task"] + list(broken):
+        second = _trainer(seed=1)
+        before = {k: v.copy() for k, v in second.model.state_dict().items()}
+        lr, rng_state = second.optimizer.param_groups[0]["lr"], random.global_rng().bit_generator.state
+        with pytest.raises(ValueError):
+            second.resume(tmp_path / f"{name}.npz")
+        assert second.step == 0 and not second.optimizer.state and second.optimizer.param_groups[0]["lr"] == lr
+        assert random.global_rng().bit_generator.state == rng_state
+        assert all(np.array_equal(before[k], v) for k, v in second.model.state_dict().items()), name
 
 
 def test_history_evaluation_and_clipping():
@@ -100,3 +115,218 @@ def test_layer_of():
     assert layer_of("transformer.decoder.norm.weight") == "transformer.decoder.norm"
     assert layer_of("src_embed.weight") == "src_embed"
     assert layer_of("bias") == "bias"
+
+
+# -- any model, any loss, any data -------------------------------------------------------------------
+def _lm_data(n=96, length=9, seed=0):
+    """Token ids: each sequence counts up from a random start (mod 8, ids 3..10), then PAD."""
+    rng = np.random.default_rng(seed)
+    ids = 3 + (rng.integers(0, 8, (n, 1)) + np.arange(length)) % 8
+    lengths = rng.integers(4, length + 1, n)
+    ids[np.arange(length)[None, :] >= lengths[:, None]] = PAD
+    return ids
+
+
+def _lm_trainer(steps=40, model_seed=0):
+    manual_seed(model_seed)
+    model = CausalLM(11, d_model=32, nhead=2, num_layers=1, dim_feedforward=64, dropout=0.1, max_len=16,
+                     pad_idx=PAD)
+    data = RandomBatches(_lm_data(), batch_size=16, seed=1)
+    loss_fn = causal_lm_loss(ignore_index=PAD)
+    heldout = [_lm_data(16, seed=5), _lm_data(16, seed=6)]
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    return Trainer(model, opt, data, loss_fn, evaluate=evaluate_loss(loss_fn, heldout), eval_every=20,
+                   scheduler=optim.WarmupCosineLR(opt, 5, steps), progress=False, grad_norm_every=5)
+
+
+def test_trainer_learns_language_modelling_and_records_the_documented_history():
+    trainer = _lm_trainer()
+    result = trainer.fit(40)
+    h = trainer.history
+    assert set(result) == {"loss", "accuracy"} and result["accuracy"] > 0.6
+    assert np.mean(h["loss"][-5:]) < 0.5 * np.mean(h["loss"][:5])
+    assert {"step", "loss", "lr", "grad_norm", "items", "seconds", "accuracy", "layer_grad_norm_step",
+            "layer_grad_norm", "eval_step", "eval_loss", "eval_accuracy"} == set(h)
+    assert all(len(h[k]) == 40 for k in ("step", "loss", "lr", "grad_norm", "items", "seconds", "accuracy"))
+    assert h["eval_step"] == [20, 40] and len(h["eval_loss"]) == 2
+    # items: the targets that count (not PAD) of each batch
+    assert all(0 < n <= 16 * 8 for n in h["items"]) and len(set(h["items"])) > 1
+
+
+@pytest.mark.parametrize("make", [_trainer, _lm_trainer], ids=["seq2seq", "language model"])
+def test_resume_continues_bit_for_bit(tmp_path, make):
+    full = make()
+    full.fit(8)
+    first = make()
+    first.fit(4)
+    first.save(tmp_path / "ck.npz")
+    resumed = make(model_seed=5)  # as in a new process: other weights, random and data streams
+    resumed._next_batch()
+    resumed.resume(tmp_path / "ck.npz")
+    assert resumed.step == 4
+    resumed.fit(8)
+    assert resumed.history["loss"] == full.history["loss"]  # bit for bit, steps 1..8
+    assert resumed.history["lr"] == full.history["lr"]
+
+
+def test_trainer_learns_classification():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 10, (256, 6))
+    labels = (ids == 3).any(axis=1).astype(np.int64)  # does token 3 occur?
+    manual_seed(0)
+    model = EncoderClassifier(10, 2, d_model=32, nhead=2, num_layers=1, dim_feedforward=64, dropout=0.0)
+    heldout = [(ids[:64], labels[:64])]
+    trainer = Trainer(model, optim.Adam(model.parameters(), lr=3e-3), RandomBatches(ids, labels, batch_size=32),
+                      classification_loss(), evaluate=evaluate_loss(classification_loss(), heldout), progress=False)
+    result = trainer.fit(60)
+    assert result["accuracy"] > 0.9 and trainer.history["items"][0] == 32
+
+
+def test_a_loss_function_may_return_a_mean_tensor_and_data_may_be_a_callable():
+    manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+
+    def mse(m, batch):
+        return ((m(Tensor(batch)) - 1.0) ** 2).mean()
+    trainer = Trainer(model, optim.SGD(model.parameters(), lr=0.1), lambda: x, mse, progress=False, grad_norm_every=0)
+    trainer.fit(30)
+    assert trainer.history["loss"][-1] < 0.1 * trainer.history["loss"][0] and trainer.history["items"][0] == 1
+    with pytest.raises(TypeError, match="loss_fn: expected a Loss or a scalar Tensor"):
+        Trainer(model, optim.SGD(model.parameters(), lr=0.1), [x], lambda m, b: 3.0, progress=False).train_step()
+    with pytest.raises(TypeError, match="Loss.sum must be a scalar Tensor"):
+        Trainer(model, optim.SGD(model.parameters(), lr=0.1), [x], lambda m, b: Loss(2.0, 1),
+                progress=False).train_step()
+    empty = Trainer(model, optim.SGD(model.parameters(), lr=0.1), [x],
+                    lambda m, b: Loss(m(Tensor(b)).sum() * 0, 0), progress=False)
+    with pytest.raises(ValueError, match="no items to average over"):
+        empty.train_step()
+
+
+def test_trainer_with_a_sequence_task_is_the_seq2seq_trainer():
+    trainer = _trainer()
+    assert type(trainer) is Seq2SeqTrainer and trainer.batch_size == 16
+
+
+# -- arguments are checked when the trainer is made --------------------------------------------------------
+BAD_ARGUMENTS = [
+    (dict(eval_batch_size=0), ValueError, r"Seq2SeqTrainer: eval_batch_size must be an integer >= 1, got 0"),
+    (dict(clip_norm=-1), ValueError, r"Trainer: clip_norm must be a finite real number >= 0, got -1"),
+    (dict(clip_norm=float("nan")), ValueError, r"clip_norm must be .*got nan"),
+    (dict(clip_norm=True), TypeError, r"Trainer: clip_norm must be a finite real number >= 0, got True \(a bool"),
+    (dict(clip_norm="1"), TypeError, r"Trainer: clip_norm must be a finite real number >= 0, got '1' of type str"),
+    (dict(eval_every=-1), ValueError, r"Trainer: eval_every must be an integer >= 0, got -1"),
+    (dict(eval_every=2.5), TypeError, r"Trainer: eval_every must be an integer >= 0, got 2.5 of type float"),
+    (dict(eval_size=0), ValueError, r"Seq2SeqTrainer: eval_size must be an integer >= 1, got 0"),
+    (dict(batch_size=0), ValueError, r"Seq2SeqTrainer: batch_size must be an integer >= 1, got 0"),
+    (dict(batch_size=True), TypeError, r"Seq2SeqTrainer: batch_size must be an integer >= 1, got True \(a bool"),
+    (dict(label_smoothing="0.1"), TypeError, r"Seq2SeqTrainer: label_smoothing must be a real number in \[0, 1\], got '0.1' of type str"),
+    (dict(label_smoothing=1.5), ValueError, r"Seq2SeqTrainer: label_smoothing must be a real number in \[0, 1\], got 1.5"),
+    (dict(label_smoothing=True), TypeError, r"Seq2SeqTrainer: label_smoothing must be a real number in \[0, 1\], got True \(a bool"),
+    (dict(grad_norm_every=-2), ValueError, r"Trainer: grad_norm_every must be an integer >= 0"),
+    (dict(log_every=0), ValueError, r"Trainer: log_every must be an integer >= 1, got 0"),
+    (dict(progress="yes"), TypeError, r"Trainer: progress must be True or False, got 'yes'"),
+    (dict(extra_state=[1]), TypeError, r"extra_state: expected a dict or None, got list"),
+    (dict(shard_optimizer=True), ValueError, r"shard_optimizer: needs a DistributedDataParallel model"),
+    (dict(scheduler=3), TypeError, r"scheduler: expected an lr scheduler"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, message", BAD_ARGUMENTS, ids=[str(c[0]) for c in BAD_ARGUMENTS])
+def test_bad_arguments_fail_at_construction(overrides, error, message):
+    manual_seed(0)
+    model = Seq2SeqTransformer(12, 12, d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                               dim_feedforward=16, dropout=0.0, pad_idx=PAD)
+    task = SequenceTask("reverse", vocab_size=12, min_len=2, max_len=6, seed=0, heldout_size=50)
+    with pytest.raises(error, match=message):
+        Seq2SeqTrainer(model, optim.Adam(model.parameters()), task, **{"progress": False, **overrides})
+
+
+def test_numpy_numbers_are_numbers():
+    trainer = _trainer(clip_norm=np.float32(0.5), eval_every=np.int64(3), eval_size=np.int32(10))
+    assert trainer.clip_norm == 0.5 and trainer.eval_every == 3 and trainer.eval_size == 10
+    trainer.fit(np.int64(3))
+    assert trainer.step == 3
+
+
+def test_bad_model_optimizer_data_and_fit_arguments():
+    model = nn.Linear(2, 1)
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="model: expected an npformer.nn.Module, got function"):
+        Trainer(lambda x: x, opt, [1], lambda m, b: None)
+    with pytest.raises(TypeError, match="optimizer: expected an npformer.optim optimizer, got str"):
+        Trainer(model, "adam", [1], lambda m, b: None)
+    with pytest.raises(TypeError, match="data: expected an iterable, an iterator or a callable"):
+        Trainer(model, opt, 3, lambda m, b: None)
+    with pytest.raises(TypeError, match="loss_fn: expected a callable"):
+        Trainer(model, opt, [1], None)
+    with pytest.raises(TypeError, match="evaluate: expected a callable"):
+        Trainer(model, opt, [1], lambda m, b: None, evaluate="loss")
+    trainer = Trainer(model, opt, [1], lambda m, b: None, progress=False)
+    with pytest.raises(ValueError, match="Trainer.fit: steps must be an integer >= 0, got -1"):
+        trainer.fit(-1)
+    with pytest.raises(TypeError, match="Trainer.fit: checkpoint_every must be an integer >= 0, got 1.5"):
+        trainer.fit(1, checkpoint_every=1.5)
+
+
+# -- gradients beyond float range ---------------------------------------------------------------------------
+class TwoScalars(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Parameter(np.ones(1)), nn.Parameter(np.ones(1))
+
+
+def test_clip_grad_norm_returns_inf_when_the_sum_of_squares_overflows():
+    m = TwoScalars()
+    for p in m.parameters():
+        p.grad = np.full(1, 1.2e154)  # each norm is finite, the sum of their squares is not
+    assert float(optim.clip_grad_norm_(m.parameters(), 1.0)) == math.inf  # a 0-d Tensor, as torch
+    assert optim.grad_norm(m.parameters()) == math.inf
+    np.testing.assert_array_equal(m.a.grad, [1.2e154])  # left as it was
+
+
+def test_trainer_skips_an_update_whose_gradient_norm_overflows(capsys):
+    m = TwoScalars()
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(batch)
+        scale = 1.2e154 if batch == "huge" else 1.0
+        return Loss(model.a.sum() * scale + model.b.sum() * scale, 1)
+    trainer = Trainer(m, optim.SGD(m.parameters(), lr=0.1), ["huge", "small"], loss_fn, clip_norm=1.0,
+                      progress=False, grad_norm_every=0)
+    trainer.train_step()
+    assert m.a.data[0] == 1.0 and m.b.data[0] == 1.0 and trainer.history["grad_norm"] == [math.inf]
+    assert "step 1: gradient norm inf, update skipped" in capsys.readouterr().err
+    trainer.train_step()
+    assert m.a.data[0] < 1.0 and calls == ["huge", "small"]
+
+
+# -- progress and figures ---------------------------------------------------------------------------------
+def test_progress_line_on_a_file(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the line of its own, even where tqdm is installed
+    bar = Progress(20, enabled=True)
+    for step in range(1, 21):
+        bar.update(step, f"loss {1 / step:.2f}")
+    bar.write("a message")
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("step  1/20 [#") and lines[-2].startswith("step 20/20 [####################]")
+    assert len(lines) == 12 and lines[-1] == "a message"  # about every 10% of the run on a file
+    silent = Progress(5, enabled=False)
+    silent.update(1, "x")
+    silent.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_plot_curves_draws_the_documented_history_keys(tmp_path):
+    pytest.importorskip("matplotlib")
+    from npformer import plots
+    trainer = _lm_trainer(steps=20)
+    trainer.fit(20)
+    path = plots.plot_curves(trainer.history, tmp_path / "lm.png", "language model")
+    assert path.stat().st_size > 1000
+    minimal = {"step": [1, 2, 3], "loss": [3.0, 2.0, 1.5], "lr": [1e-3] * 3}
+    assert plots.plot_curves(minimal, tmp_path / "minimal.png").stat().st_size > 1000
+    with pytest.raises(KeyError, match="missing \\['lr'\\]"):
+        plots.plot_curves({"step": [1], "loss": [1.0]}, tmp_path / "x.png")

@@ -4,15 +4,17 @@ primitives, used as test references. Fused computations run from kernel tables
 (`autograd.kernels`): a plain reference, and faster implementations per device (row blocks on
 the CPU threads, hand-written CUDA kernels in `npformer.functional.cuda`)."""
 from .activation import dropout, gelu, relu
-from .attention import scaled_dot_product_attention, split_heads
+from .attention import attention_backend, scaled_dot_product_attention, split_heads
 from .embedding import embedding
 from .linear import linear
 from .loss import cross_entropy
 from .normalization import layer_norm
+from .residual import dropout_add
 from .rotary import apply_rotary_emb, rotary_cos_sin
 from .softmax import log_softmax, softmax
 
 from . import cuda  # noqa: E402,F401  (registers the CUDA kernels in the kernel tables; runs only on a GPU)
 
-__all__ = ["apply_rotary_emb", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear",
-           "log_softmax", "relu", "rotary_cos_sin", "scaled_dot_product_attention", "softmax", "split_heads"]
+__all__ = ["apply_rotary_emb", "attention_backend", "cross_entropy", "dropout", "dropout_add", "embedding", "gelu",
+           "layer_norm", "linear", "log_softmax", "relu", "rotary_cos_sin", "scaled_dot_product_attention", "softmax",
+           "split_heads"]

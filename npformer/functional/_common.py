@@ -3,7 +3,8 @@ the per-thread switch to the composite twins."""
 import functools
 import threading
 
-from autograd import Tensor, backend
+from autograd import Tensor, backend, deferred
+from autograd.checks import as_array, check_int
 
 _twins = threading.local()  # .active: this thread runs the composite twins (composite.installed())
 
@@ -36,23 +37,45 @@ def check_tensor(name, x, op, *, floating=True):
     return raw
 
 
-def on_device_of(array, like, name, op):
+def on_device_of(array, like, name, op, check=None):
     """`array` (a raw array or a non-differentiable Tensor such as ids or a mask) on the device of
-    the array `like`. Raw host arrays are copied over; a Tensor on another device is an error."""
+    the array `like`. Raw host arrays (and lists) are copied over; a Tensor on another device is an
+    error. `check(array)`, when given, sees the array where it arrived: host data before its copy."""
     if isinstance(array, Tensor):
         if array.device != backend.device_of(like):
             raise RuntimeError(f"{op}: {name} is on device '{array.device}' but the inputs are on "
                                f"'{backend.device_of(like)}'; move it with .to(device)")
-        return array.data
-    if not backend.is_array(array):
-        array = backend.get_array_module(like).asarray(array)
+        array = array.data
+    elif not backend.is_array(array):
+        array = as_array(array, name, op, backend.module_for("cpu"))   # lists: on the host, checked before the copy
+    if check is not None:
+        check(array)
     return backend.to_device(array, backend.device_of(like))
 
 
+def check_index_range(ids, high, error, skip=None):
+    """Check 0 <= ids < high (ids equal to `skip` aside) without a host round trip: host ids now,
+    device ids on the device, the verdict read with the next result (autograd.deferred).
+    `error(lo, hi)` makes the exception from the smallest and largest id."""
+    if ids.size == 0:
+        return
+    xp = backend.get_array_module(ids)
+    if skip is None:
+        lo, hi = ids.min(), ids.max()
+    else:  # skipped entries count as the largest id for the minimum and the smallest for the maximum
+        kept = ids != skip
+        info = xp.iinfo(ids.dtype)
+        lo, hi = xp.where(kept, ids, info.max).min(), xp.where(kept, ids, info.min).max()
+    deferred.defer(lambda lo, hi: error(lo, hi) if lo <= hi and (lo < 0 or hi >= high) else None, lo, hi)
+
+
 def normalize_dim(dim, ndim, op, name="dim"):
-    if not -ndim <= dim < max(ndim, 1):
-        raise IndexError(f"{op}: {name} out of range: expected in [{-ndim}, {ndim - 1}], got {dim}")
-    return dim % max(ndim, 1)
+    """`dim` in [0, ndim); like torch, a 0-d tensor takes dim 0 or -1 (as if it were 1-d)."""
+    dim = check_int(dim, name, op)
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise IndexError(f"{op}: {name} out of range: expected in [{-size}, {size - 1}], got {dim}")
+    return dim % size
 
 
 def broadcast_shapes(*shapes):

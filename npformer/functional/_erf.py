@@ -1,15 +1,17 @@
-"""The error function for arrays of any backend, accurate to about 1 ulp in float64, and to
-7.5 float32 ulps (4.5e-7) in float32.
+"""The error function for arrays of any backend, accurate to about 1 ulp in float64.
 
 The rational approximations and their coefficients are those of fdlibm's s_erf.c (Sun
 Microsystems, 1993; also used by FreeBSD's libm and Go's math.Erf): on each interval of |x| a
 ratio of two polynomials approximates erf (small |x|) or log(x erfc(x)) + x^2 (large |x|).
 Each branch is written with arithmetic operators and an `exp` callable only, so the same
-formulas run on arrays (the fused GELU) and on autograd Tensors (its composite twin).
+formulas run on arrays (the fused GELU's reference) and on autograd Tensors (its composite twin).
+On a GPU the GELU kernels call CUDA's erf instead (npformer/functional/cuda/activation.cu). On the
+CPU, float32 arrays take `erf_float32`: one rational function, within 7.5 float32 ulps (4.5e-7).
 """
 import math
 
 from autograd import backend
+from autograd.kernels import kernel_table
 
 ERX = 8.45062911510467529297e-01  # erf(1) rounded to 24 bits: erf(x) = ERX + P/Q near 1
 EFX = 1.28379167095512586316e-01  # 2/sqrt(pi) - 1: erf(x) ~ x + EFX x for tiny x
@@ -39,9 +41,9 @@ SB = (1.0, 3.03380607434824582924e+01, 3.25792512996573918826e+02, 1.53672958608
       3.19985821950859553908e+03, 2.55305040643316442583e+03, 4.74528541206955367215e+02,
       -2.24409524465858183362e+01)
 
-# float32: one odd rational function on [-4, 4] (beyond, erf = +-1 in float32), the fast erf of
-# Eigen and XLA: erf(x) = x ALPHA(x^2) / BETA(x^2); within 7.5 float32 ulps (4.5e-7 absolute) of
-# the float64 formulas above (tests/test_fast_paths.py) in about a third of the array passes
+# float32 on the CPU: one odd rational function on [-4, 4] (beyond, erf = +-1 in float32), the fast
+# erf of Eigen and XLA: erf(x) = x ALPHA(x^2) / BETA(x^2); within 7.5 float32 ulps (4.5e-7 absolute)
+# of the float64 formulas above (tests/test_fast_paths.py) in about a third of their array passes
 ALPHA = (-1.60960333262415e-02, -2.95459980854025e-03, -7.34990630326855e-04, -5.69250639462346e-05,
          -2.10102402082508e-06, 2.77068142495902e-08, -2.72614225801306e-10)
 BETA = (-1.42647390514189e-02, -7.37332916720468e-03, -1.68282697438203e-03, -2.13374055278905e-04,
@@ -95,6 +97,26 @@ def erf_far(a, exp):
     return 1.0 - exp(-a * a - 0.5625 + horner(RB, s) / horner(SB, s)) / a
 
 
+@kernel_table
+def erf(x):
+    """Elementwise erf of an array (numpy, cupy or the test device), dtype kept.
+
+    Every interval's formula runs on the whole array (each fed |x| clamped into its interval) and
+    `where` picks each entry's: no data-dependent sizes, so nothing waits for the device (and a
+    graph capture can record it). NaN stays NaN.
+    """
+    xp = backend.get_array_module(x)
+    flat_x = x.reshape(-1)                                              # 1-D, so 0-d inputs stay arrays
+    a = xp.abs(flat_x)
+    out = erf_small(xp.minimum(a, BOUNDS[0]))                           # right on [0, 0.84375)
+    for lo, hi, formula in ((BOUNDS[0], BOUNDS[1], erf_middle),
+                            (BOUNDS[1], BOUNDS[2], lambda t: erf_near(t, xp.exp)),
+                            (BOUNDS[2], BOUNDS[3], lambda t: erf_far(t, xp.exp))):
+        out = xp.where(a >= lo, formula(xp.clip(a, lo, hi)), out)
+    xp.copyto(out, 1.0, where=a >= BOUNDS[3])                          # NaN fails every test: stays NaN
+    return xp.copysign(out, flat_x, out=out).reshape(x.shape)
+
+
 def erf_float32(x):
     """erf of a float32 array: x ALPHA(x^2) / BETA(x^2) on x clipped to [-4, 4], clipped to
     [-1, 1]. NaN stays NaN."""
@@ -107,13 +129,11 @@ def erf_float32(x):
     return xp.clip(out, -1.0, 1.0, out=out)          # the rational function overshoots 1 by an ulp near 4
 
 
-def erf(x):
-    """Elementwise erf of an array (numpy, cupy or the test device), dtype kept.
-
-    float32: `erf_float32`. Otherwise the small-|x| formula runs in place over the whole array;
-    each other interval's formula runs only on the entries in it (gathered with take, written
-    back with put). NaN stays NaN.
-    """
+@erf.register("cpu")
+def erf_cpu(x):
+    """float32: `erf_float32`. Otherwise the small-|x| formula in place over the whole array; each
+    other interval's formula only on the entries in it (gathered with take, written back with
+    put): a quarter of the reference's work."""
     xp = backend.get_array_module(x)
     if x.dtype == xp.float32:
         return erf_float32(x)

@@ -1,41 +1,189 @@
-"""Elementwise activations (ReLU, GELU) and inverted dropout."""
+"""Elementwise activations (ReLU, GELU; with a bias: the epilogue of `linear`) and inverted dropout."""
 import math
 
 from autograd import Function, backend, random
-from autograd.threads import for_rows, row_blocks, run_blocks
+from autograd.checks import check_real
+from autograd.kernels import kernel_table
+from autograd.threads import for_rows
 
 from ._common import check_tensor, has_twin
 from ._erf import INV_SQRT_2PI, SQRT_2, erf
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
 TANH_K = 0.044715
-# bit generators whose random_raw gives 64 random bits and whose advance(n) skips n of them
-RAW_64BIT_ADVANCE = ("PCG64", "PCG64DXSM")
+
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # bias_activation kinds (gelu: the exact form)
+
+
+@kernel_table
+def bias_activation_forward(x, bias, kind):
+    """y = act(x + bias) for x (..., N), bias (N,) or None, kind in ACTIVATIONS -> (y, saved):
+    relu saves (keep,) with keep = not (h <= 0) (bool); gelu saves (h, aux) with h = x + bias (x
+    itself without a bias) and aux = Phi(h) (exact) or tanh(u) (tanh form)."""
+    xp = backend.get_array_module(x)
+    h = x + bias if bias is not None else x
+    if kind == "relu":
+        keep = ~(h <= 0)                                    # NaN is kept: relu(NaN) = NaN, as torch's
+        return xp.where(keep, h, 0), (keep,)                # relu(-inf) = 0
+    if kind == "gelu_tanh":
+        t = xp.tanh(TANH_C * (h + TANH_K * h * h * h))      # t = tanh(u)
+        return 0.5 * h * (1.0 + t), (h, t)
+    cdf = erf(h / SQRT_2)                                   # Phi(h) = (1 + erf(h / sqrt 2)) / 2
+    cdf += 1.0
+    cdf *= 0.5
+    return h * cdf, (h, cdf)
+
+
+# entries per pass of GELU's many-pass CPU blocks (512 KiB of float32): erf's ~25 array passes
+# stay in the core's cache (2-3x faster than whole-array passes), and each numpy call is long
+# enough that two threads do not wait on each other for the GIL
+CACHE_CHUNK = 1 << 17
+
+
+def in_cache_chunks(kernel):
+    """kernel(start, stop) run on consecutive chunks of at most CACHE_CHUNK entries."""
+    def chunked(start, stop):
+        for lo in range(start, stop, CACHE_CHUNK):
+            kernel(lo, min(lo + CACHE_CHUNK, stop))
+    return chunked
+
+
+@bias_activation_forward.register("cpu")
+def bias_activation_forward_cpu(x, bias, kind):
+    """ReLU, and GELU in cache-sized chunks, in flat blocks on the threads of `autograd.threads`
+    (the bias added in place)."""
+    if kind != "relu":
+        return _gelu_forward_cpu(x, bias, kind)
+    xp = backend.get_array_module(x)
+    keep = xp.empty(x.shape, dtype=bool)                    # (...) bool: 1 byte per entry saved
+    y = xp.empty(x.shape, dtype=x.dtype)
+    n = x.shape[-1] if bias is not None else 1                 # rows of the bias's length, or single entries
+    xf, kf, yf = x.reshape(-1, n), keep.reshape(-1, n), y.reshape(-1, n)
+
+    def block(start, stop):
+        h = xf[start:stop]
+        if bias is not None:
+            h = xp.add(h, bias, out=yf[start:stop])
+        xp.less_equal(h, 0, out=kf[start:stop])
+        xp.logical_not(kf[start:stop], out=kf[start:stop])
+        xp.maximum(h, 0, out=yf[start:stop])
+
+    for_rows(block, xf.shape[0], x.size, x)
+    return y, (keep,)
+
+
+def _gelu_forward_cpu(x, bias, kind):
+    """The reference's GELU (exact or tanh form) on flat blocks and cache-sized chunks: (y, (h, aux))."""
+    xp = backend.get_array_module(x)
+    h = x + bias if bias is not None else x
+    hf = h.reshape(-1)
+    y, aux = xp.empty_like(hf), xp.empty_like(hf)                 # aux: tanh(u), or Phi(h)
+
+    @in_cache_chunks
+    def block(start, stop):
+        hb, ab, yb = hf[start:stop], aux[start:stop], y[start:stop]
+        if kind == "gelu_tanh":
+            xp.tanh(TANH_C * (hb + TANH_K * hb * hb * hb), out=ab)   # t = tanh(u)
+            xp.add(ab, 1.0, out=yb)
+            yb *= hb
+            yb *= 0.5                                               # y = 0.5 h (1 + t)
+            return
+        ab[...] = erf(hb / SQRT_2)                                  # Phi(h) = (1 + erf(h / sqrt 2)) / 2
+        ab += 1.0
+        ab *= 0.5
+        xp.multiply(hb, ab, out=yb)                                 # y = h Phi(h)
+
+    for_rows(block, hf.size, hf.size, x)
+    return y.reshape(h.shape), (h, aux.reshape(h.shape))
+
+
+@kernel_table
+def bias_activation_backward(dy, saved, kind):
+    """dh = dy * act'(h), from what bias_activation_forward saved; the bias gradient is the sum of
+    dh over the leading dimensions."""
+    xp = backend.get_array_module(dy)
+    if kind == "relu":
+        (keep,) = saved
+        # y = h where keep, else 0  ->  dh = dy where keep, else 0 (also for a NaN dy, as torch)
+        return xp.where(keep, dy, 0)
+    h, aux = saved
+    if kind == "gelu_tanh":
+        # u = TANH_C (h + k h^3)  ->  du/dh = TANH_C (1 + 3 k h^2)
+        du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
+        # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
+        return dy * (0.5 * (1.0 + aux) + 0.5 * h * (1.0 - aux * aux) * du)
+    density = h * h                                         # phi(h) = exp(-h^2/2) / sqrt(2 pi)
+    density *= -0.5
+    xp.exp(density, out=density)
+    density *= INV_SQRT_2PI
+    # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
+    density *= h
+    density += aux
+    density *= dy
+    return density
+
+
+@bias_activation_backward.register("cpu")
+def bias_activation_backward_cpu(dy, saved, kind):
+    """ReLU's dh in flat blocks on the threads of `autograd.threads`: dy's bits ANDed with a mask of
+    all ones (kept) or zeros (dropped), the exact `where(keep, dy, 0)` at the cost of a multiply
+    (numpy's where and copyto(where=) are ~8x slower). GELU's in blocks and cache-sized chunks."""
+    if kind != "relu":
+        return _gelu_backward_cpu(dy, saved, kind)
+    xp = backend.get_array_module(dy)
+    (keep,) = saved
+    dh = xp.empty(dy.shape, dtype=dy.dtype)
+    bits = f"int{8 * dy.itemsize}"                              # an integer of the float's width
+    df, kf, hf = dy.reshape(-1).view(bits), keep.reshape(-1).view("int8"), dh.reshape(-1).view(bits)
+
+    def block(start, stop):
+        xp.bitwise_and(df[start:stop], xp.negative(kf[start:stop], dtype=bits), out=hf[start:stop])  # -1: all ones
+
+    for_rows(block, dy.size, dy.size, dy)
+    return dh
+
+
+def _gelu_backward_cpu(dy, saved, kind):
+    """The reference's GELU backward on flat blocks and cache-sized chunks."""
+    xp = backend.get_array_module(dy)
+    h, aux = (a.reshape(-1) for a in saved)
+    dyf = dy.reshape(-1)
+    dh = xp.empty_like(dyf)
+
+    @in_cache_chunks
+    def block(start, stop):
+        hb, ab, g = h[start:stop], aux[start:stop], dh[start:stop]
+        if kind == "gelu_tanh":
+            # u = TANH_C (h + k h^3)  ->  du/dh = TANH_C (1 + 3 k h^2)
+            du = TANH_C * (1.0 + 3.0 * TANH_K * hb * hb)
+            # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
+            xp.multiply(dyf[start:stop], 0.5 * (1.0 + ab) + 0.5 * hb * (1.0 - ab * ab) * du, out=g)
+            return
+        xp.multiply(hb, hb, out=g)                                  # phi(h) = exp(-h^2/2) / sqrt(2 pi)
+        g *= -0.5
+        xp.exp(g, out=g)
+        g *= INV_SQRT_2PI
+        # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
+        g *= hb
+        g += ab
+        g *= dyf[start:stop]
+
+    for_rows(block, dyf.size, dyf.size, dy)
+    return dh.reshape(dy.shape)
 
 
 class ReLUFunction(Function):
-    """y = max(x, 0), any shape.  dx = dy * [x > 0]."""
+    """y = max(x, 0), any shape (relu(NaN) = NaN).  dx = dy where not (x <= 0), else 0."""
 
     @staticmethod
     def forward(ctx, x):
-        xp = backend.get_array_module(x)
-        positive = xp.empty(x.shape, dtype=bool)            # (...) bool: 1 byte per entry saved
-        y = xp.empty(x.shape, dtype=x.dtype)
-        xf, pf, yf = x.reshape(-1), positive.reshape(-1), y.reshape(-1)
-
-        def block(start, stop):
-            xp.greater(xf[start:stop], 0, out=pf[start:stop])
-            xp.multiply(xf[start:stop], pf[start:stop], out=yf[start:stop])
-
-        for_rows(block, x.size, x.size, x)
-        ctx.save_for_backward(positive)
+        y, ctx.activation_saved = bias_activation_forward(x, None, "relu")
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (positive,) = ctx.saved_tensors
-        # y = x * [x > 0]  ->  dx = dy * [x > 0]
-        return elementwise_product(dy, positive)
+        return bias_activation_backward(dy, ctx.activation_saved, "relu")
 
 
 @has_twin
@@ -45,84 +193,21 @@ def relu(input):
     return ReLUFunction.apply(input)
 
 
-CACHE_CHUNK = 1 << 17  # entries per pass of a many-pass elementwise kernel (512 KiB of float32)
-
-
-def in_cache_chunks(kernel, like):
-    """kernel(start, stop) run on consecutive chunks of at most CACHE_CHUNK entries when the
-    array `like` is in host memory (on a GPU one launch per pass is what counts: unchanged)."""
-    if backend.device_of(like) != "cpu":
-        return kernel
-
-    def chunked(start, stop):
-        for lo in range(start, stop, CACHE_CHUNK):
-            kernel(lo, min(lo + CACHE_CHUNK, stop))
-    return chunked
-
-
 class GELUFunction(Function):
     """y = x * Phi(x) (exact, Phi the normal CDF) or its tanh approximation; any shape.
 
     exact: dx = dy * (Phi(x) + x phi(x));  tanh: dx = dy * (0.5 (1 + t) + 0.5 x (1 - t^2) du/dx).
-    Blocks of entries run on the threads of `autograd.threads`, each in chunks of CACHE_CHUNK
-    entries: erf's ~25 array passes then stay in the core's cache (2-3x faster than whole-array
-    passes), yet each call is long enough that two threads do not wait on each other for the GIL.
     """
 
     @staticmethod
     def forward(ctx, x, approximate):
-        ctx.approximate = approximate
-        xp = backend.get_array_module(x)
-        xf = x.reshape(-1)
-        y = xp.empty_like(xf)
-        saved = xp.empty_like(xf)                           # t = tanh(u), or Phi(x)
-
-        def block(start, stop):
-            xb, sb, yb = xf[start:stop], saved[start:stop], y[start:stop]
-            if approximate == "tanh":
-                xp.tanh(TANH_C * (xb + TANH_K * xb * xb * xb), out=sb)   # t = tanh(u)
-                xp.add(sb, 1.0, out=yb)
-                yb *= xb
-                yb *= 0.5                                   # y = 0.5 x (1 + t)
-                return
-            sb[...] = erf(xb / SQRT_2)                      # Phi(x) = (1 + erf(x / sqrt 2)) / 2
-            sb += 1.0
-            sb *= 0.5
-            xp.multiply(xb, sb, out=yb)                     # y = x Phi(x)
-
-        for_rows(in_cache_chunks(block, x), xf.size, xf.size, x)
-        ctx.save_for_backward(xf, saved)
-        ctx.shape = x.shape
-        return y.reshape(x.shape)
+        ctx.kind = "gelu_tanh" if approximate == "tanh" else "gelu"
+        y, ctx.activation_saved = bias_activation_forward(x, None, ctx.kind)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        xp = backend.get_array_module(dy)
-        xf, saved = ctx.saved_tensors
-        dyf = dy.reshape(-1)
-        dx = xp.empty_like(dyf)
-
-        def block(start, stop):
-            x, s, g = xf[start:stop], saved[start:stop], dx[start:stop]
-            if ctx.approximate == "tanh":
-                t = s
-                # u = TANH_C (x + k x^3)  ->  du/dx = TANH_C (1 + 3 k x^2)
-                du = TANH_C * (1.0 + 3.0 * TANH_K * x * x)
-                # y = 0.5 x (1 + tanh(u))  ->  dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx
-                xp.multiply(dyf[start:stop], 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du, out=g)
-                return
-            cdf = s
-            xp.multiply(x, x, out=g)                        # phi(x) = exp(-x^2/2) / sqrt(2 pi)
-            g *= -0.5
-            xp.exp(g, out=g)
-            g *= INV_SQRT_2PI
-            # y = x Phi(x)  ->  dy/dx = Phi(x) + x phi(x)
-            g *= x
-            g += cdf
-            g *= dyf[start:stop]
-
-        for_rows(in_cache_chunks(block, dy), dyf.size, dyf.size, dy)
-        return dx.reshape(ctx.shape)
+        return bias_activation_backward(dy, ctx.activation_saved, ctx.kind)
 
 
 @has_twin
@@ -135,19 +220,41 @@ def gelu(input, approximate="none"):
 
 
 class DropoutFunction(Function):
-    """y = x * keep / (1 - p) with a fixed boolean mask `keep`; any shape.  dx = dy * keep / (1 - p)."""
+    """y = x * keep / (1 - p), any shape, keep_i = bits16(seed, offset + i) >= threshold over the
+    flat (C-order) index i of x.  dx = dy * keep / (1 - p).
+
+    What backward needs comes from the kernel table: on the CPU the mask (1 byte per entry,
+    cheaper than drawing it again), on a GPU nothing (the kernel regenerates it)."""
 
     @staticmethod
-    def forward(ctx, x, keep, scale):
+    def forward(ctx, x, seed, offset, p, state=None):
+        y, keep = dropout_forward(x, seed, offset, p, state)    # (...), (...) bool or None
         ctx.save_for_backward(keep)
-        ctx.scale = scale
-        return elementwise_product(x, keep, scale)          # (...)
+        ctx.stream = (seed, offset, p, state)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         (keep,) = ctx.saved_tensors
-        # y = x * keep * scale  ->  dx = dy * keep * scale
-        return elementwise_product(dy, keep, ctx.scale)
+        # y = x * keep / (1 - p)  ->  dx = dy * keep / (1 - p)
+        return dropout_backward(dy, keep, *ctx.stream)
+
+
+@kernel_table
+def dropout_forward(x, seed, offset, p, state=None):
+    """(y, keep): y = x * keep / (1 - p) with the mask of `keep_mask`, which is returned for
+    the backward (implementations that regenerate it return None instead). state: None, or under
+    graph capture the device (seed, base) of the draw (autograd.random.PhiloxDraw)."""
+    keep = keep_mask(x.shape, p, seed, offset, backend.device_of(x), state)
+    return elementwise_product(x, keep, dropout_scale(p)), keep
+
+
+@kernel_table
+def dropout_backward(dy, keep, seed, offset, p, state=None):
+    """dx = dy * keep / (1 - p) with the forward's mask `keep` (regenerated when None)."""
+    if keep is None:
+        keep = keep_mask(dy.shape, p, seed, offset, backend.device_of(dy), state)
+    return elementwise_product(dy, keep, dropout_scale(p))
 
 
 def elementwise_product(a, b, scale=None):
@@ -166,61 +273,60 @@ def elementwise_product(a, b, scale=None):
     return out
 
 
-def dropout_mask(shape, p, device, generator=None):
-    """Boolean mask, True with probability 1 - p, drawn from `generator` (a Generator of the
-    device) or the device's global generator.
+def dropout_threshold(p):
+    """Dropout's keep test: an entry is kept iff its 16 random bits are >= this threshold,
+    min(round(p 2^16), 2^16 - 1), so the drop probability is p rounded to a multiple of 2^-16
+    (within 7.7e-6); p = 1 gives 2^16, which keeps nothing."""
+    return 2**16 if p == 1.0 else min(round(p * 2**16), 2**16 - 1)
 
-    On the CPU: 16 random bits per entry compared to round(p * 2^16) (the drop probability is
-    p rounded to a multiple of 2^-16, within 7.7e-6). With PCG64 (numpy's default) the bits
-    are its raw 64-bit draws, four entries each, and a big mask is drawn by the threads of
-    `autograd.threads` from copies advanced to their block, so the mask does not depend on the number
-    of threads. On the GPU, where drawing is cheap: float32 uniforms compared to p.
-    """
-    rng = generator if generator is not None else random.global_rng(device)
-    if device != "cpu":  # cuda, and "test" standing in for it
-        return rng.random(shape, dtype="float32") >= p
-    threshold = min(round(p * 2**16), 2**16 - 1)
-    bits = rng.bit_generator                                # the numpy BitGenerator itself
-    if type(bits).__name__ not in RAW_64BIT_ADVANCE:         # e.g. MT19937: 32-bit raw draws
-        return rng.integers(0, 2**16, size=shape, dtype="uint16") >= threshold
+
+def dropout_scale(p):
+    """1 / (1 - p), the scale of the kept entries (0 for p = 1: everything is dropped)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+def dropout_stream(generator, op):
+    """The random.Philox stream a dropout draws from: `generator`, or the global
+    random.dropout_stream() when None."""
+    if generator is None:
+        return random.dropout_stream()
+    if not isinstance(generator, random.Philox):
+        raise TypeError(f"{op}: generator must be an autograd.random.Philox (a dropout stream, like a "
+                        f"torch.Generator) or None for the global one, got {type(generator).__name__}")
+    return generator
+
+
+def keep_mask(shape, p, seed, offset, device, state=None):
+    """The boolean mask of a dropout over an array of `shape` whose values start at `offset` of
+    the stream of `seed` (or, with `state`, of the device (seed, base): graph capture): entry i
+    (C order) is kept iff bits16(seed, offset + i) >= threshold."""
     size = math.prod(shape)
-    words = -(-size // 4)                                   # 64-bit draws, 4 entries each
-    host = backend.module_for("cpu")
-    keep = host.empty(4 * words, dtype=bool)
-    blocks = row_blocks(words, size)
-    start_state = bits.state
-
-    def draw(start, stop):                                  # words [start, stop) of the stream
-        source = bits
-        if start:                                           # a copy advanced to this block
-            source = type(bits)()
-            source.state = start_state
-            source.advance(start)
-        raw = source.random_raw(stop - start)               # (stop - start,) uint64
-        host.greater_equal(raw.view("uint16"), threshold, out=keep[4 * start: 4 * stop])
-
-    run_blocks(draw, blocks)
-    if len(blocks) > 1:
-        bits.advance(words - blocks[0][1])                  # the stream continues after the mask
-    return backend.to_device(keep[:size].reshape(shape), device)
+    if p == 1.0:                                            # nothing passes a threshold of 2^16
+        return backend.module_for(device).zeros(shape, dtype=bool)
+    return (random.bits16(seed, offset, size, device, state=state) >= dropout_threshold(p)).reshape(shape)
 
 
-def check_dropout_p(p, op):
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"{op}: dropout probability must be a number in [0, 1], got {p!r}")
-    return float(p)
+def dropout_mask(shape, p, device, generator=None, op="dropout"):
+    """Boolean mask of `shape`, True (keep) with probability 1 - p, on `device`: takes
+    prod(shape) values from `generator` (an autograd.random.Philox; None: the global dropout
+    stream), so every dropout site, on every device, draws the same mask for the same stream
+    state. Kept entries are those whose 16 random bits are >= dropout_threshold(p)."""
+    draw = dropout_stream(generator, op).draw(math.prod(shape), device)
+    return keep_mask(shape, p, draw.seed, draw.offset, device, draw.state)
 
 
 @has_twin
 def dropout(input, p=0.5, training=True, generator=None):
     """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
-    scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros."""
+    scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros.
+
+    The mask comes from `generator`, an autograd.random.Philox (like a torch.Generator), or the
+    global stream `autograd.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
+    over n entries takes the next n values of the stream, and the mask is the same on every
+    device and for any number of threads."""
     x = check_tensor("input", input, "dropout")
-    p = check_dropout_p(p, "dropout")
+    p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
-    device = backend.device_of(x)
-    if p == 1.0:
-        keep = backend.module_for(device).zeros(x.shape, dtype=bool)
-        return DropoutFunction.apply(input, keep=keep, scale=0.0)
-    return DropoutFunction.apply(input, keep=dropout_mask(x.shape, p, device, generator), scale=1.0 / (1.0 - p))
+    draw = dropout_stream(generator, "dropout").draw(x.size, backend.device_of(x))
+    return DropoutFunction.apply(input, seed=draw.seed, offset=draw.offset, p=p, state=draw.state)

@@ -1,14 +1,31 @@
-"""Scaled dot-product attention: a naive path that keeps the (Tq, Tk) probabilities, and a
-memory-efficient path (FlashAttention-style online softmax over key blocks) that keeps only
-the output and one logsumexp per query row. Both have hand-written backward passes."""
-import math
+"""Scaled dot-product attention, three paths with hand-written backward passes:
 
-from autograd import Function, backend, random, unbroadcast
+- naive: keeps the (Tq, Tk) probabilities (`AttentionFunction`);
+- memory-efficient: the FlashAttention scheme (online softmax over key blocks, P recomputed in
+  backward from one logsumexp per query row), never a (Tq, Tk) matrix
+  (`MemoryEfficientAttentionFunction`). Its blockwise forward and backward are kernel tables:
+  the reference below (blocks of numpy/CuPy calls, every device) and, on "cuda", the
+  flash-attention kernels of npformer/functional/cuda/flash_attention.cu where they apply;
+- flash: that CUDA implementation, chosen by default on a GPU where it applies.
+
+Every dropout mask over the probabilities is the one of the dropout contract (activation.py):
+entry i of the flat (..., Tq, Tk) index is kept iff bits16(seed, offset + i) >= threshold, so
+all paths, on every device, drop the same entries for the same generator state."""
+import math
+from typing import Optional, Tuple
+
+from autograd import Function, Tensor, backend, is_grad_enabled, random, unbroadcast
+from autograd.checks import check_int, check_real
+from autograd.kernels import kernel_table
 from autograd.threads import for_rows, row_blocks, run_blocks
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
-from .activation import check_dropout_p, dropout_mask
+from .activation import dropout_mask, dropout_scale, dropout_stream, dropout_threshold
 from .softmax import softmax_backward, softmax_forward
+
+BACKENDS = ("naive", "memory_efficient", "flash")
+FLASH_HEAD_DIMS = (32, 64, 128)       # head dims the flash kernels are compiled for
+FLASH_DTYPES = ("float32", "float64")
 
 
 def causal_blocked(xp, q_start, q_stop, k_start, k_stop):
@@ -38,26 +55,33 @@ def masked_scores(q_scaled, k, blocked, additive, causal, q_start, k_start, out=
     return scores
 
 
+def _at_least_2d(mask):
+    """A mask broadcastable to (..., Tq, Tk) with its last two axes present (size 1 if missing)."""
+    return None if mask is None else mask.reshape((1,) * max(0, 2 - mask.ndim) + tuple(mask.shape))
+
+
 class AttentionFunction(Function):
-    """q (..., Tq, hd), k (..., Tk, hd), v (..., Tk, hdv) -> out (..., Tq, hdv) [, P (..., Tq, Tk)].
+    """q (..., Tq, hd), k (..., Tk, hd), v (..., Tk, hdv) [, additive mask] -> out (..., Tq, hdv)
+    [, P (..., Tq, Tk)].
 
     S = s Q K^T + mask, P = softmax(S) (dropout: Pd = P * keep / (1 - p)), O = Pd V;
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
-    dQ = s dS K, dK = s dS^T Q.
+    dQ = s dS K, dK = s dS^T Q, and d(additive mask) = dS summed over its broadcast axes.
     With set_num_threads(n > 1), blocks of the first batch axis run in the threads of `autograd.threads`.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, blocked, additive, causal, scale, keep, dropout_scale, return_weights):
+    def forward(ctx, q, k, v, additive, blocked, causal, scale, keep, dropout_scale, return_weights):
         xp = backend.get_array_module(q)
         lead = _lead_shape(q, k, v)
+        mask = _at_least_2d(additive)
         probs = xp.empty(lead + (q.shape[-2], k.shape[-2]), dtype=q.dtype)   # (..., Tq, Tk)
         out = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)     # (..., Tq, hdv)
         weights = xp.empty_like(probs) if keep is not None and return_weights else None
 
         def forward_block(start, stop):
             part = _batch_block(lead, start, stop)
-            s = masked_scores(part(q) * scale, part(k), part(blocked), part(additive), causal, 0, 0,
+            s = masked_scores(part(q) * scale, part(k), part(blocked), part(mask), causal, 0, 0,
                               out=part(probs))                                # S
             softmax_forward(s, -1, out=s)                                     # P
             dropped = s
@@ -69,17 +93,19 @@ class AttentionFunction(Function):
         run_blocks(forward_block, _batch_blocks(lead, (q, k, v), probs.size, q))
         ctx.save_for_backward(q, k, v, probs, keep)
         ctx.scale, ctx.dropout_scale = scale, dropout_scale
+        ctx.mask_shape = None if additive is None else additive.shape
         return (out, probs if weights is None else weights) if return_weights else out
 
     @staticmethod
     def backward(ctx, dout, dweights=None):
         q, k, v, probs, keep = ctx.saved_tensors
         xp = backend.get_array_module(dout)
-        need_q, need_k, need_v = ctx.needs_input_grad
+        need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
         lead = probs.shape[:-2]
         dq = xp.empty(lead + q.shape[-2:], dtype=q.dtype) if need_q else None
         dk = xp.empty(lead + k.shape[-2:], dtype=q.dtype) if need_k else None
         dv = xp.empty(lead + v.shape[-2:], dtype=q.dtype) if need_v else None
+        dmask = xp.empty_like(probs) if need_mask else None                  # (..., Tq, Tk) dS
 
         def backward_block(start, stop):
             part = _batch_block(lead, start, stop)
@@ -91,7 +117,7 @@ class AttentionFunction(Function):
             # O = Pd V  ->  dV = Pd^T dO
             if need_v:
                 xp.matmul(dropped.swapaxes(-1, -2), do, out=part(dv))
-            if not (need_q or need_k):
+            if not (need_q or need_k or need_mask):
                 return
             # O = Pd V  ->  dPd = dO V^T (plus the gradient reaching the returned weights Pd)
             dprobs = do @ part(v).swapaxes(-1, -2)                            # (..., Tq, Tk)
@@ -103,6 +129,9 @@ class AttentionFunction(Function):
                 dprobs *= ctx.dropout_scale
             # P = softmax(S)  ->  dS = P (dP - rowsum(dP P)); masked entries have P = 0, so dS = 0
             dscores = softmax_backward(p, dprobs, -1, out=dprobs)             # (..., Tq, Tk)
+            # S = s Q K^T + mask  ->  d(mask) = dS
+            if need_mask:
+                part(dmask)[...] = dscores
             # S = s Q K^T  ->  dQ = s dS K
             if need_q:
                 dq_block = xp.matmul(dscores, part(k), out=part(dq))
@@ -115,7 +144,8 @@ class AttentionFunction(Function):
         run_blocks(backward_block, _batch_blocks(lead, (q, k, v), probs.size, probs))
         return (unbroadcast(dq, q.shape) if need_q else None,
                 unbroadcast(dk, k.shape) if need_k else None,
-                unbroadcast(dv, v.shape) if need_v else None)
+                unbroadcast(dv, v.shape) if need_v else None,
+                unbroadcast(dmask, ctx.mask_shape) if need_mask else None)
 
 
 def _batch_blocks(lead, inputs, entries, like):
@@ -138,117 +168,151 @@ def _batch_block(lead, start, stop):
 
 
 class MemoryEfficientAttentionFunction(Function):
-    """Same math as `AttentionFunction` without the (Tq, Tk) matrices: blocks of queries x keys.
-
-    Forward (online softmax per query block): running max m, sum l and output acc over key
-    blocks; saves O and L = m + log(l) (-inf for a fully masked row).
-    Backward per block: P = exp(S - L), D = rowsum(dO O), dV += P^T dO, dP = dO V^T,
-    dS = P (dP - D), dQ += s dS K, dK += s dS^T Q.
-    Dropout: the mask of block (i, j) is drawn from a generator seeded by (seed, i, j), so the
-    backward regenerates exactly the forward's mask instead of storing it.
+    """Same math as `AttentionFunction` without the (Tq, Tk) matrices: saves the output O and
+    one logsumexp L per query row; the backward recomputes P = exp(S - L) block by block.
+    The work is done by the kernel tables `attention_blockwise_forward` and
+    `attention_blockwise_backward` (the blockwise reference, or the flash kernels on a GPU).
+    Dropout: the contract's mask, regenerated from (seed, offset) in backward, never stored.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, blocked, additive, causal, scale, block_size, dropout_p, dropout_seed):
-        xp = backend.get_array_module(q)
-        dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
-        tq, tk = q.shape[-2], k.shape[-2]
-        lead = _lead_shape(q, k, v)
-        out = xp.zeros(lead + (tq, v.shape[-1]), dtype=q.dtype)              # (..., Tq, hdv)
-        lse = xp.full(lead + (tq, 1), -math.inf, dtype=q.dtype)              # (..., Tq, 1) L
-        for qs in range(0, tq, block_size):
-            qe = min(qs + block_size, tq)
-            q_scaled = q[..., qs:qe, :] * scale                              # (..., bq, hd)
-            row_max = xp.full(lead + (qe - qs, 1), -math.inf, dtype=q.dtype)  # m
-            row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)           # l
-            acc = out[..., qs:qe, :]                                         # (..., bq, hdv) view
-            for ks in _key_starts(qs, qe, tk, block_size, causal):
-                ke = min(ks + block_size, tk)
-                p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
-                new_max = xp.maximum(row_max, p.max(axis=-1, keepdims=True))   # running max, may be -inf
-                shift = xp.where(xp.isfinite(new_max), new_max, 0)              # never -inf - (-inf)
-                # rescale what was accumulated against the old max: exp(m_old - m_new)
-                correction = xp.exp(row_max - shift)                         # exp(-inf) = 0 at start
-                p -= shift
-                xp.exp(p, out=p)                                             # (..., bq, bk) exp(S - m)
-                row_sum *= correction
-                row_sum += p.sum(axis=-1, keepdims=True)                     # l sums P before dropout
-                if dropout_p:                                                # Pd = P * keep / (1 - p)
-                    p *= dropout_block_mask(dropout_seed, qs, ks, p.shape, dropout_p, q)
-                    p *= dropout_scale
-                acc *= correction
-                acc += p @ v[..., ks:ke, :]
-                row_max = new_max
-            empty = row_sum == 0                                             # fully masked rows
-            xp.copyto(row_sum, 1.0, where=empty)
-            acc /= row_sum                                                   # O = acc / l (0 if empty)
-            block_lse = row_max + xp.log(row_sum)
-            xp.copyto(block_lse, -math.inf, where=empty)
-            lse[..., qs:qe, :] = block_lse
-        ctx.save_for_backward(q, k, v, out, lse, blocked, additive)
-        ctx.causal, ctx.scale, ctx.block_size = causal, scale, block_size
-        ctx.dropout = (dropout_p, dropout_seed, dropout_scale)
+    def forward(ctx, q, k, v, additive, blocked, causal, scale, block_size, dropout, mask_grad):
+        mask = _at_least_2d(additive)
+        out, lse = attention_blockwise_forward(q, k, v, blocked, mask, causal, scale, block_size, dropout, mask_grad)
+        ctx.save_for_backward(q, k, v, out, lse, blocked, mask)
+        ctx.options = (causal, scale, block_size, dropout)
+        ctx.mask_shape = None if additive is None else additive.shape
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, blocked, additive = ctx.saved_tensors
-        xp = backend.get_array_module(dout)
-        scale, block_size, causal = ctx.scale, ctx.block_size, ctx.causal
-        dropout_p, dropout_seed, dropout_scale = ctx.dropout
-        tq, tk = q.shape[-2], k.shape[-2]
-        lead = out.shape[:-2]
-        # a fully masked row has L = -inf: use +inf so exp(S - L) = 0 there, never -inf - (-inf)
-        lse = xp.where(xp.isfinite(lse), lse, math.inf)
-        # D_i = rowsum(dO_i * O_i) = rowsum(dP_i * P_i) (with dropout too: O_i = sum_j Pd_ij V_j)
-        delta = xp.einsum("...ij,...ij->...i", dout, out)[..., None]        # (..., Tq, 1)
-        dq = xp.zeros(lead + q.shape[-2:], dtype=q.dtype)
-        dk = xp.zeros(lead + k.shape[-2:], dtype=q.dtype)
-        dv = xp.zeros(lead + v.shape[-2:], dtype=q.dtype)
-        for qs in range(0, tq, block_size):
-            qe = min(qs + block_size, tq)
-            q_block = q[..., qs:qe, :]
-            q_scaled = q_block * scale
-            do_block = dout[..., qs:qe, :]
-            for ks in _key_starts(qs, qe, tk, block_size, causal):
-                ke = min(ks + block_size, tk)
-                p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
-                # forward: P = exp(S - L), recomputed block by block
-                p -= lse[..., qs:qe, :]
-                xp.exp(p, out=p)                                             # (..., bq, bk)
-                dropped, keep = p, None
-                if dropout_p:                                                # the forward's mask, regenerated
-                    keep = dropout_block_mask(dropout_seed, qs, ks, p.shape, dropout_p, q)
-                    dropped = p * keep
-                    dropped *= dropout_scale
-                # O = Pd V  ->  dV_j += Pd^T dO
-                dv[..., ks:ke, :] += dropped.swapaxes(-1, -2) @ do_block
-                # O = Pd V  ->  dPd = dO V^T
-                dp = do_block @ v[..., ks:ke, :].swapaxes(-1, -2)           # (..., bq, bk)
-                # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
-                if keep is not None:
-                    dp *= keep
-                    dp *= dropout_scale
-                # P = softmax(S)  ->  dS = P (dP - D)
-                dp -= delta[..., qs:qe, :]
-                dp *= p
-                # S = s Q K^T  ->  dQ_i += s dS K_j,  dK_j += s dS^T Q_i (s applied at the end)
-                dq[..., qs:qe, :] += dp @ k[..., ks:ke, :]
-                dk[..., ks:ke, :] += dp.swapaxes(-1, -2) @ q_block
-        dq *= scale
-        dk *= scale
-        need_q, need_k, need_v = ctx.needs_input_grad
+        q, k, v, out, lse, blocked, mask = ctx.saved_tensors
+        need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
+        dq, dk, dv, dmask = attention_blockwise_backward(q, k, v, out, lse, dout, blocked, mask, *ctx.options,
+                                                         need_mask)
         return (unbroadcast(dq, q.shape) if need_q else None,
                 unbroadcast(dk, k.shape) if need_k else None,
-                unbroadcast(dv, v.shape) if need_v else None)
+                unbroadcast(dv, v.shape) if need_v else None,
+                dmask.reshape(ctx.mask_shape) if need_mask else None)
 
 
-def dropout_block_mask(seed, q_start, k_start, shape, p, like):
-    """Keep-mask (True with probability 1 - p) of the attention block starting at query q_start
-    and key k_start: a pure function of (seed, q_start, k_start), on the device of `like`."""
-    block_seed = hash((seed, q_start, k_start)) & (2**63 - 1)  # ints hash the same in every process
-    device = backend.device_of(like)
-    return dropout_mask(shape, p, device, random.default_rng(block_seed, device))
+@kernel_table
+def attention_blockwise_forward(q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
+    """(O (..., Tq, hdv), L (..., Tq)): attention by blocks of `block_size` queries x keys with
+    an online softmax, and the logsumexp L = m + log(l) of every query row (-inf where every key
+    is hidden). dropout: None or (p, seed, offset, state) of the dropout contract (state: the device
+    (seed, base) of a draw under graph capture, else None). mask_grad: whether
+    the backward will need d(additive) (implementations that cannot give it decline the call).
+
+    Per query block, over key blocks: running max m, sum l and output acc; each new block
+    rescales what was accumulated by exp(m_old - m_new)."""
+    xp = backend.get_array_module(q)
+    tq, tk = q.shape[-2], k.shape[-2]
+    lead = _lead_shape(q, k, v)
+    out = xp.zeros(lead + (tq, v.shape[-1]), dtype=q.dtype)              # (..., Tq, hdv)
+    lse = xp.full(lead + (tq,), -math.inf, dtype=q.dtype)                # (..., Tq) L
+    for qs in range(0, tq, block_size):
+        qe = min(qs + block_size, tq)
+        q_scaled = q[..., qs:qe, :] * scale                              # (..., bq, hd)
+        row_max = xp.full(lead + (qe - qs, 1), -math.inf, dtype=q.dtype)  # m
+        row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)           # l
+        acc = out[..., qs:qe, :]                                         # (..., bq, hdv) view
+        for ks in _key_starts(qs, qe, tk, block_size, causal):
+            ke = min(ks + block_size, tk)
+            p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+            new_max = xp.maximum(row_max, p.max(axis=-1, keepdims=True))   # running max, may be -inf
+            shift = xp.where(xp.isfinite(new_max), new_max, 0)              # never -inf - (-inf)
+            # rescale what was accumulated against the old max: exp(m_old - m_new)
+            correction = xp.exp(row_max - shift)                         # exp(-inf) = 0 at start
+            p -= shift
+            xp.exp(p, out=p)                                             # (..., bq, bk) exp(S - m)
+            row_sum *= correction
+            row_sum += p.sum(axis=-1, keepdims=True)                     # l sums P before dropout
+            if dropout is not None:                                      # Pd = P * keep / (1 - p)
+                p *= attention_keep_block(dropout, lead, tq, tk, qs, qe, ks, ke, q)
+                p *= dropout_scale(dropout[0])
+            acc *= correction
+            acc += p @ v[..., ks:ke, :]
+            row_max = new_max
+        empty = row_sum == 0                                             # fully masked rows
+        xp.copyto(row_sum, 1.0, where=empty)
+        acc /= row_sum                                                   # O = acc / l (0 if empty)
+        block_lse = row_max + xp.log(row_sum)
+        xp.copyto(block_lse, -math.inf, where=empty)
+        lse[..., qs:qe] = block_lse[..., 0]
+    return out, lse
+
+
+@kernel_table
+def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
+                                 need_mask):
+    """(dQ, dK, dV, dMask) of `attention_blockwise_forward`, all with the broadcast leading shape
+    (dMask: the shape of `additive`, None unless need_mask), recomputing P = exp(S - L) block by
+    block. D = rowsum(dO O) = rowsum(dP P) replaces the softmax's row sum over all keys."""
+    xp = backend.get_array_module(dout)
+    tq, tk = q.shape[-2], k.shape[-2]
+    lead = out.shape[:-2]
+    # a fully masked row has L = -inf: use +inf so exp(S - L) = 0 there, never -inf - (-inf)
+    lse = xp.where(xp.isfinite(lse), lse, math.inf)[..., None]         # (..., Tq, 1)
+    # D_i = rowsum(dO_i * O_i) = rowsum(dP_i * P_i) (with dropout too: O_i = sum_j Pd_ij V_j)
+    delta = xp.einsum("...ij,...ij->...i", dout, out)[..., None]        # (..., Tq, 1)
+    dq = xp.zeros(lead + q.shape[-2:], dtype=q.dtype)
+    dk = xp.zeros(lead + k.shape[-2:], dtype=q.dtype)
+    dv = xp.zeros(lead + v.shape[-2:], dtype=q.dtype)
+    dmask = xp.zeros(additive.shape, dtype=q.dtype) if need_mask else None
+    for qs in range(0, tq, block_size):
+        qe = min(qs + block_size, tq)
+        q_block = q[..., qs:qe, :]
+        q_scaled = q_block * scale
+        do_block = dout[..., qs:qe, :]
+        for ks in _key_starts(qs, qe, tk, block_size, causal):
+            ke = min(ks + block_size, tk)
+            p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+            # forward: P = exp(S - L), recomputed block by block
+            p -= lse[..., qs:qe, :]
+            xp.exp(p, out=p)                                             # (..., bq, bk)
+            dropped, keep = p, None
+            if dropout is not None:                                      # the forward's mask, regenerated
+                keep = attention_keep_block(dropout, lead, tq, tk, qs, qe, ks, ke, q)
+                dropped = p * keep
+                dropped *= dropout_scale(dropout[0])
+            # O = Pd V  ->  dV_j += Pd^T dO
+            dv[..., ks:ke, :] += dropped.swapaxes(-1, -2) @ do_block
+            # O = Pd V  ->  dPd = dO V^T
+            dp = do_block @ v[..., ks:ke, :].swapaxes(-1, -2)           # (..., bq, bk)
+            # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
+            if keep is not None:
+                dp *= keep
+                dp *= dropout_scale(dropout[0])
+            # P = softmax(S)  ->  dS = P (dP - D)
+            dp -= delta[..., qs:qe, :]
+            dp *= p
+            # S = s Q K^T + mask  ->  d(mask) += dS, summed over the mask's broadcast axes
+            if need_mask:
+                target = mask_block(dmask, qs, qe, ks, ke)
+                target += unbroadcast(dp, target.shape)
+            # S = s Q K^T  ->  dQ_i += s dS K_j,  dK_j += s dS^T Q_i (s applied at the end)
+            dq[..., qs:qe, :] += dp @ k[..., ks:ke, :]
+            dk[..., ks:ke, :] += dp.swapaxes(-1, -2) @ q_block
+    dq *= scale
+    dk *= scale
+    return dq, dk, dv, dmask
+
+
+def attention_keep_block(dropout, lead, tq, tk, q_start, q_stop, k_start, k_stop, like):
+    """The dropout contract's keep-mask of the attention block (..., q rows, k cols), drawn alone:
+    entry (b, i, j) of the (..., Tq, Tk) probabilities (b the flat index of the leading axes) is
+    kept iff bits16(seed, offset + (b Tq + i) Tk + j) >= threshold. On the device of `like`."""
+    p, seed, offset, state = dropout
+    xp = backend.get_array_module(like)
+    shape = lead + (q_stop - q_start, k_stop - k_start)
+    if p == 1.0:
+        return xp.zeros(shape, dtype=bool)
+    batch = xp.arange(math.prod(lead), dtype="uint64")[:, None] * xp.uint64(tq)          # (B, 1) b Tq
+    rows = batch + xp.arange(q_start, q_stop, dtype="uint64")                             # (B, bq) b Tq + i
+    starts = rows * xp.uint64(tk) + xp.uint64(offset + k_start)                           # first value of each run
+    bits = random.bits16_runs(seed, starts.reshape(-1), k_stop - k_start, state)          # (B bq, bk)
+    return (bits >= dropout_threshold(p)).reshape(shape)
 
 
 def _lead_shape(q, k, v):
@@ -294,9 +358,8 @@ def split_heads(input, num_heads, chunks=1):
     when chunks=1): the heads of each E-wide block of columns, e.g. q, k, v of a packed
     projection. Views in forward; the backward assembles one gradient array."""
     x = check_tensor("input", input, "split_heads")
-    for name, value in (("num_heads", num_heads), ("chunks", chunks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"split_heads: {name} must be a positive int, got {value!r}")
+    num_heads = check_int(num_heads, "num_heads", "split_heads", at_least=1)
+    chunks = check_int(chunks, "chunks", "split_heads", at_least=1)
     if x.ndim != 3 or x.shape[-1] % (chunks * num_heads):
         raise ValueError(f"split_heads: input must be (batch, seq, chunks * num_heads * head_dim) with "
                          f"chunks={chunks}, num_heads={num_heads}, got shape {tuple(x.shape)}")
@@ -305,8 +368,8 @@ def split_heads(input, num_heads, chunks=1):
 
 
 def _prepare_mask(attn_mask, q, score_shape):
-    """(blocked, additive): a bool array True where attention is NOT allowed, or a float array
-    added to the scores, each at least 2-D and broadcastable to `score_shape`."""
+    """(blocked, additive): a bool array True where attention is NOT allowed (at least 2-D), or
+    a float array of q's dtype added to the scores, each broadcastable to `score_shape`."""
     if attn_mask is None:
         return None, None
     mask = on_device_of(attn_mask, q, "attn_mask", "scaled_dot_product_attention")
@@ -316,69 +379,158 @@ def _prepare_mask(attn_mask, q, score_shape):
     if not broadcasts_to(mask.shape, score_shape):
         raise ValueError("scaled_dot_product_attention: attn_mask must broadcast to (..., Tq, Tk) = "
                          f"{score_shape}, got shape {tuple(mask.shape)}")
-    mask = mask.reshape((1,) * max(0, 2 - mask.ndim) + tuple(mask.shape))
     if mask.dtype.kind == "b":
-        return ~mask, None
+        return _at_least_2d(~mask), None
     return None, mask.astype(q.dtype, copy=False)
+
+
+class _Call:
+    """The checked arguments of one attention call."""
+
+    def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, op):
+        self.q = q = check_tensor("query", query, op)
+        k = check_tensor("key", key, op)
+        v = check_tensor("value", value, op)
+        if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+            raise ValueError(f"{op}: query, key and value must be at least 2-D (..., T, head_dim), got shapes "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+            raise ValueError(f"{op}: expected query (..., Tq, hd), key (..., Tk, hd), value (..., Tk, hdv); got "
+                             f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        try:
+            self.lead = _lead_shape(q, k, v)
+        except ValueError:
+            raise ValueError(f"{op}: the leading (batch, head) dimensions of query, key and value must "
+                             f"broadcast, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}") from None
+        self.k, self.v = k, v
+        self.score_shape = self.lead + (q.shape[-2], k.shape[-2])
+        self.dropout_p = check_real(dropout_p, "dropout_p", op, at_least=0, at_most=1)
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real(scale, "scale", op)
+        self.causal = bool(is_causal)
+        self.blocked, self.additive = _prepare_mask(attn_mask, q, self.score_shape)
+        # a float mask that requires grad enters the Function as a Tensor input: its gradient is dS
+        self.mask_grad = (self.additive is not None and isinstance(attn_mask, Tensor) and attn_mask.requires_grad
+                          and is_grad_enabled())
+        if self.mask_grad:
+            if attn_mask.dtype != q.dtype:
+                raise TypeError(f"{op}: a float attn_mask that requires grad must have the dtype of the query "
+                                f"({q.dtype}), got {attn_mask.dtype}")
+            self.additive = attn_mask
+
+
+def flash_unsupported(q, k, v, additive=None, mask_grad: bool = False) -> Optional[str]:
+    """Why the flash kernels cannot run attention on these arrays (a sentence), or None when they can."""
+    dtypes = {str(a.dtype) for a in (q, k, v, additive) if a is not None}
+    if len(dtypes) > 1 or not dtypes <= set(FLASH_DTYPES):
+        return f"dtype {sorted(dtypes)}: the kernels are compiled for one of {FLASH_DTYPES}"
+    if q.shape[-1] not in FLASH_HEAD_DIMS or v.shape[-1] != q.shape[-1]:
+        return (f"head dims {q.shape[-1]} (query, key) and {v.shape[-1]} (value): the kernels are compiled "
+                f"for equal head dims in {FLASH_HEAD_DIMS}")
+    if not 0 < q.shape[-2] < 2**31 or not 0 < k.shape[-2] < 2**31:
+        return f"sequence lengths {q.shape[-2]} (query) and {k.shape[-2]} (key) must be in [1, 2^31)"
+    heads = math.prod(_lead_shape(q, k, v))
+    if heads * -(-max(q.shape[-2], k.shape[-2]) // 32) >= 2**31:
+        return f"{heads} (batch, head) pairs of these lengths need more than 2^31 - 1 thread blocks"
+    if mask_grad:
+        return "the float attn_mask requires a gradient, which the kernels do not write"
+    if backend.device_of(q) != "cuda":
+        return f"the flash kernels run on CUDA arrays, these are on '{backend.device_of(q)}'"
+    return None
+
+
+def _choose_path(call, return_weights, backend_name, memory_efficient, op):
+    """(path, reason): the path that runs ("naive", "memory_efficient" or "flash") and why."""
+    if backend_name is not None and backend_name not in BACKENDS:
+        raise ValueError(f"{op}: backend must be None or one of {BACKENDS}, got {backend_name!r}")
+    if memory_efficient and backend_name == "naive":
+        raise ValueError(f"{op}: memory_efficient=True contradicts backend='naive'")
+    asked = backend_name or ("memory_efficient" if memory_efficient else None)
+    if return_weights:
+        if asked in ("memory_efficient", "flash"):
+            raise ValueError(f"{op}: return_weights=True needs the full attention matrix; it cannot be combined "
+                             f"with backend={asked!r} / memory_efficient=True")
+        return "naive", "return_weights=True needs the (Tq, Tk) weights"
+    if asked == "naive":
+        return "naive", "backend='naive' was asked for"
+    args = (call.q, call.k, call.v, None, _data(call.additive), call.causal, call.scale, 1, None, call.mask_grad)
+    reason = None
+    if attention_blockwise_forward.select(*args) is attention_blockwise_forward.reference:
+        flash, supports = attention_blockwise_forward.implementations.get(_device(call.q), (None, None))
+        if flash is not None and (supports is None or supports(*args)):
+            reason = "autograd.kernels.reference_only() is active"
+        else:
+            reason = flash_unsupported(call.q, call.k, call.v, _data(call.additive), call.mask_grad)
+    if asked == "flash":
+        if reason:
+            raise ValueError(f"{op}: backend='flash' cannot run this call: {reason}")
+        return "flash", "backend='flash' was asked for"
+    if asked == "memory_efficient":
+        if reason:
+            return "memory_efficient", f"backend='memory_efficient' was asked for; no flash kernel: {reason}"
+        return "flash", "the memory-efficient path runs the flash kernels on this device"
+    if reason:
+        return "naive", f"the default where flash attention does not apply: {reason}"
+    return "flash", "the default where flash attention applies"
+
+
+def _device(array):
+    return backend.device_of(array)
+
+
+def _data(x):
+    return x.data if isinstance(x, Tensor) else x
+
+
+def attention_backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                      scale: Optional[float] = None, *, return_weights: bool = False, backend: Optional[str] = None,
+                      memory_efficient: bool = False) -> Tuple[str, str]:
+    """(path, reason): which path `scaled_dot_product_attention` takes for these arguments
+    ("naive", "memory_efficient" or "flash") and why, e.g. why the flash kernels do not apply
+    (the device, the dtype, a head dim they are not compiled for, a mask that needs a gradient).
+    Raises what scaled_dot_product_attention would raise for them."""
+    op = "attention_backend"
+    call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, op)
+    return _choose_path(call, return_weights, backend, memory_efficient, op)
 
 
 @has_twin
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, *, return_weights=False, memory_efficient=False,
+                                 scale=None, *, return_weights=False, backend=None, memory_efficient=False,
                                  block_size=512, generator=None):
     """softmax(query key^T * scale + mask) value, like torch.nn.functional.scaled_dot_product_attention.
 
     query (..., Tq, hd), key (..., Tk, hd), value (..., Tk, hdv) -> (..., Tq, hdv); usually (B, H, T, hd).
     attn_mask: bool (True = takes part) or float (added to the scores), broadcastable to
     (..., Tq, Tk); is_causal hides keys j > i (combined with attn_mask when both are given).
+    A float mask Tensor with requires_grad=True gets its gradient (dS, as torch gives it).
     scale defaults to 1/sqrt(hd). A query row with every key hidden gives 0 and zero gradients.
-    dropout_p: dropout on the attention probabilities (drawn from `generator` or the global one).
+    dropout_p: dropout on the attention probabilities, drawn from `generator` (an
+    autograd.random.Philox; None: the global dropout stream): entry i of the flat (..., Tq, Tk)
+    index is kept iff value offset + i of the stream passes the keep test, on every path and device.
     return_weights=True returns (out, weights) where weights are the (dropped-out) probabilities.
-    memory_efficient=True runs blocks of `block_size` queries x keys with an online softmax
-    and never stores (Tq, Tk) matrices; no return_weights there. Its dropout masks come from one
-    seed drawn per call from `generator` (regenerated per block in backward), so they differ
-    from the naive path's masks for the same generator state.
+
+    backend: which path runs (`attention_backend(...)` says which and why):
+      None: "flash" on a GPU where its kernels apply, else "naive";
+      "naive": keeps the (Tq, Tk) probabilities (the only one with return_weights);
+      "memory_efficient" (or memory_efficient=True): blocks of `block_size` queries x keys with
+        an online softmax, never a (Tq, Tk) matrix; on a GPU it runs the flash kernels where they
+        apply (inside autograd.kernels.reference_only(), the blockwise numpy/CuPy reference);
+      "flash": the CUDA flash-attention kernels (head dims 32/64/128, float32/float64), else ValueError.
     """
     op = "scaled_dot_product_attention"
-    q = check_tensor("query", query, op)
-    k = check_tensor("key", key, op)
-    v = check_tensor("value", value, op)
-    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
-        raise ValueError(f"{op}: query, key and value must be at least 2-D (..., T, head_dim), got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"{op}: expected query (..., Tq, hd), key (..., Tk, hd), value (..., Tk, hdv); got "
-                         f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    try:
-        lead = _lead_shape(q, k, v)
-    except ValueError:
-        raise ValueError(f"{op}: the leading (batch, head) dimensions of query, key and value must "
-                         f"broadcast, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}") from None
-    dropout_p = check_dropout_p(dropout_p, op)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    blocked, additive = _prepare_mask(attn_mask, q, lead + (q.shape[-2], k.shape[-2]))
-    causal = bool(is_causal)
-    if memory_efficient:
-        if return_weights:
-            raise ValueError(f"{op}: return_weights=True needs the full attention matrix; "
-                             "it cannot be combined with memory_efficient=True")
-        if not (isinstance(block_size, int) and block_size > 0):
-            raise ValueError(f"{op}: block_size must be a positive int, got {block_size!r}")
-        seed = None
-        if dropout_p > 0:
-            rng = generator if generator is not None else random.global_rng(backend.device_of(q))
-            seed = int(rng.integers(0, 2**62))
-        return MemoryEfficientAttentionFunction.apply(query, key, value, blocked=blocked, additive=additive,
-                                              causal=causal, scale=scale, block_size=block_size,
-                                              dropout_p=dropout_p, dropout_seed=seed)
-    keep, dropout_scale = None, 1.0
-    if dropout_p > 0:
-        device = backend.device_of(q)
-        if dropout_p == 1.0:
-            keep, dropout_scale = backend.module_for(device).zeros(lead + (q.shape[-2], k.shape[-2]), dtype=bool), 0.0
-        else:
-            keep = dropout_mask(lead + (q.shape[-2], k.shape[-2]), dropout_p, device, generator)
-            dropout_scale = 1.0 / (1.0 - dropout_p)
-    return AttentionFunction.apply(query, key, value, blocked=blocked, additive=additive, causal=causal,
-                           scale=scale, keep=keep, dropout_scale=dropout_scale,
-                           return_weights=bool(return_weights))
+    call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, op)
+    path, _ = _choose_path(call, return_weights, backend, memory_efficient, op)
+    p = call.dropout_p
+    if path == "naive":
+        keep = dropout_mask(call.score_shape, p, _device(call.q), generator, op) if p > 0 else None
+        return AttentionFunction.apply(query, key, value, call.additive, blocked=call.blocked, causal=call.causal,
+                                       scale=call.scale, keep=keep, dropout_scale=dropout_scale(p),
+                                       return_weights=bool(return_weights))
+    block_size = check_int(block_size, "block_size", op, at_least=1)
+    dropout = None
+    if p > 0:
+        draw = dropout_stream(generator, op).draw(math.prod(call.score_shape), _device(call.q))
+        dropout = (p, draw.seed, draw.offset, draw.state)
+    return MemoryEfficientAttentionFunction.apply(query, key, value, call.additive, blocked=call.blocked,
+                                                  causal=call.causal, scale=call.scale, block_size=block_size,
+                                                  dropout=dropout, mask_grad=call.mask_grad)

@@ -6,20 +6,25 @@ import contextlib
 import math
 
 from autograd import Tensor, concatenate, where
+from autograd.checks import check_real, check_shape
 
 from . import _erf as formulas
-from .activation import TANH_C, TANH_K, check_dropout_p, dropout_mask
+from .activation import TANH_C, TANH_K, dropout_mask, dropout_scale
 from .attention import _lead_shape, _prepare_mask, causal_blocked
 from ._common import _twins, on_device_of
+from .residual import check_dropout_add
 
 
 def _tensor(x):
     return x if isinstance(x, Tensor) else Tensor(x)
 
 
-def linear(input, weight, bias=None):
+def linear(input, weight, bias=None, activation=None):
     y = _tensor(input) @ _tensor(weight).T
-    return y + bias if bias is not None else y
+    y = y + bias if bias is not None else y
+    if activation == "relu":
+        return relu(y)
+    return gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none") if activation else y
 
 
 def relu(input):
@@ -51,13 +56,16 @@ def gelu(input, approximate="none"):
 
 def dropout(input, p=0.5, training=True, generator=None):
     x = _tensor(input)
-    p = check_dropout_p(p, "dropout")
+    p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:
         return input
-    if p == 1.0:
-        return x * 0.0
-    keep = dropout_mask(x.shape, p, x.device, generator)
-    return x * Tensor(keep.astype(x.dtype) * (1.0 / (1.0 - p)))
+    keep = dropout_mask(x.shape, p, x.device, generator)     # the same values of the same stream as F.dropout
+    return x * Tensor(keep.astype(x.dtype) * dropout_scale(p))
+
+
+def dropout_add(input, residual, p=0.5, training=True, generator=None):
+    check_dropout_add(input, residual, p, "dropout_add")
+    return _tensor(residual) + dropout(input, p, training, generator)   # the same stream's values as F's
 
 
 def _stable_shift(x, dim):
@@ -81,7 +89,7 @@ def log_softmax(input, dim=-1):
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     x = _tensor(input)
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    shape = check_shape(normalized_shape, "normalized_shape", "layer_norm")
     axes = tuple(range(x.ndim - len(shape), x.ndim))
     centered = x - x.mean(axis=axes, keepdims=True)
     y = centered / ((centered * centered).mean(axis=axes, keepdims=True) + eps).sqrt()
@@ -110,7 +118,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     valid = flat != ignore_index
     safe = x.xp.where(valid, flat, 0)
     logp = log_softmax(x, dim=1)
-    w = _tensor(weight) if weight is not None else None
+    w = weight
+    if weight is not None and not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
+        w = Tensor(on_device_of(weight, x.data, "weight", "cross_entropy").astype(x.dtype, copy=False))
     picked = logp[x.xp.arange(x.shape[0]), safe]
     w_target = w[safe] if w is not None else None
     nll = -(picked * w_target if w is not None else picked)
@@ -125,7 +135,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, *, return_weights=False, memory_efficient=False,
+                                 scale=None, *, return_weights=False, backend=None, memory_efficient=False,
                                  block_size=512, generator=None):
     q, k, v = _tensor(query), _tensor(key), _tensor(value)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -133,20 +143,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     score_shape = lead + (q.shape[-2], k.shape[-2])
     scores = (q @ k.swapaxes(-1, -2)) * scale
     blocked, additive = _prepare_mask(attn_mask, q.data, score_shape)
-    if additive is not None:
-        scores = scores + Tensor(additive)
+    if additive is not None:  # a mask Tensor that requires grad gets it from the tape
+        mask_grad = isinstance(attn_mask, Tensor) and attn_mask.requires_grad
+        scores = scores + (attn_mask if mask_grad else Tensor(additive))
     if is_causal:
         causal = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2])
         blocked = causal if blocked is None else blocked | causal
     if blocked is not None:
         scores = where(blocked, -math.inf, scores)
     probs = softmax(scores, dim=-1)
-    dropout_p = check_dropout_p(dropout_p, "scaled_dot_product_attention")
-    if dropout_p == 1.0:
-        probs = probs * 0.0
-    elif dropout_p > 0:
-        keep = dropout_mask(score_shape, dropout_p, q.device, generator)
-        probs = probs * Tensor(keep.astype(q.dtype) * (1.0 / (1.0 - dropout_p)))
+    dropout_p = check_real(dropout_p, "dropout_p", "scaled_dot_product_attention", at_least=0, at_most=1)
+    if dropout_p > 0:  # the mask of the dropout contract over (..., Tq, Tk), as on every path
+        keep = dropout_mask(score_shape, dropout_p, q.device, generator, "scaled_dot_product_attention")
+        probs = probs * Tensor(keep.astype(q.dtype) * dropout_scale(dropout_p))
     out = probs @ v
     return (out, probs) if return_weights else out
 

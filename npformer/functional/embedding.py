@@ -1,21 +1,27 @@
-"""Embedding lookup with a sort-based scatter-add backward."""
+"""Embedding lookup; its backward is a scatter-add of rows (a kernel table)."""
 from autograd import Function, backend
+from autograd.checks import check_int
+from autograd.kernels import kernel_table
 
-from ._common import check_tensor, has_twin, on_device_of
+from ._common import check_index_range, check_tensor, has_twin, on_device_of
 
 
+@kernel_table
 def scatter_add_rows(ids, rows, num_rows):
-    """out (num_rows, D) with out[i] = sum of rows[n] over every n where ids[n] == i.
+    """out (num_rows, D) with out[i] = sum of rows[n] over every n where ids[n] == i; ids (N,), rows (N, D)."""
+    xp = backend.get_array_module(rows)
+    out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
+    xp.add.at(out, ids, rows)
+    return out
 
-    numpy: sort the ids once, sum each run of equal ids with add.reduceat, write each sum
-    once (no np.add.at, which is >10x slower). cupy: cupy.add.at (atomic adds on the GPU).
-    """
+
+@scatter_add_rows.register("cpu")
+def scatter_add_rows_cpu(ids, rows, num_rows):
+    """Sort the ids once, sum each run of equal ids with add.reduceat, write each sum once
+    (numpy's add.at is >10x slower)."""
     xp = backend.get_array_module(rows)
     out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
     if ids.size == 0:
-        return out
-    if backend.device_of(rows) != "cpu":  # cuda, and "test" standing in for it
-        xp.add.at(out, ids, rows)
         return out
     order = xp.argsort(ids, kind="stable")                # (N,)
     sorted_ids = ids[order]                               # (N,)
@@ -46,25 +52,27 @@ class EmbeddingFunction(Function):
         return dweight
 
 
+def check_token_ids(ids, num, op, name="input"):
+    """Integer token ids in [0, num): host ids now, device ids on the device (read with the next
+    result; autograd.deferred)."""
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{op}: {name} must hold integer token ids, got dtype {ids.dtype}")
+    check_index_range(ids, num, lambda lo, hi: IndexError(
+        f"{op}: token ids must be in [0, {num - 1}] (num_embeddings={num}), got min {lo} and max {hi}"))
+
+
 @has_twin
 def embedding(input, weight, padding_idx=None):
     """weight[input] like torch.nn.functional.embedding: input integer ids of any shape,
     weight (num_embeddings, embedding_dim) -> (*input.shape, embedding_dim). The
-    `padding_idx` row (negative counts from the end) gets exactly zero gradient."""
+    `padding_idx` row (negative counts from the end) gets exactly zero gradient. Ids that arrive as
+    host arrays are checked at once; ids already on a GPU are checked there, and a bad one raises
+    when the result is first read (autograd.deferred)."""
     w = check_tensor("weight", weight, "embedding")
     if w.ndim != 2:
         raise ValueError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(w.shape)}")
     num = w.shape[0]
-    ids = on_device_of(input, w, "input", "embedding")
-    if ids.dtype.kind not in "iu":
-        raise TypeError(f"embedding: input must hold integer token ids, got dtype {ids.dtype}")
-    if ids.size:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= num:
-            raise IndexError(f"embedding: token ids must be in [0, {num - 1}] (num_embeddings={num}), "
-                             f"got min {lo} and max {hi}")
+    ids = on_device_of(input, w, "input", "embedding", check=lambda ids: check_token_ids(ids, num, "embedding"))
     if padding_idx is not None:
-        if not -num <= padding_idx < num:
-            raise ValueError(f"embedding: padding_idx must be in [{-num}, {num - 1}], got {padding_idx}")
-        padding_idx %= num
+        padding_idx = check_int(padding_idx, "padding_idx", "embedding", at_least=-num, at_most=num - 1) % num
     return EmbeddingFunction.apply(weight, ids=ids, padding_idx=padding_idx)

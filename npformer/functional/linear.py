@@ -1,33 +1,38 @@
-"""Affine map y = x W^T + b as one 2-D GEMM."""
+"""Affine map y = x W^T + b as one 2-D GEMM, optionally followed by an activation (a fused epilogue)."""
 from autograd import Function, backend
 from autograd.threads import for_rows
 
 from ._common import check_tensor, has_twin
+from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward
 
 
 class LinearFunction(Function):
-    """x (..., in), weight (out, in), bias (out,) or None -> y (..., out).
+    """x (..., in), weight (out, in), bias (out,) or None -> y (..., out) = act(x W^T + b).
 
-    dx = dy W,  dW = dy^T x,  db = sum of dy over all rows (with x, dy flattened to 2-D).
-    With set_num_threads(n > 1) the GEMMs are split across the threads of `autograd.threads`:
-    y and dx by rows, dW and db by output features.
+    h = x W^T + b,  y = act(h):  dh = dy act'(h),  dx = dh W,  dW = dh^T x,  db = sum of dh over all
+    rows (with x, dy flattened to 2-D). With an activation, bias and activation run as one kernel
+    after the GEMM (bias_activation_forward). With set_num_threads(n > 1) the GEMMs are split
+    across the threads of `autograd.threads`: y and dx by rows, dW and db by output features.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, activation):
         xp = backend.get_array_module(x)
         x2d = x.reshape(-1, x.shape[-1])                  # (N, in), a view when x is contiguous
         y2d = xp.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
+        add_bias = bias is not None and activation is None
 
         def rows(start, stop):
             # y = x W^T + b
             xp.matmul(x2d[start:stop], weight.T, out=y2d[start:stop])
-            if bias is not None:
+            if add_bias:
                 y2d[start:stop] += bias
 
         for_rows(rows, x2d.shape[0], y2d.size, x)
+        if activation is not None:  # y = act(x W^T + b): the bias and the activation in one pass
+            y2d, ctx.activation_saved = bias_activation_forward(y2d, bias, activation)
         ctx.save_for_backward(x2d, weight)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.activation = x.shape, activation
         return y2d.reshape(x.shape[:-1] + (weight.shape[0],))
 
     @staticmethod
@@ -35,6 +40,9 @@ class LinearFunction(Function):
         x2d, weight = ctx.saved_tensors
         xp = backend.get_array_module(dy)
         dy2d = dy.reshape(-1, weight.shape[0])            # (N, out)
+        if ctx.activation is not None:
+            # y = act(h)  ->  dh = dy act'(h); below, dy stands for dh
+            dy2d = bias_activation_backward(dy2d, ctx.activation_saved, ctx.activation)
         need_x, need_w, need_b = ctx.needs_input_grad
         dx2d = xp.empty_like(x2d) if need_x else None                    # (N, in)
         dweight = xp.empty_like(weight) if need_w else None              # (out, in)
@@ -60,10 +68,12 @@ class LinearFunction(Function):
 
 
 @has_twin
-def linear(input, weight, bias=None):
+def linear(input, weight, bias=None, activation=None):
     """y = input @ weight^T + bias, like torch.nn.functional.linear.
 
     input (..., in_features), weight (out_features, in_features), bias (out_features,) or None.
+    activation: None, or "relu", "gelu" (exact) or "gelu_tanh" applied to the result in the same
+    op (the bias and the activation fused: one pass instead of two, and one kernel on a GPU).
     """
     x = check_tensor("input", input, "linear")
     w = check_tensor("weight", weight, "linear")
@@ -76,4 +86,6 @@ def linear(input, weight, bias=None):
         b = check_tensor("bias", bias, "linear")
         if tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"linear: bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
-    return LinearFunction.apply(input, weight, bias)
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"linear: activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    return LinearFunction.apply(input, weight, bias, activation=activation)

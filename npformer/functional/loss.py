@@ -1,9 +1,113 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
-from autograd import Function, Tensor, backend
+from autograd import Function, Tensor, backend, deferred, is_grad_enabled
+from autograd.checks import check_int, check_real
+from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
-from ._common import check_tensor, data_of, has_twin, on_device_of
+from ._common import check_index_range, check_tensor, data_of, has_twin, on_device_of
 from .softmax import stable_row_max
+
+
+@kernel_table
+def cross_entropy_forward(logits, target, valid, weight, label_smoothing):
+    """logits (M, C), target (M,) class ids (any id where valid is False), valid (M,) bool, weight
+    (C,) or None -> (loss (M,), probs (M, C)): loss_i = -sum_c a_ic logp_ic, 0 where not valid, with
+    a = ((1 - e) onehot(target) + e / C) * weight; probs = softmax(logits), saved for backward."""
+    xp = backend.get_array_module(logits)
+    m, c = logits.shape
+    e = label_smoothing
+    z = logits - stable_row_max(logits, 1)                      # (M, C) shifted, max 0
+    z_target = z[xp.arange(m), target]                          # (M,)
+    # logp = z - log(total): the smoothing term sum_c w_c logp_c = z @ w - log(total) sum(w)
+    z_smooth = (z @ weight if weight is not None else z.sum(axis=1)) if e else None
+    probs = xp.exp(z)
+    total = probs.sum(axis=1, keepdims=True)                    # (M, 1)
+    xp.copyto(total, 1.0, where=total == 0)                     # fully -inf row: log 1 = 0, logp -inf
+    probs /= total                                              # softmax
+    log_total = xp.log(total[:, 0])                             # (M,)
+    # loss_i = -(1 - e) w_t logp_it - (e / C) sum_c w_c logp_ic
+    loss = (z_target - log_total) * (-(1.0 - e))
+    if weight is not None:
+        loss *= weight[target]
+    if e:
+        loss -= (e / c) * (z_smooth - log_total * (weight.sum() if weight is not None else c))
+    return xp.where(valid, loss, 0), probs                      # ignored rows add nothing
+
+
+@cross_entropy_forward.register("cpu")
+def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
+    """The reference's steps on blocks of rows on the threads of `autograd.threads`, the softmax
+    computed in the memory of probs."""
+    xp = backend.get_array_module(logits)
+    m, c = logits.shape
+    e = label_smoothing
+    probs = xp.empty((m, c), dtype=logits.dtype)                # (M, C)
+    loss = xp.empty(m, dtype=logits.dtype)                      # (M,)
+    w_sum = weight.sum() if weight is not None else c
+
+    def rows(start, stop):
+        x, t = logits[start:stop], target[start:stop]
+        z = xp.subtract(x, stable_row_max(x, 1), out=probs[start:stop])   # (n, C) shifted, max 0
+        z_target = z[xp.arange(stop - start), t]               # (n,)
+        z_smooth = (z @ weight if weight is not None else z.sum(axis=1)) if e else None
+        xp.exp(z, out=z)
+        total = z.sum(axis=1, keepdims=True)                   # (n, 1)
+        xp.copyto(total, 1.0, where=total == 0)
+        z /= total                                             # softmax
+        log_total = xp.log(total[:, 0])                        # (n,)
+        row_loss = z_target - log_total
+        if weight is not None:
+            row_loss *= weight[t]
+        row_loss *= -(1.0 - e)
+        if e:
+            z_smooth -= log_total * w_sum
+            row_loss -= (e / c) * z_smooth
+        loss[start:stop] = row_loss
+
+    for_rows(rows, m, logits.size, logits)
+    return xp.where(valid, loss, 0), probs
+
+
+@kernel_table
+def cross_entropy_backward(probs, target, weight, label_smoothing, dloss):
+    """probs (M, C) softmax, target (M,), weight (C,) or None, dloss (M,) the upstream gradient of each
+    row's loss (0 on ignored rows) -> dlogits (M, C) = (probs * sum_c a_ic - a_i) * dloss_i."""
+    m, c = probs.shape
+    e = label_smoothing
+    xp = backend.get_array_module(probs)
+    w_target = weight[target][:, None] if weight is not None else 1.0               # (M, 1)
+    # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
+    a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
+    a = xp.zeros_like(probs)                                                        # (M, C)
+    a[xp.arange(m), target] = ((1.0 - e) * w_target * xp.ones((m, 1), dtype=probs.dtype))[:, 0]
+    a += (e / c) * (weight if weight is not None else 1.0)
+    # loss_i = -sum_c a_ic logp_ic, logp = log_softmax(logits)  ->  dlogits = (softmax * sum(a) - a) dloss
+    return (probs * a_sum - a) * dloss[:, None]
+
+
+@cross_entropy_backward.register("cpu")
+def cross_entropy_backward_cpu(probs, target, weight, label_smoothing, dloss):
+    """The reference's steps on blocks of rows on the threads of `autograd.threads`, the one-hot
+    part of a subtracted at the target entries only."""
+    xp = backend.get_array_module(probs)
+    m, c = probs.shape
+    e = label_smoothing
+    dloss = dloss[:, None]                                     # (M, 1)
+    w_target = weight[target][:, None] if weight is not None else 1.0
+    a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
+    softmax_coef = a_sum * dloss                               # (M, 1)
+    target_coef = ((1.0 - e) * w_target * dloss)[:, 0]         # (M,)  the one-hot part of a, times dloss
+    dlogits = xp.empty_like(probs)                             # (M, C)
+
+    def rows(start, stop):
+        d = xp.multiply(probs[start:stop], softmax_coef[start:stop], out=dlogits[start:stop])
+        if e:                                                  # the e / C part of a
+            smooth = (e / c) * dloss[start:stop]               # (n, 1)
+            d -= smooth * weight if weight is not None else smooth
+        d[xp.arange(stop - start), target[start:stop]] -= target_coef[start:stop]
+
+    for_rows(rows, m, probs.size, probs)
+    return dlogits
 
 
 class CrossEntropyFunction(Function):
@@ -13,76 +117,41 @@ class CrossEntropyFunction(Function):
     loss_i = -sum_c a_ic logp_ic on valid rows (target != ignore_index), 0 elsewhere;
     "mean" divides by sum of w[target] over valid rows (n_valid without weights).
     dlogits_i = (softmax_i * sum_c a_ic - a_i) * valid_i * dloss_i (/ the mean's divisor).
-    Rows run in blocks on the threads of `autograd.threads`; the softmax is saved for backward.
+    The kernel table cross_entropy_forward / cross_entropy_backward runs it (CPU: row blocks on
+    threads; cuda: hand-written kernels); the softmax is saved for backward.
     """
 
     @staticmethod
-    def forward(ctx, logits, weight, target, valid, reduction, label_smoothing):
-        xp = backend.get_array_module(logits)
-        m, c = logits.shape
-        e = label_smoothing
-        safe_target = xp.where(valid, target, 0)                   # (M,) ignored rows point at class 0
-        probs = xp.empty((m, c), dtype=logits.dtype)               # (M, C) softmax, saved for backward
-        loss = xp.empty(m, dtype=logits.dtype)                     # (M,)
-        w_sum = weight.sum() if weight is not None else c
-
-        def rows(start, stop):
-            x, t = logits[start:stop], safe_target[start:stop]
-            z = xp.subtract(x, stable_row_max(x, 1), out=probs[start:stop])   # (n, C) shifted, max 0
-            z_target = z[xp.arange(stop - start), t]               # (n,)
-            # logp = z - log(total): the smoothing term sum_c w_c logp_c = z @ w - log(total) sum(w)
-            z_smooth = (z @ weight if weight is not None else z.sum(axis=1)) if e else None
-            xp.exp(z, out=z)
-            total = z.sum(axis=1, keepdims=True)                   # (n, 1)
-            xp.copyto(total, 1.0, where=total == 0)                # fully -inf row: log 1 = 0, logp -inf
-            z /= total                                             # softmax
-            log_total = xp.log(total[:, 0])                        # (n,)
-            # loss_i = -(1 - e) w_t logp_it - (e / C) sum_c w_c logp_ic
-            row_loss = z_target - log_total
-            if weight is not None:
-                row_loss *= weight[t]
-            row_loss *= -(1.0 - e)
-            if e:
-                z_smooth -= log_total * w_sum
-                row_loss -= (e / c) * z_smooth
-            loss[start:stop] = row_loss
-
-        for_rows(rows, m, logits.size, logits)
-        loss = xp.where(valid, loss, 0)                            # ignored rows add nothing
-        divisor = None                                             # "mean": sum of w[target] (or n_valid)
-        if reduction == "mean":
-            divisor = (weight[safe_target] * valid).sum() if weight is not None else valid.sum().astype(logits.dtype)
+    def forward(ctx, logits, weight, safe_target, valid, divisor, reduction, label_smoothing):
+        # safe_target: ignored rows point at class 0; divisor: "mean"'s sum of w[target] (or n_valid)
+        loss, probs = cross_entropy_forward(logits, safe_target, valid, weight, label_smoothing)
         out = loss if reduction == "none" else loss.sum() if divisor is None else loss.sum() / divisor
         ctx.save_for_backward(probs, weight, safe_target, valid, divisor)
-        ctx.reduction, ctx.label_smoothing = reduction, e
+        ctx.label_smoothing = label_smoothing
         return out
 
     @staticmethod
     def backward(ctx, dout):
         probs, weight, target, valid, divisor = ctx.saved_tensors
         xp = backend.get_array_module(probs)
-        m, c = probs.shape
-        e = ctx.label_smoothing
         # out = loss, sum(loss) or sum(loss) / divisor  ->  dloss_i = dout (/ divisor), 0 on ignored rows
         dloss = dout / divisor if divisor is not None else dout
-        dloss = xp.where(valid, dloss, 0).astype(probs.dtype, copy=False)[:, None]   # (M, 1)
-        w_target = weight[target][:, None] if weight is not None else 1.0
-        # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
-        a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
-        # loss_i = -sum_c a_ic logp_ic, logp = log_softmax(logits)  ->  dlogits = (softmax * sum(a) - a) dloss
-        softmax_coef = a_sum * dloss                               # (M, 1)
-        target_coef = ((1.0 - e) * w_target * dloss)[:, 0]         # (M,)  the one-hot part of a, times dloss
-        dlogits = xp.empty_like(probs)                             # (M, C)
+        dloss = xp.where(valid, dloss, 0).astype(probs.dtype, copy=False)   # (M,)
+        return cross_entropy_backward(probs, target, weight, ctx.label_smoothing, dloss), None
 
-        def rows(start, stop):
-            d = xp.multiply(probs[start:stop], softmax_coef[start:stop], out=dlogits[start:stop])
-            if e:                                                  # the e / C part of a
-                smooth = (e / c) * dloss[start:stop]               # (n, 1)
-                d -= smooth * weight if weight is not None else smooth
-            d[xp.arange(stop - start), target[start:stop]] -= target_coef[start:stop]
 
-        for_rows(rows, m, probs.size, probs)
-        return dlogits, None
+def _every_target_ignored(ignore_index):
+    """The verdict on the number of valid targets of a "mean" cross-entropy."""
+    return lambda n_valid: None if n_valid else ValueError(
+        f"cross_entropy: every target equals ignore_index={ignore_index}, so the mean over valid targets is "
+        "undefined (torch returns NaN); use reduction='sum' or check the targets")
+
+
+def _zero_weighted_mean(divisor):
+    """The verdict on the divisor of a weighted "mean" cross-entropy (after the valid-target check)."""
+    return None if divisor else ValueError(
+        "cross_entropy: the class weights of every valid target are 0, so the weighted mean is undefined "
+        "(torch returns NaN); use reduction='sum' or check weight")
 
 
 @has_twin
@@ -92,19 +161,30 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     input: logits (N, C), (N, C, d1, ...) or (C,); target: integer ids (N,), (N, d1, ...) or ();
     weight: class weights (C,) or None. Targets equal to `ignore_index` add nothing. Raises
     ValueError when reduction="mean" and every target is ignored (torch returns NaN there).
+    Targets that arrive as host arrays are checked at once; targets already on a GPU are checked
+    there, and a bad one raises when the result is first read (autograd.deferred).
+    The class weights are constants: a weight Tensor that requires grad is refused, as in torch.
     """
     logits = check_tensor("input", input, "cross_entropy")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"cross_entropy: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    tgt = on_device_of(target, logits, "target", "cross_entropy")
-    if tgt.dtype.kind not in "iu":
-        raise TypeError(f"cross_entropy: target must hold integer class indices, got dtype {tgt.dtype}")
+    label_smoothing = check_real(label_smoothing, "label_smoothing", "cross_entropy", at_least=0, at_most=1)
+    ignore_index = check_int(ignore_index, "ignore_index", "cross_entropy")
     if logits.ndim == 0:
         raise ValueError("cross_entropy: input must have a class dimension, got a 0-d input")
     class_dim = 0 if logits.ndim == 1 else 1
     c = logits.shape[class_dim]
+
+    def check_classes(ids):  # where the targets are: on the host before their copy, else on the device
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"cross_entropy: target must hold integer class indices, got dtype {ids.dtype}")
+        check_index_range(ids, c, lambda lo, hi: IndexError(
+            f"cross_entropy: target class indices must be in [0, {c - 1}] (C={c}) or ignore_index={ignore_index}, "
+            f"got min {lo} and max {hi}"), skip=ignore_index)
+        if reduction == "mean" and ids.size:
+            deferred.defer(_every_target_ignored(ignore_index), (ids != ignore_index).sum())
+
+    tgt = on_device_of(target, logits, "target", "cross_entropy", check=check_classes)
     expected = logits.shape[:class_dim] + logits.shape[class_dim + 1:]
     if tuple(tgt.shape) != tuple(expected):
         raise ValueError(f"cross_entropy: target shape must be {tuple(expected)} for input shape "
@@ -112,33 +192,30 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if weight is not None:
         if tuple(check_tensor("weight", weight, "cross_entropy").shape) != (c,):
             raise ValueError(f"cross_entropy: weight must have shape ({c},), got {tuple(weight.shape)}")
+        if isinstance(weight, Tensor) and weight.requires_grad and is_grad_enabled():
+            raise RuntimeError("cross_entropy: weight requires grad, but the class weights are constants and get "
+                             "no gradient (torch refuses them too); pass weight.detach()")
         if not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
             weight = on_device_of(weight, logits, "weight", "cross_entropy").astype(logits.dtype, copy=False)
-    flat_target = tgt.reshape(-1)
-    valid = flat_target != ignore_index
-    if valid.any():
-        used = flat_target[valid]
-        lo, hi = int(used.min()), int(used.max())
-        if lo < 0 or hi >= c:
-            raise IndexError(f"cross_entropy: target class indices must be in [0, {c - 1}] (C={c}) or "
-                             f"ignore_index={ignore_index}, got min {lo} and max {hi}")
-    if reduction == "mean" and flat_target.size == 0:
+    if reduction == "mean" and tgt.size == 0:
         raise ValueError(f"cross_entropy: no targets (input shape {tuple(logits.shape)}), so the mean is "
                          "undefined; skip empty batches or use reduction='sum'")
-    if reduction == "mean" and not valid.any():
-        raise ValueError(f"cross_entropy: every target equals ignore_index={ignore_index}, so the mean "
-                         "over valid targets is undefined (torch returns NaN); use reduction='sum' or "
-                         "check the targets")
+    flat_target = tgt.reshape(-1)
+    valid = flat_target != ignore_index
+    safe_target = backend.get_array_module(logits).where(valid, flat_target, 0)
+    divisor = None  # "mean": the sum of w[target] over valid targets (checked like the ids), or their number
     if reduction == "mean" and weight is not None:
-        w = data_of(weight)
-        if not bool((w[flat_target[valid]] != 0).any()):
-            raise ValueError("cross_entropy: the class weights of every valid target are 0, so the weighted "
-                             "mean is undefined (torch returns NaN); use reduction='sum' or check weight")
+        divisor = (data_of(weight)[safe_target] * valid).sum()
+        deferred.defer(_zero_weighted_mean, divisor)
+    elif reduction == "mean":
+        divisor = valid.sum().astype(logits.dtype)
+    if divisor is not None:  # a 0 divisor is reported by the checks; meanwhile the loss is 0, not NaN
+        divisor = backend.get_array_module(divisor).where(divisor == 0, 1, divisor).astype(logits.dtype, copy=False)
     x = input if isinstance(input, Tensor) else Tensor(input)
     if logits.ndim > 2:  # (N, C, d1, ...) -> (N, d1, ..., C): classes last
         x = x.permute(0, *range(2, logits.ndim), 1)
     if logits.ndim != 2:
         x = x.reshape(-1, c)
-    loss = CrossEntropyFunction.apply(x, weight, target=flat_target, valid=valid, reduction=reduction,
-                              label_smoothing=float(label_smoothing))
+    loss = CrossEntropyFunction.apply(x, weight, safe_target=safe_target, valid=valid, divisor=divisor,
+                                      reduction=reduction, label_smoothing=label_smoothing)
     return loss.reshape(tgt.shape) if reduction == "none" else loss

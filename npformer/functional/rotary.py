@@ -1,5 +1,6 @@
 """Rotary position embedding (RoPE), half-split layout."""
 from autograd import Function, backend
+from autograd.checks import check_int, check_real
 
 from ._common import broadcasts_to, check_tensor, has_twin, on_device_of
 
@@ -62,11 +63,12 @@ def apply_rotary_emb(x, cos, sin):
 def rotary_cos_sin(seq_len, head_dim, base=10000.0, dtype="float32", device="cpu"):
     """cos and sin tables (seq_len, head_dim // 2) of angle t * base^(-2i/head_dim) for position t
     and pair i, computed in float64 and cast to `dtype`, as arrays on `device`."""
-    if head_dim % 2 or head_dim <= 0:
+    head_dim = check_int(head_dim, "head_dim", "rotary_cos_sin", at_least=1)
+    if head_dim % 2:
         raise ValueError(f"rotary_cos_sin: head_dim must be a positive even number, got {head_dim}")
-    if seq_len < 0:
-        raise ValueError(f"rotary_cos_sin: seq_len must be >= 0, got {seq_len}")
+    seq_len = check_int(seq_len, "seq_len", "rotary_cos_sin", at_least=0)
+    base = check_real(base, "base", "rotary_cos_sin", above=0)
     xp = backend.module_for(device)
-    inv_freq = float(base) ** (-xp.arange(0, head_dim, 2, dtype="float64") / head_dim)   # (hd/2,)
+    inv_freq = base ** (-xp.arange(0, head_dim, 2, dtype="float64") / head_dim)   # (hd/2,)
     angles = xp.arange(seq_len, dtype="float64")[:, None] * inv_freq[None, :]            # (T, hd/2)
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)

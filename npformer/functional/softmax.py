@@ -1,5 +1,5 @@
 """Numerically stable softmax and log-softmax along one axis."""
-from autograd import Function, backend
+from autograd import Function, Tensor, backend
 from autograd.kernels import kernel_table
 
 from ._common import check_tensor, has_twin, normalize_dim
@@ -83,6 +83,7 @@ class SoftmaxFunction(Function):
         return softmax_backward(y, dy, ctx.dim)
 
 
+@kernel_table
 def log_softmax_forward(x, axis):
     """x - max - log(sum(exp(x - max))) along axis; a row that is entirely -inf stays -inf."""
     xp = backend.get_array_module(x)
@@ -91,6 +92,17 @@ def log_softmax_forward(x, axis):
     xp.copyto(total, 1.0, where=total == 0)         # fully -inf row: log 1 = 0, output -inf
     shifted -= xp.log(total)
     return shifted
+
+
+@kernel_table
+def log_softmax_backward(logp, dy, axis):
+    """dx = dy - exp(logp) * sum(dy) along axis."""
+    xp = backend.get_array_module(dy)
+    # logp_i = x_i - log sum_j exp(x_j)  ->  dx_i = dy_i - softmax_i * sum_j dy_j
+    dx = xp.exp(logp)
+    dx *= -dy.sum(axis=axis, keepdims=True)
+    dx += dy
+    return dx
 
 
 class LogSoftmaxFunction(Function):
@@ -106,24 +118,28 @@ class LogSoftmaxFunction(Function):
     @staticmethod
     def backward(ctx, dy):
         (logp,) = ctx.saved_tensors
-        xp = backend.get_array_module(dy)
-        # logp_i = x_i - log sum_j exp(x_j)  ->  dx_i = dy_i - softmax_i * sum_j dy_j
-        dx = xp.exp(logp)
-        dx *= -dy.sum(axis=ctx.dim, keepdims=True)
-        dx += dy
-        return dx
+        return log_softmax_backward(logp, dy, ctx.dim)
+
+
+def _along(function, op, input, dim):
+    """function.apply(input) along `dim`; a 0-d input runs as one row of one entry (torch's
+    softmax of a scalar is 1, its log_softmax 0)."""
+    x = check_tensor("input", input, op)
+    dim = normalize_dim(dim, x.ndim, op)
+    if x.ndim == 0:
+        row = (input if isinstance(input, Tensor) else Tensor(input)).reshape(1)
+        return function.apply(row, dim=0).reshape(())
+    return function.apply(input, dim=dim)
 
 
 @has_twin
 def softmax(input, dim=-1):
     """softmax along `dim` (like torch.nn.functional.softmax); rows of all -inf give 0, not NaN."""
-    x = check_tensor("input", input, "softmax")
-    return SoftmaxFunction.apply(input, dim=normalize_dim(dim, x.ndim, "softmax"))
+    return _along(SoftmaxFunction, "softmax", input, dim)
 
 
 @has_twin
 def log_softmax(input, dim=-1):
     """log_softmax along `dim` (like torch.nn.functional.log_softmax), never log(softmax(x)).
     A row of all -inf gives -inf (and gradient dy for that row) instead of NaN."""
-    x = check_tensor("input", input, "log_softmax")
-    return LogSoftmaxFunction.apply(input, dim=normalize_dim(dim, x.ndim, "log_softmax"))
+    return _along(LogSoftmaxFunction, "log_softmax", input, dim)

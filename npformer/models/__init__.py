@@ -2,8 +2,8 @@
 safetensors files and Hugging Face GPT-2/BERT folders (`load_pretrained`, `save_pretrained`)."""
 from .bert import BidirectionalEncoder, EncoderClassifier
 from .gpt import CausalLM
-from .pretrained import load_pretrained, load_safetensors, save_pretrained, save_safetensors
+from .pretrained import MODEL_CLASSES, load_pretrained, load_safetensors, save_pretrained, save_safetensors
 from .seq2seq import Seq2SeqTransformer
 
 __all__ = ["Seq2SeqTransformer", "CausalLM", "BidirectionalEncoder", "EncoderClassifier", "load_pretrained",
-           "save_pretrained", "save_safetensors", "load_safetensors"]
+           "save_pretrained", "save_safetensors", "load_safetensors", "MODEL_CLASSES"]

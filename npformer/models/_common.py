@@ -1,9 +1,11 @@
 """Pieces shared by the models: argument checks, token ids, padding masks, positions, the encoder trunk."""
 from autograd import Tensor, backend
+from autograd.checks import as_array, check_int, check_optional_int, check_real
 
 from .. import nn
+from ..functional._common import check_index_range
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
-from ..nn.layers import as_ids, check_probability
+from ..nn.layers import as_ids
 from ..nn.transformer import check_d_model_nhead
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
@@ -16,6 +18,30 @@ def check_choice(value, choices, name, owner):
     return value
 
 
+_SIZES = ("vocab_size", "src_vocab_size", "tgt_vocab_size", "num_classes", "d_model", "nhead", "num_layers",
+          "num_encoder_layers", "num_decoder_layers", "dim_feedforward", "max_len")
+_RATES = ("attention_dropout", "activation_dropout", "classifier_dropout")  # optional (None: `dropout`)
+
+
+def check_config(config, owner):
+    """A model's constructor arguments with every number checked and made a plain int or float
+    (so the config stays JSON-serialisable): sizes integers >= 1, type_vocab_size >= 0,
+    dropout rates in [0, 1], layer_norm_eps > 0, pad_idx None or an id of every vocabulary."""
+    config = dict(config)
+    for name in _SIZES:
+        if name in config:
+            config[name] = check_int(config[name], name, owner, at_least=1)
+    if "type_vocab_size" in config:
+        config["type_vocab_size"] = _type_vocab_size(config, owner)
+    for name in ("dropout",) + _RATES:
+        if config.get(name) is not None:
+            config[name] = check_real(config[name], name, owner, at_least=0, at_most=1)
+    config["layer_norm_eps"] = check_real(config["layer_norm_eps"], "layer_norm_eps", owner, above=0)
+    vocab = min(config[name] for name in ("vocab_size", "src_vocab_size", "tgt_vocab_size") if name in config)
+    config["pad_idx"] = check_optional_int(config["pad_idx"], "pad_idx", owner, at_least=0, at_most=vocab - 1)
+    return config
+
+
 def additive_positions(positional, d_model, max_len):
     """The module adding positions to embeddings: sinusoidal (no state_dict entries), learned
     (one weight (max_len, d_model)), or None for "rope" (applied inside attention) and "none"."""
@@ -26,21 +52,58 @@ def additive_positions(positional, d_model, max_len):
     return None
 
 
+# -- state_dict shapes from a config, without building anything (load_model checks a file with them) --
+def dims(config, names, owner):
+    """config[name] for each name, each checked to be an integer >= 1."""
+    return [check_int(config[name], name, owner, at_least=1) for name in names]
+
+
+def layer_norm_shapes(prefix, d_model):
+    return {f"{prefix}.weight": (d_model,), f"{prefix}.bias": (d_model,)}
+
+
+def linear_shapes(prefix, in_features, out_features, bias=True):
+    shapes = {f"{prefix}.weight": (out_features, in_features)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out_features,)
+    return shapes
+
+
+def stack_shapes(prefix, num_layers, d_model, dim_feedforward, cross_attention, final_norm=True):
+    """nn.TransformerEncoder (cross_attention=False) or nn.TransformerDecoder, with its final
+    norm when final_norm."""
+    shapes = {}
+    for i in range(num_layers):
+        layer = f"{prefix}.layers.{i}"
+        for attention in ("self_attn", "multihead_attn") if cross_attention else ("self_attn",):
+            shapes[f"{layer}.{attention}.in_proj_weight"] = (3 * d_model, d_model)
+            shapes[f"{layer}.{attention}.in_proj_bias"] = (3 * d_model,)
+            shapes.update(linear_shapes(f"{layer}.{attention}.out_proj", d_model, d_model))
+        shapes.update(linear_shapes(f"{layer}.linear1", d_model, dim_feedforward))
+        shapes.update(linear_shapes(f"{layer}.linear2", dim_feedforward, d_model))
+        for norm in ("norm1", "norm2", "norm3") if cross_attention else ("norm1", "norm2"):
+            shapes.update(layer_norm_shapes(f"{layer}.{norm}", d_model))
+    if final_norm:
+        shapes.update(layer_norm_shapes(f"{prefix}.norm", d_model))
+    return shapes
+
+
 def token_ids(ids, embedding, owner, name, max_len=None):
     """Integer ids (B, T) (numpy/cupy array, list or Tensor) on the device of `embedding`, checked
-    against its vocabulary and, when given, the length of the positional table."""
-    ids = as_ids(ids, embedding.weight.data, owner, name)
-    if ids.ndim != 2 or 0 in ids.shape:
-        raise ValueError(f"{owner}: {name} must be a non-empty (batch, seq) array of token ids, got shape {ids.shape}")
+    against its vocabulary (host ids before their copy to the device, device ids on the device:
+    autograd.deferred) and, when given, the length of the positional table."""
+    raw = ids.data if isinstance(ids, Tensor) else ids
+    host = backend.module_for("cpu").empty(0)
+    raw = as_ids(raw, raw if backend.is_array(raw) else host, owner, name)  # integer ids where they are (lists: host)
+    if raw.ndim != 2 or 0 in raw.shape:
+        raise ValueError(f"{owner}: {name} must be a non-empty (batch, seq) array of token ids, got shape {raw.shape}")
     vocab = embedding.num_embeddings
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        raise IndexError(f"{owner}: {name} token ids must be in [0, {vocab - 1}] (vocabulary size {vocab}), "
-                         f"got min {lo} and max {hi}")
-    if max_len is not None and ids.shape[1] > max_len:
-        raise ValueError(f"{owner}: {name} has {ids.shape[1]} positions but max_len={max_len}; shorten it or "
+    check_index_range(raw, vocab, lambda lo, hi: IndexError(
+        f"{owner}: {name} token ids must be in [0, {vocab - 1}] (vocabulary size {vocab}), got min {lo} and max {hi}"))
+    if max_len is not None and raw.shape[1] > max_len:
+        raise ValueError(f"{owner}: {name} has {raw.shape[1]} positions but max_len={max_len}; shorten it or "
                          f"build the model with a larger max_len")
-    return ids
+    return backend.to_device(raw, backend.device_of(embedding.weight.data))
 
 
 def padding_mask_from_ids(ids, pad_idx, mask):
@@ -56,7 +119,8 @@ def valid_positions(mask, ids, dtype):
     if mask is None:
         return xp.ones(ids.shape, dtype=dtype)
     mask = mask.data if isinstance(mask, Tensor) else mask
-    mask = backend.to_device(mask if backend.is_array(mask) else xp.asarray(mask), backend.device_of(ids))
+    mask = mask if backend.is_array(mask) else as_array(mask, "key_padding_mask", "EncoderClassifier", xp)
+    mask = backend.to_device(mask, backend.device_of(ids))
     if mask.dtype != bool or mask.shape != ids.shape:
         raise ValueError(f"key_padding_mask must be a bool array of shape {ids.shape} for pooling, "
                          f"got {mask.dtype} {mask.shape}")
@@ -69,10 +133,15 @@ def layer_activation(activation):
     return nn.GELU(approximate="tanh") if activation == "gelu_tanh" else activation
 
 
-def dropout_rate(config, name, owner):
-    """config[name] as a probability, or config["dropout"] when it is None (the default)."""
+def dropout_rate(config, name):
+    """config[name] (checked by check_config), or config["dropout"] when it is None (the default)."""
     value = config.get(name)
-    return config["dropout"] if value is None else check_probability(value, name, owner)
+    return config["dropout"] if value is None else value
+
+
+def _type_vocab_size(config, owner):
+    """config's type_vocab_size (default 0: no token types) as an integer >= 0."""
+    return check_int(config.get("type_vocab_size", 0), "type_vocab_size (0: no token types)", owner, at_least=0)
 
 
 class EncoderOnlyModel(nn.Module):
@@ -91,15 +160,15 @@ class EncoderOnlyModel(nn.Module):
     the padding row zero."""
 
     def _build_trunk(self, config):
+        """Build the trunk from `config` (the model's config dict), whose numbers are checked
+        and made plain ints and floats in place first (check_config)."""
         owner = type(self).__name__
+        config.update(check_config(config, owner))
         c = config
         check_choice(c["positional"], POSITIONAL, "positional", owner)
         check_choice(c["activation"], ACTIVATIONS, "activation", owner)
         check_d_model_nhead(c["d_model"], c["nhead"], owner)
         type_vocab_size = c.get("type_vocab_size", 0)
-        if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:
-            raise ValueError(f"{owner}: type_vocab_size must be an int >= 0 (0: no token types), "
-                             f"got {type_vocab_size!r}")
         d_model, eps = c["d_model"], c["layer_norm_eps"]
         self.d_model, self.pad_idx, self.positional_kind = d_model, c["pad_idx"], c["positional"]
         self.tok_embed = nn.Embedding(c["vocab_size"], d_model, padding_idx=c["pad_idx"])
@@ -114,10 +183,33 @@ class EncoderOnlyModel(nn.Module):
         layer = nn.TransformerEncoderLayer(d_model, c["nhead"], c["dim_feedforward"], c["dropout"],
                                            layer_activation(c["activation"]), eps, norm_first=c["norm_first"],
                                            rotary=c["positional"] == "rope")
-        layer.self_attn.dropout = dropout_rate(c, "attention_dropout", owner)
-        layer.dropout = nn.Dropout(dropout_rate(c, "activation_dropout", owner))
+        layer.self_attn.dropout = dropout_rate(c, "attention_dropout")
+        layer.dropout = nn.Dropout(dropout_rate(c, "activation_dropout"))
         final_norm = nn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
         self.encoder = nn.TransformerEncoder(layer, c["num_layers"], final_norm)
+
+    @staticmethod
+    def _trunk_shapes(config, owner, persistent):
+        """state_dict shapes of the trunk that _build_trunk builds from `config` (with
+        persistent=False also the sinusoidal table, a non-persistent buffer)."""
+        c = config
+        check_choice(c["positional"], POSITIONAL, "positional", owner)
+        check_d_model_nhead(c["d_model"], c["nhead"], owner)
+        vocab_size, max_len, num_layers, dim_feedforward = dims(
+            c, ("vocab_size", "max_len", "num_layers", "dim_feedforward"), owner)
+        d_model, type_vocab_size = c["d_model"], _type_vocab_size(c, owner)
+        shapes = {"tok_embed.weight": (vocab_size, d_model)}
+        if c["positional"] == "learned":
+            shapes["pos_embed.weight"] = (max_len, d_model)
+        elif c["positional"] == "sinusoidal" and not persistent:
+            shapes["positional.pe"] = (max_len, d_model)
+        if type_vocab_size:
+            shapes["type_embed.weight"] = (type_vocab_size, d_model)
+        if c.get("embed_norm", False):
+            shapes.update(layer_norm_shapes("embed_norm", d_model))
+        shapes.update(stack_shapes("encoder", num_layers, d_model, dim_feedforward, cross_attention=False,
+                                   final_norm=c.get("final_norm", True)))
+        return shapes
 
     def _reset_parameters(self):
         for name, p in self.named_parameters():

@@ -1,7 +1,7 @@
 """Encoder-only (BERT-style) models: a bidirectional encoder with a pooled output, and a
 sequence classifier on top of it."""
 from .. import nn
-from ._common import EncoderOnlyModel, check_choice, padding_mask_from_ids, valid_positions
+from ._common import EncoderOnlyModel, check_choice, dims, linear_shapes, padding_mask_from_ids, valid_positions
 
 
 class PooledEncoder(EncoderOnlyModel):
@@ -14,6 +14,16 @@ class PooledEncoder(EncoderOnlyModel):
         self.pooling = config["pooling"]
         if config["pooler"]:
             self.pooler = nn.Linear(config["d_model"], config["d_model"])
+
+    @classmethod
+    def state_shapes(cls, config, persistent=True):
+        """{name: shape} of `cls(**config).state_dict()` from the config alone (config holds every
+        constructor argument), building nothing; persistent=False adds the non-persistent
+        buffers (named as in named_buffers)."""
+        shapes = cls._trunk_shapes(config, cls.__name__, persistent)
+        if config["pooler"]:
+            shapes.update(linear_shapes("pooler", config["d_model"], config["d_model"]))
+        return shapes
 
     def encode(self, input_ids, key_padding_mask=None, token_type_ids=None):
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
@@ -90,6 +100,14 @@ class EncoderClassifier(PooledEncoder):
         self.head_dropout = nn.Dropout(classifier_dropout)
         self.classifier = nn.Linear(d_model, num_classes)
         self._reset_parameters()
+
+    @classmethod
+    def state_shapes(cls, config, persistent=True):
+        """PooledEncoder.state_shapes plus the classifier."""
+        shapes = super().state_shapes(config, persistent)
+        (num_classes,) = dims(config, ("num_classes",), cls.__name__)
+        shapes.update(linear_shapes("classifier", config["d_model"], num_classes))
+        return shapes
 
     def forward(self, input_ids, key_padding_mask=None, token_type_ids=None):
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from

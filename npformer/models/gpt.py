@@ -36,6 +36,16 @@ class CausalLM(EncoderOnlyModel):
             self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self._reset_parameters()
 
+    @classmethod
+    def state_shapes(cls, config, persistent=True):
+        """{name: shape} of `CausalLM(**config).state_dict()` from the config alone (config holds
+        every constructor argument), building nothing; persistent=False adds the non-persistent
+        buffers (named as in named_buffers)."""
+        shapes = cls._trunk_shapes(config, cls.__name__, persistent)
+        if not config["tie_weights"]:
+            shapes["lm_head.weight"] = shapes["tok_embed.weight"]
+        return shapes
+
     def forward(self, input_ids, key_padding_mask=None, position_ids=None):
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
         pad_idx when not given); position_ids (B, T) ints (default 0 .. T-1 in every row; e.g.

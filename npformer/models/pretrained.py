@@ -16,7 +16,9 @@ Files are untrusted: the header is checked before anything is allocated
 module), and a load either succeeds whole or leaves the model unchanged. Errors about a file's
 contents are SafetensorsError (a ValueError) naming the file.
 """
+import inspect
 import json
+import math
 import os
 import warnings
 
@@ -28,6 +30,8 @@ from .huggingface import config_from_hf, hf_config, hf_state_dict, state_dict_fr
 from .seq2seq import Seq2SeqTransformer
 
 FORMAT, VERSION = "npformer-safetensors", 1
+# every model rebuilt from a file (safetensors here, checkpoints by npformer.load_model), by the
+# class name the file stores: a fixed allow-list, a name read from a file never reaches getattr
 MODEL_CLASSES = {cls.__name__: cls for cls in (Seq2SeqTransformer, CausalLM, BidirectionalEncoder, EncoderClassifier)}
 HF_NAMES, OUR_NAMES = "huggingface", "npformer"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -83,7 +87,26 @@ def _float_dtype(header):
     return "float64" if floats == {"float64"} else "float32"
 
 
-def _build(path, cls, config):
+# entries (64 MB of float32) a config may imply without fitting the file: such a model is
+# built and then refused key by key, with the first missing or mis-shaped key named
+MAX_UNCHECKED = 1 << 24
+
+
+def _build(path, cls, config, header):
+    """cls(**config), unless the (untrusted) config implies more than MAX_UNCHECKED entries of
+    weights beyond what the file holds, or derived buffers (positional tables) larger than the
+    model: a config declaring a huge model beside small arrays fails before allocating."""
+    try:
+        bound = inspect.signature(cls).bind(**config)
+        bound.apply_defaults()
+        weights = sum(math.prod(shape) for shape in cls.state_shapes(bound.arguments).values())
+        everything = sum(math.prod(shape) for shape in cls.state_shapes(bound.arguments, persistent=False).values())
+    except (TypeError, ValueError) as e:
+        raise SafetensorsError(f"{path}: cannot build {cls.__name__} from the stored config ({e})") from e
+    stored = sum(math.prod(shape) for _, shape in header.values())
+    if weights > max(stored, MAX_UNCHECKED) or everything - weights > max(weights, MAX_UNCHECKED):
+        raise SafetensorsError(f"{path}: the config implies a {cls.__name__} of {everything:,} entries but the "
+                               f"weights hold {stored:,} (nothing was built)")
     try:
         return cls(**config)
     except (TypeError, ValueError) as e:
@@ -112,7 +135,7 @@ def load_safetensors(path: str | os.PathLike, model=None, device: str | None = N
             raise SafetensorsError(f"{path}: the file does not say which npformer model it holds (no npformer "
                                    f"class and config in its metadata): pass model=, or, for a Hugging Face "
                                    f"folder, use npformer.models.load_pretrained(folder)")
-        model = _build(path, MODEL_CLASSES[info["class"]], info["config"]).to(device, _float_dtype(header))
+        model = _build(path, MODEL_CLASSES[info["class"]], info["config"], header).to(device, _float_dtype(header))
     elif info is not None and info.get("class") not in (None, type(model).__name__):
         raise SafetensorsError(f"{path}: holds a {info['class']}, not a {type(model).__name__}")
     if info is not None:
@@ -167,7 +190,7 @@ def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype:
     except (KeyError, ValueError) as e:
         detail = f"missing {e}" if isinstance(e, KeyError) else str(e)
         raise SafetensorsError(f"{config_path}: {detail}") from e
-    model = _build(config_path, MODEL_CLASSES[class_name], config)
+    model = _build(config_path, MODEL_CLASSES[class_name], config, header)
     model.to(device, dtype or _float_dtype(header))
     arrays, _ = read_safetensors(weights_path)
     try:

@@ -2,12 +2,14 @@
 import math
 
 import npformer.functional as F
+from autograd.checks import check_bool
 
 from .. import nn
 from ..nn import init
 from ..nn.layers import as_ids
 from ..nn.transformer import check_d_model_nhead
-from ._common import POSITIONAL, additive_positions, check_choice, padding_mask_from_ids, token_ids
+from ._common import (POSITIONAL, additive_positions, check_choice, check_config, dims, padding_mask_from_ids,
+                      stack_shapes, token_ids)
 
 
 def sharing(tie_weights, share_embeddings, owner):
@@ -15,11 +17,8 @@ def sharing(tie_weights, share_embeddings, owner):
     tie_weights None (the default) follows share_embeddings; "all" means share_embeddings=True."""
     if isinstance(tie_weights, str) and tie_weights == "all":
         tie_weights, share_embeddings = True, True
-    for name, value in (("tie_weights", tie_weights), ("share_embeddings", share_embeddings)):
-        if isinstance(value, str) or (value is not None and value not in (True, False)):
-            raise ValueError(f"{owner}: {name} must be True or False, got {value!r}")
-    share_embeddings = bool(share_embeddings)
-    tie_weights = share_embeddings if tie_weights is None else bool(tie_weights)
+    share_embeddings = check_bool(share_embeddings, "share_embeddings", owner)
+    tie_weights = share_embeddings if tie_weights is None else check_bool(tie_weights, "tie_weights", owner)
     if share_embeddings and not tie_weights:
         raise ValueError(f"{owner}: share_embeddings=True shares the embedding with the generator too, which "
                          f"tie_weights=False contradicts (leave tie_weights out)")
@@ -66,7 +65,7 @@ class Seq2SeqTransformer(nn.Module):
         owner = "Seq2SeqTransformer"
         check_choice(positional, POSITIONAL, "positional", owner)
         check_choice(activation, ("relu", "gelu"), "activation", owner)
-        check_d_model_nhead(d_model, nhead, owner)
+        d_model, nhead = check_d_model_nhead(d_model, nhead, owner)
         tie_weights, share_embeddings = sharing(tie_weights, share_embeddings, owner)
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(f"{owner}: share_embeddings=True shares one matrix between both embeddings and the "
@@ -78,7 +77,8 @@ class Seq2SeqTransformer(nn.Module):
                            dropout=dropout, max_len=max_len, activation=activation, norm_first=norm_first,
                            pad_idx=pad_idx, tie_weights=tie_weights, positional=positional,
                            layer_norm_eps=layer_norm_eps, share_embeddings=share_embeddings)
-        self.d_model, self.pad_idx, self.tie_weights = d_model, pad_idx, tie_weights
+        self.config = check_config(self.config, owner)
+        self.d_model, self.pad_idx, self.tie_weights = d_model, self.config["pad_idx"], tie_weights
         self.share_embeddings = share_embeddings
         self.positional_kind = positional
         if share_embeddings:
@@ -100,6 +100,32 @@ class Seq2SeqTransformer(nn.Module):
         if tie_weights:
             self.generator.weight = None  # logits use tgt_embed.weight
         self._reset_parameters()
+
+    @classmethod
+    def state_shapes(cls, config, persistent=True):
+        """{name: shape} of `Seq2SeqTransformer(**config).state_dict()` from the config alone
+        (config holds every constructor argument), building nothing; persistent=False adds the
+        non-persistent buffers (named as in named_buffers)."""
+        owner = cls.__name__
+        check_choice(config["positional"], POSITIONAL, "positional", owner)
+        tie, shared = sharing(config.get("tie_weights"), config.get("share_embeddings", False), owner)
+        check_d_model_nhead(config["d_model"], config["nhead"], owner)
+        src_vocab, tgt_vocab, max_len, encoder_layers, decoder_layers, dim_feedforward = dims(
+            config, ("src_vocab_size", "tgt_vocab_size", "max_len", "num_encoder_layers", "num_decoder_layers",
+                     "dim_feedforward"), owner)
+        d_model, positional = config["d_model"], config["positional"]
+        shapes = {} if shared else {"src_embed.weight": (src_vocab, d_model)}
+        shapes["tgt_embed.weight"] = (tgt_vocab, d_model)
+        if positional == "learned":
+            shapes["src_pos_embed.weight"] = shapes["tgt_pos_embed.weight"] = (max_len, d_model)
+        elif positional == "sinusoidal" and not persistent:
+            shapes["positional.pe"] = (max_len, d_model)
+        shapes.update(stack_shapes("transformer.encoder", encoder_layers, d_model, dim_feedforward, False))
+        shapes.update(stack_shapes("transformer.decoder", decoder_layers, d_model, dim_feedforward, True))
+        if not tie:
+            shapes["generator.weight"] = (tgt_vocab, d_model)
+        shapes["generator.bias"] = (tgt_vocab,)
+        return shapes
 
     def _reset_parameters(self):
         for p in self.parameters():

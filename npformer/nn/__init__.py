@@ -4,10 +4,12 @@ from .attention import MultiheadAttention
 from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU
 from .module import Module, ModuleList, Parameter, Sequential
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
+from .recording import AttentionRecord, AttentionRecorder, record_attention
 from .transformer import (DecoderCache, Transformer, TransformerDecoder, TransformerDecoderLayer,
                           TransformerEncoder, TransformerEncoderLayer)
 
 __all__ = ["init", "Module", "ModuleList", "Parameter", "Sequential", "Linear", "Embedding", "LayerNorm",
            "Dropout", "ReLU", "GELU", "Identity", "MultiheadAttention", "SinusoidalPositionalEncoding",
            "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer", "DecoderCache"]
+           "TransformerEncoder", "TransformerDecoder", "Transformer", "DecoderCache", "record_attention",
+           "AttentionRecorder", "AttentionRecord"]

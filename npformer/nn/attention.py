@@ -8,9 +8,10 @@ import math
 
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
+from autograd.checks import as_array, check_int, check_real
 
 from . import init
-from .layers import Linear, check_positive_int, check_probability, new_parameter
+from .layers import Linear, new_parameter
 from .module import Module
 from .positional import RotaryEmbedding
 
@@ -21,7 +22,7 @@ def _mask_array(mask, name, like):
     if isinstance(mask, Tensor):
         mask = mask.data
     if not backend.is_array(mask):
-        mask = backend.get_array_module(like).asarray(mask)
+        mask = as_array(mask, name, None, backend.get_array_module(like))
     if mask.dtype.kind == "f":
         mask = mask.astype(like.dtype, copy=False)
     elif mask.dtype != bool:
@@ -96,18 +97,20 @@ class MultiheadAttention(Module):
     with is_causal; given one, it does the same).
 
     Extras (not in torch): `rotary=True` applies RoPE to q and k (positions from 0, or from
-    `offset` in the cached step); `memory_efficient=True` uses the blockwise SDPA kernel whenever
-    no attention weights are asked for (need_weights=False, as inside the Transformer layers).
+    `offset` in the cached step); `backend` chooses the path of F.scaled_dot_product_attention
+    whenever no attention weights are asked for (need_weights=False, as inside the Transformer
+    layers): None (flash attention on a GPU where it applies, else naive), "naive",
+    "memory_efficient" (blocks of `block_size`; also `memory_efficient=True`) or "flash".
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=True, device=None, dtype=None, rotary=False,
-                 rotary_base=10000.0, memory_efficient=False, block_size=512):
+                 rotary_base=10000.0, memory_efficient=False, block_size=512, backend=None):
         super().__init__()
-        check_positive_int(embed_dim, "embed_dim", "MultiheadAttention")
-        check_positive_int(num_heads, "num_heads", "MultiheadAttention")
-        self.kdim = embed_dim if kdim is None else check_positive_int(kdim, "kdim", "MultiheadAttention")
-        self.vdim = embed_dim if vdim is None else check_positive_int(vdim, "vdim", "MultiheadAttention")
+        embed_dim = check_int(embed_dim, "embed_dim", "MultiheadAttention", at_least=1)
+        num_heads = check_int(num_heads, "num_heads", "MultiheadAttention", at_least=1)
+        self.kdim = embed_dim if kdim is None else check_int(kdim, "kdim", "MultiheadAttention", at_least=1)
+        self.vdim = embed_dim if vdim is None else check_int(vdim, "vdim", "MultiheadAttention", at_least=1)
         if embed_dim % num_heads:
             raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} must be divisible by "
                              f"num_heads={num_heads} (head_dim = embed_dim / num_heads)")
@@ -116,9 +119,14 @@ class MultiheadAttention(Module):
                              "and inputs shaped (batch, seq, feature)")
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
-        self.dropout = check_probability(dropout, "dropout", "MultiheadAttention")
+        self.dropout = check_real(dropout, "dropout", "MultiheadAttention", at_least=0, at_most=1)
         self.batch_first = True
-        self.memory_efficient, self.block_size = bool(memory_efficient), block_size
+        self.memory_efficient = bool(memory_efficient)
+        self.block_size = check_int(block_size, "block_size", "MultiheadAttention", at_least=1)
+        if backend is not None and backend not in F.attention.BACKENDS:
+            raise ValueError(f"MultiheadAttention: backend must be None or one of {F.attention.BACKENDS}, "
+                             f"got {backend!r}")
+        self.backend = backend
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         if self._qkv_same_embed_dim:
             self.in_proj_weight = new_parameter((3 * embed_dim, embed_dim), device, dtype)
@@ -229,11 +237,11 @@ class MultiheadAttention(Module):
     def attend(self, q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
         """SDPA over heads (mask in SDPA convention) then out_proj: (B, T, E), weights or None."""
         B, H, T, hd = q.shape
-        # the blockwise kernel never forms the weights: use it when they are not asked for
+        # the memory-efficient and flash paths never form the weights: they run when none are asked for
         result = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
             return_weights=need_weights, memory_efficient=self.memory_efficient and not need_weights,
-            block_size=self.block_size)
+            block_size=self.block_size, backend=None if need_weights else self.backend)
         out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
         if weights is not None and average_attn_weights:
@@ -283,4 +291,5 @@ class MultiheadAttention(Module):
             ("kdim", self.kdim, self.embed_dim), ("vdim", self.vdim, self.embed_dim),
             ("add_bias_kv", self.bias_k is not None, False), ("add_zero_attn", self.add_zero_attn, False),
             ("rotary", self.rotary, False)) if value != default)
+        extra += f", backend={self.backend!r}" if self.backend else ""
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"

@@ -8,6 +8,7 @@ Draws are made in float64 and cast to the tensor's dtype.
 import math
 
 from autograd import backend, random
+from autograd.checks import check_real
 
 
 def _generator(tensor, generator):
@@ -29,15 +30,18 @@ def calculate_fan_in_and_fan_out(tensor):
 
 def uniform_(tensor, a=0.0, b=1.0, generator=None):
     """Fill with U(a, b)."""
+    a, b = check_real(a, "a", "uniform_"), check_real(b, "b", "uniform_")
     return _fill(tensor, _generator(tensor, generator).uniform(a, b, size=tensor.shape))
 
 
 def normal_(tensor, mean=0.0, std=1.0, generator=None):
     """Fill with N(mean, std^2)."""
+    mean, std = check_real(mean, "mean", "normal_"), check_real(std, "std", "normal_", at_least=0)
     return _fill(tensor, _generator(tensor, generator).standard_normal(tensor.shape) * std + mean)
 
 
 def constant_(tensor, value):
+    value = check_real(value, "value", "constant_", finite=False)
     return _fill(tensor, tensor.xp.full(tensor.shape, value, dtype=tensor.dtype))
 
 
@@ -52,7 +56,7 @@ def ones_(tensor):
 def xavier_uniform_(tensor, gain=1.0, generator=None):
     """U(-a, a) with a = gain * sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio 2010)."""
     fan_in, fan_out = calculate_fan_in_and_fan_out(tensor)
-    bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
+    bound = check_real(gain, "gain", "xavier_uniform_") * math.sqrt(6.0 / (fan_in + fan_out))
     return uniform_(tensor, -bound, bound, generator)
 
 
@@ -66,5 +70,6 @@ def kaiming_uniform_(tensor, a=0.0, generator=None):
     """U(-b, b) with b = sqrt(6 / ((1 + a^2) fan_in)) (leaky-ReLU gain, fan_in mode).
     torch's Linear uses a = sqrt(5), i.e. b = 1 / sqrt(fan_in)."""
     fan_in, _ = calculate_fan_in_and_fan_out(tensor)
+    a = check_real(a, "a", "kaiming_uniform_")
     bound = math.sqrt(6.0 / ((1.0 + a * a) * fan_in))
     return uniform_(tensor, -bound, bound, generator)

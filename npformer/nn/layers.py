@@ -3,6 +3,7 @@ import math
 
 import npformer.functional as F
 from autograd import Tensor, backend
+from autograd.checks import as_array, check_int, check_optional_int, check_real, check_shape
 
 from . import init
 from .module import Module, Parameter
@@ -15,18 +16,6 @@ def new_parameter(shape, device=None, dtype=None):
     if dtype.kind != "f":
         raise TypeError(f"parameters need a floating dtype, got {dtype}")
     return Parameter(xp.zeros(shape, dtype=dtype))
-
-
-def check_positive_int(value, name, owner):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
-    return value
-
-
-def check_probability(value, name, owner):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{owner}: {name} must be a probability in [0, 1], got {value!r}")
-    return float(value)
 
 
 def check_features(x, features, owner, name="input"):
@@ -51,8 +40,8 @@ class Linear(Module):
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__()
-        self.in_features = check_positive_int(in_features, "in_features", "Linear")
-        self.out_features = check_positive_int(out_features, "out_features", "Linear")
+        self.in_features = in_features = check_int(in_features, "in_features", "Linear", at_least=1)
+        self.out_features = out_features = check_int(out_features, "out_features", "Linear", at_least=1)
         self.weight = new_parameter((out_features, in_features), device, dtype)
         if bias:
             self.bias = new_parameter((out_features,), device, dtype)
@@ -82,14 +71,11 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, device=None, dtype=None):
         super().__init__()
-        self.num_embeddings = check_positive_int(num_embeddings, "num_embeddings", "Embedding")
-        self.embedding_dim = check_positive_int(embedding_dim, "embedding_dim", "Embedding")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"Embedding: padding_idx must be in [{-num_embeddings}, {num_embeddings - 1}], "
-                                 f"got {padding_idx}")
-            padding_idx %= num_embeddings
-        self.padding_idx = padding_idx
+        self.num_embeddings = num_embeddings = check_int(num_embeddings, "num_embeddings", "Embedding", at_least=1)
+        self.embedding_dim = embedding_dim = check_int(embedding_dim, "embedding_dim", "Embedding", at_least=1)
+        padding_idx = check_optional_int(padding_idx, "padding_idx", "Embedding", at_least=-num_embeddings,
+                                         at_most=num_embeddings - 1)
+        self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
         self.weight = new_parameter((num_embeddings, embedding_dim), device, dtype)
         self.reset_parameters()
 
@@ -114,7 +100,7 @@ def as_ids(ids, like, owner, name="input"):
     if isinstance(ids, Tensor):
         ids = ids.data
     if not backend.is_array(ids):
-        ids = backend.get_array_module(like).asarray(ids)
+        ids = as_array(ids, name, owner, backend.get_array_module(like))
     if ids.dtype.kind not in "iu":
         raise TypeError(f"{owner}: {name} must hold integer token ids, got dtype {ids.dtype}")
     return backend.to_device(ids, backend.device_of(like))
@@ -125,14 +111,8 @@ class LayerNorm(Module):
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
         super().__init__()
-        if isinstance(normalized_shape, int):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = tuple(normalized_shape)
-        for n in self.normalized_shape:
-            check_positive_int(n, "normalized_shape", "LayerNorm")
-        if not eps > 0:
-            raise ValueError(f"LayerNorm: eps must be > 0, got {eps!r}")
-        self.eps = float(eps)
+        self.normalized_shape = check_shape(normalized_shape, "normalized_shape", "LayerNorm")
+        self.eps = check_real(eps, "eps", "LayerNorm", above=0)
         self.elementwise_affine = elementwise_affine
         self.register_parameter("weight", None)
         self.register_parameter("bias", None)
@@ -155,11 +135,13 @@ class LayerNorm(Module):
 
 
 class Dropout(Module):
-    """Zero each element with probability p and scale the rest by 1/(1-p) in training mode."""
+    """Zero each element with probability p and scale the rest by 1/(1-p) in training mode. The
+    masks come from the global dropout stream (autograd.random.dropout_stream(), seeded by
+    npformer.manual_seed, saved in checkpoints): the same masks on every device (F.dropout)."""
 
     def __init__(self, p=0.5):
         super().__init__()
-        self.p = check_probability(p, "p", "Dropout")
+        self.p = check_real(p, "p", "Dropout", at_least=0, at_most=1)
 
     def forward(self, input):
         return F.dropout(input, self.p, self.training)

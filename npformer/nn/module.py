@@ -198,34 +198,53 @@ class Module:
 
     def load_state_dict(self, state_dict, strict=True):
         """Copy arrays (numpy, cupy, our Tensors or torch tensors) into the parameters and
-        buffers, casting to each one's dtype and device. Mis-shaped keys always raise; with
-        strict=True missing and unexpected keys raise too; one error lists every problem.
+        buffers, casting to each one's dtype and device. Mis-shaped keys and values of another
+        kind of dtype (complex into float, float into int) always raise; with strict=True missing
+        and unexpected keys raise too; one RuntimeError lists every problem. Everything is checked
+        before anything is replaced: a failed load changes nothing.
         Returns (missing_keys, unexpected_keys)."""
+        return self.prepare_load_state_dict(state_dict, strict)()
+
+    def prepare_load_state_dict(self, state_dict, strict=True):
+        """Check `state_dict` as load_state_dict does and convert its arrays, changing nothing;
+        returns a function that puts them in place (it cannot fail) and returns
+        (missing_keys, unexpected_keys). Lets a caller validate several objects before loading any."""
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+            raise TypeError(f"load_state_dict: expected a dict of arrays, got {type(state_dict).__name__}")
         own = self._state_tensors()
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
-        arrays, misshaped = {}, []
+        host, misshaped, mistyped = {}, [], []
         for name in own:
-            if name in state_dict:
-                arrays[name] = _host_array(state_dict[name], name)
-                if tuple(arrays[name].shape) != tuple(own[name].shape):
-                    misshaped.append(f"{name}: checkpoint {tuple(arrays[name].shape)}, "
-                                     f"model {tuple(own[name].shape)}")
+            if name not in state_dict:
+                continue
+            array = host[name] = _host_array(state_dict[name], name)
+            target = own[name]
+            if tuple(array.shape) != tuple(target.shape):
+                misshaped.append(f"{name}: checkpoint {tuple(array.shape)}, model {tuple(target.shape)}")
+            elif not backend.module_for("cpu").can_cast(array.dtype, target.dtype, casting="same_kind"):
+                mistyped.append(f"{name}: checkpoint {array.dtype}, model {target.dtype}")
         problems = []
         if strict and missing:
             problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
         if strict and unexpected:
-            problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
+            problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(map(str, unexpected))}")
         if misshaped:
             problems.append(f"mis-shaped keys ({len(misshaped)}): {'; '.join(misshaped)}")
+        if mistyped:
+            problems.append(f"keys of another kind of dtype ({len(mistyped)}): {'; '.join(mistyped)}")
         if problems:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n  "
                                + "\n  ".join(problems))
-        for name, host in arrays.items():
-            target = own[name]
-            data = backend.to_device(host.astype(target.dtype, copy=True), target.device)
-            target.data = data
-        return IncompatibleKeys(missing, unexpected)
+        converted = {name: backend.to_device(array.astype(own[name].dtype, copy=True), own[name].device)
+                     for name, array in host.items()}
+
+        def load():
+            for name, data in converted.items():
+                own[name].data = data
+            return IncompatibleKeys(missing, unexpected)
+
+        return load
 
     # -- mode, gradients, device and dtype ---------------------------------------------------
     def train(self, mode=True):

@@ -3,9 +3,10 @@ import math
 
 import npformer.functional as F
 from autograd import Tensor, backend
+from autograd.checks import check_int, check_real
 
 from . import init
-from .layers import check_positive_int, new_parameter
+from .layers import new_parameter
 from .module import Module
 
 
@@ -51,8 +52,8 @@ class SinusoidalPositionalEncoding(Module):
 
     def __init__(self, d_model, max_len=5000, device=None, dtype=None):
         super().__init__()
-        self.d_model = check_positive_int(d_model, "d_model", "SinusoidalPositionalEncoding")
-        self.max_len = check_positive_int(max_len, "max_len", "SinusoidalPositionalEncoding")
+        self.d_model = check_int(d_model, "d_model", "SinusoidalPositionalEncoding", at_least=1)
+        self.max_len = check_int(max_len, "max_len", "SinusoidalPositionalEncoding", at_least=1)
         self.register_buffer("pe", self._table(device or "cpu", dtype or "float32"), persistent=False)
 
     def _table(self, device, dtype):
@@ -82,9 +83,9 @@ class LearnedPositionalEmbedding(Module):
 
     def __init__(self, max_len, d_model, device=None, dtype=None):
         super().__init__()
-        self.max_len = check_positive_int(max_len, "max_len", "LearnedPositionalEmbedding")
-        self.d_model = check_positive_int(d_model, "d_model", "LearnedPositionalEmbedding")
-        self.weight = init.normal_(new_parameter((max_len, d_model), device, dtype), std=0.02)
+        self.max_len = check_int(max_len, "max_len", "LearnedPositionalEmbedding", at_least=1)
+        self.d_model = check_int(d_model, "d_model", "LearnedPositionalEmbedding", at_least=1)
+        self.weight = init.normal_(new_parameter((self.max_len, self.d_model), device, dtype), std=0.02)
 
     def forward(self, x, offset=0, position_ids=None):
         """x + weight[offset : offset + T], or x + weight[position_ids] with position_ids (B, T)
@@ -109,10 +110,10 @@ class RotaryEmbedding(Module):
 
     def __init__(self, head_dim, base=10000.0):
         super().__init__()
-        self.head_dim = check_positive_int(head_dim, "head_dim", "RotaryEmbedding")
+        self.head_dim = check_int(head_dim, "head_dim", "RotaryEmbedding", at_least=1)
         if head_dim % 2:
             raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
-        self.base = float(base)
+        self.base = check_real(base, "base", "RotaryEmbedding", above=0)
         self._tables = {}
 
     def cos_sin(self, length, like):

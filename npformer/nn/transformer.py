@@ -4,7 +4,8 @@ Post-LN (norm_first=False):  x = norm1(x + SA(x));  x = norm2(x + FF(x))
 Pre-LN  (norm_first=True):   x = x + SA(norm1(x));  x = x + FF(norm2(x))
 (the decoder adds cross-attention with norm2, and its feed-forward uses norm3).
 FF(x) = linear2(dropout(activation(linear1(x)))); each sublayer output goes through its own
-dropout before the residual add. Masks use torch.nn's convention (bool True = may NOT attend).
+dropout before the residual add (one fused op, F.dropout_add; a named activation runs fused with
+linear1's bias, F.linear(..., activation=...)). Masks use torch.nn's convention (bool True = may NOT attend).
 
 Cached decoding: `TransformerDecoder.init_cache(memory)` projects the cross-attention keys
 and values of every layer once; `TransformerDecoder.step(x, cache)` runs one new target
@@ -18,10 +19,12 @@ import math
 
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
+from autograd.checks import as_array, check_int, check_real
+from npformer.functional._common import check_index_range
 
 from . import init
 from .attention import MultiheadAttention, attention_mask
-from .layers import Dropout, LayerNorm, Linear, check_positive_int
+from .layers import Dropout, LayerNorm, Linear
 from .module import Module, ModuleList
 
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
@@ -36,12 +39,21 @@ def _activation(activation, owner):
 
 
 def check_d_model_nhead(d_model, nhead, owner):
-    check_positive_int(d_model, "d_model", owner)
-    check_positive_int(nhead, "nhead", owner)
+    """(d_model, nhead) as ints >= 1, d_model divisible by nhead."""
+    d_model = check_int(d_model, "d_model", owner, at_least=1)
+    nhead = check_int(nhead, "nhead", owner, at_least=1)
     if d_model % nhead:
         raise ValueError(f"{owner}: d_model={d_model} is not divisible by nhead={nhead}; each head gets "
                          f"d_model / nhead features, so choose e.g. nhead in "
                          f"{[h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]}")
+    return d_model, nhead
+
+
+def check_layer_options(dim_feedforward, dropout, layer_norm_eps, owner):
+    """(dim_feedforward, dropout, layer_norm_eps) as an int >= 1, a probability and a float > 0."""
+    return (check_int(dim_feedforward, "dim_feedforward", owner, at_least=1),
+            check_real(dropout, "dropout", owner, at_least=0, at_most=1),
+            check_real(layer_norm_eps, "layer_norm_eps", owner, above=0))
 
 
 def check_sequence(x, d_model, owner, name):
@@ -70,7 +82,20 @@ class _FeedForwardLayer(Module):
         self.activation = _activation(activation, type(self).__name__)
 
     def _ff_block(self, x):
-        return self.dropout_last(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        """linear2(dropout(activation(linear1(x)))), before the last dropout; a named activation runs
+        fused with linear1's bias (F.linear(..., activation=...))."""
+        if type(self.linear1) is Linear and self.activation is _ACTIVATIONS.get(self.activation_name):
+            hidden = F.linear(x, self.linear1.weight, self.linear1.bias, activation=self.activation_name)
+        else:
+            hidden = self.activation(self.linear1(x))
+        return self.linear2(self.dropout(hidden))
+
+    @staticmethod
+    def _residual(x, dropout, y):
+        """x + dropout(y), as one fused op (F.dropout_add: no mask stored) when `dropout` is a Dropout."""
+        if type(dropout) is Dropout:
+            return F.dropout_add(y, x, dropout.p, dropout.training)
+        return x + dropout(y)
 
 
 class TransformerEncoderLayer(_FeedForwardLayer):
@@ -80,7 +105,9 @@ class TransformerEncoderLayer(_FeedForwardLayer):
                  layer_norm_eps=1e-5, batch_first=True, norm_first=False, bias=True, device=None, dtype=None,
                  rotary=False, memory_efficient=False):
         super().__init__()
-        check_d_model_nhead(d_model, nhead, "TransformerEncoderLayer")
+        d_model, nhead = check_d_model_nhead(d_model, nhead, "TransformerEncoderLayer")
+        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
+                                                                       "TransformerEncoderLayer")
         self.d_model, self.norm_first = d_model, bool(norm_first)
         self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first,
                                             device=device, dtype=dtype, rotary=rotary,
@@ -90,9 +117,6 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype)
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
-
-    def dropout_last(self, x):
-        return self.dropout2(x)
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
         """src (B, S, d) -> (B, S, d). src_mask (S, S) or (B*nhead, S, S); src_key_padding_mask (B, S)."""
@@ -110,10 +134,10 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         def self_attention(h):
             return self.self_attn.forward_masked(h, h, h, mask, is_causal)[0]
         if self.norm_first:
-            x = x + self.dropout1(self_attention(self.norm1(x)))
-            return x + self._ff_block(self.norm2(x))
-        x = self.norm1(x + self.dropout1(self_attention(x)))
-        return self.norm2(x + self._ff_block(x))
+            x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
+            return self._residual(x, self.dropout2, self._ff_block(self.norm2(x)))
+        x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
+        return self.norm2(self._residual(x, self.dropout2, self._ff_block(x)))
 
     def forward_step(self, x, layer_cache, mask, is_causal, position):
         """New positions x (B, L, d) attending to the cached self-attention keys and values
@@ -146,7 +170,9 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                  layer_norm_eps=1e-5, batch_first=True, norm_first=False, bias=True, device=None, dtype=None,
                  rotary=False, memory_efficient=False):
         super().__init__()
-        check_d_model_nhead(d_model, nhead, "TransformerDecoderLayer")
+        d_model, nhead = check_d_model_nhead(d_model, nhead, "TransformerDecoderLayer")
+        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
+                                                                       "TransformerDecoderLayer")
         self.d_model, self.norm_first = d_model, bool(norm_first)
         options = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype,
                        memory_efficient=memory_efficient)
@@ -157,9 +183,6 @@ class TransformerDecoderLayer(_FeedForwardLayer):
             setattr(self, f"norm{i}", LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype))
         for i in (1, 2, 3):
             setattr(self, f"dropout{i}", Dropout(dropout))
-
-    def dropout_last(self, x):
-        return self.dropout3(x)
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
@@ -183,12 +206,12 @@ class TransformerDecoderLayer(_FeedForwardLayer):
 
     def _sublayers(self, x, self_attention, cross_attention):
         if self.norm_first:
-            x = x + self.dropout1(self_attention(self.norm1(x)))
-            x = x + self.dropout2(cross_attention(self.norm2(x)))
-            return x + self._ff_block(self.norm3(x))
-        x = self.norm1(x + self.dropout1(self_attention(x)))
-        x = self.norm2(x + self.dropout2(cross_attention(x)))
-        return self.norm3(x + self._ff_block(x))
+            x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
+            x = self._residual(x, self.dropout2, cross_attention(self.norm2(x)))
+            return self._residual(x, self.dropout3, self._ff_block(self.norm3(x)))
+        x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
+        x = self.norm2(self._residual(x, self.dropout2, cross_attention(x)))
+        return self.norm3(self._residual(x, self.dropout3, self._ff_block(x)))
 
     def forward_step(self, x, layer_cache, cross_mask, position):
         """One new target position x (B, 1, d) attending to the cached self-attention keys and
@@ -224,7 +247,7 @@ class _LayerStack(Module):
         owner = type(self).__name__
         if not isinstance(layer, self.layer_type):
             raise TypeError(f"{owner}: expected a {self.layer_type.__name__} to copy, got {type(layer).__name__}")
-        check_positive_int(num_layers, "num_layers", owner)
+        num_layers = check_int(num_layers, "num_layers", owner, at_least=1)
         self.layers = ModuleList([copy.deepcopy(layer) for _ in range(num_layers)])
         self.num_layers = num_layers
         self.norm = norm
@@ -413,13 +436,12 @@ class DecoderCache:
         like = cached[0].data
         idx = indices.data if isinstance(indices, Tensor) else indices
         if not backend.is_array(idx):
-            idx = backend.module_for("cpu").asarray(idx)
-        idx = backend.to_device(idx, backend.device_of(like))
+            idx = as_array(idx, "indices", "DecoderCache.reorder", backend.module_for("cpu"))
         if idx.ndim != 1 or idx.dtype.kind not in "iu":
             raise ValueError(f"DecoderCache.reorder: indices must be a 1-D integer array, got {idx.dtype} {idx.shape}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.batch_size):
-            raise IndexError(f"DecoderCache.reorder: indices must be in [0, {self.batch_size - 1}], "
-                             f"got values in [{int(idx.min())}, {int(idx.max())}]")
+        check_index_range(idx, self.batch_size, lambda lo, hi: IndexError(  # host indices now, device ones deferred
+            f"DecoderCache.reorder: indices must be in [0, {self.batch_size - 1}], got values in [{lo}, {hi}]"))
+        idx = backend.to_device(idx, backend.device_of(like))
         for layer in self.layers:
             layer.buffers = None  # the reordered tensors are new arrays
             for name, t in layer.tensors().items():
@@ -451,8 +473,11 @@ class Transformer(Module):
                  batch_first=True, norm_first=False, bias=True, device=None, dtype=None, rotary=False,
                  memory_efficient=False):
         super().__init__()
-        check_d_model_nhead(d_model, nhead, "Transformer")
-        check_positive_int(dim_feedforward, "dim_feedforward", "Transformer")
+        d_model, nhead = check_d_model_nhead(d_model, nhead, "Transformer")
+        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
+                                                                       "Transformer")
+        num_encoder_layers = check_int(num_encoder_layers, "num_encoder_layers", "Transformer", at_least=1)
+        num_decoder_layers = check_int(num_decoder_layers, "num_decoder_layers", "Transformer", at_least=1)
         layer_options = dict(dim_feedforward=dim_feedforward, dropout=dropout, activation=activation,
                              layer_norm_eps=layer_norm_eps, batch_first=batch_first, norm_first=norm_first,
                              bias=bias, device=device, dtype=dtype, rotary=rotary, memory_efficient=memory_efficient)
@@ -498,6 +523,6 @@ class Transformer(Module):
     @staticmethod
     def generate_square_subsequent_mask(sz, device=None, dtype=None):
         """(sz, sz) float array: -inf above the diagonal (future positions), 0 elsewhere."""
-        check_positive_int(sz, "sz", "generate_square_subsequent_mask")
+        sz = check_int(sz, "sz", "generate_square_subsequent_mask", at_least=1)
         xp = backend.module_for(device or "cpu")
         return xp.triu(xp.full((sz, sz), -math.inf, dtype=dtype or "float32"), 1)

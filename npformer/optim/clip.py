@@ -1,7 +1,9 @@
 """Gradient clipping by the global norm, as torch.nn.utils.clip_grad_norm_."""
 import math
+import sys
 
-from autograd import backend
+from autograd import Tensor, backend
+from autograd.checks import check_real
 
 
 def _parameters_with_grad(parameters):
@@ -10,50 +12,72 @@ def _parameters_with_grad(parameters):
     return [p for p in parameters if p.grad is not None]
 
 
+LOG_MAX = math.log(sys.float_info.max)
+
+
+def total_norm(grads, norm_type=2.0):
+    """The norm of the arrays `grads` (all on one device) together, as if concatenated into one
+    vector: a 0-d float64 array on their device, computed there (no host round trip):
+    `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. As torch's: inf when the sum of the
+    q-th powers overflows (it is summed scaled by the largest norm, so nothing warns)."""
+    xp = backend.get_array_module(grads[0])
+    if norm_type == math.inf:
+        return xp.stack([xp.abs(g).max() for g in grads]).astype("float64").max()
+    norms = xp.stack([xp.linalg.norm(g.ravel(), ord=norm_type) for g in grads]).astype("float64")
+    largest = norms.max()
+    usable = xp.isfinite(largest) & (largest > 0)                # else the result is largest: 0, inf or NaN
+    scale = xp.where(usable, largest, 1.0)
+    powers = ((norms / scale) ** norm_type).sum()                # in [1, number of gradients]
+    total = scale * powers ** (1.0 / norm_type)
+    overflows = norm_type * xp.log(scale) + xp.log(xp.where(powers > 0, powers, 1.0)) > LOG_MAX
+    return xp.where(usable, xp.where(overflows, math.inf, total), largest)
+
+
 def grad_norm(parameters, norm_type=2.0):
-    """The norm of all gradients together, as if concatenated into one vector (a Python float):
-    `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no gradient exists."""
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(f"norm_type: expected a positive number or inf, got {norm_type}")
+    """The norm of all gradients together, as if concatenated into one vector (a Python float, so
+    read on the host): `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no
+    gradient exists; inf when the sum of powers overflows (as torch)."""
+    norm_type = check_real(norm_type, "norm_type", "grad_norm", above=0, finite=False)
     grads = [p.grad for p in _parameters_with_grad(parameters)]
     if not grads:
         return 0.0
     by_device = {}
     for g in grads:
         by_device.setdefault(backend.device_of(g), []).append(g)
-    per_param = []
-    for group in by_device.values():  # one host transfer per device
-        xp = backend.get_array_module(group[0])
-        if norm_type == math.inf:
-            norms = xp.stack([xp.abs(g).max() for g in group])
-        else:
-            norms = xp.stack([xp.linalg.norm(g.ravel(), ord=norm_type) for g in group])
-        per_param.extend(float(n) for n in norms.tolist())
+    per_device = [float(total_norm(group, norm_type)) for group in by_device.values()]  # one read per device
     if norm_type == math.inf:
-        return max(per_param)
-    return math.fsum(n ** norm_type for n in per_param) ** (1.0 / norm_type)
+        return max(per_device)
+    try:
+        return math.fsum(n ** norm_type for n in per_device) ** (1.0 / norm_type)
+    except OverflowError:  # gradients on several devices whose sum of powers passes float's range
+        return math.inf
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
-    """Scale every gradient in place by `max_norm / (total_norm + 1e-6)` when that is below 1.
+    """Scale every gradient in place by `min(1, max_norm / (total_norm + 1e-6))`, like torch.
 
     parameters: an iterable of parameters (or one); those without `.grad` are skipped.
-    Returns the total norm before clipping (a Python float), computed as in `grad_norm`.
-    A non-finite total norm raises RuntimeError with error_if_nonfinite=True; otherwise the
+    Returns the total norm before clipping as a 0-d float64 Tensor on the gradients' device (like
+    torch; `float(...)` reads it): it is computed and applied on the device, so clipping does not
+    wait for the GPU (and can be captured in a CUDA graph). A non-finite total norm raises
+    RuntimeError with error_if_nonfinite=True (which reads it on the host); otherwise the
     gradients are left unchanged (torch would scale them into NaN) and the norm is returned.
     """
-    max_norm = float(max_norm)
-    if not max_norm >= 0:  # also refuses NaN
-        raise ValueError(f"max_norm: expected a number >= 0, got {max_norm}")
+    max_norm = check_real(max_norm, "max_norm", "clip_grad_norm_", at_least=0, finite=False)
+    norm_type = check_real(norm_type, "norm_type", "clip_grad_norm_", above=0, finite=False)
     params = _parameters_with_grad(parameters)
-    total = grad_norm(params, norm_type)
-    if not math.isfinite(total):
-        if error_if_nonfinite:
-            raise RuntimeError(f"clip_grad_norm_: the total gradient norm of order {norm_type} is {total}")
-        return total  # unlike torch, leave the gradients as they are instead of making them NaN
-    coef = max_norm / (total + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            p.grad *= coef
-    return total
+    if not params:
+        return Tensor(backend.module_for("cpu").zeros((), dtype="float64"))
+    devices = {backend.device_of(p.grad) for p in params}
+    if len(devices) > 1:
+        raise RuntimeError(f"clip_grad_norm_: the gradients are on several devices {sorted(devices)}; clip each "
+                           "device's parameters on their own")
+    xp = backend.get_array_module(params[0].grad)
+    total = total_norm([p.grad for p in params], norm_type)
+    if error_if_nonfinite and not bool(xp.isfinite(total)):
+        raise RuntimeError(f"clip_grad_norm_: the total gradient norm of order {norm_type} is {float(total)}")
+    # coef = min(1, max_norm / (total + 1e-6)); a non-finite total leaves the gradients as they are
+    coef = xp.where(xp.isfinite(total), xp.minimum(max_norm / (total + 1e-6), 1.0), 1.0)
+    for p in params:
+        p.grad *= coef.astype(p.grad.dtype)
+    return Tensor(total)

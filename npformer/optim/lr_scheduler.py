@@ -6,6 +6,8 @@ first lr), call `scheduler.step()` after each `optimizer.step()`, read `get_last
 """
 import math
 
+from autograd.checks import check_int, check_real
+
 
 class LambdaLR:
     """lr of group i = base_lr_i * lr_lambda(last_epoch), like torch.optim.lr_scheduler.LambdaLR."""
@@ -13,6 +15,9 @@ class LambdaLR:
     def __init__(self, optimizer, lr_lambda, last_epoch=-1):
         if not hasattr(optimizer, "param_groups"):
             raise TypeError(f"optimizer: expected an Optimizer, got {type(optimizer).__name__}")
+        if not callable(lr_lambda):
+            raise TypeError(f"{type(self).__name__}: lr_lambda must be a callable, got {type(lr_lambda).__name__}")
+        last_epoch = check_int(last_epoch, "last_epoch", type(self).__name__, at_least=-1)
         self.optimizer = optimizer
         self.lr_lambda = lr_lambda
         for group in optimizer.param_groups:
@@ -43,14 +48,39 @@ class LambdaLR:
         return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs), "last_lr": list(self._last_lr)}
 
     def load_state_dict(self, state_dict):
-        if len(state_dict["base_lrs"]) != len(self.base_lrs):
-            raise ValueError(f"state_dict: {len(state_dict['base_lrs'])} base lrs for "
-                             f"{len(self.base_lrs)} parameter groups")
-        self.last_epoch = int(state_dict["last_epoch"])
-        self.base_lrs = [float(lr) for lr in state_dict["base_lrs"]]
-        self._last_lr = [float(lr) for lr in state_dict["last_lr"]]
-        for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
-            group["initial_lr"], group["lr"] = base, lr
+        """Restore last_epoch, base_lrs and last_lr (and set every group's lr). Everything is
+        checked first (ValueError or TypeError); a failed load changes nothing."""
+        self.prepare_load_state_dict(state_dict)()
+
+    def prepare_load_state_dict(self, state_dict):
+        """Check `state_dict` as load_state_dict does, changing nothing; returns a function
+        that loads it (it cannot fail)."""
+        keys = {"last_epoch", "base_lrs", "last_lr"}
+        if not isinstance(state_dict, dict) or set(state_dict) != keys:
+            got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"state_dict: expected a dict with the keys {sorted(keys)}, got {got}")
+        last_epoch = state_dict["last_epoch"]
+        if isinstance(last_epoch, bool) or not isinstance(last_epoch, int) or last_epoch < -1:
+            raise TypeError(f"state_dict: last_epoch must be an int >= -1, got {last_epoch!r}")
+        lrs = {}
+        for key in ("base_lrs", "last_lr"):
+            values = state_dict[key]
+            if not isinstance(values, (list, tuple)) or not all(_is_lr(v) for v in values):
+                raise TypeError(f"state_dict: {key} must be a list of finite numbers >= 0, got {values!r}")
+            if len(values) != len(self.base_lrs):
+                raise ValueError(f"state_dict: {len(values)} {key} for {len(self.base_lrs)} parameter groups")
+            lrs[key] = [float(v) for v in values]
+
+        def load():
+            self.last_epoch, self.base_lrs, self._last_lr = last_epoch, lrs["base_lrs"], lrs["last_lr"]
+            for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
+                group["initial_lr"], group["lr"] = base, lr
+
+        return load
+
+
+def _is_lr(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def noam_factor(step, d_model, warmup_steps):
@@ -67,10 +97,8 @@ class NoamLR(LambdaLR):
     """
 
     def __init__(self, optimizer, d_model, warmup_steps=4000, last_epoch=-1):
-        if d_model <= 0:
-            raise ValueError(f"d_model: expected a positive integer, got {d_model}")
-        if warmup_steps <= 0:
-            raise ValueError(f"warmup_steps: expected a positive integer, got {warmup_steps}")
+        d_model = check_int(d_model, "d_model", "NoamLR", at_least=1)
+        warmup_steps = check_int(warmup_steps, "warmup_steps", "NoamLR", at_least=1)
         self.d_model, self.warmup_steps = d_model, warmup_steps
         super().__init__(optimizer, lambda epoch: noam_factor(epoch + 1, d_model, warmup_steps), last_epoch)
 
@@ -88,13 +116,11 @@ class WarmupCosineLR(LambdaLR):
     """lr = base_lr * warmup_cosine_factor(last_epoch + 1, warmup_steps, total_steps, min_ratio)."""
 
     def __init__(self, optimizer, warmup_steps, total_steps, min_ratio=0.0, last_epoch=-1):
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps: expected an integer >= 0, got {warmup_steps}")
-        if total_steps < max(warmup_steps, 1):
-            raise ValueError(f"total_steps: expected an integer >= max(warmup_steps, 1) = "
-                             f"{max(warmup_steps, 1)}, got {total_steps}")
-        if not 0.0 <= min_ratio <= 1.0:
-            raise ValueError(f"min_ratio: expected a value in [0, 1], got {min_ratio}")
+        warmup_steps = check_int(warmup_steps, "warmup_steps", "WarmupCosineLR", at_least=0)
+        total_steps = check_int(total_steps, "total_steps", "WarmupCosineLR", at_least=1)
+        if total_steps < warmup_steps:
+            raise ValueError(f"WarmupCosineLR: total_steps must be >= warmup_steps={warmup_steps}, got {total_steps}")
+        min_ratio = check_real(min_ratio, "min_ratio", "WarmupCosineLR", at_least=0, at_most=1)
         self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, total_steps, min_ratio
         super().__init__(optimizer, lambda epoch: warmup_cosine_factor(epoch + 1, warmup_steps, total_steps,
                                                                        min_ratio), last_epoch)

@@ -9,21 +9,38 @@ State dicts follow torch's layout: `{"state": {index: {name: array or number}},
 "param_groups": [{hyperparameters..., "params": [indices]}]}`; arrays are host (numpy)
 copies, and `load_state_dict` moves them to each parameter's device and dtype.
 """
-import functools
 import math
+from typing import NamedTuple
 
-from autograd import backend
+from autograd import backend, graphs
+from autograd.checks import check_real
+from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
 
-def _check_range(name, value, low, high=None, low_inclusive=True):
-    """Raise ValueError unless low <= value (< high)."""
-    ok = value >= low if low_inclusive else value > low
-    if high is not None:
-        ok = ok and value < high
-    if not ok:
-        bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and < {high}" if high is not None else "")
-        raise ValueError(f"{name}: expected a value {bound}, got {value!r}")
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _like(value, default):
+    """Whether a saved hyperparameter has the type of the optimizer's default (bools stay bools,
+    tuples stay tuples of the same length, numbers stay numbers)."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, tuple):
+        return isinstance(value, (list, tuple)) and len(value) == len(default)
+    return _is_number(value)
+
+
+def _is_hyperparameter(value):
+    """What a saved param group may hold besides its params: None, a bool, a number or numbers."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_number(v) for v in value)
+    return value is None or isinstance(value, bool) or _is_number(value)
 
 
 class Optimizer:
@@ -33,6 +50,10 @@ class Optimizer:
     `{"params": [...], **overrides}` (parameter groups, e.g. no weight decay on biases).
     defaults: the hyperparameters each group gets unless it overrides them.
     """
+
+    # a parameter's state entries: name -> "array" (the parameter's shape), "count" (an int >= 0)
+    # or "number"; a state holds all of them or none. None: any names (arrays, numbers).
+    state_kinds = None
 
     def __init__(self, params, defaults):
         self.defaults = dict(defaults)
@@ -62,7 +83,9 @@ class Optimizer:
         self._scratch = {}
 
     def _check_group(self, group):
-        _check_range("lr", group["lr"], 0.0)
+        """Check a group's hyperparameters and make each number a Python float (a numpy float64
+        lr would turn float32 parameters into float64)."""
+        group["lr"] = check_real(group["lr"], "lr", type(self).__name__, at_least=0)
 
     def parameters(self):
         return [p for group in self.param_groups for p in group["params"]]
@@ -75,8 +98,13 @@ class Optimizer:
             elif p.grad is not None:
                 p.grad[...] = 0
 
+    capturable = False  # its step can be captured in a CUDA graph (npformer.cuda.graphed) and replayed
+
     def step(self):
         """One update of every parameter that has a gradient (parameters without one are skipped)."""
+        if not self.capturable and any(graphs.current(p.device) for p in self.parameters()):
+            raise RuntimeError(f"{type(self).__name__}.step() cannot be captured in a graph: its hyperparameters "
+                               "would be baked into the graph; use Adam or AdamW, or step it outside the graph")
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -116,38 +144,103 @@ class Optimizer:
 
     def load_state_dict(self, state_dict):
         """Restore hyperparameters and per-parameter state; arrays go to each parameter's
-        device and dtype. Raises ValueError when the groups or shapes do not match."""
+        device and dtype. Everything is checked first (ValueError or TypeError naming what is
+        wrong: group count or sizes, hyperparameter types and ranges, state names, shapes and
+        dtypes); a failed load changes nothing."""
+        self.prepare_load_state_dict(state_dict)()
+
+    def prepare_load_state_dict(self, state_dict):
+        """Check `state_dict` as load_state_dict does, changing nothing; returns a function
+        that loads it (it cannot fail)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("state_dict: expected a dict with the keys 'param_groups' and 'state', got "
+                             + (str(sorted(map(str, state_dict))) if isinstance(state_dict, dict)
+                                else type(state_dict).__name__))
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict: expected {len(self.param_groups)} parameter groups, got {len(groups)}")
-        by_index = {}
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
+            got = len(groups) if isinstance(groups, (list, tuple)) else type(groups).__name__
+            raise ValueError(f"state_dict: expected {len(self.param_groups)} parameter groups, got {got}")
+        by_index, hyperparameters = {}, []
         for i, (mine, saved) in enumerate(zip(self.param_groups, groups)):
-            if len(mine["params"]) != len(saved["params"]):
-                raise ValueError(f"state_dict: group {i} has {len(saved['params'])} parameters, "
-                                 f"this optimizer's has {len(mine['params'])}")
+            hyperparameters.append(self._checked_group(i, mine, saved))
             for p, j in zip(mine["params"], saved["params"]):
-                by_index[int(j)] = p
+                if j in by_index:
+                    raise ValueError(f"state_dict: parameter index {j} appears in more than one place")
+                by_index[j] = p
+        state = state_dict["state"]
+        if not isinstance(state, dict):
+            raise ValueError(f"state_dict: 'state' must be a dict, got {type(state).__name__}")
         new_state = {}
-        for j, values in state_dict["state"].items():
-            p = by_index.get(int(j))
+        for j, values in state.items():
+            p = by_index.get(j) if _is_int(j) else None
             if p is None:
-                raise ValueError(f"state_dict: state for parameter index {j}, which no group lists")
-            restored = {}
-            for name, v in values.items():
-                if backend.is_array(v) and v.ndim > 0:
-                    if tuple(v.shape) != p.shape:
-                        raise ValueError(f"state_dict: {name} of parameter {j} has shape {tuple(v.shape)}, "
-                                         f"the parameter has {p.shape}")
-                    v = backend.to_device(backend.as_numpy(v), p.device).astype(p.dtype, copy=True)
-                elif backend.is_array(v):
+                raise ValueError(f"state_dict: state for parameter index {j!r}, which no group lists")
+            new_state[id(p)] = self._checked_state(j, p, values)
+
+        def load():
+            for mine, values in zip(self.param_groups, hyperparameters):
+                mine.update(values)
+            self.state = new_state
+
+        return load
+
+    def _checked_group(self, i, mine, saved):
+        """Group i's saved hyperparameters, checked against this optimizer's group `mine`."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"state_dict: parameter group {i} must be a dict, got {type(saved).__name__}")
+        params = saved.get("params")
+        if not isinstance(params, (list, tuple)) or not all(_is_int(j) for j in params):
+            raise ValueError(f"state_dict: group {i}: 'params' must be a list of parameter indices")
+        if len(params) != len(mine["params"]):
+            raise ValueError(f"state_dict: group {i} has {len(params)} parameters, "
+                             f"this optimizer's has {len(mine['params'])}")
+        missing = [k for k in self.defaults if k not in saved]
+        if missing:
+            raise ValueError(f"state_dict: group {i} lacks the hyperparameters {missing}")
+        values = {}
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            if not isinstance(key, str) or not _is_hyperparameter(value):
+                raise TypeError(f"state_dict: group {i}: hyperparameter {key!r} must be a number, a bool, None "
+                                f"or a list of numbers, got {type(value).__name__}")
+            if key in self.defaults and not _like(value, self.defaults[key]):
+                raise TypeError(f"state_dict: group {i}: {key} must be like this optimizer's default "
+                                f"{self.defaults[key]!r}, got {value!r}")
+            values[key] = tuple(value) if isinstance(value, (list, tuple)) else value
+        self._check_group({**mine, **values})
+        return values
+
+    def _checked_state(self, j, p, values):
+        """Parameter j's saved state, checked against `p` and converted to its device and dtype."""
+        if not isinstance(values, dict) or not all(isinstance(name, str) for name in values):
+            raise ValueError(f"state_dict: the state of parameter {j} must be a dict with string keys")
+        if self.state_kinds is not None and values and set(values) != set(self.state_kinds):
+            raise ValueError(f"state_dict: the state of parameter {j} must have the entries "
+                             f"{sorted(self.state_kinds)} (or none), got {sorted(values)}")
+        restored = {}
+        for name, v in values.items():
+            if self.state_kinds is not None:
+                kind = self.state_kinds[name]
+            else:
+                kind = "array" if backend.is_array(v) and v.ndim > 0 else "number"
+            if kind == "array":
+                if not backend.is_array(v) or tuple(v.shape) != p.shape:
+                    got = tuple(v.shape) if backend.is_array(v) else type(v).__name__
+                    raise ValueError(f"state_dict: {name} of parameter {j} must be an array of the parameter's "
+                                     f"shape {p.shape}, got {got}")
+                if not backend.module_for("cpu").can_cast(v.dtype, p.dtype, casting="same_kind"):
+                    raise TypeError(f"state_dict: {name} of parameter {j} has dtype {v.dtype}, which does not "
+                                    f"cast to the parameter's {p.dtype}")
+                v = backend.to_device(backend.as_numpy(v), p.device).astype(p.dtype, copy=True)
+            else:
+                if backend.is_array(v) and v.ndim == 0:
                     v = v.item()
-                restored[name] = v
-            new_state[id(p)] = restored
-        for mine, saved in zip(self.param_groups, groups):
-            for key, value in saved.items():
-                if key != "params":
-                    mine[key] = tuple(value) if key == "betas" else value
-        self.state = new_state
+                if not _is_number(v) or (kind == "count" and (not _is_int(v) or v < 0)):
+                    raise TypeError(f"state_dict: {name} of parameter {j} must be "
+                                    f"{'an int >= 0' if kind == 'count' else 'a number'}, got {v!r}")
+            restored[name] = v
+        return restored
 
     def __repr__(self):
         groups = ", ".join(str({k: v for k, v in g.items() if k != "params"}) for g in self.param_groups)
@@ -162,17 +255,20 @@ class SGD(Optimizer):
         g = g + momentum * b if nesterov else b;  p -= lr * g
     """
 
+    state_kinds = {"momentum_buffer": "array"}
+
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(f"nesterov: needs momentum > 0 and dampening == 0, got momentum={momentum}, "
-                             f"dampening={dampening}")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
     def _check_group(self, group):
         super()._check_group(group)
-        _check_range("momentum", group["momentum"], 0.0)
-        _check_range("weight_decay", group["weight_decay"], 0.0)
+        group["momentum"] = check_real(group["momentum"], "momentum", "SGD", at_least=0)
+        group["dampening"] = check_real(group["dampening"], "dampening", "SGD")
+        group["weight_decay"] = check_real(group["weight_decay"], "weight_decay", "SGD", at_least=0)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"SGD: nesterov=True needs momentum > 0 and dampening == 0, got "
+                             f"momentum={group['momentum']}, dampening={group['dampening']}")
 
     def _update(self, p, grad, group, state):
         xp = p.xp
@@ -214,93 +310,134 @@ class Adam(Optimizer):
     """
 
     decoupled = False
+    capturable = True  # under graph capture the step-dependent scalars live in device memory
+    state_kinds = {"step": "count", "exp_avg": "array", "exp_avg_sq": "array"}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        betas = tuple(betas) if isinstance(betas, (list, tuple)) else betas     # else refused by _check_group
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def _check_group(self, group):
         super()._check_group(group)
-        betas = tuple(group["betas"])
-        if len(betas) != 2:
-            raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
-        _check_range("betas[0]", betas[0], 0.0, 1.0)
-        _check_range("betas[1]", betas[1], 0.0, 1.0)
-        _check_range("eps", group["eps"], 0.0)
-        _check_range("weight_decay", group["weight_decay"], 0.0)
+        owner = type(self).__name__
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            error = ValueError if isinstance(betas, (tuple, list)) else TypeError
+            raise error(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
+        group["betas"] = tuple(check_real(b, f"betas[{i}]", owner, at_least=0, below=1) for i, b in enumerate(betas))
+        group["eps"] = check_real(group["eps"], "eps", owner, at_least=0)
+        group["weight_decay"] = check_real(group["weight_decay"], "weight_decay", owner, at_least=0)
 
     def _update(self, p, grad, group, state):
-        xp = p.xp
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if not state:
+            if graphs.current(p.device) is not None:
+                raise RuntimeError("Adam: a parameter without optimizer state inside a graph capture: run one "
+                                   "step eagerly first (npformer.cuda.graphed does: warmup >= 1)")
             state["step"] = 0
-            state["exp_avg"] = xp.zeros_like(p.data)  # m
-            state["exp_avg_sq"] = xp.zeros_like(p.data)  # v
+            state["exp_avg"] = p.xp.zeros_like(p.data)  # m
+            state["exp_avg_sq"] = p.xp.zeros_like(p.data)  # v
         state["step"] += 1
-        t = state["step"]
-        bias_correction1, bias_correction2_sqrt = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
-        if p.device != "cpu":  # one fused kernel instead of ~13 launches
-            variant = "decoupled" if wd != 0 and self.decoupled else "l2" if wd != 0 else "plain"
-            _adam_kernel(xp, variant)(grad, 1.0 - beta1, beta2, 1.0 - beta2, lr / bias_correction1,
-                                      bias_correction2_sqrt, eps, wd, 1.0 - lr * wd,
-                                      p.data, state["exp_avg"], state["exp_avg_sq"])
-            return
-        arrays = (p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p))
+        hyper = self._captured_hyperparameters(p, group, state)
+        adam_update(p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p),
+                    self._settings(group, state["step"]), hyper)
 
-        def update(start, stop):  # the entries [start, stop) of flat arrays, or whole arrays
-            param, g, m, v, tmp = (a[start:stop] for a in arrays) if stop is not None else arrays
-            if wd != 0:
-                if self.decoupled:
-                    # AdamW: p = p * (1 - lr * weight_decay), before the Adam step
-                    param *= 1.0 - lr * wd
-                else:
-                    # Adam: g = grad + weight_decay * p (a new array: grad itself is not touched)
-                    g = g + wd * param
-            # m = lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
-            xp.subtract(g, m, out=tmp)
-            tmp *= 1.0 - beta1
-            m += tmp
-            # v = beta2 * v + (1 - beta2) * g * g
-            v *= beta2
-            xp.multiply(g, 1.0 - beta2, out=tmp)
-            tmp *= g
-            v += tmp
-            # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-            xp.sqrt(v, out=tmp)
-            tmp /= bias_correction2_sqrt
-            tmp += eps
-            # p -= lr / (1 - beta1^t) * m / denom
-            xp.divide(m, tmp, out=tmp)
-            tmp *= lr / bias_correction1
-            param -= tmp
+    def _settings(self, group, step):
+        """The AdamSettings of a step of `group` (step: the 1-based count of the parameter's steps)."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        return AdamSettings(1.0 - beta1, beta2, 1.0 - beta2, eps, wd,
+                            "decoupled" if wd != 0 and self.decoupled else "l2" if wd != 0 else "plain",
+                            lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), 1.0 - lr * wd)
 
-        if p.data.flags.c_contiguous:  # flat views, split across npformer's threads when big
-            arrays = tuple(a.reshape(-1) for a in arrays)
-            for_rows(update, p.size, p.size, p.data)
-        else:
-            update(0, None)
+    def _captured_hyperparameters(self, p, group, state):
+        """Under graph capture: the device row (step_size, bias_correction2_sqrt, decay) of parameter
+        p, rewritten before each replay from its step count and its group's lr then; else None."""
+        capture = graphs.current(p.device)
+        if capture is None:
+            return None
+        rows = capture.slot(("adam", id(self), p.device, "rows"), list)   # [(param state, group)] captured
+        if not rows:
+            table = capture.slot(("adam", id(self), p.device), lambda: p.xp.empty((len(self.parameters()), 3)))
+
+            def before_replay(replay):  # replay 0 performs the captured step, whose counts are already in
+                host = backend.module_for("cpu").zeros(table.shape)
+                for i, (st, g) in enumerate(rows):
+                    st["step"] += replay > 0
+                    s = self._settings(g, st["step"])
+                    host[i] = (s.step_size, s.bias_correction2_sqrt, s.decay)
+                backend.copy_from_host(table, host)
+            capture.before_replay(before_replay)
+        table = capture.slots[("adam", id(self), p.device)]
+        rows.append((state, group))
+        return table[len(rows) - 1]
 
 
-# Adam's update of one entry as the body of a fused elementwise kernel (cupy.ElementwiseKernel
-# on a GPU; the test device runs the same text with numpy): the arithmetic of the host path
-# above, operation for operation, so the test device agrees with the CPU bit for bit (a GPU
-# may fuse a * b + c into one FMA, as torch's CUDA Adam does). {g} is the gradient used:
-# g, or g + weight_decay * p (Adam's L2 penalty); AdamW first decays p.
-ADAM_KERNEL_BODY = """
-m = m + one_minus_beta1 * ({g} - m);
-v = beta2 * v + one_minus_beta2 * {g} * {g};
-p = p - step_size * (m / (sqrt(v) / bias_correction2_sqrt + eps));
-"""
+class AdamSettings(NamedTuple):
+    """The scalars of one Adam step: hyperparameters, the variant ("plain", "l2": Adam's coupled
+    weight decay, "decoupled": AdamW's) and the step-dependent step_size = lr / (1 - beta1^t),
+    bias_correction2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr * weight_decay."""
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    variant: str
+    step_size: float
+    bias_correction2_sqrt: float
+    decay: float
 
 
-@functools.lru_cache(maxsize=None)  # the body is put together once, not for every parameter at every step
-def _adam_kernel(xp, variant):
-    """The fused Adam step of a device's array module; variant "plain", "l2" or "decoupled"."""
-    body = ADAM_KERNEL_BODY.format(g="(g + weight_decay * p)" if variant == "l2" else "g")
-    if variant == "decoupled":
-        body = "p = p * decay;" + body
-    return backend.elementwise_kernel(
-        xp, "T g, T one_minus_beta1, T beta2, T one_minus_beta2, T step_size, T bias_correction2_sqrt, "
-        "T eps, T weight_decay, T decay", "T p, T m, T v", body, f"npformer_adam_{variant}")
+def _adam_entries(param, g, m, v, tmp, s, step_size, bias_correction2_sqrt, decay):
+    """Adam's update of the entries of (flat blocks of) arrays, in place; the step-dependent
+    scalars are floats or (1,) device arrays of the parameter's dtype."""
+    xp = backend.get_array_module(param)
+    if s.variant == "decoupled":
+        # AdamW: p = p * (1 - lr * weight_decay), before the Adam step
+        param *= decay
+    elif s.variant == "l2":
+        # Adam: g = grad + weight_decay * p (a new array: grad itself is not touched)
+        g = g + s.weight_decay * param
+    # m = lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
+    xp.subtract(g, m, out=tmp)
+    tmp *= s.one_minus_beta1
+    m += tmp
+    # v = beta2 * v + (1 - beta2) * g * g
+    v *= s.beta2
+    xp.multiply(g, s.one_minus_beta2, out=tmp)
+    tmp *= g
+    v += tmp
+    # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
+    xp.sqrt(v, out=tmp)
+    tmp /= bias_correction2_sqrt
+    tmp += s.eps
+    # p -= lr / (1 - beta1^t) * m / denom
+    xp.divide(m, tmp, out=tmp)
+    tmp *= step_size
+    param -= tmp
+
+
+@kernel_table
+def adam_update(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=None):
+    """One Adam/AdamW step of one parameter in place (param, exp_avg, exp_avg_sq; scratch: a temporary
+    of the parameter's shape), the arithmetic of torch.optim.Adam. hyper: None, or (under graph
+    capture) a device array (3,) float64 holding (step_size, bias_correction2_sqrt, decay), which
+    then replace those of `settings`."""
+    scalars = (settings.step_size, settings.bias_correction2_sqrt, settings.decay)
+    if hyper is not None:  # read on the device, in the parameter's dtype (as a float argument would be)
+        scalars = tuple(hyper[i:i + 1].astype(param.dtype) for i in range(3))
+    _adam_entries(param, grad, exp_avg, exp_avg_sq, scratch, settings, *scalars)
+
+
+@adam_update.register("cpu", supports=lambda param, *args, **kwargs: param.flags.c_contiguous)
+def adam_update_cpu(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=None):
+    """The reference's arithmetic on flat blocks on the threads of `autograd.threads` (bit-identical
+    for any thread count)."""
+    arrays = tuple(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq, scratch))
+
+    def update(start, stop):
+        _adam_entries(*(a[start:stop] for a in arrays), settings, settings.step_size,
+                      settings.bias_correction2_sqrt, settings.decay)
+
+    for_rows(update, param.size, param.size, param)
 
 
 class AdamW(Adam):

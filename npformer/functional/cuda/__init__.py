@@ -4,8 +4,11 @@ One `.cu` file per op family in this folder, read like the reference it is teste
 (the derivation of each gradient in comments), plus shared headers (`reduce.cuh`: block
 reductions; `philox.cuh`: the dropout generator). CuPy compiles a file with NVRTC the first time
 one of its kernels runs (and caches the binary); `SOURCES` lists each file's kernels, every one
-a template instantiated for float and double. Without a GPU nothing here runs, but every source
-is compiled in the test suite (`nvrtc.py`), so a typo cannot land.
+a template instantiated for float and double (and, for the files in `TEMPLATE_ARGS`, for each
+value of a second template argument, e.g. the head dims of flash attention). Without a GPU
+nothing here runs on a GPU, but every source is compiled in the test suite (`nvrtc.py`), so a
+typo cannot land, and tests/cuda_emulator.py runs every kernel on the CPU through its launcher
+(tests/test_kernels_emulated.py, test_dropout.py, test_flash_attention.py).
 
 The Python side of each family (`softmax.py`, ...) registers its launchers with the tables,
 e.g. `@softmax_forward.register("cuda", supports=...)`; arguments the kernels do not support
@@ -18,33 +21,74 @@ from autograd import backend
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
 SOURCES = {  # file (without .cu) -> its kernels
     "softmax": ("softmax_forward", "softmax_backward"),
+    "layer_norm": ("layer_norm_forward", "layer_norm_backward_input", "layer_norm_backward_params", "column_sum"),
+    "cross_entropy": ("log_softmax_forward", "log_softmax_backward", "cross_entropy_forward",
+                      "cross_entropy_backward"),
+    "activation": ("bias_relu_forward", "relu_backward", "bias_gelu_forward", "gelu_backward"),
+    "dropout": ("dropout_apply", "dropout_add_forward"),
+    "embedding": ("embedding_backward",),
+    "adam": ("adam_step",),  # launched by npformer/optim/cuda.py (the optimizer's layer)
+    "flash_attention": ("flash_attention_forward", "flash_attention_backward_dq", "flash_attention_backward_dkdv"),
+}
+TEMPLATE_ARGS = {  # file -> the values of each kernel's second template argument, if it has one
+    "flash_attention": ("32", "64", "128"),  # head dims
 }
 CTYPES = {"float32": "float", "float64": "double"}
 OPTIONS = ("-std=c++17",)
 MAX_THREADS = 1024  # threads per block
 
 
+def instance(kernel, ctype, extra=None):
+    """The name expression of one template instance: 'softmax_forward<float>', 'k<double, 64>'."""
+    return f"{kernel}<{ctype}>" if extra is None else f"{kernel}<{ctype}, {extra}>"
+
+
 def name_expressions(source):
     """The template instances of a source that are compiled: 'softmax_forward<float>', ..."""
-    return [f"{kernel}<{ctype}>" for kernel in SOURCES[source] for ctype in CTYPES.values()]
+    return [instance(kernel, ctype, extra) for kernel in SOURCES[source] for ctype in CTYPES.values()
+            for extra in TEMPLATE_ARGS.get(source, (None,))]
 
 
 _modules = {}
 
 
-def function(source, kernel, dtype):
-    """The compiled `kernel<T>` of `source`.cu for arrays of `dtype`, on the current GPU."""
+def load_raw_module(source, kernel, dtype, extra=None):
+    """The compiled `kernel<T>` (or `kernel<T, extra>`) of `source`.cu for arrays of `dtype` on the
+    current GPU (CuPy's RawModule: NVRTC compiles the file the first time, CuPy caches the binary)."""
     cupy = backend.cupy
     key = (source, cupy.cuda.Device().id)
     if key not in _modules:
         _modules[key] = cupy.RawModule(code=(SOURCE_DIR / f"{source}.cu").read_text(),
                                        options=OPTIONS + (f"-I{SOURCE_DIR}",),
                                        name_expressions=name_expressions(source))
-    return _modules[key].get_function(f"{kernel}<{CTYPES[str(dtype)]}>")
+    return _modules[key].get_function(instance(kernel, CTYPES[str(dtype)], extra))
+
+
+_loader = load_raw_module  # the tests swap in a host emulator of the kernels (tests/cuda_emulator.py)
+
+
+def function(source, kernel, dtype, extra=None):
+    """The kernel `kernel<T>` (or `kernel<T, extra>`) of `source`.cu for arrays of `dtype`, called
+    as `function(...)((blocks,), (threads,), (arg, ...))` like a CuPy RawKernel."""
+    return _loader(source, kernel, dtype, extra)
 
 
 def supported_dtype(*arrays):
     return all(str(a.dtype) in CTYPES for a in arrays)
+
+
+def contiguous_floats(*arrays):
+    """The arrays (None skipped) are C-contiguous, of one dtype that the kernels are built for:
+    what the row kernels need."""
+    arrays = [a for a in arrays if a is not None]
+    return (supported_dtype(*arrays) and len({a.dtype for a in arrays}) == 1
+            and all(a.flags.c_contiguous for a in arrays))
+
+
+def null(array):
+    """An optional array argument: the array, or 0 (a null pointer: CuPy passes a Python int as a
+    64-bit value) for None; the kernels test the pointer."""
+    return 0 if array is None else array
 
 
 def row_threads(n):
@@ -53,10 +97,10 @@ def row_threads(n):
     return min(MAX_THREADS, max(32, -(-n // 32) * 32))
 
 
-def row_shape(rows, n):
+def row_shape(xp, rows, n):
     """(rows, n) as the kernels' (long long, int) arguments: CuPy passes a Python int as a
     long long, so the int is made explicit."""
-    return backend.cupy.int64(rows), backend.cupy.int32(n)
+    return xp.int64(rows), xp.int32(n)
 
 
 def row_grid(rows):
@@ -64,4 +108,12 @@ def row_grid(rows):
     return max(1, min(rows, 2**31 - 1))
 
 
-from . import softmax  # noqa: E402,F401  (registers the softmax kernels)
+MAX_ENTRY_BLOCKS = 65536  # blocks of an elementwise kernel (its threads loop over the rest)
+
+
+def entry_grid(size, threads):
+    """Blocks for an elementwise kernel of `threads` threads per block over `size` entries."""
+    return max(1, min(-(-size // threads), MAX_ENTRY_BLOCKS))
+
+
+from . import activation, cross_entropy, dropout, embedding, flash_attention, layer_norm, softmax  # noqa: E402,F401

@@ -2,29 +2,30 @@
 from autograd import backend
 
 from ..softmax import softmax_backward, softmax_forward
-from . import function, row_grid, row_shape, row_threads, supported_dtype
+from . import contiguous_floats, function, row_grid, row_shape, row_threads
 
 
 def _last_axis_rows(*arrays, axis):
-    """The kernels take contiguous (rows, n) data with the softmax along n."""
-    return (axis in (-1, arrays[0].ndim - 1) and arrays[0].size > 0 and supported_dtype(*arrays)
-            and all(a is None or a.flags.c_contiguous for a in arrays))
+    """The kernels take contiguous (rows, n) data with the softmax along n (out: None or such an array)."""
+    return axis in (-1, arrays[0].ndim - 1) and arrays[0].size > 0 and contiguous_floats(*arrays)
 
 
 @softmax_forward.register("cuda", supports=lambda x, axis, out=None: _last_axis_rows(x, out, axis=axis))
 def softmax_forward_cuda(x, axis, out=None):
-    y = backend.cupy.empty_like(x) if out is None else out
+    xp = backend.get_array_module(x)
+    y = xp.empty_like(x) if out is None else out
     n = x.shape[-1]
     rows = x.size // n
-    function("softmax", "softmax_forward", x.dtype)((row_grid(rows),), (row_threads(n),), (x, y, *row_shape(rows, n)))
+    function("softmax", "softmax_forward", x.dtype)((row_grid(rows),), (row_threads(n),), (x, y, *row_shape(xp, rows, n)))
     return y
 
 
 @softmax_backward.register("cuda", supports=lambda y, dy, axis, out=None: _last_axis_rows(y, dy, out, axis=axis))
 def softmax_backward_cuda(y, dy, axis, out=None):
-    dx = backend.cupy.empty_like(dy) if out is None else out
+    xp = backend.get_array_module(dy)
+    dx = xp.empty_like(dy) if out is None else out
     n = y.shape[-1]
     rows = y.size // n
     function("softmax", "softmax_backward", y.dtype)((row_grid(rows),), (row_threads(n),),
-                                                      (y, dy, dx, *row_shape(rows, n)))
+                                                      (y, dy, dx, *row_shape(xp, rows, n)))
     return dx

@@ -1,0 +1,69 @@
+"""Launchers of cross_entropy.cu: log-softmax along the last axis, and cross-entropy of (M, C) logits."""
+from autograd import backend
+
+from ..loss import cross_entropy_backward, cross_entropy_forward
+from ..softmax import log_softmax_backward, log_softmax_forward
+from . import contiguous_floats, entry_grid, function, null, row_grid, row_shape, row_threads
+
+THREADS = 256
+
+
+def _last_axis(x, axis):
+    return axis in (-1, x.ndim - 1) and x.ndim > 0
+
+
+@log_softmax_forward.register("cuda", supports=lambda x, axis: _last_axis(x, axis) and contiguous_floats(x))
+def log_softmax_forward_cuda(x, axis):
+    xp = backend.get_array_module(x)
+    y = xp.empty_like(x)
+    n = x.shape[-1]
+    if x.size:
+        rows = x.size // n
+        function("cross_entropy", "log_softmax_forward", x.dtype)(
+            (row_grid(rows),), (row_threads(n),), (x, y, *row_shape(xp, rows, n)))
+    return y
+
+
+@log_softmax_backward.register("cuda", supports=lambda logp, dy, axis: _last_axis(logp, axis)
+                               and contiguous_floats(logp, dy))
+def log_softmax_backward_cuda(logp, dy, axis):
+    xp = backend.get_array_module(dy)
+    dx = xp.empty_like(dy)
+    n = logp.shape[-1]
+    if dy.size:
+        rows = dy.size // n
+        function("cross_entropy", "log_softmax_backward", dy.dtype)(
+            (row_grid(rows),), (row_threads(n),), (logp, dy, dx, *row_shape(xp, rows, n)))
+    return dx
+
+
+@cross_entropy_forward.register("cuda", supports=lambda logits, target, valid, weight, label_smoothing:
+                                contiguous_floats(logits, weight))
+def cross_entropy_forward_cuda(logits, target, valid, weight, label_smoothing):
+    xp = backend.get_array_module(logits)
+    m, c = logits.shape
+    probs = xp.empty_like(logits)
+    loss = xp.empty(m, dtype=logits.dtype)
+    if logits.size:
+        function("cross_entropy", "cross_entropy_forward", logits.dtype)(
+            (row_grid(m),), (row_threads(c),),
+            (logits, xp.ascontiguousarray(target, dtype="int64"), xp.ascontiguousarray(valid, dtype=bool),
+             null(weight), probs, loss, float(label_smoothing), *row_shape(xp, m, c)))
+    else:
+        loss[...] = 0
+    return loss, probs
+
+
+@cross_entropy_backward.register("cuda", supports=lambda probs, target, weight, label_smoothing, dloss:
+                                 contiguous_floats(probs, weight, dloss))
+def cross_entropy_backward_cuda(probs, target, weight, label_smoothing, dloss):
+    xp = backend.get_array_module(probs)
+    m, c = probs.shape
+    dlogits = xp.empty_like(probs)
+    if probs.size:
+        weight_sum = weight.sum(keepdims=True) if weight is not None else None    # (1,), stays on the device
+        function("cross_entropy", "cross_entropy_backward", probs.dtype)(
+            (entry_grid(probs.size, THREADS),), (THREADS,),
+            (probs, xp.ascontiguousarray(target, dtype="int64"), dloss, null(weight), null(weight_sum), dlogits,
+             float(label_smoothing), *row_shape(xp, m, c)))
+    return dlogits

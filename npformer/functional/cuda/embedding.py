@@ -1,0 +1,17 @@
+"""Launcher of embedding.cu: the embedding backward (a scatter-add of rows with atomics)."""
+from autograd import backend
+
+from ..embedding import scatter_add_rows
+from . import contiguous_floats, function, row_grid, row_threads
+
+
+@scatter_add_rows.register("cuda", supports=lambda ids, rows, num_rows: contiguous_floats(rows))
+def scatter_add_rows_cuda(ids, rows, num_rows):
+    xp = backend.get_array_module(rows)
+    out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
+    if rows.size:
+        function("embedding", "embedding_backward", rows.dtype)(
+            (row_grid(rows.shape[0]),), (row_threads(rows.shape[1]),),
+            (xp.ascontiguousarray(ids, dtype="int64"), rows, out, xp.int64(rows.shape[0]), xp.int32(rows.shape[1]),
+             xp.int64(num_rows)))
+    return out

@@ -1,0 +1,56 @@
+"""Dropout fused with the residual add: y = residual + dropout(x), the residual connection of a
+Transformer sublayer in one op. The mask is F.dropout's (the dropout contract, drawn from a Philox
+stream); its backward is F.dropout's backward for x, and dy itself for the residual."""
+from autograd import Function, Tensor, backend
+from autograd.checks import check_real
+from autograd.kernels import kernel_table
+
+from ._common import check_tensor, has_twin
+from .activation import DropoutFunction, dropout_forward, dropout_stream
+
+
+@kernel_table
+def dropout_add_forward(x, residual, seed, offset, p, state=None):
+    """(residual + x * keep / (1 - p), keep or None) for arrays of one shape, with the mask of
+    dropout_forward(x, seed, offset, p, state) (None where the backward draws it again)."""
+    y, keep = dropout_forward(x, seed, offset, p, state)
+    y += residual
+    return y, keep
+
+
+class DropoutAddFunction(Function):
+    """y = residual + x * m, m = keep / (1 - p) by the dropout contract.  dx = dy * m,  dresidual = dy."""
+
+    @staticmethod
+    def forward(ctx, x, residual, seed, offset, p, state=None):
+        y, keep = dropout_add_forward(x, residual, seed, offset, p, state)   # keep None: drawn again
+        ctx.save_for_backward(keep)
+        ctx.stream = (seed, offset, p, state)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        # y = residual + x * m  ->  dx = dy * m (F.dropout's backward),  dresidual = dy
+        return DropoutFunction.backward(ctx, dy), dy
+
+
+def check_dropout_add(input, residual, p, op):
+    x = check_tensor("input", input, op)
+    r = check_tensor("residual", residual, op)
+    if tuple(x.shape) != tuple(r.shape):
+        raise ValueError(f"{op}: input and residual must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
+    return x, check_real(p, "p", op, at_least=0, at_most=1)
+
+
+@has_twin
+def dropout_add(input, residual, p=0.5, training=True, generator=None):
+    """residual + dropout(input, p): the residual connection of a Transformer sublayer in one op,
+    with F.dropout's mask (from `generator`, an autograd.random.Philox, or the global dropout
+    stream), so on a GPU one kernel draws the mask and adds, and the backward draws it again
+    instead of storing it. p=0 or training=False: residual + input."""
+    x, p = check_dropout_add(input, residual, p, "dropout_add")
+    as_tensor = lambda t: t if isinstance(t, Tensor) else Tensor(t)  # noqa: E731
+    if not training or p == 0.0:
+        return as_tensor(residual) + input
+    draw = dropout_stream(generator, "dropout_add").draw(x.size, backend.device_of(x))
+    return DropoutAddFunction.apply(input, residual, seed=draw.seed, offset=draw.offset, p=p, state=draw.state)

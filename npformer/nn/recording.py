@@ -1,0 +1,121 @@
+"""Record the attention probabilities P of every MultiheadAttention of a model, and the gradient
+of the loss with respect to them, dL/dP.
+
+    with nn.record_attention(model) as recorder:
+        loss = loss_of(model(...))
+        loss.backward()
+    for record in recorder:          # one per attention call, in call order
+        record.name                  # 'transformer.decoder.layers.1.multihead_attn'
+        record.weights               # P, a Tensor (B, H, Tq, Tk)
+        record.grad                  # dL/dP, an array (B, H, Tq, Tk), after backward
+
+Why a recorder: inside an attention module the output is O = P V, but the fused op computes
+O without exposing P as a graph node, so `retain_grad()` on the weights that
+`need_weights=True` returns gives zeros (they are a side output that the loss never reads,
+as in torch). While recording, each attention module computes P with
+`F.scaled_dot_product_attention(..., return_weights=True)`, keeps it with `retain_grad()`,
+then forms its output as dropout(P) V with autograd, so after `backward()` P's gradient is
+the loss's dL/dP. The model's outputs, losses and parameter gradients are those of the usual
+path (the same dropout masks too); only the memory-efficient kernel is not used.
+"""
+import npformer.functional as F
+
+from .attention import MultiheadAttention
+
+
+class AttentionRecord:
+    """One call of an attention module while recording.
+
+    name: the module's name in the model (`model.named_modules()`), e.g.
+    'transformer.encoder.layers.0.self_attn'. module: the MultiheadAttention.
+    weights: the attention probabilities P, a Tensor (B, H, Tq, Tk) (before dropout).
+    grad: dL/dP, an array like P once a backward pass has reached it, else None.
+    """
+
+    def __init__(self, name, module, weights):
+        self.name, self.module, self.weights = name, module, weights
+
+    @property
+    def grad(self):
+        return self.weights.grad
+
+    def __repr__(self):
+        return f"AttentionRecord({self.name!r}, weights {self.weights.shape}, grad {'set' if self.grad is not None else None})"
+
+
+class AttentionRecorder:
+    """The records of one `record_attention` block, in call order: iterate over it, index it by
+    position, or by module name (`recorder['transformer.decoder.layers.1.multihead_attn']`, the
+    one call of that module; `recorder.all(name)` when it ran several times, as in decoding)."""
+
+    def __init__(self):
+        self.records = []
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __len__(self):
+        return len(self.records)
+
+    def all(self, name):
+        """Every record of the module called `name`, in call order."""
+        return [r for r in self.records if r.name == name]
+
+    def names(self):
+        """The names of the modules that ran, in order of their first call."""
+        return list(dict.fromkeys(r.name for r in self.records))
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            return self.records[key]
+        found = self.all(key)
+        if len(found) != 1:
+            raise KeyError(f"{key!r}: " + (f"ran {len(found)} times while recording; use recorder.all(name)" if found
+                                           else f"no such attention call; recorded: {self.names()}"))
+        return found[0]
+
+
+class record_attention:
+    """Context manager: while it is open, every MultiheadAttention inside `model` records its
+    attention probabilities P (and, after backward, dL/dP) into the recorder it returns.
+
+    Works for any model made of npformer.nn modules (Seq2SeqTransformer, CausalLM,
+    EncoderClassifier, a bare MultiheadAttention). Records hold the Tensors of the graph, so
+    open it for one forward/backward at a time. The modules are changed for the duration only
+    (an instance attribute shadows their `attend`), for every thread that uses this model.
+    """
+
+    def __init__(self, model):
+        self.modules = [(name, m) for name, m in model.named_modules() if isinstance(m, MultiheadAttention)]
+        if not self.modules:
+            raise ValueError(f"record_attention: {type(model).__name__} has no MultiheadAttention module")
+        self.recorder = AttentionRecorder()
+
+    def __enter__(self):
+        busy = [name or "(the model)" for name, m in self.modules if "attend" in m.__dict__]
+        if busy:
+            raise RuntimeError(f"record_attention: already recording {busy}; close the other block first")
+        for name, module in self.modules:
+            module.__dict__["attend"] = self._recording_attend(name, module)
+        return self.recorder
+
+    def __exit__(self, *exc):
+        for _, module in self.modules:
+            module.__dict__.pop("attend", None)
+        return False
+
+    def _recording_attend(self, name, module):
+        def attend(q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
+            """MultiheadAttention.attend with P as a node of the graph (see the module docstring)."""
+            B, H, T, _ = q.shape
+            _, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                      return_weights=True)     # (B, H, T, S) P
+            probs.retain_grad()
+            self.recorder.records.append(AttentionRecord(name, module, probs))
+            dropped = F.dropout(probs, module.dropout, training=module.training)  # Pd
+            out = (dropped @ v).transpose(1, 2).reshape(B, T, module.embed_dim)  # O = Pd V, heads joined (B, T, E)
+            weights = None
+            if need_weights:
+                weights = dropped.mean(axis=1) if average_attn_weights else dropped
+            return module.out_proj(out), weights
+        return attend

@@ -1,0 +1,189 @@
+"""What the test files share: the registry's three checks as parametrised tests (`op_tests`),
+comparisons with torch and between two implementations for tests written by hand, module
+helpers, the settings of the property-based tests, and a deliberately wrong backward.
+Example counts are bounded so that property tests run in seconds (set
+NPFORMER_HYPOTHESIS_EXAMPLES to search longer)."""
+import os
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+
+import autograd
+from autograd import Function, Tensor, backend
+from autograd.gradcheck import vjp
+from npformer import interop, opcases
+
+from tolerances import scaled
+
+F64 = dict(atol=1e-10, rtol=0.0)
+F32 = dict(atol=1e-5, rtol=1e-4)
+
+
+def op_tests(family):
+    """The registry's tests of one op family (npformer.opcases): gradcheck on every device,
+    torch in float64 (and float32 where the case allows) on every device, and the composite
+    twin on every device. A test file binds them: `test_gradcheck, ... = op_tests("softmax")`."""
+    cases = opcases.cases(family)
+
+    def parametrize(selected, ids=None):
+        return pytest.mark.parametrize("case", selected, ids=ids or [c.name for c in selected])
+
+    @parametrize([c for c in cases if c.finite_differences])
+    def test_gradcheck(case, device):
+        assert opcases.gradcheck_case(case, np.random.default_rng(1), device)
+
+    with_torch = [(c, dtype) for c in cases if c.torch for dtype in ("float64", "float32")
+                  if dtype == "float64" or c.float32]
+
+    @parametrize(with_torch, [f"{c.name}-{dtype}" for c, dtype in with_torch])
+    def test_matches_torch(case, device, torch):
+        case, dtype = case
+        comparison = opcases.compare_with_torch(case, torch, np.random.default_rng(2), device, dtype)
+        assert comparison.passed, comparison
+
+    @parametrize([c for c in cases if c.twin])
+    def test_matches_composite_twin(case, device):
+        comparison = opcases.compare_with_twin(case, np.random.default_rng(4), device)
+        assert comparison.passed, comparison
+
+    return test_gradcheck, test_matches_torch, test_matches_composite_twin
+
+
+def leaf(array, device="cpu", dtype=np.float64):
+    return Tensor(np.array(array, dtype=dtype), requires_grad=True, device=device)
+
+
+def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1e-10, device="cpu",
+                       dtype=np.float64, torch_dtype=None, scale=None):
+    """Run both on the same inputs, backward with one random upstream gradient; compare the
+    output and the gradient of every input (and that ours keeps the dtype). torch_dtype=float64
+    runs torch in float64 on our float32 inputs (where torch's float32 kernel is the less exact).
+    atol is set at unit scale: it is multiplied by `scale`, by default max(1, magnitude) of every
+    input (tolerances.scaled), and for the gradients also by that of the upstream gradient."""
+    ours_in = [leaf(a, device, dtype) for a in arrays]
+    theirs_in = [torch.tensor(np.asarray(a, dtype).astype(torch_dtype or dtype), requires_grad=True) for a in arrays]
+    (out,), (g,), grads = vjp(ours_fn, ours_in, seed=int(rng.integers(2**31)))
+    ref = torch_fn(*theirs_in)
+    assert out.dtype == dtype
+    atol = scaled(atol, *arrays) if scale is None else atol * scale
+    np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=atol, rtol=rtol)
+    ref.backward(torch.tensor(backend.as_numpy(g).astype(torch_dtype or dtype)))
+    for i, (a, b) in enumerate(zip(grads, theirs_in)):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(backend.as_numpy(a), b.grad.numpy(), atol=scaled(atol, g), rtol=rtol,
+                                   err_msg=f"gradient of input {i}")
+
+
+def compare_runs(fn_a, fn_b, arrays, rng, device="cpu", atol=1e-12):
+    """Run two implementations on separate float64 leaves holding `arrays`, backpropagate the same
+    random upstream gradients through both, and compare every output and input gradient."""
+    outs_a, upstream, grads_a = vjp(fn_a, [leaf(a, device) for a in arrays], seed=int(rng.integers(2**31)))
+    outs_b, _, grads_b = vjp(fn_b, [leaf(a, device) for a in arrays], upstream)
+    for i, (a, b) in enumerate(zip(outs_a, outs_b)):
+        assert a.device == device and a.dtype == np.float64
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=atol, rtol=atol, err_msg=f"output {i}")
+    for i, (a, b) in enumerate(zip(grads_a, grads_b)):
+        np.testing.assert_allclose(backend.as_numpy(a), backend.as_numpy(b), atol=atol, rtol=atol,
+                                   err_msg=f"gradient of input {i}")
+    return outs_a
+
+
+def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.0, device="cpu", seed=0):
+    """Compare `ours` with `interop.to_torch(ours)` forward and backward.
+
+    arrays: float input arrays (dtype of the model), given as leaf Tensors (on `device`) to
+    ours_fn(module, *tensors) and as torch leaves to torch_fn(torch_module, *tensors); the
+    functions return one output or a tuple (None entries are skipped). Backward uses random
+    upstream gradients; compared: every output, every input gradient and the gradient of
+    every parameter (matched by name). atol is set at unit scale: it grows with the magnitudes
+    of the inputs and parameters (and, for gradients, of the upstream gradients).
+    """
+    theirs = interop.to_torch(ours)
+    ours.zero_grad()
+    ours.to(device)
+    ours_in = [Tensor(a, requires_grad=True, device=device) for a in arrays]
+    theirs_in = [torch.tensor(a, requires_grad=True) for a in arrays]
+    results = []
+
+    def run(*xs):  # keeps the raw result: the None entries are compared with torch's
+        results.append(ours_fn(ours, *xs))
+        return results[-1]
+
+    outs, upstream, _ = vjp(run, ours_in, seed=seed)
+    refs = torch_fn(theirs, *theirs_in)
+    atol = scaled(atol, *arrays, *ours.parameters())
+    everything = results[0] if isinstance(results[0], tuple) else (results[0],)
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    assert len(everything) == len(refs)
+    for i, (o, r) in enumerate(zip(everything, refs)):
+        assert (o is None) == (r is None), f"output {i}: one side returned None"
+    refs = [r for r in refs if r is not None]
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.device == device and o.dtype == arrays[0].dtype
+        got, want = o.numpy(), r.detach().numpy()
+        assert got.shape == want.shape, f"output {i}: shape {got.shape} vs torch {want.shape}"
+        np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=f"output {i}")
+    sum((r * torch.tensor(backend.as_numpy(g))).sum() for r, g in zip(refs, upstream)).backward()
+    atol = scaled(atol, *upstream)
+    for i, (a, b) in enumerate(zip(ours_in, theirs_in)):  # an unused input has no gradient on either side
+        assert (a.grad is None) == (b.grad is None), f"gradient of input {i}: present on one side only"
+        if a.grad is not None:
+            np.testing.assert_allclose(backend.as_numpy(a.grad), b.grad.numpy(), atol=atol, rtol=rtol,
+                                       err_msg=f"gradient of input {i}")
+    named = dict(theirs.named_parameters())
+    ours_named = dict(ours.named_parameters())
+    assert set(ours_named) == set(named)
+    for name, p in ours_named.items():
+        want = named[name].grad
+        want = np.zeros(p.shape) if want is None else want.numpy()
+        got = np.zeros(p.shape) if p.grad is None else backend.as_numpy(p.grad)
+        assert p.grad is None or backend.device_of(p.grad) == device
+        np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=f"gradient of parameter {name}")
+    return everything
+
+
+def gradcheck_module(module, fn, arrays, device="cpu", **options):
+    """autograd.gradcheck of fn(module, *inputs) over every input array and every parameter (float64)."""
+    module.double().to(device)
+    inputs = [Tensor(a, requires_grad=True, device=device) for a in arrays]
+    params = list(module.parameters())
+    count = len(inputs)
+    return autograd.gradcheck(lambda *xs: fn(module, *xs[:count]), inputs + params, **options)
+
+
+class WrongSoftmax(Function):
+    """A softmax whose backward centres dy by its plain mean instead of its y-weighted mean:
+    dx = y * (dy - mean(dy)) instead of y * (dy - sum(dy * y)). Its gradient of out.sum() is zero
+    like the right one, so only a random upstream gradient can tell them apart."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xp = backend.get_array_module(x)
+        e = xp.exp(x - x.max(axis=-1, keepdims=True))
+        y = e / e.sum(axis=-1, keepdims=True)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return y * (grad - grad.mean(axis=-1, keepdims=True))
+
+
+def assert_clear_error(call, error, words):
+    """call() raises `error` whose message contains every one of `words`."""
+    with pytest.raises(error) as info:
+        call()
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+# -- property-based tests (hypothesis) ---------------------------------------------------------------
+HYPOTHESIS = settings(max_examples=int(os.environ.get("NPFORMER_HYPOTHESIS_EXAMPLES", 20)), deadline=None)
+DTYPES = st.sampled_from([np.float64, np.float32])
+
+
+def tolerance(dtype):
+    """Against torch in property tests: float64 to 1e-10, float32 to 1e-5 (absolute) and 1e-4 (relative)."""
+    return {"atol": 1e-10, "rtol": 1e-10} if dtype == np.float64 else {"atol": 1e-5, "rtol": 1e-4}

@@ -1,0 +1,213 @@
+"""The pieces of data parallelism that run in one process: the tape's post-accumulate-grad hook
+and end-of-backward callback, DistributedDataParallel in a world of one (buckets, views, dtypes),
+exact loss scaling, and sharded data (data.shard, SequenceTask.batch, RandomBatches).
+The real multi-rank runs are in test_distributed.py."""
+import sys
+
+import numpy as np
+import pytest
+
+import autograd
+import npformer.distributed as dist
+from npformer.distributed import comm
+import npformer.functional as F
+from autograd import Tensor
+from autograd.function import queue_callback
+from npformer import nn
+from npformer.data import PAD, RandomBatches, SequenceTask, shard
+from npformer.models import Seq2SeqTransformer
+
+
+# -- the tape's hooks ------------------------------------------------------------------------------
+def test_post_accumulate_grad_hook_fires_once_when_the_gradient_is_final(rng):
+    w, x = Tensor(rng.normal(size=3), requires_grad=True), Tensor(rng.normal(size=3), requires_grad=True)
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.copy()))
+    y = (w * x).sum() + (w * w).sum() + w.sum()  # three contributions to w's gradient
+    y.backward()
+    assert len(seen) == 1
+    np.testing.assert_array_equal(seen[0], w.grad)
+    np.testing.assert_allclose(w.grad, x.data + 2 * w.data + 1, rtol=1e-6)
+
+
+def test_the_hook_of_a_late_layer_fires_before_earlier_layers_have_gradients(rng):
+    first = Tensor(rng.normal(size=(3, 3)), requires_grad=True)
+    last = Tensor(rng.normal(size=(3, 3)), requires_grad=True)
+    grads_when_last_final = []
+    last.register_post_accumulate_grad_hook(lambda t: grads_when_last_final.append(first.grad))
+    x = Tensor(rng.normal(size=(2, 3)))
+    ((x @ first).tanh() @ last).sum().backward()
+    assert grads_when_last_final == [None]  # room to start communicating `last` while backward goes on
+    assert first.grad is not None
+
+
+def test_queue_callback_runs_once_after_every_hook_and_only_inside_backward(rng):
+    w = Tensor(rng.normal(size=3), requires_grad=True)
+    events = []
+
+    def hook(t):
+        events.append("hook")
+        queue_callback(lambda: events.append(("end", t.grad is not None)))
+    handle = w.register_post_accumulate_grad_hook(hook)
+    (w * w).sum().backward()
+    assert events == ["hook", ("end", True)]
+    handle.remove()
+    (w * w).sum().backward()
+    assert events == ["hook", ("end", True)]  # removed: nothing more
+    with pytest.raises(RuntimeError, match="no backward pass is running"):
+        queue_callback(lambda: None)
+
+
+def test_hooks_on_leaves_only_and_not_for_leaves_without_gradient(rng):
+    w = Tensor(rng.normal(size=3), requires_grad=True)
+    with pytest.raises(RuntimeError, match="only leaves"):
+        (w * 2).register_post_accumulate_grad_hook(lambda t: None)
+    with pytest.raises(TypeError, match="hook: expected a callable"):
+        w.register_post_accumulate_grad_hook(3)
+    unused, fired = Tensor(rng.normal(size=3), requires_grad=True), []
+    unused.register_post_accumulate_grad_hook(fired.append)
+    w.register_post_accumulate_grad_hook(fired.append)
+    w.backward(np.ones(3, dtype=w.dtype))  # backward straight from a leaf fires its hook too
+    assert fired == [w] and unused.grad is None
+
+
+# -- DDP in a world of one -------------------------------------------------------------------------------
+def model():
+    autograd.manual_seed(0)
+    return Seq2SeqTransformer(12, 12, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                              dim_feedforward=32, dropout=0.0, pad_idx=PAD).double()
+
+
+def loss_of(m, rng_seed=0):
+    rng = np.random.default_rng(rng_seed)
+    src, tgt = rng.integers(3, 12, (4, 5)), rng.integers(3, 12, (4, 5))
+    return F.cross_entropy(m(src, tgt).reshape(-1, 12), tgt.reshape(-1))
+
+
+def test_ddp_of_one_process_changes_no_gradient_and_grads_are_bucket_views():
+    plain, wrapped = model(), model()
+    ddp = dist.DistributedDataParallel(wrapped, bucket_cap_mb=0.01)
+    loss_of(plain).backward()
+    loss_of(ddp).backward()
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        np.testing.assert_array_equal(p.grad, q.grad)
+    assert len(ddp.buckets) > 1 and ddp.timings["passes"] == 1
+    views = {id(v) for b in ddp.buckets for v in b.views}
+    assert all(id(p.grad) in views for p in wrapped.parameters())
+    # the buckets hold the parameters last registered first (the output layers' gradients are final first)
+    order = [p for b in ddp.buckets for p in b.params]
+    assert order == list(wrapped.parameters())[::-1]
+    assert all(b.flat.nbytes <= 0.01 * 2 ** 20 + 8 * len(b.params) or len(b.params) == 1 for b in ddp.buckets)
+    assert "ranks=1" in repr(ddp) and ddp.module is wrapped
+
+
+class Mixed(nn.Module):
+    """A float32 layer, then a float64 one."""
+
+    def __init__(self):
+        super().__init__()
+        self.low, self.high = nn.Linear(3, 4), nn.Linear(4, 2).double()
+
+    def forward(self, x):
+        return self.high(self.low(x).to(dtype="float64"))
+
+
+def test_ddp_buckets_keep_dtypes_apart_and_accumulate_across_backwards():
+    autograd.manual_seed(0)
+    m, once = Mixed(), Mixed()
+    once.load_state_dict(m.state_dict())
+    ddp = dist.DistributedDataParallel(m)
+    assert sorted(str(b.flat.dtype) for b in ddp.buckets) == ["float32", "float64"]
+    x = Tensor(np.ones((2, 3), dtype=np.float32))
+    for _ in range(2):  # no zero_grad: the second backward adds to the first, in the bucket views
+        ddp(x).sum().backward()
+    once(x).sum().backward()
+    for p, q in zip(m.parameters(), once.parameters()):
+        np.testing.assert_allclose(p.grad, 2 * q.grad, rtol=1e-6)
+
+
+def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
+    monkeypatch.setattr(comm, "_world", None)  # as before init()
+    monkeypatch.setenv("PMI_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"init\(\) was not called"):
+        dist.DistributedDataParallel(model())
+    with pytest.raises(TypeError, match="module: expected an npformer.nn.Module"):
+        dist.DistributedDataParallel(lambda x: x)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        dist.DistributedDataParallel(model(), bucket_cap_mb=0)
+
+
+def test_one_process_is_rank_0_of_1():
+    assert (dist.rank(), dist.world_size()) == (0, 1)  # initialised or not (the README's example calls init)
+    dist.barrier()
+    assert dist.global_count(7) == 7
+
+
+def test_scaled_loss_is_the_mean_in_one_process():
+    total = Tensor(np.array(12.0), requires_grad=True)
+    loss = dist.scaled_loss(total, 4)
+    assert loss.item() == 3.0
+    loss.backward()
+    assert total.grad == 0.25
+    with pytest.raises(ValueError, match="nothing to average"):
+        dist.scaled_loss(total, 0)
+
+
+# -- sharded data ----------------------------------------------------------------------------------------
+def test_shard_splits_a_batch_into_contiguous_near_equal_shares():
+    shares = [shard(10, r, 3) for r in range(3)]
+    assert [list(range(10))[s] for s in shares] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="rank: expected 0 <= rank < world_size=2"):
+        shard(4, 2, 2)
+    with pytest.raises(ValueError, match="at least one item per rank"):
+        shard(1, 0, 2)
+    with pytest.raises(TypeError, match="shard: world_size must be an integer >= 1, got 2.0"):
+        shard(4, 0, 2.0)
+
+
+def test_sequence_task_shards_are_the_global_batch():
+    def task():
+        return SequenceTask("reverse", vocab_size=12, min_len=2, max_len=6, seed=4, heldout_size=20)
+    whole = task().batch(8)
+    a, b = task().batch(8, 0, 2), task().batch(8, 1, 2)
+    assert len(a) == len(b) == 4
+    rows = [list(r[r != PAD]) for r in whole.src]
+    assert rows == [list(r[r != PAD]) for r in a.src] + [list(r[r != PAD]) for r in b.src]
+    assert whole.n_tokens == a.n_tokens + b.n_tokens
+
+
+def test_random_batches_shard_epochs_and_resume():
+    x, y = np.arange(20).reshape(10, 2), np.arange(10)
+    whole = RandomBatches(x, y, batch_size=4, seed=1, rank=0, world_size=1)
+    halves = [RandomBatches(x, y, batch_size=4, seed=1, rank=r, world_size=2) for r in range(2)]
+    seen = []
+    for _ in range(5):  # 2 full batches per epoch of 10 (the partial one is dropped), then a new order
+        bx, by = next(whole)
+        parts = [next(h) for h in halves]
+        np.testing.assert_array_equal(by, np.concatenate([p[1] for p in parts]))
+        np.testing.assert_array_equal(bx, x[by])
+        seen.append(by)
+    assert len(set(np.concatenate(seen[:2]).tolist())) == 8  # within an epoch, no example twice
+    state = whole.state_dict()
+    after = [next(whole)[1] for _ in range(3)]
+    resumed = RandomBatches(x, y, batch_size=4, seed=99, rank=0, world_size=1)
+    resumed.load_state_dict(state)
+    np.testing.assert_array_equal(np.concatenate(after), np.concatenate([next(resumed)[1] for _ in range(3)]))
+    single = RandomBatches(y, batch_size=2, seed=0)
+    assert next(single).shape == (2,)
+    with pytest.raises(ValueError, match="at most the 10 examples"):
+        RandomBatches(x, batch_size=11)
+    with pytest.raises(ValueError, match="same number of rows"):
+        RandomBatches(x, y[:5], batch_size=2)
+
+
+def test_init_without_mpi4py(monkeypatch):
+    monkeypatch.setattr(comm, "_world", None)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as if not installed
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert dist.init() is comm.LOCAL and dist.is_initialized()  # started alone: rank 0 of 1 without MPI
+    monkeypatch.setattr(comm, "_world", None)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    with pytest.raises(ImportError, match=r"pip install -e '.\[mpi\]'"):
+        dist.init()

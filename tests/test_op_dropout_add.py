@@ -1,0 +1,52 @@
+"""F.dropout_add (residual + dropout, one op): the registry's cases (gradcheck, torch, composite twin
+on every device), the dropout contract, p = 0 / 1 / eval, and clear errors."""
+import numpy as np
+import pytest
+
+import npformer.functional as F
+from autograd import Tensor, backend, random
+from npformer.functional.activation import dropout_threshold
+
+from helpers import assert_clear_error, leaf, op_tests
+
+test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout_add")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_mask_follows_the_dropout_contract(dtype, device, rng):
+    """Entry i is kept iff value offset + i of the stream is >= round(p 2^16); kept entries are
+    scaled by 1 / (1 - p); the stream advances by the draw; the gradient is dy * mask and dy."""
+    p, shape = 0.3, (4, 3, 11)
+    x, r = rng.standard_normal(shape), rng.standard_normal(shape)
+    stream = random.Philox(seed=2**40 + 3, offset=8 * 1000)
+    keep = (random.bits16(stream.seed, stream.offset, x.size) >= dropout_threshold(p)).reshape(shape)
+    ours = [Tensor(a.astype(dtype), requires_grad=True, device=device) for a in (x, r)]
+    out = F.dropout_add(*ours, p, generator=stream)
+    assert stream.offset == 8 * 1000 + x.size + (-x.size) % 8
+    mask = keep.astype(dtype) * np.asarray(1 / (1 - p), dtype)
+    np.testing.assert_array_equal(out.numpy(), r.astype(dtype) + x.astype(dtype) * mask)
+    g = rng.standard_normal(shape).astype(dtype)
+    out.backward(backend.to_device(g, device))
+    np.testing.assert_array_equal(backend.as_numpy(ours[0].grad), g * mask)
+    np.testing.assert_array_equal(backend.as_numpy(ours[1].grad), g)
+    assert abs(1 - keep.mean() - p) < 0.15
+
+
+def test_identity_cases_and_p_one(rng):
+    x, r = leaf(rng.standard_normal((2, 3))), leaf(rng.standard_normal((2, 3)))
+    np.testing.assert_array_equal(F.dropout_add(x, r, 0.5, training=False).numpy(), x.numpy() + r.numpy())
+    np.testing.assert_array_equal(F.dropout_add(x, r, 0.0).numpy(), x.numpy() + r.numpy())
+    y = F.dropout_add(x, r, 1.0)
+    y.backward(np.ones((2, 3)))
+    np.testing.assert_array_equal(y.numpy(), r.numpy())
+    assert not x.grad.any() and (r.grad == 1).all()
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda x: F.dropout_add(x, Tensor(np.zeros(3)), 0.1), ValueError, ["input and residual", "(2, 3)", "(3,)"]),
+    (lambda x: F.dropout_add(x, x, 1.5), ValueError, ["dropout_add: p must be", "[0, 1]", "1.5"]),
+    (lambda x: F.dropout_add(x, x, 0.5, generator=np.random.default_rng(0)), TypeError,
+     ["dropout_add: generator must be an autograd.random.Philox", "Generator"]),
+])
+def test_bad_input_raises_a_clear_error(call, error, words):
+    assert_clear_error(lambda: call(Tensor(np.zeros((2, 3)))), error, words)

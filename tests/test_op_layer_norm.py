@@ -1,0 +1,92 @@
+"""F.layer_norm and nn.LayerNorm: the registry's cases (normalized shapes of one and two axes,
+optional affine, eps, module options: gradcheck, torch, composite twin on every device),
+accuracy at mean 1e4 and std 1e-2 (against torch and 80-bit arithmetic), property-based tests,
+and clear errors."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import autograd
+from autograd import Tensor
+import npformer.functional as F
+from npformer import nn
+
+from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, leaf, op_tests, tolerance
+from tolerances import rounding_tolerance
+
+test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("layer_norm")
+
+
+def test_layer_norm_mean_1e4_std_1e2_matches_torch(torch, device):
+    """Two-pass variance (E[x^2] - E[x]^2 would lose every digit here) plus a refined mean.
+    With rstd ~ 100 the gradients are ~ 500 and float64 rounding of x alone allows ~1e-10
+    relative error; torch itself is ~2e-8 off in dx (checked against 80-bit arithmetic below).
+    The rounding of x is amplified by rstd = 1 / std = 100, on top of the inputs' magnitudes."""
+    rng = np.random.default_rng(3)
+    x = 1e4 + 1e-2 * rng.standard_normal((4, 16))
+    weight, bias = 1 + rng.standard_normal(16), rng.standard_normal(16)
+    compare_with_torch(torch, lambda a, w, b: F.layer_norm(a, 16, w, b),
+                       lambda a, w, b: torch.nn.functional.layer_norm(a, (16,), w, b),
+                       [x, weight, bias], np.random.default_rng(0), atol=rounding_tolerance(np.float64, 1e2, terms=16),
+                       rtol=1e-9, device=device)
+    # float32 (where torch's own kernel is ~0.1 off here): against torch in float64 on the same data
+    x32, g32 = x.astype(np.float32), rng.standard_normal((4, 16)).astype(np.float32)
+    xt, tx = leaf(x32, device, np.float32), torch.tensor(x32.astype(np.float64), requires_grad=True)
+    y, ty = F.layer_norm(xt, 16), torch.nn.functional.layer_norm(tx, (16,))
+    y.backward(autograd.backend.to_device(g32, device))
+    ty.backward(torch.tensor(g32.astype(np.float64)))
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), atol=rounding_tolerance(np.float32, terms=16))
+    np.testing.assert_allclose(autograd.backend.as_numpy(xt.grad), tx.grad.numpy(), atol=1e-4 * np.abs(tx.grad.numpy()).max())
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).eps > 1e-17, reason="needs 80-bit long double as the reference")
+def test_layer_norm_mean_1e4_std_1e2_is_accurate_to_float64_rounding(device):
+    rng = np.random.default_rng(3)
+    x, weight, g = 1e4 + 1e-2 * rng.standard_normal((4, 16)), 1 + rng.standard_normal(16), rng.standard_normal((4, 16))
+    xl, wl, gl = (a.astype(np.longdouble) for a in (x, weight, g))
+    centered = xl - xl.mean(axis=1, keepdims=True)
+    rstd = 1 / np.sqrt((centered * centered).mean(axis=1, keepdims=True) + np.longdouble(1e-5))
+    xhat, gh = centered * rstd, gl * wl
+    dx = rstd * (gh - gh.mean(axis=1, keepdims=True) - xhat * (gh * xhat).mean(axis=1, keepdims=True))
+    xt = leaf(x, device)
+    y = F.layer_norm(xt, 16, Tensor(weight, device=device))
+    y.backward(autograd.backend.to_device(g, device))
+    np.testing.assert_allclose(y.numpy(), (xhat * wl).astype(np.float64), atol=1e-14)
+    np.testing.assert_allclose(autograd.backend.as_numpy(xt.grad), dx.astype(np.float64), atol=1e-8, rtol=1e-11)
+
+
+@HYPOTHESIS
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), trailing=st.integers(1, 2),
+       affine=st.sampled_from(["none", "weight", "both"]), offset=st.sampled_from([0.0, 10.0, -1e3]),
+       spread=st.sampled_from([1e-2, 1.0, 30.0]), dtype=DTYPES, seed=st.integers(0, 2**31))
+def test_layer_norm_properties(shape, trailing, affine, offset, spread, dtype, seed, torch):
+    rng = np.random.default_rng(seed)
+    trailing = min(trailing, len(shape))
+    norm_shape = tuple(shape[-trailing:])
+    x = offset + spread * rng.standard_normal(shape)
+    params = [1 + rng.standard_normal(norm_shape), rng.standard_normal(norm_shape)][:{"none": 0, "weight": 1, "both": 2}[affine]]
+    fn = lambda a, *p: F.layer_norm(a, norm_shape, *p)   # noqa: E731
+    # |mean| >> std: the rounding of x itself is amplified by rstd (up to 1e5 here), and torch's
+    # float32 kernel loses more than ours: float32 is compared with torch in float64
+    tol = tolerance(dtype) if dtype == np.float64 else {"atol": 1e-4, "rtol": 1e-3}
+    if offset and spread < 1:
+        tol = {"atol": 1e-7, "rtol": 1e-8} if dtype == np.float64 else {"atol": 2e-2, "rtol": 1e-2}
+    compare_with_torch(torch, fn, lambda a, *p: torch.nn.functional.layer_norm(a, norm_shape, *p),
+                       [x] + params, rng, dtype=dtype, torch_dtype=np.float64, **tol)
+    if dtype == np.float64 and spread >= 1:
+        assert autograd.gradcheck(fn, [leaf(a) for a in [x] + params])
+
+
+def test_layer_norm_module_errors():
+    with pytest.raises(ValueError, match=r"trailing dimensions must be \(4,\)"):
+        nn.LayerNorm(4)(Tensor(np.zeros((2, 5))))
+    with pytest.raises(ValueError, match="eps"):
+        nn.LayerNorm(4, eps=0)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: F.layer_norm(Tensor(np.zeros((2, 3))), (4,)), ValueError, ["normalized_shape", "(4,)", "(2, 3)"]),
+    (lambda: F.layer_norm(Tensor(np.zeros((2, 3))), 3, Tensor(np.zeros(4))), ValueError, ["weight", "(3,)", "(4,)"]),
+])
+def test_bad_input_raises_a_clear_error(call, error, words):
+    assert_clear_error(call, error, words)

@@ -1,0 +1,14 @@
+"""F.relu and nn.ReLU: the registry's cases (gradcheck, torch, composite twin on every device)
+and clear errors."""
+import numpy as np
+
+from autograd import Tensor
+import npformer.functional as F
+
+from helpers import assert_clear_error, op_tests
+
+test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("relu")
+
+
+def test_integer_input_raises_a_clear_error():
+    assert_clear_error(lambda: F.relu(Tensor(np.zeros(3, dtype=np.int64))), TypeError, ["floating", "int64"])

@@ -1,0 +1,18 @@
+"""F.split_heads: the registry's cases (one and three chunks: gradcheck, torch, composite twin on
+every device) and clear errors for bad shapes."""
+import numpy as np
+import pytest
+
+import npformer.functional as F
+from autograd import Tensor
+
+from helpers import op_tests
+
+test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("split_heads")
+
+
+@pytest.mark.parametrize("shape, num_heads, chunks, match", [
+    ((2, 4, 12), 5, 1, "chunks=1, num_heads=5"), ((2, 12), 2, 3, "batch, seq"), ((2, 4, 12), 0, 3, "num_heads")])
+def test_split_heads_rejects_bad_shapes(shape, num_heads, chunks, match):
+    with pytest.raises(ValueError, match=match):
+        F.split_heads(Tensor(np.zeros(shape)), num_heads, chunks=chunks)
