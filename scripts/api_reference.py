@@ -1,0 +1,189 @@
+"""Write the API reference (docs/api.md) from the public API's signatures and docstrings.
+
+    python scripts/api_reference.py > docs/api.md
+
+`public_api()` walks what users import: every name in the `__all__` of the modules in
+`MODULES`, and every public method and property of the public classes (members starting with
+`_` are private, except `__call__`). tests/test_api_docs.py checks that each entry has a
+docstring and type hints, and that docs/api.md equals `render()`, so the page cannot drift.
+"""
+import dataclasses
+import importlib
+import inspect
+import re
+import sys
+import types
+
+MODULES = ("autograd", "npformer", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim",
+           "npformer.data", "npformer.training", "npformer.decoding", "npformer.checkpoint", "npformer.interop",
+           "npformer.distributed", "npformer.plots", "npformer.cuda")
+PROJECT = ("autograd", "npformer")
+HEADER = """# API reference
+
+Generated from the signatures and docstrings by `python scripts/api_reference.py > docs/api.md`
+(tests/test_api_docs.py fails when this page differs from the code). Grouped by module, in the
+order of the layers (`autograd` -> `npformer.functional` -> `npformer.nn` -> `npformer.models` -> the rest);
+a name exported by several modules is documented once, where it is defined.
+
+Types: `Array` is a numpy or CuPy array (`numpy.ndarray`, `cupy.ndarray`, or the "test" device's);
+`ArrayLike` is anything that becomes one (a Tensor, an array, nested lists, a number); `DType` is a
+dtype or its name (`"float32"`); shapes are written `(B, T, E)`: batch, positions, features.
+"""
+
+
+@dataclasses.dataclass
+class Entry:
+    """One documented object: `kind` is module, class, function, method, property or data."""
+
+    module: str       # the module whose section lists it
+    name: str         # "Tensor", "Tensor.backward", "manual_seed"
+    kind: str
+    obj: object
+    owner: type = None  # the class a method or property belongs to
+    skip_first: bool = False  # a method's self / a classmethod's cls
+
+    @property
+    def function(self):
+        """The function whose signature this entry has (a property's getter; None for data and modules)."""
+        if self.kind == "property":
+            return self.obj.fget
+        if self.kind in ("function", "method", "class"):
+            return self.obj
+        return None
+
+
+def exported_names(module):
+    """`module.__all__`, or (for a module without one) the public functions and classes defined in it."""
+    if hasattr(module, "__all__"):
+        return list(module.__all__)
+    return [name for name, obj in vars(module).items() if not name.startswith("_")
+            and (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == module.__name__]
+
+
+def _home(obj, exporters):
+    """The module among `exporters` that documents `obj`: the one it is defined in (the longest
+    prefix of its `__module__`), else the first exporter."""
+    defined = getattr(obj, "__module__", None) or ""
+    prefixes = [m for m in exporters if defined == m or defined.startswith(m + ".")]
+    return max(prefixes, key=len) if prefixes else exporters[0]
+
+
+def class_members(cls):
+    """(name, raw member, defining class) for the public methods and properties of `cls` defined
+    in its own body or in a base that is not itself public API (documented with the base otherwise)."""
+    seen = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith(PROJECT) or (klass is not cls and not klass.__name__.startswith("_")):
+            continue
+        for name, member in vars(klass).items():
+            if name in seen or (name.startswith("_") and name != "__call__"):
+                continue
+            if isinstance(member, (staticmethod, classmethod, property, types.FunctionType)):
+                seen.add(name)
+                yield name, member, klass
+
+
+def public_api():
+    """Every public entry of `MODULES`, each object once (under its home module), in module order."""
+    modules = {name: importlib.import_module(name) for name in MODULES}
+    exporters = {}
+    for module_name, module in modules.items():
+        for name in exported_names(module):
+            exporters.setdefault(id(getattr(module, name)), []).append(module_name)
+    entries, done = [], set()
+    for module_name, module in modules.items():
+        entries.append(Entry(module_name, module_name, "module", module))
+        for name in exported_names(module):
+            obj = getattr(module, name)
+            if isinstance(obj, types.ModuleType):
+                if obj.__name__ not in MODULES:
+                    entries.append(Entry(module_name, name, "module", obj))
+                continue
+            if id(obj) in done or _home(obj, exporters[id(obj)]) != module_name:
+                continue
+            done.add(id(obj))
+            if inspect.isclass(obj):
+                entries.append(Entry(module_name, name, "class", obj))
+                for member_name, member, _ in class_members(obj):
+                    kind = "property" if isinstance(member, property) else "method"
+                    function = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+                    entries.append(Entry(module_name, f"{name}.{member_name}", kind, function, owner=obj,
+                                         skip_first=not isinstance(member, staticmethod)))
+            elif callable(obj):
+                entries.append(Entry(module_name, name, "function", obj))
+            else:
+                entries.append(Entry(module_name, name, "data", obj))
+    return entries
+
+
+def _annotation(annotation):
+    return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+
+
+def _default(value):
+    """A default's text, the same on every machine (no memory addresses)."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        return value.__qualname__
+    text = repr(value)
+    return "..." if " at 0x" in text else text
+
+
+def signature(entry):
+    """`name(param: type = default, ...) -> type`, annotations as written in the source."""
+    try:
+        sig = inspect.signature(entry.function)
+    except (TypeError, ValueError):
+        return entry.name
+    params = list(sig.parameters.values())[1 if entry.skip_first else 0:]
+    parts, keyword_only = [], False
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and not keyword_only:
+            parts.append("*")
+        keyword_only = keyword_only or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
+        text = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        if p.annotation is not p.empty:
+            text += f": {_annotation(p.annotation)}"
+        if p.default is not p.empty:
+            text += f" = {_default(p.default)}" if p.annotation is not p.empty else f"={_default(p.default)}"
+        parts.append(text)
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            parts.append("/")
+    returns = "" if sig.return_annotation is sig.empty or entry.kind == "class" else \
+        f" -> {_annotation(sig.return_annotation)}"
+    name = entry.name.rsplit(".", 1)[-1] if entry.kind != "property" else entry.name
+    return f"{name}({', '.join(parts)}){returns}"
+
+
+def _anchor(module_name):
+    return re.sub(r"[^a-z0-9-]", "", module_name.lower().replace(" ", "-"))
+
+
+def render(entries=None):
+    """The Markdown of docs/api.md."""
+    entries = public_api() if entries is None else entries
+    lines = [HEADER, "## Contents", ""]
+    lines += [f"- [`{e.name}`](#{_anchor(e.name)})" for e in entries if e.kind == "module" and e.name == e.module]
+    for e in entries:
+        doc = inspect.getdoc(e.obj) if e.kind != "property" else inspect.getdoc(e.obj)
+        doc = (doc or "(undocumented)").strip()
+        if e.kind == "module" and e.name == e.module:
+            lines += ["", f"## {e.name}", "", doc]
+        elif e.kind == "module":
+            lines += ["", f"### module `{e.module}.{e.name}`", "", doc.split("\n\n")[0]]
+        elif e.kind == "data":
+            lines += ["", f"### `{e.name}`", "", f"Constant: `{_default(e.obj)}`" if len(repr(e.obj)) <= 80
+                      else f"Constant of type `{type(e.obj).__name__}`."]
+        elif e.kind == "class":
+            bases = [b.__name__ for b in e.obj.__bases__ if b is not object]
+            lines += ["", f"### class `{e.name}`" + (f" ({', '.join(bases)})" if bases else ""), "",
+                      "```python", signature(e), "```", "", doc]
+        else:
+            label = "property" if e.kind == "property" else "method"
+            text = f"{e.name}: {_annotation(inspect.signature(e.function).return_annotation)}" \
+                if e.kind == "property" else signature(e)
+            lines += ["", f"#### {label} `{e.name}`", "", "```python", text, "```", "", doc]
+    return "\n".join(lines).replace("-> <class 'inspect._empty'>", "") + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
