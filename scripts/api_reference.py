@@ -68,12 +68,13 @@ def _home(obj, exporters):
     return max(prefixes, key=len) if prefixes else exporters[0]
 
 
-def class_members(cls):
+def class_members(cls, documented=()):
     """(name, raw member, defining class) for the public methods and properties of `cls` defined
-    in its own body or in a base that is not itself public API (documented with the base otherwise)."""
+    in its own body or in a project base class that is not in `documented` (the public classes,
+    whose members are documented with them)."""
     seen = set()
     for klass in cls.__mro__:
-        if not klass.__module__.startswith(PROJECT) or (klass is not cls and not klass.__name__.startswith("_")):
+        if not klass.__module__.startswith(PROJECT) or (klass is not cls and klass in documented):
             continue
         for name, member in vars(klass).items():
             if name in seen or (name.startswith("_") and name != "__call__"):
@@ -90,6 +91,8 @@ def public_api():
     for module_name, module in modules.items():
         for name in exported_names(module):
             exporters.setdefault(id(getattr(module, name)), []).append(module_name)
+    documented = {getattr(modules[m], name) for m in MODULES for name in exported_names(modules[m])
+                  if inspect.isclass(getattr(modules[m], name))}
     entries, done = [], set()
     for module_name, module in modules.items():
         entries.append(Entry(module_name, module_name, "module", module))
@@ -104,7 +107,7 @@ def public_api():
             done.add(id(obj))
             if inspect.isclass(obj):
                 entries.append(Entry(module_name, name, "class", obj))
-                for member_name, member, _ in class_members(obj):
+                for member_name, member, _ in class_members(obj, documented):
                     kind = "property" if isinstance(member, property) else "method"
                     function = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
                     entries.append(Entry(module_name, f"{name}.{member_name}", kind, function, owner=obj,
