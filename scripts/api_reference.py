@@ -39,17 +39,26 @@ class Entry:
     name: str         # "Tensor", "Tensor.backward", "manual_seed"
     kind: str
     obj: object
-    owner: type = None  # the class a method or property belongs to
-    skip_first: bool = False  # a method's self / a classmethod's cls
+    skip_first: bool = False  # the signature's first parameter is self / cls
 
     @property
     def function(self):
-        """The function whose signature this entry has (a property's getter; None for data and modules)."""
+        """The function whose signature this entry shows: a class's constructor (its project
+        `__init__`, else the class), a property's getter; None for modules and data."""
+        if self.kind == "class":
+            return constructor(self.obj)
         if self.kind == "property":
             return self.obj.fget
-        if self.kind in ("function", "method", "class"):
-            return self.obj
-        return None
+        return self.obj if self.kind in ("function", "method") else None
+
+
+def constructor(cls):
+    """The `__init__` that a project class (or its nearest project base) defines, else the
+    class itself (NamedTuples, classes without arguments)."""
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass) and klass.__module__.startswith(PROJECT):
+            return vars(klass)["__init__"]
+    return cls
 
 
 def exported_names(module):
@@ -106,11 +115,11 @@ def public_api():
                 continue
             done.add(id(obj))
             if inspect.isclass(obj):
-                entries.append(Entry(module_name, name, "class", obj))
+                entries.append(Entry(module_name, name, "class", obj, skip_first=constructor(obj) is not obj))
                 for member_name, member, _ in class_members(obj, documented):
                     kind = "property" if isinstance(member, property) else "method"
                     function = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
-                    entries.append(Entry(module_name, f"{name}.{member_name}", kind, function, owner=obj,
+                    entries.append(Entry(module_name, f"{name}.{member_name}", kind, function,
                                          skip_first=not isinstance(member, staticmethod)))
             elif callable(obj):
                 entries.append(Entry(module_name, name, "function", obj))
@@ -153,7 +162,7 @@ def signature(entry):
             parts.append("/")
     returns = "" if sig.return_annotation is sig.empty or entry.kind == "class" else \
         f" -> {_annotation(sig.return_annotation)}"
-    name = entry.name.rsplit(".", 1)[-1] if entry.kind != "property" else entry.name
+    name = entry.name.rsplit(".", 1)[-1] if entry.kind in ("method", "property") else entry.name
     return f"{name}({', '.join(parts)}){returns}"
 
 

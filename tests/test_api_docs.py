@@ -35,7 +35,7 @@ def problems(entry):
     """What `entry` lacks: a docstring, a parameter's or the return's type hint, hints that resolve."""
     found = []
     if entry.kind == "class":
-        own = entry.obj.__dict__.get("__doc__")
+        own = vars(entry.obj).get("__doc__")
         if not own or own.startswith(entry.obj.__name__ + "("):  # a dataclass's generated doc
             found.append("docstring")
     elif entry.name.endswith(".forward") and entry.obj.__doc__ is None:
@@ -43,22 +43,16 @@ def problems(entry):
     elif not inspect.getdoc(entry.obj):  # a method may inherit the docstring of the method it overrides
         found.append("docstring")
     function = entry.function
-    if function is None:
+    if function is None or function is entry.obj and entry.kind == "class":  # no constructor of its own
         return found
-    if entry.kind == "class" and (function.__init__ is object.__init__ or not function.__module__.startswith(
-            api_reference.PROJECT) and not inspect.isfunction(function.__init__)):
-        return found
-    try:
-        params = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        return found
-    for p in params[1 if entry.skip_first else 0:]:
+    signature = inspect.signature(function)
+    for p in list(signature.parameters.values())[1 if entry.skip_first else 0:]:
         if p.annotation is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):  # *args pass through
             found.append(f"type hint of {p.name}")
-    if entry.kind != "class" and inspect.signature(function).return_annotation is inspect.Signature.empty:
+    if entry.kind != "class" and signature.return_annotation is signature.empty:
         found.append("return type hint")
     try:
-        typing.get_type_hints(function.__init__ if entry.kind == "class" else function, localns=PUBLIC_CLASSES)
+        typing.get_type_hints(function, localns=PUBLIC_CLASSES)
     except Exception as e:  # a name in a string annotation that does not exist
         found.append(f"type hints that resolve ({type(e).__name__}: {e})")
     return found
