@@ -14,9 +14,9 @@ import re
 import sys
 import types
 
-MODULES = ("autograd", "npformer", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim",
-           "npformer.data", "npformer.training", "npformer.decoding", "npformer.checkpoint", "npformer.interop",
-           "npformer.distributed", "npformer.plots", "npformer.cuda")
+MODULES = ("autograd", "npformer", "npformer.functional", "npformer.nn", "npformer.nn.init", "npformer.models",
+           "npformer.optim", "npformer.data", "npformer.training", "npformer.decoding", "npformer.checkpoint",
+           "npformer.interop", "npformer.distributed", "npformer.plots", "npformer.cuda")
 PROJECT = ("autograd", "npformer")
 HEADER = """# API reference
 
@@ -40,6 +40,7 @@ class Entry:
     kind: str
     obj: object
     skip_first: bool = False  # the signature's first parameter is self / cls
+    base: str = None  # a class's nearest documented (or outside) base class, shown with it
 
     @property
     def function(self):
@@ -93,6 +94,13 @@ def class_members(cls, documented=()):
                 yield name, member, klass
 
 
+def _base(cls, documented):
+    for base in cls.__mro__[1:]:
+        if base in documented or not base.__module__.startswith(PROJECT):
+            return None if base is object else base.__name__
+    return None
+
+
 def public_api():
     """Every public entry of `MODULES`, each object once (under its home module), in module order."""
     modules = {name: importlib.import_module(name) for name in MODULES}
@@ -115,7 +123,8 @@ def public_api():
                 continue
             done.add(id(obj))
             if inspect.isclass(obj):
-                entries.append(Entry(module_name, name, "class", obj, skip_first=constructor(obj) is not obj))
+                entries.append(Entry(module_name, name, "class", obj, skip_first=constructor(obj) is not obj,
+                                     base=_base(obj, documented)))
                 for member_name, member, _ in class_members(obj, documented):
                     kind = "property" if isinstance(member, property) else "method"
                     function = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
@@ -166,8 +175,39 @@ def signature(entry):
     return f"{name}({', '.join(parts)}){returns}"
 
 
-def _anchor(module_name):
-    return re.sub(r"[^a-z0-9-]", "", module_name.lower().replace(" ", "-"))
+def _anchor(heading):
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^a-z0-9_ -]", "", heading.lower()).replace(" ", "-")
+
+
+def _markdown(doc):
+    """A docstring as Markdown: indented blocks after a blank line stay code; elsewhere the
+    characters Markdown would take as markup (`*`, `_`, `<`) are escaped outside `code`."""
+    out, code = [], False
+    for line in doc.split("\n"):
+        indented = line.startswith("    ")
+        code = indented and (code or not out or not out[-1].strip())
+        if code or not line.strip():
+            out.append(line)
+            continue
+        parts = line.split("`")
+        for i in range(0, len(parts), 2 if len(parts) % 2 else 1):  # unbalanced backticks: escape all
+            parts[i] = re.sub(r"([*_])", r"\\\1", parts[i]).replace("<", "&lt;")
+        out.append("`".join(parts))
+    return "\n".join(out)
+
+
+def _summary(doc):
+    """A module docstring's first paragraph (with the next ones while a paragraph ends with a colon)."""
+    paragraphs = doc.split("\n\n")
+    count = 1
+    while count < len(paragraphs) and paragraphs[count - 1].rstrip().endswith(":"):
+        count += 1
+    return "\n\n".join(paragraphs[:count])
+
+
+def _doc(obj):
+    return _markdown((inspect.getdoc(obj) or "(undocumented)").strip())
 
 
 def render(entries=None):
@@ -175,26 +215,33 @@ def render(entries=None):
     entries = public_api() if entries is None else entries
     lines = [HEADER, "## Contents", ""]
     lines += [f"- [`{e.name}`](#{_anchor(e.name)})" for e in entries if e.kind == "module" and e.name == e.module]
+    homes = {id(e.obj): e.module for e in entries if e.kind in ("class", "function", "data")}
     for e in entries:
-        doc = inspect.getdoc(e.obj) if e.kind != "property" else inspect.getdoc(e.obj)
-        doc = (doc or "(undocumented)").strip()
         if e.kind == "module" and e.name == e.module:
-            lines += ["", f"## {e.name}", "", doc]
+            module = importlib.import_module(e.name)
+            elsewhere = [(name, homes[id(getattr(module, name))]) for name in exported_names(module)
+                         if homes.get(id(getattr(module, name)), e.name) != e.name]
+            lines += ["", f"## {e.name}", "", _doc(e.obj)]
+            if elsewhere:
+                lines += ["", "Also exported here: " + ", ".join(
+                    f"[`{name}`](#{_anchor(f'{home}.{name}')}) ({home})" for name, home in elsewhere) + "."]
         elif e.kind == "module":
-            lines += ["", f"### module `{e.module}.{e.name}`", "", doc.split("\n\n")[0]]
+            lines += ["", f"### {e.module}.{e.name}", "", f"Module. {_summary(_doc(e.obj))}"]
         elif e.kind == "data":
-            lines += ["", f"### `{e.name}`", "", f"Constant: `{_default(e.obj)}`" if len(repr(e.obj)) <= 80
-                      else f"Constant of type `{type(e.obj).__name__}`."]
-        elif e.kind == "class":
-            bases = [b.__name__ for b in e.obj.__bases__ if b is not object]
-            lines += ["", f"### class `{e.name}`" + (f" ({', '.join(bases)})" if bases else ""), "",
-                      "```python", signature(e), "```", "", doc]
+            value = _default(e.obj) if len(repr(e.obj)) <= 80 else f"a {type(e.obj).__name__}"
+            lines += ["", f"### {e.module}.{e.name}", "", f"Constant: `{value}`."]
+        elif e.kind in ("class", "function"):
+            base = f" ({e.base})" if e.base else ""
+            kind = "class " if e.kind == "class" else ""
+            lines += ["", f"### {e.module}.{e.name}", "", "```python", kind + signature(e) + base, "```", "",
+                      _doc(e.obj)]
         else:
-            label = "property" if e.kind == "property" else "method"
-            text = f"{e.name}: {_annotation(inspect.signature(e.function).return_annotation)}" \
-                if e.kind == "property" else signature(e)
-            lines += ["", f"#### {label} `{e.name}`", "", "```python", text, "```", "", doc]
-    return "\n".join(lines).replace("-> <class 'inspect._empty'>", "") + "\n"
+            returns = inspect.signature(e.function).return_annotation
+            text = signature(e) if e.kind == "method" else e.name.rsplit(".", 1)[-1] + (
+                "" if returns is inspect.Signature.empty else f": {_annotation(returns)}")
+            label = "property " if e.kind == "property" else ""
+            lines += ["", f"#### {e.module}.{e.name}", "", "```python", label + text, "```", "", _doc(e.obj)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -25,10 +25,41 @@ ENTRIES = api_reference.public_api()
 # annotations resolve in their module, or name a public class (forward references under TYPE_CHECKING)
 PUBLIC_CLASSES = {e.name: e.obj for e in ENTRIES if e.kind == "class"}
 
-# Entries whose source files another change is rewriting; the coordinator fills them in after the
-# merge and empties this list (an entry listed here that is documented and hinted fails the test).
+# PENDING (for the coordinator to empty): entries defined in files that another branch was rewriting
+# when this test was written (autograd/threads.py, npformer/nn/attention.py, npformer/models/gpt.py,
+# seq2seq.py, _common.py, npformer/decoding.py), so their docstrings and type hints were left for
+# after that merge. An entry listed here that is complete fails the test: remove it then.
 PENDING = {
+    "npformer.get_num_threads": "autograd/threads.py",
+    "npformer.set_num_threads": "autograd/threads.py",
+    "npformer.nn.MultiheadAttention": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.rotary": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.project_qkv": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.project_q": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.project_kv": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.attend": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.check_inputs": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.forward": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.forward_masked": "npformer/nn/attention.py",
+    "npformer.nn.MultiheadAttention.extra_repr": "npformer/nn/attention.py",
+    "npformer.models.Seq2SeqTransformer": "npformer/models/seq2seq.py",
+    "npformer.models.Seq2SeqTransformer.state_shapes": "npformer/models/seq2seq.py",
+    "npformer.models.Seq2SeqTransformer.project": "npformer/models/seq2seq.py",
+    "npformer.models.Seq2SeqTransformer.forward": "npformer/models/seq2seq.py",
+    "npformer.models.Seq2SeqTransformer.encode": "npformer/models/seq2seq.py",
+    "npformer.models.Seq2SeqTransformer.decode": "npformer/models/seq2seq.py",
+    "npformer.models.Seq2SeqTransformer.init_cache": "npformer/models/seq2seq.py",
+    "npformer.models.Seq2SeqTransformer.decode_step": "npformer/models/seq2seq.py",
+    "npformer.models.CausalLM": "npformer/models/gpt.py",
+    "npformer.models.CausalLM.state_shapes": "npformer/models/gpt.py",
+    "npformer.models.CausalLM.forward": "npformer/models/gpt.py",
+    "npformer.models.CausalLM.hidden_states": "npformer/models/_common.py",
+    "npformer.models.BidirectionalEncoder.hidden_states": "npformer/models/_common.py",
+    "npformer.models.EncoderClassifier.hidden_states": "npformer/models/_common.py",
+    "npformer.decoding.greedy_decode": "npformer/decoding.py",
+    "npformer.decoding.beam_search": "npformer/decoding.py",
 }
+MODULES_WITHOUT_ALL = {"npformer.decoding"}  # PENDING too: decoding.py gets its __all__ after the merge
 
 
 def problems(entry):
@@ -77,10 +108,10 @@ def test_the_walk_covers_the_whole_public_api():
     names = {qualified(e) for e in ENTRIES}
     for module_name in api_reference.MODULES:
         module = importlib.import_module(module_name)
-        if module_name != "npformer.decoding":  # PENDING: decoding.py is being rewritten; it gets its __all__ then
-            assert hasattr(module, "__all__"), f"{module_name} has no __all__"
+        assert hasattr(module, "__all__") != (module_name in MODULES_WITHOUT_ALL), \
+            f"{module_name}: give it an __all__ (or remove it from MODULES_WITHOUT_ALL)"
     for expected in ("autograd.Tensor.backward", "autograd.Tensor.shape", "autograd.Function.apply",
-                     "npformer.nn.Module.__call__", "npformer.nn.Linear.forward", "npformer.optim.Adam.step",
+                     "npformer.nn.Module.__call__", "npformer.nn.Linear.forward", "npformer.optim.Optimizer.step",
                      "npformer.functional.scaled_dot_product_attention", "npformer.training.Trainer.fit",
                      "npformer.decoding.beam_search", "npformer.cuda.graphed", "npformer.get_num_threads"):
         assert expected in names, expected
