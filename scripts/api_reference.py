@@ -40,7 +40,7 @@ class Entry:
     kind: str
     obj: object
     skip_first: bool = False  # the signature's first parameter is self / cls
-    base: str = None  # a class's nearest documented (or outside) base class, shown with it
+    base: type = None  # a class's nearest documented (or outside) base class, shown with it
 
     @property
     def function(self):
@@ -97,7 +97,7 @@ def class_members(cls, documented=()):
 def _base(cls, documented):
     for base in cls.__mro__[1:]:
         if base in documented or not base.__module__.startswith(PROJECT):
-            return None if base is object else base.__name__
+            return None if base is object else base
     return None
 
 
@@ -149,13 +149,25 @@ def _default(value):
     return "..." if " at 0x" in text else text
 
 
-def signature(entry):
-    """`name(param: type = default, ...) -> type`, annotations as written in the source."""
+def _defaults_of(entry):
+    """{parameter: text} for defaults that a repr would not show: a dataclass's default factories."""
+    cls = entry.obj if entry.kind == "class" else None
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return {}
+    return {f.name: f"{f.default_factory.__name__}()" for f in dataclasses.fields(cls)
+            if f.default_factory is not dataclasses.MISSING}
+
+
+def signature(entry, prefix=""):
+    """`prefix name(param: type = default, ...) -> type`, annotations as written in the source;
+    one parameter per line when that is long."""
+    name = prefix + (entry.name.rsplit(".", 1)[-1] if entry.kind in ("method", "property") else entry.name)
     try:
         sig = inspect.signature(entry.function)
-    except (TypeError, ValueError):
-        return entry.name
+    except ValueError:  # a class whose constructor is a builtin's (an exception class)
+        return name
     params = list(sig.parameters.values())[1 if entry.skip_first else 0:]
+    factories = _defaults_of(entry)
     parts, keyword_only = [], False
     for i, p in enumerate(params):
         if p.kind is p.KEYWORD_ONLY and not keyword_only:
@@ -165,14 +177,17 @@ def signature(entry):
         if p.annotation is not p.empty:
             text += f": {_annotation(p.annotation)}"
         if p.default is not p.empty:
-            text += f" = {_default(p.default)}" if p.annotation is not p.empty else f"={_default(p.default)}"
+            default = factories.get(p.name) or _default(p.default)
+            text += f" = {default}" if p.annotation is not p.empty else f"={default}"
         parts.append(text)
         if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
             parts.append("/")
     returns = "" if sig.return_annotation is sig.empty or entry.kind == "class" else \
         f" -> {_annotation(sig.return_annotation)}"
-    name = entry.name.rsplit(".", 1)[-1] if entry.kind in ("method", "property") else entry.name
-    return f"{name}({', '.join(parts)}){returns}"
+    line = f"{name}({', '.join(parts)}){returns}"
+    if len(line) <= 100:
+        return line
+    return f"{name}(\n" + "".join(f"    {part},\n" for part in parts) + f"){returns}"
 
 
 def _anchor(heading):
@@ -186,7 +201,10 @@ def _markdown(doc):
     out, code = [], False
     for line in doc.split("\n"):
         indented = line.startswith("    ")
-        code = indented and (code or not out or not out[-1].strip())
+        after_colon = bool(out) and out[-1].rstrip().endswith(":") and not code
+        code = indented and (code or not out or not out[-1].strip() or after_colon)
+        if code and after_colon:
+            out.append("")  # Markdown starts a code block only after a blank line
         if code or not line.strip():
             out.append(line)
             continue
@@ -231,16 +249,19 @@ def render(entries=None):
             value = _default(e.obj) if len(repr(e.obj)) <= 80 else f"a {type(e.obj).__name__}"
             lines += ["", f"### {e.module}.{e.name}", "", f"Constant: `{value}`."]
         elif e.kind in ("class", "function"):
-            base = f" ({e.base})" if e.base else ""
-            kind = "class " if e.kind == "class" else ""
-            lines += ["", f"### {e.module}.{e.name}", "", "```python", kind + signature(e) + base, "```", "",
-                      _doc(e.obj)]
+            lines += ["", f"### {e.module}.{e.name}", "", "```python",
+                      signature(e, "class " if e.kind == "class" else ""), "```", ""]
+            if e.base is not None:
+                home = homes.get(id(e.base))
+                base = f"[`{e.base.__name__}`](#{_anchor(f'{home}.{e.base.__name__}')})" if home \
+                    else f"`{e.base.__name__}`"
+                lines += [f"Subclass of {base}.", ""]
+            lines.append(_doc(e.obj))
         else:
             returns = inspect.signature(e.function).return_annotation
-            text = signature(e) if e.kind == "method" else e.name.rsplit(".", 1)[-1] + (
+            text = signature(e) if e.kind == "method" else "property " + e.name.rsplit(".", 1)[-1] + (
                 "" if returns is inspect.Signature.empty else f": {_annotation(returns)}")
-            label = "property " if e.kind == "property" else ""
-            lines += ["", f"#### {e.module}.{e.name}", "", "```python", label + text, "```", "", _doc(e.obj)]
+            lines += ["", f"#### {e.module}.{e.name}", "", "```python", text, "```", "", _doc(e.obj)]
     return "\n".join(lines) + "\n"
 
 
