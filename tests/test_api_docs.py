@@ -7,8 +7,6 @@ import pathlib
 import sys
 import typing
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

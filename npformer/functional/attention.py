@@ -421,7 +421,7 @@ class _Call:
             self.additive = attn_mask
 
 
-def flash_unsupported(q, k, v, additive=None, mask_grad: bool = False) -> Optional[str]:
+def flash_unsupported(q, k, v, additive=None, mask_grad: bool = False) -> str | None:
     """Why the flash kernels cannot run attention on these arrays (a sentence), or None when they can."""
     dtypes = {str(a.dtype) for a in (q, k, v, additive) if a is not None}
     if len(dtypes) > 1 or not dtypes <= set(FLASH_DTYPES):

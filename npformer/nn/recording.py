@@ -59,7 +59,7 @@ class AttentionRecorder:
     def __init__(self):
         self.records = []
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[AttentionRecord]:
         return iter(self.records)
 
     def __len__(self):
