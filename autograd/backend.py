@@ -5,6 +5,11 @@ presented as a second device and held to CuPy's rules (`autograd.testdevice`), s
 propagation, mixed-device errors and the GPU code paths (fused kernels included) are tested on
 machines without a GPU. Every op asks ``get_array_module(*arrays)`` for its ``xp``.
 """
+from __future__ import annotations
+
+import types
+from typing import Any
+
 import numpy
 
 from . import testdevice
@@ -16,6 +21,11 @@ except Exception:  # ImportError, or a CUDA driver that fails to load
     cupy = None
 
 DEVICES = ("cpu", "cuda", "test")
+
+# Names for type hints (documentation only; nothing checks them at run time):
+Array = Any      # an array of some backend: numpy.ndarray, cupy.ndarray or the "test" device's TestDeviceArray
+ArrayLike = Any  # what becomes an array: an Array, an autograd.Tensor, nested lists, a number
+DType = Any      # a dtype or its name: numpy.float32, "float32"
 
 def cuda_available():
     """True when cupy imports and sees at least one GPU."""
@@ -57,8 +67,9 @@ def module_for(device):
     return {"cpu": numpy, "test": test_xp}.get(device) or cupy
 
 
-def get_array_module(*arrays):
-    """numpy, cupy or the test-device module, chosen by the arrays (like cupy.get_array_module)."""
+def get_array_module(*arrays: Any) -> types.ModuleType:
+    """numpy, cupy or the test-device module, chosen by the arrays (like cupy.get_array_module):
+    the module of the first array that is not a numpy array, else numpy. Non-arrays are ignored."""
     for a in arrays:
         if isinstance(a, TestDeviceArray):
             return test_xp

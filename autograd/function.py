@@ -12,12 +12,20 @@ gradient's all-reduce as soon as that gradient is final): a leaf's
 `register_post_accumulate_grad_hook(fn)` runs `fn(leaf)` once its gradient for this pass is
 complete, and `queue_callback(fn)` runs `fn()` when the pass now running ends (torch's).
 """
+from __future__ import annotations
+
 import contextlib
 import os
 import threading
 import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from . import backend
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
 
 
 class _Modes(threading.local):
@@ -30,7 +38,8 @@ class _Modes(threading.local):
 _state = _Modes()
 
 
-def is_grad_enabled():
+def is_grad_enabled() -> bool:
+    """Whether ops in the calling thread record a graph now (False inside `no_grad()`); torch.is_grad_enabled."""
     return _state.grad_enabled
 
 
@@ -44,19 +53,22 @@ def _flag(name, value):
         setattr(_state, name, old)
 
 
-def no_grad():
+def no_grad() -> AbstractContextManager[None]:
     """Context manager: ops run without recording a graph (inference, optimizer steps), in
-    the calling thread only."""
+    the calling thread only; torch.no_grad. Nests; the previous mode returns on exit."""
     return _flag("grad_enabled", False)
 
 
-def enable_grad():
+def enable_grad() -> AbstractContextManager[None]:
+    """Context manager: ops record a graph again inside a `no_grad()` block, in the calling
+    thread only; torch.enable_grad."""
     return _flag("grad_enabled", True)
 
 
-def detect_anomaly():
+def detect_anomaly() -> AbstractContextManager[None]:
     """Context manager (calling thread only): the first op whose forward or backward makes a
-    NaN/Inf raises FloatingPointError naming the op and the line of user code that created it."""
+    NaN/Inf raises FloatingPointError naming the op and the line of user code that created it;
+    torch.autograd.detect_anomaly. Slower (every output is checked): use it to debug."""
     return _flag("anomaly", True)
 
 
@@ -105,11 +117,18 @@ class Function:
     saved_tensors = ()
     inputs = None
 
-    def save_for_backward(self, *arrays):
+    def save_for_backward(self, *arrays: Any) -> None:
+        """Keep raw arrays (or anything) for backward, where `ctx.saved_tensors` gives them back
+        as a tuple in the same order; call it from forward."""
         self.saved_tensors = arrays
 
     @classmethod
-    def apply(cls, *args, **options):
+    def apply(cls, *args: Any, **options: Any) -> Tensor | tuple[Tensor, ...]:
+        """Run the op: unwrap the Tensors among `args`, call `forward(ctx, *arrays, **options)`,
+        wrap its array (or tuple of arrays) in Tensors and, when grad mode is on and an input
+        requires grad, record the call for backward. Returns a Tensor, or a tuple of Tensors when
+        forward returns a tuple. Raises TypeError / RuntimeError when the Tensor inputs differ in
+        dtype or device, and TypeError when forward returns something that is not an array."""
         from .tensor import Tensor  # the tensor module imports this one
 
         ctx = cls()
@@ -242,7 +261,7 @@ def _expands_to(shape, target):
 _backward = threading.local()  # .callbacks: those queued during the backward pass running in this thread
 
 
-def queue_callback(fn):
+def queue_callback(fn: Callable[[], Any]) -> None:
     """Run `fn()` once, when the backward pass running in this thread has finished (every
     gradient accumulated and every post-accumulate-grad hook run); like torch's
     `Variable._execution_engine.queue_callback`. Only valid inside a backward pass (from a hook)."""

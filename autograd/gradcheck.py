@@ -9,6 +9,11 @@ central differences, then one random direction u over all inputs together (v^T J
 function, backpropagates and collects the gradients; `check_formula` checks a gradient
 written on paper against an op's backward and against central differences.
 """
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
 from . import backend
 from .function import no_grad
 from .tensor import Tensor
@@ -57,8 +62,9 @@ def vjp(fn, inputs, upstream=None, *, seed=0):
     return outs, upstream, grads
 
 
-def gradcheck(fn, inputs, *, eps=1e-6, atol=1e-5, rtol=1e-3, seed=0, report=None):
-    """Check `fn`'s hand-written backward against central differences.
+def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, eps: float = 1e-6,
+              atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0, report: list | None = None) -> bool:
+    """Check `fn`'s hand-written backward against central differences (torch.autograd.gradcheck).
 
     fn: callable taking `inputs` and returning a Tensor or a tuple of Tensors; it must be
     deterministic (seed any dropout inside it). inputs: Tensors (or other arguments passed
@@ -66,7 +72,9 @@ def gradcheck(fn, inputs, *, eps=1e-6, atol=1e-5, rtol=1e-3, seed=0, report=None
     Pass when |analytic - numeric| <= atol + rtol * |numeric| everywhere. Returns True, or
     raises GradcheckError. report: a list, or None; when given, one (what, max abs error,
     max |numeric|) tuple is appended per comparison (each input, then the random direction),
-    so a caller can show how close a check came.
+    so a caller can show how close a check came. Raises ValueError when no input requires grad
+    (raw arrays must be wrapped: `Tensor(a, requires_grad=True)`) and TypeError for a checked
+    input that is not float64.
     """
     inputs = list(inputs)
     checked = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]

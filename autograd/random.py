@@ -48,8 +48,9 @@ def default_rng(seed=None, device="cpu"):
     return xp.random.default_rng(seed)
 
 
-def manual_seed(seed):
-    """Reseed every global generator: each device's Generator and the dropout stream."""
+def manual_seed(seed: int) -> None:
+    """Reseed every global generator: each device's Generator (the initialisers) and the dropout
+    stream, like torch.manual_seed. seed: an integer >= 0 (TypeError / ValueError otherwise)."""
     seed = check_int(seed, "seed", "manual_seed", at_least=0)
     _generators.clear()
     _generators["seed"] = seed

@@ -1,5 +1,12 @@
 """`Tensor` and the primitive differentiable ops, each a small `Function`."""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
 from . import backend, deferred
+from .backend import Array, ArrayLike, DType
 from .checks import as_array
 from .function import Function, run_backward
 
@@ -13,16 +20,24 @@ def _as_array(data):
 
 
 class Tensor:
-    """An array of the active backend plus what reverse mode needs.
+    """An array of the active backend plus what reverse mode needs (torch.Tensor).
+
+    data: an array (kept as it is, dtype included), a Tensor (its array is shared), or
+    numbers / nested lists (float64 values become float32, torch's default). dtype and device
+    ("cpu", "cuda", "test"), when given, convert the array. requires_grad=True asks for `.grad`
+    after backward and needs a floating dtype (TypeError otherwise).
 
     Attributes: `data` (numpy/cupy array), `grad` (array or None), `requires_grad`,
-    `creator` (the Function node that made it; None for leaves).
+    `creator` (the Function node that made it; None for leaves). Arithmetic (`+ - * / @ **`,
+    unary `-`), indexing and the methods below are differentiable; comparisons (`<`, `eq`, ...)
+    give boolean Tensors outside the graph.
     """
 
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
     _post_accumulate_grad_hooks = ()  # a list once a hook is registered
 
-    def __init__(self, data, requires_grad=False, dtype=None, device=None):
+    def __init__(self, data: ArrayLike, requires_grad: bool = False, dtype: DType | None = None,
+                 device: str | None = None):
         if isinstance(data, Tensor):
             data = data.data
         arr = _as_array(data)
@@ -39,13 +54,40 @@ class Tensor:
         self.output_index = 0
 
     # -- properties ------------------------------------------------------------------
-    shape = property(lambda self: self.data.shape)
-    ndim = property(lambda self: self.data.ndim)
-    dtype = property(lambda self: self.data.dtype)
-    size = property(lambda self: self.data.size)
-    device = property(lambda self: backend.device_of(self.data))
-    xp = property(lambda self: backend.get_array_module(self.data))
-    is_leaf = property(lambda self: self.creator is None)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The array's shape, a tuple of ints."""
+        return self.data.shape
+
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions."""
+        return self.data.ndim
+
+    @property
+    def dtype(self) -> Any:
+        """The array's dtype (a numpy dtype, e.g. float32)."""
+        return self.data.dtype
+
+    @property
+    def size(self) -> int:
+        """The number of elements (an int, as numpy's `size`; torch's `numel()`)."""
+        return self.data.size
+
+    @property
+    def device(self) -> str:
+        """Where the array lives: "cpu", "cuda" or "test"."""
+        return backend.device_of(self.data)
+
+    @property
+    def xp(self) -> types.ModuleType:
+        """The array module of the data (numpy, cupy or the test device's), for raw array math."""
+        return backend.get_array_module(self.data)
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for a tensor made by the user (not by an op): leaves keep `.grad` after backward."""
+        return self.creator is None
 
     def __len__(self):
         return len(self.data)
@@ -55,8 +97,14 @@ class Tensor:
         return f"Tensor({backend.as_numpy(self.data)!r}, device='{self.device}'{grad})"
 
     # -- autograd ----------------------------------------------------------------------
-    def backward(self, grad=None, retain_graph=False):
-        """Accumulate d(self)/d(leaf) * grad into `.grad` of every leaf that requires grad."""
+    def backward(self, grad: ArrayLike | None = None, retain_graph: bool = False) -> None:
+        """Accumulate d(self)/d(leaf) * grad into `.grad` of every leaf that requires grad (torch's).
+
+        grad: the upstream gradient, of this tensor's shape and on its device; may be omitted
+        for a scalar (one element) output, which then takes 1. retain_graph=False frees the graph
+        as it goes (a second backward through it raises), as in torch. Raises RuntimeError when
+        this tensor does not require grad, or grad is missing for a non-scalar or on another
+        device, and ValueError for a grad of another shape."""
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad "
                                "(no input had requires_grad=True, or it was made under no_grad())")
@@ -79,10 +127,11 @@ class Tensor:
         else:
             self.grad += grad
 
-    def register_post_accumulate_grad_hook(self, hook):
+    def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], Any]) -> _HookHandle:
         """Call `hook(self)` each time a backward pass has finished adding to this leaf's `.grad`
         (every contribution of that pass accumulated), as torch's hook of the same name.
-        Returns a handle whose `remove()` unregisters it."""
+        Returns a handle whose `remove()` unregisters it. Raises RuntimeError on a non-leaf and
+        TypeError when `hook` is not callable."""
         if self.creator is not None:
             raise RuntimeError("register_post_accumulate_grad_hook: only leaves (parameters) have one; "
                                "this tensor was made by an op")
@@ -97,30 +146,38 @@ class Tensor:
         for hook in list(self._post_accumulate_grad_hooks):
             hook(self)
 
-    def retain_grad(self):
-        """Keep `.grad` of this non-leaf after backward (leaves always keep theirs)."""
+    def retain_grad(self) -> Tensor:
+        """Keep `.grad` of this non-leaf after backward (leaves always keep theirs); returns self."""
         if self.creator is not None:
             self.creator.retained[self.output_index] = self
         return self
 
-    def detach(self):
+    def detach(self) -> Tensor:
+        """A new leaf Tensor sharing this one's array, outside the graph (no gradient flows back)."""
         return Tensor(self.data)
 
-    def requires_grad_(self, flag=True):
+    def requires_grad_(self, flag: bool = True) -> Tensor:
+        """Set `requires_grad` in place (for leaves); returns self, as torch's."""
         self.requires_grad = flag
         return self
 
     # -- conversion ----------------------------------------------------------------------
     # reading a value is where the deferred device checks of the ops before it report (autograd.deferred)
-    def numpy(self):
+    def numpy(self) -> Array:
+        """The values as a numpy array: the array itself on "cpu", a host copy from "cuda"/"test".
+        Reading values first reports any pending deferred device check of earlier ops (an id out
+        of range, ...)."""
         deferred.raise_pending()
         return backend.as_numpy(self.data)
 
-    def item(self):
+    def item(self) -> float | int | bool:
+        """The value of a one-element tensor as a Python number (ValueError for more elements);
+        reports pending deferred checks first, like `numpy()`."""
         deferred.raise_pending()
         return self.data.item()
 
-    def tolist(self):
+    def tolist(self) -> list | float | int | bool:
+        """The values as nested Python lists (a number for a 0-d tensor), via `numpy()`."""
         return self.numpy().tolist()
 
     def __float__(self):
@@ -129,16 +186,19 @@ class Tensor:
     def __int__(self):
         return int(self.item())
 
-    def to(self, device=None, dtype=None):
-        """Move and/or cast; differentiable like torch's `.to`."""
+    def to(self, device: str | None = None, dtype: DType | None = None) -> Tensor:
+        """Move to `device` and/or cast to `dtype`; differentiable like torch's `.to` (the gradient
+        goes back to the original device and dtype). Returns self when nothing changes."""
         if (device is None or device == self.device) and (dtype is None or self.xp.dtype(dtype) == self.dtype):
             return self
         return To.apply(self, device=device or self.device, dtype=dtype or self.dtype)
 
-    def float(self):
+    def float(self) -> Tensor:
+        """This tensor as float32 (differentiable); `.to(dtype="float32")`."""
         return self.to(dtype="float32")
 
-    def double(self):
+    def double(self) -> Tensor:
+        """This tensor as float64 (differentiable; gradchecks use it); `.to(dtype="float64")`."""
         return self.to(dtype="float64")
 
     # -- operators ------------------------------------------------------------------------
@@ -164,47 +224,87 @@ class Tensor:
     def __le__(self, other): return self._compare(other, lambda a, b: a <= b)
     def __gt__(self, other): return self._compare(other, lambda a, b: a > b)
     def __ge__(self, other): return self._compare(other, lambda a, b: a >= b)
-    def eq(self, other): return self._compare(other, lambda a, b: a == b)
-    def ne(self, other): return self._compare(other, lambda a, b: a != b)
+
+    def eq(self, other: ArrayLike) -> Tensor:
+        """Elementwise `self == other` as a boolean Tensor, outside the graph (torch.eq)."""
+        return self._compare(other, lambda a, b: a == b)
+
+    def ne(self, other: ArrayLike) -> Tensor:
+        """Elementwise `self != other` as a boolean Tensor, outside the graph (torch.ne)."""
+        return self._compare(other, lambda a, b: a != b)
 
     # -- methods --------------------------------------------------------------------------
-    def reshape(self, *shape):
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        """The same values in `shape` (ints, or one tuple; -1 infers a size); differentiable.
+        `view` is the same method (a copy when numpy's reshape copies)."""
         return Reshape.apply(self, shape=_shape_arg(shape))
 
     view = reshape
 
-    def transpose(self, *axes):
+    def transpose(self, *axes: int | Sequence[int]) -> Tensor:
         """With two axes, swap them (torch); with none or a full permutation, permute (numpy)."""
         if len(axes) == 2:
             return self.swapaxes(*axes)
         return Permute.apply(self, axes=_shape_arg(axes) or tuple(range(self.ndim))[::-1])
 
-    def permute(self, *axes):
+    def permute(self, *axes: int | Sequence[int]) -> Tensor:
+        """The axes reordered: output axis i is input axis axes[i] (ints, or one tuple); torch.permute."""
         return Permute.apply(self, axes=_shape_arg(axes))
 
-    def swapaxes(self, a, b):
+    def swapaxes(self, a: int, b: int) -> Tensor:
+        """Axes `a` and `b` exchanged (negative axes count from the end); torch.transpose(a, b)."""
         axes = list(range(self.ndim))
         axes[a], axes[b] = axes[b], axes[a]
         return Permute.apply(self, axes=tuple(axes))
 
     @property
-    def T(self):
+    def T(self) -> Tensor:
+        """All axes reversed (a matrix's transpose), differentiable."""
         return self.transpose()
 
-    def expand(self, *shape):
+    def expand(self, *shape: int | Sequence[int]) -> Tensor:
+        """Broadcast to `shape` (ints, or one tuple) without copying; the gradient is summed back
+        over the broadcast axes. `broadcast_to` is the same method."""
         return BroadcastTo.apply(self, shape=_shape_arg(shape))
 
     broadcast_to = expand
 
-    def sum(self, axis=None, keepdims=False): return Sum.apply(self, axis=axis, keepdims=keepdims)
-    def mean(self, axis=None, keepdims=False): return Mean.apply(self, axis=axis, keepdims=keepdims)
-    def max(self, axis=None, keepdims=False): return Max.apply(self, axis=axis, keepdims=keepdims)
-    def exp(self): return Exp.apply(self)
-    def log(self): return Log.apply(self)
-    def sqrt(self): return Sqrt.apply(self)
-    def tanh(self): return Tanh.apply(self)
-    def relu(self): return Relu.apply(self)
-    def matmul(self, other): return MatMul.apply(self, other)
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        """The sum over `axis` (all axes by default), numpy's argument names."""
+        return Sum.apply(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        """The mean over `axis` (all axes by default), numpy's argument names."""
+        return Mean.apply(self, axis=axis, keepdims=keepdims)
+
+    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
+        """The maximum over `axis` (all axes by default); the gradient goes to the maxima, split
+        evenly between ties. Values only (torch's max(dim) also returns indices)."""
+        return Max.apply(self, axis=axis, keepdims=keepdims)
+
+    def exp(self) -> Tensor:
+        """Elementwise e**x."""
+        return Exp.apply(self)
+
+    def log(self) -> Tensor:
+        """Elementwise natural logarithm."""
+        return Log.apply(self)
+
+    def sqrt(self) -> Tensor:
+        """Elementwise square root."""
+        return Sqrt.apply(self)
+
+    def tanh(self) -> Tensor:
+        """Elementwise hyperbolic tangent."""
+        return Tanh.apply(self)
+
+    def relu(self) -> Tensor:
+        """Elementwise max(x, 0) (a NaN stays NaN, as torch's); F.relu is the fused op."""
+        return Relu.apply(self)
+
+    def matmul(self, other: ArrayLike) -> Tensor:
+        """Matrix product `self @ other`, numpy's rules (1-D operands, broadcast batch axes)."""
+        return MatMul.apply(self, other)
 
 
 class _HookHandle:
@@ -228,23 +328,27 @@ def _raw_key(key):
     return key.data if isinstance(key, Tensor) else key
 
 
-def where(condition, x, y):
-    """Elementwise `x if condition else y`; gradients flow to x and y."""
+def where(condition: ArrayLike, x: ArrayLike, y: ArrayLike) -> Tensor:
+    """Elementwise `x if condition else y` (torch.where), broadcasting the three; gradients flow
+    to x and y, none to the boolean condition."""
     cond = condition.data if isinstance(condition, Tensor) else condition
     return Where.apply(x, y, condition=cond)
 
 
-def concatenate(tensors, axis=0):
+def concatenate(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    """The tensors joined along an existing `axis` (torch.cat); each gets its slice of the gradient."""
     return Concatenate.apply(*tensors, axis=axis)
 
 
-def stack(tensors, axis=0):
+def stack(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    """The tensors (all of one shape) joined along a new `axis` (torch.stack); differentiable."""
     return concatenate([t.reshape(t.shape[:axis % (t.ndim + 1)] + (1,) + t.shape[axis % (t.ndim + 1):])
                         for t in tensors], axis=axis)
 
 
-def unbroadcast(grad, shape):
-    """Sum `grad` over the axes that broadcasting added or stretched, back to `shape`."""
+def unbroadcast(grad: Array, shape: tuple[int, ...]) -> Array:
+    """Sum the raw array `grad` over the axes that broadcasting added or stretched, back to
+    `shape`: the backward of a broadcast, for hand-written ops' backward."""
     if grad.shape == shape:
         return grad
     extra = grad.ndim - len(shape)

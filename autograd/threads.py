@@ -41,21 +41,21 @@ _lock = threading.Lock()     # guards _state: set_num_threads may run while othe
 _local = threading.local()  # .busy: this thread is running a block (nested splits run whole)
 
 
-def get_num_threads():
+def get_num_threads() -> int:
     """Threads that npformer's ops use on the CPU (like torch.get_num_threads)."""
     if _state["threads"] is None:
         set_num_threads(default_num_threads())
     return _state["threads"]
 
 
-def available_cores():
+def available_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
 
 
-def default_num_threads():
+def default_num_threads() -> int:
     """NPFORMER_NUM_THREADS (an integer >= 1) when set; else available_cores() when
     threadpoolctl can hold numpy's BLAS to one thread; else 1 (see the module docstring)."""
     value = os.environ.get("NPFORMER_NUM_THREADS")
@@ -78,7 +78,7 @@ def _has_threadpoolctl():
     return True
 
 
-def set_num_threads(n):
+def set_num_threads(n: int) -> None:
     """Split the work of every op across `n` threads (an int >= 1) on the CPU; with n > 1
     numpy's BLAS is limited to one thread (via threadpoolctl), since npformer splits the GEMMs."""
     n = check_int(n, "n", "set_num_threads", at_least=1)

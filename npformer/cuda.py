@@ -36,7 +36,11 @@ Where it runs: "cuda" (CuPy stream capture into a private memory pool, replayed 
 same arrays (autograd.testdevice), so the same code path is tested without a GPU; "cpu": no graph,
 every call runs eagerly.
 """
+from __future__ import annotations
+
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 from autograd import Tensor, backend, deferred, graphs, testdevice
 
@@ -109,9 +113,10 @@ class _EmulatedGraph:
 
 class GraphedStep:
     """`fn` captured as a graph on `device` after `warmup` eager calls, then replayed (see the module
-    docstring). Calling it copies the arguments into the captured step's static inputs."""
+    docstring). Calling it copies the arguments into the captured step's static inputs. Made by
+    `graphed`; `calls` and `replays` count what it did."""
 
-    def __init__(self, fn, device="cuda", warmup=1):
+    def __init__(self, fn: Callable[..., Any], device: str = "cuda", warmup: int = 1):
         if device not in backend.DEVICES:
             raise ValueError(f"graphed: device must be one of {backend.DEVICES}, got {device!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
@@ -127,7 +132,11 @@ class GraphedStep:
         self.static = None        # the captured step's inputs (arrays on the device, or Tensors)
         self.outputs = None
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
+        """Run the step: eagerly for the first `warmup` calls (and always on "cpu"), then capture
+        it once and replay it. Returns what `fn` returned (after the capture: the same objects,
+        rewritten by each replay). Arguments: arrays or Tensors (not requiring grad) of the
+        captured shapes and dtypes, else TypeError / ValueError."""
         self.calls += 1
         if self.device == "cpu":
             return self.fn(*args)
@@ -194,7 +203,9 @@ class GraphedStep:
         deferred.add_pending(self.capture.checks)
 
 
-def graphed(fn, device="cuda", warmup=1):
+def graphed(fn: Callable[..., Any], device: str = "cuda", warmup: int = 1) -> GraphedStep:
     """A callable that runs `fn(*arrays)` as a captured CUDA graph on `device` (see the module
-    docstring): `warmup` eager calls, then one capture, then replays. Returns GraphedStep."""
+    docstring): `warmup` eager calls, then one capture, then replays. Returns GraphedStep; like
+    torch.cuda.make_graphed_callables for a whole training step. Raises ValueError for an
+    unknown device or warmup < 1, RuntimeError for "cuda" without CuPy or a GPU."""
     return GraphedStep(fn, device, warmup)

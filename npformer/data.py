@@ -19,11 +19,17 @@ Data parallelism: every rank draws the same global batch from the same stream an
 own contiguous share (`shard`), so N ranks see exactly the batches of one process, and a
 run saved on N ranks continues on M. `RandomBatches` does the same for any dataset of arrays.
 """
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from autograd.checks import check_int
+
+__all__ = ["PAD", "BOS", "EOS", "NUM_SPECIAL", "TASKS", "Batch", "shard", "RandomBatches", "SequenceTask"]
 
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3
@@ -39,17 +45,17 @@ class Batch:
     tgt_out: np.ndarray  # (B, T) int64
 
     @property
-    def src_padding_mask(self):
+    def src_padding_mask(self) -> np.ndarray:
         """(B, S) bool, True at padding (torch's key_padding_mask convention)."""
         return self.src == PAD
 
     @property
-    def tgt_padding_mask(self):
+    def tgt_padding_mask(self) -> np.ndarray:
         """(B, T) bool, True at padding of the decoder input."""
         return self.tgt_in == PAD
 
     @property
-    def n_tokens(self):
+    def n_tokens(self) -> int:
         """Number of target tokens that count in the loss (not PAD)."""
         return int((self.tgt_out != PAD).sum())
 
@@ -57,9 +63,10 @@ class Batch:
         return len(self.src)
 
 
-def shard(n, rank, world_size):
+def shard(n: int, rank: int, world_size: int) -> slice:
     """The slice of n items (a global batch) that `rank` of `world_size` takes: contiguous
-    shares whose sizes differ by at most one, together the whole batch in order."""
+    shares whose sizes differ by at most one, together the whole batch in order (torch's
+    DistributedSampler splits by stride instead). ValueError unless 0 <= rank < world_size <= n."""
     world_size = check_int(world_size, "world_size", "shard", at_least=1)
     rank = check_int(rank, "rank", "shard", at_least=0)
     if rank >= world_size:
@@ -79,9 +86,12 @@ class RandomBatches:
     `state_dict`/`load_state_dict` continue the stream (on any number of ranks).
 
     rank / world_size: default to npformer.distributed's (0 and 1 without an MPI job).
+    Raises ValueError without arrays, for arrays of different lengths, or a batch_size larger
+    than the dataset or smaller than world_size.
     """
 
-    def __init__(self, *arrays, batch_size, seed=0, rank=None, world_size=None):
+    def __init__(self, *arrays: Any, batch_size: int, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None):
         from . import distributed
 
         if not arrays:
@@ -116,12 +126,14 @@ class RandomBatches:
         batch = tuple(a[indices] for a in self.arrays)
         return batch[0] if len(batch) == 1 else batch
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The stream's position: the generator state the epoch's permutation came from, and
         how many examples of it were used."""
         return {"epoch_start": self.epoch_start_state, "position": self.position}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream from `state` (what state_dict returned, on this or another number
+        of ranks): the same epoch permutation, at the same position."""
         self.rng.bit_generator.state = state["epoch_start"]
         self._new_epoch()
         self.position = int(state["position"])
@@ -134,10 +146,12 @@ class SequenceTask:
     min_len, max_len: source lengths, drawn uniformly in [min_len, max_len] (max_len
     defaults to min_len: fixed length). eos: append EOS to targets (default: only when
     lengths vary). seed: seeds the training stream and, independently, the held-out set.
+    heldout_size: distinct held-out sequences, at most a quarter of the possible ones. Raises
+    TypeError / ValueError naming a bad argument.
     """
 
-    def __init__(self, task="reverse", vocab_size=20, min_len=6, max_len=None, eos=None, seed=0,
-                 heldout_size=1000):
+    def __init__(self, task: str = "reverse", vocab_size: int = 20, min_len: int = 6, max_len: int | None = None,
+                 eos: bool | None = None, seed: int | None = 0, heldout_size: int = 1000):
         if task not in TASKS:
             raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
         owner = "SequenceTask"
@@ -164,12 +178,13 @@ class SequenceTask:
 
     # -- sizes --------------------------------------------------------------------------
     @property
-    def max_target_len(self):
+    def max_target_len(self) -> int:
         """Longest target, EOS included: the decoding budget."""
         return self.max_len + self.eos
 
     @property
-    def num_symbols(self):
+    def num_symbols(self) -> int:
+        """The number of symbols (vocab_size minus PAD, BOS and EOS)."""
         return self.vocab_size - NUM_SPECIAL
 
     # -- sequences ----------------------------------------------------------------------
@@ -192,21 +207,22 @@ class SequenceTask:
                     seqs.append(s)
         return seqs
 
-    def sample(self, n):
+    def sample(self, n: int) -> list[np.ndarray]:
         """n training source sequences from the task's stream, none of them held out."""
         seqs = []
         while len(seqs) < n:
             seqs += [s for s in self._draw(self.rng, n - len(seqs)) if self._key(s) not in self._heldout_keys]
         return seqs
 
-    def target(self, seq):
+    def target(self, seq: Sequence[int] | np.ndarray) -> np.ndarray:
         """The target of one source sequence (ids, without EOS)."""
         seq = np.asarray(seq, dtype=np.int64)
         return {"reverse": seq[::-1], "copy": seq, "sort": np.sort(seq)}[self.task]
 
     # -- batches ------------------------------------------------------------------------
-    def collate(self, seqs):
-        """A Batch of source sequences (lists or arrays of ids), padded to the longest."""
+    def collate(self, seqs: Sequence[Sequence[int] | np.ndarray]) -> Batch:
+        """A Batch of source sequences (lists or arrays of ids), padded to the longest, with their
+        targets (EOS appended when the task uses it) and decoder inputs. ValueError for no sequence."""
         if not len(seqs):
             raise ValueError("seqs: expected at least one sequence")
         n, src_len = len(seqs), max(len(s) for s in seqs)
@@ -223,13 +239,13 @@ class SequenceTask:
         tgt_in[tgt_in == EOS] = PAD
         return Batch(src, tgt_in, tgt_out)
 
-    def batch(self, batch_size, rank=0, world_size=1):
+    def batch(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Batch:
         """A fresh training batch (advances the task's random stream). With world_size > 1:
         rank's share of the global batch of batch_size sequences (see `shard`)."""
         batch_size = check_int(batch_size, "batch_size", "SequenceTask.batch", at_least=1)
         return self.collate(self.sample(batch_size)[shard(batch_size, rank, world_size)])
 
-    def heldout_batches(self, batch_size=500):
+    def heldout_batches(self, batch_size: int = 500) -> Iterator[Batch]:
         """The held-out set as Batches, always in the same order."""
         batch_size = check_int(batch_size, "batch_size", "SequenceTask.heldout_batches", at_least=1)
         for start in range(0, len(self.heldout), batch_size):
@@ -237,7 +253,7 @@ class SequenceTask:
 
     # -- scoring ------------------------------------------------------------------------
     @staticmethod
-    def score(predicted, tgt_out):
+    def score(predicted: Any, tgt_out: np.ndarray) -> tuple[int, int, int]:
         """(exact-sequence matches, correct tokens, target tokens) of decoded ids against targets.
 
         predicted: (B, T') ids from a decoder, PAD after EOS. A sequence is exact when its
@@ -256,7 +272,7 @@ class SequenceTask:
         return exact, correct, int(valid.sum())
 
     # -- user-facing symbols ------------------------------------------------------------
-    def encode(self, symbols):
+    def encode(self, symbols: Sequence[int]) -> list[int]:
         """Symbols 1..V-3 (what people type) -> ids 3..V-1; raises ValueError out of range."""
         symbols = [int(s) for s in symbols]
         bad = [s for s in symbols if not 1 <= s <= self.num_symbols]
@@ -265,7 +281,7 @@ class SequenceTask:
                              f"{self.vocab_size}, got {bad}")
         return [s + NUM_SPECIAL - 1 for s in symbols]
 
-    def decode(self, ids):
+    def decode(self, ids: Any) -> list[int]:
         """ids -> symbols, stopping at EOS and skipping PAD/BOS."""
         out = []
         for i in np.asarray(ids).tolist():
@@ -276,17 +292,17 @@ class SequenceTask:
         return out
 
     # -- state --------------------------------------------------------------------------
-    def config(self):
+    def config(self) -> dict[str, Any]:
         """The constructor arguments: SequenceTask(**task.config()) rebuilds the task."""
         return {"task": self.task, "vocab_size": self.vocab_size, "min_len": self.min_len, "max_len": self.max_len,
                 "eos": self.eos, "seed": self.seed, "heldout_size": len(self.heldout)}
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The training stream's position and the task's config (JSON-serialisable); the
         held-out set is rebuilt from the seed."""
         return {"rng": self.rng.bit_generator.state, "config": self.config()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the training stream of `state`; ValueError if it was made by another task."""
         saved = state.get("config")
         if saved is not None and saved != self.config():

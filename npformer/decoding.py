@@ -11,15 +11,21 @@ Outputs are int64 numpy arrays (B, L) of generated ids without the leading BOS; 
 that produced EOS keeps it and has PAD after it. L <= max_len; decoding stops early once
 every sequence has finished.
 """
+from __future__ import annotations
+
 import contextlib
 import math
 
 import numpy as np
 
 from autograd import Tensor, backend, no_grad, random, threads
+from autograd.backend import Array, ArrayLike
 from autograd.checks import as_array, check_int, check_optional_int, check_real
 from . import functional as F
 from .data import BOS, EOS, PAD
+from .nn import Module
+
+__all__ = ["greedy_decode", "beam_search", "generate", "sample_logits", "top_k_filter", "top_p_filter"]
 
 
 @contextlib.contextmanager
@@ -116,8 +122,9 @@ class _Stepper:
         self.prefix = np.concatenate([self.prefix, tokens[:, None]], axis=1)
 
 
-def greedy_decode(model, src, max_len, *, bos=BOS, eos=EOS, pad=PAD, src_key_padding_mask=None,
-                  use_cache=True):
+def greedy_decode(model: Module, src: ArrayLike, max_len: int, *, bos: int = BOS, eos: int | None = EOS,
+                  pad: int = PAD, src_key_padding_mask: ArrayLike | None = None,
+                  use_cache: bool = True) -> np.ndarray:
     """Pick the most likely token at every step.
 
     src: (B, S) int ids. max_len: most tokens to generate. eos: stop a sequence at this id
@@ -145,8 +152,9 @@ def greedy_decode(model, src, max_len, *, bos=BOS, eos=EOS, pad=PAD, src_key_pad
     return out
 
 
-def beam_search(model, src, max_len, *, beam_size=4, length_penalty=1.0, bos=BOS, eos=EOS, pad=PAD,
-                src_key_padding_mask=None, use_cache=True, return_scores=False):
+def beam_search(model: Module, src: ArrayLike, max_len: int, *, beam_size: int = 4, length_penalty: float = 1.0,
+                bos: int = BOS, eos: int = EOS, pad: int = PAD, src_key_padding_mask: ArrayLike | None = None,
+                use_cache: bool = True, return_scores: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Keep the `beam_size` most likely prefixes of every sequence at each step.
 
     A hypothesis that emits EOS among the top `beam_size` candidates is finished, scored
@@ -217,7 +225,7 @@ def beam_search(model, src, max_len, *, beam_size=4, length_penalty=1.0, bos=BOS
 
 
 # -- causal language models ------------------------------------------------------------------
-def top_k_filter(logits, top_k):
+def top_k_filter(logits: Tensor | Array, top_k: int) -> Array:
     """Logits (..., V) with every entry below the k-th largest of its row set to -inf (ties
     with the k-th are kept), as Hugging Face's TopKLogitsWarper. top_k: int >= 1 (capped at V)."""
     scores = logits.data if isinstance(logits, Tensor) else logits
@@ -227,7 +235,7 @@ def top_k_filter(logits, top_k):
     return xp.where(scores < kth, -math.inf, scores).astype(scores.dtype, copy=False)
 
 
-def top_p_filter(logits, top_p):
+def top_p_filter(logits: Tensor | Array, top_p: float) -> Array:
     """Nucleus filtering, as Hugging Face's TopPLogitsWarper: sort each row's logits ascending,
     take the cumulative softmax probability c; entries with c <= 1 - top_p are set to -inf,
     the most likely entry always stays. What stays is the smallest set of most likely tokens
@@ -245,7 +253,8 @@ def top_p_filter(logits, top_p):
     return xp.where(remove, -math.inf, scores).astype(scores.dtype, copy=False)
 
 
-def sample_logits(logits, rng, temperature=1.0, top_k=None, top_p=None):
+def sample_logits(logits: Tensor | Array, rng: np.random.Generator, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None) -> np.ndarray:
     """Next tokens (B,) int64 on the host from logits (B, V): the argmax when temperature == 0,
     else a draw from softmax(filtered logits / temperature) with `rng` (a numpy Generator), the
     logits processed in Hugging Face's order: temperature, top-k, top-p."""
@@ -319,15 +328,18 @@ def _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed):
             check_optional_int(eos, "eos", owner), check_optional_int(seed, "seed", owner))
 
 
-def generate(model, ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos=None, seed=None, *,
-             key_padding_mask=None, pad=None, use_cache=True):
+def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, eos: int | None = None,
+             seed: int | None = None, *, key_padding_mask: ArrayLike | None = None, pad: int | None = None,
+             use_cache: bool = True) -> np.ndarray:
     """Continue prompts with a causal LM (`CausalLM`, e.g. GPT-2 from `load_pretrained`), like
     Hugging Face's `model.generate`. Returns prompt + new ids.
 
     ids: a 2-D array (B, P) of token ids (numpy/cupy array or Tensor), left-padded when prompts
     differ in length, with key_padding_mask (B, P) bool, True = padding (from a Hugging Face
-    tokenizer: `attention_mask == 0`); or a list of 1-D prompts of any lengths, left-padded here. Padding is masked out and positions count real tokens only, so
-    each row continues exactly as it would alone.
+    tokenizer: `attention_mask == 0`); or a list of 1-D prompts of any lengths, left-padded here.
+    Padding is masked out and positions count real tokens only, so each row continues exactly
+    as it would alone.
     temperature: 0 = greedy (the argmax at every step; equals recomputing the whole prefix);
     > 0 = sample from softmax(logits / temperature) after top_k (keep the k most likely; None or
     0: all) and top_p (nucleus: the smallest set of most likely tokens with mass > top_p; None or

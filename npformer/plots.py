@@ -7,10 +7,21 @@ no pyplot backend or global state is touched.
 `attention_maps` (no matplotlib needed) returns the per-head attention probabilities of
 every attention module of a Seq2SeqTransformer for one forward pass.
 """
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
+from autograd.backend import ArrayLike
+
 from .decoding import _inference
-from .nn import record_attention
+from .nn import Module, record_attention
+
+__all__ = ["attention_maps", "plot_curves", "plot_grad_norms", "plot_attention", "plot_attention_and_grads", "TITLES"]
+
 
 _GROUPS = ("encoder_self", "decoder_self", "cross")
 TITLES = {"encoder_self": "encoder self-attention", "decoder_self": "decoder self-attention (causal)",
@@ -32,12 +43,12 @@ def _group_of(name):
     return "decoder_self" if ".decoder." in f".{name}" else "encoder_self"
 
 
-def attention_maps(model, *inputs):
+def attention_maps(model: Module, *inputs: ArrayLike) -> dict[str, list[np.ndarray]]:
     """Run `model(*inputs)` (e.g. `model(src, tgt_in)`, or `model(ids)` for a causal LM) once in
     eval mode and return the attention probabilities of every MultiheadAttention, per head:
     {"encoder_self": [(B, H, S, S) per layer], "decoder_self": [(B, H, T, T)], "cross":
     [(B, H, T, S)]} as numpy arrays (a causal LM's layers are its encoder stack: "encoder_self";
-    recorded with `npformer.nn.record_attention`)."""
+    recorded with `npformer.nn.record_attention`). The model's mode is restored afterwards."""
     maps = {group: [] for group in _GROUPS}
     with _inference(model), record_attention(model) as recorder:
         model(*inputs)
@@ -49,14 +60,16 @@ def attention_maps(model, *inputs):
 _CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "items", "seconds")
 
 
-def plot_curves(history, path, title="training"):
+def plot_curves(history: dict[str, Any], path: str | os.PathLike, title: str = "training") -> str | os.PathLike:
     """Loss, metrics and learning rate against the step, side by side, from a Trainer's
     history (see npformer.training for its keys).
 
     Needs "step", "loss" and "lr" (one entry per step). Also drawn when present: every other
     per-step list of the same length (the loss function's metrics, e.g. "accuracy") and every
     "eval_<name>" list of numbers other than counts against "eval_step" ("eval_loss" beside
-    the training loss, the rest beside the metrics). The metrics panel is left out when there are none."""
+    the training loss, the rest beside the metrics). The metrics panel is left out when there are none.
+    Writes a PNG to `path` and returns path. KeyError naming the missing keys; ImportError
+    without matplotlib."""
     missing = [k for k in ("step", "loss", "lr") if k not in history]
     if missing:
         raise KeyError(f"history: expected the keys 'step', 'loss' and 'lr' (a Trainer's history), "
@@ -136,10 +149,12 @@ def _grad_norm_panels(names):
     return {**panels, **({"embeddings and output": other} if other else {})}  # the stacks first
 
 
-def plot_grad_norms(history, path):
+def plot_grad_norms(history: dict[str, Any], path: str | os.PathLike) -> str | os.PathLike:
     """The gradient norm of every layer (before clipping) against the step: one panel per
     layer stack (encoder, decoder) and one for the embeddings and output, layers coloured from
-    first (dark) to last (light), the total norm of all layers in grey behind each."""
+    first (dark) to last (light), the total norm of all layers in grey behind each. Needs a
+    Trainer history with "layer_grad_norm_step", "layer_grad_norm", "step" and "grad_norm".
+    Writes a PNG to `path` and returns path."""
     import matplotlib
 
     panels = _grad_norm_panels(list(history["layer_grad_norm"]))
@@ -159,10 +174,12 @@ def plot_grad_norms(history, path):
     return path
 
 
-def plot_attention(layers, path, title, query_labels, key_labels):
+def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title: str, query_labels: Sequence[str],
+                   key_labels: Sequence[str]) -> str | os.PathLike:
     """A grid of heatmaps, one row per layer and one column per head.
 
     layers: list of (H, Tq, Tk) arrays (one example). query_labels / key_labels: tick labels.
+    Writes a PNG to `path` and returns path.
     """
     n_layers, n_heads = len(layers), layers[0].shape[0]
     tq, tk = layers[0].shape[1:]
@@ -187,11 +204,13 @@ def plot_attention(layers, path, title, query_labels, key_labels):
     return path
 
 
-def plot_attention_and_grads(weights, grads, path, title, query_labels, key_labels, query_axis="query",
-                             key_axis="key"):
+def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str | os.PathLike, title: str,
+                             query_labels: Sequence[str], key_labels: Sequence[str], query_axis: str = "query",
+                             key_axis: str = "key") -> str | os.PathLike:
     """Per head: the attention probabilities P (top row) next to dL/dP (bottom row,
     a diverging scale centred on 0). weights, grads: (H, Tq, Tk); the ticks are labelled
-    with the query and key tokens, the axes with query_axis and key_axis."""
+    with the query and key tokens, the axes with query_axis and key_axis. Writes a PNG to
+    `path` and returns path."""
     n_heads, tq, tk = weights.shape
     cell = 0.3 * max(tq, tk) + 1.2
     fig = _figure(figsize=(cell * n_heads + 1.5, 2 * cell + 1.2), layout="constrained")

@@ -31,10 +31,15 @@ History (`trainer.history`, saved in checkpoints, drawn by `plots.plot_curves`):
 Reproducible: the losses depend only on the seeds (`autograd.manual_seed` before building the
 model, the data's seed); `save`/`resume` continue exactly where a run stopped.
 """
+from __future__ import annotations
+
 import copy
 import math
+import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from autograd import Tensor, backend, random
 from autograd.checks import check_bool, check_int, check_real
@@ -47,11 +52,16 @@ from .distributed import comm
 from .distributed.ddp import DistributedDataParallel, split_random_streams
 from .distributed.zero import ZeroRedundancyOptimizer
 from .nn import Module
-from .optim import clip_grad_norm_, grad_norm
+from .optim import Optimizer, clip_grad_norm_, grad_norm
 from .progress import Progress
 
+__all__ = ["Loss", "token_loss", "seq2seq_loss", "causal_lm_loss", "classification_loss", "evaluate_loss", "Trainer",
+           "Seq2SeqTrainer", "layer_of"]
 
-def layer_of(name):
+LossFunction = Callable[[Module, Any], "Loss | Tensor"]  # (model, batch) -> Loss, or a scalar Tensor (a mean)
+
+
+def layer_of(name: str) -> str:
     """The layer a parameter belongs to, for per-layer gradient norms:
     'encoder.layers.1.self_attn.in_proj_weight' -> 'encoder.layers.1',
     'src_embed.weight' -> 'src_embed'."""
@@ -73,9 +83,10 @@ class Loss:
 
 
 # -- loss functions ------------------------------------------------------------------------
-def token_loss(logits, target, ignore_index=-100, label_smoothing=0.0) -> Loss:
+def token_loss(logits: Tensor, target: Any, ignore_index: int = -100, label_smoothing: float = 0.0) -> Loss:
     """Cross-entropy of logits (..., C) against integer targets (...), summed over the targets
-    that are not ignore_index; their count; metric "accuracy": how many of them the argmax gets."""
+    that are not ignore_index; their count; metric "accuracy": how many of them the argmax gets.
+    The building block of the ready-made loss functions (F.cross_entropy with reduction="sum")."""
     target = backend.to_device(target, logits.device)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
                            reduction="sum", label_smoothing=label_smoothing)
@@ -84,7 +95,7 @@ def token_loss(logits, target, ignore_index=-100, label_smoothing=0.0) -> Loss:
     return Loss(loss, int(valid.sum()), {"accuracy": int(correct.sum())})
 
 
-def seq2seq_loss(label_smoothing=0.0):
+def seq2seq_loss(label_smoothing: float = 0.0) -> LossFunction:
     """Loss function for an encoder-decoder on `data.Batch`es: teacher-forced token
     cross-entropy of model(src, tgt_in) against tgt_out, PAD ignored."""
     label_smoothing = check_real(label_smoothing, "label_smoothing", "seq2seq_loss", at_least=0, at_most=1)
@@ -94,7 +105,7 @@ def seq2seq_loss(label_smoothing=0.0):
     return loss_fn
 
 
-def causal_lm_loss(ignore_index=-100, label_smoothing=0.0):
+def causal_lm_loss(ignore_index: int = -100, label_smoothing: float = 0.0) -> LossFunction:
     """Loss function for a causal LM on batches of token ids (B, T + 1): predict ids[:, 1:]
     from ids[:, :-1]; targets equal to ignore_index (e.g. the padding id) do not count."""
     label_smoothing = check_real(label_smoothing, "label_smoothing", "causal_lm_loss", at_least=0, at_most=1)
@@ -104,7 +115,7 @@ def causal_lm_loss(ignore_index=-100, label_smoothing=0.0):
     return loss_fn
 
 
-def classification_loss(label_smoothing=0.0):
+def classification_loss(label_smoothing: float = 0.0) -> LossFunction:
     """Loss function for a classifier on batches (inputs, labels): cross-entropy of
     model(inputs) (B, C) against labels (B,), summed over the examples; metric accuracy."""
     label_smoothing = check_real(label_smoothing, "label_smoothing", "classification_loss", at_least=0, at_most=1)
@@ -127,10 +138,11 @@ def _as_loss(out):
                     + (f" of shape {out.shape}" if isinstance(out, Tensor) else ""))
 
 
-def evaluate_loss(loss_fn, batches):
+def evaluate_loss(loss_fn: LossFunction, batches: Iterable[Any]) -> Callable[[Module], dict[str, float]]:
     """An `evaluate` function for Trainer: the loss and metrics of `loss_fn` over fixed
     held-out batches, in eval mode without a graph; batch i runs on rank i % world size and
-    the sums are added over ranks. Returns {"loss": ..., <metric>: ...}."""
+    the sums are added over ranks. The function returns {"loss": ..., <metric>: ...}, divided by
+    the item count; it raises ValueError with fewer batches than ranks."""
     batches = list(batches)
 
     def evaluate(model):
@@ -171,7 +183,8 @@ class Trainer:
         ranks (`distributed.ZeroRedundancyOptimizer`, ZeRO-1).
 
     `Trainer(model, optimizer, sequence_task, batch_size=..., ...)` (a SequenceTask as data,
-    this class's earlier form) makes a `Seq2SeqTrainer`.
+    this class's earlier form) makes a `Seq2SeqTrainer`. Raises TypeError / ValueError naming a
+    bad argument (shard_optimizer=True without a DistributedDataParallel model: ValueError).
     """
 
     def __new__(cls, model=None, optimizer=None, data=None, *args, **kwargs):
@@ -179,9 +192,11 @@ class Trainer:
             return super().__new__(Seq2SeqTrainer)
         return super().__new__(cls)
 
-    def __init__(self, model, optimizer, data, loss_fn, *, evaluate=None, scheduler=None, clip_norm=1.0,
-                 eval_every=0, grad_norm_every=10, progress=True, log_every=10, extra_state=None,
-                 shard_optimizer=False):
+    def __init__(self, model: Module, optimizer: Optimizer, data: Iterable[Any] | Callable[[], Any],
+                 loss_fn: Callable[[Module, Any], Loss | Tensor], *, evaluate: Callable[[Module], dict[str, Any]] | None = None,
+                 scheduler: Any = None, clip_norm: float | None = 1.0, eval_every: int = 0, grad_norm_every: int = 10,
+                 progress: bool = True, log_every: int = 10, extra_state: dict[str, Any] | None = None,
+                 shard_optimizer: bool = False):
         if not isinstance(model, Module):
             raise TypeError(f"model: expected an npformer.nn.Module, got {type(model).__name__}")
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
@@ -228,9 +243,10 @@ class Trainer:
         self._bar = None
 
     # -- one step ------------------------------------------------------------------------
-    def train_step(self, batch=None):
+    def train_step(self, batch: Any = None) -> dict[str, Any]:
         """One optimisation step on `batch` (default: the next one from `data`). Returns the
-        step's record: step, loss, lr, grad_norm, items, seconds and the loss's metrics."""
+        step's record: step, loss, lr, grad_norm, items, seconds and the loss's metrics (also
+        appended to `history`). ValueError when no rank's batch has an item to average over."""
         start = time.perf_counter()
         batch = self._next_batch() if batch is None else batch
         self.model.train()
@@ -271,7 +287,7 @@ class Trainer:
             (self._bar or Progress(0, enabled=False)).write(message)
 
     # -- evaluation ----------------------------------------------------------------------
-    def evaluate(self):
+    def evaluate(self) -> dict[str, Any]:
         """The `evaluate` function's results on the model ({} without one); every rank calls it."""
         return {} if self.evaluate_fn is None else dict(self.evaluate_fn(self.module))
 
@@ -285,7 +301,8 @@ class Trainer:
             self.history.setdefault(f"eval_{name}", []).append(value)
 
     # -- the loop ------------------------------------------------------------------------
-    def fit(self, steps, checkpoint_path=None, checkpoint_every=0):
+    def fit(self, steps: int, checkpoint_path: str | os.PathLike | None = None,
+            checkpoint_every: int = 0) -> dict[str, Any]:
         """Train until `self.step == steps` (a total: a resumed trainer continues where it
         stopped), evaluating every `eval_every` steps and at the end; with checkpoint_path,
         save there every `checkpoint_every` steps and at the end. Returns the final evaluation."""
@@ -322,7 +339,7 @@ class Trainer:
         return result
 
     # -- state ---------------------------------------------------------------------------
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """Step, history, the data's position and every rank's random stream (the model,
         optimizer and scheduler have their own state dicts). Collective with several ranks."""
         rng = {"cpu": random.global_rng("cpu").bit_generator.state, "dropout": random.dropout_stream().state_dict()}
@@ -332,10 +349,12 @@ class Trainer:
             state["data"] = self.data.state_dict()
         return state
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict returned (step, history, data position, random streams), all or
+        nothing: ValueError or TypeError naming what is wrong, and nothing changes."""
         self.prepare_load_state_dict(state)()
 
-    def prepare_load_state_dict(self, state):
+    def prepare_load_state_dict(self, state: dict[str, Any]) -> Callable[[], None]:
         """Check `state` (ValueError or TypeError naming what is wrong) and return the function
         that loads it, which cannot fail: the data stream's state is first loaded into a copy."""
         if not isinstance(state, dict) or not isinstance(state.get("history"), dict):
@@ -374,10 +393,10 @@ class Trainer:
         elif self.group.size > 1:  # another number of ranks: new independent streams
             split_random_streams(self.group)
 
-    def save(self, path):
+    def save(self, path: str | os.PathLike) -> str | os.PathLike:
         """A checkpoint of everything needed to continue exactly (see `resume`), plus
         extra_state, written by rank 0 (every rank calls it). The model is saved unwrapped: it
-        loads in one process, or on any number of ranks."""
+        loads in one process, or on any number of ranks. Returns path."""
         if isinstance(self.optimizer, ZeroRedundancyOptimizer):
             self.optimizer.consolidate_state_dict()
         trainer_state = self.state_dict()
@@ -386,10 +405,10 @@ class Trainer:
                             trainer=trainer_state, **self.extra_state)
         return path
 
-    def resume(self, path):
+    def resume(self, path: str | os.PathLike) -> dict[str, Any]:
         """Load a checkpoint written by `save` (by any number of ranks) into this trainer's
         model, optimizer, scheduler, random generators and data stream, all or nothing. Every
-        rank reads the file. Returns the checkpoint dict."""
+        rank reads the file. Returns the checkpoint dict. Raises what load_checkpoint raises."""
         return load_checkpoint(path, self.module, self.optimizer, self.scheduler, state_targets={"trainer": self})
 
 
@@ -404,11 +423,12 @@ class Seq2SeqTrainer(Trainer):
     Evaluation decodes held-out sequences greedily and scores exact-sequence and token
     accuracy, the held-out set split across ranks. eval_size: how many held-out sequences the
     evaluations every eval_every steps use (None: all); the final one uses all.
-    eval_batch_size: sequences decoded at once. Other options: those of `Trainer`.
+    eval_batch_size: sequences decoded at once. Other options (**options): those of `Trainer`.
     """
 
-    def __init__(self, model, optimizer, task, *, batch_size=64, label_smoothing=0.0, eval_size=None,
-                 eval_batch_size=500, **options):
+    def __init__(self, model: Module, optimizer: Optimizer, task: SequenceTask, *, batch_size: int = 64,
+                 label_smoothing: float = 0.0, eval_size: int | None = None, eval_batch_size: int = 500,
+                 **options: Any):
         if not isinstance(task, SequenceTask):
             raise TypeError(f"task: expected a npformer.data.SequenceTask, got {type(task).__name__}")
         self.task = task
@@ -424,9 +444,10 @@ class Seq2SeqTrainer(Trainer):
 
         super().__init__(model, optimizer, next_batch, seq2seq_loss(self.label_smoothing), **options)
 
-    def evaluate(self, sequences=None, use_cache=True):
+    def evaluate(self, sequences: int | None = None, use_cache: bool = True) -> dict[str, Any]:
         """Greedy-decode held-out sequences (default: all; or the first `sequences`), each rank
-        its share, and score them. Returns {"exact_match", "token_accuracy", "sequences"}."""
+        its share, and score them. Returns {"exact_match", "token_accuracy", "sequences"}.
+        use_cache=False decodes without the KV cache (slower; for comparison)."""
         task = self.task
         heldout = task.heldout if sequences is None else task.heldout[:sequences]
         mine = heldout[self.group.rank * len(heldout) // self.group.size:
@@ -445,7 +466,7 @@ class Seq2SeqTrainer(Trainer):
     def _periodic_evaluation(self):
         return self.evaluate(self.eval_size)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """Trainer's state plus the task's training stream ("task")."""
         return {**super().state_dict(), "task": self.task.state_dict()}
 

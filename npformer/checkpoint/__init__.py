@@ -14,10 +14,13 @@ declared size before allocating it (`archive`), checks the metadata's structure 
 and validates the model, optimizer, scheduler and random state before changing any of them.
 docs/checkpoints.md describes the format and the checks.
 """
+from __future__ import annotations
+
 import inspect
 import json
 import math
 import os
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +28,8 @@ from autograd import random
 
 from ..files import atomic_write
 from ..models import MODEL_CLASSES
+from ..nn import Module
+from ..optim import Optimizer
 from .archive import Archive, CheckpointError
 from .packing import bit_generator, pack, unpack
 
@@ -102,7 +107,8 @@ def _write_npz(fileobj, arrays):
     np.savez(fileobj, **arrays)  # stored, not compressed: a member's size is its array's size
 
 
-def save_checkpoint(path, model, optimizer=None, scheduler=None, **state):
+def save_checkpoint(path: str | os.PathLike, model: Module, optimizer: Optimizer | None = None, scheduler: Any = None,
+                    **state: Any) -> str | os.PathLike:
     """Write model (its class name, config and state), optimizer, scheduler, global random state
     and `**state` to `path`.
 
@@ -110,6 +116,8 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, **state):
     tuples, dicts and numpy Generators (e.g. `step=1000, trainer=trainer.state_dict()`), given
     back by load_checkpoint. The write is atomic (temporary file + fsync + os.replace) and keeps
     the mode of the file it replaces; temporaries left by killed saves are removed. Returns `path`.
+    ValueError for a `state` name the format reserves (config, model, optimizer, ...), TypeError
+    / ValueError for a value it cannot store. torch.save's role for npformer, without pickle.
     """
     reserved = sorted(set(state) & set(_RESERVED))
     if reserved:
@@ -213,8 +221,9 @@ def _checked_load(path, target, key, state):
         raise CheckpointError(f"{path}: {key} state: {e}") from e
 
 
-def load_checkpoint(path, model=None, optimizer=None, scheduler=None, restore_rng=True, strict_config=True,
-                    state_targets=None):
+def load_checkpoint(path: str | os.PathLike, model: Module | None = None, optimizer: Optimizer | None = None,
+                    scheduler: Any = None, restore_rng: bool = True, strict_config: bool = True,
+                    state_targets: dict[str, Any] | None = None) -> dict[str, Any]:
     """Read a checkpoint; load it into whichever of model/optimizer/scheduler are given.
 
     Everything is checked before anything changes: a failed load leaves the model, optimizer,
@@ -293,7 +302,7 @@ def _check_shapes(path, name, expected, arrays):
                               f"(nothing was built): " + "; ".join(problems))
 
 
-def load_model(path, device=None):
+def load_model(path: str | os.PathLike, device: str | None = None) -> tuple[Module, dict[str, Any]]:
     """Rebuild the npformer model saved at `path` from its class name, config and weights alone,
     on `device` (default cpu), in eval mode, in the dtype of the saved weights (float64 weights
     give a float64 model). Returns (model, checkpoint dict).

@@ -10,13 +10,17 @@ MPI by the transport of their device:
 A single process without `init()` is rank 0 of 1 (`LOCAL`): every collective is then the
 identity, so code written for several ranks runs unchanged in one.
 """
+from __future__ import annotations
+
 import os
 import sys
 import traceback
+from typing import Any
 
 import numpy as np
 
 from autograd import backend
+from autograd.backend import Array
 
 
 class _Done:
@@ -178,17 +182,19 @@ def _copy_from_host(host, flat):
 class ProcessGroup:
     """The ranks of an MPI communicator (COMM_WORLD after `init()`).
 
-    rank / size: this process's rank and the number of ranks. Collectives must be called by
-    every rank in the same order."""
+    rank / size: this process's rank and the number of ranks; local_rank: its rank among the
+    processes of this machine (which GPU it takes). Collectives must be called by every rank in
+    the same order. Made by `init()` (comm: an mpi4py communicator, mpi: mpi4py's MPI module).
+    Without `init()`, `group()` is a one-process stand-in with the same methods."""
 
-    def __init__(self, comm, mpi, cuda_aware=False):
+    def __init__(self, comm: Any, mpi: Any, cuda_aware: bool = False):
         self.comm, self.MPI = comm, mpi
         self.rank, self.size = comm.rank, comm.size
         self.local_rank = comm.Split_type(mpi.COMM_TYPE_SHARED).rank  # rank among this machine's
         self.cuda_aware = cuda_aware
         self._transports = {}
 
-    def transport(self, device):
+    def transport(self, device: str) -> Any:
         """How arrays of `device` reach the other ranks (see the module docstring)."""
         if device not in self._transports:
             if device == "cpu":
@@ -202,18 +208,18 @@ class ProcessGroup:
             self._transports[device] = made
         return self._transports[device]
 
-    def sum(self, values):
+    def sum(self, values: list[float]) -> list[float]:
         """[sum over ranks of values[i]] for a list of numbers (float64, one message)."""
         buffer = np.array(values, dtype=np.float64)
         self.comm.Allreduce(self.MPI.IN_PLACE, buffer, op=self.MPI.SUM)
         return buffer.tolist()
 
-    def sum_(self, array):
+    def sum_(self, array: Array) -> Array:
         """Sum an array (any device) over ranks, in place; returns it."""
         self.transport(backend.device_of(array)).start_sum(array).wait()
         return array
 
-    def broadcast_(self, array, root=0):
+    def broadcast_(self, array: Array, root: int = 0) -> Array:
         """Overwrite `array` (any device) with root's values, in place; returns it."""
         device = backend.device_of(array)
         host = backend.as_numpy(array) if device != "cpu" else array
@@ -225,17 +231,20 @@ class ProcessGroup:
             array[...] = host
         return array
 
-    def gather_object(self, obj, root=0):
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         """[obj of rank 0, obj of rank 1, ...] on root (pickled), None elsewhere."""
         return self.comm.gather(obj, root=root)
 
-    def broadcast_object(self, obj, root=0):
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """root's `obj` (pickled) on every rank; the others' `obj` is ignored."""
         return self.comm.bcast(obj, root=root)
 
-    def barrier(self):
+    def barrier(self) -> None:
+        """Wait until every rank has reached its barrier."""
         self.comm.Barrier()
 
-    def abort(self, code=1):
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job at once with exit status `code` (MPI_Abort)."""
         self.comm.Abort(code)
 
 
@@ -347,8 +356,8 @@ def is_initialized() -> bool:
     return _world is not None
 
 
-def group():
-    """The world group after `init()`, else the one-process group (rank 0 of 1)."""
+def group() -> ProcessGroup:
+    """The world group after `init()`, else the one-process group (rank 0 of 1, the same methods)."""
     return _world if _world is not None else LOCAL
 
 

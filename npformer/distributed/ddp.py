@@ -11,8 +11,12 @@ final first). When backward ends (a callback queued on the tape), the remaining 
 every bucket is waited for and divided by the number of ranks: each `.grad` then holds the
 mean over ranks. See docs/distributed.md.
 """
+from __future__ import annotations
+
 import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -87,9 +91,12 @@ class DistributedDataParallel(Module):
 
     Every rank must run backward the same number of times, with `no_sync()` at the same places;
     a rank whose loss reaches no parameter at all in a pass never joins that pass's all-reduce.
+    Raises TypeError for a module that is not an npformer Module, ValueError for bucket_cap_mb <= 0,
+    RuntimeError in an MPI job whose `init()` was not called.
     """
 
-    def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group=None, per_rank_random: bool = True):
+    def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group: comm.ProcessGroup | None = None,
+                 per_rank_random: bool = True):
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"module: expected an npformer.nn.Module, got {type(module).__name__}")
@@ -129,11 +136,12 @@ class DistributedDataParallel(Module):
                 p.register_post_accumulate_grad_hook(lambda _p, index=index: self._gradient_final(index))
         return buckets
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, **kwargs) -> Any:
+        """`self.module(*args, **kwargs)`: the wrapped model's output, unchanged."""
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate local gradients (no communication); the
         first backward after it all-reduces the accumulated sums (gradient accumulation)."""
         previous, self._sync = self._sync, False
@@ -175,12 +183,12 @@ class DistributedDataParallel(Module):
         self.timings["wait"] += time.perf_counter() - start
         self.timings["passes"] += 1
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"ranks={self.group.size}, buckets={len(self.buckets)}"
 
 
-def split_random_streams(group):
+def split_random_streams(group: comm.ProcessGroup) -> None:
     """Give each rank its own stream of the global random generators (dropout): reseed them
-    with one number drawn on rank 0 combined with the rank."""
+    with one number drawn on rank 0 combined with the rank. Collective."""
     base = group.broadcast_object(int(random.global_rng("cpu").integers(2 ** 62)) if group.rank == 0 else None)
     manual_seed(int(np.random.SeedSequence([base, group.rank]).generate_state(1)[0]))

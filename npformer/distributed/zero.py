@@ -7,8 +7,15 @@ state and updates it; then one all-gather per (device, dtype) copies every updat
 to every rank. The update is the wrapped optimizer's own arithmetic, so the parameters are
 bit for bit those of unsharded training, and each rank keeps about 1/N of the state.
 """
+from __future__ import annotations
+
+from typing import Any
+
 import numpy as np
 
+from autograd import Tensor
+
+from ..optim import Optimizer
 from . import comm
 
 
@@ -19,9 +26,10 @@ class ZeroRedundancyOptimizer:
     far (torch's ZeroRedundancyOptimizer does the same). `param_groups` are the wrapped
     optimizer's own, so an lr scheduler built on it keeps working. `step`, `state_dict` and
     `consolidate_state_dict` are collectives: every rank calls them in the same order.
+    group: the process group (default: `init()`'s world). TypeError for another kind of optimizer.
     """
 
-    def __init__(self, optimizer, group=None):
+    def __init__(self, optimizer: Optimizer, group: comm.ProcessGroup | None = None):
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "_update"):
             raise TypeError(f"optimizer: expected an npformer optimizer (SGD, Adam, AdamW), got "
                             f"{type(optimizer).__name__}")
@@ -59,13 +67,15 @@ class ZeroRedundancyOptimizer:
         self.optimizer.state = {k: v for k, v in self.optimizer.state.items()
                                 if self.owner.get(k, self.group.rank) == self.group.rank}
 
-    def parameters(self):
+    def parameters(self) -> list[Tensor]:
+        """Every parameter (of every rank's share): the wrapped optimizer's."""
         return self.optimizer.parameters()
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's zero_grad: every gradient to None (or zeros)."""
         self.optimizer.zero_grad(set_to_none)
 
-    def step(self):
+    def step(self) -> None:
         """Update the parameters this rank owns (those with a gradient), then share them all."""
         rank, state = self.group.rank, self.optimizer.state
         self._consolidated = None  # out of date from now on
@@ -83,7 +93,7 @@ class ZeroRedundancyOptimizer:
                     p.data[...] = view
 
     # -- state dicts ----------------------------------------------------------------------
-    def consolidate_state_dict(self, to=0):
+    def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: gather every rank's share of the state on rank `to`, whose `state_dict()`
         then returns the whole state (the layout of the unsharded optimizer's)."""
         own = self.optimizer.state_dict()
@@ -97,20 +107,21 @@ class ZeroRedundancyOptimizer:
         else:
             self._consolidated = None
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The whole state, on the rank that `consolidate_state_dict` gathered it on (call that
-        first, on every rank); it loads into the unsharded optimizer too, on any number of ranks."""
+        first, on every rank); it loads into the unsharded optimizer too, on any number of ranks.
+        RuntimeError elsewhere or before consolidating."""
         if self._consolidated is None:
             raise RuntimeError("ZeroRedundancyOptimizer.state_dict: call consolidate_state_dict() on every "
                                "rank first; the whole state is then on the rank it was gathered to")
         return self._consolidated
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state (from any number of ranks, sharded or not) and keep this rank's share."""
         self.optimizer.load_state_dict(state_dict)
         self._drop_foreign_state()
 
-    def state_numel(self):
+    def state_numel(self) -> int:
         """Entries of the state arrays this rank holds (about 1/N of the unsharded optimizer's)."""
         return sum(v.size for s in self.optimizer.state.values() for v in s.values() if hasattr(v, "size"))
 

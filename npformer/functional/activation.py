@@ -1,13 +1,17 @@
 """Elementwise activations (ReLU, GELU; with a bias: the epilogue of `linear`) and inverted dropout."""
+from __future__ import annotations
+
 import math
 
-from autograd import Function, backend, random
+from autograd import Function, Tensor, backend, random
+from autograd.backend import Array
 from autograd.checks import check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
 from ._common import check_tensor, has_twin
 from ._erf import INV_SQRT_2PI, SQRT_2, erf
+
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
 TANH_K = 0.044715
@@ -187,8 +191,9 @@ class ReLUFunction(Function):
 
 
 @has_twin
-def relu(input):
-    """max(input, 0) elementwise, like torch.nn.functional.relu."""
+def relu(input: Tensor | Array) -> Tensor:
+    """max(input, 0) elementwise, any shape, like torch.nn.functional.relu (a NaN stays NaN).
+    Raises TypeError unless `input` is a floating Tensor or array."""
     check_tensor("input", input, "relu")
     return ReLUFunction.apply(input)
 
@@ -211,8 +216,9 @@ class GELUFunction(Function):
 
 
 @has_twin
-def gelu(input, approximate="none"):
-    """x * Phi(x), like torch.nn.functional.gelu; approximate="tanh" uses the tanh form."""
+def gelu(input: Tensor | Array, approximate: str = "none") -> Tensor:
+    """x * Phi(x) elementwise (Phi: the standard normal CDF), like torch.nn.functional.gelu;
+    approximate="tanh" uses the tanh form (GPT-2's). Raises ValueError for another `approximate`."""
     check_tensor("input", input, "gelu")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
@@ -316,14 +322,16 @@ def dropout_mask(shape, p, device, generator=None, op="dropout"):
 
 
 @has_twin
-def dropout(input, p=0.5, training=True, generator=None):
+def dropout(input: Tensor | Array, p: float = 0.5, training: bool = True,
+            generator: random.Philox | None = None) -> Tensor | Array:
     """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
     scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros.
 
     The mask comes from `generator`, an autograd.random.Philox (like a torch.Generator), or the
     global stream `autograd.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
     over n entries takes the next n values of the stream, and the mask is the same on every
-    device and for any number of threads."""
+    device and for any number of threads. Raises ValueError unless 0 <= p <= 1.
+    """
     x = check_tensor("input", input, "dropout")
     p = check_real(p, "p", "dropout", at_least=0, at_most=1)
     if not training or p == 0.0:

@@ -11,10 +11,12 @@
 Every dropout mask over the probabilities is the one of the dropout contract (activation.py):
 entry i of the flat (..., Tq, Tk) index is kept iff bits16(seed, offset + i) >= threshold, so
 all paths, on every device, drop the same entries for the same generator state."""
+from __future__ import annotations
+
 import math
-from typing import Optional, Tuple
 
 from autograd import Function, Tensor, backend, is_grad_enabled, random, unbroadcast
+from autograd.backend import Array
 from autograd.checks import check_int, check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows, row_blocks, run_blocks
@@ -353,10 +355,11 @@ class SplitHeadsFunction(Function):
 
 
 @has_twin
-def split_heads(input, num_heads, chunks=1):
+def split_heads(input: Tensor | Array, num_heads: int, chunks: int = 1) -> Tensor | tuple[Tensor, ...]:
     """input (B, T, chunks * E) -> `chunks` tensors (B, num_heads, T, E / num_heads) (one tensor
     when chunks=1): the heads of each E-wide block of columns, e.g. q, k, v of a packed
-    projection. Views in forward; the backward assembles one gradient array."""
+    projection. Views in forward; the backward assembles one gradient array. Raises ValueError
+    unless input is 3-D with a width divisible by chunks * num_heads."""
     x = check_tensor("input", input, "split_heads")
     num_heads = check_int(num_heads, "num_heads", "split_heads", at_least=1)
     chunks = check_int(chunks, "chunks", "split_heads", at_least=1)
@@ -418,7 +421,7 @@ class _Call:
             self.additive = attn_mask
 
 
-def flash_unsupported(q, k, v, additive=None, mask_grad: bool = False) -> Optional[str]:
+def flash_unsupported(q, k, v, additive=None, mask_grad: bool = False) -> str | None:
     """Why the flash kernels cannot run attention on these arrays (a sentence), or None when they can."""
     dtypes = {str(a.dtype) for a in (q, k, v, additive) if a is not None}
     if len(dtypes) > 1 or not dtypes <= set(FLASH_DTYPES):
@@ -481,9 +484,10 @@ def _data(x):
     return x.data if isinstance(x, Tensor) else x
 
 
-def attention_backend(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-                      scale: Optional[float] = None, *, return_weights: bool = False, backend: Optional[str] = None,
-                      memory_efficient: bool = False) -> Tuple[str, str]:
+def attention_backend(query: Tensor | Array, key: Tensor | Array, value: Tensor | Array,
+                      attn_mask: Tensor | Array | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                      scale: float | None = None, *, return_weights: bool = False, backend: str | None = None,
+                      memory_efficient: bool = False) -> tuple[str, str]:
     """(path, reason): which path `scaled_dot_product_attention` takes for these arguments
     ("naive", "memory_efficient" or "flash") and why, e.g. why the flash kernels do not apply
     (the device, the dtype, a head dim they are not compiled for, a mask that needs a gradient).
@@ -494,9 +498,11 @@ def attention_backend(query, key, value, attn_mask=None, dropout_p: float = 0.0,
 
 
 @has_twin
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, *, return_weights=False, backend=None, memory_efficient=False,
-                                 block_size=512, generator=None):
+def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, value: Tensor | Array,
+                                 attn_mask: Tensor | Array | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None, *, return_weights: bool = False,
+                                 backend: str | None = None, memory_efficient: bool = False, block_size: int = 512,
+                                 generator: random.Philox | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """softmax(query key^T * scale + mask) value, like torch.nn.functional.scaled_dot_product_attention.
 
     query (..., Tq, hd), key (..., Tk, hd), value (..., Tk, hdv) -> (..., Tq, hdv); usually (B, H, T, hd).
@@ -516,6 +522,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         an online softmax, never a (Tq, Tk) matrix; on a GPU it runs the flash kernels where they
         apply (inside autograd.kernels.reference_only(), the blockwise numpy/CuPy reference);
       "flash": the CUDA flash-attention kernels (head dims 32/64/128, float32/float64), else ValueError.
+
+    Raises TypeError for a mask that is neither bool nor floating, ValueError for shapes that do
+    not fit (batch dims, head dims, a mask that does not broadcast) or a path that cannot run.
     """
     op = "scaled_dot_product_attention"
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, op)

@@ -1,5 +1,8 @@
 """Embedding lookup; its backward is a scatter-add of rows (a kernel table)."""
-from autograd import Function, backend
+from __future__ import annotations
+
+from autograd import Function, Tensor, backend
+from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int
 from autograd.kernels import kernel_table
 
@@ -62,12 +65,13 @@ def check_token_ids(ids, num, op, name="input"):
 
 
 @has_twin
-def embedding(input, weight, padding_idx=None):
+def embedding(input: Tensor | ArrayLike, weight: Tensor | Array, padding_idx: int | None = None) -> Tensor:
     """weight[input] like torch.nn.functional.embedding: input integer ids of any shape,
     weight (num_embeddings, embedding_dim) -> (*input.shape, embedding_dim). The
     `padding_idx` row (negative counts from the end) gets exactly zero gradient. Ids that arrive as
     host arrays are checked at once; ids already on a GPU are checked there, and a bad one raises
-    when the result is first read (autograd.deferred)."""
+    when the result is first read (autograd.deferred). Raises TypeError for non-integer ids,
+    IndexError for ids outside [0, num_embeddings), ValueError for a weight that is not 2-D."""
     w = check_tensor("weight", weight, "embedding")
     if w.ndim != 2:
         raise ValueError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(w.shape)}")

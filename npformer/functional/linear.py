@@ -1,5 +1,8 @@
 """Affine map y = x W^T + b as one 2-D GEMM, optionally followed by an activation (a fused epilogue)."""
-from autograd import Function, backend
+from __future__ import annotations
+
+from autograd import Function, Tensor, backend
+from autograd.backend import Array
 from autograd.threads import for_rows
 
 from ._common import check_tensor, has_twin
@@ -68,12 +71,14 @@ class LinearFunction(Function):
 
 
 @has_twin
-def linear(input, weight, bias=None, activation=None):
+def linear(input: Tensor | Array, weight: Tensor | Array, bias: Tensor | Array | None = None,
+           activation: str | None = None) -> Tensor:
     """y = input @ weight^T + bias, like torch.nn.functional.linear.
 
     input (..., in_features), weight (out_features, in_features), bias (out_features,) or None.
     activation: None, or "relu", "gelu" (exact) or "gelu_tanh" applied to the result in the same
     op (the bias and the activation fused: one pass instead of two, and one kernel on a GPU).
+    Raises ValueError when the shapes do not fit or for an unknown activation.
     """
     x = check_tensor("input", input, "linear")
     w = check_tensor("weight", weight, "linear")

@@ -1,5 +1,8 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
+from __future__ import annotations
+
 from autograd import Function, Tensor, backend, deferred, is_grad_enabled
+from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int, check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
@@ -155,12 +158,16 @@ def _zero_weighted_mean(divisor):
 
 
 @has_twin
-def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Tensor | Array | None = None,
+                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
     """Like torch.nn.functional.cross_entropy with class-index targets.
 
     input: logits (N, C), (N, C, d1, ...) or (C,); target: integer ids (N,), (N, d1, ...) or ();
-    weight: class weights (C,) or None. Targets equal to `ignore_index` add nothing. Raises
-    ValueError when reduction="mean" and every target is ignored (torch returns NaN there).
+    weight: class weights (C,) or None. Targets equal to `ignore_index` add nothing.
+    reduction: "mean" (over the targets that count, weighted; default), "sum" or "none" (the
+    target's shape). label_smoothing in [0, 1] mixes in the uniform distribution, as torch's.
+    Raises ValueError when reduction="mean" and every target is ignored (torch returns NaN there),
+    TypeError for non-integer targets, IndexError for a class id outside [0, C).
     Targets that arrive as host arrays are checked at once; targets already on a GPU are checked
     there, and a bad one raises when the result is first read (autograd.deferred).
     The class weights are constants: a weight Tensor that requires grad is refused, as in torch.

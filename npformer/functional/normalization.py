@@ -1,7 +1,10 @@
 """Layer normalization over the trailing `normalized_shape` dimensions."""
+from __future__ import annotations
+
 import math
 
-from autograd import Function, backend
+from autograd import Function, Tensor, backend
+from autograd.backend import Array
 from autograd.checks import check_real, check_shape
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
@@ -138,9 +141,12 @@ class LayerNormFunction(Function):
 
 
 @has_twin
-def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+def layer_norm(input: Tensor | Array, normalized_shape: int | tuple[int, ...], weight: Tensor | Array | None = None,
+               bias: Tensor | Array | None = None, eps: float = 1e-5) -> Tensor:
     """Like torch.nn.functional.layer_norm: normalize over the trailing `normalized_shape` dims,
-    then scale by `weight` and shift by `bias` (each of shape normalized_shape, or None)."""
+    then scale by `weight` and shift by `bias` (each of shape normalized_shape, or None), e.g.
+    (B, T, E) with normalized_shape E. The variance is the biased one; eps is added to it.
+    Raises ValueError when the shapes do not match and for eps <= 0."""
     x = check_tensor("input", input, "layer_norm")
     shape = check_shape(normalized_shape, "normalized_shape", "layer_norm")
     if tuple(x.shape[x.ndim - len(shape):]) != shape or len(shape) > x.ndim:

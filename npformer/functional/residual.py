@@ -1,9 +1,13 @@
 """Dropout fused with the residual add: y = residual + dropout(x), the residual connection of a
 Transformer sublayer in one op. The mask is F.dropout's (the dropout contract, drawn from a Philox
 stream); its backward is F.dropout's backward for x, and dy itself for the residual."""
+from __future__ import annotations
+
 from autograd import Function, Tensor, backend
+from autograd.backend import Array
 from autograd.checks import check_real
 from autograd.kernels import kernel_table
+from autograd.random import Philox
 
 from ._common import check_tensor, has_twin
 from .activation import DropoutFunction, dropout_forward, dropout_stream
@@ -43,11 +47,13 @@ def check_dropout_add(input, residual, p, op):
 
 
 @has_twin
-def dropout_add(input, residual, p=0.5, training=True, generator=None):
+def dropout_add(input: Tensor | Array, residual: Tensor | Array, p: float = 0.5, training: bool = True,
+                generator: Philox | None = None) -> Tensor:
     """residual + dropout(input, p): the residual connection of a Transformer sublayer in one op,
     with F.dropout's mask (from `generator`, an autograd.random.Philox, or the global dropout
     stream), so on a GPU one kernel draws the mask and adds, and the backward draws it again
-    instead of storing it. p=0 or training=False: residual + input."""
+    instead of storing it. p=0 or training=False: residual + input. input and residual have one
+    shape, e.g. (B, T, E). Raises ValueError unless 0 <= p <= 1 or when the shapes differ."""
     x, p = check_dropout_add(input, residual, p, "dropout_add")
     as_tensor = lambda t: t if isinstance(t, Tensor) else Tensor(t)  # noqa: E731
     if not training or p == 0.0:

@@ -1,5 +1,8 @@
 """Rotary position embedding (RoPE), half-split layout."""
-from autograd import Function, backend
+from __future__ import annotations
+
+from autograd import Function, Tensor, backend
+from autograd.backend import Array, DType
 from autograd.checks import check_int, check_real
 
 from ._common import broadcasts_to, check_tensor, has_twin, on_device_of
@@ -38,12 +41,14 @@ class RotaryEmbeddingFunction(Function):
 
 
 @has_twin
-def apply_rotary_emb(x, cos, sin):
+def apply_rotary_emb(x: Tensor | Array, cos: Tensor | Array, sin: Tensor | Array) -> Tensor:
     """Rotate the two halves of x's last dimension by position-dependent angles (RoPE).
 
     x (..., T, head_dim) with head_dim even; cos, sin (T, head_dim // 2) (or broadcastable to
     (..., T, head_dim // 2)), e.g. from `rotary_cos_sin`. Slice them (cos[start:start+T]) to
-    rotate positions that do not start at 0.
+    rotate positions that do not start at 0. The pairs are (i, i + head_dim // 2) (GPT-NeoX /
+    Llama in Hugging Face's layout). Raises ValueError for an odd head_dim or tables that do not
+    broadcast.
     """
     op = "apply_rotary_emb"
     xd = check_tensor("x", x, op)
@@ -60,7 +65,8 @@ def apply_rotary_emb(x, cos, sin):
     return RotaryEmbeddingFunction.apply(x, cos=tables[0], sin=tables[1])
 
 
-def rotary_cos_sin(seq_len, head_dim, base=10000.0, dtype="float32", device="cpu"):
+def rotary_cos_sin(seq_len: int, head_dim: int, base: float = 10000.0, dtype: DType = "float32",
+                   device: str = "cpu") -> tuple[Array, Array]:
     """cos and sin tables (seq_len, head_dim // 2) of angle t * base^(-2i/head_dim) for position t
     and pair i, computed in float64 and cast to `dtype`, as arrays on `device`."""
     head_dim = check_int(head_dim, "head_dim", "rotary_cos_sin", at_least=1)

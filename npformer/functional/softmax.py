@@ -1,5 +1,8 @@
 """Numerically stable softmax and log-softmax along one axis."""
+from __future__ import annotations
+
 from autograd import Function, Tensor, backend
+from autograd.backend import Array
 from autograd.kernels import kernel_table
 
 from ._common import check_tensor, has_twin, normalize_dim
@@ -133,13 +136,14 @@ def _along(function, op, input, dim):
 
 
 @has_twin
-def softmax(input, dim=-1):
-    """softmax along `dim` (like torch.nn.functional.softmax); rows of all -inf give 0, not NaN."""
+def softmax(input: Tensor | Array, dim: int = -1) -> Tensor:
+    """softmax along `dim` (like torch.nn.functional.softmax); rows of all -inf give 0, not NaN.
+    Raises IndexError for a dim out of range."""
     return _along(SoftmaxFunction, "softmax", input, dim)
 
 
 @has_twin
-def log_softmax(input, dim=-1):
+def log_softmax(input: Tensor | Array, dim: int = -1) -> Tensor:
     """log_softmax along `dim` (like torch.nn.functional.log_softmax), never log(softmax(x)).
     A row of all -inf gives -inf (and gradient dy for that row) instead of NaN."""
     return _along(LogSoftmaxFunction, "log_softmax", input, dim)

@@ -6,9 +6,15 @@ weight names are mapped by npformer.models.huggingface (shared with the safetens
 this module only moves tensors between transformers objects and npformer.
 transformers (and torch) are imported inside these functions only.
 """
+from __future__ import annotations
+
+from typing import Any
+
 from .. import models
 from ..models.huggingface import ARCHITECTURES, config_from_hf, hf_config, hf_state_dict, state_dict_from_hf
 from .pytorch import _our_dtype, _torch, _torch_dtype
+
+HFModel = Any  # a transformers PreTrainedModel (for type hints: transformers is imported lazily)
 
 
 def _transformers():
@@ -16,11 +22,11 @@ def _transformers():
     return transformers
 
 
-def from_hf(hf_model) -> models.CausalLM | models.BidirectionalEncoder | models.EncoderClassifier:
+def from_hf(hf_model: HFModel) -> models.CausalLM | models.BidirectionalEncoder | models.EncoderClassifier:
     """The npformer model equivalent to a transformers GPT2LMHeadModel, BertModel or
     BertForSequenceClassification, with its weights (copied), dtype (float32/float64) and
     training mode. Raises ValueError naming the config option or the first weight key that
-    has no npformer counterpart."""
+    has no npformer counterpart, TypeError for another kind of model."""
     transformers = _transformers()
     name = type(hf_model).__name__
     if name not in ARCHITECTURES or not isinstance(hf_model, getattr(transformers, name)):
@@ -35,7 +41,7 @@ def from_hf(hf_model) -> models.CausalLM | models.BidirectionalEncoder | models.
     return ours.train(hf_model.training)
 
 
-def to_hf(model):
+def to_hf(model: models.CausalLM | models.BidirectionalEncoder | models.EncoderClassifier) -> HFModel:
     """The transformers model equivalent to an npformer CausalLM (GPT2LMHeadModel),
     BidirectionalEncoder (BertModel) or EncoderClassifier (BertForSequenceClassification), with
     its weights (copied), dtype and training mode. Raises ValueError naming an option that the

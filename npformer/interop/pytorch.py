@@ -8,11 +8,15 @@ torch.nn modules in `torch_modules` (identical state_dict keys and forward math)
 npformer is batch-first only: torch modules built with batch_first=False are refused (the
 error says how to rebuild them). torch is imported inside these functions only.
 """
+from __future__ import annotations
+
 import warnings
+from typing import Any
 
 from .. import models, nn
 from .torch_modules import torch_model_classes
 
+TorchModule = Any  # a torch.nn.Module (for type hints: torch is imported lazily, never at import time)
 MODELS = (models.Seq2SeqTransformer, models.CausalLM, models.BidirectionalEncoder, models.EncoderClassifier)
 
 
@@ -128,8 +132,11 @@ def _build_torch(module, dtype):
     raise TypeError(f"to_torch: no torch counterpart for {type(module).__name__}")
 
 
-def to_torch(module):
-    """The equivalent torch module with `module`'s weights (copied), dtype and training mode."""
+def to_torch(module: nn.Module) -> TorchModule:
+    """The equivalent torch module with `module`'s weights (copied), dtype and training mode:
+    torch.nn's own class for nn layers, the composition in `torch_model_classes()` for models.
+    Raises TypeError for a module that has no torch counterpart (or is not an npformer module),
+    ValueError for an activation given as a callable, NotImplementedError for rotary embeddings."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"to_torch: expected an npformer nn.Module, got {type(module).__name__}")
     _no_rotary(module)
@@ -198,10 +205,11 @@ def _check_batch_first(torch_module):
         f"twin.load_state_dict(module.state_dict()); ours = from_torch(twin)`, then feed ours x.transpose(0, 1)")
 
 
-def from_torch(torch_module):
+def from_torch(torch_module: TorchModule) -> nn.Module:
     """Our module equivalent to `torch_module`, with its weights (copied), dtype and training
     mode. Transformer modules must be batch-first (batch_first=True): one built with torch's
-    default batch_first=False is refused with a message saying how to rebuild it."""
+    default batch_first=False is refused with a message saying how to rebuild it (ValueError);
+    TypeError for a module without an npformer counterpart."""
     torch = _torch()
     if not isinstance(torch_module, torch.nn.Module):
         raise TypeError(f"from_torch: expected a torch.nn.Module, got {type(torch_module).__name__}")

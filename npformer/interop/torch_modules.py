@@ -6,8 +6,11 @@ forward math, written with torch.nn.Transformer / TransformerEncoder, so tests c
 hand-derived forward and backward with torch's autograd on equal weights.
 torch is imported when the classes are first asked for, never by npformer itself.
 """
+from __future__ import annotations
+
 import functools
 import math
+from typing import Any
 
 from ..models.seq2seq import sharing
 
@@ -20,9 +23,10 @@ def _arguments(local_variables, function):
 
 
 @functools.lru_cache(maxsize=None)
-def torch_model_classes():
+def torch_model_classes() -> dict[str, Any]:
     """{"Seq2SeqTransformer": ..., "CausalLM": ..., "BidirectionalEncoder": ...,
-    "EncoderClassifier": ...}: torch twins of npformer.models (see the module docstring)."""
+    "EncoderClassifier": ...}: torch twins of npformer.models (see the module docstring), torch.nn.Module
+    classes built on first use (torch is imported then) and cached."""
     import torch  # a dev/test dependency: only imported when interop is used
     tnn, tF = torch.nn, torch.nn.functional
 

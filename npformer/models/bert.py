@@ -1,5 +1,12 @@
 """Encoder-only (BERT-style) models: a bidirectional encoder with a pooled output, and a
 sequence classifier on top of it."""
+from __future__ import annotations
+
+from typing import Any
+
+from autograd import Tensor
+from autograd.backend import ArrayLike
+
 from .. import nn
 from ._common import EncoderOnlyModel, check_choice, dims, linear_shapes, padding_mask_from_ids, valid_positions
 
@@ -16,7 +23,7 @@ class PooledEncoder(EncoderOnlyModel):
             self.pooler = nn.Linear(config["d_model"], config["d_model"])
 
     @classmethod
-    def state_shapes(cls, config, persistent=True):
+    def state_shapes(cls, config: dict[str, Any], persistent: bool = True) -> dict[str, tuple[int, ...]]:
         """{name: shape} of `cls(**config).state_dict()` from the config alone (config holds every
         constructor argument), building nothing; persistent=False adds the non-persistent
         buffers (named as in named_buffers)."""
@@ -25,10 +32,13 @@ class PooledEncoder(EncoderOnlyModel):
             shapes.update(linear_shapes("pooler", config["d_model"], config["d_model"]))
         return shapes
 
-    def encode(self, input_ids, key_padding_mask=None, token_type_ids=None):
+    def encode(self, input_ids: ArrayLike, key_padding_mask: ArrayLike | None = None,
+               token_type_ids: ArrayLike | None = None) -> tuple[Tensor, Tensor]:
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
         pad_idx when not given); token_type_ids (B, T) ints (zeros when not given, needs
-        type_vocab_size > 0) -> (hidden (B, T, d), pooled (B, d))."""
+        type_vocab_size > 0) -> (hidden (B, T, d), pooled (B, d)). Raises TypeError for ids that
+        are not integers, IndexError for ids outside the vocabulary, ValueError for sequences
+        longer than max_len or token_type_ids without a token-type embedding."""
         ids = self._ids(input_ids)
         mask = padding_mask_from_ids(ids, self.pad_idx, key_padding_mask)
         hidden = self.hidden_states(ids, mask, token_type_ids=token_type_ids)        # (B, T, d)
@@ -54,12 +64,19 @@ class BidirectionalEncoder(PooledEncoder):
     BERT is BidirectionalEncoder(pooling="first", pooler=True, type_vocab_size=2,
     embed_norm=True, final_norm=False, layer_norm_eps=1e-12, activation_dropout=0.0):
     npformer.interop.from_hf / to_hf and npformer.models.load_pretrained convert its weights.
+
+    positional: "learned" (default), "sinusoidal", "rope" or "none"; activation: "gelu"
+    (default, exact), "gelu_tanh" or "relu"; attention_dropout and activation_dropout default
+    to `dropout`. Every argument is checked (TypeError / ValueError naming it); `config` holds
+    them all, and `state_shapes(config)` gives the state_dict's shapes without building.
     """
 
-    def __init__(self, vocab_size, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048, dropout=0.1,
-                 max_len=512, norm_first=False, activation="gelu", pooling="mean", positional="learned",
-                 pad_idx=None, layer_norm_eps=1e-5, *, attention_dropout=None, activation_dropout=None,
-                 type_vocab_size=0, embed_norm=False, final_norm=True, pooler=False):
+    def __init__(self, vocab_size: int, d_model: int = 512, nhead: int = 8, num_layers: int = 6,
+                 dim_feedforward: int = 2048, dropout: float = 0.1, max_len: int = 512, norm_first: bool = False,
+                 activation: str = "gelu", pooling: str = "mean", positional: str = "learned",
+                 pad_idx: int | None = None, layer_norm_eps: float = 1e-5, *, attention_dropout: float | None = None,
+                 activation_dropout: float | None = None, type_vocab_size: int = 0, embed_norm: bool = False,
+                 final_norm: bool = True, pooler: bool = False):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, d_model=d_model, nhead=nhead, num_layers=num_layers,
                            dim_feedforward=dim_feedforward, dropout=dropout, max_len=max_len,
@@ -70,8 +87,9 @@ class BidirectionalEncoder(PooledEncoder):
         self._build_pooled_encoder(self.config)
         self._reset_parameters()
 
-    def forward(self, input_ids, key_padding_mask=None, token_type_ids=None):
-        """See `encode`: (hidden (B, T, d_model), pooled (B, d_model))."""
+    def forward(self, input_ids: ArrayLike, key_padding_mask: ArrayLike | None = None,
+                token_type_ids: ArrayLike | None = None) -> tuple[Tensor, Tensor]:
+        """input_ids (B, T) -> (hidden (B, T, d_model), pooled (B, d_model)); see `encode`."""
         return self.encode(input_ids, key_padding_mask, token_type_ids)
 
 
@@ -80,14 +98,17 @@ class EncoderClassifier(PooledEncoder):
     BidirectionalEncoder's pooled output (same options) and the dropout has p=classifier_dropout.
     BERT's BertForSequenceClassification is EncoderClassifier with BERT's options (see
     BidirectionalEncoder) and classifier_dropout = its hidden dropout.
-    Equivalent torch composition: npformer.interop.to_torch(model).
+    Equivalent torch composition: npformer.interop.to_torch(model). Train it with
+    `F.cross_entropy(model(ids), labels)` (or `training.classification_loss()`).
     """
 
-    def __init__(self, vocab_size, num_classes, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048,
-                 dropout=0.1, max_len=512, norm_first=False, activation="gelu", pooling="mean",
-                 positional="learned", pad_idx=None, layer_norm_eps=1e-5, *, attention_dropout=None,
-                 activation_dropout=None, type_vocab_size=0, embed_norm=False, final_norm=True, pooler=False,
-                 classifier_dropout=0.0):
+    def __init__(self, vocab_size: int, num_classes: int, d_model: int = 512, nhead: int = 8, num_layers: int = 6,
+                 dim_feedforward: int = 2048, dropout: float = 0.1, max_len: int = 512, norm_first: bool = False,
+                 activation: str = "gelu", pooling: str = "mean", positional: str = "learned",
+                 pad_idx: int | None = None, layer_norm_eps: float = 1e-5, *, attention_dropout: float | None = None,
+                 activation_dropout: float | None = None, type_vocab_size: int = 0, embed_norm: bool = False,
+                 final_norm: bool = True, pooler: bool = False,
+                 classifier_dropout: float = 0.0):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, num_classes=num_classes, d_model=d_model, nhead=nhead,
                            num_layers=num_layers, dim_feedforward=dim_feedforward, dropout=dropout,
@@ -102,14 +123,16 @@ class EncoderClassifier(PooledEncoder):
         self._reset_parameters()
 
     @classmethod
-    def state_shapes(cls, config, persistent=True):
-        """PooledEncoder.state_shapes plus the classifier."""
+    def state_shapes(cls, config: dict[str, Any], persistent: bool = True) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of `cls(**config).state_dict()` from the config alone (the encoder's,
+        plus the classifier), building nothing; persistent=False adds non-persistent buffers."""
         shapes = super().state_shapes(config, persistent)
         (num_classes,) = dims(config, ("num_classes",), cls.__name__)
         shapes.update(linear_shapes("classifier", config["d_model"], num_classes))
         return shapes
 
-    def forward(self, input_ids, key_padding_mask=None, token_type_ids=None):
+    def forward(self, input_ids: ArrayLike, key_padding_mask: ArrayLike | None = None,
+                token_type_ids: ArrayLike | None = None) -> Tensor:
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
         pad_idx when not given); token_type_ids (B, T) (type_vocab_size > 0 only)
         -> logits (B, num_classes)."""

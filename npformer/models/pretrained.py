@@ -16,6 +16,8 @@ Files are untrusted: the header is checked before anything is allocated
 module), and a load either succeeds whole or leaves the model unchanged. Errors about a file's
 contents are SafetensorsError (a ValueError) naming the file.
 """
+from __future__ import annotations
+
 import inspect
 import json
 import math
@@ -23,6 +25,7 @@ import os
 import warnings
 
 from ..files import atomic_write
+from ..nn import Module
 from ..safetensors_file import SafetensorsError, read_header, read_safetensors, write_safetensors
 from .bert import BidirectionalEncoder, EncoderClassifier
 from .gpt import CausalLM
@@ -46,7 +49,7 @@ def _has_hf_counterpart(model):
     return True
 
 
-def save_safetensors(model, path: str | os.PathLike, hf_names: bool | None = None) -> str:
+def save_safetensors(model: Module, path: str | os.PathLike, hf_names: bool | None = None) -> str:
     """Write `model`'s weights to a safetensors file at `path` (atomically; an existing file
     keeps its mode), with its class and config in the metadata. hf_names: store Hugging Face
     names and layouts (default: when the model has a GPT-2/BERT counterpart), else the
@@ -121,7 +124,7 @@ def _load_into(path, model, state):
         raise SafetensorsError(f"{path}: does not fit the model: {e}") from e
 
 
-def load_safetensors(path: str | os.PathLike, model=None, device: str | None = None):
+def load_safetensors(path: str | os.PathLike, model: Module | None = None, device: str | None = None) -> Module:
     """Load a safetensors file into `model`, or rebuild the model from the file's npformer
     metadata when `model` is None (in the file's floating dtype, on `device`, default cpu).
     A file without npformer metadata (e.g. a Hugging Face model.safetensors) loads into a given
@@ -167,13 +170,14 @@ def _read_config(path):
     return config
 
 
-def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype: str | None = None):
+def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype: str | None = None) -> Module:
     """The npformer model of a Hugging Face folder holding config.json and model.safetensors
     (GPT-2: CausalLM; BertForSequenceClassification: EncoderClassifier; other BERT models:
     BidirectionalEncoder, with the pooler when the file has one), in eval mode, on `device`
     (default cpu), in `dtype` (default: float64 if the file is, else float32).
     BERT pretraining heads (cls.*) are skipped with a warning. Raises FileNotFoundError,
-    SafetensorsError naming the file, or ValueError for an unsupported config."""
+    SafetensorsError naming the file, or ValueError for an unsupported config (and
+    NotADirectoryError when `folder` is not a folder)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise NotADirectoryError(f"load_pretrained: {folder} is not a folder (expected one holding "
@@ -204,10 +208,11 @@ def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype:
     return model.eval()
 
 
-def save_pretrained(model, folder: str | os.PathLike) -> str:
+def save_pretrained(model: Module, folder: str | os.PathLike) -> str:
     """Write `folder`/config.json (the Hugging Face config) and `folder`/model.safetensors
     (Hugging Face names, npformer metadata) for a model with a GPT-2/BERT counterpart, so that
-    transformers' from_pretrained(folder) and load_pretrained(folder) both read it. Returns folder."""
+    transformers' from_pretrained(folder) and load_pretrained(folder) both read it. Returns folder.
+    ValueError (before writing anything) for a model without such a counterpart."""
     folder = os.fspath(folder)
     config = hf_config(model)  # refuses a model without a Hugging Face counterpart before writing
     os.makedirs(folder, exist_ok=True)

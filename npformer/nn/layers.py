@@ -1,8 +1,12 @@
 """Basic layers mirroring torch.nn: Linear, Embedding, LayerNorm, Dropout, ReLU, GELU, Identity."""
+from __future__ import annotations
+
 import math
+from typing import Any
 
 import npformer.functional as F
 from autograd import Tensor, backend
+from autograd.backend import ArrayLike, DType
 from autograd.checks import as_array, check_int, check_optional_int, check_real, check_shape
 
 from . import init
@@ -28,17 +32,24 @@ def check_features(x, features, owner, name="input"):
 
 
 class Identity(Module):
-    def forward(self, x):
+    """Returns its input unchanged (torch.nn.Identity): a placeholder where a layer is optional."""
+
+    def forward(self, x: Any) -> Any:
+        """`x` itself."""
         return x
 
 
 class Linear(Module):
-    """y = x W^T + b; weight [out_features, in_features], bias [out_features].
+    """y = x W^T + b (torch.nn.Linear); weight (out_features, in_features), bias (out_features,)
+    or none with bias=False. Input (..., in_features) -> (..., out_features).
 
-    Init like torch: W, b ~ U(-1/sqrt(in_features), 1/sqrt(in_features)).
+    Init like torch: W, b ~ U(-1/sqrt(in_features), 1/sqrt(in_features)). device (default "cpu")
+    and dtype (default float32) of the parameters. Raises TypeError / ValueError for sizes that
+    are not integers >= 1.
     """
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: str | None = None,
+                 dtype: DType | None = None):
         super().__init__()
         self.in_features = in_features = check_int(in_features, "in_features", "Linear", at_least=1)
         self.out_features = out_features = check_int(out_features, "out_features", "Linear", at_least=1)
@@ -49,27 +60,32 @@ class Linear(Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
+        """Draw the weight and bias again from torch's initial distribution (in place)."""
         init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.in_features)
             init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, input):
+    def forward(self, input: Tensor) -> Tensor:
+        """input (..., in_features) -> (..., out_features). TypeError unless input is a Tensor,
+        ValueError for another last dimension."""
         check_features(input, self.in_features, "Linear")
         return F.linear(input, self.weight, self.bias)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class Embedding(Module):
     """Lookup table: ids (...) of ints in [0, num_embeddings) -> vectors (..., embedding_dim).
 
-    Init N(0, 1) like torch; the `padding_idx` row starts at zero and never gets a gradient.
+    Init N(0, 1) like torch; the `padding_idx` row (negative counts from the end) starts at zero
+    and never gets a gradient. torch.nn.Embedding; weight (num_embeddings, embedding_dim).
     """
 
-    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, device=None, dtype=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 device: str | None = None, dtype: DType | None = None):
         super().__init__()
         self.num_embeddings = num_embeddings = check_int(num_embeddings, "num_embeddings", "Embedding", at_least=1)
         self.embedding_dim = embedding_dim = check_int(embedding_dim, "embedding_dim", "Embedding", at_least=1)
@@ -79,18 +95,22 @@ class Embedding(Module):
         self.weight = new_parameter((num_embeddings, embedding_dim), device, dtype)
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
+        """Draw the weight again from N(0, 1) and zero the padding row (in place)."""
         init.normal_(self.weight)
         self.zero_padding_row()
 
-    def zero_padding_row(self):
+    def zero_padding_row(self) -> None:
+        """Set the `padding_idx` row of the weight to zero (nothing without a padding_idx)."""
         if self.padding_idx is not None:
             self.weight.data[self.padding_idx] = 0
 
-    def forward(self, input):
+    def forward(self, input: Tensor | ArrayLike) -> Tensor:
+        """Integer ids of any shape (an array, nested lists or a Tensor) -> (*ids.shape,
+        embedding_dim). TypeError for non-integer ids, IndexError for ids out of range."""
         return F.embedding(as_ids(input, self.weight.data, "Embedding"), self.weight, self.padding_idx)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
 
@@ -107,9 +127,12 @@ def as_ids(ids, like, owner, name="input"):
 
 
 class LayerNorm(Module):
-    """y = (x - mean) / sqrt(var + eps) * weight + bias over the trailing `normalized_shape` dims."""
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the trailing `normalized_shape` dims
+    (torch.nn.LayerNorm): weight starts at ones, bias at zeros; elementwise_affine=False has
+    neither, bias=False no bias. Input (..., *normalized_shape), e.g. (B, T, E), same shape out."""
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
+    def __init__(self, normalized_shape: int | tuple[int, ...], eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device: str | None = None, dtype: DType | None = None):
         super().__init__()
         self.normalized_shape = check_shape(normalized_shape, "normalized_shape", "LayerNorm")
         self.eps = check_real(eps, "eps", "LayerNorm", above=0)
@@ -121,7 +144,9 @@ class LayerNorm(Module):
             if bias:
                 self.bias = new_parameter(self.normalized_shape, device, dtype)
 
-    def forward(self, input):
+    def forward(self, input: Tensor) -> Tensor:
+        """input (..., *normalized_shape) normalized over its trailing dims, same shape. TypeError
+        unless input is a Tensor, ValueError for other trailing dimensions."""
         if not isinstance(input, Tensor):
             raise TypeError(f"LayerNorm: input must be an autograd.Tensor, got {type(input).__name__}")
         n = len(self.normalized_shape)
@@ -130,42 +155,50 @@ class LayerNorm(Module):
                              f"got shape {input.shape}")
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class Dropout(Module):
     """Zero each element with probability p and scale the rest by 1/(1-p) in training mode. The
     masks come from the global dropout stream (autograd.random.dropout_stream(), seeded by
-    npformer.manual_seed, saved in checkpoints): the same masks on every device (F.dropout)."""
+    npformer.manual_seed, saved in checkpoints): the same masks on every device (F.dropout).
+    torch.nn.Dropout; in eval mode, or with p=0, the input passes unchanged. ValueError unless
+    0 <= p <= 1."""
 
-    def __init__(self, p=0.5):
+    def __init__(self, p: float = 0.5):
         super().__init__()
         self.p = check_real(p, "p", "Dropout", at_least=0, at_most=1)
 
-    def forward(self, input):
+    def forward(self, input: Tensor) -> Tensor:
+        """Any shape; dropped out in training mode, `input` itself in eval mode."""
         return F.dropout(input, self.p, self.training)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"p={self.p}"
 
 
 class ReLU(Module):
-    def forward(self, input):
+    """max(x, 0) elementwise (torch.nn.ReLU), any shape."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        """relu(input), same shape."""
         return F.relu(input)
 
 
 class GELU(Module):
-    """GELU; approximate="none" (exact, x * Phi(x)) or "tanh"."""
+    """GELU elementwise (torch.nn.GELU), any shape; approximate="none" (exact, x * Phi(x)) or
+    "tanh" (GPT-2's form). ValueError for another `approximate`."""
 
-    def __init__(self, approximate="none"):
+    def __init__(self, approximate: str = "none"):
         super().__init__()
         if approximate not in ("none", "tanh"):
             raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
 
-    def forward(self, input):
+    def forward(self, input: Tensor) -> Tensor:
+        """gelu(input), same shape."""
         return F.gelu(input, approximate=self.approximate)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

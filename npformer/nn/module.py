@@ -5,17 +5,24 @@ A Module owns three ordered registries filled by plain attribute assignment: par
 that walks the tree (parameters, state_dict, to, train/eval) goes through them, so names
 are torch's dotted paths (`encoder.layers.0.self_attn.in_proj_weight`).
 """
+from __future__ import annotations
+
 from collections import namedtuple
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from autograd import Tensor, backend
+from autograd.backend import ArrayLike, DType
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
 class Parameter(Tensor):
-    """A Tensor that a Module registers as a learnable parameter (requires_grad=True)."""
+    """A Tensor that a Module registers as a learnable parameter when assigned to one of its
+    attributes (torch.nn.Parameter); requires_grad=True unless asked otherwise. data: an array
+    (its dtype kept) or anything `Tensor` accepts."""
 
-    def __init__(self, data, requires_grad=True):
+    def __init__(self, data: ArrayLike, requires_grad: bool = True):
         super().__init__(data, requires_grad=requires_grad)
 
     def __repr__(self):
@@ -34,7 +41,12 @@ def _host_array(value, name):
 
 
 class Module:
-    """Base class of every layer and model (torch.nn.Module's API, batch-first, numpy-backed)."""
+    """Base class of every layer and model (torch.nn.Module's API, batch-first, numpy-backed).
+
+    Subclasses call `super().__init__()` first, assign Parameters, submodules and buffers as
+    attributes (they are registered in that order) and define `forward`; `module(...)` calls it.
+    Dotted names (`encoder.layers.0.linear1.weight`), `state_dict`, `to`, `train`/`eval` and
+    `zero_grad` follow torch."""
 
     def __init__(self):
         object.__setattr__(self, "_parameters", {})
@@ -98,20 +110,25 @@ class Module:
             return Tensor(value)
         raise TypeError(f"buffer {name!r} must be a Tensor, an array or None, got {type(value).__name__}")
 
-    def register_parameter(self, name, param):
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        """Register `param` (a Parameter, or None for an absent one) as `name`, like assigning
+        `self.name = param`; TypeError for anything else."""
         if param is not None and not isinstance(param, Parameter):
             raise TypeError(f"register_parameter({name!r}): expected a Parameter or None, got {type(param).__name__}")
         self._forget(name)
         self._parameters[name] = param
 
-    def register_buffer(self, name, tensor, persistent=True):
-        """A non-learnable state Tensor; persistent buffers go into state_dict."""
+    def register_buffer(self, name: str, tensor: Tensor | ArrayLike | None, persistent: bool = True) -> None:
+        """Register a non-learnable state Tensor (an array is wrapped) as `name`: it moves with
+        `to()`, and persistent buffers go into state_dict (torch's). TypeError for other values."""
         self._forget(name)
         self._buffers[name] = self._as_buffer(tensor, name)
         if not persistent:
             self._non_persistent.add(name)
 
-    def add_module(self, name, module):
+    def add_module(self, name: str, module: Module | None) -> None:
+        """Register `module` (or None) as the submodule `name`, like assigning `self.name = module`;
+        TypeError for anything else. `register_module` is the same method."""
         if module is not None and not isinstance(module, Module):
             raise TypeError(f"add_module({name!r}): expected a Module or None, got {type(module).__name__}")
         self._forget(name)
@@ -120,8 +137,9 @@ class Module:
     register_module = add_module
 
     # -- traversal ------------------------------------------------------------------------
-    def named_modules(self, prefix="", memo=None):
-        """(name, module) for this module and every descendant, each module once."""
+    def named_modules(self, prefix: str = "", memo: set | None = None) -> Iterator[tuple[str, Module]]:
+        """(name, module) for this module (name `prefix`) and every descendant, each module once,
+        depth first in registration order. memo: ids already visited (internal)."""
         memo = set() if memo is None else memo
         if id(self) in memo:
             return
@@ -131,18 +149,21 @@ class Module:
             if child is not None:
                 yield from child.named_modules(f"{prefix}.{name}" if prefix else name, memo)
 
-    def modules(self):
+    def modules(self) -> Iterator[Module]:
+        """This module and every descendant, each once (the modules of `named_modules`)."""
         for _, m in self.named_modules():
             yield m
 
-    def named_children(self):
+    def named_children(self) -> Iterator[tuple[str, Module]]:
+        """(name, module) of the direct submodules, each once."""
         seen = set()
         for name, child in self._modules.items():
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
                 yield name, child
 
-    def children(self):
+    def children(self) -> Iterator[Module]:
+        """The direct submodules, each once."""
         for _, child in self.named_children():
             yield child
 
@@ -156,23 +177,29 @@ class Module:
                 seen.add(id(value))
                 yield (f"{module_prefix}.{name}" if module_prefix else name), value
 
-    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
-        """(dotted name, Parameter) pairs; a Parameter shared by two modules appears once."""
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, Parameter]]:
+        """(dotted name, Parameter) pairs in registration order; a Parameter shared by two modules
+        (tied weights) appears once unless remove_duplicate=False. recurse=False: own ones only."""
         yield from self._named_members("_parameters", prefix, recurse, remove_duplicate)
 
-    def parameters(self, recurse=True):
+    def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        """Every Parameter (each once), what an optimizer takes: `optim.Adam(model.parameters())`."""
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
-    def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """(dotted name, Tensor) of every buffer, persistent or not, like `named_parameters`."""
         yield from self._named_members("_buffers", prefix, recurse, remove_duplicate)
 
-    def buffers(self, recurse=True):
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        """Every buffer Tensor (each once)."""
         for _, b in self.named_buffers(recurse=recurse):
             yield b
 
-    def apply(self, fn):
-        """Call fn(module) on every submodule (children first) and on self, like torch."""
+    def apply(self, fn: Callable[[Module], Any]) -> Module:
+        """Call fn(module) on every submodule (children first) and on self, like torch; returns self."""
         for child in self.children():
             child.apply(fn)
         fn(self)
@@ -192,11 +219,12 @@ class Module:
                     state[dot + name] = b
         return state
 
-    def state_dict(self):
-        """{dotted name: numpy array (a host copy)} of every parameter and persistent buffer."""
+    def state_dict(self) -> dict[str, Any]:
+        """{dotted name: numpy array (a host copy)} of every parameter and persistent buffer, in
+        torch's order and with torch's names (numpy arrays where torch has tensors)."""
         return {name: backend.as_numpy(t.data).copy() for name, t in self._state_tensors().items()}
 
-    def load_state_dict(self, state_dict, strict=True):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
         """Copy arrays (numpy, cupy, our Tensors or torch tensors) into the parameters and
         buffers, casting to each one's dtype and device. Mis-shaped keys and values of another
         kind of dtype (complex into float, float into int) always raise; with strict=True missing
@@ -205,10 +233,12 @@ class Module:
         Returns (missing_keys, unexpected_keys)."""
         return self.prepare_load_state_dict(state_dict, strict)()
 
-    def prepare_load_state_dict(self, state_dict, strict=True):
+    def prepare_load_state_dict(self, state_dict: Mapping[str, Any],
+                                strict: bool = True) -> Callable[[], IncompatibleKeys]:
         """Check `state_dict` as load_state_dict does and convert its arrays, changing nothing;
         returns a function that puts them in place (it cannot fail) and returns
-        (missing_keys, unexpected_keys). Lets a caller validate several objects before loading any."""
+        (missing_keys, unexpected_keys). Lets a caller validate several objects before loading any.
+        Raises what load_state_dict raises."""
         if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
             raise TypeError(f"load_state_dict: expected a dict of arrays, got {type(state_dict).__name__}")
         own = self._state_tensors()
@@ -247,17 +277,21 @@ class Module:
         return load
 
     # -- mode, gradients, device and dtype ---------------------------------------------------
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> Module:
+        """Set training mode (dropout active) on this module and every descendant; returns self.
+        TypeError unless mode is a bool."""
         if not isinstance(mode, bool):
             raise TypeError(f"train(mode): expected a bool, got {type(mode).__name__}")
         for m in self.modules():
             object.__setattr__(m, "training", mode)
         return self
 
-    def eval(self):
+    def eval(self) -> Module:
+        """Evaluation mode (dropout off): `train(False)`; returns self."""
         return self.train(False)
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's `.grad`: None by default (torch's), zeros with set_to_none=False."""
         for p in self.parameters():
             if p.grad is not None:
                 if set_to_none:
@@ -265,14 +299,17 @@ class Module:
                 else:
                     p.grad = p.xp.zeros_like(p.grad)
 
-    def requires_grad_(self, requires_grad=True):
+    def requires_grad_(self, requires_grad: bool = True) -> Module:
+        """Set `requires_grad` of every parameter (False freezes them); returns self."""
         for p in self.parameters():
             p.requires_grad = requires_grad
         return self
 
-    def to(self, device=None, dtype=None):
+    def to(self, device: str | None = None, dtype: DType | None = None) -> Module:
         """Move every parameter and buffer (in place, keeping the Parameter objects) to
-        `device` and cast floating ones to `dtype`; returns self."""
+        `device` ("cpu", "cuda", "test") and cast floating ones to `dtype`; returns self.
+        Raises ValueError / RuntimeError for an unknown or unavailable device and TypeError for
+        a dtype that is not floating."""
         if device is not None:
             backend.module_for(device)  # a clear error for an unknown or unavailable device
         if dtype is not None:
@@ -293,26 +330,33 @@ class Module:
             if t.grad is not None:
                 t.grad = _moved(t.grad, device, cast)
 
-    def double(self):
+    def double(self) -> Module:
+        """Cast floating parameters and buffers to float64 (gradchecks); returns self."""
         return self.to(dtype="float64")
 
-    def float(self):
+    def float(self) -> Module:
+        """Cast floating parameters and buffers to float32 (the default); returns self."""
         return self.to(dtype="float32")
 
-    def cpu(self):
+    def cpu(self) -> Module:
+        """Move to the CPU (numpy): `to("cpu")`; returns self."""
         return self.to("cpu")
 
-    def cuda(self):
+    def cuda(self) -> Module:
+        """Move to the GPU (CuPy): `to("cuda")`; returns self. RuntimeError without a GPU."""
         return self.to("cuda")
 
     # -- calling and printing ------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, **kwargs) -> Any:
+        """The module's computation; every subclass defines it (NotImplementedError here)."""
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs) -> Any:
+        """`module(...)` runs `forward(...)` with the same arguments (there are no hooks)."""
         return self.forward(*args, **kwargs)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
+        """The module's own settings, shown in its repr (`in_features=4, out_features=8, bias=True`)."""
         return ""
 
     def __repr__(self):
@@ -336,18 +380,21 @@ def _moved(array, device, dtype):
 
 
 class ModuleList(Module):
-    """A list of submodules registered as "0", "1", ... (torch.nn.ModuleList)."""
+    """A list of submodules registered as "0", "1", ... (torch.nn.ModuleList): indexing, slicing
+    (a new ModuleList), len and iteration."""
 
-    def __init__(self, modules=None):
+    def __init__(self, modules: Iterable[Module] | None = None):
         super().__init__()
         for m in modules or ():
             self.append(m)
 
-    def append(self, module):
+    def append(self, module: Module) -> ModuleList:
+        """Add `module` at the end (named by its index); returns self."""
         self.add_module(str(len(self._modules)), module)
         return self
 
-    def extend(self, modules):
+    def extend(self, modules: Iterable[Module]) -> ModuleList:
+        """Append each of `modules`; returns self."""
         for m in modules:
             self.append(m)
         return self
@@ -368,7 +415,7 @@ class ModuleList(Module):
 class Sequential(ModuleList):
     """Submodules applied in order: Sequential(a, b, c)(x) == c(b(a(x)))."""
 
-    def __init__(self, *modules):
+    def __init__(self, *modules: Module):
         super().__init__(modules)
 
     def __getitem__(self, index):
@@ -376,7 +423,8 @@ class Sequential(ModuleList):
             return Sequential(*list(self._modules.values())[index])
         return super().__getitem__(index)
 
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
+        """x through each submodule in order; returns the last one's output."""
         for m in self:
             x = m(x)
         return x

@@ -1,8 +1,11 @@
 """Position information as modules: the paper's sinusoids, learned positions, and RoPE."""
+from __future__ import annotations
+
 import math
 
 import npformer.functional as F
 from autograd import Tensor, backend
+from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import check_int, check_real
 
 from . import init
@@ -47,10 +50,11 @@ class SinusoidalPositionalEncoding(Module):
 
     `pe` (max_len, d_model) is a non-persistent buffer (not in state_dict). It is computed in
     float64 and cast to the module's dtype, and recomputed (not re-cast) whenever the module
-    moves or changes dtype, so a `.double()` model carries the exact float64 table.
+    moves or changes dtype, so a `.double()` model carries the exact float64 table. Raises
+    TypeError / ValueError for sizes that are not integers >= 1.
     """
 
-    def __init__(self, d_model, max_len=5000, device=None, dtype=None):
+    def __init__(self, d_model: int, max_len: int = 5000, device: str | None = None, dtype: DType | None = None):
         super().__init__()
         self.d_model = check_int(d_model, "d_model", "SinusoidalPositionalEncoding", at_least=1)
         self.max_len = check_int(max_len, "max_len", "SinusoidalPositionalEncoding", at_least=1)
@@ -62,9 +66,11 @@ class SinusoidalPositionalEncoding(Module):
     def _move(self, device, dtype):
         self.pe = self._table(device or self.pe.device, dtype or self.pe.dtype)
 
-    def forward(self, x, offset=0, position_ids=None):
-        """x + PE[offset : offset + T], or x + PE[position_ids] with position_ids (B, T) or (T,)
-        (e.g. per-row positions of left-padded sequences)."""
+    def forward(self, x: Tensor, offset: int = 0, position_ids: ArrayLike | None = None) -> Tensor:
+        """x (B, T, d_model) + PE[offset : offset + T] (offset: the first position, for decoding
+        step by step), or x + PE[position_ids] with position_ids (B, T) or (T,) (e.g. per-row
+        positions of left-padded sequences). ValueError for another shape or positions beyond
+        max_len."""
         owner = "SinusoidalPositionalEncoding"
         if not isinstance(x, Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"{owner}: expected a Tensor (B, T, {self.d_model}), "
@@ -74,22 +80,24 @@ class SinusoidalPositionalEncoding(Module):
         _check_span(x.shape[1], offset, self.max_len, owner)
         return x + Tensor(self.pe.data[offset: offset + x.shape[1]])
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}"
 
 
 class LearnedPositionalEmbedding(Module):
-    """x (B, T, d) -> x + weight[offset : offset + T]; weight (max_len, d) learned, init N(0, 0.02^2)."""
+    """x (B, T, d) -> x + weight[offset : offset + T]; weight (max_len, d) learned, init N(0, 0.02^2)
+    (GPT-2's `wpe`; torch has no module of its own: an nn.Embedding of positions)."""
 
-    def __init__(self, max_len, d_model, device=None, dtype=None):
+    def __init__(self, max_len: int, d_model: int, device: str | None = None, dtype: DType | None = None):
         super().__init__()
         self.max_len = check_int(max_len, "max_len", "LearnedPositionalEmbedding", at_least=1)
         self.d_model = check_int(d_model, "d_model", "LearnedPositionalEmbedding", at_least=1)
         self.weight = init.normal_(new_parameter((self.max_len, self.d_model), device, dtype), std=0.02)
 
-    def forward(self, x, offset=0, position_ids=None):
-        """x + weight[offset : offset + T], or x + weight[position_ids] with position_ids (B, T)
-        or (T,) (e.g. per-row positions of left-padded sequences; the gradient reaches those rows)."""
+    def forward(self, x: Tensor, offset: int = 0, position_ids: ArrayLike | None = None) -> Tensor:
+        """x (B, T, d_model) + weight[offset : offset + T], or x + weight[position_ids] with
+        position_ids (B, T) or (T,) (e.g. per-row positions of left-padded sequences; the
+        gradient reaches those rows). ValueError for another shape or positions beyond max_len."""
         owner = "LearnedPositionalEmbedding"
         if not isinstance(x, Tensor) or x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"{owner}: expected a Tensor (B, T, {self.d_model}), "
@@ -99,16 +107,17 @@ class LearnedPositionalEmbedding(Module):
         _check_span(x.shape[1], offset, self.max_len, owner)
         return x + self.weight[offset: offset + x.shape[1]]
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"max_len={self.max_len}, d_model={self.d_model}"
 
 
 class RotaryEmbedding(Module):
     """RoPE (half-split layout) for attention heads: x (B, H, T, head_dim) at positions
     offset .. offset+T-1 -> x*cos + rotate_half(x)*sin. No parameters and no state_dict
-    entries; the cos/sin tables are cached per (length, dtype, device) and grow on demand."""
+    entries; the cos/sin tables are cached per (length, dtype, device) and grow on demand.
+    ValueError for an odd head_dim or base <= 0."""
 
-    def __init__(self, head_dim, base=10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0):
         super().__init__()
         self.head_dim = check_int(head_dim, "head_dim", "RotaryEmbedding", at_least=1)
         if head_dim % 2:
@@ -116,7 +125,7 @@ class RotaryEmbedding(Module):
         self.base = check_real(base, "base", "RotaryEmbedding", above=0)
         self._tables = {}
 
-    def cos_sin(self, length, like):
+    def cos_sin(self, length: int, like: Array) -> tuple[Array, Array]:
         """(cos, sin), each (length, head_dim // 2), in the dtype and on the device of the array `like`."""
         key = (str(like.dtype), backend.device_of(like))
         cached = self._tables.get(key)
@@ -126,9 +135,10 @@ class RotaryEmbedding(Module):
                                                           device=backend.device_of(like))
         return cached[0][:length], cached[1][:length]
 
-    def forward(self, x, offset=0):
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (B, H, T, head_dim) rotated for positions offset .. offset + T - 1 (F.apply_rotary_emb)."""
         cos, sin = self.cos_sin(offset + x.shape[-2], x.data)
         return F.apply_rotary_emb(x, cos[offset:], sin[offset:])
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"

@@ -18,9 +18,16 @@ then forms its output as dropout(P) V with autograd, so after `backward()` P's g
 the loss's dL/dP. The model's outputs, losses and parameter gradients are those of the usual
 path (the same dropout masks too); only the memory-efficient kernel is not used.
 """
+from __future__ import annotations
+
+from collections.abc import Iterator
+
 import npformer.functional as F
+from autograd import Tensor
+from autograd.backend import Array
 
 from .attention import MultiheadAttention
+from .module import Module
 
 
 class AttentionRecord:
@@ -32,11 +39,12 @@ class AttentionRecord:
     grad: dL/dP, an array like P once a backward pass has reached it, else None.
     """
 
-    def __init__(self, name, module, weights):
+    def __init__(self, name: str, module: MultiheadAttention, weights: Tensor):
         self.name, self.module, self.weights = name, module, weights
 
     @property
-    def grad(self):
+    def grad(self) -> Array | None:
+        """dL/dP (B, H, Tq, Tk), an array, once a backward pass has reached P; else None."""
         return self.weights.grad
 
     def __repr__(self):
@@ -51,17 +59,17 @@ class AttentionRecorder:
     def __init__(self):
         self.records = []
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[AttentionRecord]:
         return iter(self.records)
 
     def __len__(self):
         return len(self.records)
 
-    def all(self, name):
+    def all(self, name: str) -> list[AttentionRecord]:
         """Every record of the module called `name`, in call order."""
         return [r for r in self.records if r.name == name]
 
-    def names(self):
+    def names(self) -> list[str]:
         """The names of the modules that ran, in order of their first call."""
         return list(dict.fromkeys(r.name for r in self.records))
 
@@ -83,9 +91,11 @@ class record_attention:
     EncoderClassifier, a bare MultiheadAttention). Records hold the Tensors of the graph, so
     open it for one forward/backward at a time. The modules are changed for the duration only
     (an instance attribute shadows their `attend`), for every thread that uses this model.
+    Raises ValueError for a model without attention, RuntimeError when a block is already open
+    on it.
     """
 
-    def __init__(self, model):
+    def __init__(self, model: Module):
         self.modules = [(name, m) for name, m in model.named_modules() if isinstance(m, MultiheadAttention)]
         if not self.modules:
             raise ValueError(f"record_attention: {type(model).__name__} has no MultiheadAttention module")

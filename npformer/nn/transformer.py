@@ -14,11 +14,15 @@ position through every layer, reusing and extending each layer's self-attention 
 causal encoder stack (a GPT-style decoder-only model): new positions, one or a whole prompt
 at a time, attend causally to the cached ones and to each other.
 """
+from __future__ import annotations
+
 import copy
 import math
+from collections.abc import Callable
 
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
+from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import as_array, check_int, check_real
 from npformer.functional._common import check_index_range
 
@@ -99,11 +103,16 @@ class _FeedForwardLayer(Module):
 
 
 class TransformerEncoderLayer(_FeedForwardLayer):
-    """Self-attention and feed-forward sublayers (torch.nn.TransformerEncoderLayer, batch first)."""
+    """Self-attention and feed-forward sublayers (torch.nn.TransformerEncoderLayer, batch first).
 
-    def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation="relu",
-                 layer_norm_eps=1e-5, batch_first=True, norm_first=False, bias=True, device=None, dtype=None,
-                 rotary=False, memory_efficient=False):
+    d_model must be divisible by nhead; activation "relu", "gelu" or a callable; norm_first=True
+    is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention, memory_efficient=True
+    uses the blockwise attention kernel. Raises TypeError / ValueError naming a bad argument."""
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
+                 activation: str | Callable[[Tensor], Tensor] = "relu", layer_norm_eps: float = 1e-5,
+                 batch_first: bool = True, norm_first: bool = False, bias: bool = True, device: str | None = None,
+                 dtype: DType | None = None, rotary: bool = False, memory_efficient: bool = False):
         super().__init__()
         d_model, nhead = check_d_model_nhead(d_model, nhead, "TransformerEncoderLayer")
         dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
@@ -118,19 +127,25 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
 
-    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
-        """src (B, S, d) -> (B, S, d). src_mask (S, S) or (B*nhead, S, S); src_key_padding_mask (B, S)."""
+    def forward(self, src: Tensor, src_mask: ArrayLike | None = None, src_key_padding_mask: ArrayLike | None = None,
+                is_causal: bool = False) -> Tensor:
+        """src (B, S, d) -> (B, S, d). src_mask (S, S) or (B*nhead, S, S); src_key_padding_mask (B, S);
+        torch.nn's convention (bool True = may not attend; a float mask is added to the scores).
+        is_causal=True without src_mask applies the causal mask."""
         check_sequence(src, self.d_model, "TransformerEncoderLayer", "src")
         mask = self.self_attn_mask(src, src_mask, src_key_padding_mask, is_causal)
         return self.forward_masked(src, *mask)
 
-    def self_attn_mask(self, src, src_mask, src_key_padding_mask, is_causal):
+    def self_attn_mask(self, src: Tensor, src_mask: ArrayLike | None, src_key_padding_mask: ArrayLike | None,
+                       is_causal: bool) -> tuple[Array | None, bool]:
+        """(mask, is_causal) for `forward_masked`: torch.nn-convention masks of `src` converted once
+        to the convention of F.scaled_dot_product_attention (True = takes part), checked."""
         B, S = src.shape[:2]
         return attention_mask(src_mask, src_key_padding_mask, B, self.self_attn.num_heads, S, S, src.data,
                               is_causal, names=("src_mask", "src_key_padding_mask"))
 
-    def forward_masked(self, x, mask, is_causal):
-        """forward() with the self-attention mask already in SDPA convention."""
+    def forward_masked(self, x: Tensor, mask: Array | None, is_causal: bool) -> Tensor:
+        """forward() with the self-attention mask already in SDPA convention (`self_attn_mask`)."""
         def self_attention(h):
             return self.self_attn.forward_masked(h, h, h, mask, is_causal)[0]
         if self.norm_first:
@@ -164,11 +179,16 @@ def cached_self_attention(attn, h, layer_cache, mask, is_causal, position):
 
 class TransformerDecoderLayer(_FeedForwardLayer):
     """Masked self-attention, cross-attention over memory, feed-forward
-    (torch.nn.TransformerDecoderLayer, batch first)."""
+    (torch.nn.TransformerDecoderLayer, batch first).
 
-    def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation="relu",
-                 layer_norm_eps=1e-5, batch_first=True, norm_first=False, bias=True, device=None, dtype=None,
-                 rotary=False, memory_efficient=False):
+    d_model must be divisible by nhead; activation "relu", "gelu" or a callable; norm_first=True
+    is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention (not cross-attention), memory_efficient=True
+    uses the blockwise attention kernel. Raises TypeError / ValueError naming a bad argument."""
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
+                 activation: str | Callable[[Tensor], Tensor] = "relu", layer_norm_eps: float = 1e-5,
+                 batch_first: bool = True, norm_first: bool = False, bias: bool = True, device: str | None = None,
+                 dtype: DType | None = None, rotary: bool = False, memory_efficient: bool = False):
         super().__init__()
         d_model, nhead = check_d_model_nhead(d_model, nhead, "TransformerDecoderLayer")
         dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
@@ -184,10 +204,13 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         for i in (1, 2, 3):
             setattr(self, f"dropout{i}", Dropout(dropout))
 
-    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
-                memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
+    def forward(self, tgt: Tensor, memory: Tensor, tgt_mask: ArrayLike | None = None,
+                memory_mask: ArrayLike | None = None, tgt_key_padding_mask: ArrayLike | None = None,
+                memory_key_padding_mask: ArrayLike | None = None, tgt_is_causal: bool = False,
+                memory_is_causal: bool = False) -> Tensor:
         """tgt (B, T, d), memory (B, S, d) -> (B, T, d). tgt_mask (T, T) or (B*nhead, T, T),
-        memory_mask (T, S) or (B*nhead, T, S), key padding masks (B, T) and (B, S)."""
+        memory_mask (T, S) or (B*nhead, T, S), key padding masks (B, T) and (B, S), in torch.nn's
+        convention (True = may not attend). tgt_is_causal=True without tgt_mask applies the causal mask."""
         check_sequence(tgt, self.d_model, "TransformerDecoderLayer", "tgt")
         check_sequence(memory, self.d_model, "TransformerDecoderLayer", "memory")
         check_same_batch(tgt, memory, "TransformerDecoderLayer", ("tgt", "memory"))
@@ -195,7 +218,8 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                               memory_key_padding_mask, tgt_is_causal, memory_is_causal)
         return self.forward_masked(tgt, memory, *masks)
 
-    def forward_masked(self, x, memory, self_mask, self_causal, cross_mask, cross_causal):
+    def forward_masked(self, x: Tensor, memory: Tensor, self_mask: Array | None, self_causal: bool,
+                       cross_mask: Array | None, cross_causal: bool) -> Tensor:
         """forward() with both masks already in SDPA convention."""
         def self_attention(h):
             return self.self_attn.forward_masked(h, h, h, self_mask, self_causal)[0]
@@ -213,9 +237,10 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         x = self.norm2(self._residual(x, self.dropout2, cross_attention(x)))
         return self.norm3(self._residual(x, self.dropout3, self._ff_block(x)))
 
-    def forward_step(self, x, layer_cache, cross_mask, position):
+    def forward_step(self, x: Tensor, layer_cache: LayerCache, cross_mask: Array | None, position: int) -> Tensor:
         """One new target position x (B, 1, d) attending to the cached self-attention keys and
-        values (extended in place with this position's) and to the cached memory keys/values."""
+        values (extended in place with this position's) and to the cached memory keys/values;
+        `position` is x's index in the target (for RoPE). Returns (B, 1, d)."""
         def self_attention(h):
             return cached_self_attention(self.self_attn, h, layer_cache, None, False, position)
 
@@ -257,14 +282,16 @@ class _LayerStack(Module):
 
 
 class TransformerEncoder(_LayerStack):
-    """A stack of `num_layers` deep copies of `encoder_layer`, then the optional final `norm`."""
+    """A stack of `num_layers` deep copies of `encoder_layer`, then the optional final `norm`
+    (torch.nn.TransformerEncoder). TypeError unless encoder_layer is a TransformerEncoderLayer."""
 
     layer_type = TransformerEncoderLayer
 
-    def __init__(self, encoder_layer, num_layers, norm=None):
+    def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int, norm: Module | None = None):
         super().__init__(encoder_layer, num_layers, norm)
 
-    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+    def forward(self, src: Tensor, mask: ArrayLike | None = None, src_key_padding_mask: ArrayLike | None = None,
+                is_causal: bool | None = None) -> Tensor:
         """src (B, S, d) -> (B, S, d); masks as in TransformerEncoderLayer, converted once."""
         first = self.layers[0]
         check_sequence(src, first.d_model, "TransformerEncoder", "src")
@@ -301,15 +328,19 @@ class TransformerEncoder(_LayerStack):
 
 
 class TransformerDecoder(_LayerStack):
-    """A stack of `num_layers` deep copies of `decoder_layer`, then the optional final `norm`."""
+    """A stack of `num_layers` deep copies of `decoder_layer`, then the optional final `norm`
+    (torch.nn.TransformerDecoder), with cached step-by-step decoding (`init_cache`, `step`).
+    TypeError unless decoder_layer is a TransformerDecoderLayer."""
 
     layer_type = TransformerDecoderLayer
 
-    def __init__(self, decoder_layer, num_layers, norm=None):
+    def __init__(self, decoder_layer: TransformerDecoderLayer, num_layers: int, norm: Module | None = None):
         super().__init__(decoder_layer, num_layers, norm)
 
-    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
-                memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
+    def forward(self, tgt: Tensor, memory: Tensor, tgt_mask: ArrayLike | None = None,
+                memory_mask: ArrayLike | None = None, tgt_key_padding_mask: ArrayLike | None = None,
+                memory_key_padding_mask: ArrayLike | None = None, tgt_is_causal: bool | None = None,
+                memory_is_causal: bool = False) -> Tensor:
         """tgt (B, T, d), memory (B, S, d) -> (B, T, d); masks as in TransformerDecoderLayer."""
         d_model = self.layers[0].d_model
         check_sequence(tgt, d_model, "TransformerDecoder", "tgt")
@@ -323,7 +354,7 @@ class TransformerDecoder(_LayerStack):
         return self._final_norm(x)
 
     # -- cached step-wise decoding --------------------------------------------------------------
-    def init_cache(self, memory, memory_key_padding_mask=None):
+    def init_cache(self, memory: Tensor, memory_key_padding_mask: ArrayLike | None = None) -> DecoderCache:
         """A DecoderCache holding every layer's cross-attention keys/values of `memory` (B, S, d)."""
         check_sequence(memory, self.layers[0].d_model, "TransformerDecoder.init_cache", "memory")
         B, S = memory.shape[:2]
@@ -332,9 +363,10 @@ class TransformerDecoder(_LayerStack):
         layers = [LayerCache(*layer.multihead_attn.project_kv(memory, memory)) for layer in self.layers]
         return DecoderCache(layers, cross_mask)
 
-    def step(self, x, cache):
+    def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
         """x (B, 1, d): the embedded newest target position -> (B, 1, d) decoder output for it
-        (after the final norm); appends this position's self-attention K/V to `cache`."""
+        (after the final norm); appends this position's self-attention K/V to `cache`.
+        TypeError for a cache not made by init_cache, ValueError for another shape of x."""
         if not isinstance(cache, DecoderCache):
             raise TypeError(f"TransformerDecoder.step: cache must come from init_cache, got {type(cache).__name__}")
         check_sequence(x, self.layers[0].d_model, "TransformerDecoder.step", "x")
@@ -386,24 +418,28 @@ class DecoderCache:
     """State of cached step-wise decoding: `layers` (one LayerCache per layer), `cross_mask`
     (memory padding, SDPA convention, (B, 1, 1, S) or None), `length` (positions decoded so
     far), `key_padding` (B, length) bool, True = a padding position no query attends to (None:
-    none so far). `reorder(indices)` selects batch rows (beam search)."""
+    none so far). `reorder(indices)` selects batch rows (beam search). Made by
+    `init_cache`; `len(cache)` is `length`."""
 
-    def __init__(self, layers, cross_mask=None):
+    def __init__(self, layers: list[LayerCache], cross_mask: Array | None = None):
         self.layers, self.cross_mask, self.length = layers, cross_mask, 0
         self.key_padding = None
 
     @property
-    def batch_size(self):
+    def batch_size(self) -> int | None:
+        """The number of sequences (batch rows) the cache holds; None while it is empty (it
+        takes the batch size of its first step)."""
         for layer in self.layers[:1]:
             for t in layer.tensors().values():
                 if t is not None:
                     return t.shape[0]
-        return None  # an empty cache takes the batch size of its first step
+        return None
 
     def __len__(self):
         return self.length
 
-    def extend_padding(self, key_padding_mask, batch, new, like):
+    def extend_padding(self, key_padding_mask: ArrayLike | None, batch: int, new: int,
+                       like: Array) -> tuple[Array | None, bool]:
         """Append the padding of `new` positions (key_padding_mask (batch, new), True = padding,
         or None) and return the self-attention mask of those queries over every key so far:
         (mask in SDPA convention (batch, 1, new, length + new) or None, is_causal)."""
@@ -427,9 +463,10 @@ class DecoderCache:
             return None, False
         return (None, True) if self.length == 0 else (causal, False)
 
-    def reorder(self, indices):
+    def reorder(self, indices: ArrayLike) -> DecoderCache:
         """Keep batch rows `indices` (ints in [0, batch), repeats allowed, any length) in that
-        order, in every cached tensor and mask; returns self."""
+        order, in every cached tensor and mask; returns self. ValueError for indices that are
+        not a 1-D integer array, IndexError for one out of range, ValueError on an empty cache."""
         cached = [t for layer in self.layers for t in layer.tensors().values() if t is not None]
         if not cached:
             raise ValueError("DecoderCache.reorder: the cache is empty (nothing decoded yet)")
@@ -465,13 +502,17 @@ class Transformer(Module):
 
     Init like torch: xavier_uniform_ on every parameter with more than one dimension.
     Extras: rotary=True applies RoPE in the self-attention of every layer; memory_efficient=True
-    uses the blockwise attention kernel.
+    uses the blockwise attention kernel. The defaults are torch's (the paper's base model);
+    batch_first=True is the only layout (npformer is batch-first throughout; interop refuses
+    torch modules with batch_first=False). `config` holds the arguments.
     """
 
-    def __init__(self, d_model=512, nhead=8, num_encoder_layers=6, num_decoder_layers=6, dim_feedforward=2048,
-                 dropout=0.1, activation="relu", custom_encoder=None, custom_decoder=None, layer_norm_eps=1e-5,
-                 batch_first=True, norm_first=False, bias=True, device=None, dtype=None, rotary=False,
-                 memory_efficient=False):
+    def __init__(self, d_model: int = 512, nhead: int = 8, num_encoder_layers: int = 6, num_decoder_layers: int = 6,
+                 dim_feedforward: int = 2048, dropout: float = 0.1,
+                 activation: str | Callable[[Tensor], Tensor] = "relu", custom_encoder: Module | None = None,
+                 custom_decoder: Module | None = None, layer_norm_eps: float = 1e-5, batch_first: bool = True,
+                 norm_first: bool = False, bias: bool = True, device: str | None = None, dtype: DType | None = None,
+                 rotary: bool = False, memory_efficient: bool = False):
         super().__init__()
         d_model, nhead = check_d_model_nhead(d_model, nhead, "Transformer")
         dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
@@ -503,9 +544,11 @@ class Transformer(Module):
             if p.ndim > 1:
                 init.xavier_uniform_(p)
 
-    def forward(self, src, tgt, src_mask=None, tgt_mask=None, memory_mask=None, src_key_padding_mask=None,
-                tgt_key_padding_mask=None, memory_key_padding_mask=None, src_is_causal=None, tgt_is_causal=None,
-                memory_is_causal=False):
+    def forward(self, src: Tensor, tgt: Tensor, src_mask: ArrayLike | None = None, tgt_mask: ArrayLike | None = None,
+                memory_mask: ArrayLike | None = None, src_key_padding_mask: ArrayLike | None = None,
+                tgt_key_padding_mask: ArrayLike | None = None, memory_key_padding_mask: ArrayLike | None = None,
+                src_is_causal: bool | None = None, tgt_is_causal: bool | None = None,
+                memory_is_causal: bool = False) -> Tensor:
         """src (B, S, d), tgt (B, T, d) -> (B, T, d). Masks in torch.nn's convention: src_mask
         (S, S), tgt_mask (T, T), memory_mask (T, S) (or (B*nhead, ., .)), key padding masks
         (B, S), (B, T), (B, S) with True = padding. tgt_is_causal=True without tgt_mask applies
@@ -521,8 +564,9 @@ class Transformer(Module):
                             memory_is_causal=memory_is_causal)
 
     @staticmethod
-    def generate_square_subsequent_mask(sz, device=None, dtype=None):
-        """(sz, sz) float array: -inf above the diagonal (future positions), 0 elsewhere."""
+    def generate_square_subsequent_mask(sz: int, device: str | None = None, dtype: DType | None = None) -> Array:
+        """(sz, sz) float array (float32 by default, on `device`, default cpu): -inf above the
+        diagonal (future positions), 0 elsewhere; torch's static method of the same name."""
         sz = check_int(sz, "sz", "generate_square_subsequent_mask", at_least=1)
         xp = backend.module_for(device or "cpu")
         return xp.triu(xp.full((sz, sz), -math.inf, dtype=dtype or "float32"), 1)

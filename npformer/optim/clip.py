@@ -1,6 +1,9 @@
 """Gradient clipping by the global norm, as torch.nn.utils.clip_grad_norm_."""
+from __future__ import annotations
+
 import math
 import sys
+from collections.abc import Iterable
 
 from autograd import Tensor, backend
 from autograd.checks import check_real
@@ -33,7 +36,7 @@ def total_norm(grads, norm_type=2.0):
     return xp.where(usable, xp.where(overflows, math.inf, total), largest)
 
 
-def grad_norm(parameters, norm_type=2.0):
+def grad_norm(parameters: Tensor | Iterable[Tensor], norm_type: float = 2.0) -> float:
     """The norm of all gradients together, as if concatenated into one vector (a Python float, so
     read on the host): `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no
     gradient exists; inf when the sum of powers overflows (as torch)."""
@@ -53,7 +56,8 @@ def grad_norm(parameters, norm_type=2.0):
         return math.inf
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
+def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> Tensor:
     """Scale every gradient in place by `min(1, max_norm / (total_norm + 1e-6))`, like torch.
 
     parameters: an iterable of parameters (or one); those without `.grad` are skipped.

@@ -4,15 +4,26 @@ first lr), call `scheduler.step()` after each `optimizer.step()`, read `get_last
 `last_epoch` counts the optimizer steps taken so far; the lr in force for the next step is
 `base_lr * factor(last_epoch)`, where base_lr is each group's lr when the scheduler was made.
 """
+from __future__ import annotations
+
 import math
+from collections.abc import Callable
+from typing import Any
 
 from autograd.checks import check_int, check_real
 
+from .optimizer import Optimizer
+
 
 class LambdaLR:
-    """lr of group i = base_lr_i * lr_lambda(last_epoch), like torch.optim.lr_scheduler.LambdaLR."""
+    """lr of group i = base_lr_i * lr_lambda(last_epoch), like torch.optim.lr_scheduler.LambdaLR.
 
-    def __init__(self, optimizer, lr_lambda, last_epoch=-1):
+    Constructing it sets the first lr (step 0). last_epoch=-1 starts fresh; another value resumes
+    and needs 'initial_lr' in every group (KeyError otherwise; load a state_dict instead).
+    TypeError for an optimizer without param_groups or an lr_lambda that is not callable.
+    """
+
+    def __init__(self, optimizer: Optimizer, lr_lambda: Callable[[int], float], last_epoch: int = -1):
         if not hasattr(optimizer, "param_groups"):
             raise TypeError(f"optimizer: expected an Optimizer, got {type(optimizer).__name__}")
         if not callable(lr_lambda):
@@ -30,29 +41,32 @@ class LambdaLR:
         self.last_epoch = last_epoch
         self.step()
 
-    def get_lr(self):
+    def get_lr(self) -> list[float]:
+        """The lr of each group for the current `last_epoch` (computed, not read from the groups)."""
         factor = self.lr_lambda(self.last_epoch)
         return [base * factor for base in self.base_lrs]
 
-    def step(self):
+    def step(self) -> None:
         """Advance one optimizer step and set every group's lr."""
         self.last_epoch += 1
         self._last_lr = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, self._last_lr):
             group["lr"] = lr
 
-    def get_last_lr(self):
+    def get_last_lr(self) -> list[float]:
+        """The lr of each group set by the last `step()` (the one the next optimizer step uses)."""
         return list(self._last_lr)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
+        """{"last_epoch", "base_lrs", "last_lr"}: plain numbers, for checkpoints."""
         return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs), "last_lr": list(self._last_lr)}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore last_epoch, base_lrs and last_lr (and set every group's lr). Everything is
         checked first (ValueError or TypeError); a failed load changes nothing."""
         self.prepare_load_state_dict(state_dict)()
 
-    def prepare_load_state_dict(self, state_dict):
+    def prepare_load_state_dict(self, state_dict: dict[str, Any]) -> Callable[[], None]:
         """Check `state_dict` as load_state_dict does, changing nothing; returns a function
         that loads it (it cannot fail)."""
         keys = {"last_epoch", "base_lrs", "last_lr"}
@@ -83,7 +97,7 @@ def _is_lr(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
-def noam_factor(step, d_model, warmup_steps):
+def noam_factor(step: int, d_model: int, warmup_steps: int) -> float:
     """The paper's schedule at 1-based `step`: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
     return d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
 
@@ -93,17 +107,18 @@ class NoamLR(LambdaLR):
 
     The optimizer's lr multiplies the paper's formula: lr=1.0 gives the paper's schedule
     (with Adam betas (0.9, 0.98), eps 1e-9); a larger lr scales it. The peak, at
-    step = warmup_steps, is base_lr * (d_model * warmup_steps)^-0.5.
+    step = warmup_steps, is base_lr * (d_model * warmup_steps)^-0.5. TypeError / ValueError
+    unless d_model and warmup_steps are integers >= 1.
     """
 
-    def __init__(self, optimizer, d_model, warmup_steps=4000, last_epoch=-1):
+    def __init__(self, optimizer: Optimizer, d_model: int, warmup_steps: int = 4000, last_epoch: int = -1):
         d_model = check_int(d_model, "d_model", "NoamLR", at_least=1)
         warmup_steps = check_int(warmup_steps, "warmup_steps", "NoamLR", at_least=1)
         self.d_model, self.warmup_steps = d_model, warmup_steps
         super().__init__(optimizer, lambda epoch: noam_factor(epoch + 1, d_model, warmup_steps), last_epoch)
 
 
-def warmup_cosine_factor(step, warmup_steps, total_steps, min_ratio=0.0):
+def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
     """Linear warmup to 1 over `warmup_steps` (1-based `step`), then a half cosine down to
     `min_ratio` at `total_steps`, constant after."""
     if step <= warmup_steps:
@@ -113,9 +128,13 @@ def warmup_cosine_factor(step, warmup_steps, total_steps, min_ratio=0.0):
 
 
 class WarmupCosineLR(LambdaLR):
-    """lr = base_lr * warmup_cosine_factor(last_epoch + 1, warmup_steps, total_steps, min_ratio)."""
+    """lr = base_lr * warmup_cosine_factor(last_epoch + 1, warmup_steps, total_steps, min_ratio):
+    linear warmup, then a half cosine to min_ratio * base_lr at total_steps (nanoGPT's schedule;
+    torch composes LinearLR and CosineAnnealingLR for it). ValueError when total_steps < warmup_steps.
+    """
 
-    def __init__(self, optimizer, warmup_steps, total_steps, min_ratio=0.0, last_epoch=-1):
+    def __init__(self, optimizer: Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.0,
+                 last_epoch: int = -1):
         warmup_steps = check_int(warmup_steps, "warmup_steps", "WarmupCosineLR", at_least=0)
         total_steps = check_int(total_steps, "total_steps", "WarmupCosineLR", at_least=1)
         if total_steps < warmup_steps:

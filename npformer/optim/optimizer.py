@@ -9,10 +9,13 @@ State dicts follow torch's layout: `{"state": {index: {name: array or number}},
 "param_groups": [{hyperparameters..., "params": [indices]}]}`; arrays are host (numpy)
 copies, and `load_state_dict` moves them to each parameter's device and dtype.
 """
-import math
-from typing import NamedTuple
+from __future__ import annotations
 
-from autograd import backend, graphs
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+from autograd import Tensor, backend, graphs
 from autograd.checks import check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
@@ -48,14 +51,16 @@ class Optimizer:
 
     params: an iterable of parameters (Tensors with `.data` and `.grad`), or of dicts
     `{"params": [...], **overrides}` (parameter groups, e.g. no weight decay on biases).
-    defaults: the hyperparameters each group gets unless it overrides them.
+    defaults: the hyperparameters each group gets unless it overrides them. Raises ValueError
+    for an empty or repeated parameter, TypeError for one that is not a floating Tensor, and
+    TypeError / ValueError naming a bad hyperparameter. torch.optim.Optimizer.
     """
 
     # a parameter's state entries: name -> "array" (the parameter's shape), "count" (an int >= 0)
     # or "number"; a state holds all of them or none. None: any names (arrays, numbers).
     state_kinds = None
 
-    def __init__(self, params, defaults):
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
         self.defaults = dict(defaults)
         params = list(params)
         if not params:
@@ -87,10 +92,11 @@ class Optimizer:
         lr would turn float32 parameters into float64)."""
         group["lr"] = check_real(group["lr"], "lr", type(self).__name__, at_least=0)
 
-    def parameters(self):
+    def parameters(self) -> list[Tensor]:
+        """Every parameter of every group, in order."""
         return [p for group in self.param_groups for p in group["params"]]
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget every gradient (`grad = None`, torch's default) or fill it with zeros."""
         for p in self.parameters():
             if set_to_none:
@@ -100,8 +106,9 @@ class Optimizer:
 
     capturable = False  # its step can be captured in a CUDA graph (npformer.cuda.graphed) and replayed
 
-    def step(self):
-        """One update of every parameter that has a gradient (parameters without one are skipped)."""
+    def step(self) -> None:
+        """One update of every parameter that has a gradient (parameters without one are skipped).
+        RuntimeError inside a CUDA graph capture for an optimizer that cannot be captured."""
         if not self.capturable and any(graphs.current(p.device) for p in self.parameters()):
             raise RuntimeError(f"{type(self).__name__}.step() cannot be captured in a graph: its hyperparameters "
                                "would be baked into the graph; use Adam or AdamW, or step it outside the graph")
@@ -124,7 +131,7 @@ class Optimizer:
         return buf[:data.size].reshape(data.shape)
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """`{"state": {index: {...}}, "param_groups": [...]}` with host copies of the arrays."""
         index = {}
         groups = []
@@ -142,14 +149,14 @@ class Optimizer:
                                       for k, v in values.items()}
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore hyperparameters and per-parameter state; arrays go to each parameter's
         device and dtype. Everything is checked first (ValueError or TypeError naming what is
         wrong: group count or sizes, hyperparameter types and ranges, state names, shapes and
         dtypes); a failed load changes nothing."""
         self.prepare_load_state_dict(state_dict)()
 
-    def prepare_load_state_dict(self, state_dict):
+    def prepare_load_state_dict(self, state_dict: dict[str, Any]) -> Callable[[], None]:
         """Check `state_dict` as load_state_dict does, changing nothing; returns a function
         that loads it (it cannot fail)."""
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
@@ -253,11 +260,15 @@ class SGD(Optimizer):
 
         g = grad + weight_decay * p;  b = momentum * b + (1 - dampening) * g  (b = g at first);
         g = g + momentum * b if nesterov else b;  p -= lr * g
+
+    params: parameters or parameter groups (see Optimizer). ValueError for nesterov=True
+    without momentum > 0 and dampening == 0.
     """
 
     state_kinds = {"momentum_buffer": "array"}
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
@@ -307,13 +318,17 @@ class Adam(Optimizer):
         g = grad + weight_decay * p                  (L2 penalty, coupled: Adam only)
         m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
         p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    params: parameters or parameter groups (see Optimizer); betas: (beta1, beta2), each in
+    [0, 1). Its step can be captured in a CUDA graph (npformer.cuda.graphed).
     """
 
     decoupled = False
     capturable = True  # under graph capture the step-dependent scalars live in device memory
     state_kinds = {"step": "count", "exp_avg": "array", "exp_avg_sq": "array"}
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         betas = tuple(betas) if isinstance(betas, (list, tuple)) else betas     # else refused by _check_group
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
@@ -442,9 +457,11 @@ def adam_update_cpu(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=N
 
 class AdamW(Adam):
     """Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW:
-    `p *= 1 - lr * weight_decay`, then the Adam step on the raw gradient."""
+    `p *= 1 - lr * weight_decay`, then the Adam step on the raw gradient. weight_decay defaults
+    to 1e-2 (torch's); everything else as Adam."""
 
     decoupled = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
