@@ -1,12 +1,15 @@
 """Pieces shared by the models: argument checks, token ids, padding masks, positions, the encoder trunk."""
+from __future__ import annotations
+
 from autograd import Tensor, backend
+from autograd.backend import Array, ArrayLike
 from autograd.checks import as_array, check_int, check_optional_int, check_real
 
 from .. import nn
 from ..functional._common import check_index_range
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
-from ..nn.transformer import check_d_model_nhead
+from ..nn.config import TransformerConfig, check_d_model_nhead
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -127,16 +130,18 @@ def valid_positions(mask, ids, dtype):
     return (~mask).astype(dtype)
 
 
-def layer_activation(activation):
-    """The encoder layer's `activation` argument for a model's activation name: "relu" and
-    "gelu" by name (torch.nn's choices), "gelu_tanh" (GPT-2's "gelu_new") as nn.GELU("tanh")."""
-    return nn.GELU(approximate="tanh") if activation == "gelu_tanh" else activation
-
-
-def dropout_rate(config, name):
-    """config[name] (checked by check_config), or config["dropout"] when it is None (the default)."""
-    value = config.get(name)
-    return config["dropout"] if value is None else value
+def transformer_config(config, owner, attention, **layers):
+    """The TransformerConfig of a model: its config dict's architecture settings (checked by
+    check_config), `layers` (num_encoder_layers / num_decoder_layers) and `attention`, the
+    model's keyword arguments memory_efficient, block_size and attention_backend (how attention
+    runs, not stored in the model's config: like Hugging Face's attn_implementation)."""
+    c = config
+    return TransformerConfig.from_arguments(
+        None, owner, d_model=c["d_model"], nhead=c["nhead"], dim_feedforward=c["dim_feedforward"],
+        dropout=c["dropout"], attention_dropout=c.get("attention_dropout"),
+        activation_dropout=c.get("activation_dropout"), activation=c["activation"],
+        layer_norm_eps=c["layer_norm_eps"], norm_first=c["norm_first"], rotary=c["positional"] == "rope",
+        **layers, **attention)
 
 
 def _type_vocab_size(config, owner):
@@ -159,9 +164,10 @@ class EncoderOnlyModel(nn.Module):
     Init: N(0, 0.02^2) on every parameter matrix, other biases zero, LayerNorm 1/0,
     the padding row zero."""
 
-    def _build_trunk(self, config):
+    def _build_trunk(self, config, attention):
         """Build the trunk from `config` (the model's config dict), whose numbers are checked
-        and made plain ints and floats in place first (check_config)."""
+        and made plain ints and floats in place first (check_config), and `attention` (the
+        model's memory_efficient, block_size, attention_backend: see transformer_config)."""
         owner = type(self).__name__
         config.update(check_config(config, owner))
         c = config
@@ -180,11 +186,9 @@ class EncoderOnlyModel(nn.Module):
         if c.get("embed_norm", False):
             self.embed_norm = nn.LayerNorm(d_model, eps=eps)
         self.dropout = nn.Dropout(c["dropout"])
-        layer = nn.TransformerEncoderLayer(d_model, c["nhead"], c["dim_feedforward"], c["dropout"],
-                                           layer_activation(c["activation"]), eps, norm_first=c["norm_first"],
-                                           rotary=c["positional"] == "rope")
-        layer.self_attn.dropout = dropout_rate(c, "attention_dropout")
-        layer.dropout = nn.Dropout(dropout_rate(c, "activation_dropout"))
+        self.transformer_config = transformer_config(c, owner, attention, num_encoder_layers=c["num_layers"],
+                                                     num_decoder_layers=0)
+        layer = nn.TransformerEncoderLayer(config=self.transformer_config)
         final_norm = nn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
         self.encoder = nn.TransformerEncoder(layer, c["num_layers"], final_norm)
 
@@ -242,7 +246,8 @@ class EncoderOnlyModel(nn.Module):
                              f"got {types.shape}")
         return types
 
-    def embed(self, ids, token_type_ids=None, offset=0, position_ids=None):
+    def embed(self, ids: Array, token_type_ids: ArrayLike | None = None, offset: int = 0,
+              position_ids: ArrayLike | None = None) -> Tensor:
         """ids (B, T) integer array -> (B, T, d_model): dropout of word (+ token type) + position
         embeddings (+ LayerNorm). Positions offset .. offset + T - 1, or position_ids (B, T)
         (per row, e.g. after left padding); with positional="rope" the positions are applied in
@@ -259,7 +264,8 @@ class EncoderOnlyModel(nn.Module):
             x = embed_norm(x)
         return self.dropout(x)
 
-    def hidden_states(self, ids, key_padding_mask=None, is_causal=False, token_type_ids=None, position_ids=None):
+    def hidden_states(self, ids: Array, key_padding_mask: ArrayLike | None = None, is_causal: bool = False,
+                      token_type_ids: ArrayLike | None = None, position_ids: ArrayLike | None = None) -> Tensor:
         """ids (B, T) integer array -> (B, T, d_model): `embed`, then the encoder (+ its final LayerNorm)."""
         x = self.embed(ids, token_type_ids, position_ids=position_ids)
         return self.encoder(x, src_key_padding_mask=key_padding_mask, is_causal=is_causal)

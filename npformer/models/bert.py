@@ -15,9 +15,9 @@ class PooledEncoder(EncoderOnlyModel):
     """The trunk (see EncoderOnlyModel) plus pooling: what BidirectionalEncoder and
     EncoderClassifier share."""
 
-    def _build_pooled_encoder(self, config):
+    def _build_pooled_encoder(self, config, attention):
         check_choice(config["pooling"], ("mean", "first"), "pooling", type(self).__name__)
-        self._build_trunk(config)
+        self._build_trunk(config, attention)
         self.pooling = config["pooling"]
         if config["pooler"]:
             self.pooler = nn.Linear(config["d_model"], config["d_model"])
@@ -68,7 +68,9 @@ class BidirectionalEncoder(PooledEncoder):
     positional: "learned" (default), "sinusoidal", "rope" or "none"; activation: "gelu"
     (default, exact), "gelu_tanh" or "relu"; attention_dropout and activation_dropout default
     to `dropout`. Every argument is checked (TypeError / ValueError naming it); `config` holds
-    them all, and `state_shapes(config)` gives the state_dict's shapes without building.
+    them all but the attention path (memory_efficient, block_size, attention_backend: how
+    attention runs, as in nn.TransformerConfig, shared by every layer in `transformer_config`),
+    and `state_shapes(config)` gives the state_dict's shapes without building.
     """
 
     def __init__(self, vocab_size: int, d_model: int = 512, nhead: int = 8, num_layers: int = 6,
@@ -76,7 +78,8 @@ class BidirectionalEncoder(PooledEncoder):
                  activation: str = "gelu", pooling: str = "mean", positional: str = "learned",
                  pad_idx: int | None = None, layer_norm_eps: float = 1e-5, *, attention_dropout: float | None = None,
                  activation_dropout: float | None = None, type_vocab_size: int = 0, embed_norm: bool = False,
-                 final_norm: bool = True, pooler: bool = False):
+                 final_norm: bool = True, pooler: bool = False, memory_efficient: bool = False, block_size: int = 512,
+                 attention_backend: str | None = None):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, d_model=d_model, nhead=nhead, num_layers=num_layers,
                            dim_feedforward=dim_feedforward, dropout=dropout, max_len=max_len,
@@ -84,7 +87,8 @@ class BidirectionalEncoder(PooledEncoder):
                            pad_idx=pad_idx, layer_norm_eps=layer_norm_eps, attention_dropout=attention_dropout,
                            activation_dropout=activation_dropout, type_vocab_size=type_vocab_size,
                            embed_norm=bool(embed_norm), final_norm=bool(final_norm), pooler=bool(pooler))
-        self._build_pooled_encoder(self.config)
+        self._build_pooled_encoder(self.config, dict(memory_efficient=memory_efficient, block_size=block_size,
+                                                     attention_backend=attention_backend))
         self._reset_parameters()
 
     def forward(self, input_ids: ArrayLike, key_padding_mask: ArrayLike | None = None,
@@ -100,6 +104,7 @@ class EncoderClassifier(PooledEncoder):
     BidirectionalEncoder) and classifier_dropout = its hidden dropout.
     Equivalent torch composition: npformer.interop.to_torch(model). Train it with
     `F.cross_entropy(model(ids), labels)` (or `training.classification_loss()`).
+    memory_efficient, block_size, attention_backend: how attention runs (see BidirectionalEncoder).
     """
 
     def __init__(self, vocab_size: int, num_classes: int, d_model: int = 512, nhead: int = 8, num_layers: int = 6,
@@ -107,8 +112,8 @@ class EncoderClassifier(PooledEncoder):
                  activation: str = "gelu", pooling: str = "mean", positional: str = "learned",
                  pad_idx: int | None = None, layer_norm_eps: float = 1e-5, *, attention_dropout: float | None = None,
                  activation_dropout: float | None = None, type_vocab_size: int = 0, embed_norm: bool = False,
-                 final_norm: bool = True, pooler: bool = False,
-                 classifier_dropout: float = 0.0):
+                 final_norm: bool = True, pooler: bool = False, classifier_dropout: float = 0.0,
+                 memory_efficient: bool = False, block_size: int = 512, attention_backend: str | None = None):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, num_classes=num_classes, d_model=d_model, nhead=nhead,
                            num_layers=num_layers, dim_feedforward=dim_feedforward, dropout=dropout,
@@ -117,7 +122,8 @@ class EncoderClassifier(PooledEncoder):
                            attention_dropout=attention_dropout, activation_dropout=activation_dropout,
                            type_vocab_size=type_vocab_size, embed_norm=bool(embed_norm),
                            final_norm=bool(final_norm), pooler=bool(pooler), classifier_dropout=classifier_dropout)
-        self._build_pooled_encoder(self.config)
+        self._build_pooled_encoder(self.config, dict(memory_efficient=memory_efficient, block_size=block_size,
+                                                     attention_backend=attention_backend))
         self.head_dropout = nn.Dropout(classifier_dropout)
         self.classifier = nn.Linear(d_model, num_classes)
         self._reset_parameters()

@@ -1,6 +1,11 @@
 """A decoder-only (GPT-style) causal language model built from the encoder layers plus a causal mask."""
+from __future__ import annotations
+
+from typing import Any
+
 import npformer.functional as F
-from autograd import backend
+from autograd import Tensor, backend
+from autograd.backend import Array, ArrayLike
 
 from .. import nn
 from ._common import EncoderOnlyModel, padding_mask_from_ids, token_ids, valid_positions
@@ -19,25 +24,33 @@ class CausalLM(EncoderOnlyModel):
     Equivalent torch composition: npformer.interop.to_torch(model).
     Generation: npformer.decoding.generate(model, ids, max_new_tokens, ...) on the KV cache of
     init_cache() / decode_step() (the seq2seq decoder's machinery: nn.DecoderCache).
+    How attention runs (not stored in `config`, like Hugging Face's attn_implementation):
+    memory_efficient, block_size and attention_backend, as in nn.TransformerConfig; every layer
+    shares `transformer_config`. Every argument is checked (TypeError / ValueError naming it);
+    `config` holds the others: CausalLM(**model.config) rebuilds the model.
     """
 
-    def __init__(self, vocab_size, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048, dropout=0.1,
-                 max_len=1024, norm_first=True, activation="gelu", positional="learned", tie_weights=False,
-                 pad_idx=None, layer_norm_eps=1e-5, *, attention_dropout=None, activation_dropout=None):
+    def __init__(self, vocab_size: int, d_model: int = 512, nhead: int = 8, num_layers: int = 6,
+                 dim_feedforward: int = 2048, dropout: float = 0.1, max_len: int = 1024, norm_first: bool = True,
+                 activation: str = "gelu", positional: str = "learned", tie_weights: bool = False,
+                 pad_idx: int | None = None, layer_norm_eps: float = 1e-5, *, attention_dropout: float | None = None,
+                 activation_dropout: float | None = None, memory_efficient: bool = False, block_size: int = 512,
+                 attention_backend: str | None = None):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, d_model=d_model, nhead=nhead, num_layers=num_layers,
                            dim_feedforward=dim_feedforward, dropout=dropout, max_len=max_len,
                            norm_first=norm_first, activation=activation, positional=positional,
                            tie_weights=bool(tie_weights), pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
                            attention_dropout=attention_dropout, activation_dropout=activation_dropout)
-        self._build_trunk(self.config)
+        self._build_trunk(self.config, dict(memory_efficient=memory_efficient, block_size=block_size,
+                                            attention_backend=attention_backend))
         self.tie_weights = bool(tie_weights)
         if not self.tie_weights:
             self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self._reset_parameters()
 
     @classmethod
-    def state_shapes(cls, config, persistent=True):
+    def state_shapes(cls, config: dict[str, Any], persistent: bool = True) -> dict[str, tuple[int, ...]]:
         """{name: shape} of `CausalLM(**config).state_dict()` from the config alone (config holds
         every constructor argument), building nothing; persistent=False adds the non-persistent
         buffers (named as in named_buffers)."""
@@ -46,7 +59,8 @@ class CausalLM(EncoderOnlyModel):
             shapes["lm_head.weight"] = shapes["tok_embed.weight"]
         return shapes
 
-    def forward(self, input_ids, key_padding_mask=None, position_ids=None):
+    def forward(self, input_ids: ArrayLike, key_padding_mask: ArrayLike | None = None,
+                position_ids: ArrayLike | None = None) -> Tensor:
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
         pad_idx when not given); position_ids (B, T) ints (default 0 .. T-1 in every row; e.g.
         cumsum(~key_padding_mask, 1) - 1 for left-padded rows, as Hugging Face's GPT-2 takes
@@ -55,16 +69,17 @@ class CausalLM(EncoderOnlyModel):
         mask = padding_mask_from_ids(ids, self.pad_idx, key_padding_mask)
         return self.project(self.hidden_states(ids, mask, is_causal=True, position_ids=position_ids))
 
-    def project(self, hidden):
+    def project(self, hidden: Tensor) -> Tensor:
         """Final hidden states (..., d_model) -> logits (..., vocab_size) (lm_head, or the tied embedding)."""
         return F.linear(hidden, self.tok_embed.weight if self.tie_weights else self.lm_head.weight)
 
     # -- cached decoding (see npformer.decoding.generate) ------------------------------------------
-    def init_cache(self):
+    def init_cache(self) -> nn.DecoderCache:
         """An empty `nn.DecoderCache`: every layer's self-attention keys/values, filled by `decode_step`."""
         return self.encoder.init_cache()
 
-    def decode_step(self, input_ids, cache, key_padding_mask=None):
+    def decode_step(self, input_ids: ArrayLike, cache: nn.DecoderCache,
+                    key_padding_mask: ArrayLike | None = None) -> Tensor:
         """input_ids (B, L): the new tokens (the whole prompt at the first call, then the newest
         token of each row) -> next-token logits (B, vocab_size) after the last of them.
 
@@ -79,7 +94,7 @@ class CausalLM(EncoderOnlyModel):
             raise TypeError(f"{owner}: cache must come from init_cache, got {type(cache).__name__}")
         ids = token_ids(input_ids, self.tok_embed, owner, "input_ids")
         mask = padding_mask_from_ids(ids, self.pad_idx, key_padding_mask)
-        if mask is None and cache.key_padding is None:
+        if mask is None and cache.attendable is None:
             x = self.embed(ids, offset=cache.length)                                 # positions t .. t+L-1
         else:
             x = self.embed(ids, position_ids=self._next_positions(ids, mask, cache))
@@ -91,5 +106,5 @@ class CausalLM(EncoderOnlyModel):
         tokens and counts only real new ones (padding gets its row's next position, unused)."""
         xp = backend.get_array_module(ids)
         real = valid_positions(mask, ids, "int64")                                  # (B, L) 1 = token
-        seen = cache.length if cache.key_padding is None else (~cache.key_padding).sum(axis=1, keepdims=True)
+        seen = cache.length if cache.attendable is None else cache.attendable.sum(axis=1, keepdims=True)
         return xp.maximum(seen + xp.cumsum(real, axis=1) - 1, 0)

@@ -1,15 +1,20 @@
 """The paper's encoder-decoder translation model: embeddings, positions, nn.Transformer, generator."""
+from __future__ import annotations
+
 import math
+from typing import Any
 
 import npformer.functional as F
+from autograd import Tensor
+from autograd.backend import ArrayLike
 from autograd.checks import check_bool
 
 from .. import nn
 from ..nn import init
+from ..nn.config import check_d_model_nhead
 from ..nn.layers import as_ids
-from ..nn.transformer import check_d_model_nhead
 from ._common import (POSITIONAL, additive_positions, check_choice, check_config, dims, padding_mask_from_ids,
-                      stack_shapes, token_ids)
+                      stack_shapes, token_ids, transformer_config)
 
 
 def sharing(tie_weights, share_embeddings, owner):
@@ -55,12 +60,18 @@ class Seq2SeqTransformer(nn.Module):
 
     Cached decoding: cache = init_cache(memory, memory_key_padding_mask) once, then
     logits = decode_step(tokens, cache) per new token (see the methods).
+    How attention runs (not stored in `config`, like Hugging Face's attn_implementation):
+    memory_efficient, block_size and attention_backend, as in nn.TransformerConfig; the
+    nn.Transformer and every layer share `transformer_config`. Raises TypeError / ValueError
+    naming a bad argument.
     """
 
-    def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, nhead=8, num_encoder_layers=6,
-                 num_decoder_layers=6, dim_feedforward=2048, dropout=0.1, max_len=5000, activation="relu",
-                 norm_first=False, pad_idx=None, tie_weights=None, positional="sinusoidal", layer_norm_eps=1e-5,
-                 *, share_embeddings=False):
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 512, nhead: int = 8,
+                 num_encoder_layers: int = 6, num_decoder_layers: int = 6, dim_feedforward: int = 2048,
+                 dropout: float = 0.1, max_len: int = 5000, activation: str = "relu", norm_first: bool = False,
+                 pad_idx: int | None = None, tie_weights: bool | str | None = None, positional: str = "sinusoidal",
+                 layer_norm_eps: float = 1e-5, *, share_embeddings: bool = False, memory_efficient: bool = False,
+                 block_size: int = 512, attention_backend: str | None = None):
         super().__init__()
         owner = "Seq2SeqTransformer"
         check_choice(positional, POSITIONAL, "positional", owner)
@@ -93,16 +104,18 @@ class Seq2SeqTransformer(nn.Module):
         elif positional == "sinusoidal":
             self.positional = additive_positions(positional, d_model, max_len)
         self.dropout = nn.Dropout(dropout)
-        self.transformer = nn.Transformer(
-            d_model, nhead, num_encoder_layers, num_decoder_layers, dim_feedforward, dropout, activation,
-            layer_norm_eps=layer_norm_eps, norm_first=norm_first, rotary=positional == "rope")
+        c = self.config
+        self.transformer_config = transformer_config(
+            c, owner, dict(memory_efficient=memory_efficient, block_size=block_size, attention_backend=attention_backend),
+            num_encoder_layers=c["num_encoder_layers"], num_decoder_layers=c["num_decoder_layers"])
+        self.transformer = nn.Transformer(config=self.transformer_config)
         self.generator = nn.Linear(d_model, tgt_vocab_size)
         if tie_weights:
             self.generator.weight = None  # logits use tgt_embed.weight
         self._reset_parameters()
 
     @classmethod
-    def state_shapes(cls, config, persistent=True):
+    def state_shapes(cls, config: dict[str, Any], persistent: bool = True) -> dict[str, tuple[int, ...]]:
         """{name: shape} of `Seq2SeqTransformer(**config).state_dict()` from the config alone
         (config holds every constructor argument), building nothing; persistent=False adds the
         non-persistent buffers (named as in named_buffers)."""
@@ -148,7 +161,7 @@ class Seq2SeqTransformer(nn.Module):
             x = positions(x, offset)
         return self.dropout(x)
 
-    def project(self, hidden):
+    def project(self, hidden: Tensor) -> Tensor:
         """Decoder output (..., d) -> logits (..., tgt_vocab_size)."""
         weight = self.tgt_embed.weight if self.tie_weights else self.generator.weight
         return F.linear(hidden, weight, self.generator.bias)
@@ -158,9 +171,11 @@ class Seq2SeqTransformer(nn.Module):
         max_len = getattr(self._positions(side), "max_len", None)
         return token_ids(ids, getattr(self, f"{side}_embed"), type(self).__name__, side, max_len)
 
-    def forward(self, src, tgt, src_key_padding_mask=None, tgt_key_padding_mask=None):
-        """src (B, S), tgt (B, T) integer ids; masks (B, S), (B, T) bool with True = padding
-        (derived from pad_idx when not given) -> logits (B, T, tgt_vocab_size)."""
+    def forward(self, src: ArrayLike, tgt: ArrayLike, src_key_padding_mask: ArrayLike | None = None,
+                tgt_key_padding_mask: ArrayLike | None = None) -> Tensor:
+        """src (B, S), tgt (B, T) integer ids -> next-token logits (B, T, tgt_vocab_size): the
+        encoder over src, the causal decoder over tgt and the memory, the generator. Masks (B, S),
+        (B, T) bool with True = padding (derived from pad_idx when not given)."""
         src, tgt = self._ids(src, "src"), self._ids(tgt, "tgt")
         if src.shape[0] != tgt.shape[0]:
             raise ValueError(f"Seq2SeqTransformer: src and tgt batch sizes differ: {src.shape[0]} vs {tgt.shape[0]}")
@@ -169,13 +184,14 @@ class Seq2SeqTransformer(nn.Module):
         return self.decode(tgt, memory, memory_key_padding_mask=src_key_padding_mask,
                            tgt_key_padding_mask=tgt_key_padding_mask)
 
-    def encode(self, src, src_key_padding_mask=None):
+    def encode(self, src: ArrayLike, src_key_padding_mask: ArrayLike | None = None) -> Tensor:
         """src ids (B, S) -> memory (B, S, d_model) (after the encoder's final norm)."""
         src = self._ids(src, "src")
         src_key_padding_mask = padding_mask_from_ids(src, self.pad_idx, src_key_padding_mask)
         return self.transformer.encoder(self._embed(src, "src"), src_key_padding_mask=src_key_padding_mask)
 
-    def decode(self, tgt, memory, memory_key_padding_mask=None, tgt_key_padding_mask=None):
+    def decode(self, tgt: ArrayLike, memory: Tensor, memory_key_padding_mask: ArrayLike | None = None,
+               tgt_key_padding_mask: ArrayLike | None = None) -> Tensor:
         """tgt ids (B, T), memory (B, S, d) -> logits (B, T, V), causal. The memory padding mask
         (B, S) cannot be derived here: pass the source padding mask."""
         tgt = self._ids(tgt, "tgt")
@@ -185,12 +201,12 @@ class Seq2SeqTransformer(nn.Module):
         return self.project(hidden)
 
     # -- cached step-wise decoding ------------------------------------------------------------------
-    def init_cache(self, memory, memory_key_padding_mask=None):
+    def init_cache(self, memory: Tensor, memory_key_padding_mask: ArrayLike | None = None) -> nn.DecoderCache:
         """An `nn.DecoderCache` for `memory` (B, S, d): every decoder layer's cross-attention keys
         and values are projected here, once. memory_key_padding_mask (B, S), True = padding."""
         return self.transformer.decoder.init_cache(memory, memory_key_padding_mask)
 
-    def decode_step(self, tokens, cache):
+    def decode_step(self, tokens: ArrayLike, cache: nn.DecoderCache) -> Tensor:
         """tokens (B,) ints: the newest target token of each row (the first call gets BOS) ->
         logits (B, tgt_vocab_size) for the next token. Appends this position's self-attention
         keys/values to `cache`; equals decode(prefix, memory)[:, -1] on the whole prefix."""

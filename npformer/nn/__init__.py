@@ -1,6 +1,7 @@
 """npformer.nn: modules named and behaving like torch.nn (batch-first), built on npformer.functional."""
 from . import init
 from .attention import MultiheadAttention
+from .config import TransformerConfig
 from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU
 from .module import Module, ModuleList, Parameter, Sequential
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
@@ -11,5 +12,5 @@ from .transformer import (DecoderCache, Transformer, TransformerDecoder, Transfo
 __all__ = ["init", "Module", "ModuleList", "Parameter", "Sequential", "Linear", "Embedding", "LayerNorm",
            "Dropout", "ReLU", "GELU", "Identity", "MultiheadAttention", "SinusoidalPositionalEncoding",
            "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer", "DecoderCache", "record_attention",
+           "TransformerEncoder", "TransformerDecoder", "Transformer", "TransformerConfig", "DecoderCache", "record_attention",
            "AttentionRecorder", "AttentionRecord"]

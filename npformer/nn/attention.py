@@ -1,19 +1,42 @@
-"""MultiheadAttention with torch's packed weights and torch.nn's mask convention.
+"""MultiheadAttention, and the one mask convention inside npformer.nn.
 
-torch.nn masks (bool True = may NOT attend, float = added to the scores) are converted once
-into the convention of F.scaled_dot_product_attention (bool True = takes part, float =
-added), broadcastable to (B, H, T, S), and the heads go through one SDPA call.
+Masks, at the public entry points (torch.nn's convention; MultiheadAttention.forward, the
+Transformer layers' and stacks' forward, the models' forward and decode_step, decoding):
+- attn_mask (T, S) or (B*H, T, S): bool True = query i may NOT attend to key j, or a float
+  mask added to the scores (-inf hides);
+- key_padding_mask (B, S): bool True = key j is padding (no query attends to it), or float added;
+- is_causal: key j > query i hidden.
+Inside the library, one convention only: F.scaled_dot_product_attention's, carried as an
+`AttentionMask(mask, is_causal)`: mask None, or bool True = takes part, or float added,
+broadcastable to (B, H, T, S); is_causal True when the causal mask is the only one (SDPA applies
+it without materialising a mask). `attention_mask` converts the public masks to it, once, at
+the entry point; every layer below receives the converted mask (`forward_masked`, `attend`),
+and the KV cache keeps its keys' padding in it too (`DecoderCache.attendable`, True = takes part).
 """
+from __future__ import annotations
+
 import math
+from typing import NamedTuple
 
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
-from autograd.checks import as_array, check_int, check_real
+from autograd.backend import Array, ArrayLike, DType
+from autograd.checks import as_array, check_int
 
 from . import init
+from .config import TransformerConfig
 from .layers import Linear, new_parameter
 from .module import Module
 from .positional import RotaryEmbedding
+
+
+class AttentionMask(NamedTuple):
+    """A mask in F.scaled_dot_product_attention's convention (see the module docstring): `mask`
+    None, bool (True = takes part) or float (added), broadcastable to (B, H, T, S); `is_causal`:
+    keys j > query i hidden as well."""
+
+    mask: Array | None = None
+    is_causal: bool = False
 
 
 def _mask_array(mask, name, like):
@@ -30,17 +53,19 @@ def _mask_array(mask, name, like):
     return backend.to_device(mask, backend.device_of(like))
 
 
-def attention_mask(attn_mask, key_padding_mask, batch, heads, tgt_len, src_len, like, is_causal=False,
-                   names=("attn_mask", "key_padding_mask")):
-    """Merge torch.nn-convention masks into one SDPA-convention mask.
+def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | None, like: Array,
+                   shape: tuple[int, int, int, int], is_causal: bool = False,
+                   names: tuple[str, str] = ("attn_mask", "key_padding_mask")) -> AttentionMask:
+    """torch.nn-convention masks converted, once, to one AttentionMask (SDPA convention).
 
     attn_mask: (T, S) or (B*H, T, S), bool True = may not attend, or float added.
     key_padding_mask: (B, S), bool True = padding, or float added.
-    is_causal: used only when attn_mask is None: key j > query i may not attend.
-    Returns (mask, is_causal): mask None, or a bool (True = takes part) or float (added) array
-    broadcastable to (B, H, T, S); is_causal True only when no mask is needed besides causality
-    (SDPA applies it without materialising a mask).
+    shape: (B, H, T, S); like: an array of the inputs (device and floating dtype); names: the
+    two masks' argument names in errors. is_causal: used only when attn_mask is None: key
+    j > query i may not attend. The result's is_causal is True only when no mask is needed
+    besides causality (SDPA applies it without materialising a mask).
     """
+    batch, heads, tgt_len, src_len = shape
     attn_name, padding_name = names
     parts = []
     if attn_mask is not None:
@@ -58,7 +83,7 @@ def attention_mask(attn_mask, key_padding_mask, batch, heads, tgt_len, src_len, 
             raise ValueError(f"{padding_name} must have shape (batch, S) = {(batch, src_len)}, got {mask.shape}")
         parts.append(mask[:, None, None, :])                                   # (B, 1, 1, S)
     if not parts:
-        return None, bool(is_causal)
+        return AttentionMask(None, bool(is_causal))
     if is_causal and attn_mask is None:
         xp = backend.get_array_module(parts[0])
         parts.append(xp.triu(xp.ones((tgt_len, src_len), dtype=bool), 1)[None, None])  # (1, 1, T, S)
@@ -66,14 +91,17 @@ def attention_mask(attn_mask, key_padding_mask, batch, heads, tgt_len, src_len, 
         blocked = parts[0]
         for p in parts[1:]:
             blocked = blocked | p
-        return ~blocked, False
+        return AttentionMask(~blocked, False)
     xp = backend.get_array_module(parts[0])
     added = None
     for p in parts:
         if p.dtype == bool:  # True = blocked -> -inf, like torch's _canonical_mask
             p = xp.where(p, -math.inf, 0.0).astype(like.dtype)
         added = p if added is None else added + p
-    return added, False
+    return AttentionMask(added, False)
+
+
+_NAMES = {"d_model": "embed_dim", "nhead": "num_heads", "attention_backend": "backend"}  # torch's argument names
 
 
 class MultiheadAttention(Module):
@@ -101,32 +129,34 @@ class MultiheadAttention(Module):
     whenever no attention weights are asked for (need_weights=False, as inside the Transformer
     layers): None (flash attention on a GPU where it applies, else naive), "naive",
     "memory_efficient" (blocks of `block_size`; also `memory_efficient=True`) or "flash".
+
+    `config=TransformerConfig(...)` instead of the settings (as the Transformer layers build it:
+    d_model, nhead, attention_dropout (else dropout), bias, rotary, the attention path, device,
+    dtype); `self.config` holds it either way. Masks: see the module docstring. Raises
+    TypeError / ValueError naming a bad argument.
     """
 
-    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
-                 kdim=None, vdim=None, batch_first=True, device=None, dtype=None, rotary=False,
-                 rotary_base=10000.0, memory_efficient=False, block_size=512, backend=None):
+    def __init__(self, embed_dim: int | None = None, num_heads: int | None = None, dropout: float = 0.0,
+                 bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
+                 vdim: int | None = None, batch_first: bool = True, device: str | None = None,
+                 dtype: DType | None = None, rotary: bool = False, rotary_base: float = 10000.0,
+                 memory_efficient: bool = False, block_size: int = 512, backend: str | None = None, *,
+                 config: TransformerConfig | None = None):
         super().__init__()
-        embed_dim = check_int(embed_dim, "embed_dim", "MultiheadAttention", at_least=1)
-        num_heads = check_int(num_heads, "num_heads", "MultiheadAttention", at_least=1)
+        config = TransformerConfig.from_arguments(
+            config, "MultiheadAttention", MultiheadAttention.__init__, _NAMES, d_model=embed_dim, nhead=num_heads,
+            dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype, rotary=rotary,
+            rotary_base=rotary_base, memory_efficient=memory_efficient, block_size=block_size,
+            attention_backend=backend)
+        self.config = config
+        embed_dim, device, dtype = config.d_model, config.device, config.dtype
+        self.embed_dim, self.num_heads = embed_dim, config.nhead
+        self.head_dim = embed_dim // config.nhead
         self.kdim = embed_dim if kdim is None else check_int(kdim, "kdim", "MultiheadAttention", at_least=1)
         self.vdim = embed_dim if vdim is None else check_int(vdim, "vdim", "MultiheadAttention", at_least=1)
-        if embed_dim % num_heads:
-            raise ValueError(f"MultiheadAttention: embed_dim={embed_dim} must be divisible by "
-                             f"num_heads={num_heads} (head_dim = embed_dim / num_heads)")
-        if batch_first is not True:
-            raise ValueError("MultiheadAttention: npformer is batch-first only; pass batch_first=True "
-                             "and inputs shaped (batch, seq, feature)")
-        self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.head_dim = embed_dim // num_heads
-        self.dropout = check_real(dropout, "dropout", "MultiheadAttention", at_least=0, at_most=1)
+        self.dropout = config.attention_dropout_p   # torch's attribute; may be changed after construction
+        self.backend = config.attention_backend     # likewise (F.scaled_dot_product_attention's backend)
         self.batch_first = True
-        self.memory_efficient = bool(memory_efficient)
-        self.block_size = check_int(block_size, "block_size", "MultiheadAttention", at_least=1)
-        if backend is not None and backend not in F.attention.BACKENDS:
-            raise ValueError(f"MultiheadAttention: backend must be None or one of {F.attention.BACKENDS}, "
-                             f"got {backend!r}")
-        self.backend = backend
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         if self._qkv_same_embed_dim:
             self.in_proj_weight = new_parameter((3 * embed_dim, embed_dim), device, dtype)
@@ -134,7 +164,7 @@ class MultiheadAttention(Module):
             self.register_parameter("in_proj_weight", None)
             for name, features in (("q", embed_dim), ("k", self.kdim), ("v", self.vdim)):
                 setattr(self, f"{name}_proj_weight", new_parameter((embed_dim, features), device, dtype))
-        if bias:
+        if config.bias:
             self.in_proj_bias = new_parameter((3 * embed_dim,), device, dtype)
         else:
             self.register_parameter("in_proj_bias", None)
@@ -144,8 +174,8 @@ class MultiheadAttention(Module):
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = bool(add_zero_attn)
-        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_base) if rotary else None
+        self.out_proj = Linear(embed_dim, embed_dim, bias=config.bias, device=device, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.rotary_base) if config.rotary else None
         self._reset_parameters()
 
     def _reset_parameters(self):
@@ -163,7 +193,8 @@ class MultiheadAttention(Module):
             init.xavier_normal_(self.bias_v)
 
     @property
-    def rotary(self):
+    def rotary(self) -> bool:
+        """Whether RoPE rotates q and k (config.rotary)."""
         return self.rotary_emb is not None
 
     # -- pieces, shared by forward and the cached decoding step --------------------------
@@ -181,8 +212,10 @@ class MultiheadAttention(Module):
             return self.in_proj_weight[rows], b
         return getattr(self, "qkv"[first] + "_proj_weight"), b
 
-    def project_qkv(self, query, key, value):
-        """Query, key, value projected and split into heads, each (B, H, L, hd)."""
+    def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """query (B, T, E), key (B, S, kdim), value (B, S, vdim) projected and split into heads:
+        q (B, H, T, hd), k and v (B, H, S, hd). Self-attention (query is key is value) uses one
+        packed GEMM."""
         if query is key and key is value and self.in_proj_weight is not None:  # one packed GEMM (B, T, 3E)
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)              # (B, T, 3E)
             return F.split_heads(qkv, self.num_heads, chunks=3)                        # 3 x (B, H, T, hd)
@@ -190,23 +223,24 @@ class MultiheadAttention(Module):
         k, v = self.project_kv(key, value)
         return q, k, v
 
-    def project_q(self, query):
+    def project_q(self, query: Tensor) -> Tensor:
+        """query (B, T, E) -> query heads (B, H, T, hd)."""
         return self._heads(F.linear(query, *self._weights(0, 0)))                     # (B, H, T, hd)
 
-    def project_kv(self, key, value):
-        """Key and value heads (B, H, S, hd); one GEMM when key is value (cross-attention)."""
+    def project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """key (B, S, kdim), value (B, S, vdim) -> key and value heads (B, H, S, hd); one GEMM
+        when key is value (cross-attention)."""
         if key is value and self.in_proj_weight is not None:
             kv = F.linear(key, *self._weights(1, 2))                                   # (B, S, 2E)
             return F.split_heads(kv, self.num_heads, chunks=2)                         # 2 x (B, H, S, hd)
         return (self._heads(F.linear(key, *self._weights(1, 1))),
                 self._heads(F.linear(value, *self._weights(2, 2))))
 
-    def append_keys(self, k, v, mask, is_causal, tgt_len):
+    def append_keys(self, k: Tensor, v: Tensor, mask: AttentionMask, tgt_len: int) -> tuple[Tensor, Tensor, AttentionMask]:
         """torch's add_bias_kv and add_zero_attn on heads k, v (B, H, S, hd): bias_k / bias_v
-        (split into heads), then zero vectors, appended as keys S (and S + 1). The SDPA-convention
-        mask (None, bool True = takes part, or float added) gains a column per appended key that
-        every query may attend to; a causal mask (is_causal) is materialised over the first S keys
-        of the tgt_len queries. -> (k, v, mask, is_causal)."""
+        (split into heads), then zero vectors, appended as keys S (and S + 1) -> (k, v, mask) with
+        (B, H, S + n, hd). The mask gains a column per appended key that every query may attend
+        to; a causal mask (mask.is_causal) is materialised over the first S keys of the tgt_len queries."""
         B, H, S, hd = k.shape
         extra_k, extra_v = [], []
         if self.bias_k is not None:
@@ -217,31 +251,34 @@ class MultiheadAttention(Module):
             extra_k.append(zeros)
             extra_v.append(zeros)
         if not extra_k:
-            return k, v, mask, is_causal
+            return k, v, mask
         k, v = concatenate([k] + extra_k, axis=2), concatenate([v] + extra_v, axis=2)  # (B, H, S + n, hd)
-        xp = k.xp
-        if is_causal:  # key j <= query i takes part (top-left aligned, as in SDPA)
+        xp, array = k.xp, mask.mask
+        if mask.is_causal:  # key j <= query i takes part (top-left aligned, as in SDPA)
             causal = xp.tril(xp.ones((tgt_len, S), dtype=bool))[None, None]            # (1, 1, T, S)
-            if mask is None:
-                mask = causal
-            elif mask.dtype == bool:
-                mask = mask & causal
+            if array is None:
+                array = causal
+            elif array.dtype == bool:
+                array = array & causal
             else:
-                mask = mask + xp.where(causal, 0.0, -math.inf).astype(mask.dtype)
-        if mask is None:
-            return k, v, None, False
-        visible = True if mask.dtype == bool else 0.0
-        column = xp.full(mask.shape[:-1] + (len(extra_k),), visible, dtype=mask.dtype)
-        return k, v, xp.concatenate([mask, column], axis=-1), False                    # (..., T, S + n)
+                array = array + xp.where(causal, 0.0, -math.inf).astype(array.dtype)
+        if array is None:
+            return k, v, AttentionMask()
+        visible = True if array.dtype == bool else 0.0
+        column = xp.full(array.shape[:-1] + (len(extra_k),), visible, dtype=array.dtype)
+        return k, v, AttentionMask(xp.concatenate([array, column], axis=-1))           # (..., T, S + n)
 
-    def attend(self, q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
-        """SDPA over heads (mask in SDPA convention) then out_proj: (B, T, E), weights or None."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask = AttentionMask(), *,
+               need_weights: bool = False, average_attn_weights: bool = True) -> tuple[Tensor, Tensor | None]:
+        """Heads q (B, H, T, hd), k, v (B, H, S, hd) through F.scaled_dot_product_attention (with
+        `mask`, dropout in training, the config's attention path) and out_proj -> (output (B, T, E),
+        weights (B, T, S), or (B, H, T, S) with average_attn_weights=False, or None)."""
         B, H, T, hd = q.shape
         # the memory-efficient and flash paths never form the weights: they run when none are asked for
         result = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal,
-            return_weights=need_weights, memory_efficient=self.memory_efficient and not need_weights,
-            block_size=self.block_size, backend=None if need_weights else self.backend)
+            q, k, v, attn_mask=mask.mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask.is_causal,
+            return_weights=need_weights, memory_efficient=self.config.memory_efficient and not need_weights,
+            block_size=self.config.block_size, backend=None if need_weights else self.backend)
         out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
         if weights is not None and average_attn_weights:
@@ -249,7 +286,9 @@ class MultiheadAttention(Module):
         return out, weights
 
     # -- public API ------------------------------------------------------------------------
-    def check_inputs(self, query, key, value):
+    def check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """TypeError unless query, key, value are Tensors; ValueError unless they are (B, T, E),
+        (B, S, kdim), (B, S, vdim) with one batch size and S >= 1."""
         for name, x, features in (("query", query, self.embed_dim), ("key", key, self.kdim),
                                   ("value", value, self.vdim)):
             if not isinstance(x, Tensor):
@@ -265,28 +304,36 @@ class MultiheadAttention(Module):
             raise ValueError(f"MultiheadAttention: key and value must have at least one position (S >= 1), "
                              f"got shape {key.shape}")
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
-        """Returns (output (B, T, E), weights): weights (B, T, S) averaged over heads, or
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: ArrayLike | None = None,
+                need_weights: bool = True, attn_mask: ArrayLike | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Attention of query (B, T, E) over key (B, S, kdim) / value (B, S, vdim): per head
+        softmax(q k^T / sqrt(hd) + mask) v, heads joined, through out_proj.
+
+        Returns (output (B, T, E), weights): weights (B, T, S) averaged over heads, or
         (B, H, T, S) with average_attn_weights=False, or None when need_weights=False.
-        Masks in torch.nn's convention (see `attention_mask`). Unlike torch, is_causal=True
-        without attn_mask applies the causal mask itself. A query whose keys are all masked
-        gets output out_proj.bias (attention 0), like torch's SDPA path."""
+        Masks in torch.nn's convention (module docstring), converted here once. Unlike torch,
+        is_causal=True without attn_mask applies the causal mask itself. A query whose keys are
+        all masked gets output out_proj.bias (attention 0), like torch's SDPA path."""
         self.check_inputs(query, key, value)
         B, T, S = query.shape[0], query.shape[1], key.shape[1]
-        mask, causal = attention_mask(attn_mask, key_padding_mask, B, self.num_heads, T, S, query.data, is_causal)
-        return self.forward_masked(query, key, value, mask, causal, need_weights, average_attn_weights)
+        mask = attention_mask(attn_mask, key_padding_mask, query.data, (B, self.num_heads, T, S), is_causal)
+        return self.forward_masked(query, key, value, mask, need_weights=need_weights,
+                                   average_attn_weights=average_attn_weights)
 
-    def forward_masked(self, query, key, value, mask, is_causal=False, need_weights=False,
-                       average_attn_weights=True, offset=0):
-        """forward() with a mask already in SDPA convention (see `attention_mask`)."""
+    def forward_masked(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = AttentionMask(), *,
+                       need_weights: bool = False, average_attn_weights: bool = True,
+                       offset: int = 0) -> tuple[Tensor, Tensor | None]:
+        """forward() with the mask already converted (an AttentionMask, SDPA convention); RoPE
+        positions start at `offset`. -> (output (B, T, E), weights or None)."""
         q, k, v = self.project_qkv(query, key, value)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(q, offset), self.rotary_emb(k, offset)
-        k, v, mask, is_causal = self.append_keys(k, v, mask, is_causal, q.shape[2])
-        return self.attend(q, k, v, mask, is_causal, need_weights, average_attn_weights)
+        k, v, mask = self.append_keys(k, v, mask, q.shape[2])
+        return self.attend(q, k, v, mask, need_weights=need_weights, average_attn_weights=average_attn_weights)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
+        """embed_dim, num_heads, dropout, and the options that differ from their defaults."""
         extra = "".join(f", {name}={value}" for name, value, default in (
             ("kdim", self.kdim, self.embed_dim), ("vdim", self.vdim, self.embed_dim),
             ("add_bias_kv", self.bias_k is not None, False), ("add_zero_attn", self.add_zero_attn, False),

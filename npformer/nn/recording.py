@@ -26,7 +26,7 @@ import npformer.functional as F
 from autograd import Tensor
 from autograd.backend import Array
 
-from .attention import MultiheadAttention
+from .attention import AttentionMask, MultiheadAttention
 from .module import Module
 
 
@@ -115,10 +115,10 @@ class record_attention:
         return False
 
     def _recording_attend(self, name, module):
-        def attend(q, k, v, mask=None, is_causal=False, need_weights=False, average_attn_weights=True):
+        def attend(q, k, v, mask=AttentionMask(), *, need_weights=False, average_attn_weights=True):
             """MultiheadAttention.attend with P as a node of the graph (see the module docstring)."""
             B, H, T, _ = q.shape
-            _, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+            _, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, is_causal=mask.is_causal,
                                                       return_weights=True)     # (B, H, T, S) P
             probs.retain_grad()
             self.recorder.records.append(AttentionRecord(name, module, probs))

@@ -5,7 +5,9 @@ Pre-LN  (norm_first=True):   x = x + SA(norm1(x));  x = x + FF(norm2(x))
 (the decoder adds cross-attention with norm2, and its feed-forward uses norm3).
 FF(x) = linear2(dropout(activation(linear1(x)))); each sublayer output goes through its own
 dropout before the residual add (one fused op, F.dropout_add; a named activation runs fused with
-linear1's bias, F.linear(..., activation=...)). Masks use torch.nn's convention (bool True = may NOT attend).
+linear1's bias, F.linear(..., activation=...)). Every layer and attention module is built from
+one TransformerConfig (npformer.nn.config), passed down whole. Masks: torch.nn's convention at
+each forward, converted once into the internal one (see npformer.nn.attention's docstring).
 
 Cached decoding: `TransformerDecoder.init_cache(memory)` projects the cross-attention keys
 and values of every layer once; `TransformerDecoder.step(x, cache)` runs one new target
@@ -17,50 +19,27 @@ at a time, attend causally to the cached ones and to each other.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
 from autograd.backend import Array, ArrayLike, DType
-from autograd.checks import as_array, check_int, check_real
+from autograd.checks import as_array, check_int
 from npformer.functional._common import check_index_range
 
 from . import init
-from .attention import MultiheadAttention, attention_mask
+from .attention import AttentionMask, MultiheadAttention, attention_mask
+from .config import TransformerConfig
 from .layers import Dropout, LayerNorm, Linear
 from .module import Module, ModuleList
 
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+_FUSED = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}  # by name
 
 
-def _activation(activation, owner):
-    if callable(activation):
-        return activation
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"{owner}: activation must be 'relu', 'gelu' or a callable, got {activation!r}")
-    return _ACTIVATIONS[activation]
-
-
-def check_d_model_nhead(d_model, nhead, owner):
-    """(d_model, nhead) as ints >= 1, d_model divisible by nhead."""
-    d_model = check_int(d_model, "d_model", owner, at_least=1)
-    nhead = check_int(nhead, "nhead", owner, at_least=1)
-    if d_model % nhead:
-        raise ValueError(f"{owner}: d_model={d_model} is not divisible by nhead={nhead}; each head gets "
-                         f"d_model / nhead features, so choose e.g. nhead in "
-                         f"{[h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]}")
-    return d_model, nhead
-
-
-def check_layer_options(dim_feedforward, dropout, layer_norm_eps, owner):
-    """(dim_feedforward, dropout, layer_norm_eps) as an int >= 1, a probability and a float > 0."""
-    return (check_int(dim_feedforward, "dim_feedforward", owner, at_least=1),
-            check_real(dropout, "dropout", owner, at_least=0, at_most=1),
-            check_real(layer_norm_eps, "layer_norm_eps", owner, above=0))
-
-
-def check_sequence(x, d_model, owner, name):
+def check_sequence(x: Tensor, d_model: int, owner: str, name: str) -> None:
+    """TypeError unless x is a Tensor, ValueError unless it is (batch, seq >= 1, d_model)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{owner}: {name} must be an autograd.Tensor, got {type(x).__name__}")
     if x.ndim != 3 or x.shape[-1] != d_model:
@@ -75,20 +54,38 @@ def check_same_batch(a, b, owner, names):
                          f"({b.shape[0]}) must be equal")
 
 
-class _FeedForwardLayer(Module):
-    """Shared parts of the encoder and decoder layers: linear1, dropout, linear2, activation."""
+def layer_config(config, owner, function, d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                 batch_first, norm_first, bias, device, dtype, rotary, memory_efficient):
+    """The TransformerConfig of a layer's torch-compatible arguments (or `config`, see
+    TransformerConfig.from_arguments)."""
+    return TransformerConfig.from_arguments(
+        config, owner, function, d_model=d_model, nhead=nhead, dim_feedforward=dim_feedforward, dropout=dropout,
+        activation=activation, layer_norm_eps=layer_norm_eps, batch_first=batch_first, norm_first=norm_first,
+        bias=bias, device=device, dtype=dtype, rotary=rotary, memory_efficient=memory_efficient)
 
-    def _build_feedforward(self, d_model, dim_feedforward, dropout, activation, bias, device, dtype):
-        self.linear1 = Linear(d_model, dim_feedforward, bias=bias, device=device, dtype=dtype)
-        self.dropout = Dropout(dropout)
-        self.linear2 = Linear(dim_feedforward, d_model, bias=bias, device=device, dtype=dtype)
-        self.activation_name = activation if isinstance(activation, str) else None
-        self.activation = _activation(activation, type(self).__name__)
+
+class _FeedForwardLayer(Module):
+    """Shared parts of the encoder and decoder layers, built from one TransformerConfig: linear1,
+    dropout, linear2, activation, `n` LayerNorms norm1..n and residual dropouts dropout1..n."""
+
+    def _build(self, config, n):
+        self.config = config
+        d_model, device, dtype = config.d_model, config.device, config.dtype
+        self.d_model, self.norm_first = d_model, config.norm_first
+        self.linear1 = Linear(d_model, config.dim_feedforward, bias=config.bias, device=device, dtype=dtype)
+        self.dropout = Dropout(config.activation_dropout_p)
+        self.linear2 = Linear(config.dim_feedforward, d_model, bias=config.bias, device=device, dtype=dtype)
+        self.activation_name = config.activation if isinstance(config.activation, str) else None
+        self.activation = _FUSED.get(self.activation_name, config.activation)
+        for i in range(1, n + 1):
+            setattr(self, f"norm{i}", LayerNorm(d_model, eps=config.layer_norm_eps, bias=config.bias, device=device,
+                                                dtype=dtype))
+            setattr(self, f"dropout{i}", Dropout(config.dropout))
 
     def _ff_block(self, x):
         """linear2(dropout(activation(linear1(x)))), before the last dropout; a named activation runs
         fused with linear1's bias (F.linear(..., activation=...))."""
-        if type(self.linear1) is Linear and self.activation is _ACTIVATIONS.get(self.activation_name):
+        if type(self.linear1) is Linear and self.activation is _FUSED.get(self.activation_name):
             hidden = F.linear(x, self.linear1.weight, self.linear1.bias, activation=self.activation_name)
         else:
             hidden = self.activation(self.linear1(x))
@@ -105,60 +102,58 @@ class _FeedForwardLayer(Module):
 class TransformerEncoderLayer(_FeedForwardLayer):
     """Self-attention and feed-forward sublayers (torch.nn.TransformerEncoderLayer, batch first).
 
-    d_model must be divisible by nhead; activation "relu", "gelu" or a callable; norm_first=True
-    is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention, memory_efficient=True
-    uses the blockwise attention kernel. Raises TypeError / ValueError naming a bad argument."""
+    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh" or a callable;
+    norm_first=True is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention,
+    memory_efficient=True uses the blockwise attention kernel; `config=TransformerConfig(...)`
+    instead of the settings gives every other option too (attention and activation dropout, the
+    attention block size and backend). `self.config` holds the config either way. Raises
+    TypeError / ValueError naming a bad argument."""
 
-    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
-                 activation: str | Callable[[Tensor], Tensor] = "relu", layer_norm_eps: float = 1e-5,
-                 batch_first: bool = True, norm_first: bool = False, bias: bool = True, device: str | None = None,
-                 dtype: DType | None = None, rotary: bool = False, memory_efficient: bool = False):
+    def __init__(self, d_model: int | None = None, nhead: int | None = None, dim_feedforward: int = 2048,
+                 dropout: float = 0.1, activation: str | Callable[[Tensor], Tensor] = "relu",
+                 layer_norm_eps: float = 1e-5, batch_first: bool = True, norm_first: bool = False, bias: bool = True,
+                 device: str | None = None, dtype: DType | None = None, rotary: bool = False,
+                 memory_efficient: bool = False, *, config: TransformerConfig | None = None):
         super().__init__()
-        d_model, nhead = check_d_model_nhead(d_model, nhead, "TransformerEncoderLayer")
-        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
-                                                                       "TransformerEncoderLayer")
-        self.d_model, self.norm_first = d_model, bool(norm_first)
-        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first,
-                                            device=device, dtype=dtype, rotary=rotary,
-                                            memory_efficient=memory_efficient)
-        self._build_feedforward(d_model, dim_feedforward, dropout, activation, bias, device, dtype)
-        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype)
-        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype)
-        self.dropout1 = Dropout(dropout)
-        self.dropout2 = Dropout(dropout)
+        config = layer_config(config, "TransformerEncoderLayer", TransformerEncoderLayer.__init__, d_model, nhead,
+                              dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, bias,
+                              device, dtype, rotary, memory_efficient)
+        self.self_attn = MultiheadAttention(config=config)
+        self._build(config, 2)
 
     def forward(self, src: Tensor, src_mask: ArrayLike | None = None, src_key_padding_mask: ArrayLike | None = None,
                 is_causal: bool = False) -> Tensor:
-        """src (B, S, d) -> (B, S, d). src_mask (S, S) or (B*nhead, S, S); src_key_padding_mask (B, S);
-        torch.nn's convention (bool True = may not attend; a float mask is added to the scores).
-        is_causal=True without src_mask applies the causal mask."""
+        """src (B, S, d) -> (B, S, d): self-attention then feed-forward, each with its residual
+        and LayerNorm. src_mask (S, S) or (B*nhead, S, S); src_key_padding_mask (B, S);
+        torch.nn's convention (bool True = may not attend; a float mask is added to the scores),
+        converted once here. is_causal=True without src_mask applies the causal mask."""
         check_sequence(src, self.d_model, "TransformerEncoderLayer", "src")
-        mask = self.self_attn_mask(src, src_mask, src_key_padding_mask, is_causal)
-        return self.forward_masked(src, *mask)
+        return self.forward_masked(src, self.self_attn_mask(src, src_mask, src_key_padding_mask, is_causal))
 
     def self_attn_mask(self, src: Tensor, src_mask: ArrayLike | None, src_key_padding_mask: ArrayLike | None,
-                       is_causal: bool) -> tuple[Array | None, bool]:
-        """(mask, is_causal) for `forward_masked`: torch.nn-convention masks of `src` converted once
-        to the convention of F.scaled_dot_product_attention (True = takes part), checked."""
+                       is_causal: bool) -> AttentionMask:
+        """The AttentionMask for `forward_masked`: torch.nn-convention masks of `src` converted
+        once to the convention of F.scaled_dot_product_attention (True = takes part), checked."""
         B, S = src.shape[:2]
-        return attention_mask(src_mask, src_key_padding_mask, B, self.self_attn.num_heads, S, S, src.data,
+        return attention_mask(src_mask, src_key_padding_mask, src.data, (B, self.self_attn.num_heads, S, S),
                               is_causal, names=("src_mask", "src_key_padding_mask"))
 
-    def forward_masked(self, x: Tensor, mask: Array | None, is_causal: bool) -> Tensor:
-        """forward() with the self-attention mask already in SDPA convention (`self_attn_mask`)."""
+    def forward_masked(self, x: Tensor, mask: AttentionMask) -> Tensor:
+        """forward() of x (B, S, d) with the self-attention mask already converted (`self_attn_mask`)."""
         def self_attention(h):
-            return self.self_attn.forward_masked(h, h, h, mask, is_causal)[0]
+            return self.self_attn.forward_masked(h, h, h, mask)[0]
         if self.norm_first:
             x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
             return self._residual(x, self.dropout2, self._ff_block(self.norm2(x)))
         x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
         return self.norm2(self._residual(x, self.dropout2, self._ff_block(x)))
 
-    def forward_step(self, x, layer_cache, mask, is_causal, position):
-        """New positions x (B, L, d) attending to the cached self-attention keys and values
-        (extended in place with theirs); mask (SDPA convention) covers cached + new keys."""
+    def forward_step(self, x: Tensor, layer_cache: LayerCache, mask: AttentionMask, position: int) -> Tensor:
+        """New positions x (B, L, d), the first at `position`, attending to the cached
+        self-attention keys and values (extended in place with theirs) -> (B, L, d); `mask`
+        (SDPA convention) covers cached + new keys."""
         def self_attention(h):
-            return cached_self_attention(self.self_attn, h, layer_cache, mask, is_causal, position)
+            return cached_self_attention(self.self_attn, h, layer_cache, mask, position)
         if self.norm_first:
             x = x + self.dropout1(self_attention(self.norm1(x)))
             return x + self._ff_block(self.norm2(x))
@@ -166,7 +161,7 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         return self.norm2(x + self._ff_block(x))
 
 
-def cached_self_attention(attn, h, layer_cache, mask, is_causal, position):
+def cached_self_attention(attn, h, layer_cache, mask, position):
     """Self-attention of new positions h (B, L, E), the first at `position`, over the keys and
     values of `layer_cache` (self_k, self_v (B, H, t, hd)) and their own, which are appended to
     the cache. -> (B, L, E)."""
@@ -174,43 +169,40 @@ def cached_self_attention(attn, h, layer_cache, mask, is_causal, position):
     if attn.rotary_emb is not None:
         q, k = attn.rotary_emb(q, position), attn.rotary_emb(k, position)
     k, v = layer_cache.append_self(k, v)                                         # (B, H, t+L, hd)
-    return attn.attend(q, k, v, mask, is_causal)[0]
+    return attn.attend(q, k, v, mask)[0]
 
 
 class TransformerDecoderLayer(_FeedForwardLayer):
     """Masked self-attention, cross-attention over memory, feed-forward
     (torch.nn.TransformerDecoderLayer, batch first).
 
-    d_model must be divisible by nhead; activation "relu", "gelu" or a callable; norm_first=True
-    is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention (not cross-attention), memory_efficient=True
-    uses the blockwise attention kernel. Raises TypeError / ValueError naming a bad argument."""
+    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh" or a callable;
+    norm_first=True is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention
+    (not cross-attention), memory_efficient=True uses the blockwise attention kernel;
+    `config=TransformerConfig(...)` instead of the settings (see TransformerEncoderLayer).
+    Raises TypeError / ValueError naming a bad argument."""
 
-    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
-                 activation: str | Callable[[Tensor], Tensor] = "relu", layer_norm_eps: float = 1e-5,
-                 batch_first: bool = True, norm_first: bool = False, bias: bool = True, device: str | None = None,
-                 dtype: DType | None = None, rotary: bool = False, memory_efficient: bool = False):
+    def __init__(self, d_model: int | None = None, nhead: int | None = None, dim_feedforward: int = 2048,
+                 dropout: float = 0.1, activation: str | Callable[[Tensor], Tensor] = "relu",
+                 layer_norm_eps: float = 1e-5, batch_first: bool = True, norm_first: bool = False, bias: bool = True,
+                 device: str | None = None, dtype: DType | None = None, rotary: bool = False,
+                 memory_efficient: bool = False, *, config: TransformerConfig | None = None):
         super().__init__()
-        d_model, nhead = check_d_model_nhead(d_model, nhead, "TransformerDecoderLayer")
-        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
-                                                                       "TransformerDecoderLayer")
-        self.d_model, self.norm_first = d_model, bool(norm_first)
-        options = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype,
-                       memory_efficient=memory_efficient)
-        self.self_attn = MultiheadAttention(d_model, nhead, rotary=rotary, **options)
-        self.multihead_attn = MultiheadAttention(d_model, nhead, **options)
-        self._build_feedforward(d_model, dim_feedforward, dropout, activation, bias, device, dtype)
-        for i in (1, 2, 3):
-            setattr(self, f"norm{i}", LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype))
-        for i in (1, 2, 3):
-            setattr(self, f"dropout{i}", Dropout(dropout))
+        config = layer_config(config, "TransformerDecoderLayer", TransformerDecoderLayer.__init__, d_model, nhead,
+                              dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, bias,
+                              device, dtype, rotary, memory_efficient)
+        self.self_attn = MultiheadAttention(config=config)
+        self.multihead_attn = MultiheadAttention(config=dataclasses.replace(config, rotary=False))  # no RoPE across
+        self._build(config, 3)
 
     def forward(self, tgt: Tensor, memory: Tensor, tgt_mask: ArrayLike | None = None,
                 memory_mask: ArrayLike | None = None, tgt_key_padding_mask: ArrayLike | None = None,
                 memory_key_padding_mask: ArrayLike | None = None, tgt_is_causal: bool = False,
                 memory_is_causal: bool = False) -> Tensor:
-        """tgt (B, T, d), memory (B, S, d) -> (B, T, d). tgt_mask (T, T) or (B*nhead, T, T),
-        memory_mask (T, S) or (B*nhead, T, S), key padding masks (B, T) and (B, S), in torch.nn's
-        convention (True = may not attend). tgt_is_causal=True without tgt_mask applies the causal mask."""
+        """tgt (B, T, d), memory (B, S, d) -> (B, T, d): self-attention, cross-attention over
+        memory, feed-forward. tgt_mask (T, T) or (B*nhead, T, T), memory_mask (T, S) or
+        (B*nhead, T, S), key padding masks (B, T) and (B, S), in torch.nn's convention (True =
+        may not attend), converted once here. tgt_is_causal=True without tgt_mask applies the causal mask."""
         check_sequence(tgt, self.d_model, "TransformerDecoderLayer", "tgt")
         check_sequence(memory, self.d_model, "TransformerDecoderLayer", "memory")
         check_same_batch(tgt, memory, "TransformerDecoderLayer", ("tgt", "memory"))
@@ -218,14 +210,13 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                               memory_key_padding_mask, tgt_is_causal, memory_is_causal)
         return self.forward_masked(tgt, memory, *masks)
 
-    def forward_masked(self, x: Tensor, memory: Tensor, self_mask: Array | None, self_causal: bool,
-                       cross_mask: Array | None, cross_causal: bool) -> Tensor:
-        """forward() with both masks already in SDPA convention."""
+    def forward_masked(self, x: Tensor, memory: Tensor, self_mask: AttentionMask, cross_mask: AttentionMask) -> Tensor:
+        """forward() with both masks already converted (SDPA convention)."""
         def self_attention(h):
-            return self.self_attn.forward_masked(h, h, h, self_mask, self_causal)[0]
+            return self.self_attn.forward_masked(h, h, h, self_mask)[0]
 
         def cross_attention(h):
-            return self.multihead_attn.forward_masked(h, memory, memory, cross_mask, cross_causal)[0]
+            return self.multihead_attn.forward_masked(h, memory, memory, cross_mask)[0]
         return self._sublayers(x, self_attention, cross_attention)
 
     def _sublayers(self, x, self_attention, cross_attention):
@@ -237,12 +228,12 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         x = self.norm2(self._residual(x, self.dropout2, cross_attention(x)))
         return self.norm3(self._residual(x, self.dropout3, self._ff_block(x)))
 
-    def forward_step(self, x: Tensor, layer_cache: LayerCache, cross_mask: Array | None, position: int) -> Tensor:
+    def forward_step(self, x: Tensor, layer_cache: LayerCache, cross_mask: AttentionMask, position: int) -> Tensor:
         """One new target position x (B, 1, d) attending to the cached self-attention keys and
         values (extended in place with this position's) and to the cached memory keys/values;
         `position` is x's index in the target (for RoPE). Returns (B, 1, d)."""
         def self_attention(h):
-            return cached_self_attention(self.self_attn, h, layer_cache, None, False, position)
+            return cached_self_attention(self.self_attn, h, layer_cache, AttentionMask(), position)
 
         def cross_attention(h):
             q = self.multihead_attn.project_q(h)                                 # (B, H, 1, hd)
@@ -252,13 +243,13 @@ class TransformerDecoderLayer(_FeedForwardLayer):
 
 def decoder_masks(tgt, memory, nhead, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                   tgt_is_causal, memory_is_causal):
-    """(self_mask, self_causal, cross_mask, cross_causal) in SDPA convention."""
+    """(self_mask, cross_mask): the decoder's torch.nn-convention masks as AttentionMasks."""
     B, T, S = tgt.shape[0], tgt.shape[1], memory.shape[1]
-    self_mask = attention_mask(tgt_mask, tgt_key_padding_mask, B, nhead, T, T, tgt.data, tgt_is_causal,
+    self_mask = attention_mask(tgt_mask, tgt_key_padding_mask, tgt.data, (B, nhead, T, T), tgt_is_causal,
                                names=("tgt_mask", "tgt_key_padding_mask"))
-    cross_mask = attention_mask(memory_mask, memory_key_padding_mask, B, nhead, T, S, tgt.data, memory_is_causal,
+    cross_mask = attention_mask(memory_mask, memory_key_padding_mask, tgt.data, (B, nhead, T, S), memory_is_causal,
                                 names=("memory_mask", "memory_key_padding_mask"))
-    return self_mask + cross_mask
+    return self_mask, cross_mask
 
 
 class _LayerStack(Module):
@@ -276,6 +267,11 @@ class _LayerStack(Module):
         self.layers = ModuleList([copy.deepcopy(layer) for _ in range(num_layers)])
         self.num_layers = num_layers
         self.norm = norm
+
+    @property
+    def config(self) -> TransformerConfig:
+        """The TransformerConfig every layer of the stack shares."""
+        return self.layers[0].config
 
     def _final_norm(self, x):
         return self.norm(x) if self.norm is not None else x
@@ -298,15 +294,15 @@ class TransformerEncoder(_LayerStack):
         prepared = first.self_attn_mask(src, mask, src_key_padding_mask, bool(is_causal))
         x = src
         for layer in self.layers:
-            x = layer.forward_masked(x, *prepared)
+            x = layer.forward_masked(x, prepared)
         return self._final_norm(x)
 
     # -- cached causal decoding (decoder-only models) --------------------------------------------
-    def init_cache(self):
+    def init_cache(self) -> DecoderCache:
         """An empty DecoderCache (self-attention keys/values of every layer, no memory) for `step`."""
         return DecoderCache([LayerCache() for _ in self.layers])
 
-    def step(self, x, cache, key_padding_mask=None):
+    def step(self, x: Tensor, cache: DecoderCache, key_padding_mask: ArrayLike | None = None) -> Tensor:
         """x (B, L, d): L new embedded positions (a prompt, or the newest token) -> (B, L, d)
         after the final norm. Causal: new position i attends to every cached position and to new
         positions <= i. key_padding_mask (B, L) bool, True = padding, marks new positions that no
@@ -320,9 +316,9 @@ class TransformerEncoder(_LayerStack):
         if cache.length and x.shape[0] != cache.batch_size:
             raise ValueError(f"TransformerEncoder.step: x must have the cache's batch size {cache.batch_size}, "
                              f"got shape {x.shape}")
-        mask, is_causal = cache.extend_padding(key_padding_mask, B, L, x.data)
+        mask = cache.extend_padding(key_padding_mask, B, L, x.data)
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.forward_step(x, layer_cache, mask, is_causal, cache.length)
+            x = layer.forward_step(x, layer_cache, mask, cache.length)
         cache.length += L
         return self._final_norm(x)
 
@@ -358,8 +354,8 @@ class TransformerDecoder(_LayerStack):
         """A DecoderCache holding every layer's cross-attention keys/values of `memory` (B, S, d)."""
         check_sequence(memory, self.layers[0].d_model, "TransformerDecoder.init_cache", "memory")
         B, S = memory.shape[:2]
-        cross_mask, _ = attention_mask(None, memory_key_padding_mask, B, 1, 1, S, memory.data,
-                                       names=("memory_mask", "memory_key_padding_mask"))
+        cross_mask = attention_mask(None, memory_key_padding_mask, memory.data, (B, 1, 1, S),
+                                    names=("memory_mask", "memory_key_padding_mask"))
         layers = [LayerCache(*layer.multihead_attn.project_kv(memory, memory)) for layer in self.layers]
         return DecoderCache(layers, cross_mask)
 
@@ -416,14 +412,14 @@ class LayerCache:
 
 class DecoderCache:
     """State of cached step-wise decoding: `layers` (one LayerCache per layer), `cross_mask`
-    (memory padding, SDPA convention, (B, 1, 1, S) or None), `length` (positions decoded so
-    far), `key_padding` (B, length) bool, True = a padding position no query attends to (None:
-    none so far). `reorder(indices)` selects batch rows (beam search). Made by
-    `init_cache`; `len(cache)` is `length`."""
+    (memory padding, an AttentionMask over (B, 1, 1, S)), `length` (positions decoded so
+    far), `attendable` (B, length) bool in the internal (SDPA) convention, True = a key later
+    queries may attend to, False = padding (None: no padding so far). `reorder(indices)` selects
+    batch rows (beam search). Made by `init_cache`; `len(cache)` is `length`."""
 
-    def __init__(self, layers: list[LayerCache], cross_mask: Array | None = None):
+    def __init__(self, layers: list[LayerCache], cross_mask: AttentionMask = AttentionMask()):
         self.layers, self.cross_mask, self.length = layers, cross_mask, 0
-        self.key_padding = None
+        self.attendable = None
 
     @property
     def batch_size(self) -> int | None:
@@ -438,11 +434,10 @@ class DecoderCache:
     def __len__(self):
         return self.length
 
-    def extend_padding(self, key_padding_mask: ArrayLike | None, batch: int, new: int,
-                       like: Array) -> tuple[Array | None, bool]:
-        """Append the padding of `new` positions (key_padding_mask (batch, new), True = padding,
-        or None) and return the self-attention mask of those queries over every key so far:
-        (mask in SDPA convention (batch, 1, new, length + new) or None, is_causal)."""
+    def extend_padding(self, key_padding_mask: ArrayLike | None, batch: int, new: int, like: Array) -> AttentionMask:
+        """Append the padding of `new` positions (key_padding_mask (batch, new), torch.nn's
+        convention True = padding, converted here once; or None) and return the self-attention
+        mask of those queries over every key so far (batch, 1, new, length + new)."""
         xp = backend.get_array_module(like)
         if key_padding_mask is not None:
             padding = key_padding_mask.data if isinstance(key_padding_mask, Tensor) else key_padding_mask
@@ -451,17 +446,17 @@ class DecoderCache:
             if padding.dtype != bool or padding.shape != (batch, new):
                 raise ValueError(f"key_padding_mask must be a bool array of shape (batch, new positions) = "
                                  f"{(batch, new)}, got {padding.dtype} {padding.shape}")
-            if self.key_padding is None:
-                self.key_padding = xp.zeros((batch, self.length), dtype=bool)
-            self.key_padding = xp.concatenate([self.key_padding, padding], axis=1)     # (B, t + L)
-        elif self.key_padding is not None:
-            self.key_padding = xp.concatenate([self.key_padding, xp.zeros((batch, new), dtype=bool)], axis=1)
+            if self.attendable is None:
+                self.attendable = xp.ones((batch, self.length), dtype=bool)
+            self.attendable = xp.concatenate([self.attendable, ~padding], axis=1)      # (B, t + L)
+        elif self.attendable is not None:
+            self.attendable = xp.concatenate([self.attendable, xp.ones((batch, new), dtype=bool)], axis=1)
         causal = _causal_allowed(xp, self.length, new)[None, None]                   # (1, 1, L, t + L)
-        if self.key_padding is not None:
-            return causal & ~self.key_padding[:, None, None, :], False                 # (B, 1, L, t + L)
+        if self.attendable is not None:
+            return AttentionMask(causal & self.attendable[:, None, None, :])          # (B, 1, L, t + L)
         if new == 1:  # one new query sees every key: no mask
-            return None, False
-        return (None, True) if self.length == 0 else (causal, False)
+            return AttentionMask()
+        return AttentionMask(None, True) if self.length == 0 else AttentionMask(causal)
 
     def reorder(self, indices: ArrayLike) -> DecoderCache:
         """Keep batch rows `indices` (ints in [0, batch), repeats allowed, any length) in that
@@ -484,10 +479,10 @@ class DecoderCache:
             for name, t in layer.tensors().items():
                 if t is not None:
                     setattr(layer, name, t[idx])
-        if self.cross_mask is not None:
-            self.cross_mask = self.cross_mask[idx]
-        if self.key_padding is not None:
-            self.key_padding = self.key_padding[idx]
+        if self.cross_mask.mask is not None:
+            self.cross_mask = AttentionMask(self.cross_mask.mask[idx], self.cross_mask.is_causal)
+        if self.attendable is not None:
+            self.attendable = self.attendable[idx]
         return self
 
 
@@ -504,7 +499,10 @@ class Transformer(Module):
     Extras: rotary=True applies RoPE in the self-attention of every layer; memory_efficient=True
     uses the blockwise attention kernel. The defaults are torch's (the paper's base model);
     batch_first=True is the only layout (npformer is batch-first throughout; interop refuses
-    torch modules with batch_first=False). `config` holds the arguments.
+    torch modules with batch_first=False). `config=TransformerConfig(...)` instead of the settings
+    reaches every option (attention block_size and backend, attention and activation dropout);
+    `self.config` holds the TransformerConfig either way, shared by every layer and attention
+    module (`config["d_model"]` reads it like the dict it replaces).
     """
 
     def __init__(self, d_model: int = 512, nhead: int = 8, num_encoder_layers: int = 6, num_decoder_layers: int = 6,
@@ -512,32 +510,30 @@ class Transformer(Module):
                  activation: str | Callable[[Tensor], Tensor] = "relu", custom_encoder: Module | None = None,
                  custom_decoder: Module | None = None, layer_norm_eps: float = 1e-5, batch_first: bool = True,
                  norm_first: bool = False, bias: bool = True, device: str | None = None, dtype: DType | None = None,
-                 rotary: bool = False, memory_efficient: bool = False):
+                 rotary: bool = False, memory_efficient: bool = False, *, config: TransformerConfig | None = None):
         super().__init__()
-        d_model, nhead = check_d_model_nhead(d_model, nhead, "Transformer")
-        dim_feedforward, dropout, layer_norm_eps = check_layer_options(dim_feedforward, dropout, layer_norm_eps,
-                                                                       "Transformer")
-        num_encoder_layers = check_int(num_encoder_layers, "num_encoder_layers", "Transformer", at_least=1)
-        num_decoder_layers = check_int(num_decoder_layers, "num_decoder_layers", "Transformer", at_least=1)
-        layer_options = dict(dim_feedforward=dim_feedforward, dropout=dropout, activation=activation,
-                             layer_norm_eps=layer_norm_eps, batch_first=batch_first, norm_first=norm_first,
-                             bias=bias, device=device, dtype=dtype, rotary=rotary, memory_efficient=memory_efficient)
-        self.config = dict(d_model=d_model, nhead=nhead, num_encoder_layers=num_encoder_layers,
-                           num_decoder_layers=num_decoder_layers, dim_feedforward=dim_feedforward,
-                           dropout=dropout, activation=activation, layer_norm_eps=layer_norm_eps,
-                           norm_first=norm_first, bias=bias, rotary=rotary)
+        config = TransformerConfig.from_arguments(
+            config, "Transformer", Transformer.__init__, d_model=d_model, nhead=nhead,
+            num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers,
+            dim_feedforward=dim_feedforward, dropout=dropout, activation=activation, layer_norm_eps=layer_norm_eps,
+            batch_first=batch_first, norm_first=norm_first, bias=bias, device=device, dtype=dtype, rotary=rotary,
+            memory_efficient=memory_efficient)
+        for name in ("num_encoder_layers", "num_decoder_layers"):  # both stacks are built
+            check_int(config[name], name, "Transformer", at_least=1)
+        self.config = config
 
         def final_norm():
-            return LayerNorm(d_model, eps=layer_norm_eps, bias=bias, device=device, dtype=dtype)
+            return LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias, device=config.device,
+                             dtype=config.dtype)
         if custom_encoder is None:
-            custom_encoder = TransformerEncoder(TransformerEncoderLayer(d_model, nhead, **layer_options),
-                                                num_encoder_layers, final_norm())
+            custom_encoder = TransformerEncoder(TransformerEncoderLayer(config=config), config.num_encoder_layers,
+                                                final_norm())
         if custom_decoder is None:
-            custom_decoder = TransformerDecoder(TransformerDecoderLayer(d_model, nhead, **layer_options),
-                                                num_decoder_layers, final_norm())
+            custom_decoder = TransformerDecoder(TransformerDecoderLayer(config=config), config.num_decoder_layers,
+                                                final_norm())
         self.encoder, self.decoder = custom_encoder, custom_decoder
         self._reset_parameters()
-        self.d_model, self.nhead, self.batch_first = d_model, nhead, True
+        self.d_model, self.nhead, self.batch_first = config.d_model, config.nhead, True
 
     def _reset_parameters(self):
         for p in self.parameters():
