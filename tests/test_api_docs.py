@@ -23,48 +23,6 @@ ENTRIES = api_reference.public_api()
 # annotations resolve in their module, or name a public class (forward references under TYPE_CHECKING)
 PUBLIC_CLASSES = {e.name: e.obj for e in ENTRIES if e.kind == "class"}
 
-# PENDING (for the coordinator to empty): entries defined in files that another branch was rewriting
-# when this test was written (autograd/threads.py, npformer/nn/attention.py, npformer/models/gpt.py,
-# seq2seq.py, _common.py, npformer/decoding.py), so their docstrings and type hints were left for
-# after that merge. An entry listed here that is complete fails the test: remove it then.
-PENDING = {
-    "npformer.models.BidirectionalEncoder.embed": "npformer/models/_common.py",
-    "npformer.models.CausalLM.embed": "npformer/models/_common.py",
-    "npformer.models.EncoderClassifier.embed": "npformer/models/_common.py",
-    "npformer.models.CausalLM.decode_step": "npformer/models/gpt.py",
-    "npformer.models.CausalLM.init_cache": "npformer/models/gpt.py",
-    "npformer.models.CausalLM.project": "npformer/models/gpt.py",
-    "npformer.nn.MultiheadAttention.append_keys": "npformer/nn/attention.py",
-    "npformer.nn.TransformerEncoder.init_cache": "npformer/nn/transformer.py",
-    "npformer.nn.TransformerEncoder.step": "npformer/nn/transformer.py",
-    "npformer.nn.TransformerEncoderLayer.forward_step": "npformer/nn/transformer.py",
-    "npformer.nn.MultiheadAttention": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.rotary": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.project_qkv": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.project_q": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.project_kv": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.attend": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.check_inputs": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.forward": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.forward_masked": "npformer/nn/attention.py",
-    "npformer.nn.MultiheadAttention.extra_repr": "npformer/nn/attention.py",
-    "npformer.models.Seq2SeqTransformer": "npformer/models/seq2seq.py",
-    "npformer.models.Seq2SeqTransformer.state_shapes": "npformer/models/seq2seq.py",
-    "npformer.models.Seq2SeqTransformer.project": "npformer/models/seq2seq.py",
-    "npformer.models.Seq2SeqTransformer.forward": "npformer/models/seq2seq.py",
-    "npformer.models.Seq2SeqTransformer.encode": "npformer/models/seq2seq.py",
-    "npformer.models.Seq2SeqTransformer.decode": "npformer/models/seq2seq.py",
-    "npformer.models.Seq2SeqTransformer.init_cache": "npformer/models/seq2seq.py",
-    "npformer.models.Seq2SeqTransformer.decode_step": "npformer/models/seq2seq.py",
-    "npformer.models.CausalLM": "npformer/models/gpt.py",
-    "npformer.models.CausalLM.state_shapes": "npformer/models/gpt.py",
-    "npformer.models.CausalLM.forward": "npformer/models/gpt.py",
-    "npformer.models.CausalLM.hidden_states": "npformer/models/_common.py",
-    "npformer.models.BidirectionalEncoder.hidden_states": "npformer/models/_common.py",
-    "npformer.models.EncoderClassifier.hidden_states": "npformer/models/_common.py",
-}
-
-
 def problems(entry):
     """What `entry` lacks: a docstring, a parameter's or the return's type hint, hints that resolve."""
     found = []
@@ -99,11 +57,8 @@ def qualified(entry):
 def test_every_public_object_has_a_docstring_and_type_hints():
     missing = {qualified(e): problems(e) for e in ENTRIES}
     missing = {name: lacks for name, lacks in missing.items() if lacks}
-    undone = {name: lacks for name, lacks in missing.items() if name not in PENDING}
-    assert not undone, f"{len(undone)} public objects lack documentation:\n" + "\n".join(
-        f"  {name}: {', '.join(lacks)}" for name, lacks in sorted(undone.items()))
-    done = sorted(set(PENDING) - set(missing))
-    assert not done, f"documented now, remove from PENDING: {done}"
+    assert not missing, f"{len(missing)} public objects lack documentation:\n" + "\n".join(
+        f"  {name}: {', '.join(lacks)}" for name, lacks in sorted(missing.items()))
 
 
 def test_the_walk_covers_the_whole_public_api():

@@ -16,6 +16,7 @@ docs/checkpoints.md describes the format and the checks.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -29,6 +30,7 @@ from autograd import random
 from ..files import atomic_write
 from ..models import MODEL_CLASSES
 from ..nn import Module
+from ..nn.config import RUNTIME_SETTINGS, TransformerConfig, stored_config
 from ..optim import Optimizer
 from .archive import Archive, CheckpointError
 from .packing import bit_generator, pack, unpack
@@ -125,7 +127,7 @@ def save_checkpoint(path: str | os.PathLike, model: Module, optimizer: Optimizer
     arrays = {}
     meta = {
         "format": FORMAT, "version": VERSION, "model_class": type(model).__name__,
-        "config": pack(getattr(model, "config", None), "config", arrays),
+        "config": pack(stored_config(model), "config", arrays),
         "model": pack(model.state_dict(), "model", arrays),
         "optimizer": pack(optimizer.state_dict(), "optimizer", arrays) if optimizer is not None else None,
         "scheduler": pack(scheduler.state_dict(), "scheduler", arrays) if scheduler is not None else None,
@@ -182,14 +184,18 @@ def _check_section(path, where, value, kind, expected):
 def _config_differences(saved, model):
     """'key: file X, model Y' for every config entry where the file and `model.config` differ
     (an entry missing on one side counts as the default of the model's constructor)."""
-    own = getattr(model, "config", None)
+    own = stored_config(model)
     if not isinstance(own, dict) or not isinstance(saved, dict):
         return []
-    try:
-        defaults = {name: p.default for name, p in inspect.signature(type(model)).parameters.items()
-                    if p.default is not inspect.Parameter.empty}
-    except (TypeError, ValueError):
-        defaults = {}
+    if isinstance(model.config, TransformerConfig):  # an entry a file lacks has the config's default
+        saved = {k: v for k, v in saved.items() if k not in RUNTIME_SETTINGS}
+        defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    else:
+        try:
+            defaults = {name: p.default for name, p in inspect.signature(type(model)).parameters.items()
+                        if p.default is not inspect.Parameter.empty}
+        except (TypeError, ValueError):
+            defaults = {}
     absent = "(absent)"
     differences = []
     for key in sorted(set(own) | set(saved), key=str):

@@ -26,6 +26,7 @@ import warnings
 
 from ..files import atomic_write
 from ..nn import Module
+from ..nn.config import stored_config
 from ..safetensors_file import SafetensorsError, read_header, read_safetensors, write_safetensors
 from .bert import BidirectionalEncoder, EncoderClassifier
 from .gpt import CausalLM
@@ -59,7 +60,7 @@ def save_safetensors(model: Module, path: str | os.PathLike, hf_names: bool | No
     arrays = hf_state_dict(model) if hf_names else model.state_dict()
     name = type(model).__name__
     info = {"format": FORMAT, "version": VERSION, "class": name if name in MODEL_CLASSES else None,
-            "config": getattr(model, "config", None), "names": HF_NAMES if hf_names else OUR_NAMES}
+            "config": stored_config(model), "names": HF_NAMES if hf_names else OUR_NAMES}
     return write_safetensors(path, arrays, {"format": "pt", "npformer": json.dumps(info)})
 
 

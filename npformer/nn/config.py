@@ -142,6 +142,23 @@ class TransformerConfig:
         return config
 
 
+# how and where the modules run, not what they compute: files leave them out (their weights load anywhere)
+RUNTIME_SETTINGS = ("memory_efficient", "block_size", "attention_backend", "device", "dtype")
+
+
+def stored_config(module: Any) -> dict[str, Any] | None:
+    """`module.config` as checkpoints and safetensors metadata store it: a model's config dict as
+    it is; a TransformerConfig as to_dict() without RUNTIME_SETTINGS (so the dicts nn.Transformer
+    stored before TransformerConfig, the same keys minus the newer ones, read the same); None
+    for a module without a config, or with a callable activation (which no file can hold)."""
+    config = getattr(module, "config", None)
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, TransformerConfig) or callable(config.activation):
+        return None
+    return {k: v for k, v in config.to_dict().items() if k not in RUNTIME_SETTINGS}
+
+
 _FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
 
