@@ -54,14 +54,16 @@ def check_same_batch(a, b, owner, names):
                          f"({b.shape[0]}) must be equal")
 
 
-def layer_config(config, owner, function, d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                 batch_first, norm_first, bias, device, dtype, rotary, memory_efficient):
-    """The TransformerConfig of a layer's torch-compatible arguments (or `config`, see
-    TransformerConfig.from_arguments)."""
-    return TransformerConfig.from_arguments(
-        config, owner, function, d_model=d_model, nhead=nhead, dim_feedforward=dim_feedforward, dropout=dropout,
-        activation=activation, layer_norm_eps=layer_norm_eps, batch_first=batch_first, norm_first=norm_first,
-        bias=bias, device=device, dtype=dtype, rotary=rotary, memory_efficient=memory_efficient)
+# the TransformerConfig settings that the layers' and nn.Transformer's constructors take as arguments
+LAYER_ARGUMENTS = ("d_model", "nhead", "dim_feedforward", "dropout", "activation", "layer_norm_eps", "batch_first",
+                   "norm_first", "bias", "device", "dtype", "rotary", "memory_efficient", "block_size",
+                   "attention_backend")
+
+
+def layer_config(config, owner, function, arguments, names=LAYER_ARGUMENTS):
+    """The TransformerConfig of a constructor's torch-compatible `arguments` (its locals()), the
+    settings `names`; or `config` (see TransformerConfig.from_arguments)."""
+    return TransformerConfig.from_arguments(config, owner, function, **{name: arguments[name] for name in names})
 
 
 class _FeedForwardLayer(Module):
@@ -104,20 +106,19 @@ class TransformerEncoderLayer(_FeedForwardLayer):
 
     d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh" or a callable;
     norm_first=True is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention,
-    memory_efficient=True uses the blockwise attention kernel; `config=TransformerConfig(...)`
-    instead of the settings gives every other option too (attention and activation dropout, the
-    attention block size and backend). `self.config` holds the config either way. Raises
-    TypeError / ValueError naming a bad argument."""
+    memory_efficient=True uses the blockwise attention kernel (blocks of block_size keys),
+    attention_backend chooses F.scaled_dot_product_attention's path; `config=TransformerConfig(...)`
+    instead of the settings gives every other option too (attention and activation dropout).
+    `self.config` holds the config either way. Raises TypeError / ValueError naming a bad argument."""
 
     def __init__(self, d_model: int | None = None, nhead: int | None = None, dim_feedforward: int = 2048,
                  dropout: float = 0.1, activation: str | Callable[[Tensor], Tensor] = "relu",
                  layer_norm_eps: float = 1e-5, batch_first: bool = True, norm_first: bool = False, bias: bool = True,
                  device: str | None = None, dtype: DType | None = None, rotary: bool = False,
-                 memory_efficient: bool = False, *, config: TransformerConfig | None = None):
+                 memory_efficient: bool = False, *, block_size: int = 512, attention_backend: str | None = None,
+                 config: TransformerConfig | None = None):
         super().__init__()
-        config = layer_config(config, "TransformerEncoderLayer", TransformerEncoderLayer.__init__, d_model, nhead,
-                              dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, bias,
-                              device, dtype, rotary, memory_efficient)
+        config = layer_config(config, "TransformerEncoderLayer", TransformerEncoderLayer.__init__, locals())
         self.self_attn = MultiheadAttention(config=config)
         self._build(config, 2)
 
@@ -186,11 +187,10 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                  dropout: float = 0.1, activation: str | Callable[[Tensor], Tensor] = "relu",
                  layer_norm_eps: float = 1e-5, batch_first: bool = True, norm_first: bool = False, bias: bool = True,
                  device: str | None = None, dtype: DType | None = None, rotary: bool = False,
-                 memory_efficient: bool = False, *, config: TransformerConfig | None = None):
+                 memory_efficient: bool = False, *, block_size: int = 512, attention_backend: str | None = None,
+                 config: TransformerConfig | None = None):
         super().__init__()
-        config = layer_config(config, "TransformerDecoderLayer", TransformerDecoderLayer.__init__, d_model, nhead,
-                              dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, bias,
-                              device, dtype, rotary, memory_efficient)
+        config = layer_config(config, "TransformerDecoderLayer", TransformerDecoderLayer.__init__, locals())
         self.self_attn = MultiheadAttention(config=config)
         self.multihead_attn = MultiheadAttention(config=dataclasses.replace(config, rotary=False))  # no RoPE across
         self._build(config, 3)
@@ -497,7 +497,8 @@ class Transformer(Module):
 
     Init like torch: xavier_uniform_ on every parameter with more than one dimension.
     Extras: rotary=True applies RoPE in the self-attention of every layer; memory_efficient=True
-    uses the blockwise attention kernel. The defaults are torch's (the paper's base model);
+    uses the blockwise attention kernel (blocks of block_size keys); attention_backend chooses
+    F.scaled_dot_product_attention's path. The defaults are torch's (the paper's base model);
     batch_first=True is the only layout (npformer is batch-first throughout; interop refuses
     torch modules with batch_first=False). `config=TransformerConfig(...)` instead of the settings
     reaches every option (attention block_size and backend, attention and activation dropout);
@@ -510,14 +511,11 @@ class Transformer(Module):
                  activation: str | Callable[[Tensor], Tensor] = "relu", custom_encoder: Module | None = None,
                  custom_decoder: Module | None = None, layer_norm_eps: float = 1e-5, batch_first: bool = True,
                  norm_first: bool = False, bias: bool = True, device: str | None = None, dtype: DType | None = None,
-                 rotary: bool = False, memory_efficient: bool = False, *, config: TransformerConfig | None = None):
+                 rotary: bool = False, memory_efficient: bool = False, *, block_size: int = 512,
+                 attention_backend: str | None = None, config: TransformerConfig | None = None):
         super().__init__()
-        config = TransformerConfig.from_arguments(
-            config, "Transformer", Transformer.__init__, d_model=d_model, nhead=nhead,
-            num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers,
-            dim_feedforward=dim_feedforward, dropout=dropout, activation=activation, layer_norm_eps=layer_norm_eps,
-            batch_first=batch_first, norm_first=norm_first, bias=bias, device=device, dtype=dtype, rotary=rotary,
-            memory_efficient=memory_efficient)
+        config = layer_config(config, "Transformer", Transformer.__init__, locals(),
+                              LAYER_ARGUMENTS + ("num_encoder_layers", "num_decoder_layers"))
         for name in ("num_encoder_layers", "num_decoder_layers"):  # both stacks are built
             check_int(config[name], name, "Transformer", at_least=1)
         self.config = config
