@@ -294,3 +294,15 @@ def test_the_cache_keeps_its_padding_in_the_internal_convention(rng):
     causal = np.tril(np.ones((3, 3), dtype=bool))
     np.testing.assert_array_equal(mask.mask, causal[None, None] & ~padding[:, None, None, :])
     assert not mask.is_causal
+
+
+def test_a_gelu_tanh_layer_converts_to_torch_and_back(torch, rng):
+    """activation="gelu_tanh" (a name now, run fused with linear1) is torch's GELU(approximate="tanh")."""
+    from npformer import interop
+    ours = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu_tanh").double()
+    theirs = interop.to_torch(ours)
+    assert isinstance(theirs.activation, torch.nn.GELU) and theirs.activation.approximate == "tanh"
+    x = rng.standard_normal((2, 5, 8))
+    want = theirs(torch.tensor(x)).detach().numpy()
+    assert_close(ours(Tensor(x)).numpy(), want, rtol=1e-12, atol=1e-12 * max(1.0, np.abs(want).max()))
+    assert interop.from_torch(theirs).config == ours.config

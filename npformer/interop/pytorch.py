@@ -44,11 +44,12 @@ def _our_dtype(torch_module, owner="from_torch"):
     return dtypes.pop()
 
 
-def _activation_name(layer):
+def _torch_activation(layer):
+    """The torch layer's `activation` argument for ours: torch.nn's names, GELU(tanh) for gelu_tanh."""
     name = layer.activation_name
     if name is None:
-        raise ValueError("to_torch: only activation 'relu' or 'gelu' (given by name) can be converted")
-    return name
+        raise ValueError("to_torch: only activations given by name ('relu', 'gelu', 'gelu_tanh') can be converted")
+    return _torch().nn.GELU(approximate="tanh") if name == "gelu_tanh" else name
 
 
 def _no_rotary(module):
@@ -59,10 +60,11 @@ def _no_rotary(module):
 
 
 def _layer_options(layer):
-    """Constructor arguments shared by our encoder and decoder layers, read off the layer."""
-    return dict(d_model=layer.d_model, nhead=layer.self_attn.num_heads, dim_feedforward=layer.linear1.out_features,
-                dropout=layer.dropout.p, activation=_activation_name(layer), layer_norm_eps=layer.norm1.eps,
-                norm_first=layer.norm_first, bias=layer.linear1.bias is not None)
+    """torch's constructor arguments of our encoder or decoder layer, from its TransformerConfig."""
+    c = layer.config
+    return dict(d_model=c.d_model, nhead=c.nhead, dim_feedforward=c.dim_feedforward, dropout=c.dropout,
+                activation=_torch_activation(layer), layer_norm_eps=c.layer_norm_eps, norm_first=c.norm_first,
+                bias=c.bias)
 
 
 def _torch_layer_options(layer):
@@ -73,8 +75,11 @@ def _torch_layer_options(layer):
         activation = "relu"
     elif act is tF.gelu or (isinstance(act, tnn.GELU) and act.approximate == "none"):
         activation = "gelu"
+    elif isinstance(act, tnn.GELU) and act.approximate == "tanh":
+        activation = "gelu_tanh"
     else:
-        raise ValueError("from_torch: only layers with activation relu or gelu (exact) can be converted")
+        raise ValueError("from_torch: only layers with activation relu or gelu (exact, or GELU(approximate='tanh')) "
+                         "can be converted")
     return dict(d_model=layer.self_attn.embed_dim, nhead=layer.self_attn.num_heads,
                 dim_feedforward=layer.linear1.out_features, dropout=layer.dropout.p,
                 activation=activation, layer_norm_eps=layer.norm1.eps,
