@@ -5,7 +5,7 @@ from typing import Any
 
 import npformer.functional as F
 from autograd import Tensor, backend
-from autograd.backend import Array, ArrayLike
+from autograd.backend import ArrayLike
 
 from .. import nn
 from ._common import EncoderOnlyModel, padding_mask_from_ids, token_ids, valid_positions
