@@ -183,7 +183,8 @@ def _check_section(path, where, value, kind, expected):
 
 def _config_differences(saved, model):
     """'key: file X, model Y' for every config entry where the file and `model.config` differ
-    (an entry missing on one side counts as the default of the model's constructor)."""
+    (an entry missing on one side counts as the default of the model's constructor, or of
+    nn.TransformerConfig for an nn module; its runtime settings never differ)."""
     own = stored_config(model)
     if not isinstance(own, dict) or not isinstance(saved, dict):
         return []
