@@ -129,6 +129,13 @@ def test_a_setting_given_at_the_top_reaches_every_layer_and_attention_module():
     assert all(not a.rotary and a.config == dataclasses.replace(config, rotary=False) for a in cross)
 
 
+def test_device_and_dtype_from_the_top_reach_every_parameter():
+    from autograd import backend
+    model = nn.Transformer(config=nn.TransformerConfig(**SMALL, device="test", dtype=np.float64))
+    assert model.config.dtype == "float64"
+    assert {(backend.device_of(p.data), str(p.dtype)) for p in model.parameters()} == {("test", "float64")}
+
+
 def test_the_torch_signatures_build_the_same_config():
     model = nn.Transformer(**SMALL, dropout=0.0, activation="gelu", norm_first=True, memory_efficient=True)
     expected = nn.TransformerConfig(**SMALL, dropout=0.0, activation="gelu", norm_first=True, memory_efficient=True)
