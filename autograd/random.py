@@ -40,6 +40,7 @@ VALUES_PER_COUNTER = 8                   # 16-bit values per Philox call (128 bi
 _LOW32 = 0xFFFFFFFF
 _CHUNK = 1 << 14                         # counters per chunk on the CPU (temporaries in the cache)
 _REFERENCE_CHUNK = 1 << 20               # counters per chunk elsewhere (48 MB of temporaries)
+WORK_PER_COUNTER = 32                    # entries a counter counts as for autograd.threads (~50 array passes)
 
 
 def default_rng(seed=None, device="cpu"):
@@ -184,7 +185,7 @@ def _high(words):
     return words.view("uint32")[1::2]
 
 
-def _philox_rounds(c0, c1, c2, c3, key, work):
+def _philox_rounds(c0, c1, c2, c3, key, work, rounds=ROUNDS):
     """The ten rounds on 1-D arrays: c0 and c2 uint64 holding 32-bit values (overwritten: their
     high halves stay 0), c1 and c3 uint32 (read only), `work` four uint64 arrays of their length.
     Returns the output words as uint32 views of c0, c2 and `work`.
@@ -199,7 +200,7 @@ def _philox_rounds(c0, c1, c2, c3, key, work):
     k0, k1 = (k if backend.is_array(k) else xp.uint64(int(k) & _LOW32) for k in key)
     m0, m1 = xp.uint64(M0), xp.uint64(M1)
     p0, p0_next, p1, p1_next = work
-    for r in range(ROUNDS):
+    for r in range(rounds):
         if r:
             k0, k1 = (k0 + xp.uint64(W0)) & low, (k1 + xp.uint64(W1)) & low
         xp.multiply(c0, m0, out=p0)                       # (hi0, lo0) = M0 * c0
@@ -248,14 +249,116 @@ def philox_bits16(counters, key):
     return words.view("uint16").reshape(-1)
 
 
-@philox_bits16.register("cpu")
+def _host_key(counters, key, *rest):
+    """Whether the key is two ints (a device (seed, base) array under graph capture is not)."""
+    return not any(backend.is_array(k) for k in key)
+
+
+@philox_bits16.register("cpu", supports=_host_key)
 def philox_bits16_cpu(counters, key):
     """Blocks of counters on the threads of `autograd.threads`, each in chunks of _CHUNK counters
-    whose temporaries stay in the cache."""
+    whose temporaries stay in the cache, with the shortened first rounds of `_fresh_rounds`."""
     n = counters.shape[0]
     words = backend.get_array_module(counters).empty((n, 4), dtype="uint32")
-    threads.for_rows(lambda start, stop: _fill_words(counters, key, words, start, stop, _CHUNK), n, 4 * n, words)
+
+    def block(start, stop):
+        for _ in _words_in_chunks(counters, key, start, stop, words):
+            pass
+
+    threads.for_rows(block, n, WORK_PER_COUNTER * n, words)
     return words.view("uint16").reshape(-1)
+
+
+@kernel_table
+def philox_at_least(counters, key, threshold):
+    """(8 n,) bool: philox_bits16(counters, key) >= threshold, the keep test of a dropout mask."""
+    return philox_bits16(counters, key) >= threshold
+
+
+@philox_at_least.register("cpu", supports=_host_key)
+def philox_at_least_cpu(counters, key, threshold):
+    """philox_bits16_cpu's blocks and chunks, each chunk's 16-bit values compared while they are in
+    the cache (no array of the values: 1 byte per value written instead of 2 written and read)."""
+    xp = backend.get_array_module(counters)
+    n = counters.shape[0]
+    keep = xp.empty(VALUES_PER_COUNTER * n, dtype=bool)
+
+    def block(start, stop):
+        for lo, hi, words in _words_in_chunks(counters, key, start, stop):
+            xp.greater_equal(words.view("uint16").reshape(-1), threshold, out=keep[8 * lo:8 * hi])
+
+    threads.for_rows(block, n, WORK_PER_COUNTER * n, keep)
+    return keep
+
+
+def _words_in_chunks(counters, key, start, stop, words=None):
+    """For each chunk [lo, hi) of at most _CHUNK counters of [start, stop): yields (lo, hi, w),
+    w (hi - lo, 4) uint32 the Philox words of counters[lo:hi], written into words[lo:hi] when
+    `words` is given, else into one buffer reused by the next chunk."""
+    xp = backend.get_array_module(counters)
+    size = min(_CHUNK, stop - start)
+    work = [xp.empty(size, dtype="uint64") for _ in range(6)]
+    buffer = xp.empty((size, 4), dtype="uint32") if words is None else None
+    for lo in range(start, stop, _CHUNK):
+        hi = min(lo + _CHUNK, stop)
+        w = buffer[:hi - lo] if words is None else words[lo:hi]
+        _counter_words_cpu(counters[lo:hi], key, w, [a[:hi - lo] for a in work])
+        yield lo, hi, w
+
+
+def _counter_words_cpu(counters, key, words, work):
+    """_counter_words, with `_fresh_rounds` where the counters share their high word (every chunk
+    but the one that straddles a multiple of 2^32 counters, 2^35 values into a stream)."""
+    xp = backend.get_array_module(counters)
+    high, c0 = work[4], work[5]
+    xp.right_shift(counters, xp.uint64(32), out=high)
+    shared = int(high.min())
+    if shared != int(high.max()):
+        return _counter_words(counters, key, words, work)
+    xp.bitwise_and(counters, xp.uint64(_LOW32), out=c0)
+    for m, w in enumerate(_fresh_rounds(c0, shared, key, work[:5])):
+        words[:, m] = w
+
+
+def _fresh_rounds(c0, high, key, work):
+    """_philox_rounds of the counters (c0, high, 0, 0), the way every stream's counters start:
+    c0 (n,) uint64 holding 32-bit values (overwritten), `high` one int, key two ints, `work` five
+    uint64 arrays of length n. Returns the output words as uint32 views.
+
+    The zero words make the first three rounds cheaper (3 + 5 + 7 array passes instead of 3 x 6,
+    ~15% of the draw): round 1 multiplies c2 = 0, so its c0 is the number high ^ k0 and c1 = 0;
+    round 2 then multiplies that number (one product for every counter) and xors c1 = 0; round 3
+    xors c3, the low half of that product, also one number. Rounds 4-10 are _philox_rounds'."""
+    xp = backend.get_array_module(c0)
+    low, shift = xp.uint64(_LOW32), xp.uint64(32)
+    k0, k1 = int(key[0]) & _LOW32, int(key[1]) & _LOW32
+    p0, p0_next, p1, p1_next, c2 = work
+    # round 1: (hi0, lo0) = M0 c0, M1 c2 = 0  ->  c = (high ^ k0, 0, hi0 ^ k1, lo0)
+    xp.multiply(c0, xp.uint64(M0), out=p0)
+    xp.right_shift(p0, shift, out=c2)
+    c2 ^= xp.uint64(k1)
+    c0_number = high ^ k0
+    # round 2: (hi0, lo0) = M0 c0 is one number; (hi1, lo1) = M1 c2  ->  c = (hi1 ^ 0 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
+    k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
+    product = c0_number * M0
+    xp.multiply(c2, xp.uint64(M1), out=p1)
+    xp.right_shift(p1, shift, out=c0)
+    c0 ^= xp.uint64(k0)
+    xp.bitwise_and(p0, low, out=c2)                   # c3 of round 1: lo0 = the low half of p0
+    c2 ^= xp.uint64((product >> 32) ^ k1)
+    c3_number = product & _LOW32
+    # round 3: c3 is one number  ->  c = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
+    k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
+    xp.multiply(c0, xp.uint64(M0), out=p0_next)
+    xp.multiply(c2, xp.uint64(M1), out=p1_next)
+    xp.bitwise_xor(_high(p1_next), _low(p1), out=_low(c0))
+    c0 ^= xp.uint64(k0)
+    xp.right_shift(p0_next, shift, out=c2)
+    c2 ^= xp.uint64(c3_number ^ k1)
+    # rounds 4-10 as _philox_rounds, from round 4's key
+    k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
+    return _philox_rounds(c0, _low(p1_next), c2, _low(p0_next), (k0, k1), [p0, p0_next, p1, p1_next],
+                          rounds=ROUNDS - 3)
 
 
 def _key(seed):
@@ -267,6 +370,42 @@ def bits16(seed, offset, n, device="cpu", state=None):
     with `state` (a device (2,) uint64 array: seed, base, as under graph capture) those of the
     stream of state[0] from state[1] + offset (state[1] a multiple of 8), without reading state
     on the host."""
+    counters, key, skip = _covering_counters(seed, offset, n, device, state)
+    return philox_bits16(counters, key)[skip:skip + int(n)]
+
+
+def bits16_at_least(seed, offset, n, threshold, device="cpu", state=None):
+    """bits16(seed, offset, n, device, state) >= threshold, (n,) bool (the keep test of a dropout
+    mask), without the array of 16-bit values on the CPU."""
+    counters, key, skip = _covering_counters(seed, offset, n, device, state)
+    return philox_at_least(counters, key, threshold)[skip:skip + int(n)]
+
+
+def bits16_at_least_in_runs(seed, offset, n, threshold, starts, lengths):
+    """(n,) bool on the CPU whose entries i in the runs [starts[r], starts[r] + lengths[r]) are
+    bits16(seed, offset + i) >= threshold, drawing only the counters that cover the runs (an entry
+    outside them is False, or its own test where a counter of a run covers it): a mask whose other
+    entries do not matter (the probabilities above a causal diagonal) costs the values it needs.
+    starts, lengths: (R,) integer arrays, lengths >= 1."""
+    xp = backend.module_for("cpu")
+    first, skip = divmod(int(offset), VALUES_PER_COUNTER)
+    count = -(-(skip + int(n)) // VALUES_PER_COUNTER)
+    starts = xp.asarray(starts, dtype="int64") + skip                             # from value 8 first
+    lo = starts // VALUES_PER_COUNTER
+    hi = (starts + xp.asarray(lengths, dtype="int64") - 1) // VALUES_PER_COUNTER  # last counter of each run
+    # a counter is needed iff some run's [lo, hi] covers it: the running sum of +1 at lo, -1 past hi
+    covered = xp.cumsum(xp.bincount(lo, minlength=count + 1) - xp.bincount(hi + 1, minlength=count + 1)) > 0
+    needed = xp.flatnonzero(covered[:count])
+    keep = xp.zeros(count * VALUES_PER_COUNTER, dtype=bool)
+    drawn = philox_at_least(needed.astype("uint64") + xp.uint64(first), _key(int(seed)), threshold)
+    keep.view("uint64")[needed] = drawn.view("uint64")                            # 8 values per counter
+    return keep[skip:skip + int(n)]
+
+
+def _covering_counters(seed, offset, n, device, state):
+    """(counters, key, skip): the counters covering values offset, ..., offset + n - 1 of the stream
+    (on `device`, moved by the base of `state` when given), the key, and where value `offset` is
+    among the counters' values."""
     xp = backend.module_for(device)
     first = int(offset) // VALUES_PER_COUNTER
     skip = int(offset) - first * VALUES_PER_COUNTER
@@ -276,7 +415,7 @@ def bits16(seed, offset, n, device="cpu", state=None):
     if state is not None:                                               # (1,) arrays, read on the device
         counters += state[1:2] >> xp.uint64(3)
         key = (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
-    return philox_bits16(counters, key)[skip:skip + int(n)]
+    return counters, key, skip
 
 
 def bits16_runs(seed: int, starts, width: int, state=None):

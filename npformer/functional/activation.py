@@ -309,7 +309,7 @@ def keep_mask(shape, p, seed, offset, device, state=None):
     size = math.prod(shape)
     if p == 1.0:                                            # nothing passes a threshold of 2^16
         return backend.module_for(device).zeros(shape, dtype=bool)
-    return (random.bits16(seed, offset, size, device, state=state) >= dropout_threshold(p)).reshape(shape)
+    return random.bits16_at_least(seed, offset, size, dropout_threshold(p), device, state).reshape(shape)
 
 
 def dropout_mask(shape, p, device, generator=None, op="dropout"):
