@@ -291,6 +291,28 @@ def philox_at_least_cpu(counters, key, threshold):
     return keep
 
 
+def for_keep_chunks(seed, offset, n, threshold, kernel):
+    """On the CPU: kernel(start, stop, keep) over consecutive pieces [start, stop) of the n values
+    from `offset` of the stream of `seed`, keep (stop - start,) bool = their bits16 >= threshold,
+    the pieces in blocks on the threads of `autograd.threads` and in cache-sized chunks, so that a
+    kernel applying the mask reads it while it is in the cache (keep is reused: copy what must
+    outlive the call). Which values each piece holds does not change the bits, so the results are
+    the same for any thread count."""
+    xp = backend.module_for("cpu")
+    first, skip = divmod(int(offset), VALUES_PER_COUNTER)
+    count = -(-(skip + int(n)) // VALUES_PER_COUNTER)
+    counters = xp.arange(first, first + count, dtype="uint64")
+    key = _key(int(seed))
+
+    def block(start, stop):
+        for lo, hi, words in _words_in_chunks(counters, key, start, stop):
+            keep = words.view("uint16").reshape(-1) >= threshold          # values 8 lo, ..., 8 hi - 1
+            a, b = max(8 * lo - skip, 0), min(8 * hi - skip, int(n))      # as entries of the mask
+            kernel(a, b, keep[a - (8 * lo - skip):b - (8 * lo - skip)])
+
+    threads.for_rows(block, count, WORK_PER_COUNTER * count)
+
+
 def _words_in_chunks(counters, key, start, stop, words=None):
     """For each chunk [lo, hi) of at most _CHUNK counters of [start, stop): yields (lo, hi, w),
     w (hi - lo, 4) uint32 the Philox words of counters[lo:hi], written into words[lo:hi] when

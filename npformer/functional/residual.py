@@ -10,16 +10,23 @@ from autograd.kernels import kernel_table
 from autograd.random import Philox
 
 from ._common import check_tensor, has_twin
-from .activation import DropoutFunction, dropout_forward, dropout_stream
+from .activation import DropoutFunction, dropout_apply_cpu, dropout_forward, dropout_stream
 
 
 @kernel_table
 def dropout_add_forward(x, residual, seed, offset, p, state=None):
-    """(residual + x * keep / (1 - p), keep or None) for arrays of one shape, with the mask of
-    dropout_forward(x, seed, offset, p, state) (None where the backward draws it again)."""
-    y, keep = dropout_forward(x, seed, offset, p, state)
+    """(residual + x * keep / (1 - p), what dropout_forward(x, seed, offset, p, state) returns for
+    the backward (its multiplier, or None where the backward draws the mask again)) for arrays of
+    one shape."""
+    y, multiplier = dropout_forward(x, seed, offset, p, state)
     y += residual
-    return y, keep
+    return y, multiplier
+
+
+@dropout_add_forward.register("cpu", supports=lambda x, residual, seed, offset, p, state=None: state is None and p < 1.0)
+def dropout_add_forward_cpu(x, residual, seed, offset, p, state=None):
+    """Mask, multiply and add chunk by chunk in the cache (activation.dropout_apply_cpu)."""
+    return dropout_apply_cpu(x, seed, offset, p, residual)
 
 
 class DropoutAddFunction(Function):
@@ -27,8 +34,8 @@ class DropoutAddFunction(Function):
 
     @staticmethod
     def forward(ctx, x, residual, seed, offset, p, state=None):
-        y, keep = dropout_add_forward(x, residual, seed, offset, p, state)   # keep None: drawn again
-        ctx.save_for_backward(keep)
+        y, multiplier = dropout_add_forward(x, residual, seed, offset, p, state)   # None: drawn again
+        ctx.save_for_backward(multiplier)
         ctx.stream = (seed, offset, p, state)
         return y
 
