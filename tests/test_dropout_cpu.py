@@ -1,7 +1,7 @@
 """The CPU's fast dropout paths give the bits of the references, for any thread count: the Philox
 rounds shortened for fresh counters (across a multiple of 2^32 counters too), the keep test drawn
-in cache-sized chunks, dropout (and dropout + residual) applied chunk by chunk with the saved
-multiplier, and causal attention drawing only the counters under its diagonal. Chunks are made
+in cache-sized chunks, dropout (and dropout + residual) applied and differentiated chunk by
+chunk, and causal attention drawing only the counters under its diagonal. Chunks are made
 tiny here (random._CHUNK) so that odd sizes, offsets and chunk and block boundaries all occur."""
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from autograd import threads as _threads
 from autograd.gradcheck import vjp
 from autograd.kernels import reference_only
 from npformer import functional as F
-from npformer.functional.activation import dropout_backward, dropout_forward, dropout_multiplier, keep_mask
+from npformer.functional.activation import dropout_backward, dropout_forward, keep_mask
 from npformer.functional.attention import attention_keep_mask
 from npformer.functional.residual import dropout_add_forward
 
@@ -72,18 +72,17 @@ def test_cpu_dropout_equals_the_reference_bit_for_bit(shape, offset, p, dtype, s
     x.reshape(-1)[:3] = [np.inf, -0.0, np.nan]                                # inf * 0, signed zeros, NaN
     with np.errstate(invalid="ignore"):                                       # inf * 0 (dropped) is NaN, as in torch
         with reference_only():
-            y_ref, m_ref = dropout_forward(x, 7, offset, p)
+            y_ref, keep_ref = dropout_forward(x, 7, offset, p)
             add_ref, _ = dropout_add_forward(x, residual, 7, offset, p)
-            dx_ref = dropout_backward(dy, m_ref, 7, offset, p)
-        y, m = dropout_forward(x, 7, offset, p)
-        add, _ = dropout_add_forward(x, residual, 7, offset, p)
-        expected = x * keep_mask(shape, p, 7, offset, "cpu")                  # y = (x * keep) / (1 - p) to the bit
-        expected *= 1.0 / (1.0 - p)
-    for ours, ref in ((y, y_ref), (m, m_ref), (add, add_ref), (dropout_backward(dy, m, 7, offset, p), dx_ref),
-                      (y, expected)):
+            dx_ref = dropout_backward(dy, keep_ref, 7, offset, p)
+        y, keep = dropout_forward(x, 7, offset, p)
+        add, keep_add = dropout_add_forward(x, residual, 7, offset, p)
+        dx = dropout_backward(dy, keep, 7, offset, p)
+    np.testing.assert_array_equal(keep, keep_mask(shape, p, 7, offset, "cpu"))
+    np.testing.assert_array_equal(keep_add, keep)
+    for ours, ref in ((y, y_ref), (add, add_ref), (dx, dx_ref)):
         assert ours.dtype == dtype and ours.shape == shape
         np.testing.assert_array_equal(ours.view(f"u{ours.itemsize}"), ref.view(f"u{ref.itemsize}"))
-    np.testing.assert_array_equal(m, dropout_multiplier(keep_mask(shape, p, 7, offset, "cpu"), p, dtype))
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (2, 9, 4), (1, 1, 1), (4, 64, 64), (3, 6, 6)])

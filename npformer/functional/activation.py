@@ -229,71 +229,87 @@ class DropoutFunction(Function):
     """y = x * keep / (1 - p), any shape, keep_i = bits16(seed, offset + i) >= threshold over the
     flat (C-order) index i of x.  dx = dy * keep / (1 - p).
 
-    What backward needs comes from the kernel table: on the CPU the multiplier m = keep / (1 - p)
-    in x's dtype (one multiply in backward, cheaper than drawing the mask again), on a GPU
-    nothing (the kernel regenerates it)."""
+    What backward needs comes from the kernel table: on the CPU the mask (1 byte per entry,
+    cheaper than drawing it again), on a GPU nothing (the kernel regenerates it)."""
 
     @staticmethod
     def forward(ctx, x, seed, offset, p, state=None):
-        y, multiplier = dropout_forward(x, seed, offset, p, state)    # (...), (...) or None
-        ctx.save_for_backward(multiplier)
+        y, keep = dropout_forward(x, seed, offset, p, state)    # (...), (...) bool or None
+        ctx.save_for_backward(keep)
         ctx.stream = (seed, offset, p, state)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (multiplier,) = ctx.saved_tensors
+        (keep,) = ctx.saved_tensors
         # y = x * keep / (1 - p)  ->  dx = dy * keep / (1 - p)
-        return dropout_backward(dy, multiplier, *ctx.stream)
+        return dropout_backward(dy, keep, *ctx.stream)
 
 
 @kernel_table
 def dropout_forward(x, seed, offset, p, state=None):
-    """(y, m): y = x * m with m = keep / (1 - p) in x's dtype (the mask of `keep_mask`), m
-    returned for the backward (implementations that regenerate it return None instead). The
-    same bits as (x * keep) / (1 - p): a kept entry is x * s, a dropped one x * 0 either way.
-    state: None, or under graph capture the device (seed, base) of the draw (PhiloxDraw)."""
-    multiplier = dropout_multiplier(keep_mask(x.shape, p, seed, offset, backend.device_of(x), state), p, x.dtype)
-    return elementwise_product(x, multiplier), multiplier
+    """(y, keep): y = x * keep / (1 - p) with the mask of `keep_mask`, which is returned for
+    the backward (implementations that regenerate it return None instead). state: None, or under
+    graph capture the device (seed, base) of the draw (autograd.random.PhiloxDraw)."""
+    keep = keep_mask(x.shape, p, seed, offset, backend.device_of(x), state)
+    return elementwise_product(x, keep, dropout_scale(p)), keep
 
 
 @dropout_forward.register("cpu", supports=lambda x, seed, offset, p, state=None: state is None and p < 1.0)
 def dropout_forward_cpu(x, seed, offset, p, state=None):
-    """The mask drawn, turned into the multiplier and applied chunk by chunk while it is in the
-    cache, in blocks on the threads (random.for_keep_chunks)."""
+    """The mask drawn and applied chunk by chunk while it is in the cache, in blocks on the threads
+    (random.for_keep_chunks)."""
     return dropout_apply_cpu(x, seed, offset, p)
 
 
 def dropout_apply_cpu(x, seed, offset, p, residual=None):
-    """(x * m (+ residual), m) on the CPU, m = keep / (1 - p) in x's dtype, in cache-sized chunks."""
+    """(x * keep / (1 - p) (+ residual), keep) on the CPU in cache-sized chunks: each chunk's mask
+    is copied out for the backward and applied as the multiplier m = keep / (1 - p) (a chunk-sized
+    buffer): x * m has the bits of (x * keep) / (1 - p), a kept entry being x / (1 - p) and a
+    dropped one x * 0 either way."""
     xp = backend.get_array_module(x)
     xf = x.reshape(-1)
     rf = None if residual is None else residual.reshape(-1)
-    y, multiplier = xp.empty_like(xf), xp.empty_like(xf)
+    y, keep = xp.empty_like(xf), xp.empty(x.size, dtype=bool)
     scale = dropout_scale(p)
 
-    def apply(start, stop, keep):
-        m, out = multiplier[start:stop], y[start:stop]
-        xp.multiply(keep, scale, out=m, dtype=m.dtype)
-        xp.multiply(xf[start:stop], m, out=out)
+    def apply(start, stop, piece):
+        keep[start:stop] = piece
+        out = y[start:stop]
+        xp.multiply(piece, scale, out=out, dtype=out.dtype)        # m = keep / (1 - p)
+        out *= xf[start:stop]
         if rf is not None:
             out += rf[start:stop]
 
     random.for_keep_chunks(seed, offset, x.size, dropout_threshold(p), apply)
-    return y.reshape(x.shape), multiplier.reshape(x.shape)
+    return y.reshape(x.shape), keep.reshape(x.shape)
 
 
 @kernel_table
-def dropout_backward(dy, multiplier, seed, offset, p, state=None):
-    """dx = dy * keep / (1 - p), with the forward's multiplier (regenerated when None)."""
-    if multiplier is None:
-        multiplier = dropout_multiplier(keep_mask(dy.shape, p, seed, offset, backend.device_of(dy), state), p, dy.dtype)
-    return elementwise_product(dy, multiplier)
+def dropout_backward(dy, keep, seed, offset, p, state=None):
+    """dx = dy * keep / (1 - p) with the forward's mask `keep` (regenerated when None)."""
+    if keep is None:
+        keep = keep_mask(dy.shape, p, seed, offset, backend.device_of(dy), state)
+    return elementwise_product(dy, keep, dropout_scale(p))
 
 
-def dropout_multiplier(keep, p, dtype):
-    """keep / (1 - p) in `dtype`: 1 / (1 - p) where kept, 0 where dropped."""
-    return backend.get_array_module(keep).multiply(keep, dropout_scale(p), dtype=dtype)
+@dropout_backward.register("cpu", supports=lambda dy, keep, seed, offset, p, state=None: keep is not None)
+def dropout_backward_cpu(dy, keep, seed, offset, p, state=None):
+    """dy * m, m = keep / (1 - p) made chunk by chunk in the cache (the bits of (dy * keep) / (1 - p)),
+    in flat blocks on the threads."""
+    xp = backend.get_array_module(dy)
+    df, kf = dy.reshape(-1), keep.reshape(-1)
+    dx = xp.empty_like(df)
+    scale = dropout_scale(p)
+
+    @in_cache_chunks
+    def block(start, stop):
+        out = dx[start:stop]
+        xp.multiply(kf[start:stop], scale, out=out, dtype=out.dtype)
+        out *= df[start:stop]
+
+    for_rows(block, df.size, df.size, dy)
+    return dx.reshape(dy.shape)
 
 
 def elementwise_product(a, b, scale=None):

@@ -22,7 +22,7 @@ from autograd.kernels import kernel_table
 from autograd.threads import for_rows, row_blocks, run_blocks
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
-from .activation import dropout_multiplier, dropout_scale, dropout_stream, dropout_threshold, keep_mask
+from .activation import dropout_scale, dropout_stream, dropout_threshold, keep_mask
 from .softmax import softmax_backward, softmax_forward
 
 BACKENDS = ("naive", "memory_efficient", "flash")
@@ -66,20 +66,20 @@ class AttentionFunction(Function):
     """q (..., Tq, hd), k (..., Tk, hd), v (..., Tk, hdv) [, additive mask] -> out (..., Tq, hdv)
     [, P (..., Tq, Tk)].
 
-    S = s Q K^T + mask, P = softmax(S) (dropout: Pd = P * m, m = keep / (1 - p)), O = Pd V;
+    S = s Q K^T + mask, P = softmax(S) (dropout: Pd = P * keep / (1 - p)), O = Pd V;
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
     dQ = s dS K, dK = s dS^T Q, and d(additive mask) = dS summed over its broadcast axes.
     With set_num_threads(n > 1), blocks of the first batch axis run in the threads of `autograd.threads`.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, additive, blocked, causal, scale, multiplier, return_weights):
+    def forward(ctx, q, k, v, additive, blocked, causal, scale, keep, dropout_scale, return_weights):
         xp = backend.get_array_module(q)
         lead = _lead_shape(q, k, v)
         mask = _at_least_2d(additive)
         probs = xp.empty(lead + (q.shape[-2], k.shape[-2]), dtype=q.dtype)   # (..., Tq, Tk)
         out = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)     # (..., Tq, hdv)
-        weights = xp.empty_like(probs) if multiplier is not None and return_weights else None
+        weights = xp.empty_like(probs) if keep is not None and return_weights else None
 
         def forward_block(start, stop):
             part = _batch_block(lead, start, stop)
@@ -87,19 +87,20 @@ class AttentionFunction(Function):
                               out=part(probs))                                # S
             softmax_forward(s, -1, out=s)                                     # P
             dropped = s
-            if multiplier is not None:                                        # Pd = P * m
-                dropped = xp.multiply(s, part(multiplier), out=part(weights))
+            if keep is not None:                                              # Pd = P * keep / (1 - p)
+                dropped = xp.multiply(s, part(keep), out=part(weights))
+                dropped *= dropout_scale
             xp.matmul(dropped, part(v), out=part(out))                        # O = Pd V
 
         run_blocks(forward_block, _batch_blocks(lead, (q, k, v), probs.size, q))
-        ctx.save_for_backward(q, k, v, probs, multiplier)
-        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, probs, keep)
+        ctx.scale, ctx.dropout_scale = scale, dropout_scale
         ctx.mask_shape = None if additive is None else additive.shape
         return (out, probs if weights is None else weights) if return_weights else out
 
     @staticmethod
     def backward(ctx, dout, dweights=None):
-        q, k, v, probs, multiplier = ctx.saved_tensors
+        q, k, v, probs, keep = ctx.saved_tensors
         xp = backend.get_array_module(dout)
         need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
         lead = probs.shape[:-2]
@@ -112,8 +113,9 @@ class AttentionFunction(Function):
             part = _batch_block(lead, start, stop)
             p, do = part(probs), part(dout)
             dropped = p
-            if multiplier is not None:
-                dropped = p * part(multiplier)
+            if keep is not None:
+                dropped = p * part(keep)
+                dropped *= ctx.dropout_scale
             # O = Pd V  ->  dV = Pd^T dO
             if need_v:
                 xp.matmul(dropped.swapaxes(-1, -2), do, out=part(dv))
@@ -123,9 +125,10 @@ class AttentionFunction(Function):
             dprobs = do @ part(v).swapaxes(-1, -2)                            # (..., Tq, Tk)
             if dweights is not None:
                 dprobs += part(dweights)
-            # Pd = P * m  ->  dP = dPd * m
-            if multiplier is not None:
-                dprobs *= part(multiplier)
+            # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
+            if keep is not None:
+                dprobs *= part(keep)
+                dprobs *= ctx.dropout_scale
             # P = softmax(S)  ->  dS = P (dP - rowsum(dP P)); masked entries have P = 0, so dS = 0
             dscores = softmax_backward(p, dprobs, -1, out=dprobs)             # (..., Tq, Tk)
             # S = s Q K^T + mask  ->  d(mask) = dS
@@ -551,13 +554,13 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
     path, _ = _choose_path(call, return_weights, backend, memory_efficient, op)
     p = call.dropout_p
     if path == "naive":
-        multiplier = None                                   # keep / (1 - p) in the query's dtype
+        keep = None
         if p > 0:
             draw = dropout_stream(generator, op).draw(math.prod(call.score_shape), _device(call.q))
             keep = attention_keep_mask(call.q, call.score_shape, p, draw.seed, draw.offset, call.causal, draw.state)
-            multiplier = dropout_multiplier(keep, p, call.q.dtype)
         return AttentionFunction.apply(query, key, value, call.additive, blocked=call.blocked, causal=call.causal,
-                                       scale=call.scale, multiplier=multiplier, return_weights=bool(return_weights))
+                                       scale=call.scale, keep=keep, dropout_scale=dropout_scale(p),
+                                       return_weights=bool(return_weights))
     block_size = check_int(block_size, "block_size", op, at_least=1)
     dropout = None
     if p > 0:

@@ -15,12 +15,11 @@ from .activation import DropoutFunction, dropout_apply_cpu, dropout_forward, dro
 
 @kernel_table
 def dropout_add_forward(x, residual, seed, offset, p, state=None):
-    """(residual + x * keep / (1 - p), what dropout_forward(x, seed, offset, p, state) returns for
-    the backward (its multiplier, or None where the backward draws the mask again)) for arrays of
-    one shape."""
-    y, multiplier = dropout_forward(x, seed, offset, p, state)
+    """(residual + x * keep / (1 - p), keep or None) for arrays of one shape, with the mask of
+    dropout_forward(x, seed, offset, p, state) (None where the backward draws it again)."""
+    y, keep = dropout_forward(x, seed, offset, p, state)
     y += residual
-    return y, multiplier
+    return y, keep
 
 
 @dropout_add_forward.register("cpu", supports=lambda x, residual, seed, offset, p, state=None: state is None and p < 1.0)
@@ -34,8 +33,8 @@ class DropoutAddFunction(Function):
 
     @staticmethod
     def forward(ctx, x, residual, seed, offset, p, state=None):
-        y, multiplier = dropout_add_forward(x, residual, seed, offset, p, state)   # None: drawn again
-        ctx.save_for_backward(multiplier)
+        y, keep = dropout_add_forward(x, residual, seed, offset, p, state)   # keep None: drawn again
+        ctx.save_for_backward(keep)
         ctx.stream = (seed, offset, p, state)
         return y
 

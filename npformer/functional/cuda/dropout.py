@@ -37,9 +37,9 @@ def dropout_forward_cuda(x, seed, offset, p, state=None):
     return dropout_apply(x, seed, offset, p, state), None      # the backward regenerates the mask
 
 
-@dropout_backward.register("cuda", supports=lambda dy, multiplier, seed, offset, p, state=None:
-                           multiplier is None and supported_dtype(dy))
-def dropout_backward_cuda(dy, multiplier, seed, offset, p, state=None):
+@dropout_backward.register("cuda", supports=lambda dy, keep, seed, offset, p, state=None:
+                           keep is None and supported_dtype(dy))
+def dropout_backward_cuda(dy, keep, seed, offset, p, state=None):
     return dropout_apply(dy, seed, offset, p, state)
 
 
