@@ -38,9 +38,13 @@ W0, W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments (golden ratio, sq
 ROUNDS = 10
 VALUES_PER_COUNTER = 8                   # 16-bit values per Philox call (128 bits)
 _LOW32 = 0xFFFFFFFF
-_CHUNK = 1 << 14                         # counters per chunk on the CPU (temporaries in the cache)
 _REFERENCE_CHUNK = 1 << 20               # counters per chunk elsewhere (48 MB of temporaries)
-WORK_PER_COUNTER = 32                    # entries a counter counts as for autograd.threads (~50 array passes)
+# The CPU's counters per chunk (48 bytes of temporaries each): alone, 2^15 (1.5 MB, in the core's
+# cache); on threads, 2^16 per chunk and at least that many per thread: each of the ~55 numpy calls
+# of a chunk then takes ~20 us, while calls of ~5 us make two threads wait on each other for the
+# GIL (slower than one thread). A mask of 2^20 values: 4.4 ms alone, 3.2 ms on 2 threads.
+_CHUNK = 1 << 15
+_PARALLEL_CHUNK = 1 << 16
 
 
 def default_rng(seed=None, device="cpu"):
@@ -256,16 +260,16 @@ def _host_key(counters, key, *rest):
 
 @philox_bits16.register("cpu", supports=_host_key)
 def philox_bits16_cpu(counters, key):
-    """Blocks of counters on the threads of `autograd.threads`, each in chunks of _CHUNK counters
+    """Blocks of counters on the threads of `autograd.threads` (_run_counter_blocks), each in chunks
     whose temporaries stay in the cache, with the shortened first rounds of `_fresh_rounds`."""
     n = counters.shape[0]
     words = backend.get_array_module(counters).empty((n, 4), dtype="uint32")
 
-    def block(start, stop):
-        for _ in _words_in_chunks(counters, key, start, stop, words):
+    def block(start, stop, chunk):
+        for _ in _words_in_chunks(counters, key, start, stop, chunk, words):
             pass
 
-    threads.for_rows(block, n, WORK_PER_COUNTER * n, words)
+    _run_counter_blocks(block, n)
     return words.view("uint16").reshape(-1)
 
 
@@ -283,11 +287,11 @@ def philox_at_least_cpu(counters, key, threshold):
     n = counters.shape[0]
     keep = xp.empty(VALUES_PER_COUNTER * n, dtype=bool)
 
-    def block(start, stop):
-        for lo, hi, words in _words_in_chunks(counters, key, start, stop):
+    def block(start, stop, chunk):
+        for lo, hi, words in _words_in_chunks(counters, key, start, stop, chunk):
             xp.greater_equal(words.view("uint16").reshape(-1), threshold, out=keep[8 * lo:8 * hi])
 
-    threads.for_rows(block, n, WORK_PER_COUNTER * n, keep)
+    _run_counter_blocks(block, n)
     return keep
 
 
@@ -304,25 +308,34 @@ def for_keep_chunks(seed, offset, n, threshold, kernel):
     counters = xp.arange(first, first + count, dtype="uint64")
     key = _key(int(seed))
 
-    def block(start, stop):
-        for lo, hi, words in _words_in_chunks(counters, key, start, stop):
+    def block(start, stop, chunk):
+        for lo, hi, words in _words_in_chunks(counters, key, start, stop, chunk):
             keep = words.view("uint16").reshape(-1) >= threshold          # values 8 lo, ..., 8 hi - 1
             a, b = max(8 * lo - skip, 0), min(8 * hi - skip, int(n))      # as entries of the mask
             kernel(a, b, keep[a - (8 * lo - skip):b - (8 * lo - skip)])
 
-    threads.for_rows(block, count, WORK_PER_COUNTER * count)
+    _run_counter_blocks(block, count)
 
 
-def _words_in_chunks(counters, key, start, stop, words=None):
-    """For each chunk [lo, hi) of at most _CHUNK counters of [start, stop): yields (lo, hi, w),
+def _run_counter_blocks(block, count):
+    """block(start, stop, chunk) over blocks of `count` counters: one block in chunks of _CHUNK, or,
+    when every thread of `autograd.threads` gets at least _PARALLEL_CHUNK counters, one block per
+    thread in chunks of _PARALLEL_CHUNK."""
+    blocks = threads.row_blocks(count, threads.MIN_PARALLEL_ENTRIES) if count >= 2 * _PARALLEL_CHUNK else [(0, count)]
+    chunk = _CHUNK if len(blocks) == 1 else _PARALLEL_CHUNK
+    threads.run_blocks(lambda start, stop: block(start, stop, chunk), blocks)
+
+
+def _words_in_chunks(counters, key, start, stop, chunk, words=None):
+    """For each chunk [lo, hi) of at most `chunk` counters of [start, stop): yields (lo, hi, w),
     w (hi - lo, 4) uint32 the Philox words of counters[lo:hi], written into words[lo:hi] when
     `words` is given, else into one buffer reused by the next chunk."""
     xp = backend.get_array_module(counters)
-    size = min(_CHUNK, stop - start)
+    size = min(chunk, stop - start)
     work = [xp.empty(size, dtype="uint64") for _ in range(6)]
     buffer = xp.empty((size, 4), dtype="uint32") if words is None else None
-    for lo in range(start, stop, _CHUNK):
-        hi = min(lo + _CHUNK, stop)
+    for lo in range(start, stop, chunk):
+        hi = min(lo + chunk, stop)
         w = buffer[:hi - lo] if words is None else words[lo:hi]
         _counter_words_cpu(counters[lo:hi], key, w, [a[:hi - lo] for a in work])
         yield lo, hi, w

@@ -18,10 +18,11 @@ from npformer.functional.residual import dropout_add_forward
 
 @pytest.fixture(params=[1, 2, 3], ids=lambda n: f"{n}threads")
 def small_chunks(request, monkeypatch):
-    """n threads, every block split, 40 counters (320 values) per chunk."""
+    """n threads, blocks split from 48 counters on, 40 counters (320 values) per chunk alone, 24 on threads."""
     saved = _threads.get_num_threads()
     monkeypatch.setattr(_threads, "MIN_PARALLEL_ENTRIES", 0)
     monkeypatch.setattr(random, "_CHUNK", 40)
+    monkeypatch.setattr(random, "_PARALLEL_CHUNK", 24)
     _threads.set_num_threads(request.param)
     yield request.param
     _threads.set_num_threads(saved)
