@@ -445,12 +445,18 @@ def _covering_counters(seed, offset, n, device, state):
     first = int(offset) // VALUES_PER_COUNTER
     skip = int(offset) - first * VALUES_PER_COUNTER
     count = -(-(skip + int(n)) // VALUES_PER_COUNTER)                   # counters covering the range
-    counters = xp.arange(first, first + count, dtype="uint64")
-    key = _key(int(seed))
-    if state is not None:                                               # (1,) arrays, read on the device
-        counters += state[1:2] >> xp.uint64(3)
-        key = (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
+    counters, key = _from_state(xp.arange(first, first + count, dtype="uint64"), _key(int(seed)), state)
     return counters, key, skip
+
+
+def _from_state(counters, key, state):
+    """(counters, key), or under graph capture (state: the device (seed, base), (1,) arrays read on
+    the device, base a multiple of 8) the counters moved by base / 8 and the key of state[0]."""
+    if state is None:
+        return counters, key
+    xp = backend.get_array_module(counters)
+    counters += state[1:2] >> xp.uint64(3)
+    return counters, (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
 
 
 def bits16_runs(seed: int, starts, width: int, state=None):
@@ -462,11 +468,7 @@ def bits16_runs(seed: int, starts, width: int, state=None):
     xp = backend.get_array_module(starts)
     per_run = -(-(int(width) + VALUES_PER_COUNTER - 1) // VALUES_PER_COUNTER)   # covers any skip < 8
     first = starts // xp.uint64(VALUES_PER_COUNTER)                              # (R,)
-    counters = first[:, None] + xp.arange(per_run, dtype="uint64")              # (R, per_run)
-    key = _key(int(seed))
-    if state is not None:                                                        # base a multiple of 8
-        counters += state[1:2] >> xp.uint64(3)
-        key = (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
+    counters, key = _from_state(first[:, None] + xp.arange(per_run, dtype="uint64"), _key(int(seed)), state)
     values = philox_bits16(counters.reshape(-1), key).reshape(starts.shape[0], -1)
     skip = (starts - first * xp.uint64(VALUES_PER_COUNTER)).astype("int64")     # (R,) in [0, 8)
     return xp.take_along_axis(values, skip[:, None] + xp.arange(int(width)), axis=1)
