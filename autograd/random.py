@@ -25,6 +25,7 @@ a (2,) uint64 array (seed, base) that kernels read (`PhiloxDraw.state`), rewritt
 replay with the next unused offset, like torch's Philox state under CUDA graphs. Dropout sites
 draw with `draw(n, device)` and pass its `state` on (to `bits16` or a kernel).
 """
+import threading
 from typing import Any, NamedTuple
 
 from . import backend, graphs, threads
@@ -38,8 +39,13 @@ W0, W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments (golden ratio, sq
 ROUNDS = 10
 VALUES_PER_COUNTER = 8                   # 16-bit values per Philox call (128 bits)
 _LOW32 = 0xFFFFFFFF
-_CHUNK = 1 << 14                         # counters per chunk on the CPU (temporaries in the cache)
 _REFERENCE_CHUNK = 1 << 20               # counters per chunk elsewhere (48 MB of temporaries)
+# The CPU's counters per chunk (48 bytes of temporaries each): alone, 2^15 (1.5 MB, in the core's
+# cache); on threads, 2^16 per chunk and at least that many per thread: each of the ~55 numpy calls
+# of a chunk then takes ~20 us, while calls of ~5 us make two threads wait on each other for the
+# GIL (slower than one thread). A dropout over 2^20 entries: 4.2 ms alone, 3.0 ms on 2 threads.
+_CHUNK = 1 << 15
+_PARALLEL_CHUNK = 1 << 16
 
 
 def default_rng(seed=None, device="cpu"):
@@ -184,7 +190,7 @@ def _high(words):
     return words.view("uint32")[1::2]
 
 
-def _philox_rounds(c0, c1, c2, c3, key, work):
+def _philox_rounds(c0, c1, c2, c3, key, work, rounds=ROUNDS):
     """The ten rounds on 1-D arrays: c0 and c2 uint64 holding 32-bit values (overwritten: their
     high halves stay 0), c1 and c3 uint32 (read only), `work` four uint64 arrays of their length.
     Returns the output words as uint32 views of c0, c2 and `work`.
@@ -199,7 +205,7 @@ def _philox_rounds(c0, c1, c2, c3, key, work):
     k0, k1 = (k if backend.is_array(k) else xp.uint64(int(k) & _LOW32) for k in key)
     m0, m1 = xp.uint64(M0), xp.uint64(M1)
     p0, p0_next, p1, p1_next = work
-    for r in range(ROUNDS):
+    for r in range(rounds):
         if r:
             k0, k1 = (k0 + xp.uint64(W0)) & low, (k1 + xp.uint64(W1)) & low
         xp.multiply(c0, m0, out=p0)                       # (hi0, lo0) = M0 * c0
@@ -248,14 +254,156 @@ def philox_bits16(counters, key):
     return words.view("uint16").reshape(-1)
 
 
-@philox_bits16.register("cpu")
+def _host_key(counters, key, *rest):
+    """Whether the key is two ints (a device (seed, base) array under graph capture is not)."""
+    return not any(backend.is_array(k) for k in key)
+
+
+@philox_bits16.register("cpu", supports=_host_key)
 def philox_bits16_cpu(counters, key):
-    """Blocks of counters on the threads of `autograd.threads`, each in chunks of _CHUNK counters
-    whose temporaries stay in the cache."""
+    """Blocks of counters on the threads of `autograd.threads` (_run_counter_blocks), each in chunks
+    whose temporaries stay in the cache, with the shortened first rounds of `_fresh_rounds`."""
     n = counters.shape[0]
     words = backend.get_array_module(counters).empty((n, 4), dtype="uint32")
-    threads.for_rows(lambda start, stop: _fill_words(counters, key, words, start, stop, _CHUNK), n, 4 * n, words)
+
+    def block(start, stop, chunk):
+        for _ in _words_in_chunks(counters, key, start, stop, chunk, words):
+            pass
+
+    _run_counter_blocks(block, n)
     return words.view("uint16").reshape(-1)
+
+
+@kernel_table
+def philox_at_least(counters, key, threshold):
+    """(8 n,) bool: philox_bits16(counters, key) >= threshold, the keep test of a dropout mask."""
+    return philox_bits16(counters, key) >= threshold
+
+
+@philox_at_least.register("cpu", supports=_host_key)
+def philox_at_least_cpu(counters, key, threshold):
+    """philox_bits16_cpu's blocks and chunks, each chunk's 16-bit values compared while they are in
+    the cache (no array of the values: 1 byte per value written instead of 2 written and read)."""
+    xp = backend.get_array_module(counters)
+    n = counters.shape[0]
+    keep = xp.empty(VALUES_PER_COUNTER * n, dtype=bool)
+
+    def block(start, stop, chunk):
+        for lo, hi, words in _words_in_chunks(counters, key, start, stop, chunk):
+            xp.greater_equal(words.view("uint16").reshape(-1), threshold, out=keep[8 * lo:8 * hi])
+
+    _run_counter_blocks(block, n)
+    return keep
+
+
+def for_keep_chunks(seed, offset, n, threshold, kernel):
+    """On the CPU: kernel(start, stop, keep) over consecutive pieces [start, stop) of the n values
+    from `offset` of the stream of `seed`, keep (stop - start,) bool = their bits16 >= threshold,
+    the pieces in blocks on the threads of `autograd.threads` and in cache-sized chunks, so that a
+    kernel applying the mask reads it while it is in the cache (keep is reused: copy what must
+    outlive the call). Which values each piece holds does not change the bits, so the results are
+    the same for any thread count."""
+    xp = backend.module_for("cpu")
+    first, skip = divmod(int(offset), VALUES_PER_COUNTER)
+    count = -(-(skip + int(n)) // VALUES_PER_COUNTER)
+    counters = xp.arange(first, first + count, dtype="uint64")
+    key = _key(int(seed))
+
+    def block(start, stop, chunk):
+        for lo, hi, words in _words_in_chunks(counters, key, start, stop, chunk):
+            keep = words.view("uint16").reshape(-1) >= threshold          # values 8 lo, ..., 8 hi - 1
+            a, b = max(8 * lo - skip, 0), min(8 * hi - skip, int(n))      # as entries of the mask
+            kernel(a, b, keep[a - (8 * lo - skip):b - (8 * lo - skip)])
+
+    _run_counter_blocks(block, count)
+
+
+def _run_counter_blocks(block, count):
+    """block(start, stop, chunk) over blocks of `count` counters: one block in chunks of _CHUNK, or,
+    when every thread of `autograd.threads` gets at least _PARALLEL_CHUNK counters, one block per
+    thread in chunks of _PARALLEL_CHUNK."""
+    blocks = threads.row_blocks(count, threads.MIN_PARALLEL_ENTRIES) if count >= 2 * _PARALLEL_CHUNK else [(0, count)]
+    chunk = _CHUNK if len(blocks) == 1 else _PARALLEL_CHUNK
+    threads.run_blocks(lambda start, stop: block(start, stop, chunk), blocks)
+
+
+def _words_in_chunks(counters, key, start, stop, chunk, words=None):
+    """For each chunk [lo, hi) of at most `chunk` counters of [start, stop): yields (lo, hi, w),
+    w (hi - lo, 4) uint32 the Philox words of counters[lo:hi], written into words[lo:hi] when
+    `words` is given, else into a buffer reused by the next chunk. The temporaries are kept per
+    thread between draws: fresh ones cost page faults at every draw (a draw of 2^15 counters
+    took 1.47 ms instead of ~1.1)."""
+    buffers = _scratch.__dict__.pop("buffers", None)          # taken while in use: a nested draw makes its own
+    if buffers is None or buffers[0].shape[0] < min(chunk, stop - start):
+        xp = backend.get_array_module(counters)
+        size = max(min(chunk, stop - start), 0 if buffers is None else buffers[0].shape[0])
+        buffers = [xp.empty(size, dtype="uint64") for _ in range(6)] + [xp.empty((size, 4), dtype="uint32")]
+    try:
+        for lo in range(start, stop, chunk):
+            hi = min(lo + chunk, stop)
+            w = buffers[6][:hi - lo] if words is None else words[lo:hi]
+            _counter_words_cpu(counters[lo:hi], key, w, [a[:hi - lo] for a in buffers[:6]])
+            yield lo, hi, w
+    finally:
+        _scratch.buffers = buffers
+
+
+_scratch = threading.local()                                  # .buffers: _words_in_chunks' temporaries
+
+
+def _counter_words_cpu(counters, key, words, work):
+    """_counter_words, with `_fresh_rounds` where the counters share their high word (every chunk
+    but the one that straddles a multiple of 2^32 counters, 2^35 values into a stream)."""
+    xp = backend.get_array_module(counters)
+    high, c0 = work[4], work[5]
+    xp.right_shift(counters, xp.uint64(32), out=high)
+    shared = int(high.min())
+    if shared != int(high.max()):
+        return _counter_words(counters, key, words, work)
+    xp.bitwise_and(counters, xp.uint64(_LOW32), out=c0)
+    for m, w in enumerate(_fresh_rounds(c0, shared, key, work[:5])):
+        words[:, m] = w
+
+
+def _fresh_rounds(c0, high, key, work):
+    """_philox_rounds of the counters (c0, high, 0, 0), the way every stream's counters start:
+    c0 (n,) uint64 holding 32-bit values (overwritten), `high` one int, key two ints, `work` five
+    uint64 arrays of length n. Returns the output words as uint32 views.
+
+    The zero words make the first three rounds cheaper (3 + 5 + 6 array passes instead of 3 x 6,
+    ~12% of the draw): round 1 multiplies c2 = 0, so its c0 is the number high ^ k0 and c1 = 0;
+    round 2 then multiplies that number (one product for every counter) and xors c1 = 0; round 3
+    xors c3, the low half of that product, also one number. Rounds 4-10 are _philox_rounds'."""
+    xp = backend.get_array_module(c0)
+    low, shift = xp.uint64(_LOW32), xp.uint64(32)
+    k0, k1 = int(key[0]) & _LOW32, int(key[1]) & _LOW32
+    p0, p0_next, p1, p1_next, c2 = work
+    # round 1: (hi0, lo0) = M0 c0, M1 c2 = 0  ->  c = (high ^ k0, 0, hi0 ^ k1, lo0)
+    xp.multiply(c0, xp.uint64(M0), out=p0)
+    xp.right_shift(p0, shift, out=c2)
+    c2 ^= xp.uint64(k1)
+    c0_number = high ^ k0
+    # round 2: (hi0, lo0) = M0 c0 is one number; (hi1, lo1) = M1 c2  ->  c = (hi1 ^ 0 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
+    k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
+    product = c0_number * M0
+    xp.multiply(c2, xp.uint64(M1), out=p1)
+    xp.right_shift(p1, shift, out=c0)
+    c0 ^= xp.uint64(k0)
+    xp.bitwise_and(p0, low, out=c2)                   # c3 of round 1: lo0 = the low half of p0
+    c2 ^= xp.uint64((product >> 32) ^ k1)
+    c3_number = product & _LOW32
+    # round 3: c3 is one number  ->  c = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
+    k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
+    xp.multiply(c0, xp.uint64(M0), out=p0_next)
+    xp.multiply(c2, xp.uint64(M1), out=p1_next)
+    xp.bitwise_xor(_high(p1_next), _low(p1), out=_low(c0))
+    c0 ^= xp.uint64(k0)
+    xp.right_shift(p0_next, shift, out=c2)
+    c2 ^= xp.uint64(c3_number ^ k1)
+    # rounds 4-10 as _philox_rounds, from round 4's key
+    k0, k1 = (k0 + W0) & _LOW32, (k1 + W1) & _LOW32
+    return _philox_rounds(c0, _low(p1_next), c2, _low(p0_next), (k0, k1), [p0, p0_next, p1, p1_next],
+                          rounds=ROUNDS - 3)
 
 
 def _key(seed):
@@ -267,16 +415,60 @@ def bits16(seed, offset, n, device="cpu", state=None):
     with `state` (a device (2,) uint64 array: seed, base, as under graph capture) those of the
     stream of state[0] from state[1] + offset (state[1] a multiple of 8), without reading state
     on the host."""
+    counters, key, skip = _covering_counters(seed, offset, n, device, state)
+    return philox_bits16(counters, key)[skip:skip + int(n)]
+
+
+def bits16_at_least(seed, offset, n, threshold, device="cpu", state=None):
+    """bits16(seed, offset, n, device, state) >= threshold, (n,) bool (the keep test of a dropout
+    mask), without the array of 16-bit values on the CPU."""
+    counters, key, skip = _covering_counters(seed, offset, n, device, state)
+    return philox_at_least(counters, key, threshold)[skip:skip + int(n)]
+
+
+def bits16_at_least_in_runs(seed, offset, n, threshold, starts, lengths):
+    """(n,) bool on the CPU whose entries i in the runs [starts[r], starts[r] + lengths[r]) are
+    bits16(seed, offset + i) >= threshold, drawing only the counters that cover the runs (an entry
+    outside them is False, or its own test where a counter of a run covers it): a mask whose other
+    entries do not matter (the probabilities above a causal diagonal) costs the values it needs.
+    starts, lengths: (R,) integer arrays, lengths >= 1, the runs in increasing order, apart."""
+    xp = backend.module_for("cpu")
+    first, skip = divmod(int(offset), VALUES_PER_COUNTER)
+    count = -(-(skip + int(n)) // VALUES_PER_COUNTER)
+    starts = xp.asarray(starts, dtype="int64") + skip                             # from value 8 first
+    hi = (starts + xp.asarray(lengths, dtype="int64") - 1) // VALUES_PER_COUNTER  # last counter of each run
+    # run r needs counters [lo, hi] but those up to an earlier run's last one: [max(lo, that + 1), hi]
+    drawn_before = xp.maximum.accumulate(xp.concatenate([xp.full(1, -1, dtype="int64"), hi[:-1]]))
+    lo = xp.maximum(starts // VALUES_PER_COUNTER, drawn_before + 1)
+    per_run = xp.maximum(hi - lo + 1, 0)
+    ends = xp.cumsum(per_run)
+    needed = xp.repeat(lo - (ends - per_run), per_run) + xp.arange(int(ends[-1]) if ends.size else 0)
+    keep = xp.zeros(count * VALUES_PER_COUNTER, dtype=bool)
+    drawn = philox_at_least(needed.astype("uint64") + xp.uint64(first), _key(int(seed)), threshold)
+    keep.view("uint64")[needed] = drawn.view("uint64")                            # 8 values per counter
+    return keep[skip:skip + int(n)]
+
+
+def _covering_counters(seed, offset, n, device, state):
+    """(counters, key, skip): the counters covering values offset, ..., offset + n - 1 of the stream
+    (on `device`, moved by the base of `state` when given), the key, and where value `offset` is
+    among the counters' values."""
     xp = backend.module_for(device)
     first = int(offset) // VALUES_PER_COUNTER
     skip = int(offset) - first * VALUES_PER_COUNTER
     count = -(-(skip + int(n)) // VALUES_PER_COUNTER)                   # counters covering the range
-    counters = xp.arange(first, first + count, dtype="uint64")
-    key = _key(int(seed))
-    if state is not None:                                               # (1,) arrays, read on the device
-        counters += state[1:2] >> xp.uint64(3)
-        key = (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
-    return philox_bits16(counters, key)[skip:skip + int(n)]
+    counters, key = _from_state(xp.arange(first, first + count, dtype="uint64"), _key(int(seed)), state)
+    return counters, key, skip
+
+
+def _from_state(counters, key, state):
+    """(counters, key), or under graph capture (state: the device (seed, base), (1,) arrays read on
+    the device, base a multiple of 8) the counters moved by base / 8 and the key of state[0]."""
+    if state is None:
+        return counters, key
+    xp = backend.get_array_module(counters)
+    counters += state[1:2] >> xp.uint64(3)
+    return counters, (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
 
 
 def bits16_runs(seed: int, starts, width: int, state=None):
@@ -288,11 +480,7 @@ def bits16_runs(seed: int, starts, width: int, state=None):
     xp = backend.get_array_module(starts)
     per_run = -(-(int(width) + VALUES_PER_COUNTER - 1) // VALUES_PER_COUNTER)   # covers any skip < 8
     first = starts // xp.uint64(VALUES_PER_COUNTER)                              # (R,)
-    counters = first[:, None] + xp.arange(per_run, dtype="uint64")              # (R, per_run)
-    key = _key(int(seed))
-    if state is not None:                                                        # base a multiple of 8
-        counters += state[1:2] >> xp.uint64(3)
-        key = (state[0:1] & xp.uint64(_LOW32), state[0:1] >> xp.uint64(32))
+    counters, key = _from_state(first[:, None] + xp.arange(per_run, dtype="uint64"), _key(int(seed)), state)
     values = philox_bits16(counters.reshape(-1), key).reshape(starts.shape[0], -1)
     skip = (starts - first * xp.uint64(VALUES_PER_COUNTER)).astype("int64")     # (R,) in [0, 8)
     return xp.take_along_axis(values, skip[:, None] + xp.arange(int(width)), axis=1)

@@ -4,7 +4,8 @@ the optimizer, and the rest (Python between ops), for a config of train_step.py.
     python benchmarks/profile_step.py --config base [--steps N] [--threads N] [--cprofile | --torch]
 
 Every `Function` subclass gets its forward and backward wrapped in a timer (monkeypatched
-here only); the dropout masks (`keep_mask`, also inside DropoutFunction.forward's row) and
+here only); the dropout masks where they are drawn apart (`keep_mask`, the reference paths; the
+CPU draws F.dropout's inside DropoutFunction.forward's row), attention's (`attention_keep_mask`) and
 `Adam.step` are timed the same way. The median of `steps`
 steps after one warm-up is shown per row. --cprofile prints cProfile's top functions instead,
 --torch the torch.profiler table of the torch model (torch.set_num_threads(--threads)).
@@ -26,6 +27,7 @@ from train_step import CONFIGS, Ours, Torch  # noqa: E402
 import autograd  # noqa: E402
 import npformer  # noqa: E402
 import npformer.functional.activation as activation  # noqa: E402
+import npformer.functional.attention as attention  # noqa: E402
 from npformer import optim  # noqa: E402
 
 TIMES = collections.defaultdict(float)
@@ -53,6 +55,7 @@ def instrument():
             if phase in op.__dict__:
                 setattr(op, phase, staticmethod(timed(f"{op.__name__}.{phase}", op.__dict__[phase].__func__)))
     activation.keep_mask = timed("dropout masks", activation.keep_mask)
+    attention.attention_keep_mask = timed("attention dropout masks", attention.attention_keep_mask)
     optim.Adam.step = timed("Adam.step", optim.Adam.step)
 
 

@@ -255,12 +255,61 @@ def dropout_forward(x, seed, offset, p, state=None):
     return elementwise_product(x, keep, dropout_scale(p)), keep
 
 
+@dropout_forward.register("cpu", supports=lambda x, seed, offset, p, state=None: state is None and p < 1.0)
+def dropout_forward_cpu(x, seed, offset, p, state=None):
+    """The mask drawn and applied chunk by chunk while it is in the cache, in blocks on the threads
+    (random.for_keep_chunks)."""
+    return dropout_apply_cpu(x, seed, offset, p)
+
+
+def dropout_apply_cpu(x, seed, offset, p, residual=None):
+    """(x * keep / (1 - p) (+ residual), keep) on the CPU in cache-sized chunks: each chunk's mask
+    is copied out for the backward and applied as the multiplier m = keep / (1 - p) (a chunk-sized
+    buffer): x * m has the bits of (x * keep) / (1 - p), a kept entry being x / (1 - p) and a
+    dropped one x * 0 either way."""
+    xp = backend.get_array_module(x)
+    xf = x.reshape(-1)
+    rf = None if residual is None else residual.reshape(-1)
+    y, keep = xp.empty_like(xf), xp.empty(x.size, dtype=bool)
+    scale = dropout_scale(p)
+
+    def apply(start, stop, piece):
+        keep[start:stop] = piece
+        out = y[start:stop]
+        xp.multiply(piece, scale, out=out, dtype=out.dtype)        # m = keep / (1 - p)
+        out *= xf[start:stop]
+        if rf is not None:
+            out += rf[start:stop]
+
+    random.for_keep_chunks(seed, offset, x.size, dropout_threshold(p), apply)
+    return y.reshape(x.shape), keep.reshape(x.shape)
+
+
 @kernel_table
 def dropout_backward(dy, keep, seed, offset, p, state=None):
     """dx = dy * keep / (1 - p) with the forward's mask `keep` (regenerated when None)."""
     if keep is None:
         keep = keep_mask(dy.shape, p, seed, offset, backend.device_of(dy), state)
     return elementwise_product(dy, keep, dropout_scale(p))
+
+
+@dropout_backward.register("cpu", supports=lambda dy, keep, seed, offset, p, state=None: keep is not None)
+def dropout_backward_cpu(dy, keep, seed, offset, p, state=None):
+    """dy * m, m = keep / (1 - p) made chunk by chunk in the cache (the bits of (dy * keep) / (1 - p)),
+    in flat blocks on the threads."""
+    xp = backend.get_array_module(dy)
+    df, kf = dy.reshape(-1), keep.reshape(-1)
+    dx = xp.empty_like(df)
+    scale = dropout_scale(p)
+
+    @in_cache_chunks
+    def block(start, stop):
+        out = dx[start:stop]
+        xp.multiply(kf[start:stop], scale, out=out, dtype=out.dtype)
+        out *= df[start:stop]
+
+    for_rows(block, df.size, df.size, dy)
+    return dx.reshape(dy.shape)
 
 
 def elementwise_product(a, b, scale=None):
@@ -309,7 +358,7 @@ def keep_mask(shape, p, seed, offset, device, state=None):
     size = math.prod(shape)
     if p == 1.0:                                            # nothing passes a threshold of 2^16
         return backend.module_for(device).zeros(shape, dtype=bool)
-    return (random.bits16(seed, offset, size, device, state=state) >= dropout_threshold(p)).reshape(shape)
+    return random.bits16_at_least(seed, offset, size, dropout_threshold(p), device, state).reshape(shape)
 
 
 def dropout_mask(shape, p, device, generator=None, op="dropout"):

@@ -1,0 +1,120 @@
+"""The CPU's fast dropout paths give the bits of the references, for any thread count: the Philox
+rounds shortened for fresh counters (across a multiple of 2^32 counters too), the keep test drawn
+in cache-sized chunks, dropout (and dropout + residual) applied and differentiated chunk by
+chunk, and causal attention drawing only the counters under its diagonal. Chunks are made
+tiny here (random._CHUNK) so that odd sizes, offsets and chunk and block boundaries all occur."""
+import numpy as np
+import pytest
+
+from autograd import Tensor, random
+from autograd import threads as _threads
+from autograd.gradcheck import vjp
+from autograd.kernels import reference_only
+from npformer import functional as F
+from npformer.functional.activation import dropout_backward, dropout_forward, keep_mask
+from npformer.functional.attention import attention_keep_mask
+from npformer.functional.residual import dropout_add_forward
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda n: f"{n}threads")
+def small_chunks(request, monkeypatch):
+    """n threads, blocks split from 48 counters on, 40 counters (320 values) per chunk alone, 24 on threads."""
+    saved = _threads.get_num_threads()
+    monkeypatch.setattr(_threads, "MIN_PARALLEL_ENTRIES", 0)
+    monkeypatch.setattr(random, "_CHUNK", 40)
+    monkeypatch.setattr(random, "_PARALLEL_CHUNK", 24)
+    _threads.set_num_threads(request.param)
+    yield request.param
+    _threads.set_num_threads(saved)
+
+
+FIRST_COUNTERS = [0, 5, 2**32 - 57, 3 * 2**32 - 1, 2**64 // 8 - 2**32]   # some chunks straddle 2^32 counters
+
+
+@pytest.mark.parametrize("first", FIRST_COUNTERS)
+@pytest.mark.parametrize("seed", [0, 0xa4093822299f31d0, 2**64 - 1])
+def test_cpu_philox_equals_the_reference(first, seed, small_chunks):
+    counters = np.arange(first, first + 301, dtype=np.uint64)
+    key = random._key(seed)
+    with reference_only():
+        expected = random.philox_bits16(counters, key)
+        expected_keep = random.philox_at_least(counters, key, 6554)
+    np.testing.assert_array_equal(random.philox_bits16(counters, key), expected)
+    np.testing.assert_array_equal(random.philox_at_least(counters, key, 6554), expected_keep)
+    np.testing.assert_array_equal(expected_keep, expected >= 6554)
+    shuffled = np.random.default_rng(first % 1000).permutation(counters)      # any counters, in any order
+    with reference_only():
+        expected = random.philox_bits16(shuffled, key)
+    np.testing.assert_array_equal(random.philox_bits16(shuffled, key), expected)
+
+
+@pytest.mark.parametrize("offset, n", [(0, 1), (3, 5), (8, 320), (13, 2001), (8 * (2**32 - 40) + 5, 777)])
+def test_keep_chunks_cover_the_mask_once_with_the_contract_bits(offset, n, small_chunks):
+    threshold = round(0.3 * 2**16)
+    seen = np.zeros(n, dtype=int)
+    keep = np.zeros(n, dtype=bool)
+
+    def kernel(start, stop, piece):
+        seen[start:stop] += 1
+        keep[start:stop] = piece
+
+    random.for_keep_chunks(11, offset, n, threshold, kernel)
+    assert (seen == 1).all()
+    np.testing.assert_array_equal(keep, random.bits16(11, offset, n) >= threshold)
+    np.testing.assert_array_equal(random.bits16_at_least(11, offset, n, threshold), keep)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, offset", [((7,), 0), ((3, 1001), 5), ((2, 37, 41), 8 * 2**32 - 24)])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_cpu_dropout_equals_the_reference_bit_for_bit(shape, offset, p, dtype, small_chunks):
+    rng = np.random.default_rng(1)
+    x, residual, dy = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
+    x.reshape(-1)[:3] = [np.inf, -0.0, np.nan]                                # inf * 0, signed zeros, NaN
+    with np.errstate(invalid="ignore"):                                       # inf * 0 (dropped) is NaN, as in torch
+        with reference_only():
+            y_ref, keep_ref = dropout_forward(x, 7, offset, p)
+            add_ref, _ = dropout_add_forward(x, residual, 7, offset, p)
+            dx_ref = dropout_backward(dy, keep_ref, 7, offset, p)
+        y, keep = dropout_forward(x, 7, offset, p)
+        add, keep_add = dropout_add_forward(x, residual, 7, offset, p)
+        dx = dropout_backward(dy, keep, 7, offset, p)
+    np.testing.assert_array_equal(keep, keep_mask(shape, p, 7, offset, "cpu"))
+    np.testing.assert_array_equal(keep_add, keep)
+    for ours, ref in ((y, y_ref), (add, add_ref), (dx, dx_ref)):
+        assert ours.dtype == dtype and ours.shape == shape
+        np.testing.assert_array_equal(ours.view(f"u{ours.itemsize}"), ref.view(f"u{ref.itemsize}"))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (2, 9, 4), (1, 1, 1), (4, 64, 64), (3, 6, 6)])
+@pytest.mark.parametrize("offset", [0, 3, 8 * (2**32 - 1) - 16])
+def test_causal_attention_mask_draws_only_under_the_diagonal(shape, offset, small_chunks):
+    """The CPU mask equals the contract's under the causal diagonal (key j <= query i); above it
+    an entry is False or its own test (its probability is 0, so it does not matter)."""
+    like = np.zeros(1)
+    ours = attention_keep_mask(like, shape, 0.2, 5, offset, True)
+    with reference_only():
+        ref = attention_keep_mask(like, shape, 0.2, 5, offset, True)
+    tq, tk = shape[-2:]
+    lower = np.arange(tk)[None, :] <= np.arange(tq)[:, None]
+    np.testing.assert_array_equal(ours[..., lower], ref[..., lower])
+    assert not (ours[..., ~lower] & ~ref[..., ~lower]).any()
+    np.testing.assert_array_equal(attention_keep_mask(like, shape, 0.2, 5, offset, False), ref)   # not causal: all
+
+
+@pytest.mark.parametrize("tq, tk", [(6, 6), (5, 9), (9, 4)])
+def test_causal_attention_with_dropout_gives_the_reference_outputs_and_gradients(tq, tk, small_chunks, monkeypatch):
+    """The same outputs, weights and gradients, to the bit, with the causal draw and the full one."""
+    rng = np.random.default_rng(tq * tk)
+    arrays = [rng.standard_normal((2, 3, t, 4)) for t in (tq, tk, tk)]
+
+    def attention(q, k, v):
+        out, weights = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True, return_weights=True,
+                                                      generator=random.Philox(4, offset=8 * 2**32 - 32))
+        return out, weights
+
+    outs, upstream, grads = vjp(attention, [Tensor(a, requires_grad=True) for a in arrays], seed=3)
+    monkeypatch.delitem(attention_keep_mask.implementations, "cpu")            # the reference mask: all drawn
+    outs_ref, _, grads_ref = vjp(attention, [Tensor(a, requires_grad=True) for a in arrays], upstream)
+    for ours, ref in zip([o.data for o in outs] + grads, [o.data for o in outs_ref] + grads_ref):
+        np.testing.assert_array_equal(ours, ref)
