@@ -28,7 +28,7 @@ from npformer.functional._common import check_index_range
 
 from . import init
 from .attention import MultiheadAttention, attention_mask
-from .layers import Dropout, LayerNorm, Linear
+from .layers import GELU, Dropout, LayerNorm, Linear
 from .module import Module, ModuleList
 
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
@@ -88,8 +88,11 @@ class _FeedForwardLayer(Module):
     def _ff_block(self, x):
         """linear2(dropout(activation(linear1(x)))), before the last dropout; a named activation runs
         fused with linear1's bias (F.linear(..., activation=...))."""
-        if type(self.linear1) is Linear and self.activation is _ACTIVATIONS.get(self.activation_name):
-            hidden = F.linear(x, self.linear1.weight, self.linear1.bias, activation=self.activation_name)
+        fused = self.activation_name if self.activation is _ACTIVATIONS.get(self.activation_name) else None
+        if type(self.activation) is GELU:  # a GELU module (GPT-2's tanh form) fuses like a named one
+            fused = "gelu_tanh" if self.activation.approximate == "tanh" else "gelu"
+        if type(self.linear1) is Linear and fused is not None:
+            hidden = F.linear(x, self.linear1.weight, self.linear1.bias, activation=fused)
         else:
             hidden = self.activation(self.linear1(x))
         return self.linear2(self.dropout(hidden))
