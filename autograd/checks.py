@@ -38,6 +38,8 @@ def _refuse_type(value, name, owner, expected):
 def check_int(value, name: str, owner: str, *, at_least: int | None = None, at_most: int | None = None) -> int:
     """`value` as an int: TypeError unless it is an integer (any integral type, not a bool),
     ValueError outside [at_least, at_most] (either bound optional)."""
+    if type(value) is int and (at_least is None or value >= at_least) and (at_most is None or value <= at_most):
+        return value  # the common case, without building the message
     expected = "an integer" + _bounds(at_least, None, at_most, None)
     if _is_bool(value) or not isinstance(value, numbers.Integral):
         _refuse_type(value, name, owner, expected)
@@ -52,6 +54,10 @@ def check_real(value, name: str, owner: str, *, at_least: float | None = None, a
     """`value` as a float: TypeError unless it is a real number (any real type, not a bool),
     ValueError for NaN, for +-inf when `finite`, and outside the bounds (at_least <= value,
     above < value, value <= at_most, value < below; each optional)."""
+    if type(value) is float and (math.isfinite(value) or not finite and value == value) and (
+            (at_least is None or value >= at_least) and (above is None or value > above)
+            and (at_most is None or value <= at_most) and (below is None or value < below)):
+        return value  # the common case, without building the message
     bounded = (at_least, above) != (None, None) and (at_most, below) != (None, None)
     expected = ("a finite real number" if finite and not bounded else "a real number") + _bounds(
         at_least, above, at_most, below)

@@ -129,31 +129,50 @@ class Function:
         requires grad, record the call for backward. Returns a Tensor, or a tuple of Tensors when
         forward returns a tuple. Raises TypeError / RuntimeError when the Tensor inputs differ in
         dtype or device, and TypeError when forward returns something that is not an array."""
-        from .tensor import Tensor  # the tensor module imports this one
-
+        Tensor = _tensor_class()
         ctx = cls()
-        tensors = [a for a in args if isinstance(a, Tensor)]
-        _check_same_device_and_dtype(cls, tensors)
-        raw = [a.data if isinstance(a, Tensor) else a for a in args]
+        tensors, raw = [], []
+        for a in args:
+            if isinstance(a, Tensor):
+                tensors.append(a)
+                raw.append(a.data)
+            else:
+                raw.append(a)
+        if len(tensors) > 1:
+            _check_same_device_and_dtype(cls, tensors)
         outputs = cls.forward(ctx, *raw, **options)
         single = not isinstance(outputs, tuple)
         outputs = (outputs,) if single else outputs
-        xp = backend.get_array_module(*raw)
-        outputs = tuple(o if backend.is_array(o) else _output_array(cls, i, o, xp) for i, o in enumerate(outputs))
+        if not all(map(backend.is_array, outputs)):
+            xp = backend.get_array_module(*raw)
+            outputs = tuple(o if backend.is_array(o) else _output_array(cls, i, o, xp) for i, o in enumerate(outputs))
         record = _state.grad_enabled and any(t.requires_grad for t in tensors)
         if _state.anomaly:
             ctx.created_at = _where_created()
             _check_finite(outputs, ctx, "forward")
-        results = tuple(Tensor(o, requires_grad=record) for o in outputs)
-        if record:
-            ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
-            ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
-            ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
-            ctx.output_grads = [None] * len(outputs)
-            ctx.retained = {}
-            for i, r in enumerate(results):
-                r.creator, r.output_index = ctx, i
+        if not record:  # outside the graph (no_grad, inference): nothing to keep for backward
+            return Tensor(outputs[0]) if single else tuple(Tensor(o) for o in outputs)
+        results = tuple(Tensor(o, requires_grad=True) for o in outputs)
+        ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
+        ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
+        ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
+        ctx.output_grads = [None] * len(outputs)
+        ctx.retained = {}
+        for i, r in enumerate(results):
+            r.creator, r.output_index = ctx, i
         return results[0] if single else results
+
+
+_Tensor = None  # autograd.tensor.Tensor once _tensor_class() has imported it
+
+
+def _tensor_class():
+    """autograd.tensor.Tensor, imported on first use (the tensor module imports this one)."""
+    global _Tensor
+    if _Tensor is None:
+        from .tensor import Tensor
+        _Tensor = Tensor
+    return _Tensor
 
 
 def _output_array(op, index, value, xp):
@@ -171,6 +190,12 @@ def _output_array(op, index, value, xp):
 
 
 def _check_same_device_and_dtype(op, tensors):
+    kind, dtype = type(tensors[0].data), tensors[0].data.dtype
+    for t in tensors:  # the common case, cheaply: arrays of one type (so one device) and one dtype
+        if type(t.data) is not kind or t.data.dtype != dtype:
+            break
+    else:
+        return
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise RuntimeError(f"{op.__name__}: expected all tensors on one device, got {sorted(devices)}; "

@@ -51,11 +51,13 @@ class KernelTable:
 
     def select(self, *args, **kwargs):
         """The function that a call with these arguments runs."""
-        if not getattr(_mode, "reference_only", False):
-            array = next((a for a in args if backend.is_array(a)), None)
-            entry = self.implementations.get(backend.device_of(array)) if array is not None else None
-            if entry is not None and (entry[1] is None or entry[1](*args, **kwargs)):
-                return entry[0]
+        if self.implementations and not getattr(_mode, "reference_only", False):
+            for array in args:  # the first array argument decides
+                if backend.is_array(array):
+                    entry = self.implementations.get(backend.device_of(array))
+                    if entry is not None and (entry[1] is None or entry[1](*args, **kwargs)):
+                        return entry[0]
+                    break
         return self.reference
 
     def __call__(self, *args, **kwargs):

@@ -4,7 +4,8 @@
     python benchmarks/generate.py                          # batch 1 and batch 8, 64 new tokens
     python benchmarks/generate.py --batch 1 --new-tokens 32 --prompt 16 --repeat 5
     python benchmarks/generate.py --threads 1              # one thread each (BLAS too)
-    python benchmarks/generate.py --profile                # where our cached step's time goes
+    python benchmarks/generate.py --profile                # where our cached step's time goes, per op
+    python benchmarks/generate.py --profile --cprofile     # cProfile's top functions instead
 
 The model: transformers.GPT2LMHeadModel(GPT2Config()) (12 layers, d_model 768, 12 heads,
 vocabulary 50257, 1024 positions: 124M parameters), randomly initialised (speed does not depend
@@ -18,6 +19,7 @@ new_tokens / seconds (prefill included), the ratio ours / Hugging Face (above 1:
 and whether the generated tokens are identical.
 """
 import argparse
+import collections
 import cProfile
 import os
 import pstats
@@ -44,6 +46,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import autograd  # noqa: E402
 import npformer  # noqa: E402
 from npformer import interop  # noqa: E402
 from npformer.decoding import generate  # noqa: E402
@@ -76,12 +79,54 @@ def time_hf(hf_model, prompt, new_tokens):
     return seconds, out.numpy()
 
 
-def profile(model, prompt, new_tokens):
-    profiler = cProfile.Profile()
-    profiler.enable()
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def profile(model, prompt, new_tokens, use_cprofile):
+    """Per step of our cached generation (prefill excluded: its time divides by new_tokens - 1
+    steps after it): each op's forward time, and the rest (Python between the ops); or cProfile's
+    top functions over the whole call."""
+    generate(model, prompt, 2, temperature=0.0)  # warm-up
+    if use_cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        generate(model, prompt, new_tokens, temperature=0.0)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        return
+    times = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[name] += time.perf_counter() - t0
+        return wrapper
+
+    for op in _subclasses(autograd.Function):
+        if "forward" in op.__dict__:
+            op.forward = staticmethod(timed(op.__name__, op.__dict__["forward"].__func__))
+    model.decode_step = timed("decode_step", model.decode_step)
+    t0 = time.perf_counter()
+    generate(model, prompt, 1, temperature=0.0)  # the prefill alone
+    prefill, prefill_ops = time.perf_counter() - t0, dict(times)
+    times.clear()
+    t0 = time.perf_counter()
     generate(model, prompt, new_tokens, temperature=0.0)
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+    steps = new_tokens - 1
+    step = (times.pop("decode_step") - prefill_ops.pop("decode_step")) / steps
+    total = (time.perf_counter() - t0 - prefill) / steps
+    rows = {name: (seconds - prefill_ops.get(name, 0.0)) / steps for name, seconds in times.items()}
+    rows["rest of decode_step (Python between ops)"] = step - sum(rows.values())
+    rows["rest of generate (sampling, bookkeeping)"] = total - step
+    print(f"batch {len(prompt)}: {1e3 * total:.2f} ms per cached step (mean of {steps} after the prefill)")
+    for name, seconds in sorted(rows.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<42} {1e3 * seconds:7.2f} ms  {100 * seconds / total:5.1f}%")
 
 
 def main():
@@ -90,7 +135,9 @@ def main():
     parser.add_argument("--prompt", type=int, default=32, help="prompt length in tokens")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="cProfile our generation (batch 1) instead")
+    parser.add_argument("--profile", action="store_true",
+                        help="time each op of our cached step instead (the first --batch)")
+    parser.add_argument("--cprofile", action="store_true", help="with --profile: cProfile's table instead")
     parser.add_argument("--threads", type=int, help="threads of both libraries (default: each one's default)")
     args = parser.parse_args()
     import torch
@@ -100,7 +147,7 @@ def main():
     hf_model, ours = build()
     rng = np.random.default_rng(0)
     if args.profile:
-        profile(ours, rng.integers(0, 50257, size=(args.batch[0], args.prompt)), args.new_tokens)
+        profile(ours, rng.integers(0, 50257, size=(args.batch[0], args.prompt)), args.new_tokens, args.cprofile)
         return
     print(f"GPT-2 small shape, random weights, {sum(p.size for p in ours.parameters()) / 1e6:.1f}M parameters, "
           f"float32, prompt {args.prompt} tokens, {args.new_tokens} new tokens, greedy, best of {args.repeat}")

@@ -91,3 +91,22 @@ def test_cuda_softmax_kernels_run_and_fall_back_where_they_do_not_apply(rng):
     with kernels.reference_only():
         ref = forward(x, -1)
     np.testing.assert_allclose(backend.as_numpy(forward(x, -1)), backend.as_numpy(ref), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_layer_norm_cpu_blocks_equal_the_reference_and_run_from_cpu_min_entries(rows, rng):
+    """The CPU's row-block layer norm gives the reference's y, xhat and rstd to rounding; the table
+    runs it from CPU_MIN_ENTRIES entries on (below, the reference's fewer calls are faster)."""
+    from npformer.functional import normalization
+    d = 768
+    x = rng.standard_normal((rows, d)) * 3 + 5
+    w, b = rng.standard_normal(d), rng.standard_normal(d)
+    ours = normalization.layer_norm_forward_cpu(x, w, b, 1e-5)
+    ref = normalization.layer_norm_forward.reference(x, w, b, 1e-5)
+    tol = 16 * np.finfo(np.float64).eps * np.sqrt(d)     # rounding of row sums of d terms, relative
+    for got, want in zip(ours, ref):
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol * (1 + np.abs(want).max()))
+    chosen = normalization.layer_norm_forward.select(x, w, b, 1e-5)
+    expected = normalization.layer_norm_forward_cpu if x.size >= normalization.CPU_MIN_ENTRIES else \
+        normalization.layer_norm_forward.reference
+    assert chosen is expected

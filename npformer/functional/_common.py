@@ -80,6 +80,8 @@ def normalize_dim(dim, ndim, op, name="dim"):
 
 def broadcast_shapes(*shapes):
     """numpy.broadcast_shapes in plain Python (not every backend has it); ValueError if they clash."""
+    if all(s == shapes[0] for s in shapes):  # the common case
+        return tuple(shapes[0])
     ndim = max(len(s) for s in shapes)
     result = []
     for sizes in zip(*[(1,) * (ndim - len(s)) + tuple(s) for s in shapes]):

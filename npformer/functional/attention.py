@@ -28,6 +28,7 @@ from .softmax import softmax_backward, softmax_forward
 BACKENDS = ("naive", "memory_efficient", "flash")
 FLASH_HEAD_DIMS = (32, 64, 128)       # head dims the flash kernels are compiled for
 FLASH_DTYPES = ("float32", "float64")
+_FLASH_DTYPE_CHARS = ("f", "d")       # their dtype.char
 
 
 def causal_blocked(xp, q_start, q_stop, k_start, k_stop):
@@ -446,9 +447,9 @@ class _Call:
 
 def flash_unsupported(q, k, v, additive=None, mask_grad: bool = False) -> str | None:
     """Why the flash kernels cannot run attention on these arrays (a sentence), or None when they can."""
-    dtypes = {str(a.dtype) for a in (q, k, v, additive) if a is not None}
-    if len(dtypes) > 1 or not dtypes <= set(FLASH_DTYPES):
-        return f"dtype {sorted(dtypes)}: the kernels are compiled for one of {FLASH_DTYPES}"
+    dtypes = {a.dtype for a in (q, k, v, additive) if a is not None}
+    if len(dtypes) > 1 or next(iter(dtypes)).char not in _FLASH_DTYPE_CHARS:  # (dtype names are slow to make)
+        return f"dtype {sorted(map(str, dtypes))}: the kernels are compiled for one of {FLASH_DTYPES}"
     if q.shape[-1] not in FLASH_HEAD_DIMS or v.shape[-1] != q.shape[-1]:
         return (f"head dims {q.shape[-1]} (query, key) and {v.shape[-1]} (value): the kernels are compiled "
                 f"for equal head dims in {FLASH_HEAD_DIMS}")
