@@ -22,7 +22,8 @@ def cross_entropy_forward(logits, target, valid, weight, label_smoothing):
     z = logits - stable_row_max(logits, 1)                      # (M, C) shifted, max 0
     z_target = z[xp.arange(m), target]                          # (M,)
     # logp = z - log(total): the smoothing term sum_c w_c logp_c = z @ w - log(total) sum(w)
-    z_smooth = (z @ weight if weight is not None else z.sum(axis=1)) if e else None
+    # (einsum, not BLAS: OpenBLAS's gemv can raise a spurious invalid-value flag, numpy#24067)
+    z_smooth = (xp.einsum("mc,c->m", z, weight) if weight is not None else z.sum(axis=1)) if e else None
     probs = xp.exp(z)
     total = probs.sum(axis=1, keepdims=True)                    # (M, 1)
     xp.copyto(total, 1.0, where=total == 0)                     # fully -inf row: log 1 = 0, logp -inf
@@ -52,7 +53,7 @@ def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
         x, t = logits[start:stop], target[start:stop]
         z = xp.subtract(x, stable_row_max(x, 1), out=probs[start:stop])   # (n, C) shifted, max 0
         z_target = z[xp.arange(stop - start), t]               # (n,)
-        z_smooth = (z @ weight if weight is not None else z.sum(axis=1)) if e else None
+        z_smooth = (xp.einsum("mc,c->m", z, weight) if weight is not None else z.sum(axis=1)) if e else None
         xp.exp(z, out=z)
         total = z.sum(axis=1, keepdims=True)                   # (n, 1)
         xp.copyto(total, 1.0, where=total == 0)
