@@ -45,11 +45,12 @@ if THREADS == "1":  # one thread everywhere: numpy's BLAS too (npformer's 1 thre
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autograd  # noqa: E402
 import npformer  # noqa: E402
 from npformer import interop  # noqa: E402
 from npformer.decoding import generate  # noqa: E402
+from timing import time_functions, timed  # noqa: E402
 
 
 def build(seed=0):
@@ -79,12 +80,6 @@ def time_hf(hf_model, prompt, new_tokens):
     return seconds, out.numpy()
 
 
-def _subclasses(cls):
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _subclasses(sub)
-
-
 def profile(model, prompt, new_tokens, use_cprofile):
     """Per step of our cached generation (prefill excluded: its time divides by new_tokens - 1
     steps after it): each op's forward time, and the rest (Python between the ops); or cProfile's
@@ -99,19 +94,8 @@ def profile(model, prompt, new_tokens, use_cprofile):
         return
     times = collections.Counter()
 
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                times[name] += time.perf_counter() - t0
-        return wrapper
-
-    for op in _subclasses(autograd.Function):
-        if "forward" in op.__dict__:
-            op.forward = staticmethod(timed(op.__name__, op.__dict__["forward"].__func__))
-    model.decode_step = timed("decode_step", model.decode_step)
+    time_functions(times, phases=("forward",))
+    model.decode_step = timed(times, "decode_step", model.decode_step)
     t0 = time.perf_counter()
     generate(model, prompt, 1, temperature=0.0)  # the prefill alone
     prefill, prefill_ops = time.perf_counter() - t0, dict(times)

@@ -22,9 +22,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from timing import time_functions, timed  # noqa: E402
 from train_step import CONFIGS, Ours, Torch  # noqa: E402
 
-import autograd  # noqa: E402
 import npformer  # noqa: E402
 import npformer.functional.activation as activation  # noqa: E402
 import npformer.functional.attention as attention  # noqa: E402
@@ -33,30 +33,11 @@ from npformer import optim  # noqa: E402
 TIMES = collections.defaultdict(float)
 
 
-def timed(name, fn):
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TIMES[name] += time.perf_counter() - t0
-    return wrapper
-
-
-def subclasses(cls):
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from subclasses(sub)
-
-
 def instrument():
-    for op in subclasses(autograd.Function):
-        for phase in ("forward", "backward"):
-            if phase in op.__dict__:
-                setattr(op, phase, staticmethod(timed(f"{op.__name__}.{phase}", op.__dict__[phase].__func__)))
-    activation.keep_mask = timed("dropout masks", activation.keep_mask)
-    attention.attention_keep_mask = timed("attention dropout masks", attention.attention_keep_mask)
-    optim.Adam.step = timed("Adam.step", optim.Adam.step)
+    time_functions(TIMES)
+    activation.keep_mask = timed(TIMES, "dropout masks", activation.keep_mask)
+    attention.attention_keep_mask = timed(TIMES, "attention dropout masks", attention.attention_keep_mask)
+    optim.Adam.step = timed(TIMES, "Adam.step", optim.Adam.step)
 
 
 def profile_torch(args):
