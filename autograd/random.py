@@ -303,11 +303,7 @@ def for_keep_chunks(seed, offset, n, threshold, kernel):
     kernel applying the mask reads it while it is in the cache (keep is reused: copy what must
     outlive the call). Which values each piece holds does not change the bits, so the results are
     the same for any thread count."""
-    xp = backend.module_for("cpu")
-    first, skip = divmod(int(offset), VALUES_PER_COUNTER)
-    count = -(-(skip + int(n)) // VALUES_PER_COUNTER)
-    counters = xp.arange(first, first + count, dtype="uint64")
-    key = _key(int(seed))
+    counters, key, skip = _covering_counters(seed, offset, n, "cpu", None)
 
     def block(start, stop, chunk):
         for lo, hi, words in _words_in_chunks(counters, key, start, stop, chunk):
@@ -315,7 +311,7 @@ def for_keep_chunks(seed, offset, n, threshold, kernel):
             a, b = max(8 * lo - skip, 0), min(8 * hi - skip, int(n))      # as entries of the mask
             kernel(a, b, keep[a - (8 * lo - skip):b - (8 * lo - skip)])
 
-    _run_counter_blocks(block, count)
+    _run_counter_blocks(block, counters.shape[0])
 
 
 def _run_counter_blocks(block, count):
@@ -433,8 +429,7 @@ def bits16_at_least_in_runs(seed, offset, n, threshold, starts, lengths):
     entries do not matter (the probabilities above a causal diagonal) costs the values it needs.
     starts, lengths: (R,) integer arrays, lengths >= 1, the runs in increasing order, apart."""
     xp = backend.module_for("cpu")
-    first, skip = divmod(int(offset), VALUES_PER_COUNTER)
-    count = -(-(skip + int(n)) // VALUES_PER_COUNTER)
+    first, skip, count = _counter_span(offset, n)
     starts = xp.asarray(starts, dtype="int64") + skip                             # from value 8 first
     hi = (starts + xp.asarray(lengths, dtype="int64") - 1) // VALUES_PER_COUNTER  # last counter of each run
     # run r needs counters [lo, hi] but those up to an earlier run's last one: [max(lo, that + 1), hi]
@@ -454,11 +449,16 @@ def _covering_counters(seed, offset, n, device, state):
     (on `device`, moved by the base of `state` when given), the key, and where value `offset` is
     among the counters' values."""
     xp = backend.module_for(device)
-    first = int(offset) // VALUES_PER_COUNTER
-    skip = int(offset) - first * VALUES_PER_COUNTER
-    count = -(-(skip + int(n)) // VALUES_PER_COUNTER)                   # counters covering the range
+    first, skip, count = _counter_span(offset, n)
     counters, key = _from_state(xp.arange(first, first + count, dtype="uint64"), _key(int(seed)), state)
     return counters, key, skip
+
+
+def _counter_span(offset, n):
+    """(first, skip, count): values offset, ..., offset + n - 1 of a stream lie in the `count`
+    counters from `first`, value `offset` being value `skip` of counter `first`."""
+    first, skip = divmod(int(offset), VALUES_PER_COUNTER)
+    return first, skip, -(-(skip + int(n)) // VALUES_PER_COUNTER)
 
 
 def _from_state(counters, key, state):
