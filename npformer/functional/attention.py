@@ -28,7 +28,7 @@ from .softmax import softmax_backward, softmax_forward
 BACKENDS = ("naive", "memory_efficient", "flash")
 FLASH_HEAD_DIMS = (32, 64, 128)       # head dims the flash kernels are compiled for
 FLASH_DTYPES = ("float32", "float64")
-_FLASH_DTYPE_CHARS = ("f", "d")       # their dtype.char
+_FLASH_DTYPE_CHARS = tuple(backend.module_for("cpu").dtype(name).char for name in FLASH_DTYPES)  # "f", "d"
 
 
 def causal_blocked(xp, q_start, q_stop, k_start, k_stop):
