@@ -136,18 +136,34 @@ def _run_marked(kernel, start, stop):
 
 def run_blocks(kernel, blocks):
     """[kernel(start, stop) for each block], the first block in the caller, the others in the pool."""
-    if len(blocks) == 1:
-        return [kernel(*blocks[0])]
+    return run_tasks([(kernel, start, stop) for start, stop in blocks])
+
+
+def run_tasks(tasks):
+    """[kernel(start, stop) for each (kernel, start, stop) of `tasks`]: run_blocks for blocks of
+    different kernels (e.g. two products that need not wait for each other), the first task in
+    the caller, the others in the pool."""
+    if len(tasks) == 1:
+        kernel, start, stop = tasks[0]
+        return [kernel(start, stop)]
     with _lock:
         if _state["pool"] is None:
             _state["pool"] = ThreadPoolExecutor(max(_state["threads"] - 1, 1), thread_name_prefix="npformer")
         pool = _state["pool"]
-    futures = [pool.submit(_run_marked, kernel, *block) for block in blocks[1:]]
+    futures = [pool.submit(_run_marked, *task) for task in tasks[1:]]
     try:
-        first = _run_marked(kernel, *blocks[0])
+        first = _run_marked(*tasks[0])
     finally:  # never leave a block running behind the caller's back, even on an error
         wait(futures)
     return [first] + [f.result() for f in futures]
+
+
+def split_blocks(threads, sizes):
+    """Share `threads` (>= 2) between len(sizes) independent pieces of work of about equal cost,
+    piece i covering range(sizes[i]): [blocks of piece 0, blocks of piece 1, ...], each piece cut
+    into threads // len(sizes) blocks (at least one), for run_tasks."""
+    share = max(threads // len(sizes), 1)
+    return [[(n * i // share, n * (i + 1) // share) for i in range(share)] for n in sizes]
 
 
 def for_rows(kernel, rows, entries, like=None):

@@ -30,7 +30,7 @@ def outputs_and_grads(fn, arrays):
 def assert_same_with_threads(threads, fn, arrays):
     threads(1)
     serial = outputs_and_grads(fn, arrays)
-    for n in (2, 3):
+    for n in (2, 3, 4):   # 4: linear's backward gives dx and dW two threads each
         threads(n)
         parallel = outputs_and_grads(fn, arrays)
         for a, b in zip(serial, parallel):
@@ -111,6 +111,12 @@ def test_run_blocks_order_errors_and_nesting(threads):
     def inner(a, b):  # a nested split inside a block runs in that block's thread
         return _parallel.for_rows(lambda c, d: (c, d), 4, 4)
     assert _parallel.run_blocks(inner, blocks) == [[(0, 4)]] * 3
+
+    # tasks of different kernels: linear's backward runs dx and dW side by side
+    assert _parallel.split_blocks(4, (10, 6)) == [[(0, 5), (5, 10)], [(0, 3), (3, 6)]]
+    assert _parallel.split_blocks(3, (10, 6)) == [[(0, 10)], [(0, 6)]]
+    assert _parallel.run_tasks([(lambda a, b: ("x", a, b), 0, 5), (lambda a, b: ("w", a, b), 0, 6)]) == [
+        ("x", 0, 5), ("w", 0, 6)]
 
     def failing(a, b):
         if a == 3:

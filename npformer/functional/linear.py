@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
-from autograd.threads import for_rows
+from autograd.threads import for_rows, row_blocks, run_tasks, split_blocks
 
 from ._common import check_tensor, has_twin
 from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward
@@ -63,10 +63,18 @@ class LinearFunction(Function):
             if need_b:
                 dy2d[:, start:stop].sum(axis=0, out=dbias[start:stop])
 
-        if need_x:
-            for_rows(rows, dy2d.shape[0], dx2d.size, dy)
-        if need_w or need_b:
-            for_rows(features, weight.shape[0], dy2d.size, dy)
+        blocks = row_blocks(dy2d.shape[0], dy2d.size + x2d.size, dy)
+        if len(blocks) > 1 and need_x and (need_w or need_b):
+            # dx and dW cost the same FLOPs and need not wait for each other: half of the threads
+            # each (on 2 threads two whole GEMMs, where blocks of each, one product after the
+            # other, would join twice and run four smaller GEMMs)
+            x_blocks, w_blocks = split_blocks(len(blocks), (dy2d.shape[0], weight.shape[0]))
+            run_tasks([(rows, *block) for block in x_blocks] + [(features, *block) for block in w_blocks])
+        else:
+            if need_x:
+                for_rows(rows, dy2d.shape[0], dx2d.size, dy)
+            if need_w or need_b:
+                for_rows(features, weight.shape[0], dy2d.size, dy)
         return (dx2d.reshape(ctx.x_shape) if need_x else None), dweight, dbias
 
 
