@@ -10,7 +10,7 @@ from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
 from ._common import check_tensor, has_twin
-from ._erf import INV_SQRT_2PI, SQRT_2, erf
+from ._erf import INV_SQRT_2PI, SQRT_2, erf, normal_cdf_float32
 
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
@@ -45,11 +45,14 @@ def bias_activation_forward(x, bias, kind):
 CACHE_CHUNK = 1 << 17
 
 
-def in_cache_chunks(kernel):
-    """kernel(start, stop) run on consecutive chunks of at most CACHE_CHUNK entries."""
+def in_cache_chunks(kernel, row_length=1):
+    """kernel(start, stop) run on consecutive chunks of rows of `row_length` entries, at most
+    CACHE_CHUNK entries (or one row) a chunk."""
+    rows = max(CACHE_CHUNK // row_length, 1)
+
     def chunked(start, stop):
-        for lo in range(start, stop, CACHE_CHUNK):
-            kernel(lo, min(lo + CACHE_CHUNK, stop))
+        for lo in range(start, stop, rows):
+            kernel(lo, min(lo + rows, stop))
     return chunked
 
 
@@ -78,28 +81,35 @@ def bias_activation_forward_cpu(x, bias, kind):
 
 
 def _gelu_forward_cpu(x, bias, kind):
-    """The reference's GELU (exact or tanh form) on flat blocks and cache-sized chunks: (y, (h, aux))."""
+    """The reference's GELU (exact or tanh form) on blocks of rows and cache-sized chunks, the bias
+    added chunk by chunk: (y, (h, aux)). float32's exact form takes Phi from normal_cdf_float32."""
     xp = backend.get_array_module(x)
-    h = x + bias if bias is not None else x
-    hf = h.reshape(-1)
-    y, aux = xp.empty_like(hf), xp.empty_like(hf)                 # aux: tanh(u), or Phi(h)
+    n = x.shape[-1] if bias is not None else 1                 # rows of the bias's length, or single entries
+    xf = x.reshape(-1, n)
+    hf = xp.empty_like(xf) if bias is not None else xf         # h = x + bias, saved for the backward
+    y, aux = xp.empty_like(xf), xp.empty_like(xf)              # aux: tanh(u), or Phi(h)
 
-    @in_cache_chunks
     def block(start, stop):
         hb, ab, yb = hf[start:stop], aux[start:stop], y[start:stop]
+        if bias is not None:
+            xp.add(xf[start:stop], bias, out=hb)
         if kind == "gelu_tanh":
             xp.tanh(TANH_C * (hb + TANH_K * hb * hb * hb), out=ab)   # t = tanh(u)
             xp.add(ab, 1.0, out=yb)
             yb *= hb
             yb *= 0.5                                               # y = 0.5 h (1 + t)
             return
-        ab[...] = erf(hb / SQRT_2)                                  # Phi(h) = (1 + erf(h / sqrt 2)) / 2
-        ab += 1.0
-        ab *= 0.5
+        if hb.dtype == xp.float32:
+            normal_cdf_float32(hb, out=ab)                          # Phi(h)
+        else:
+            ab[...] = erf(hb / SQRT_2)                              # Phi(h) = (1 + erf(h / sqrt 2)) / 2
+            ab += 1.0
+            ab *= 0.5
         xp.multiply(hb, ab, out=yb)                                 # y = h Phi(h)
 
-    for_rows(block, hf.size, hf.size, x)
-    return y.reshape(h.shape), (h, aux.reshape(h.shape))
+    for_rows(in_cache_chunks(block, n), xf.shape[0], x.size, x)
+    shape = x.shape
+    return y.reshape(shape), (hf.reshape(shape), aux.reshape(shape))
 
 
 @kernel_table
