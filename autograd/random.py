@@ -28,7 +28,7 @@ draw with `draw(n, device)` and pass its `state` on (to `bits16` or a kernel).
 import threading
 from typing import Any, NamedTuple
 
-from . import backend, graphs, threads
+from . import backend, graphs, lookahead, threads
 from .checks import check_int
 from .kernels import kernel_table
 
@@ -302,7 +302,18 @@ def for_keep_chunks(seed, offset, n, threshold, kernel):
     the pieces in blocks on the threads of `autograd.threads` and in cache-sized chunks, so that a
     kernel applying the mask reads it while it is in the cache (keep is reused: copy what must
     outlive the call). Which values each piece holds does not change the bits, so the results are
-    the same for any thread count."""
+    the same for any thread count. A mask drawn ahead (autograd.lookahead) is handed out in pieces."""
+    ahead = lookahead.take(_at_least_key(seed, n, threshold), int(offset),
+                           lambda at: _at_least_now(seed, at, n, threshold))
+    if ahead is not None:
+        piece = _CHUNK * VALUES_PER_COUNTER
+
+        def pieces(start, stop):
+            for lo in range(start, stop, piece):
+                kernel(lo, min(lo + piece, stop), ahead[lo:min(lo + piece, stop)])
+
+        threads.for_rows(pieces, int(n), int(n))
+        return
     counters, key, skip = _covering_counters(seed, offset, n, "cpu", None)
 
     def block(start, stop, chunk):
@@ -417,8 +428,23 @@ def bits16(seed, offset, n, device="cpu", state=None):
 
 def bits16_at_least(seed, offset, n, threshold, device="cpu", state=None):
     """bits16(seed, offset, n, device, state) >= threshold, (n,) bool (the keep test of a dropout
-    mask), without the array of 16-bit values on the CPU."""
-    counters, key, skip = _covering_counters(seed, offset, n, device, state)
+    mask), without the array of 16-bit values on the CPU (where it may have been drawn ahead:
+    autograd.lookahead)."""
+    if device != "cpu" or state is not None:
+        counters, key, skip = _covering_counters(seed, offset, n, device, state)
+        return philox_at_least(counters, key, threshold)[skip:skip + int(n)]
+    draw = lambda at: _at_least_now(seed, at, n, threshold)  # noqa: E731
+    ahead = lookahead.take(_at_least_key(seed, n, threshold), int(offset), draw)
+    return draw(int(offset)) if ahead is None else ahead
+
+
+def _at_least_key(seed, n, threshold):
+    return "at_least", int(seed), int(n), int(threshold)
+
+
+def _at_least_now(seed, offset, n, threshold):
+    """bits16_at_least on the CPU, drawn in this call."""
+    counters, key, skip = _covering_counters(seed, offset, n, "cpu", None)
     return philox_at_least(counters, key, threshold)[skip:skip + int(n)]
 
 
@@ -427,11 +453,22 @@ def bits16_at_least_in_runs(seed, offset, n, threshold, starts, lengths):
     bits16(seed, offset + i) >= threshold, drawing only the counters that cover the runs (an entry
     outside them is False, or its own test where a counter of a run covers it): a mask whose other
     entries do not matter (the probabilities above a causal diagonal) costs the values it needs.
-    starts, lengths: (R,) integer arrays, lengths >= 1, the runs in increasing order, apart."""
+    starts, lengths: (R,) integer arrays, lengths >= 1, the runs in increasing order, apart.
+    It may have been drawn ahead (autograd.lookahead)."""
+    xp = backend.module_for("cpu")
+    starts, lengths = xp.asarray(starts, dtype="int64"), xp.asarray(lengths, dtype="int64")
+    draw = lambda at: _at_least_in_runs_now(seed, at, n, threshold, starts, lengths)  # noqa: E731
+    ahead = lookahead.take(("runs", int(seed), int(n), int(threshold), starts.tobytes(), lengths.tobytes()),
+                           int(offset), draw)
+    return draw(int(offset)) if ahead is None else ahead
+
+
+def _at_least_in_runs_now(seed, offset, n, threshold, starts, lengths):
+    """bits16_at_least_in_runs, drawn in this call."""
     xp = backend.module_for("cpu")
     first, skip, count = _counter_span(offset, n)
-    starts = xp.asarray(starts, dtype="int64") + skip                             # from value 8 first
-    hi = (starts + xp.asarray(lengths, dtype="int64") - 1) // VALUES_PER_COUNTER  # last counter of each run
+    starts = starts + skip                                                       # from value 8 first
+    hi = (starts + lengths - 1) // VALUES_PER_COUNTER                            # last counter of each run
     # run r needs counters [lo, hi] but those up to an earlier run's last one: [max(lo, that + 1), hi]
     drawn_before = xp.maximum.accumulate(xp.concatenate([xp.full(1, -1, dtype="int64"), hi[:-1]]))
     lo = xp.maximum(starts // VALUES_PER_COUNTER, drawn_before + 1)

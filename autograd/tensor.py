@@ -5,7 +5,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import backend, deferred
+from . import backend, deferred, lookahead
 from .backend import Array, ArrayLike, DType
 from .checks import as_array
 from .function import Function, run_backward
@@ -119,6 +119,7 @@ class Tensor:
         if backend.device_of(grad) != self.device:  # as torch: no silent copy between devices
             raise RuntimeError(f"backward(grad): expected a gradient on device '{self.device}', got one on "
                                f"'{backend.device_of(grad)}'; move it with to_device(grad, '{self.device}')")
+        lookahead.end_pass()  # the forward pass's dropout masks predict the next pass's
         run_backward(self, grad.astype(self.dtype, copy=False), retain_graph)
 
     def _accumulate_leaf(self, grad):

@@ -126,12 +126,12 @@ def row_blocks(rows, entries, like=None):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _run_marked(kernel, start, stop):
-    _local.busy = True
+def _run_marked(kernel, *args):
+    busy, _local.busy = getattr(_local, "busy", False), True
     try:
-        return kernel(start, stop)
+        return kernel(*args)
     finally:
-        _local.busy = False
+        _local.busy = busy
 
 
 def run_blocks(kernel, blocks):
@@ -146,16 +146,30 @@ def run_tasks(tasks):
     if len(tasks) == 1:
         kernel, start, stop = tasks[0]
         return [kernel(start, stop)]
-    with _lock:
-        if _state["pool"] is None:
-            _state["pool"] = ThreadPoolExecutor(max(_state["threads"] - 1, 1), thread_name_prefix="npformer")
-        pool = _state["pool"]
+    pool = _pool()
     futures = [pool.submit(_run_marked, *task) for task in tasks[1:]]
     try:
         first = _run_marked(*tasks[0])
+        # a task the pool has not started (its threads busy, e.g. drawing masks ahead) runs here
+        rest = [_run_marked(*task) if future.cancel() else None for task, future in zip(tasks[1:], futures)]
     finally:  # never leave a block running behind the caller's back, even on an error
-        wait(futures)
-    return [first] + [f.result() for f in futures]
+        wait([f for f in futures if not f.cancelled()])    # (a cancelled one is done only once dequeued)
+    return [first] + [r if f.cancelled() else f.result() for r, f in zip(rest, futures)]
+
+
+def submit(fn, *args):
+    """fn(*args) in the pool (marked as a block: splits inside it run whole), a Future; None when
+    npformer runs one thread (there is no pool)."""
+    if get_num_threads() < 2:
+        return None
+    return _pool().submit(_run_marked, fn, *args)
+
+
+def _pool():
+    with _lock:
+        if _state["pool"] is None:
+            _state["pool"] = ThreadPoolExecutor(max(_state["threads"] - 1, 1), thread_name_prefix="npformer")
+        return _state["pool"]
 
 
 def split_blocks(threads, sizes):

@@ -1,0 +1,114 @@
+"""autograd.lookahead: the dropout masks of the next forward pass are drawn in the pool, and a step
+gives the same numbers to the bit with and without it, when the prediction holds and when it
+fails; autograd.threads.run_tasks runs a task the pool has not started in the caller."""
+import threading
+
+import numpy as np
+import pytest
+
+import npformer
+from autograd import lookahead, random
+from autograd import threads as _threads
+from npformer import functional as F
+from npformer import models, optim
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    saved = _threads.get_num_threads()
+    _threads.set_num_threads(2)
+    monkeypatch.setattr(lookahead, "_local", threading.local())   # a fresh pass history
+    yield
+    _threads.set_num_threads(saved)
+
+
+def train(steps, batches, lookahead_on, monkeypatch):
+    """Losses and final parameters of a small CausalLM trained on `batches` (cycled), dropout 0.3."""
+    monkeypatch.setenv("NPFORMER_LOOKAHEAD", "1" if lookahead_on else "0")
+    monkeypatch.setattr(lookahead, "_local", threading.local())
+    npformer.manual_seed(3)
+    model = models.CausalLM(vocab_size=11, d_model=16, nhead=2, num_layers=2, dim_feedforward=32,
+                            dropout=0.3, max_len=12).train()
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        ids = batches[step % len(batches)]
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 11), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.data.copy() for p in model.parameters()]
+
+
+def test_training_is_the_same_to_the_bit_with_and_without_lookahead(two_threads, monkeypatch):
+    rng = np.random.default_rng(0)
+    same = [rng.integers(0, 11, (4, 9))]
+    # the batch shape changes every other step: the predictions fail there and draw their own
+    changing = [rng.integers(0, 11, (4, 9)), rng.integers(0, 11, (3, 12)), rng.integers(0, 11, (4, 9))]
+    for batches in (same, changing):
+        on = train(5, batches, True, monkeypatch)
+        off = train(5, batches, False, monkeypatch)
+        assert on[0] == off[0]
+        for a, b in zip(on[1], off[1]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_second_pass_is_drawn_ahead_and_a_mismatch_drops_the_predictions(two_threads):
+    seed, threshold = 7, 6554
+    drawn = []
+
+    def request(n, offset):
+        def draw(at):
+            drawn.append((threading.current_thread() is threading.main_thread(), n, at))
+            return random._at_least_now(seed, at, n, threshold)
+        mask = lookahead.take(("test", n), offset, draw)
+        return (draw(offset), False) if mask is None else (mask, True)
+
+    sizes = [100, 37, 256]
+    offset = 0
+    for _ in sizes:                                 # pass 1: nothing predicted
+        assert request(_, offset)[1] is False
+        offset += 256
+    lookahead.end_pass()
+    start = 10_000 * 8                              # pass 2 starts elsewhere in the stream
+    mask, ahead = request(100, start)
+    assert not ahead                                # the first request of a pass draws its own
+    for n, relative in ((37, 256), (256, 512)):
+        mask, ahead = request(n, start + relative)
+        assert ahead
+        np.testing.assert_array_equal(mask, random._at_least_now(seed, start + relative, n, threshold))
+    assert any(not main for main, _, _ in drawn)    # drawn in the pool
+    lookahead.end_pass()
+    request(100, 0)
+    assert request(38, 256)[1] is False             # not the predicted size: predictions dropped
+    assert request(256, 512)[1] is False
+
+
+def test_lookahead_off_with_one_thread_or_by_the_environment(monkeypatch):
+    saved = _threads.get_num_threads()
+    try:
+        _threads.set_num_threads(1)
+        assert not lookahead.enabled()
+        _threads.set_num_threads(2)
+        assert lookahead.enabled()
+        monkeypatch.setenv("NPFORMER_LOOKAHEAD", "0")
+        assert not lookahead.enabled()
+    finally:
+        _threads.set_num_threads(saved)
+
+
+def test_run_tasks_does_not_wait_for_a_busy_pool(two_threads):
+    release = threading.Event()
+    busy = _threads.submit(release.wait, 30)        # the pool's one thread is taken
+    where = []
+
+    def task(start, stop):
+        where.append(threading.current_thread() is threading.main_thread())
+        return start + stop
+    assert _threads.run_tasks([(task, 0, 1), (task, 2, 3)]) == [1, 5]
+    assert where == [True, True]                    # the second task ran here, not after `busy`
+    assert not busy.done()
+    release.set()
+    busy.result()
