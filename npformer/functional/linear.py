@@ -15,9 +15,8 @@ class LinearFunction(Function):
     h = x W^T + b,  y = act(h):  dh = dy act'(h),  dx = dh W,  dW = dh^T x,  db = sum of dh over all
     rows (with x, dy flattened to 2-D). With an activation, bias and activation run as one kernel
     after the GEMM (bias_activation_forward). With set_num_threads(n > 1) the GEMMs are split
-    across the threads of `autograd.threads`: y and dx by rows (y by output features when there
-    are fewer rows than features, as in decoding: each thread then reads its part of W), dW and db
-    by output features; dx and dW side by side.
+    across the threads of `autograd.threads`: y and dx by rows, dW and db by output features,
+    dx and dW side by side.
     """
 
     @staticmethod
@@ -33,16 +32,7 @@ class LinearFunction(Function):
             if add_bias:
                 y2d[start:stop] += bias
 
-        def features(start, stop):
-            # y[:, f] = x W[f]^T + b[f]
-            xp.matmul(x2d, weight[start:stop].T, out=y2d[:, start:stop])
-            if add_bias:
-                y2d[:, start:stop] += bias[start:stop]
-
-        if x2d.shape[0] >= weight.shape[0]:
-            for_rows(rows, x2d.shape[0], y2d.size, x)
-        else:  # few rows (decoding): blocks of output features, each thread reading its part of W
-            for_rows(features, weight.shape[0], y2d.size + weight.size, x)
+        for_rows(rows, x2d.shape[0], y2d.size, x)
         if activation is not None:  # y = act(x W^T + b): the bias and the activation in one pass
             y2d, ctx.activation_saved = bias_activation_forward(y2d, bias, activation)
         ctx.save_for_backward(x2d, weight)
