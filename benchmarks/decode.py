@@ -21,19 +21,11 @@ import sys
 import time
 
 
-def _threads(argv):
-    """--threads N (default 1), read before numpy loads OpenBLAS: BLAS threads for us, torch threads."""
-    for i, arg in enumerate(argv):
-        if arg == "--threads" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--threads="):
-            return arg.split("=", 1)[1]
-    return "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from threads_arg import set_blas_threads, threads_arg  # noqa: E402  (before numpy loads OpenBLAS)
 
-
-THREADS = _threads(sys.argv[1:])
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, THREADS)
+THREADS = threads_arg(sys.argv[1:], default="1")  # BLAS threads for us, torch threads
+set_blas_threads(THREADS)
 
 import numpy as np  # noqa: E402
 

@@ -27,25 +27,16 @@ import sys
 import time
 
 
-def _threads(argv):
-    """--threads N, read before numpy loads OpenBLAS (None: each library's default)."""
-    for i, arg in enumerate(argv):
-        if arg == "--threads" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--threads="):
-            return arg.split("=", 1)[1]
-    return None
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from threads_arg import set_blas_threads, threads_arg  # noqa: E402  (before numpy loads OpenBLAS)
 
-
-THREADS = _threads(sys.argv[1:])
+THREADS = threads_arg(sys.argv[1:], default=None)  # None: each library's default
 if THREADS == "1":  # one thread everywhere: numpy's BLAS too (npformer's 1 thread leaves GEMMs to BLAS)
-    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_var, "1")
+    set_blas_threads("1")
 
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import npformer  # noqa: E402
 from npformer import interop  # noqa: E402

@@ -51,6 +51,19 @@ def test_numpy_scalars_are_accepted_and_stored_as_python_numbers():
     assert [type(v) for v in (config.d_model, config.dropout, config.norm_first)] == [int, float, bool]
 
 
+def test_a_constructor_s_config_checked_once_equals_the_dataclass_s():
+    """from_arguments checks the settings once (naming the arguments) and skips __post_init__'s check:
+    it must store the same normalised values, of the same types, as TransformerConfig(...)."""
+    settings = dict(d_model=np.int64(8), nhead=np.int32(2), dropout=np.float32(0.25), block_size=np.int16(4),
+                    norm_first=np.bool_(True), dtype=np.float64)
+    made = nn.TransformerConfig.from_arguments(None, "Owner", **settings)
+    expected = nn.TransformerConfig(**settings)
+    assert made == expected
+    assert {k: type(v) for k, v in vars(made).items()} == {k: type(v) for k, v in vars(expected).items()}
+    with pytest.raises(TypeError, match="unexpected keyword argument 'heads'"):
+        nn.TransformerConfig.from_arguments(None, "Owner", d_model=8, heads=2)
+
+
 def test_constructor_errors_name_the_constructor_and_its_arguments():
     with pytest.raises(ValueError, match=r"MultiheadAttention: block_size must be an integer >= 1, got 0"):
         nn.MultiheadAttention(8, 2, block_size=0)

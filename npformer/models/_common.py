@@ -130,11 +130,18 @@ def valid_positions(mask, ids, dtype):
     return (~mask).astype(dtype)
 
 
+def attention_settings(memory_efficient, block_size, attention_backend):
+    """A model's keyword arguments on how attention runs (not stored in the model's config: like
+    Hugging Face's attn_implementation) as the dict `attention` of transformer_config, which checks them."""
+    return dict(memory_efficient=memory_efficient, block_size=block_size, attention_backend=attention_backend)
+
+
 def transformer_config(config, owner, attention, **layers):
     """The TransformerConfig of a model: its config dict's architecture settings (checked by
     check_config), `layers` (num_encoder_layers / num_decoder_layers) and `attention`, the
     model's keyword arguments memory_efficient, block_size and attention_backend (how attention
-    runs, not stored in the model's config: like Hugging Face's attn_implementation)."""
+    runs, not stored in the model's config: like Hugging Face's attn_implementation), as
+    attention_settings gives them."""
     c = config
     return TransformerConfig.from_arguments(
         None, owner, d_model=c["d_model"], nhead=c["nhead"], dim_feedforward=c["dim_feedforward"],

@@ -8,7 +8,8 @@ from autograd import Tensor
 from autograd.backend import ArrayLike
 
 from .. import nn
-from ._common import EncoderOnlyModel, check_choice, dims, linear_shapes, padding_mask_from_ids, valid_positions
+from ._common import (EncoderOnlyModel, attention_settings, check_choice, dims, linear_shapes, padding_mask_from_ids,
+                      valid_positions)
 
 
 class PooledEncoder(EncoderOnlyModel):
@@ -87,8 +88,7 @@ class BidirectionalEncoder(PooledEncoder):
                            pad_idx=pad_idx, layer_norm_eps=layer_norm_eps, attention_dropout=attention_dropout,
                            activation_dropout=activation_dropout, type_vocab_size=type_vocab_size,
                            embed_norm=bool(embed_norm), final_norm=bool(final_norm), pooler=bool(pooler))
-        self._build_pooled_encoder(self.config, dict(memory_efficient=memory_efficient, block_size=block_size,
-                                                     attention_backend=attention_backend))
+        self._build_pooled_encoder(self.config, attention_settings(memory_efficient, block_size, attention_backend))
         self._reset_parameters()
 
     def forward(self, input_ids: ArrayLike, key_padding_mask: ArrayLike | None = None,
@@ -122,8 +122,7 @@ class EncoderClassifier(PooledEncoder):
                            attention_dropout=attention_dropout, activation_dropout=activation_dropout,
                            type_vocab_size=type_vocab_size, embed_norm=bool(embed_norm),
                            final_norm=bool(final_norm), pooler=bool(pooler), classifier_dropout=classifier_dropout)
-        self._build_pooled_encoder(self.config, dict(memory_efficient=memory_efficient, block_size=block_size,
-                                                     attention_backend=attention_backend))
+        self._build_pooled_encoder(self.config, attention_settings(memory_efficient, block_size, attention_backend))
         self.head_dropout = nn.Dropout(classifier_dropout)
         self.classifier = nn.Linear(d_model, num_classes)
         self._reset_parameters()

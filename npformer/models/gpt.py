@@ -8,7 +8,7 @@ from autograd import Tensor, backend
 from autograd.backend import ArrayLike
 
 from .. import nn
-from ._common import EncoderOnlyModel, padding_mask_from_ids, token_ids, valid_positions
+from ._common import EncoderOnlyModel, attention_settings, padding_mask_from_ids, token_ids, valid_positions
 
 
 class CausalLM(EncoderOnlyModel):
@@ -42,8 +42,7 @@ class CausalLM(EncoderOnlyModel):
                            norm_first=norm_first, activation=activation, positional=positional,
                            tie_weights=bool(tie_weights), pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
                            attention_dropout=attention_dropout, activation_dropout=activation_dropout)
-        self._build_trunk(self.config, dict(memory_efficient=memory_efficient, block_size=block_size,
-                                            attention_backend=attention_backend))
+        self._build_trunk(self.config, attention_settings(memory_efficient, block_size, attention_backend))
         self.tie_weights = bool(tie_weights)
         if not self.tie_weights:
             self.lm_head = nn.Linear(d_model, vocab_size, bias=False)

@@ -13,8 +13,8 @@ from .. import nn
 from ..nn import init
 from ..nn.config import check_d_model_nhead
 from ..nn.layers import as_ids
-from ._common import (POSITIONAL, additive_positions, check_choice, check_config, dims, padding_mask_from_ids,
-                      stack_shapes, token_ids, transformer_config)
+from ._common import (POSITIONAL, additive_positions, attention_settings, check_choice, check_config, dims,
+                      padding_mask_from_ids, stack_shapes, token_ids, transformer_config)
 
 
 def sharing(tie_weights, share_embeddings, owner):
@@ -106,7 +106,7 @@ class Seq2SeqTransformer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         c = self.config
         self.transformer_config = transformer_config(
-            c, owner, dict(memory_efficient=memory_efficient, block_size=block_size, attention_backend=attention_backend),
+            c, owner, attention_settings(memory_efficient, block_size, attention_backend),
             num_encoder_layers=c["num_encoder_layers"], num_decoder_layers=c["num_decoder_layers"])
         self.transformer = nn.Transformer(config=self.transformer_config)
         self.generator = nn.Linear(d_model, tgt_vocab_size)

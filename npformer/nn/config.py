@@ -131,7 +131,7 @@ class TransformerConfig:
             missing = [names.get(k, k) for k, v in settings.items() if v is None and _DEFAULTS[k] is not None]
             if missing:
                 raise TypeError(f"{owner}: missing {', '.join(missing)} (or pass config=TransformerConfig(...))")
-            return cls(**_checked(settings, owner, names))
+            return cls._of_checked(_checked(settings, owner, names))
         if not isinstance(config, cls):
             raise TypeError(f"{owner}: config must be a TransformerConfig, got {type(config).__name__}")
         defaults = _defaults(function)
@@ -139,6 +139,18 @@ class TransformerConfig:
         if given:
             raise TypeError(f"{owner}: pass the settings either in config= or as arguments, not both "
                             f"(got config= and {', '.join(given)}); use dataclasses.replace(config, ...)")
+        return config
+
+    @classmethod
+    def _of_checked(cls, settings: dict[str, Any]) -> TransformerConfig:
+        """The config of `settings` that _checked has already checked and normalised (the other
+        fields at their defaults), made without __post_init__, which would check them again."""
+        unknown = [name for name in settings if name not in _FIELDS]
+        if unknown:  # as the dataclass's __init__ words it
+            raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        config = object.__new__(cls)
+        for name in _FIELDS:
+            object.__setattr__(config, name, settings.get(name, _DEFAULTS[name]))
         return config
 
 
