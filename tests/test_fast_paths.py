@@ -27,6 +27,17 @@ def test_float32_erf_within_its_documented_error():
     assert np.isnan(erf(np.array([np.nan], dtype=np.float32)))[0]
 
 
+def test_float32_normal_cdf_within_erf_float32s_error():
+    from npformer.functional._erf import normal_cdf_float32
+    x = np.concatenate([np.linspace(-10, 10, 400_001), [0.0, -0.0, 1e-30, 3.4e38, -3.4e38, np.inf, -np.inf]])
+    x32 = x.astype(np.float32)
+    got = normal_cdf_float32(x32, np.empty_like(x32))
+    want = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in x32.astype(np.float64)])
+    assert np.abs(got.astype(np.float64) - want).max() <= 2.3e-7      # half of erf_float32's 4.5e-7 (+ rounding)
+    assert got.min() == 0.0 and got.max() == 1.0
+    assert np.isnan(normal_cdf_float32(np.array([np.nan], np.float32), np.empty(1, np.float32)))[0]
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_in_blocks_matches_one_thread(threads, rng, approximate):  # noqa: F811
     x = rng.standard_normal((5, 7, 3)) * 3
