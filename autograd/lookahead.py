@@ -50,8 +50,12 @@ def _state():
 
 
 def enabled():
-    """Whether masks are drawn ahead: npformer runs more than one thread and NPFORMER_LOOKAHEAD is not "0"."""
-    return os.environ.get("NPFORMER_LOOKAHEAD", "1") != "0" and threads.get_num_threads() > 1
+    """Whether masks are drawn ahead: npformer runs more than one thread and NPFORMER_LOOKAHEAD is
+    "1" (the default), not "0" (anything else is a ValueError)."""
+    value = os.environ.get("NPFORMER_LOOKAHEAD", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"NPFORMER_LOOKAHEAD must be '0' or '1', got {value!r}")
+    return value == "1" and threads.get_num_threads() > 1
 
 
 def take(key, offset, draw):

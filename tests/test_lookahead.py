@@ -95,6 +95,9 @@ def test_lookahead_off_with_one_thread_or_by_the_environment(monkeypatch):
         assert lookahead.enabled()
         monkeypatch.setenv("NPFORMER_LOOKAHEAD", "0")
         assert not lookahead.enabled()
+        monkeypatch.setenv("NPFORMER_LOOKAHEAD", "off")
+        with pytest.raises(ValueError, match="NPFORMER_LOOKAHEAD must be '0' or '1', got 'off'"):
+            lookahead.enabled()
     finally:
         _threads.set_num_threads(saved)
 
