@@ -303,8 +303,7 @@ def for_keep_chunks(seed, offset, n, threshold, kernel):
     kernel applying the mask reads it while it is in the cache (keep is reused: copy what must
     outlive the call). Which values each piece holds does not change the bits, so the results are
     the same for any thread count. A mask drawn ahead (autograd.lookahead) is handed out in pieces."""
-    ahead = lookahead.take(_at_least_key(seed, n, threshold), int(offset),
-                           lambda at: _at_least_now(seed, at, n, threshold))
+    ahead = _at_least_ahead(seed, offset, n, threshold)
     if ahead is not None:
         piece = _CHUNK * VALUES_PER_COUNTER
 
@@ -433,13 +432,15 @@ def bits16_at_least(seed, offset, n, threshold, device="cpu", state=None):
     if device != "cpu" or state is not None:
         counters, key, skip = _covering_counters(seed, offset, n, device, state)
         return philox_at_least(counters, key, threshold)[skip:skip + int(n)]
-    draw = lambda at: _at_least_now(seed, at, n, threshold)  # noqa: E731
-    ahead = lookahead.take(_at_least_key(seed, n, threshold), int(offset), draw)
-    return draw(int(offset)) if ahead is None else ahead
+    ahead = _at_least_ahead(seed, offset, n, threshold)
+    return _at_least_now(seed, offset, n, threshold) if ahead is None else ahead
 
 
-def _at_least_key(seed, n, threshold):
-    return "at_least", int(seed), int(n), int(threshold)
+def _at_least_ahead(seed, offset, n, threshold):
+    """bits16_at_least's CPU mask when autograd.lookahead drew it ahead, else None; the request is
+    recorded either way (for_keep_chunks and bits16_at_least ask for the same mask)."""
+    return lookahead.take(("at_least", int(seed), int(n), int(threshold)), int(offset),
+                          lambda at: _at_least_now(seed, at, n, threshold))
 
 
 def _at_least_now(seed, offset, n, threshold):
