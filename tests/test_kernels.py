@@ -78,6 +78,24 @@ def test_softmax_implementations_equal_the_reference(n, device, rng):
     np.testing.assert_array_equal(backend.as_numpy(in_place), backend.as_numpy(y))
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_row_max_equals_the_reference_with_nan_and_infinities(dtype, device, rng):
+    """The CPU's argmax-based row maximum is the reference's max exactly: rows of -inf, a NaN
+    anywhere in a row (max propagates it), +inf, and the shapes softmax and cross-entropy pass."""
+    from npformer.functional.softmax import row_max
+    for n in ROW_LENGTHS:
+        x = backend.as_numpy(rows(rng, n, "cpu", dtype))
+        x[2, 0, n // 2] = np.nan
+        x[3, 1, -1] = np.inf
+        x = backend.to_device(x, device)
+        with kernels.reference_only():
+            want = backend.as_numpy(row_max(x, -1))
+        got = backend.as_numpy(row_max(x, -1))
+        assert got.shape == (5, 3, 1) and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    assert row_max.select(np.ones((2, 3)), 0) is row_max.reference          # not the last axis: the reference
+
+
 def test_cuda_softmax_kernels_run_and_fall_back_where_they_do_not_apply(rng):
     """On a GPU: float32 rows of any length through the kernel; a softmax along another axis or
     of a non-contiguous array takes the reference."""

