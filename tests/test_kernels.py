@@ -1,5 +1,6 @@
 """autograd.kernels: each fused computation runs the implementation registered for its device,
 else its reference; every registered implementation equals its reference (CUDA ones on a GPU)."""
+import importlib
 import threading
 
 import numpy as np
@@ -94,6 +95,21 @@ def test_row_max_equals_the_reference_with_nan_and_infinities(dtype, device, rng
         assert got.shape == (5, 3, 1) and got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
     assert row_max.select(np.ones((2, 3)), 0) is row_max.reference          # not the last axis: the reference
+
+
+def test_row_max_cpu_equals_max_on_large_rows_in_any_layout(rng, monkeypatch):
+    """From ROW_MAX_MIN_ENTRIES entries the CPU runs the argmax path: the same values as max,
+    for a non-contiguous array too (a transposed view)."""
+    softmax = importlib.import_module("npformer.functional.softmax")   # (F.softmax is the function)
+    x = rng.standard_normal((4, 64, 64)).astype(np.float32)
+    x[1, 2, 3] = np.nan
+    assert x.size >= softmax.ROW_MAX_MIN_ENTRIES and softmax.row_max.select(x, -1) is softmax.row_max_cpu
+    for a in (x, x.swapaxes(-1, -2), x[:, ::2]):
+        np.testing.assert_array_equal(softmax.row_max(a, -1), a.max(axis=-1, keepdims=True))
+    monkeypatch.setattr(softmax, "ROW_MAX_MIN_ENTRIES", 0)                  # the small shapes of the test above
+    for shape in [(1,), (3, 1), (2, 3, 5)]:
+        a = rng.standard_normal(shape)
+        np.testing.assert_array_equal(softmax.row_max(a, -1), a.max(axis=-1, keepdims=True))
 
 
 def test_cuda_softmax_kernels_run_and_fall_back_where_they_do_not_apply(rng):
