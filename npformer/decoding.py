@@ -20,8 +20,9 @@ import numpy as np
 
 from autograd import Tensor, backend, no_grad, random, threads
 from autograd.backend import Array, ArrayLike
-from autograd.checks import as_array, check_int, check_optional_int, check_real
+from autograd.checks import as_array, check_bool, check_int, check_optional_int, check_real
 from . import functional as F
+from .functional._common import check_index_range
 from .data import BOS, EOS, PAD
 from .nn import Module
 
@@ -230,7 +231,7 @@ def top_k_filter(logits: Tensor | Array, top_k: int) -> Array:
     with the k-th are kept), as Hugging Face's TopKLogitsWarper. top_k: int >= 1 (capped at V)."""
     scores = logits.data if isinstance(logits, Tensor) else logits
     xp = backend.get_array_module(scores)
-    k = min(int(top_k), scores.shape[-1])
+    k = min(check_int(top_k, "top_k", "top_k_filter", at_least=1), scores.shape[-1])
     kth = -xp.partition(-scores, k - 1, axis=-1)[..., k - 1:k]                     # (..., 1) k-th largest
     return xp.where(scores < kth, -math.inf, scores).astype(scores.dtype, copy=False)
 
@@ -239,14 +240,15 @@ def top_p_filter(logits: Tensor | Array, top_p: float) -> Array:
     """Nucleus filtering, as Hugging Face's TopPLogitsWarper: sort each row's logits ascending,
     take the cumulative softmax probability c; entries with c <= 1 - top_p are set to -inf,
     the most likely entry always stays. What stays is the smallest set of most likely tokens
-    whose probabilities add up to more than top_p (1.0: everything)."""
+    whose probabilities add up to more than top_p (1.0: everything). top_p: a real number in (0, 1]."""
+    top_p = check_real(top_p, "top_p", "top_p_filter", above=0.0, at_most=1.0)
     scores = logits.data if isinstance(logits, Tensor) else logits
     xp = backend.get_array_module(scores)
     order = xp.argsort(scores, axis=-1, kind="stable")                             # (..., V) ascending
     ascending = xp.take_along_axis(scores, order, axis=-1).astype("float64")
     probs = xp.exp(ascending - ascending[..., -1:])                                # the max is last
     cumulative = xp.cumsum(probs, axis=-1) / probs.sum(axis=-1, keepdims=True)    # (..., V)
-    remove_sorted = cumulative <= 1.0 - float(top_p)
+    remove_sorted = cumulative <= 1.0 - top_p
     remove_sorted[..., -1] = False                                                 # keep at least one
     remove = xp.empty_like(remove_sorted)
     xp.put_along_axis(remove, order, remove_sorted, axis=-1)                      # back to vocabulary order
@@ -257,28 +259,55 @@ def sample_logits(logits: Tensor | Array, rng: np.random.Generator, temperature:
                   top_k: int | None = None, top_p: float | None = None) -> np.ndarray:
     """Next tokens (B,) int64 on the host from logits (B, V): the argmax when temperature == 0,
     else a draw from softmax(filtered logits / temperature) with `rng` (a numpy Generator), the
-    logits processed in Hugging Face's order: temperature, top-k, top-p."""
+    logits processed in Hugging Face's order: temperature, top-k (None or 0: all), top-p (None
+    or 1: all). The maximum is subtracted before dividing by the temperature, so a tiny
+    temperature tends to the argmax instead of overflowing. ValueError for a row whose logits
+    give no distribution (NaN, +inf, or every entry -inf), as torch.multinomial."""
+    owner = "sample_logits"
+    temperature = check_real(temperature, "temperature", owner, at_least=0.0)
+    top_k = check_optional_int(top_k, "top_k", owner, at_least=0)
+    top_p = None if top_p is None else check_real(top_p, "top_p", owner, above=0.0, at_most=1.0)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"{owner}: rng must be a numpy.random.Generator, got {type(rng).__name__}")
     scores = logits.data if isinstance(logits, Tensor) else logits
+    if len(scores.shape) != 2:
+        raise ValueError(f"{owner}: logits must be (batch, vocabulary), got shape {tuple(scores.shape)}")
     xp = backend.get_array_module(scores)
     if temperature == 0:
         return backend.as_numpy(xp.argmax(scores, axis=-1)).astype(np.int64)
-    scores = scores.astype("float64") / temperature
+    scores = scores.astype("float64")
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN / +inf logits: refused below; -inf: a 0 probability
+        scores = (scores - scores.max(axis=-1, keepdims=True)) / temperature       # (B, V), max 0
     if top_k:
         scores = top_k_filter(scores, top_k)
     if top_p is not None and top_p < 1.0:
         scores = top_p_filter(scores, top_p)
-    probs = xp.exp(scores - scores.max(axis=-1, keepdims=True))                    # 0 where filtered
+    probs = xp.exp(scores)                                                         # 0 where filtered
     cumulative = xp.cumsum(probs, axis=-1)                                         # (B, V)
+    total = cumulative[:, -1]                                                      # (B,) >= 1 unless NaN
     # inverse CDF: the first token whose cumulative mass exceeds u * total (never a 0-mass token)
     u = backend.to_device(rng.random(len(scores)), backend.device_of(scores))      # (B,) in [0, 1)
-    chosen = (cumulative <= (u * cumulative[:, -1])[:, None]).sum(axis=-1)         # (B,)
-    return backend.as_numpy(xp.minimum(chosen, scores.shape[-1] - 1)).astype(np.int64)
+    chosen = (cumulative <= (u * total)[:, None]).sum(axis=-1)                     # (B,)
+    chosen = xp.where(total >= 1.0, xp.minimum(chosen, scores.shape[-1] - 1), -1)  # -1: no distribution
+    tokens = backend.as_numpy(chosen).astype(np.int64)
+    if (tokens < 0).any():
+        raise ValueError(f"{owner}: logits rows {np.flatnonzero(tokens < 0).tolist()} give no probability "
+                         f"distribution (NaN, +inf, or every entry -inf)")
+    return tokens
 
 
-def _prompts(ids, key_padding_mask, pad):
+def _check_ids(ids, vocab):
+    """IndexError naming generate's `ids` unless every id is in [0, vocab) (checked before any cast)."""
+    check_index_range(ids, vocab, lambda lo, hi: IndexError(
+        f"generate: ids token ids must be in [0, {vocab - 1}] (vocabulary size {vocab}), got min {lo} and max {hi}"))
+
+
+def _prompts(ids, key_padding_mask, pad, vocab, pad_idx):
     """(prompt (B, P) int64 host array, key padding mask (B, P) bool or None, ragged) from a 2-D
     array of ids (left-padded, with a mask) or a list of 1-D prompts of any lengths (left-padded
-    here with `pad`)."""
+    here with `pad`), every id checked against the vocabulary. Without key_padding_mask, the ids
+    of a 2-D array equal to the model's pad_idx are its padding (as Hugging Face's generate infers
+    attention_mask from pad_token_id)."""
     if isinstance(ids, Tensor):
         ids = backend.as_numpy(ids.data)
     if isinstance(ids, (list, tuple)):  # a list of prompts, left-padded here
@@ -289,6 +318,8 @@ def _prompts(ids, key_padding_mask, pad):
         if not rows or any(row.ndim != 1 or row.size == 0 or row.dtype.kind not in "iu" for row in rows):
             raise ValueError("generate: a list of prompts must hold at least one prompt, each a non-empty "
                              "1-D sequence of integer token ids")
+        for row in rows:
+            _check_ids(row, vocab)
         width = max(len(row) for row in rows)
         prompt = np.full((len(rows), width), pad, dtype=np.int64)
         key_padding_mask = np.ones((len(rows), width), dtype=bool)
@@ -300,32 +331,40 @@ def _prompts(ids, key_padding_mask, pad):
     if prompt.dtype.kind not in "iu" or prompt.ndim != 2 or 0 in prompt.shape:
         raise ValueError(f"generate: ids must be a non-empty 2-D array (batch, prompt length) of integer token "
                          f"ids or a list of 1-D prompts, got {prompt.dtype} with shape {prompt.shape}")
+    _check_ids(prompt, vocab)
     if key_padding_mask is not None:
-        mask = np.asarray(backend.as_numpy(key_padding_mask.data if isinstance(key_padding_mask, Tensor)
-                                           else key_padding_mask))
+        mask = key_padding_mask.data if isinstance(key_padding_mask, Tensor) else key_padding_mask
+        mask = backend.as_numpy(mask) if backend.is_array(mask) else as_array(mask, "key_padding_mask", "generate", np)
         if mask.dtype != bool or mask.shape != prompt.shape:
             raise ValueError(f"generate: key_padding_mask must be a bool array of the shape of ids {prompt.shape} "
                              f"(True = padding), got {mask.dtype} {mask.shape}")
-        if mask.all(axis=1).any():
-            raise ValueError(f"generate: rows {np.flatnonzero(mask.all(axis=1)).tolist()} of key_padding_mask "
-                             f"are all padding; every prompt needs at least one token")
-        if (mask[:, 1:] & ~mask[:, :-1]).any():
-            raise ValueError("generate: prompts must be left-padded (padding before the tokens, as Hugging "
-                             "Face's tokenizer(padding_side='left') gives); key_padding_mask has padding after "
-                             "a token")
-        key_padding_mask = mask if mask.any() else None
-    return prompt.astype(np.int64), key_padding_mask, False
+        source = "key_padding_mask"
+    elif pad_idx is not None:
+        mask = prompt == pad_idx
+        source = f"the prompt (its ids equal to the model's pad_idx={pad_idx} are padding)"
+    else:
+        return prompt.astype(np.int64), None, False
+    if mask.all(axis=1).any():
+        raise ValueError(f"generate: rows {np.flatnonzero(mask.all(axis=1)).tolist()} of {source} are all padding; "
+                         f"every prompt needs at least one token")
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError(f"generate: prompts must be left-padded (padding before the tokens, as Hugging Face's "
+                         f"tokenizer(padding_side='left') gives); {source} has padding after a token"
+                         + ("" if key_padding_mask is not None else "; pass key_padding_mask to say which ids are "
+                                                                    "padding"))
+    return prompt.astype(np.int64), (mask if mask.any() else None), False
 
 
-def _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed):
+def _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed, vocab):
     """The sampling arguments as plain numbers (autograd.checks: TypeError for a wrong type,
-    ValueError out of range)."""
+    ValueError out of range; eos an id of the vocabulary)."""
     owner = "generate"
     return (check_real(temperature, "temperature", owner, at_least=0.0),
             check_optional_int(top_k, "top_k", owner, at_least=0),
             None if top_p is None else check_real(top_p, "top_p", owner, above=0.0, at_most=1.0),
             check_int(max_new_tokens, "max_new_tokens", owner, at_least=1),
-            check_optional_int(eos, "eos", owner), check_optional_int(seed, "seed", owner))
+            check_optional_int(eos, "eos", owner, at_least=0, at_most=vocab - 1),
+            check_optional_int(seed, "seed", owner, at_least=0))
 
 
 def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: int, temperature: float = 1.0,
@@ -339,36 +378,49 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
     differ in length, with key_padding_mask (B, P) bool, True = padding (from a Hugging Face
     tokenizer: `attention_mask == 0`); or a list of 1-D prompts of any lengths, left-padded here.
     Padding is masked out and positions count real tokens only, so each row continues exactly
-    as it would alone.
+    as it would alone. For a model built with pad_idx, a 2-D array without key_padding_mask has
+    its ids equal to pad_idx as its (left) padding, as Hugging Face's generate infers
+    attention_mask from pad_token_id; generated tokens are never padding.
     temperature: 0 = greedy (the argmax at every step; equals recomputing the whole prefix);
     > 0 = sample from softmax(logits / temperature) after top_k (keep the k most likely; None or
     0: all) and top_p (nucleus: the smallest set of most likely tokens with mass > top_p; None or
     1: all), applied in Hugging Face's order (its generate defaults to top_k=50; here None).
     eos: a row stops after producing this id and gets `pad` after it (pad defaults to eos, else
-    0); generation stops early when every row has. seed: an int makes sampling reproducible
-    (None: npformer's global generator, seeded by npformer.manual_seed).
+    0; both ids of the vocabulary: pad is fed back for finished rows); generation stops early
+    when every row has. seed: an int >= 0 makes sampling reproducible (None: npformer's global
+    generator, seeded by npformer.manual_seed).
     use_cache=False recomputes the whole prefix at every step instead of using the KV cache.
+    The model runs in eval mode (no dropout) without a graph, its mode restored afterwards (Hugging
+    Face's generate leaves the mode to the caller). The positional table must hold the prompt and
+    every new token but the last (which is never fed back): P + max_new_tokens - 1 positions.
 
     Returns an int64 numpy array (B, P + n), n <= max_new_tokens, keeping the prompt's left
     padding; for a list of prompts, a list of 1-D arrays, each its prompt and its new tokens
     (up to and including eos, no padding).
     """
-    temperature, top_k, top_p, max_new_tokens, eos, seed = _check_sampling(temperature, top_k, top_p,
-                                                                           max_new_tokens, eos, seed)
     for method in ("init_cache", "decode_step", "project"):
         if not callable(getattr(model, method, None)):
             raise TypeError(f"generate: expected a causal LM with init_cache/decode_step (npformer.models."
                             f"CausalLM), got {type(model).__name__}")
-    pad = (eos if eos is not None else 0) if pad is None else check_int(pad, "pad", "generate")
-    prompt, mask, ragged = _prompts(ids, key_padding_mask, pad)
+    vocab, pad_idx = model.tok_embed.num_embeddings, getattr(model, "pad_idx", None)
+    temperature, top_k, top_p, max_new_tokens, eos, seed = _check_sampling(temperature, top_k, top_p,
+                                                                           max_new_tokens, eos, seed, vocab)
+    use_cache = check_bool(use_cache, "use_cache", "generate")
+    pad = (eos if eos is not None else 0) if pad is None else check_int(pad, "pad", "generate", at_least=0,
+                                                                        at_most=vocab - 1)
+    prompt, mask, ragged = _prompts(ids, key_padding_mask, pad, vocab, pad_idx)
     batch, width = prompt.shape
     config = getattr(model, "config", None) or {}
     table = config.get("max_len") if config.get("positional") in ("learned", "sinusoidal") else None
     longest = width if mask is None else int((~mask).sum(axis=1).max())
-    if table is not None and longest + max_new_tokens > table:
+    if table is not None and longest + max_new_tokens - 1 > table:  # the last new token is never fed back
         raise ValueError(f"generate: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
-                         f"{longest + max_new_tokens} positions but the model's positional table has "
+                         f"{longest + max_new_tokens - 1} positions but the model's positional table has "
                          f"max_len={table}")
+    # a model with pad_idx would take pad ids for padding: it gets explicit masks (new tokens never are)
+    step_mask = None if pad_idx is None else np.zeros((batch, 1), dtype=bool)
+    if mask is None and pad_idx is not None:
+        mask = np.zeros(prompt.shape, dtype=bool)
     rng = np.random.default_rng(seed) if seed is not None else random.global_rng("cpu")
     device = model.tok_embed.weight.device
     out = np.full((batch, max_new_tokens), pad, dtype=np.int64)
@@ -389,7 +441,8 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
                 out = out[:, :t + 1]
                 break
             if use_cache and t + 1 < max_new_tokens:
-                logits = model.decode_step(backend.to_device(tokens[:, None], device), cache)
+                logits = model.decode_step(backend.to_device(tokens[:, None], device), cache,
+                                           key_padding_mask=step_mask)
     result = np.concatenate([prompt, out], axis=1)
     if not ragged:
         return result

@@ -42,11 +42,11 @@ def _entry(path, name, entry):
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise SafetensorsError(f"{path}: header entry {name!r} must have exactly dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES and dtype != "BF16":
+        raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype {dtype!r} (known: {sorted(DTYPES)})")
     if dtype == "BF16":
         raise SafetensorsError(f"{path}: tensor {name!r} is bfloat16, which NumPy cannot hold; convert the file "
                                f"to float32 (e.g. in torch: model.float() then save_pretrained)")
-    if dtype not in DTYPES:
-        raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype {dtype!r} (known: {sorted(DTYPES)})")
 
     def counts(value):
         return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -61,6 +61,17 @@ def _entry(path, name, entry):
         raise SafetensorsError(f"{path}: tensor {name!r} ({dtype} {shape}) needs {size} bytes but its data_offsets "
                                f"{offsets} span {offsets[1] - offsets[0]}")
     return DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
+
+
+def _unique(path, pairs):
+    """A JSON object's pairs as a dict, refusing a repeated name (json.loads would keep the last:
+    the file would mean two things)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise SafetensorsError(f"{path}: damaged: the header's tensor name {key!r} appears twice")
+        out[key] = value
+    return out
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
@@ -78,7 +89,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
                                    f"but the file has {file_size - 8} after the length")
         raw = f.read(length)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=lambda pairs: _unique(path, pairs))
+    except SafetensorsError:
+        raise
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, JSON nested too deep
         raise SafetensorsError(f"{path}: not a safetensors file (the header is not JSON: "
                                f"{type(e).__name__}: {e})") from e
@@ -124,8 +137,12 @@ def write_safetensors(path: str | os.PathLike, arrays: dict, metadata: dict | No
     `path` as a safetensors file, atomically. Returns path."""
     if not all(isinstance(k, str) for k in arrays):
         raise TypeError("write_safetensors: tensor names must be strings")
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise TypeError("write_safetensors: metadata must map strings to strings")
+    if "__metadata__" in arrays:
+        raise ValueError("write_safetensors: '__metadata__' is the header's metadata entry, not a tensor name")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                        for k, v in metadata.items())):
+        raise TypeError(f"write_safetensors: metadata must map strings to strings (a dict), got "
+                        f"{type(metadata).__name__}")
     host = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
     for name, a in host.items():
         if a.dtype.name not in DTYPES.values():

@@ -5,6 +5,7 @@ top-p / temperature definitions against a manual computation and Hugging Face's 
 warpers, sampling frequencies, greedy generation equal to Hugging Face's generate on a random
 GPT-2, and argument errors."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -287,7 +288,7 @@ def test_left_padded_batch_equals_huggingface_generate(torch, transformers, rng)
     (dict(eos="x"), TypeError, "generate: eos must be an integer"),
     (dict(seed=1.5), TypeError, "generate: seed must be an integer"),
     (dict(pad=-0.5), TypeError, "generate: pad must be an integer"),
-    (dict(max_new_tokens=40), ValueError, r"needs 44 positions but the model's positional table has max_len=40"),
+    (dict(max_new_tokens=40), ValueError, r"needs 43 positions but the model's positional table has max_len=40"),
 ])
 def test_bad_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -336,3 +337,147 @@ def test_the_readme_fine_tuning_example_runs_on_a_gpt2_shaped_folder(tmp_path, m
     changed = [name for name, array in tuned.state_dict().items()
                if not np.array_equal(array, before.state_dict()[name])]
     assert "tok_embed.weight" in changed and len(changed) == len(tuned.state_dict())
+
+
+# -- edge cases and bad input (the issue 17 audit) ----------------------------------------------
+def sampled_reference(model, prompt, mask, steps, seed, temperature=1.0):
+    """generate's sampling loop without the cache: forward on the whole prefix with the prompt's
+    padding masked and positions counting real tokens (generated tokens are never padding)."""
+    rng = np.random.default_rng(seed)
+    ids, mask = np.asarray(prompt), np.asarray(mask)
+    model.eval()
+    with npformer.no_grad():
+        for _ in range(steps):
+            positions = np.maximum(np.cumsum(~mask, axis=1) - 1, 0)
+            logits = model(ids, key_padding_mask=mask, position_ids=positions)[:, -1]
+            ids = np.concatenate([ids, sample_logits(logits, rng, temperature)[:, None]], axis=1)
+            mask = np.concatenate([mask, np.zeros((len(ids), 1), dtype=bool)], axis=1)
+    return ids
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_model_with_pad_idx_masks_the_prompts_padding_only(use_cache):
+    """CausalLM(pad_idx=0): pad ids in the prompt are its (left) padding, as Hugging Face's generate
+    infers attention_mask from pad_token_id; a generated token equal to pad_idx is a token. With a
+    6-token vocabulary the sampled continuations produce id 0, which must not be masked out."""
+    model = lm(vocab=6, pad_idx=0)
+    prompt = np.array([[0, 0, 3, 1], [2, 5, 4, 1], [0, 4, 4, 2]])
+    got = generate(model, prompt, 16, temperature=1.0, seed=3, use_cache=use_cache)
+    assert (got[:, 4:] == 0).any(), "the test needs a generated pad_idx token"
+    np.testing.assert_array_equal(got, sampled_reference(model, prompt, prompt == 0, 16, seed=3))
+    greedy = generate(model, prompt, 8, temperature=0.0, use_cache=use_cache)
+    for b, row in enumerate(prompt):
+        np.testing.assert_array_equal(greedy[b, 4:], argmax_loop(model, row[row != 0], 8)[(row != 0).sum():])
+
+
+def test_a_model_with_pad_idx_refuses_prompts_it_cannot_pad():
+    model = lm(pad_idx=0)
+    with pytest.raises(ValueError, match=r"rows \[0\] of .*are all padding"):
+        generate(model, np.array([[0, 0, 0], [1, 2, 3]]), 2)
+    with pytest.raises(ValueError, match="must be left-padded"):
+        generate(model, np.array([[1, 0, 3], [1, 2, 3]]), 2)
+    # an explicit mask decides: a pad id inside the prompt is then a token
+    out = generate(model, np.array([[1, 0, 3]]), 3, temperature=0.0, key_padding_mask=np.zeros((1, 3), dtype=bool))
+    np.testing.assert_array_equal(out[0], sampled_reference(model, [[1, 0, 3]], np.zeros((1, 3), dtype=bool), 3,
+                                                            seed=0, temperature=0.0)[0])
+
+
+def test_tiny_temperatures_are_greedy_without_overflow():
+    model = lm()
+    prompt = np.array([[1, 2, 3], [4, 5, 6]])
+    greedy = generate(model, prompt, 6, temperature=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow / invalid-value warnings: the NaN of the past
+        for temperature in (1e-6, 1e-300, 1e-320, 5e-324):
+            np.testing.assert_array_equal(generate(model, prompt, 6, temperature=temperature, seed=0), greedy)
+        logits = np.array([[1.0, 3.0, 2.0]], dtype=np.float32)
+        assert sample_logits(logits, np.random.default_rng(0), temperature=1e-45).tolist() == [1]
+
+
+@pytest.mark.parametrize("logits", [[[np.nan, 1.0, 2.0]], [[-np.inf, -np.inf, -np.inf]], [[np.inf, 1.0, 0.0]]])
+def test_sampling_refuses_logits_without_a_distribution(logits):
+    """Never a silent token 0 from NaN probabilities (torch.multinomial raises too)."""
+    with pytest.raises(ValueError, match=r"sample_logits: logits rows \[0\] give no probability distribution"):
+        sample_logits(np.array(logits), np.random.default_rng(0), temperature=1.0)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda x, g: sample_logits(x, g, temperature=-1.0), ValueError, "sample_logits: temperature must be a finite "
+                                                                      "real number >= 0.0, got -1.0"),
+    (lambda x, g: sample_logits(x, g, temperature=True), TypeError, "sample_logits: temperature must be"),
+    (lambda x, g: sample_logits(x, g, top_k=-1), ValueError, "sample_logits: top_k must be an integer >= 0, got -1"),
+    (lambda x, g: sample_logits(x, g, top_p=1.5), ValueError, r"sample_logits: top_p must be a real number in "
+                                                               r"\(0.0, 1.0\], got 1.5"),
+    (lambda x, g: sample_logits(x[0], g), ValueError, r"sample_logits: logits must be \(batch, vocabulary\), "
+                                                       r"got shape \(3,\)"),
+    (lambda x, g: sample_logits(x, None), TypeError, "sample_logits: rng must be a numpy.random.Generator, "
+                                                      "got NoneType"),
+    (lambda x, g: top_k_filter(x, 0), ValueError, "top_k_filter: top_k must be an integer >= 1, got 0"),
+    (lambda x, g: top_k_filter(x, 1.5), TypeError, "top_k_filter: top_k must be an integer >= 1"),
+    (lambda x, g: top_k_filter(x, True), TypeError, r"top_k_filter: top_k must be .*a bool"),
+    (lambda x, g: top_p_filter(x, 0.0), ValueError, r"top_p_filter: top_p must be a real number in \(0.0, 1.0\]"),
+    (lambda x, g: top_p_filter(x, -1), ValueError, r"top_p_filter: top_p must be a real number in \(0.0, 1.0\]"),
+    (lambda x, g: top_p_filter(x, float("nan")), ValueError, "top_p_filter: top_p must be a real number"),
+])
+def test_the_sampling_functions_check_their_arguments(call, error, message):
+    with pytest.raises(error, match=message):
+        call(np.array([[1.0, 3.0, 2.0]]), np.random.default_rng(0))
+
+
+def test_numpy_scalars_are_accepted_for_every_number():
+    model, ids = lm(), np.array([[1, 2, 3], [4, 5, 6]])
+    plain = generate(model, ids, 4, 0.7, 5, 0.9, eos=3, seed=1, pad=2)
+    numpy = generate(model, ids, np.int32(4), np.float64(0.7), np.int64(5), np.float64(0.9), eos=np.int16(3),
+                     seed=np.uint64(1), pad=np.uint8(2))
+    np.testing.assert_array_equal(numpy, plain)
+    np.testing.assert_array_equal(generate(model, ids, 4, np.float32(0.5), seed=1),
+                                  generate(model, ids, 4, float(np.float32(0.5)), seed=1))
+    logits = np.array([[1.0, 3.0, 2.0]])
+    np.testing.assert_array_equal(top_k_filter(logits, np.int64(2)), top_k_filter(logits, 2))
+    np.testing.assert_array_equal(top_p_filter(logits, np.float32(0.5)), top_p_filter(logits, 0.5))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(eos=-1), ValueError, r"generate: eos must be an integer in \[0, 49\], got -1"),
+    (dict(eos=50), ValueError, r"generate: eos must be an integer in \[0, 49\], got 50"),
+    (dict(pad=-1), ValueError, r"generate: pad must be an integer in \[0, 49\], got -1"),
+    (dict(pad=50), ValueError, r"generate: pad must be an integer in \[0, 49\], got 50"),
+    (dict(seed=-1), ValueError, "generate: seed must be an integer >= 0, got -1"),
+    (dict(use_cache="no"), TypeError, "generate: use_cache must be True or False, got 'no'"),
+    (dict(key_padding_mask=[[True], [False, False]]), ValueError, "generate: key_padding_mask must be a rectangular"),
+    (dict(ids=np.array([[1, -1]])), IndexError, r"generate: ids token ids must be in \[0, 49\] \(vocabulary size 50\), "
+                                                r"got min -1 and max 1"),
+    (dict(ids=np.array([[1, 2 ** 63]], dtype=np.uint64)), IndexError, r"generate: ids token ids must be in \[0, 49\] "
+                                                                      r"\(vocabulary size 50\), got min 1 and max "
+                                                                      r"9223372036854775808"),
+    (dict(ids=[np.array([1, 2]), np.array([60])]), IndexError, r"generate: ids token ids must be in \[0, 49\]"),
+])
+def test_bad_special_ids_seeds_and_prompts(kwargs, error, message):
+    """Ids outside the vocabulary (eos could never be produced; pad is fed back for finished rows)
+    and negative seeds are refused at generate, naming the argument."""
+    arguments = {"ids": np.ones((2, 4), dtype=np.int64), **kwargs}
+    with pytest.raises(error, match=message):
+        generate(lm(), arguments.pop("ids"), 3, **arguments)
+
+
+def test_the_positional_table_is_filled_to_its_last_position():
+    """The last new token is never fed back: a prompt of P tokens with n new needs P + n - 1 positions."""
+    model = lm()  # max_len=40
+    for width, new in ((39, 2), (40, 1)):
+        prompt = np.arange(width)[None] % 50
+        out = generate(model, prompt, new, temperature=0.0)
+        assert out.shape == (1, 40 + 1)
+        np.testing.assert_array_equal(out, generate(model, prompt, new, temperature=0.0, use_cache=False))
+        np.testing.assert_array_equal(out[0], argmax_loop(model, prompt[0], new))
+    with pytest.raises(ValueError, match="a prompt of 40 tokens plus max_new_tokens=2 needs 41 positions"):
+        generate(model, np.ones((1, 40), dtype=np.int64), 2)
+
+
+def test_generation_runs_without_dropout_in_train_mode():
+    """As documented: eval mode (no dropout) during generation, the model's mode restored after."""
+    model = lm(dropout=0.5).train()
+    ids = np.array([[1, 2, 3]])
+    first = generate(model, ids, 8, temperature=0.0)
+    assert model.training
+    np.testing.assert_array_equal(first, generate(model, ids, 8, temperature=0.0))
+    np.testing.assert_array_equal(first, generate(model.eval(), ids, 8, temperature=0.0))

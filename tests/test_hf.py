@@ -238,6 +238,11 @@ def test_configs_without_counterpart_are_refused(torch, transformers):
                              (dict(embd_pdrop=0.0), "one dropout rate")):
         with pytest.raises(ValueError, match=message):
             interop.from_hf(transformers.GPT2LMHeadModel(gpt2_config(transformers, **options)))
+    with pytest.raises(ValueError, match="BERT config: type_vocab_size must be an integer >= 1, got 0"):
+        interop.from_hf(transformers.BertModel(bert_config(transformers, type_vocab_size=0)))
+    with pytest.raises(TypeError, match=r"to_hf: expected float32 or float64 parameters, got \['float16'\]"):
+        interop.to_hf(models.CausalLM(11, d_model=8, nhead=2, num_layers=1, dim_feedforward=8, max_len=8,
+                                      ).to(dtype="float16"))
     with pytest.raises(ValueError, match="model_type 't5' is not supported"):
         huggingface.config_from_hf({"model_type": "t5"})
     small = dict(d_model=8, nhead=2, num_layers=1, dim_feedforward=8, max_len=8)

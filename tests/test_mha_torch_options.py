@@ -210,6 +210,8 @@ def test_projection_gemm_count_with_separate_weights(monkeypatch):
     (dict(kdim=0), ValueError, "MultiheadAttention: kdim must be an integer >= 1, got 0"),
     (dict(vdim=2.5), TypeError, "MultiheadAttention: vdim must be an integer >= 1"),
     (dict(kdim=True), TypeError, r"MultiheadAttention: kdim must be an integer >= 1, got True \(a bool"),
+    (dict(add_bias_kv="no"), TypeError, "MultiheadAttention: add_bias_kv must be True or False, got 'no'"),
+    (dict(add_zero_attn=1), TypeError, "MultiheadAttention: add_zero_attn must be True or False, got 1"),
 ])
 def test_bad_dims_are_refused(bad, error, message):
     with pytest.raises(error, match=message):

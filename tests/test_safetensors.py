@@ -173,6 +173,8 @@ def safetensors_bytes(header, data=b""):
     return struct.pack("<Q", len(raw)) + raw + data
 
 
+DUPLICATE = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, ' \
+            b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'  # json.loads would keep the last
 DAMAGED = {
     "empty": (b"", "too short"),
     "npz": (b"PK\x03\x04" + b"\x00" * 60, "header claims"),
@@ -198,6 +200,9 @@ DAMAGED = {
     "extra_field": (safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}},
                                       b"\0" * 4), "exactly dtype, shape and data_offsets"),
     "metadata_not_strings": (safetensors_bytes({"__metadata__": {"a": 1}}), "strings to strings"),
+    "dtype_not_a_string": (safetensors_bytes({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
+                                             b"\0" * 4), r"unknown dtype \['F32'\]"),
+    "duplicate_names": (struct.pack("<Q", len(DUPLICATE)) + DUPLICATE + b"\0" * 4, "tensor name 'w' appears twice"),
     "bool_shape": (safetensors_bytes({"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4),
                    "list of ints"),
 }
@@ -345,4 +350,40 @@ def test_a_config_declaring_a_huge_model_fails_before_building(tmp_path, monkeyp
     (folder / "config.json").write_text(json.dumps(dict(hf, vocab_size=3_000_000)))
     monkeypatch.setattr(nn.Embedding, "__init__", never)
     with pytest.raises(SafetensorsError, match="nothing was built"):
+        load_pretrained(folder)
+
+
+def test_write_refuses_metadata_and_names_it_cannot_store(tmp_path):
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(TypeError, match=r"write_safetensors: metadata must map strings to strings \(a dict\), "
+                                        r"got list"):
+        write_safetensors(path, {"a": np.zeros(1)}, metadata=[("a", "b")])
+    with pytest.raises(ValueError, match="write_safetensors: '__metadata__' is the header's metadata entry"):
+        write_safetensors(path, {"__metadata__": np.zeros(1)})
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(activation_function=["gelu"]), r"activation_function=\['gelu'\] has no npformer counterpart"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(model_type=["gpt2"]), r"model_type \['gpt2'\] is not supported"),
+])
+def test_wrong_typed_gpt2_config_fields_are_named(changes, message, tmp_path):
+    folder = save_pretrained(models.CausalLM(13, **SMALL, **GPT2), tmp_path / "gpt2")
+    config = json.loads(pathlib.Path(folder, "config.json").read_text())
+    pathlib.Path(folder, "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(SafetensorsError, match=r"config\.json: .*" + message):
+        load_pretrained(folder)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(hidden_act={"a": 1}), r"hidden_act=\{'a': 1\} has no npformer counterpart"),
+    (dict(type_vocab_size=0), "BERT config: type_vocab_size must be an integer >= 1, got 0"),
+    (dict(id2label="abc"), "BERT config: id2label must map label ids to names, got str"),
+])
+def test_wrong_typed_bert_config_fields_are_named(changes, message, tmp_path):
+    folder = save_pretrained(MODELS["bert_classifier"](), tmp_path / "bert")
+    config = json.loads(pathlib.Path(folder, "config.json").read_text())
+    pathlib.Path(folder, "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(SafetensorsError, match=r"config\.json: .*" + message):
         load_pretrained(folder)

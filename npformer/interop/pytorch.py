@@ -32,6 +32,8 @@ def _torch_dtype(module, owner="to_torch"):
         return None  # nothing to convert (e.g. LayerNorm without affine parameters)
     if len(dtypes) != 1:
         raise TypeError(f"{owner}: expected one parameter dtype, got {sorted(dtypes)}")
+    if not dtypes <= {"float32", "float64"}:  # as from_torch / from_hf take them back
+        raise TypeError(f"{owner}: expected float32 or float64 parameters, got {sorted(dtypes)}")
     return {"float32": torch.float32, "float64": torch.float64}[dtypes.pop()]
 
 

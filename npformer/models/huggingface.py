@@ -44,8 +44,8 @@ def _require(condition, message):
 
 
 def _choice(table, value, name, family):
-    _require(value in table, f"{family} config: {name}={value!r} has no npformer counterpart "
-                             f"(supported: {sorted(table)})")
+    _require(isinstance(value, str) and value in table,
+             f"{family} config: {name}={value!r} has no npformer counterpart (supported: {sorted(table)})")
     return table[value]
 
 
@@ -71,6 +71,14 @@ def config_from_hf(hf_config: dict, architecture: str | None = None, pooler: boo
                      f"'gpt2' (GPT2LMHeadModel) and 'bert' (BertModel, BertForSequenceClassification)")
 
 
+def _flag(c, name, default, family):
+    """config.json's true/false field `name` (default when absent) as a bool; ValueError for another type
+    (bool("false") would be True)."""
+    value = c.get(name, default)
+    _require(isinstance(value, bool), f"{family} config: {name} must be true or false, got {value!r}")
+    return value
+
+
 def _gpt2_config(c):
     _require(c.get("scale_attn_weights", True), "GPT-2 config: scale_attn_weights=False has no npformer counterpart")
     _require(not c.get("scale_attn_by_inverse_layer_idx", False),
@@ -85,7 +93,7 @@ def _gpt2_config(c):
                 norm_first=True,
                 activation=_choice(_GPT2_ACTIVATIONS, c.get("activation_function", "gelu_new"),
                                    "activation_function", "GPT-2"),
-                positional="learned", tie_weights=bool(c.get("tie_word_embeddings", True)), pad_idx=None,
+                positional="learned", tie_weights=_flag(c, "tie_word_embeddings", True, "GPT-2"), pad_idx=None,
                 layer_norm_eps=c.get("layer_norm_epsilon", 1e-5), attention_dropout=c.get("attn_pdrop", 0.1),
                 activation_dropout=0.0)
 
@@ -96,6 +104,10 @@ def _bert_config(c, classifier, pooler):
              f"(only 'absolute')")
     _require(not c.get("is_decoder", False), "BERT config: is_decoder=True (a causal BERT) is not supported")
     _require(not c.get("add_cross_attention", False), "BERT config: add_cross_attention=True is not supported")
+    type_vocab_size = c.get("type_vocab_size", 2)
+    _require(isinstance(type_vocab_size, int) and not isinstance(type_vocab_size, bool) and type_vocab_size >= 1,
+             f"BERT config: type_vocab_size must be an integer >= 1, got {type_vocab_size!r} (BERT always adds "
+             f"token-type embeddings)")
     hidden_dropout = c.get("hidden_dropout_prob", 0.1)
     config = dict(vocab_size=c["vocab_size"], d_model=c["hidden_size"], nhead=c["num_attention_heads"],
                   num_layers=c["num_hidden_layers"], dim_feedforward=c["intermediate_size"], dropout=hidden_dropout,
@@ -104,10 +116,12 @@ def _bert_config(c, classifier, pooler):
                   pooling="first", positional="learned", pad_idx=c.get("pad_token_id"),
                   layer_norm_eps=c.get("layer_norm_eps", 1e-12),
                   attention_dropout=c.get("attention_probs_dropout_prob", 0.1), activation_dropout=0.0,
-                  type_vocab_size=c.get("type_vocab_size", 2), embed_norm=True, final_norm=False, pooler=bool(pooler))
+                  type_vocab_size=type_vocab_size, embed_norm=True, final_norm=False, pooler=bool(pooler))
     if classifier:
         _require(pooler, "BERT config: BertForSequenceClassification needs the pooler")
         labels = c.get("id2label")
+        _require(labels is None or isinstance(labels, dict),
+                 f"BERT config: id2label must map label ids to names, got {type(labels).__name__}")
         num_classes = len(labels) if labels else c.get("num_labels", 2)
         head_dropout = c.get("classifier_dropout")
         config = dict(vocab_size=config.pop("vocab_size"), num_classes=num_classes, **config,

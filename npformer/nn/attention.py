@@ -21,7 +21,7 @@ from typing import NamedTuple
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
 from autograd.backend import Array, ArrayLike, DType
-from autograd.checks import as_array, check_int
+from autograd.checks import as_array, check_bool, check_int
 
 from . import init
 from .config import TransformerConfig
@@ -168,12 +168,12 @@ class MultiheadAttention(Module):
             self.in_proj_bias = new_parameter((3 * embed_dim,), device, dtype)
         else:
             self.register_parameter("in_proj_bias", None)
-        if add_bias_kv:
+        if check_bool(add_bias_kv, "add_bias_kv", "MultiheadAttention"):
             self.bias_k = new_parameter((1, 1, embed_dim), device, dtype)
             self.bias_v = new_parameter((1, 1, embed_dim), device, dtype)
         else:
             self.bias_k = self.bias_v = None
-        self.add_zero_attn = bool(add_zero_attn)
+        self.add_zero_attn = check_bool(add_zero_attn, "add_zero_attn", "MultiheadAttention")
         self.out_proj = Linear(embed_dim, embed_dim, bias=config.bias, device=device, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.rotary_base) if config.rotary else None
         self._reset_parameters()
