@@ -1,7 +1,11 @@
 """autograd.lookahead: the dropout masks of the next forward pass are drawn in the pool, and a step
 gives the same numbers to the bit with and without it, when the prediction holds and when it
-fails; autograd.threads.run_tasks runs a task the pool has not started in the caller."""
+fails; autograd.threads.run_tasks runs a task the pool has not started in the caller; a process
+forked while a mask is drawn ahead neither hangs nor draws another mask."""
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +15,9 @@ from autograd import lookahead, random
 from autograd import threads as _threads
 from npformer import functional as F
 from npformer import models, optim
+from npformer.functional.activation import dropout_threshold
+
+WAIT = 30  # seconds before a missed event (or a hung child) fails the test instead of hanging it
 
 
 @pytest.fixture
@@ -115,3 +122,46 @@ def test_run_tasks_does_not_wait_for_a_busy_pool(two_threads):
     assert not busy.done()
     release.set()
     busy.result()
+
+
+def test_a_child_forked_while_a_mask_is_drawn_ahead_draws_it_itself(two_threads, monkeypatch):
+    """os.fork (multiprocessing's "fork" start method, DataLoader-like workers) in the middle of a
+    forward pass, while the pool draws that pass's next mask: the pool's threads are not in the
+    child, so the child must not wait for that draw; it draws the mask itself, the same bits, and
+    its own pool runs blocks."""
+    started, release = threading.Event(), threading.Event()
+    draw_now = random._at_least_now
+
+    def held_in_the_pool(*args):                    # the draw ahead is running in the pool at the fork
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            release.wait(WAIT)
+        return draw_now(*args)
+    monkeypatch.setattr(random, "_at_least_now", held_in_the_pool)
+    x = npformer.Tensor(np.arange(1.0, 101.0), requires_grad=True)
+    stream = random.Philox(11)
+    first = F.dropout(x, 0.3, generator=stream)
+    (first.sum() + F.dropout(x, 0.5, generator=stream).sum()).backward()    # the pass to predict from
+    F.dropout(x, 0.3, generator=stream)             # the next pass: the 0.5 mask is drawn ahead
+    assert started.wait(WAIT), "the mask was not drawn ahead"
+    offset = stream.offset
+    expected = x.numpy() * (random.bits16(11, offset, 100) >= dropout_threshold(0.5)) / 0.5
+    pid = os.fork()
+    if pid == 0:                                    # the child: never returns into pytest
+        code = 1
+        try:
+            same = np.array_equal(F.dropout(x, 0.5, generator=stream).numpy(), expected)
+            pooled = _threads.run_blocks(lambda a, b: b - a, [(0, 3), (3, 10)]) == [3, 7]
+            code = 0 if same and pooled else 3
+        finally:
+            os._exit(code)
+    release.set()
+    np.testing.assert_array_equal(F.dropout(x, 0.5, generator=stream).numpy(), expected)
+    deadline = time.monotonic() + WAIT
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the parent's draw ahead")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child drew another mask or its pool failed"
