@@ -72,7 +72,10 @@ def take(key, offset, draw):
         _drop(state)
         if state.recorded and state.recorded[0][0] == key and enabled():
             for k, relative, d in state.recorded[1:]:
-                state.ahead.append((k, offset + relative, threads.submit(d, offset + relative)))
+                future = threads.submit(d, offset + relative)
+                if future is None:               # another thread set one thread meanwhile: no pool
+                    break
+                state.ahead.append((k, offset + relative, future))
     elif state.ahead:
         k, at, future = state.ahead.popleft()
         if k == key and at == offset:

@@ -109,6 +109,30 @@ def test_lookahead_off_with_one_thread_or_by_the_environment(monkeypatch):
         _threads.set_num_threads(saved)
 
 
+def test_another_thread_setting_one_thread_while_a_pass_is_predicted(two_threads, monkeypatch):
+    """npformer.set_num_threads(1) from another thread lands between the check that there is a pool
+    and the draws ahead (forced here): the pass draws its own masks, the same ones, no error."""
+    enabled = lookahead.enabled
+
+    def then_one_thread():
+        on = enabled()
+        _threads.set_num_threads(1)                 # as another thread would, right then
+        return on
+    monkeypatch.setattr(lookahead, "enabled", then_one_thread)
+    x = npformer.Tensor(np.arange(1.0, 65.0), requires_grad=True)
+
+    def step():
+        stream = random.Philox(4)
+        masks = [F.dropout(x, p, generator=stream) for p in (0.3, 0.5, 0.2)]
+        sum(masks).sum().backward()
+        return [m.numpy() for m in masks]
+    expected = step()                               # recorded (no prediction yet)
+    for _ in range(2):
+        for got, want in zip(step(), expected):
+            np.testing.assert_array_equal(got, want)
+        _threads.set_num_threads(2)
+
+
 def test_run_tasks_does_not_wait_for_a_busy_pool(two_threads):
     release = threading.Event()
     busy = _threads.submit(release.wait, 30)        # the pool's one thread is taken
