@@ -1,6 +1,5 @@
 """autograd.random: Philox4x32-10 against the published known-answer vectors (Random123's
 kat_vectors), the stream's offsets and state, and the statistics of the 16-bit values."""
-import sys
 import threading
 
 import numpy as np
@@ -69,15 +68,6 @@ def test_manual_seed_makes_the_dropout_stream_reproducible():
     np.testing.assert_array_equal(random.dropout_stream().bits16(100), a)
     random.manual_seed(4)
     assert (random.dropout_stream().bits16(100) != a).any()
-
-
-@pytest.fixture
-def frequent_switches():
-    """Python threads switch every microsecond, so that a race shows in a short test."""
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(saved)
 
 
 def takes_in_threads(take, count=4, each=2000):

@@ -170,15 +170,6 @@ def restore_num_threads():
     threads.set_num_threads(saved)
 
 
-@pytest.fixture
-def frequent_switches():
-    """Switch threads every 10 us instead of 5 ms, so that races show up in a short test."""
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(saved)
-
-
 def test_npformer_num_threads_must_be_an_integer(monkeypatch):
     monkeypatch.setenv("NPFORMER_NUM_THREADS", "two")
     monkeypatch.setitem(threads._state, "threads", None)          # not set yet: read from the environment
