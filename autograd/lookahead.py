@@ -18,7 +18,10 @@ request draws its own, as without lookahead. So the masks, and every result, are
 and without it; what it changes is which thread draws them and when.
 
 State is per thread (each thread's forward passes are its own, like grad mode). Without a pool
-(npformer.set_num_threads(1)) nothing is drawn ahead. NPFORMER_LOOKAHEAD=0 turns it off.
+(npformer.set_num_threads(1)) nothing is drawn ahead. NPFORMER_LOOKAHEAD=0 turns it off. A process
+forked in the middle of a pass (multiprocessing's "fork" start method) forgets the draws in flight:
+the parent's pool threads are not in the child, so they would never finish; the child draws those
+masks itself.
 """
 import os
 import threading
@@ -69,7 +72,10 @@ def take(key, offset, draw):
         _drop(state)
         if state.recorded and state.recorded[0][0] == key and enabled():
             for k, relative, d in state.recorded[1:]:
-                state.ahead.append((k, offset + relative, threads.submit(d, offset + relative)))
+                future = threads.submit(d, offset + relative)
+                if future is None:               # another thread set one thread meanwhile: no pool
+                    break
+                state.ahead.append((k, offset + relative, future))
     elif state.ahead:
         k, at, future = state.ahead.popleft()
         if k == key and at == offset:
@@ -90,6 +96,19 @@ def end_pass():
         state.recorded = state.current if len(state.current) < MAX_REQUESTS else []
         state.current = []
     _drop(state)
+
+
+def _forget_ahead():
+    """In a forked child: the draws in flight ran in the parent's pool threads, which the child does
+    not have (a draw running at the fork would never finish, and its future's lock may be held):
+    forget them without touching them. The recorded pass stays: it still predicts."""
+    state = getattr(_local, "state", None)
+    if state is not None:
+        state.ahead = deque()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_ahead)
 
 
 def _drop(state):

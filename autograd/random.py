@@ -33,6 +33,9 @@ from .checks import check_int
 from .kernels import kernel_table
 
 _generators = {}
+# held while a Philox stream's state is read or changed: threads sharing a stream (two models trained
+# side by side on the global one) reserve disjoint values, as torch's generator (it has a mutex)
+_streams_lock = threading.RLock()
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57          # Philox4x32 multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments (golden ratio, sqrt(3) - 1)
@@ -84,8 +87,10 @@ def dropout_stream():
     run: manual_seed reseeds it in place, so a captured graph keeps drawing from it)."""
     stream = _generators.setdefault("dropout", _dropout)
     if not stream.seeded:
-        low, high = _seed_words(len(backend.DEVICES), 2)
-        stream.manual_seed(low | high << 32)
+        with _streams_lock:
+            if not stream.seeded:  # not seeded by another thread meanwhile (it may have drawn since)
+                low, high = _seed_words(len(backend.DEVICES), 2)
+                stream.manual_seed(low | high << 32)
     return stream
 
 
@@ -102,14 +107,16 @@ class Philox:
     """A counter-based random stream: `seed` (64-bit) and `offset` (how many 16-bit values were
     drawn, a multiple of 8). Like a torch.Generator for dropout: `take(n)` reserves n values and
     returns where they start; `bits16(n, device)` draws them. The state is two ints
-    (`state_dict()`), the same for every device."""
+    (`state_dict()`), the same for every device. Threads may share a stream: each reservation is
+    atomic, so they get disjoint values."""
 
     def __init__(self, seed=0, offset=0):
         self.seed, self.offset = int(seed) % 2**64, int(offset)
         self.seeded = True
 
     def manual_seed(self, seed):
-        self.seed, self.offset, self.seeded = int(seed) % 2**64, 0, True
+        with _streams_lock:
+            self.seed, self.offset, self.seeded = int(seed) % 2**64, 0, True
         return self
 
     def take(self, n):
@@ -121,8 +128,10 @@ class Philox:
         return self._reserve(n)
 
     def _reserve(self, n):
-        start = self.offset
-        self.offset += -(-int(n) // VALUES_PER_COUNTER) * VALUES_PER_COUNTER
+        step = -(-int(n) // VALUES_PER_COUNTER) * VALUES_PER_COUNTER
+        with _streams_lock:
+            start = self.offset
+            self.offset = start + step
         return start
 
     def bits16(self, n, device="cpu"):
@@ -153,7 +162,8 @@ class Philox:
         return PhiloxDraw(self.seed, offset, capture.slots[key])
 
     def state_dict(self):
-        return {"seed": self.seed, "offset": self.offset}
+        with _streams_lock:
+            return {"seed": self.seed, "offset": self.offset}
 
     def load_state_dict(self, state):
         """Continue from `state` ({"seed": int in [0, 2^64), "offset": int >= 0}); anything else
@@ -161,8 +171,9 @@ class Philox:
         if not isinstance(state, dict) or set(state) != {"seed", "offset"}:
             raise ValueError(f"Philox state: expected {{'seed': ..., 'offset': ...}}, got {state!r:.80}")
         seed = check_int(state["seed"], "seed", "Philox state", at_least=0, at_most=2**64 - 1)
-        self.offset = check_int(state["offset"], "offset", "Philox state", at_least=0)
-        self.seed = seed
+        offset = check_int(state["offset"], "offset", "Philox state", at_least=0)
+        with _streams_lock:
+            self.seed, self.offset = seed, offset
 
     def __repr__(self):
         return f"Philox(seed={self.seed}, offset={self.offset})"

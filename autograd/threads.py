@@ -25,7 +25,7 @@ pool. Results are the same for any number of threads. The default is chosen at t
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from autograd import backend
 from autograd.checks import check_int
@@ -147,7 +147,12 @@ def run_tasks(tasks):
         kernel, start, stop = tasks[0]
         return [kernel(start, stop)]
     pool = _pool()
-    futures = [pool.submit(_run_marked, *task) for task in tasks[1:]]
+    futures = []
+    try:
+        for task in tasks[1:]:
+            futures.append(pool.submit(_run_marked, *task))
+    except RuntimeError:  # the interpreter is exiting (see _refused): the tasks not handed over run here
+        futures += [_refused() for _ in tasks[len(futures) + 1:]]
     try:
         first = _run_marked(*tasks[0])
         # a task the pool has not started (its threads busy, e.g. drawing masks ahead) runs here
@@ -159,10 +164,23 @@ def run_tasks(tasks):
 
 def submit(fn, *args):
     """fn(*args) in the pool (marked as a block: splits inside it run whole), a Future; None when
-    npformer runs one thread (there is no pool)."""
+    npformer runs one thread (there is no pool) or the pool takes no more work (see _refused)."""
     if get_num_threads() < 2:
         return None
-    return _pool().submit(_run_marked, fn, *args)
+    try:
+        return _pool().submit(_run_marked, fn, *args)
+    except RuntimeError:  # the interpreter is exiting (see _refused)
+        return None
+
+
+def _refused():
+    """A cancelled Future: what run_tasks holds for a task that the pool refused, which it then
+    runs in the caller. Python's thread pools take no more work once the interpreter is exiting
+    (concurrent.futures raises RuntimeError from the shutdown of `threading` on), while a thread
+    that is still training (Python waits for it) or an atexit handler still runs ops."""
+    future = Future()
+    future.cancel()
+    return future
 
 
 def _pool():

@@ -5,6 +5,7 @@ import functools
 import importlib
 import os
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +22,15 @@ def device(request):
     if request.param == "cuda" and not backend.cuda_available():
         pytest.skip("cuda: CuPy or a GPU is not available on this machine")
     return request.param
+
+
+@pytest.fixture
+def frequent_switches():
+    """Switch threads every 10 us instead of 5 ms, so that races show up in a short test."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(saved)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,11 @@
 """autograd.lookahead: the dropout masks of the next forward pass are drawn in the pool, and a step
 gives the same numbers to the bit with and without it, when the prediction holds and when it
-fails; autograd.threads.run_tasks runs a task the pool has not started in the caller."""
+fails; autograd.threads.run_tasks runs a task the pool has not started in the caller; a process
+forked while a mask is drawn ahead neither hangs nor draws another mask."""
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +15,9 @@ from autograd import lookahead, random
 from autograd import threads as _threads
 from npformer import functional as F
 from npformer import models, optim
+from npformer.functional.activation import dropout_threshold
+
+WAIT = 30  # seconds before a missed event (or a hung child) fails the test instead of hanging it
 
 
 @pytest.fixture
@@ -22,8 +29,9 @@ def two_threads(monkeypatch):
     _threads.set_num_threads(saved)
 
 
-def train(steps, batches, lookahead_on, monkeypatch):
-    """Losses and final parameters of a small CausalLM trained on `batches` (cycled), dropout 0.3."""
+def train(steps, batches, lookahead_on, monkeypatch, before_step=lambda step, model: None):
+    """Losses and final parameters of a small CausalLM trained on `batches` (cycled), dropout 0.3;
+    before_step(step, model) runs before each step's forward pass."""
     monkeypatch.setenv("NPFORMER_LOOKAHEAD", "1" if lookahead_on else "0")
     monkeypatch.setattr(lookahead, "_local", threading.local())
     npformer.manual_seed(3)
@@ -33,6 +41,7 @@ def train(steps, batches, lookahead_on, monkeypatch):
     losses = []
     for step in range(steps):
         ids = batches[step % len(batches)]
+        before_step(step, model)
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, 11), ids[:, 1:].reshape(-1))
         opt.zero_grad()
@@ -53,6 +62,33 @@ def test_training_is_the_same_to_the_bit_with_and_without_lookahead(two_threads,
         assert on[0] == off[0]
         for a, b in zip(on[1], off[1]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_thread_counts_changed_and_passes_that_failed_between_steps_change_no_number(two_threads, monkeypatch):
+    """set_num_threads 1 -> 2 -> 3 between steps (the predictions in flight in a pool that is
+    replaced), and forward passes that raise after drawing masks (no backward: their requests stay
+    in the pass being recorded): the losses and weights of a run with none of it, to the bit."""
+    batches = [np.random.default_rng(0).integers(0, 11, (4, 9))]
+
+    def failures(step, model):
+        if step in (2, 3, 5):                              # a bad shape in the second layer, after some masks
+            layer = model.encoder.layers[1]
+            layer.forward_masked = lambda x, mask: F.linear(x, npformer.Tensor(np.ones((32, 15))))
+            try:
+                with pytest.raises(ValueError, match="linear"):
+                    model(batches[0][:, :-1])
+            finally:
+                del layer.forward_masked
+
+    def threads_and_failures(step, model):
+        _threads.set_num_threads((1, 2, 3)[step % 3])
+        failures(step, model)
+    changed = train(7, batches, True, monkeypatch, threads_and_failures)
+    _threads.set_num_threads(1)
+    alone = train(7, batches, False, monkeypatch, failures)
+    assert changed[0] == alone[0]
+    for a, b in zip(changed[1], alone[1]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_second_pass_is_drawn_ahead_and_a_mismatch_drops_the_predictions(two_threads):
@@ -84,6 +120,9 @@ def test_second_pass_is_drawn_ahead_and_a_mismatch_drops_the_predictions(two_thr
     request(100, 0)
     assert request(38, 256)[1] is False             # not the predicted size: predictions dropped
     assert request(256, 512)[1] is False
+    lookahead.end_pass()
+    request(100, 0)
+    assert request(38, 264)[1] is False             # the predicted mask, but elsewhere in the stream
 
 
 def test_lookahead_off_with_one_thread_or_by_the_environment(monkeypatch):
@@ -102,6 +141,30 @@ def test_lookahead_off_with_one_thread_or_by_the_environment(monkeypatch):
         _threads.set_num_threads(saved)
 
 
+def test_another_thread_setting_one_thread_while_a_pass_is_predicted(two_threads, monkeypatch):
+    """npformer.set_num_threads(1) from another thread lands between the check that there is a pool
+    and the draws ahead (forced here): the pass draws its own masks, the same ones, no error."""
+    enabled = lookahead.enabled
+
+    def then_one_thread():
+        on = enabled()
+        _threads.set_num_threads(1)                 # as another thread would, right then
+        return on
+    monkeypatch.setattr(lookahead, "enabled", then_one_thread)
+    x = npformer.Tensor(np.arange(1.0, 65.0), requires_grad=True)
+
+    def step():
+        stream = random.Philox(4)
+        masks = [F.dropout(x, p, generator=stream) for p in (0.3, 0.5, 0.2)]
+        sum(masks).sum().backward()
+        return [m.numpy() for m in masks]
+    expected = step()                               # recorded (no prediction yet)
+    for _ in range(2):
+        for got, want in zip(step(), expected):
+            np.testing.assert_array_equal(got, want)
+        _threads.set_num_threads(2)
+
+
 def test_run_tasks_does_not_wait_for_a_busy_pool(two_threads):
     release = threading.Event()
     busy = _threads.submit(release.wait, 30)        # the pool's one thread is taken
@@ -115,3 +178,46 @@ def test_run_tasks_does_not_wait_for_a_busy_pool(two_threads):
     assert not busy.done()
     release.set()
     busy.result()
+
+
+def test_a_child_forked_while_a_mask_is_drawn_ahead_draws_it_itself(two_threads, monkeypatch):
+    """os.fork (multiprocessing's "fork" start method, DataLoader-like workers) in the middle of a
+    forward pass, while the pool draws that pass's next mask: the pool's threads are not in the
+    child, so the child must not wait for that draw; it draws the mask itself, the same bits, and
+    its own pool runs blocks."""
+    started, release = threading.Event(), threading.Event()
+    draw_now = random._at_least_now
+
+    def held_in_the_pool(*args):                    # the draw ahead is running in the pool at the fork
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            release.wait(WAIT)
+        return draw_now(*args)
+    monkeypatch.setattr(random, "_at_least_now", held_in_the_pool)
+    x = npformer.Tensor(np.arange(1.0, 101.0), requires_grad=True)
+    stream = random.Philox(11)
+    first = F.dropout(x, 0.3, generator=stream)
+    (first.sum() + F.dropout(x, 0.5, generator=stream).sum()).backward()    # the pass to predict from
+    F.dropout(x, 0.3, generator=stream)             # the next pass: the 0.5 mask is drawn ahead
+    assert started.wait(WAIT), "the mask was not drawn ahead"
+    offset = stream.offset
+    expected = x.numpy() * (random.bits16(11, offset, 100) >= dropout_threshold(0.5)) / 0.5
+    pid = os.fork()
+    if pid == 0:                                    # the child: never returns into pytest
+        code = 1
+        try:
+            same = np.array_equal(F.dropout(x, 0.5, generator=stream).numpy(), expected)
+            pooled = _threads.run_blocks(lambda a, b: b - a, [(0, 3), (3, 10)]) == [3, 7]
+            code = 0 if same and pooled else 3
+        finally:
+            os._exit(code)
+    release.set()
+    np.testing.assert_array_equal(F.dropout(x, 0.5, generator=stream).numpy(), expected)
+    deadline = time.monotonic() + WAIT
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the parent's draw ahead")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child drew another mask or its pool failed"

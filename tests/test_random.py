@@ -1,5 +1,7 @@
 """autograd.random: Philox4x32-10 against the published known-answer vectors (Random123's
 kat_vectors), the stream's offsets and state, and the statistics of the 16-bit values."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -66,6 +68,35 @@ def test_manual_seed_makes_the_dropout_stream_reproducible():
     np.testing.assert_array_equal(random.dropout_stream().bits16(100), a)
     random.manual_seed(4)
     assert (random.dropout_stream().bits16(100) != a).any()
+
+
+def takes_in_threads(take, count=4, each=2000):
+    """The offsets that `count` threads started together get from `each` calls of take(8) each."""
+    start = threading.Barrier(count)
+    offsets = [[] for _ in range(count)]
+
+    def work(mine):
+        start.wait()
+        mine.extend(take(8) for _ in range(each))
+    workers = [threading.Thread(target=work, args=(mine,)) for mine in offsets]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return [offset for mine in offsets for offset in mine]
+
+
+def test_threads_sharing_a_stream_never_get_the_same_values(frequent_switches):
+    """Two threads dropping out with one stream (the global one: two models trained side by side)
+    reserve disjoint values, like torch's generator (it holds a lock): otherwise both could read
+    the same offset and draw the same mask. The first use after manual_seed too, which seeds it."""
+    stream = random.Philox(5)
+    offsets = takes_in_threads(stream.take)
+    assert len(set(offsets)) == len(offsets) and stream.offset == 8 * len(offsets)
+    for _ in range(20):
+        random.manual_seed(5)
+        offsets = takes_in_threads(lambda n: random.dropout_stream().take(n), each=1)
+        assert sorted(offsets) == list(range(0, 8 * len(offsets), 8))
 
 
 def test_the_values_are_uniform_and_independent():
