@@ -13,6 +13,7 @@ from typing import Any
 
 from autograd import Tensor, backend
 from autograd.backend import ArrayLike, DType
+from autograd.checks import check_bool
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
@@ -37,6 +38,9 @@ def _host_array(value, name):
         return value.detach().cpu().numpy()
     if backend.is_array(value):
         return backend.as_numpy(value)
+    np = backend.module_for("cpu")
+    if isinstance(value, np.generic):  # a numpy scalar, e.g. what `array + 1` gives for a 0-d array
+        return np.asarray(value)
     raise TypeError(f"load_state_dict: value of {name!r} must be an array or Tensor, got {type(value).__name__}")
 
 
@@ -83,6 +87,20 @@ class Module:
         else:
             object.__setattr__(self, name, value)
 
+    def _check_new_name(self, name, kind):
+        """torch's checks of a name given to register_parameter / register_buffer / add_module:
+        TypeError unless a str, KeyError for "", a "." (it would break the dotted names) or an
+        attribute that exists but is not of this kind (`training`, a method, a plain value)."""
+        if not isinstance(name, str):
+            raise TypeError(f"{kind} name should be a string, got {type(name).__name__}")
+        if not name:
+            raise KeyError(f"{kind} name must not be empty")
+        if "." in name:
+            raise KeyError(f"{kind} name must not contain a dot, got {name}")
+        registry = {"parameter": self._parameters, "buffer": self._buffers, "module": self._modules}[kind]
+        if name not in registry and hasattr(self, name):
+            raise KeyError(f"attribute '{name}' already exists")
+
     def _forget(self, name):
         for registry in (self._parameters, self._buffers, self._modules):
             registry.pop(name, None)
@@ -112,7 +130,9 @@ class Module:
 
     def register_parameter(self, name: str, param: Parameter | None) -> None:
         """Register `param` (a Parameter, or None for an absent one) as `name`, like assigning
-        `self.name = param`; TypeError for anything else."""
+        `self.name = param`; TypeError for anything else. The name is checked as torch does (a
+        non-empty str without ".", not an existing attribute of another kind: KeyError)."""
+        self._check_new_name(name, "parameter")
         if param is not None and not isinstance(param, Parameter):
             raise TypeError(f"register_parameter({name!r}): expected a Parameter or None, got {type(param).__name__}")
         self._forget(name)
@@ -120,15 +140,20 @@ class Module:
 
     def register_buffer(self, name: str, tensor: Tensor | ArrayLike | None, persistent: bool = True) -> None:
         """Register a non-learnable state Tensor (an array is wrapped) as `name`: it moves with
-        `to()`, and persistent buffers go into state_dict (torch's). TypeError for other values."""
+        `to()`, and persistent buffers go into state_dict (torch's). TypeError for other values;
+        the name is checked as in register_parameter."""
+        self._check_new_name(name, "buffer")
+        buffer = self._as_buffer(tensor, name)
         self._forget(name)
-        self._buffers[name] = self._as_buffer(tensor, name)
+        self._buffers[name] = buffer
         if not persistent:
             self._non_persistent.add(name)
 
     def add_module(self, name: str, module: Module | None) -> None:
         """Register `module` (or None) as the submodule `name`, like assigning `self.name = module`;
-        TypeError for anything else. `register_module` is the same method."""
+        TypeError for anything else; the name is checked as in register_parameter.
+        `register_module` is the same method."""
+        self._check_new_name(name, "module")
         if module is not None and not isinstance(module, Module):
             raise TypeError(f"add_module({name!r}): expected a Module or None, got {type(module).__name__}")
         self._forget(name)
@@ -221,7 +246,9 @@ class Module:
 
     def state_dict(self) -> dict[str, Any]:
         """{dotted name: numpy array (a host copy)} of every parameter and persistent buffer, in
-        torch's order and with torch's names (numpy arrays where torch has tensors)."""
+        torch's order and with torch's names (numpy arrays where torch has tensors). Unlike torch,
+        a submodule registered under two names (Seq2SeqTransformer's shared embedding) is saved
+        once, under its first name (a parameter shared by two modules keeps both names, as in torch)."""
         return {name: backend.as_numpy(t.data).copy() for name, t in self._state_tensors().items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
@@ -278,12 +305,14 @@ class Module:
 
     # -- mode, gradients, device and dtype ---------------------------------------------------
     def train(self, mode: bool = True) -> Module:
-        """Set training mode (dropout active) on this module and every descendant; returns self.
-        TypeError unless mode is a bool."""
+        """Set training mode (dropout active) on this module and, through each child's own
+        `train(mode)` (so a subclass that overrides train() keeps control, as in torch), every
+        descendant; returns self. TypeError unless mode is a bool."""
         if not isinstance(mode, bool):
             raise TypeError(f"train(mode): expected a bool, got {type(mode).__name__}")
-        for m in self.modules():
-            object.__setattr__(m, "training", mode)
+        object.__setattr__(self, "training", mode)
+        for child in self.children():
+            child.train(mode)
         return self
 
     def eval(self) -> Module:
@@ -291,16 +320,19 @@ class Module:
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear every parameter's `.grad`: None by default (torch's), zeros with set_to_none=False."""
+        """Clear every parameter's `.grad`: None by default (torch's), or, with set_to_none=False,
+        fill the gradient arrays with zeros in place (as torch and Optimizer.zero_grad do)."""
         for p in self.parameters():
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
                 else:
-                    p.grad = p.xp.zeros_like(p.grad)
+                    p.grad[...] = 0
 
     def requires_grad_(self, requires_grad: bool = True) -> Module:
-        """Set `requires_grad` of every parameter (False freezes them); returns self."""
+        """Set `requires_grad` of every parameter (False freezes them); returns self. TypeError
+        unless requires_grad is a bool (numpy's too), as torch."""
+        requires_grad = check_bool(requires_grad, "requires_grad", f"{type(self).__name__}.requires_grad_")
         for p in self.parameters():
             p.requires_grad = requires_grad
         return self
@@ -413,14 +445,18 @@ class ModuleList(Module):
 
 
 class Sequential(ModuleList):
-    """Submodules applied in order: Sequential(a, b, c)(x) == c(b(a(x)))."""
+    """Submodules applied in order: Sequential(a, b, c)(x) == c(b(a(x))). A slice is a Sequential
+    of the same modules under their names (torch's; a ModuleList slice renumbers them)."""
 
     def __init__(self, *modules: Module):
         super().__init__(modules)
 
     def __getitem__(self, index):
-        if isinstance(index, slice):
-            return Sequential(*list(self._modules.values())[index])
+        if isinstance(index, slice):  # keeps the names, as torch: Sequential(a, b, c)[1:] has "1", "2"
+            part = Sequential()
+            for name, module in list(self._modules.items())[index]:
+                part.add_module(name, module)
+            return part
         return super().__getitem__(index)
 
     def forward(self, x: Any) -> Any:
