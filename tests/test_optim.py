@@ -253,3 +253,158 @@ def test_scheduler_state_dict_round_trip(rng):
 def test_warmup_cosine_bad_arguments(rng, kwargs, match):
     with pytest.raises(ValueError, match=match):
         optim.WarmupCosineLR(optim.SGD(_params(rng, "cpu"), lr=0.1), **kwargs)
+
+
+# -- side by side with torch.optim: parameter lists, state dicts mid-run, lr changes -------------------
+def test_params_are_checked_like_torch(torch, rng):
+    p = Tensor(rng.standard_normal((3, 2)).astype("float32"), requires_grad=True)
+    t = torch.nn.Parameter(torch.ones(3, 2))
+    with pytest.raises(TypeError):
+        torch.optim.SGD(t, lr=0.1)
+    with pytest.raises(TypeError, match="an iterable of Tensors or dicts, got a Tensor"):
+        optim.SGD(p, lr=0.1)                         # was iterated row by row: rows no one optimizes
+    with pytest.raises(TypeError):
+        torch.optim.SGD([{"params": {t}}], lr=0.1)
+    for unordered in ({p}, [{"params": {p}}]):       # state_dict indices would change between runs
+        with pytest.raises(TypeError, match="set"):  # (torch catches the second only)
+            optim.SGD(unordered, lr=0.1)
+    with pytest.raises(ValueError, match="non-leaf"):
+        torch.optim.SGD([t * 2], lr=0.1)
+    with pytest.raises(ValueError, match="non-leaf"):
+        optim.SGD([p * 2], lr=0.1)                   # never gets a .grad: it would silently never move
+    with pytest.raises(KeyError, match="params"):
+        optim.SGD([{"lr": 0.1}], lr=0.1)
+    with pytest.raises(TypeError, match="dict"):
+        optim.SGD([{"params": [p]}, p], lr=0.1)
+    # a group's params may be one Tensor, as in torch
+    assert optim.SGD([{"params": p}], lr=0.1).param_groups[0]["params"] == [p]
+    assert torch.optim.SGD([{"params": t}], lr=0.1).param_groups[0]["params"] == [t]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_sgd_nesterov_must_be_a_bool(rng, value):
+    with pytest.raises(TypeError, match="nesterov"):
+        optim.SGD(_params(rng, "cpu"), lr=0.1, momentum=0.9, nesterov=value)
+    assert optim.SGD(_params(rng, "cpu"), momentum=0.9, nesterov=np.bool_(True)).param_groups[0]["nesterov"] is True
+
+
+@pytest.mark.parametrize("name,kwargs", OPTIMIZERS)
+def test_resumed_mid_run_with_lr_changes_and_a_skipped_parameter_matches_torch(torch, rng, name, kwargs):
+    """Ours: 4 steps, state_dict -> a fresh optimizer (other hyperparameters) -> 4 more steps; torch
+    runs the 8 steps without a break. Both change the lr through param_groups at step 3 and 6, and
+    the second parameter has no gradient at steps 2 and 5 (skipped: its state does not advance)."""
+    params = _params(rng, "cpu")
+    ref = [torch.tensor(p.numpy(), requires_grad=True) for p in params]
+    ours = getattr(optim, name)([{"params": params[:1]}, {"params": params[1:], "lr": kwargs["lr"] / 2}], **kwargs)
+    theirs = getattr(torch.optim, name)([{"params": ref[:1]}, {"params": ref[1:], "lr": kwargs["lr"] / 2}], **kwargs)
+    for step, grads in enumerate(_grad_stream(rng, 8)):
+        if step == 4:
+            saved = ours.state_dict()
+            other = getattr(optim, name)([{"params": params[:1]}, {"params": params[1:]}], lr=5.0)
+            other.load_state_dict(saved)
+            ours = other
+        if step in (3, 6):
+            for mine, their in zip(ours.param_groups, theirs.param_groups):
+                mine["lr"] = their["lr"] = mine["lr"] * 0.5
+        for i, (p, r, g) in enumerate(zip(params, ref, grads)):
+            skipped = i == 1 and step in (2, 5)
+            p.grad = None if skipped else g
+            r.grad = None if skipped else torch.from_numpy(g.copy())
+        ours.step()
+        theirs.step()
+    for p, r in zip(params, ref):
+        np.testing.assert_allclose(p.numpy(), r.detach().numpy(), rtol=0, atol=scaled(1e-6, p))
+    if name != "SGD":
+        assert [ours.state[id(p)]["step"] for p in params] == [int(theirs.state[r]["step"]) for r in ref]
+
+
+def test_a_saved_state_with_numpy_numbers_loads_and_bools_are_refused(rng):
+    params = _params(rng, "cpu")
+    opt = optim.Adam(params, lr=1e-2)
+    for p in params:
+        p.grad = np.ones_like(p.data)
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0].update(lr=np.float32(0.5), eps=np.float64(1e-7), betas=(np.float32(0.8), 0.9))
+    saved["state"][0]["step"] = np.int64(3)
+    other = optim.Adam(_params(rng, "cpu"))
+    other.load_state_dict(saved)
+    group = other.param_groups[0]
+    assert group["lr"] == 0.5 and type(group["lr"]) is float and type(group["betas"][0]) is float
+    assert other.state_dict()["state"][0]["step"] == 3 and type(other.state_dict()["state"][0]["step"]) is int
+    for key, bad in (("lr", True), ("eps", np.bool_(False))):
+        broken = opt.state_dict()
+        broken["param_groups"][0][key] = bad
+        with pytest.raises(TypeError, match=key):
+            optim.Adam(_params(rng, "cpu")).load_state_dict(broken)
+    broken = opt.state_dict()
+    broken["state"][0]["step"] = True
+    with pytest.raises(TypeError, match="step"):
+        optim.Adam(_params(rng, "cpu")).load_state_dict(broken)
+
+
+def test_lambda_lr_with_numpy_factors_round_trips_and_matches_torch(torch, rng):
+    """A lr_lambda that returns numpy numbers (np.float32 from a numpy expression): the lrs stay
+    torch's values, and the optimizer's and scheduler's state_dicts load (they were refused)."""
+    def factor(epoch):
+        return np.float32(0.9) ** epoch
+
+    opt = optim.SGD(_params(rng, "cpu"), lr=0.1)
+    sched = optim.LambdaLR(opt, factor)
+    t_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    t_sched = torch.optim.lr_scheduler.LambdaLR(t_opt, factor)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+        t_opt.step()
+        t_sched.step()
+    np.testing.assert_allclose(sched.get_last_lr(), t_sched.get_last_lr(), rtol=1e-7)
+    opt2 = optim.SGD(_params(rng, "cpu"), lr=1.0)
+    sched2 = optim.LambdaLR(opt2, factor)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    assert sched2.get_last_lr() == sched.get_last_lr() and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_a_scheduler_made_on_a_resumed_optimizer_keeps_its_initial_lr_like_torch(torch, rng):
+    """torch's schedulers set 'initial_lr' only where a group has none (setdefault): a second
+    scheduler, or one made after optimizer.load_state_dict, counts from the first base lr, not
+    from the lr the first one left."""
+    for make in (lambda o: optim.WarmupCosineLR(o, warmup_steps=2, total_steps=6),
+                 lambda o: optim.LambdaLR(o, lambda e: 0.5 ** e)):
+        opt = optim.SGD(_params(rng, "cpu"), lr=0.4)
+        sched = make(opt)
+        t_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.4)
+        t_sched = torch.optim.lr_scheduler.LambdaLR(t_opt, sched.lr_lambda)
+        for _ in range(3):
+            sched.step()
+            t_sched.step()
+        resumed = optim.SGD(_params(rng, "cpu"), lr=0.4)
+        resumed.load_state_dict(opt.state_dict())
+        t_resumed = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.4)
+        t_resumed.load_state_dict(t_opt.state_dict())
+        again = optim.LambdaLR(resumed, sched.lr_lambda)
+        t_again = torch.optim.lr_scheduler.LambdaLR(t_resumed, sched.lr_lambda)
+        assert again.base_lrs == t_again.base_lrs == [0.4]
+        assert again.get_last_lr() == pytest.approx(t_again.get_last_lr(), rel=1e-12)
+        second = optim.LambdaLR(opt, lambda e: 1.0)
+        assert second.base_lrs == torch.optim.lr_scheduler.LambdaLR(t_opt, lambda e: 1.0).base_lrs == [0.4]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 3.0, 0.5, 1.0, math.inf])
+def test_clip_grad_norm_skips_empty_gradients_and_counts_tied_parameters_once(torch, rng, norm_type):
+    from npformer import nn
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight                                    # tied: one Parameter, one gradient
+    model.empty = nn.Parameter(np.zeros((0, 3), dtype="float32"))
+    t_model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    t_model[1].weight = t_model[0].weight
+    g = rng.standard_normal((5, 3)).astype("float32")
+    model[0].weight.grad, t_model[0].weight.grad = g.copy(), torch.from_numpy(g.copy())
+    model.empty.grad = np.zeros((0, 3), dtype="float32")
+    total = optim.clip_grad_norm_(model.parameters(), 0.5, norm_type=norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(t_model.parameters(), 0.5, norm_type=norm_type)
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6)
+    np.testing.assert_allclose(model[0].weight.grad, t_model[0].weight.grad.numpy(), rtol=1e-6)
+    assert optim.grad_norm([model.empty], norm_type) == 0.0
+    assert float(optim.clip_grad_norm_([model.empty], 1.0, norm_type=norm_type)) == 0.0

@@ -22,8 +22,12 @@ def total_norm(grads, norm_type=2.0):
     """The norm of the arrays `grads` (all on one device) together, as if concatenated into one
     vector: a 0-d float64 array on their device, computed there (no host round trip):
     `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. As torch's: inf when the sum of the
-    q-th powers overflows (it is summed scaled by the largest norm, so nothing warns)."""
+    q-th powers overflows (it is summed scaled by the largest norm, so nothing warns). Empty
+    gradients count for nothing (0 when all are: torch has no inf norm of an empty tensor)."""
     xp = backend.get_array_module(grads[0])
+    grads = [g for g in grads if g.size]
+    if not grads:
+        return xp.zeros((), dtype="float64")
     if norm_type == math.inf:
         return xp.stack([xp.abs(g).max() for g in grads]).astype("float64").max()
     norms = xp.stack([xp.linalg.norm(g.ravel(), ord=norm_type) for g in grads]).astype("float64")

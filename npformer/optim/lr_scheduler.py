@@ -2,11 +2,14 @@
 first lr), call `scheduler.step()` after each `optimizer.step()`, read `get_last_lr()`.
 
 `last_epoch` counts the optimizer steps taken so far; the lr in force for the next step is
-`base_lr * factor(last_epoch)`, where base_lr is each group's lr when the scheduler was made.
+`base_lr * factor(last_epoch)`, where base_lr is each group's 'initial_lr': as in torch, the
+first scheduler made on the optimizer sets it to the group's lr then, and a later one (or one
+made after `optimizer.load_state_dict`) keeps it. The lrs are Python floats.
 """
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +36,7 @@ class LambdaLR:
         self.lr_lambda = lr_lambda
         for group in optimizer.param_groups:
             if last_epoch == -1:
-                group["initial_lr"] = group["lr"]
+                group.setdefault("initial_lr", group["lr"])
             elif "initial_lr" not in group:
                 raise KeyError("last_epoch: resuming (last_epoch != -1) needs 'initial_lr' in every "
                                "param group; load the scheduler's state_dict instead")
@@ -49,7 +52,7 @@ class LambdaLR:
     def step(self) -> None:
         """Advance one optimizer step and set every group's lr."""
         self.last_epoch += 1
-        self._last_lr = self.get_lr()
+        self._last_lr = [float(lr) for lr in self.get_lr()]  # a numpy factor would make the lr numpy
         for group, lr in zip(self.optimizer.param_groups, self._last_lr):
             group["lr"] = lr
 
@@ -74,8 +77,9 @@ class LambdaLR:
             got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"state_dict: expected a dict with the keys {sorted(keys)}, got {got}")
         last_epoch = state_dict["last_epoch"]
-        if isinstance(last_epoch, bool) or not isinstance(last_epoch, int) or last_epoch < -1:
+        if isinstance(last_epoch, bool) or not isinstance(last_epoch, numbers.Integral) or last_epoch < -1:
             raise TypeError(f"state_dict: last_epoch must be an int >= -1, got {last_epoch!r}")
+        last_epoch = int(last_epoch)
         lrs = {}
         for key in ("base_lrs", "last_lr"):
             values = state_dict[key]
@@ -94,7 +98,7 @@ class LambdaLR:
 
 
 def _is_lr(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def noam_factor(step: int, d_model: int, warmup_steps: int) -> float:

@@ -12,21 +12,31 @@ copies, and `load_state_dict` moves them to each parameter's device and dtype.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from autograd import Tensor, backend, graphs
-from autograd.checks import check_real
+from autograd.checks import check_bool, check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
 
 def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer of any integral type (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number of any real type (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _plain(value):
+    """A saved number as a Python int or float (numpy scalars too); anything else as it is."""
+    if _is_int(value):
+        return int(value)
+    return float(value) if _is_number(value) else value
 
 
 def _like(value, default):
@@ -46,14 +56,28 @@ def _is_hyperparameter(value):
     return value is None or isinstance(value, bool) or _is_number(value)
 
 
+def _ordered(params, name):
+    """`params` (an iterable of Tensors or of parameter groups) as a list; TypeError for one Tensor
+    (iterating it would give its rows) and for a set (its order, and with it the indices of
+    state_dict, changes between runs), as torch."""
+    if isinstance(params, Tensor):
+        raise TypeError(f"{name}: expected an iterable of Tensors or dicts, got a Tensor (wrap it in a list)")
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(f"{name}: expected an ordered collection such as a list, got a {type(params).__name__} "
+                        "(its order, and the indices of state_dict with it, would change between runs)")
+    return list(params)
+
+
 class Optimizer:
     """Base class: parameter groups, `zero_grad`, state dicts, a shared scratch buffer.
 
-    params: an iterable of parameters (Tensors with `.data` and `.grad`), or of dicts
-    `{"params": [...], **overrides}` (parameter groups, e.g. no weight decay on biases).
-    defaults: the hyperparameters each group gets unless it overrides them. Raises ValueError
-    for an empty or repeated parameter, TypeError for one that is not a floating Tensor, and
-    TypeError / ValueError naming a bad hyperparameter. torch.optim.Optimizer.
+    params: an ordered iterable (not a set) of parameters (leaf Tensors with `.data` and `.grad`),
+    or of dicts `{"params": [...] or one Tensor, **overrides}` (parameter groups, e.g. no weight
+    decay on biases). defaults: the hyperparameters each group gets unless it overrides them.
+    Raises ValueError for an empty list, a repeated or a non-leaf parameter, TypeError for one
+    that is not a floating Tensor, for a lone Tensor or a set in place of the list, KeyError for a
+    group without 'params', and TypeError / ValueError naming a bad hyperparameter.
+    torch.optim.Optimizer.
     """
 
     # a parameter's state entries: name -> "array" (the parameter's shape), "count" (an int >= 0)
@@ -62,21 +86,30 @@ class Optimizer:
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]):
         self.defaults = dict(defaults)
-        params = list(params)
+        params = _ordered(params, "params")
         if not params:
             raise ValueError("params: the optimizer got an empty parameter list")
         if not isinstance(params[0], dict):
             params = [{"params": params}]
         self.param_groups = []
         seen = set()
-        for group in params:
+        for i, group in enumerate(params):
+            if not isinstance(group, dict):
+                raise TypeError(f"params: parameter group {i} must be a dict (like the first entry), "
+                                f"got {type(group).__name__}")
+            if "params" not in group:
+                raise KeyError(f"params: parameter group {i} has no 'params' entry")
             group = dict(group)
-            group["params"] = list(group["params"])
+            group["params"] = [group["params"]] if isinstance(group["params"], Tensor) else _ordered(
+                group["params"], f"params of parameter group {i}")
             for p in group["params"]:
                 if not hasattr(p, "data") or not hasattr(p, "grad"):
                     raise TypeError(f"params: expected Tensors/Parameters, got {type(p).__name__}")
                 if p.data.dtype.kind != "f":
                     raise TypeError(f"params: expected floating parameters, got dtype {p.data.dtype}")
+                if not getattr(p, "is_leaf", True):
+                    raise ValueError("params: can't optimize a non-leaf Tensor (it never gets a .grad); "
+                                     "pass the leaf Tensors it is computed from")
                 if id(p) in seen:
                     raise ValueError("params: a parameter appears more than once")
                 seen.add(id(p))
@@ -88,7 +121,7 @@ class Optimizer:
         self._scratch = {}
 
     def _check_group(self, group):
-        """Check a group's hyperparameters and make each number a Python float (a numpy float64
+        """Check a group's hyperparameters (in place) and make each number a Python float (a numpy float64
         lr would turn float32 parameters into float64)."""
         group["lr"] = check_real(group["lr"], "lr", type(self).__name__, at_least=0)
 
@@ -214,9 +247,10 @@ class Optimizer:
             if key in self.defaults and not _like(value, self.defaults[key]):
                 raise TypeError(f"state_dict: group {i}: {key} must be like this optimizer's default "
                                 f"{self.defaults[key]!r}, got {value!r}")
-            values[key] = tuple(value) if isinstance(value, (list, tuple)) else value
-        self._check_group({**mine, **values})
-        return values
+            values[key] = tuple(map(_plain, value)) if isinstance(value, (list, tuple)) else _plain(value)
+        checked = {**mine, **values}
+        self._check_group(checked)
+        return {key: checked[key] for key in values}
 
     def _checked_state(self, j, p, values):
         """Parameter j's saved state, checked against `p` and converted to its device and dtype."""
@@ -246,6 +280,7 @@ class Optimizer:
                 if not _is_number(v) or (kind == "count" and (not _is_int(v) or v < 0)):
                     raise TypeError(f"state_dict: {name} of parameter {j} must be "
                                     f"{'an int >= 0' if kind == 'count' else 'a number'}, got {v!r}")
+                v = _plain(v)
             restored[name] = v
         return restored
 
@@ -274,6 +309,7 @@ class SGD(Optimizer):
 
     def _check_group(self, group):
         super()._check_group(group)
+        group["nesterov"] = check_bool(group["nesterov"], "nesterov", "SGD")
         group["momentum"] = check_real(group["momentum"], "momentum", "SGD", at_least=0)
         group["dampening"] = check_real(group["dampening"], "dampening", "SGD")
         group["weight_decay"] = check_real(group["weight_decay"], "weight_decay", "SGD", at_least=0)
