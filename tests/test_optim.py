@@ -377,6 +377,8 @@ def test_a_scheduler_made_on_a_resumed_optimizer_keeps_its_initial_lr_like_torch
         t_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.4)
         t_sched = torch.optim.lr_scheduler.LambdaLR(t_opt, sched.lr_lambda)
         for _ in range(3):
+            opt.step()                              # no gradients: nothing moves, but torch wants the order
+            t_opt.step()
             sched.step()
             t_sched.step()
         resumed = optim.SGD(_params(rng, "cpu"), lr=0.4)
