@@ -216,6 +216,8 @@ def _topological_nodes(root):
             continue
         if id(node) in expanded:
             continue
+        if node.inputs is None:  # an earlier backward freed this part of the graph
+            raise _freed_graph_error()
         expanded.add(id(node))
         stack.append((node, True))
         for t in node.inputs:
@@ -332,12 +334,14 @@ def run_backward(tensor, grad, retain_graph=False):
         fn()
 
 
+def _freed_graph_error():
+    return RuntimeError("backward through a graph that was already freed: call backward(retain_graph=True) "
+                        "the first time (an earlier backward through these ops freed what they saved)")
+
+
 def _run_nodes(tensor, grad, retain_graph):
-    if tensor.creator.inputs is None:
-        raise RuntimeError("backward through a graph that was already freed: "
-                           "call backward(retain_graph=True) the first time")
-    tensor.creator.output_grads[tensor.output_index] = grad
     nodes = _topological_nodes(tensor.creator)
+    tensor.creator.output_grads[tensor.output_index] = grad
     hooked_last_uses, hooked_with_grad = _last_uses_of_hooked_leaves(nodes), set()
     for i, node in enumerate(nodes):
         xp = None
@@ -347,8 +351,8 @@ def _run_nodes(tensor, grad, retain_graph):
                 xp = xp or backend.get_array_module(*[t.data for t in node.inputs if t is not None])
                 g = xp.zeros(shape, dtype)
             grads.append(g)
-        for j, t in node.retained.items():
-            t.grad = grads[j]
+        for j, t in node.retained.items():  # accumulate, as a leaf's (grads[j] may be shared: own a copy)
+            t.grad = grads[j].copy() if t.grad is None else t.grad + grads[j]
         input_grads = node.backward(node, *grads)
         if not isinstance(input_grads, tuple):
             input_grads = (input_grads,)

@@ -7,7 +7,7 @@ from typing import Any
 
 from . import backend, deferred, lookahead
 from .backend import Array, ArrayLike, DType
-from .checks import as_array
+from .checks import as_array, check_bool
 from .function import Function, run_backward
 
 
@@ -45,8 +45,11 @@ class Tensor:
             arr = backend.to_device(arr, device)
         if dtype is not None:
             arr = arr.astype(dtype, copy=False)
-        if requires_grad and arr.dtype.kind != "f":
-            raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
+        if requires_grad:
+            if requires_grad is not True:  # "yes", 1, numpy's True: only the last is a bool
+                requires_grad = check_bool(requires_grad, "requires_grad", "Tensor")
+            if arr.dtype.kind != "f":
+                raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
         self.data = arr
         self.grad = None
         self.requires_grad = requires_grad
@@ -114,6 +117,12 @@ class Tensor:
                                    f"{self.shape}; pass grad= of that shape")
             grad = self.xp.ones_like(self.data)
         grad = grad.data if isinstance(grad, Tensor) else grad
+        if not backend.is_array(grad):  # torch: "gradients can be either Tensors or None"
+            if getattr(grad, "shape", None) == () and hasattr(grad, "dtype"):  # a numpy scalar: a 0-d array
+                grad = self.xp.asarray(grad)
+        if not backend.is_array(grad):
+            raise TypeError(f"backward(grad): expected an array or a Tensor of shape {self.shape}, got "
+                            f"{type(grad).__name__}; wrap numbers and lists: Tensor(values).to(...) or xp.asarray")
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(grad): expected shape {self.shape}, got {tuple(grad.shape)}")
         if backend.device_of(grad) != self.device:  # as torch: no silent copy between devices
@@ -158,7 +167,15 @@ class Tensor:
         return Tensor(self.data)
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
-        """Set `requires_grad` in place (for leaves); returns self, as torch's."""
+        """Set `requires_grad` in place; returns self, as torch's. TypeError for a flag that is not
+        a bool and for True on a non-floating tensor; RuntimeError for False on a tensor made by an
+        op (its gradient would silently stop there: use `detach()`)."""
+        flag = check_bool(flag, "requires_grad", "requires_grad_")
+        if flag and self.dtype.kind != "f":
+            raise TypeError(f"requires_grad_: requires_grad needs a floating dtype, got {self.dtype}")
+        if not flag and self.creator is not None:
+            raise RuntimeError("requires_grad_(False) on a tensor made by an op: only leaves' flags change "
+                               "(as in torch); use y.detach() for a copy outside the graph")
         self.requires_grad = flag
         return self
 
