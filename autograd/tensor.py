@@ -1,6 +1,7 @@
 """`Tensor` and the primitive differentiable ops, each a small `Function`."""
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -220,18 +221,18 @@ class Tensor:
         return self.to(dtype="float64")
 
     # -- operators ------------------------------------------------------------------------
-    def __add__(self, other): return Add.apply(self, other)
-    def __radd__(self, other): return Add.apply(other, self)
-    def __sub__(self, other): return Sub.apply(self, other)
-    def __rsub__(self, other): return Sub.apply(other, self)
-    def __mul__(self, other): return Mul.apply(self, other)
-    def __rmul__(self, other): return Mul.apply(other, self)
-    def __truediv__(self, other): return Div.apply(self, other)
-    def __rtruediv__(self, other): return Div.apply(other, self)
-    def __matmul__(self, other): return MatMul.apply(self, other)
-    def __rmatmul__(self, other): return MatMul.apply(other, self)
-    def __pow__(self, other): return Pow.apply(self, other)
-    def __rpow__(self, other): return Pow.apply(other, self)
+    def __add__(self, other): return Add.apply(*_operands(self, other, Add))
+    def __radd__(self, other): return Add.apply(*_operands(other, self, Add))
+    def __sub__(self, other): return Sub.apply(*_operands(self, other, Sub))
+    def __rsub__(self, other): return Sub.apply(*_operands(other, self, Sub))
+    def __mul__(self, other): return Mul.apply(*_operands(self, other, Mul))
+    def __rmul__(self, other): return Mul.apply(*_operands(other, self, Mul))
+    def __truediv__(self, other): return Div.apply(*_operands(self, other, Div))
+    def __rtruediv__(self, other): return Div.apply(*_operands(other, self, Div))
+    def __matmul__(self, other): return MatMul.apply(*_operands(self, other, MatMul))
+    def __rmatmul__(self, other): return MatMul.apply(*_operands(other, self, MatMul))
+    def __pow__(self, other): return Pow.apply(*_operands(self, other, Pow))
+    def __rpow__(self, other): return Pow.apply(*_operands(other, self, Pow))
     def __neg__(self): return Neg.apply(self)
     def __getitem__(self, key): return GetItem.apply(self, key=_raw_key(key))
 
@@ -322,7 +323,7 @@ class Tensor:
 
     def matmul(self, other: ArrayLike) -> Tensor:
         """Matrix product `self @ other`, numpy's rules (1-D operands, broadcast batch axes)."""
-        return MatMul.apply(self, other)
+        return self @ other
 
 
 class _HookHandle:
@@ -340,6 +341,33 @@ def _shape_arg(shape):
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
 
 
+def _operands(a, b, op):
+    """The operands of the binary op `op`, promoted as torch promotes them where numpy 2 would
+    differ: beside a floating Tensor, a numpy scalar or 0-d array (a number, like np.sqrt(d)) and
+    an integer or bool array or Tensor take the Tensor's dtype (numpy would make float32 * np.float64(2)
+    float64, whose backward then fails). Python numbers and two Tensors of one dtype pass as they are."""
+    if (b.__class__ is float or b.__class__ is int or a.__class__ is float or a.__class__ is int
+            or isinstance(a, Tensor) and isinstance(b, Tensor) and a.data.dtype == b.data.dtype):
+        return a, b  # the common case, at the cost of a few comparisons
+    dtype = next((t.data.dtype for t in (a, b) if isinstance(t, Tensor) and t.data.dtype.kind == "f"), None)
+    if dtype is None:
+        return a, b
+    return _operand_as(a, dtype, op), _operand_as(b, dtype, op)
+
+
+def _operand_as(x, dtype, op):
+    """One operand beside a Tensor of the floating `dtype` (see `_operands`)."""
+    if isinstance(x, Tensor):  # an integer Tensor never requires grad: its values are all that count
+        return Tensor(x.data.astype(dtype)) if x.data.dtype.kind in "biu" else x
+    kind = getattr(getattr(x, "dtype", None), "kind", None)
+    if kind is None or x.dtype == dtype or kind not in "biuf":
+        return x
+    if kind != "f" or x.ndim == 0:
+        return x.astype(dtype)
+    raise TypeError(f"{op.__name__}: expected one floating dtype, got {dtype} (a Tensor) and {x.dtype} (an array "
+                    f"of shape {x.shape}); cast it with .astype('{dtype}') or make it a Tensor of that dtype")
+
+
 def _raw_key(key):
     if isinstance(key, tuple):
         return tuple(_raw_key(k) for k in key)
@@ -350,7 +378,7 @@ def where(condition: ArrayLike, x: ArrayLike, y: ArrayLike) -> Tensor:
     """Elementwise `x if condition else y` (torch.where), broadcasting the three; gradients flow
     to x and y, none to the boolean condition."""
     cond = condition.data if isinstance(condition, Tensor) else condition
-    return Where.apply(x, y, condition=cond)
+    return Where.apply(*_operands(x, y, Where), condition=cond)
 
 
 def concatenate(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
@@ -445,9 +473,10 @@ class Div(Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        # out = a / b  ->  da = grad / b, db = -grad * a / b^2
+        # out = a / b  ->  da = grad / b, db = -grad * a / b^2, computed as (a / b) / b as torch does
+        # (b * b underflows to 0 for |b| < 1e-19 in float32, and a / 0 is inf where the gradient is finite)
         da = unbroadcast(grad / b, a.shape) if ctx.needs_input_grad[0] else None
-        db = unbroadcast(-grad * a / (b * b), b.shape) if ctx.needs_input_grad[1] else None
+        db = unbroadcast(-grad * (a / b / b), b.shape) if ctx.needs_input_grad[1] else None
         return da, db
 
 
@@ -472,9 +501,19 @@ class Pow(Function):
     def backward(ctx, grad):
         a, b, out = ctx.saved_tensors
         xp = backend.get_array_module(out)
-        # out = a^b  ->  da = grad * b * a^(b-1), db = grad * out * log(a)
-        da = unbroadcast(grad * b * a ** (b - 1), a.shape) if ctx.needs_input_grad[0] else None
-        db = unbroadcast(grad * out * xp.log(a), b.shape) if ctx.needs_input_grad[1] else None
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            # out = a^b  ->  da = grad * b * a^(b-1); 0 where b == 0 (torch's: not 0 * 0^-1 = NaN at a = 0)
+            da = grad * b * a ** (b - 1)
+            if backend.is_array(b):
+                da = xp.where(b == 0, 0, da)
+            elif b == 0:
+                da = xp.zeros_like(da)
+            da = unbroadcast(da, a.shape)
+        if ctx.needs_input_grad[1]:
+            # out = a^b  ->  db = grad * out * log(a); 0 where a == 0 and b >= 0 (torch's: not 0 * -inf = NaN)
+            log_a = xp.log(a) if hasattr(a, "dtype") else math.log(a) if a > 0 else -math.inf if a == 0 else math.nan
+            db = unbroadcast(grad * xp.where((a == 0) & (b >= 0), 0, out * log_a), b.shape)
         return da, db
 
 
