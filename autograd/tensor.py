@@ -1,6 +1,7 @@
 """`Tensor` and the primitive differentiable ops, each a small `Function`."""
 from __future__ import annotations
 
+import copy
 import math
 import types
 from collections.abc import Callable, Sequence
@@ -716,7 +717,12 @@ class BroadcastTo(Function):
 class GetItem(Function):
     @staticmethod
     def forward(ctx, x, key):
-        ctx.key, ctx.shape = key, x.shape
+        ctx.shape = x.shape
+        keys = key if isinstance(key, tuple) else (key,)
+        ctx.scatter = any(backend.is_array(k) or isinstance(k, list) for k in keys)
+        # array and list keys are kept as copies: a caller refilling its index buffer before
+        # backward must not move the gradient (torch raises "modified by an inplace operation")
+        ctx.key = _copied_key(key) if ctx.scatter else key
         return x[key]
 
     @staticmethod
@@ -724,12 +730,18 @@ class GetItem(Function):
         xp = backend.get_array_module(grad)
         dx = xp.zeros(ctx.shape, grad.dtype)
         # out = x[key]  ->  dx[key] += grad; integer-array keys may repeat, so scatter-add
-        key = ctx.key if isinstance(ctx.key, tuple) else (ctx.key,)
-        if any(backend.is_array(k) or isinstance(k, list) for k in key):
+        if ctx.scatter:
             xp.add.at(dx, ctx.key, grad)
         else:
             dx[ctx.key] = grad
         return dx
+
+
+def _copied_key(key):
+    """An index key with its arrays and lists copied (slices, ints, None and Ellipsis are immutable)."""
+    if isinstance(key, tuple):
+        return tuple(_copied_key(k) for k in key)
+    return key.copy() if backend.is_array(key) else copy.deepcopy(key) if isinstance(key, list) else key
 
 
 class Concatenate(Function):

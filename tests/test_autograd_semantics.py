@@ -294,3 +294,23 @@ def test_the_divisors_gradient_at_tiny_float32_divisors_matches_torch(torch):
     np.testing.assert_allclose(a.grad, ta.grad.numpy(), rtol=1e-6)
     np.testing.assert_allclose(b.grad, tb.grad.numpy(), rtol=1e-6)
     assert np.isfinite(b.grad[0])
+
+
+# -- indexing: the gradient goes where forward read, whatever happens to the index array afterwards --
+def test_an_index_array_reused_after_forward_does_not_move_the_gradient(torch):
+    """A batch's index buffer refilled before backward: torch's saved indices raise ("modified by
+    an inplace operation"); ours keeps its own copy, so the gradient still goes where forward read."""
+    idx = torch.tensor([0, 0, 2])
+    t = torch.ones(4, requires_grad=True)
+    out = t[idx]
+    idx[0] = 3
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    for key in (np.array([0, 0, 2]), np.array([True, True, False, True])):
+        expected = np.zeros(4)
+        np.add.at(expected, key.copy(), [1.0, 2.0, 3.0])
+        x = leaf([1.0, 2.0, 3.0, 4.0])
+        out = x[(key,)]
+        key[...] = key[::-1]
+        out.backward(np.array([1.0, 2.0, 3.0]))
+        np.testing.assert_array_equal(x.grad, expected)
