@@ -63,6 +63,7 @@ class _ModeSwitch:
         setattr(_state, self.name, _state.saved.pop())
 
     def __call__(self, fn: Callable) -> Callable:
+        """Used as a decorator: `fn` wrapped to run in this mode (each call enters and leaves it)."""
         @functools.wraps(fn)
         def in_mode(*args, **kwargs):
             with self:
@@ -73,7 +74,7 @@ class _ModeSwitch:
 class _DecoratorWithoutParentheses(_ModeSwitch):
     """`@no_grad` works as `@no_grad()` does (torch allows both)."""
 
-    def __new__(cls, fn=None):
+    def __new__(cls, fn: Callable | None = None):
         switch = super().__new__(cls)
         return switch if fn is None else switch(fn)
 
