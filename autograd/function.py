@@ -14,15 +14,15 @@ complete, and `queue_callback(fn)` runs `fn()` when the pass now running ends (t
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import threading
 import traceback
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from . import backend
+from .checks import check_bool
 
 if TYPE_CHECKING:
     from .tensor import Tensor
@@ -30,9 +30,14 @@ if TYPE_CHECKING:
 
 class _Modes(threading.local):
     """Grad mode and anomaly mode, per thread like torch's: each thread starts with gradients
-    on and anomaly detection off, and a `no_grad()` in one thread never affects another."""
+    on and anomaly detection off, and a `no_grad()` in one thread never affects another.
+    `saved`: the modes that the context managers entered in this thread will restore (a stack),
+    so one context-manager object may be reused, nested and shared between threads."""
     grad_enabled = True
     anomaly = False
+
+    def __init__(self):
+        self.saved = []
 
 
 _state = _Modes()
@@ -43,33 +48,73 @@ def is_grad_enabled() -> bool:
     return _state.grad_enabled
 
 
-@contextlib.contextmanager
-def _flag(name, value):
-    old = getattr(_state, name)
-    setattr(_state, name, value)
-    try:
-        yield
-    finally:
-        setattr(_state, name, old)
+class _ModeSwitch:
+    """A context manager and decorator that sets one mode of the calling thread (`name` to
+    `value`) and restores the previous one on exit. Reusable and reentrant (the previous modes
+    live on a per-thread stack, not on the object); as a decorator, the function runs in the mode."""
+
+    name, value = "grad_enabled", False
+
+    def __enter__(self):
+        _state.saved.append(getattr(_state, self.name))
+        setattr(_state, self.name, self.value)
+
+    def __exit__(self, *exc_info):
+        setattr(_state, self.name, _state.saved.pop())
+
+    def __call__(self, fn: Callable) -> Callable:
+        """Used as a decorator: `fn` wrapped to run in this mode (each call enters and leaves it)."""
+        @functools.wraps(fn)
+        def in_mode(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+        return in_mode
 
 
-def no_grad() -> AbstractContextManager[None]:
-    """Context manager: ops run without recording a graph (inference, optimizer steps), in
-    the calling thread only; torch.no_grad. Nests; the previous mode returns on exit."""
-    return _flag("grad_enabled", False)
+class _DecoratorWithoutParentheses(_ModeSwitch):
+    """`@no_grad` works as `@no_grad()` does (torch allows both)."""
+
+    def __new__(cls, fn: Callable | None = None):
+        switch = super().__new__(cls)
+        return switch if fn is None else switch(fn)
 
 
-def enable_grad() -> AbstractContextManager[None]:
-    """Context manager: ops record a graph again inside a `no_grad()` block, in the calling
-    thread only; torch.enable_grad."""
-    return _flag("grad_enabled", True)
+class no_grad(_DecoratorWithoutParentheses):
+    """Context manager and decorator: ops run without recording a graph (inference, optimizer
+    steps), in the calling thread only; torch.no_grad. Nests; the previous mode returns on exit."""
+
+    name, value = "grad_enabled", False
 
 
-def detect_anomaly() -> AbstractContextManager[None]:
-    """Context manager (calling thread only): the first op whose forward or backward makes a
-    NaN/Inf raises FloatingPointError naming the op and the line of user code that created it;
-    torch.autograd.detect_anomaly. Slower (every output is checked): use it to debug."""
-    return _flag("anomaly", True)
+class enable_grad(_DecoratorWithoutParentheses):
+    """Context manager and decorator: ops record a graph again inside a `no_grad()` block, in the
+    calling thread only; torch.enable_grad."""
+
+    name, value = "grad_enabled", True
+
+
+class set_grad_enabled(_ModeSwitch):
+    """Switch grad mode of the calling thread to `mode` now (torch.set_grad_enabled): called alone
+    it stays switched; used as a context manager (`with set_grad_enabled(is_train):`) the previous
+    mode returns on exit. TypeError unless mode is a bool."""
+
+    def __init__(self, mode: bool):
+        self.value = check_bool(mode, "mode", "set_grad_enabled")
+        self.previous = _state.grad_enabled  # what the first `with` restores: the mode before the call
+        _state.grad_enabled = self.value
+
+    def __enter__(self):
+        previous, self.previous = (_state.grad_enabled if self.previous is None else self.previous), None
+        _state.saved.append(previous)
+        _state.grad_enabled = self.value
+
+
+class detect_anomaly(_ModeSwitch):
+    """Context manager and decorator (calling thread only): the first op whose forward or
+    backward makes a NaN/Inf raises FloatingPointError naming the op and the line of user code
+    that created it; torch.autograd.detect_anomaly. Slower (every output is checked): use it to debug."""
+
+    name, value = "anomaly", True
 
 
 def _check_finite(arrays, ctx, phase):
@@ -216,6 +261,8 @@ def _topological_nodes(root):
             continue
         if id(node) in expanded:
             continue
+        if node.inputs is None:  # an earlier backward freed this part of the graph
+            raise _freed_graph_error()
         expanded.add(id(node))
         stack.append((node, True))
         for t in node.inputs:
@@ -332,12 +379,14 @@ def run_backward(tensor, grad, retain_graph=False):
         fn()
 
 
+def _freed_graph_error():
+    return RuntimeError("backward through a graph that was already freed: call backward(retain_graph=True) "
+                        "the first time (an earlier backward through these ops freed what they saved)")
+
+
 def _run_nodes(tensor, grad, retain_graph):
-    if tensor.creator.inputs is None:
-        raise RuntimeError("backward through a graph that was already freed: "
-                           "call backward(retain_graph=True) the first time")
-    tensor.creator.output_grads[tensor.output_index] = grad
     nodes = _topological_nodes(tensor.creator)
+    tensor.creator.output_grads[tensor.output_index] = grad
     hooked_last_uses, hooked_with_grad = _last_uses_of_hooked_leaves(nodes), set()
     for i, node in enumerate(nodes):
         xp = None
@@ -347,8 +396,8 @@ def _run_nodes(tensor, grad, retain_graph):
                 xp = xp or backend.get_array_module(*[t.data for t in node.inputs if t is not None])
                 g = xp.zeros(shape, dtype)
             grads.append(g)
-        for j, t in node.retained.items():
-            t.grad = grads[j]
+        for j, t in node.retained.items():  # accumulate, as a leaf's (grads[j] may be shared: own a copy)
+            t.grad = grads[j].copy() if t.grad is None else t.grad + grads[j]
         input_grads = node.backward(node, *grads)
         if not isinstance(input_grads, tuple):
             input_grads = (input_grads,)

@@ -1,13 +1,15 @@
 """`Tensor` and the primitive differentiable ops, each a small `Function`."""
 from __future__ import annotations
 
+import copy
+import math
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import backend, deferred, lookahead
 from .backend import Array, ArrayLike, DType
-from .checks import as_array
+from .checks import as_array, check_bool
 from .function import Function, run_backward
 
 
@@ -45,8 +47,11 @@ class Tensor:
             arr = backend.to_device(arr, device)
         if dtype is not None:
             arr = arr.astype(dtype, copy=False)
-        if requires_grad and arr.dtype.kind != "f":
-            raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
+        if requires_grad:
+            if requires_grad is not True:  # "yes", 1, numpy's True: only the last is a bool
+                requires_grad = check_bool(requires_grad, "requires_grad", "Tensor")
+            if arr.dtype.kind != "f":
+                raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
         self.data = arr
         self.grad = None
         self.requires_grad = requires_grad
@@ -114,6 +119,12 @@ class Tensor:
                                    f"{self.shape}; pass grad= of that shape")
             grad = self.xp.ones_like(self.data)
         grad = grad.data if isinstance(grad, Tensor) else grad
+        if not backend.is_array(grad):  # torch: "gradients can be either Tensors or None"
+            if getattr(grad, "shape", None) == () and hasattr(grad, "dtype"):  # a numpy scalar: a 0-d array
+                grad = self.xp.asarray(grad)
+        if not backend.is_array(grad):
+            raise TypeError(f"backward(grad): expected an array or a Tensor of shape {self.shape}, got "
+                            f"{type(grad).__name__}; wrap numbers and lists: Tensor(values).to(...) or xp.asarray")
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward(grad): expected shape {self.shape}, got {tuple(grad.shape)}")
         if backend.device_of(grad) != self.device:  # as torch: no silent copy between devices
@@ -158,7 +169,15 @@ class Tensor:
         return Tensor(self.data)
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
-        """Set `requires_grad` in place (for leaves); returns self, as torch's."""
+        """Set `requires_grad` in place; returns self, as torch's. TypeError for a flag that is not
+        a bool and for True on a non-floating tensor; RuntimeError for False on a tensor made by an
+        op (its gradient would silently stop there: use `detach()`)."""
+        flag = check_bool(flag, "requires_grad", "requires_grad_")
+        if flag and self.dtype.kind != "f":
+            raise TypeError(f"requires_grad_: requires_grad needs a floating dtype, got {self.dtype}")
+        if not flag and self.creator is not None:
+            raise RuntimeError("requires_grad_(False) on a tensor made by an op: only leaves' flags change "
+                               "(as in torch); use y.detach() for a copy outside the graph")
         self.requires_grad = flag
         return self
 
@@ -203,18 +222,18 @@ class Tensor:
         return self.to(dtype="float64")
 
     # -- operators ------------------------------------------------------------------------
-    def __add__(self, other): return Add.apply(self, other)
-    def __radd__(self, other): return Add.apply(other, self)
-    def __sub__(self, other): return Sub.apply(self, other)
-    def __rsub__(self, other): return Sub.apply(other, self)
-    def __mul__(self, other): return Mul.apply(self, other)
-    def __rmul__(self, other): return Mul.apply(other, self)
-    def __truediv__(self, other): return Div.apply(self, other)
-    def __rtruediv__(self, other): return Div.apply(other, self)
-    def __matmul__(self, other): return MatMul.apply(self, other)
-    def __rmatmul__(self, other): return MatMul.apply(other, self)
-    def __pow__(self, other): return Pow.apply(self, other)
-    def __rpow__(self, other): return Pow.apply(other, self)
+    def __add__(self, other): return Add.apply(*_operands(self, other, Add))
+    def __radd__(self, other): return Add.apply(*_operands(other, self, Add))
+    def __sub__(self, other): return Sub.apply(*_operands(self, other, Sub))
+    def __rsub__(self, other): return Sub.apply(*_operands(other, self, Sub))
+    def __mul__(self, other): return Mul.apply(*_operands(self, other, Mul))
+    def __rmul__(self, other): return Mul.apply(*_operands(other, self, Mul))
+    def __truediv__(self, other): return Div.apply(*_operands(self, other, Div))
+    def __rtruediv__(self, other): return Div.apply(*_operands(other, self, Div))
+    def __matmul__(self, other): return MatMul.apply(*_operands(self, other, MatMul))
+    def __rmatmul__(self, other): return MatMul.apply(*_operands(other, self, MatMul))
+    def __pow__(self, other): return Pow.apply(*_operands(self, other, Pow))
+    def __rpow__(self, other): return Pow.apply(*_operands(other, self, Pow))
     def __neg__(self): return Neg.apply(self)
     def __getitem__(self, key): return GetItem.apply(self, key=_raw_key(key))
 
@@ -305,7 +324,7 @@ class Tensor:
 
     def matmul(self, other: ArrayLike) -> Tensor:
         """Matrix product `self @ other`, numpy's rules (1-D operands, broadcast batch axes)."""
-        return MatMul.apply(self, other)
+        return self @ other
 
 
 class _HookHandle:
@@ -323,6 +342,33 @@ def _shape_arg(shape):
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
 
 
+def _operands(a, b, op):
+    """The operands of the binary op `op`, promoted as torch promotes them where numpy 2 would
+    differ: beside a floating Tensor, a numpy scalar or 0-d array (a number, like np.sqrt(d)) and
+    an integer or bool array or Tensor take the Tensor's dtype (numpy would make float32 * np.float64(2)
+    float64, whose backward then fails). Python numbers and two Tensors of one dtype pass as they are."""
+    if (b.__class__ is float or b.__class__ is int or a.__class__ is float or a.__class__ is int
+            or isinstance(a, Tensor) and isinstance(b, Tensor) and a.data.dtype == b.data.dtype):
+        return a, b  # the common case, at the cost of a few comparisons
+    dtype = next((t.data.dtype for t in (a, b) if isinstance(t, Tensor) and t.data.dtype.kind == "f"), None)
+    if dtype is None:
+        return a, b
+    return _operand_as(a, dtype, op), _operand_as(b, dtype, op)
+
+
+def _operand_as(x, dtype, op):
+    """One operand beside a Tensor of the floating `dtype` (see `_operands`)."""
+    if isinstance(x, Tensor):  # an integer Tensor never requires grad: its values are all that count
+        return Tensor(x.data.astype(dtype)) if x.data.dtype.kind in "biu" else x
+    kind = getattr(getattr(x, "dtype", None), "kind", None)
+    if kind is None or x.dtype == dtype or kind not in "biuf":
+        return x
+    if kind != "f" or x.ndim == 0:
+        return x.astype(dtype)
+    raise TypeError(f"{op.__name__}: expected one floating dtype, got {dtype} (a Tensor) and {x.dtype} (an array "
+                    f"of shape {x.shape}); cast it with .astype('{dtype}') or make it a Tensor of that dtype")
+
+
 def _raw_key(key):
     if isinstance(key, tuple):
         return tuple(_raw_key(k) for k in key)
@@ -333,7 +379,7 @@ def where(condition: ArrayLike, x: ArrayLike, y: ArrayLike) -> Tensor:
     """Elementwise `x if condition else y` (torch.where), broadcasting the three; gradients flow
     to x and y, none to the boolean condition."""
     cond = condition.data if isinstance(condition, Tensor) else condition
-    return Where.apply(x, y, condition=cond)
+    return Where.apply(*_operands(x, y, Where), condition=cond)
 
 
 def concatenate(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
@@ -428,9 +474,10 @@ class Div(Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        # out = a / b  ->  da = grad / b, db = -grad * a / b^2
+        # out = a / b  ->  da = grad / b, db = -grad * a / b^2, computed as (a / b) / b as torch does
+        # (b * b underflows to 0 for |b| < 1e-19 in float32, and a / 0 is inf where the gradient is finite)
         da = unbroadcast(grad / b, a.shape) if ctx.needs_input_grad[0] else None
-        db = unbroadcast(-grad * a / (b * b), b.shape) if ctx.needs_input_grad[1] else None
+        db = unbroadcast(-grad * (a / b / b), b.shape) if ctx.needs_input_grad[1] else None
         return da, db
 
 
@@ -455,9 +502,19 @@ class Pow(Function):
     def backward(ctx, grad):
         a, b, out = ctx.saved_tensors
         xp = backend.get_array_module(out)
-        # out = a^b  ->  da = grad * b * a^(b-1), db = grad * out * log(a)
-        da = unbroadcast(grad * b * a ** (b - 1), a.shape) if ctx.needs_input_grad[0] else None
-        db = unbroadcast(grad * out * xp.log(a), b.shape) if ctx.needs_input_grad[1] else None
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            # out = a^b  ->  da = grad * b * a^(b-1); 0 where b == 0 (torch's: not 0 * 0^-1 = NaN at a = 0)
+            da = grad * b * a ** (b - 1)
+            if backend.is_array(b):
+                da = xp.where(b == 0, 0, da)
+            elif b == 0:
+                da = xp.zeros_like(da)
+            da = unbroadcast(da, a.shape)
+        if ctx.needs_input_grad[1]:
+            # out = a^b  ->  db = grad * out * log(a); 0 where a == 0 and b >= 0 (torch's: not 0 * -inf = NaN)
+            log_a = xp.log(a) if hasattr(a, "dtype") else math.log(a) if a > 0 else -math.inf if a == 0 else math.nan
+            db = unbroadcast(grad * xp.where((a == 0) & (b >= 0), 0, out * log_a), b.shape)
         return da, db
 
 
@@ -660,7 +717,12 @@ class BroadcastTo(Function):
 class GetItem(Function):
     @staticmethod
     def forward(ctx, x, key):
-        ctx.key, ctx.shape = key, x.shape
+        ctx.shape = x.shape
+        keys = key if isinstance(key, tuple) else (key,)
+        ctx.scatter = any(backend.is_array(k) or isinstance(k, list) for k in keys)
+        # array and list keys are kept as copies: a caller refilling its index buffer before
+        # backward must not move the gradient (torch raises "modified by an inplace operation")
+        ctx.key = _copied_key(key) if ctx.scatter else key
         return x[key]
 
     @staticmethod
@@ -668,12 +730,18 @@ class GetItem(Function):
         xp = backend.get_array_module(grad)
         dx = xp.zeros(ctx.shape, grad.dtype)
         # out = x[key]  ->  dx[key] += grad; integer-array keys may repeat, so scatter-add
-        key = ctx.key if isinstance(ctx.key, tuple) else (ctx.key,)
-        if any(backend.is_array(k) or isinstance(k, list) for k in key):
+        if ctx.scatter:
             xp.add.at(dx, ctx.key, grad)
         else:
             dx[ctx.key] = grad
         return dx
+
+
+def _copied_key(key):
+    """An index key with its arrays and lists copied (slices, ints, None and Ellipsis are immutable)."""
+    if isinstance(key, tuple):
+        return tuple(_copied_key(k) for k in key)
+    return key.copy() if backend.is_array(key) else copy.deepcopy(key) if isinstance(key, list) else key
 
 
 class Concatenate(Function):
