@@ -143,9 +143,11 @@ def evaluate_loss(loss_fn: LossFunction, batches: Iterable[Any]) -> Callable[[Mo
     """An `evaluate` function for Trainer: the loss and metrics of `loss_fn` over fixed
     held-out batches, in eval mode without a graph; batch i runs on rank i % world size and
     the sums are added over ranks. The function returns {"loss": ..., <metric>: ...}, divided by
-    the item count; it raises ValueError with fewer batches than ranks, or when no batch has an
-    item (e.g. every target equal to ignore_index: torch's mean would be NaN)."""
+    the item count. ValueError for no batch (when made), fewer batches than ranks, or when no
+    batch has an item (e.g. every target equal to ignore_index: torch's mean would be NaN)."""
     batches = list(batches)
+    if not batches:
+        raise ValueError("evaluate_loss: expected at least one held-out batch, got none")
 
     def evaluate(model):
         group = comm.group()
