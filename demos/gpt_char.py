@@ -52,7 +52,7 @@ HELD_OUT_EVERY = 10  # every tenth module (by name) is held out
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="gpt_char.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     for name, value in DEFAULTS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(value), default=value)
@@ -64,7 +64,32 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join("runs", "gpt_char"))
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the figures")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(parser, args):
+    """A one-line usage error (exit status 2) for settings the run cannot use, before anything is built."""
+    def option(name):
+        return "--" + name.replace("_", "-")
+
+    for name in ("d_model", "layers", "heads", "d_ff", "context", "batch_size", "steps", "eval_every", "eval_windows"):
+        if getattr(args, name) < 1:
+            parser.error(f"{option(name)}: expected a positive integer, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        parser.error(f"--heads: {args.heads} does not divide --d-model {args.d_model} (each head gets d_model / heads "
+                     "features)")
+    if not 0 <= args.warmup <= args.steps:
+        parser.error(f"--warmup: expected 0..{args.steps} (at most --steps), got {args.warmup}")
+    if args.sample_length < 0:
+        parser.error(f"--sample-length: expected an integer >= 0, got {args.sample_length}")
+    for name, low in (("lr", "> 0"), ("max_train_seconds", "> 0"), ("weight_decay", ">= 0")):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)):
+            parser.error(f"{option(name)}: expected a finite number {low}, got {value}")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout: expected a probability in [0, 1), got {args.dropout}")
 
 
 # -- the corpus ---------------------------------------------------------------------------------

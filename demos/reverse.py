@@ -24,6 +24,7 @@ one line on stderr (exit status 2).
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -134,6 +135,12 @@ def checked_schedule(settings, args):
         settings["warmup"] = args.warmup
     if settings["steps"] < 1:
         raise UsageError(f"--steps: expected a positive number of steps, got {settings['steps']}")
+    if settings["batch_size"] < 1:
+        raise UsageError(f"--batch-size: expected a positive integer, got {settings['batch_size']}")
+    if not (math.isfinite(settings["lr"]) and settings["lr"] > 0):
+        raise UsageError(f"--lr: expected a finite number > 0, got {settings['lr']}")
+    if args.snapshot_step < 0:
+        raise UsageError(f"--snapshot-step: expected an integer >= 0 (0: none), got {args.snapshot_step}")
     if not 0 <= settings["warmup"] <= settings["steps"]:
         raise UsageError(f"--warmup: expected 0..{settings['steps']} (at most --steps), got {settings['warmup']}"
                          + ("" if args.warmup is not None else "; give --warmup"))

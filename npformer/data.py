@@ -21,13 +21,14 @@ run saved on N ranks continues on M. `RandomBatches` does the same for any datas
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from autograd.checks import check_int
+from autograd.checks import check_bool, check_int
 
 __all__ = ["PAD", "BOS", "EOS", "NUM_SPECIAL", "TASKS", "Batch", "shard", "RandomBatches", "SequenceTask"]
 
@@ -66,7 +67,9 @@ class Batch:
 def shard(n: int, rank: int, world_size: int) -> slice:
     """The slice of n items (a global batch) that `rank` of `world_size` takes: contiguous
     shares whose sizes differ by at most one, together the whole batch in order (torch's
-    DistributedSampler splits by stride instead). ValueError unless 0 <= rank < world_size <= n."""
+    DistributedSampler splits by stride instead). ValueError unless 0 <= rank < world_size <= n;
+    TypeError for an argument that is not an integer."""
+    n = check_int(n, "n", "shard", at_least=0)
     world_size = check_int(world_size, "world_size", "shard", at_least=1)
     rank = check_int(rank, "rank", "shard", at_least=0)
     if rank >= world_size:
@@ -133,10 +136,20 @@ class RandomBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream from `state` (what state_dict returned, on this or another number
-        of ranks): the same epoch permutation, at the same position."""
-        self.rng.bit_generator.state = state["epoch_start"]
+        of ranks): the same epoch permutation, at the same position. All or nothing: ValueError or
+        TypeError naming what is wrong, and the stream is unchanged."""
+        owner = "RandomBatches.load_state_dict"
+        if not isinstance(state, dict) or set(state) != {"epoch_start", "position"}:
+            raise ValueError(f"{owner}: expected a dict with the keys ['epoch_start', 'position'], got {state!r:.80}")
+        position = check_int(state["position"], "position", owner, at_least=0, at_most=len(self.arrays[0]))
+        trial = type(self.rng.bit_generator)()
+        try:
+            trial.state = state["epoch_start"]
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"{owner}: epoch_start: not a {type(trial).__name__} state ({e})") from None
+        self.rng.bit_generator.state = trial.state
         self._new_epoch()
-        self.position = int(state["position"])
+        self.position = position
 
 
 class SequenceTask:
@@ -164,7 +177,7 @@ class SequenceTask:
         heldout_size = check_int(heldout_size, "heldout_size", owner, at_least=0)
         self.task, self.vocab_size = task, vocab_size
         self.min_len, self.max_len = min_len, max_len
-        self.eos = self.min_len != self.max_len if eos is None else bool(eos)
+        self.eos = self.min_len != self.max_len if eos is None else check_bool(eos, "eos", owner)
         self.seed = None if seed is None else check_int(seed, "seed", owner, at_least=0)
         n_symbols = self.vocab_size - NUM_SPECIAL
         possible = sum(n_symbols ** n for n in range(self.min_len, self.max_len + 1))
@@ -257,9 +270,13 @@ class SequenceTask:
         """(exact-sequence matches, correct tokens, target tokens) of decoded ids against targets.
 
         predicted: (B, T') ids from a decoder, PAD after EOS. A sequence is exact when its
-        tokens match the target everywhere, EOS included, and nothing follows.
+        tokens match the target everywhere, EOS included, and nothing follows. ValueError for
+        arrays that are not (B, T') and (B, T).
         """
-        predicted = np.asarray(predicted)
+        predicted, tgt_out = np.asarray(predicted), np.asarray(tgt_out)
+        if predicted.ndim != 2 or tgt_out.ndim != 2 or len(predicted) != len(tgt_out):
+            raise ValueError(f"score: expected predicted (B, T') and tgt_out (B, T) of one batch, got shapes "
+                             f"{predicted.shape} and {tgt_out.shape}")
         n, t = tgt_out.shape
         width = max(t, predicted.shape[1])
         pred = np.full((n, width), PAD, dtype=np.int64)
@@ -273,7 +290,12 @@ class SequenceTask:
 
     # -- user-facing symbols ------------------------------------------------------------
     def encode(self, symbols: Sequence[int]) -> list[int]:
-        """Symbols 1..V-3 (what people type) -> ids 3..V-1; raises ValueError out of range."""
+        """Symbols 1..V-3 (what people type) -> ids 3..V-1; raises TypeError for a symbol that is
+        not an integer (a bool, a float, a str), ValueError for one out of range."""
+        symbols = list(symbols)
+        wrong = [s for s in symbols if isinstance(s, (bool, np.bool_)) or not isinstance(s, numbers.Integral)]
+        if wrong:
+            raise TypeError(f"symbols: expected integers in 1..{self.num_symbols}, got {wrong!r:.80} (not integers)")
         symbols = [int(s) for s in symbols]
         bad = [s for s in symbols if not 1 <= s <= self.num_symbols]
         if bad:

@@ -59,7 +59,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> str
     which is fsynced and renamed over `path` (os.replace), then the directory is fsynced.
     The file keeps the mode of the file it replaces (a new file gets 0o666 less the umask, like
     open()). If `write` raises, `path` is untouched and the temporary file removed; temporaries
-    left by killed writers of `path` are removed first (see remove_stale_temporaries). Returns path."""
+    left by killed writers of `path` are removed first (see remove_stale_temporaries). Returns path.
+    OSError (e.g. PermissionError) naming `path` when its folder cannot take a new file."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -75,6 +76,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> str
             break
         except FileExistsError:
             continue
+        except OSError as e:  # a read-only folder, a full disk, ...: name the file being written, not the temporary
+            raise type(e)(e.errno, f"cannot write {path}: cannot create a file in {directory} ({e.strerror})") from e
     try:
         if mode is None:
             mode = stat.S_IMODE(os.stat(tmp).st_mode)

@@ -10,7 +10,7 @@ it is installed) and against the composite twin (the same code run with npformer
 ops swapped for the slow versions built from autograd primitives), to the registry's tolerances.
 "abs" is the largest absolute difference, "rel" that divided by the largest reference magnitude.
 Losses use a random upstream gradient, never a plain sum(). Exit status 1 when any row fails,
-2 when -k matches no case.
+2 for a usage error: -k matches no case, or --device names a device that is not there.
 """
 import argparse
 import sys
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from autograd import GradcheckError
+from autograd import GradcheckError, backend
 from npformer import interop, opcases
 
 
@@ -82,6 +82,10 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", choices=["cpu", "test", "cuda"],
                         help="where npformer runs (torch runs on the CPU)")
     args = parser.parse_args(argv)
+    try:
+        backend.module_for(args.device)
+    except RuntimeError as e:  # cuda without CuPy or a GPU: say so before the first case
+        parser.error(f"--device {args.device}: {e}")
     cases = opcases.select(args.pattern, modules=not args.no_modules)
     if not cases:
         print(f"no case matches -k {args.pattern!r}{' without modules' if args.no_modules else ''}; "

@@ -108,6 +108,7 @@ def seq2seq_loss(label_smoothing: float = 0.0) -> LossFunction:
 def causal_lm_loss(ignore_index: int = -100, label_smoothing: float = 0.0) -> LossFunction:
     """Loss function for a causal LM on batches of token ids (B, T + 1): predict ids[:, 1:]
     from ids[:, :-1]; targets equal to ignore_index (e.g. the padding id) do not count."""
+    ignore_index = check_int(ignore_index, "ignore_index", "causal_lm_loss")
     label_smoothing = check_real(label_smoothing, "label_smoothing", "causal_lm_loss", at_least=0, at_most=1)
 
     def loss_fn(model, ids):
@@ -142,8 +143,11 @@ def evaluate_loss(loss_fn: LossFunction, batches: Iterable[Any]) -> Callable[[Mo
     """An `evaluate` function for Trainer: the loss and metrics of `loss_fn` over fixed
     held-out batches, in eval mode without a graph; batch i runs on rank i % world size and
     the sums are added over ranks. The function returns {"loss": ..., <metric>: ...}, divided by
-    the item count; it raises ValueError with fewer batches than ranks."""
+    the item count. ValueError for no batch (when made), fewer batches than ranks, or when no
+    batch has an item (e.g. every target equal to ignore_index: torch's mean would be NaN)."""
     batches = list(batches)
+    if not batches:
+        raise ValueError("evaluate_loss: expected at least one held-out batch, got none")
 
     def evaluate(model):
         group = comm.group()
@@ -159,8 +163,35 @@ def evaluate_loss(loss_fn: LossFunction, batches: Iterable[Any]) -> Callable[[Mo
                 for name, value in out.metrics.items():
                     metrics[name] = metrics.get(name, 0.0) + value
         totals = group.sum([loss, count, *metrics.values()])
+        if not totals[1] > 0:
+            raise ValueError(f"evaluate_loss: the held-out batches have no items to average over (count {totals[1]:g}); "
+                             "check them (e.g. every target equal to ignore_index)")
         return {"loss": totals[0] / totals[1], **{k: v / totals[1] for k, v in zip(metrics, totals[2:])}}
     return evaluate
+
+
+def _epochs(data):
+    """The next-batch function over an iterable: a new pass over it (an epoch) when one runs out;
+    ValueError when an iterator (one pass only) runs out, or when a pass yields nothing."""
+    passes, drawn = iter(data), 0
+
+    def next_batch():
+        nonlocal passes, drawn
+        try:
+            batch = next(passes)
+        except StopIteration:
+            if passes is data:
+                raise ValueError(f"data: the iterator ran out after {drawn} batches; give an iterable that can be "
+                                 "iterated again (each pass an epoch, e.g. a list), a callable, or "
+                                 "npformer.data.RandomBatches") from None
+            passes, drawn = iter(data), 0
+            try:
+                batch = next(passes)
+            except StopIteration:
+                raise ValueError("data: an empty iterable (no batch to train on)") from None
+        drawn += 1
+        return batch
+    return next_batch
 
 
 # -- the trainer ------------------------------------------------------------------------------
@@ -169,8 +200,9 @@ class Trainer:
 
     model: an npformer Module, or a `distributed.DistributedDataParallel` (data parallelism).
     optimizer / scheduler: from npformer.optim (scheduler.step() after each optimizer step).
-    data: where training batches come from: an iterable or iterator (its next item each step)
-        or a callable (called each step). One with state_dict()/load_state_dict()
+    data: where training batches come from: an iterable (its next item each step; when it runs
+        out, a new pass over it starts: an epoch, as HF's Trainer with max_steps), an iterator (its
+        next item; ValueError when it runs out) or a callable (called each step). One with state_dict()/load_state_dict()
         (data.RandomBatches) has its position saved in checkpoints.
     loss_fn: (model, batch) -> `Loss` or a scalar Tensor (a mean); see the module docstring.
     evaluate: (model) -> {name: number}, run every `eval_every` steps (0: only when `fit`
@@ -205,8 +237,8 @@ class Trainer:
             raise TypeError(f"scheduler: expected an lr scheduler with step(), got {type(scheduler).__name__}")
         if callable(data) and not hasattr(data, "__next__"):
             self._next_batch = data
-        elif hasattr(data, "__iter__") or hasattr(data, "__next__"):
-            self._next_batch = iter(data).__next__
+        elif hasattr(data, "__iter__"):
+            self._next_batch = _epochs(data)
         else:
             raise TypeError(f"data: expected an iterable, an iterator or a callable giving batches, "
                             f"got {type(data).__name__}")
@@ -305,9 +337,22 @@ class Trainer:
             checkpoint_every: int = 0) -> dict[str, Any]:
         """Train until `self.step == steps` (a total: a resumed trainer continues where it
         stopped), evaluating every `eval_every` steps and at the end; with checkpoint_path,
-        save there every `checkpoint_every` steps and at the end. Returns the final evaluation."""
+        save there every `checkpoint_every` steps and at the end (missing folders are made).
+        Returns the final evaluation. The arguments are checked before the first step: TypeError
+        or ValueError naming a bad one, IsADirectoryError for a checkpoint_path that is a folder."""
         steps = check_int(steps, "steps", "Trainer.fit", at_least=0)
         checkpoint_every = check_int(checkpoint_every, "checkpoint_every", "Trainer.fit", at_least=0)
+        if checkpoint_path is not None:
+            if not isinstance(checkpoint_path, (str, os.PathLike)):
+                raise TypeError(f"Trainer.fit: checkpoint_path: expected a str or os.PathLike or None, got "
+                                f"{type(checkpoint_path).__name__}")
+            if not os.fspath(checkpoint_path):
+                raise ValueError("Trainer.fit: checkpoint_path: expected a file path, got ''")
+            if os.path.isdir(checkpoint_path):
+                raise IsADirectoryError(f"Trainer.fit: checkpoint_path: {os.fspath(checkpoint_path)!r} is a folder; "
+                                        "give a file, e.g. checkpoint.npz")
+        elif checkpoint_every:
+            raise ValueError(f"Trainer.fit: checkpoint_every={checkpoint_every} needs a checkpoint_path")
         self._bar = Progress(steps, self.step, self.progress)
         window_items, window_seconds = 0, 0.0
         last_eval = ""
@@ -321,7 +366,7 @@ class Trainer:
                     self._record_eval(result)
                     last_eval = " | eval " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()
                                                        if isinstance(v, float))
-                if checkpoint_path and checkpoint_every and self.step % checkpoint_every == 0:
+                if checkpoint_path is not None and checkpoint_every and self.step % checkpoint_every == 0:
                     self.save(checkpoint_path)
                 if self.step % self.log_every == 0 or self.step == steps:
                     metrics = "".join(f" | {k} {record[k]:.3f}" for k in record if k not in _CORE_KEYS)
@@ -334,7 +379,7 @@ class Trainer:
         result = self.evaluate()
         if result:
             self._record_eval(result)
-        if checkpoint_path:
+        if checkpoint_path is not None:
             self.save(checkpoint_path)
         return result
 

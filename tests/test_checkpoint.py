@@ -308,3 +308,28 @@ def test_loads_during_saves_always_see_a_whole_checkpoint(tmp_path):
     reader.join()
     assert errors == [] and loaded and set(loaded) <= set(range(saves))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.npz"]
+
+
+def test_a_folder_that_cannot_be_written_is_a_clear_error_and_nothing_changes(tmp_path, monkeypatch):
+    model, opt, _ = _setup()
+    path = tmp_path / "ck.npz"
+    npformer.save_checkpoint(path, model, opt, step=1)
+    before = sorted(os.listdir(tmp_path))
+    if os.name == "posix" and os.geteuid() == 0:  # root writes into a mode 0o555 folder: refuse as the OS would
+        real_open = os.open
+
+        def read_only_open(file, flags, *args):
+            if flags & os.O_CREAT and os.path.dirname(os.fspath(file)) == str(tmp_path):
+                raise PermissionError(13, "Permission denied", file)
+            return real_open(file, flags, *args)
+        monkeypatch.setattr(npformer.files.os, "open", read_only_open)
+    else:
+        tmp_path.chmod(0o555)
+    try:
+        with pytest.raises(PermissionError, match=f"cannot write {re.escape(str(path))}: cannot create a file in "
+                                                  f"{re.escape(str(tmp_path))} \\(Permission denied\\)"):
+            npformer.save_checkpoint(path, model, opt, step=2)  # named only the temporary file
+    finally:
+        tmp_path.chmod(0o755)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert npformer.load_checkpoint(path, restore_rng=False)["step"] == 1

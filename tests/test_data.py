@@ -103,3 +103,54 @@ def test_encode_decode_symbols():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SequenceTask(**kwargs)
+
+
+def test_encode_refuses_what_is_not_an_integer_symbol():
+    task = SequenceTask(vocab_size=20, min_len=6)
+    assert task.encode(np.array([3, 7])) == [5, 9] and task.encode([np.int64(1)]) == [3]  # numpy integers are integers
+    for bad in ([1.7], [True], ["3"], [None]):  # were truncated to 1, taken as 1, parsed as 3, a deep TypeError
+        with pytest.raises(TypeError, match=r"symbols: expected integers in 1..17, got \[.*\] \(not integers\)"):
+            task.encode(bad)
+
+
+def test_eos_must_be_a_bool_or_none():
+    assert SequenceTask(min_len=2, max_len=4, heldout_size=10, eos=np.bool_(False)).eos is False
+    with pytest.raises(TypeError, match="SequenceTask: eos must be True or False, got 'no' of type str"):
+        SequenceTask(min_len=2, heldout_size=10, eos="no")  # was truthy: targets got an EOS
+
+
+def test_score_refuses_arrays_that_are_not_batches():
+    with pytest.raises(ValueError, match=r"score: expected predicted \(B, T'\) and tgt_out \(B, T\) of one batch, "
+                                         r"got shapes \(2,\) and \(1, 2\)"):
+        SequenceTask.score(np.array([3, 4]), np.array([[3, 4]]))
+
+
+def test_shard_checks_the_number_of_items():
+    from npformer.data import shard
+    assert shard(np.int64(4), 1, 2) == slice(2, 4)
+    with pytest.raises(TypeError, match=r"shard: n must be an integer >= 0, got 4.5 of type float"):
+        shard(4.5, 0, 2)  # was slice(0.0, 2.0): a TypeError deep inside numpy later
+    with pytest.raises(TypeError, match=r"shard: n must be an integer >= 0, got True \(a bool"):
+        shard(True, 0, 1)
+
+
+def test_random_batches_refuse_a_bad_state_and_change_nothing():
+    from npformer.data import RandomBatches
+    stream = RandomBatches(np.arange(10), batch_size=3, seed=1)
+    next(stream)
+    good = stream.state_dict()
+    for bad, error, words in [
+            ({**good, "position": -5}, ValueError, r"position must be an integer in \[0, 10\], got -5"),
+            ({**good, "position": 3.7}, TypeError, "position must be an integer"),
+            ({**good, "position": True}, TypeError, "position must be an integer"),
+            ({**good, "position": "x"}, TypeError, "position must be an integer"),
+            ({**good, "epoch_start": {"bit_generator": "PCG64", "state": "x"}}, ValueError, "epoch_start"),
+            ({"position": 1}, ValueError, r"expected a dict with the keys \['epoch_start', 'position'\]"),
+            ([1], ValueError, "expected a dict")]:
+        state = stream.state_dict()
+        with pytest.raises(error, match=f"RandomBatches.load_state_dict: {words}"):
+            stream.load_state_dict(bad)
+        assert stream.state_dict() == state  # unchanged
+    fresh = RandomBatches(np.arange(10), batch_size=3, seed=7)
+    fresh.load_state_dict({**good, "position": np.int64(good["position"])})
+    np.testing.assert_array_equal(next(fresh), next(stream))

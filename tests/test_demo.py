@@ -103,6 +103,10 @@ def test_a_quick_run_of_20_steps(tmp_path):
     (["--checkpoint", "{ckpt}", "--input", "3 x"], "--input: expected symbols 1..17 separated by spaces, got '3 x'"),
     (["--resume", "missing.npz"], "--resume: missing.npz does not exist"),
     (["--steps", "10", "--warmup", "20"], "--warmup: expected 0..10 (at most --steps), got 20"),
+    (["--steps", "2", "--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),  # were tracebacks
+    (["--steps", "2", "--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
+    (["--steps", "2", "--lr", "-1"], "--lr: expected a finite number > 0, got -1.0"),
+    (["--steps", "2", "--snapshot-step", "-1"], "--snapshot-step: expected an integer >= 0 (0: none), got -1"),
 ])
 def test_mistakes_are_one_line_errors_with_exit_status_2(args, message, seed_run, tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")

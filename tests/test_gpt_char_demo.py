@@ -3,6 +3,7 @@ files are written, metrics.json holds the held-out and unigram figures, the chec
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
@@ -35,3 +36,33 @@ def test_writes_metrics_figures_and_checkpoint(run):
     assert metrics["sample_after"].startswith("Return the ") and len(metrics["sample_after"]) == len("Return the ") + 20
     ckpt = npformer.load_checkpoint(out / "checkpoint.npz", restore_rng=False)
     assert ckpt["config"]["d_model"] == 16 and len(ckpt["demo"]["vocabulary"]) == metrics["vocabulary"]
+
+
+def _load_demo():
+    spec = importlib.util.spec_from_file_location("demo_gpt_char_args", os.path.join(ROOT, "demos", "gpt_char.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps: expected a positive integer, got 0"),  # was a WarmupCosineLR traceback
+    (["--eval-every", "0"], "--eval-every: expected a positive integer, got 0"),  # was ZeroDivisionError
+    (["--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),
+    (["--context", "-1"], "--context: expected a positive integer, got -1"),
+    (["--heads", "3"], r"--heads: 3 does not divide --d-model 128 \(each head gets d_model / heads features\)"),
+    (["--steps", "10", "--warmup", "20"], r"--warmup: expected 0..10 \(at most --steps\), got 20"),
+    (["--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
+    (["--weight-decay", "-1"], "--weight-decay: expected a finite number >= 0, got -1.0"),
+    (["--dropout", "1.5"], r"--dropout: expected a probability in \[0, 1\), got 1.5"),
+    (["--sample-length", "-1"], "--sample-length: expected an integer >= 0, got -1"),  # was silently no sample
+    (["--max-train-seconds", "0"], "--max-train-seconds: expected a finite number > 0, got 0.0"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+])
+def test_bad_arguments_are_one_line_usage_errors(args, message, capsys):
+    demo = _load_demo()
+    with pytest.raises(SystemExit) as exit:
+        demo.parse_args(args)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("gpt_char.py: error: ") and re.search(message, err.splitlines()[-1]), err

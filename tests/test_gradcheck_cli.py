@@ -67,3 +67,21 @@ def test_a_pattern_that_matches_nothing_says_so_and_fails(capsys):
     result = subprocess.run([sys.executable, "-m", "npformer.gradcheck", "-k", "swish", "--no-torch"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "no case matches" in result.stderr and "PASS" not in result.stdout
+
+
+def test_a_device_that_is_not_there_is_a_usage_error_with_exit_status_2(capsys):
+    with mock.patch.object(autograd.backend, "cuda_available", return_value=False):
+        try:
+            gradcheck.main(["--device", "cuda", "-k", "F.relu", "--no-torch"])
+        except SystemExit as e:  # was a RuntimeError traceback from inside the first case, exit status 1
+            assert e.code == 2
+        else:
+            raise AssertionError("no SystemExit")
+    err = capsys.readouterr().err
+    assert "python -m npformer.gradcheck: error: --device cuda: " in err and "CuPy" in err and "Traceback" not in err
+    with mock.patch("sys.argv", ["x", "--device", "gpu"]):
+        try:
+            gradcheck.main()
+        except SystemExit as e:
+            assert e.code == 2
+    assert "invalid choice: 'gpu'" in capsys.readouterr().err

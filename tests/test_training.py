@@ -330,3 +330,93 @@ def test_plot_curves_draws_the_documented_history_keys(tmp_path):
     assert plots.plot_curves(minimal, tmp_path / "minimal.png").stat().st_size > 1000
     with pytest.raises(KeyError, match="missing \\['lr'\\]"):
         plots.plot_curves({"step": [1], "loss": [1.0]}, tmp_path / "x.png")
+
+
+# -- edges a PyTorch user hits: smoothing and ignore_index, empty data, data that runs out, checkpoint paths ---------
+def test_token_loss_equals_torch_cross_entropy_with_ignore_index_and_label_smoothing(torch):
+    rng = np.random.default_rng(3)
+    logits, target = rng.standard_normal((2, 5, 7)), rng.integers(0, 7, (2, 5))
+    target[0, 1] = target[1, 3] = 4
+    for smoothing in (0.0, 0.1, np.float32(0.25)):
+        out = npformer.training.token_loss(Tensor(logits), target, np.int64(4), smoothing)
+        expected = torch.nn.functional.cross_entropy(torch.tensor(logits).reshape(-1, 7), torch.tensor(target).reshape(-1),
+                                                     ignore_index=4, label_smoothing=float(smoothing), reduction="sum")
+        assert out.count == 8 and out.metrics["accuracy"] == int(((logits.argmax(-1) == target) & (target != 4)).sum())
+        np.testing.assert_allclose(out.sum.item(), expected.item(), rtol=1e-12, atol=0)
+
+
+def test_loss_factories_check_ignore_index_when_made():
+    with pytest.raises(TypeError, match=r"causal_lm_loss: ignore_index must be an integer, got True \(a bool"):
+        causal_lm_loss(ignore_index=True)
+    with pytest.raises(TypeError, match="causal_lm_loss: ignore_index must be an integer, got 'pad' of type str"):
+        causal_lm_loss(ignore_index="pad")
+    causal_lm_loss(ignore_index=np.int64(0))  # numpy integers are integers
+
+
+def _linear_trainer(data, heldout=None, **kwargs):
+    manual_seed(0)
+    model = nn.Linear(3, 4)
+
+    def loss_fn(m, batch):
+        return npformer.training.token_loss(m(Tensor(batch[0])), batch[1])
+    evaluate = None if heldout is None else evaluate_loss(loss_fn, heldout)
+    return (Trainer(model, optim.SGD(model.parameters(), lr=0.1), data, loss_fn, evaluate=evaluate, progress=False,
+                    **kwargs), loss_fn)
+
+
+def _examples(n=2, label=1):
+    return np.ones((n, 3), np.float32), np.full(n, label)
+
+
+def test_evaluate_loss_on_batches_without_an_item_is_a_clear_error_not_a_division_by_zero():
+    trainer, loss_fn = _linear_trainer([_examples()])
+    with pytest.raises(ValueError, match=r"evaluate_loss: the held-out batches have no items to average over "
+                                         r"\(count 0\)"):
+        evaluate_loss(loss_fn, [_examples(label=-100)])(trainer.model)
+    with pytest.raises(ValueError, match=r"evaluate_loss: expected at least one held-out batch, got none"):
+        evaluate_loss(loss_fn, iter([]))  # when made: was raised by the evaluation at the end of fit, after training
+
+
+def test_fit_zero_steps_evaluates_and_saves_without_training(tmp_path):
+    trainer, loss_fn = _linear_trainer([_examples()], heldout=[_examples()])
+    before = trainer.model.weight.numpy().copy()
+    result = trainer.fit(0, checkpoint_path=tmp_path / "ck.npz")
+    assert trainer.step == 0 and trainer.history["loss"] == [] and set(result) == {"loss", "accuracy"}
+    np.testing.assert_array_equal(trainer.model.weight.numpy(), before)
+    assert npformer.load_checkpoint(tmp_path / "ck.npz", restore_rng=False)["trainer"]["step"] == 0
+
+
+def test_a_list_of_batches_is_an_epoch_and_fit_starts_the_next_one():
+    batches = [_examples(label=k) for k in range(3)]
+    seen = []
+    trainer, loss_fn = _linear_trainer(batches)
+    trainer.loss_fn = lambda m, b: (seen.append(int(b[1][0])), loss_fn(m, b))[1]
+    trainer.fit(7)
+    assert trainer.step == 7 and seen == [0, 1, 2, 0, 1, 2, 0]  # like HF's Trainer with max_steps
+
+
+@pytest.mark.parametrize("data, message", [
+    ([], r"data: an empty iterable \(no batch to train on\)"),
+    (iter([_examples()] * 2), r"data: the iterator ran out after 2 batches; give an iterable that can be iterated "
+                              r"again \(each pass an epoch"),
+], ids=["empty list", "iterator"])
+def test_data_that_runs_out_is_a_clear_error_not_a_stopiteration(data, message):
+    trainer, _ = _linear_trainer(data)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(3)
+    assert trainer.step == len(trainer.history["loss"]) == (2 if message.startswith("data: the iterator") else 0)
+
+
+def test_fit_checks_the_checkpoint_path_before_training(tmp_path):
+    trainer, _ = _linear_trainer([_examples()])
+    with pytest.raises(TypeError, match="Trainer.fit: checkpoint_path: expected a str or os.PathLike or None, got int"):
+        trainer.fit(3, checkpoint_path=5)
+    with pytest.raises(IsADirectoryError, match="Trainer.fit: checkpoint_path: .* is a folder; give a file"):
+        trainer.fit(3, checkpoint_path=tmp_path)
+    with pytest.raises(ValueError, match="Trainer.fit: checkpoint_path: expected a file path, got ''"):
+        trainer.fit(3, checkpoint_path="")
+    with pytest.raises(ValueError, match="Trainer.fit: checkpoint_every=2 needs a checkpoint_path"):
+        trainer.fit(3, checkpoint_every=2)
+    assert trainer.step == 0  # nothing trained in vain
+    trainer.fit(2, checkpoint_path=tmp_path / "new" / "folder" / "ck.npz")  # missing folders are made
+    assert npformer.load_checkpoint(tmp_path / "new" / "folder" / "ck.npz", restore_rng=False)["step"] == 2
