@@ -316,6 +316,9 @@ class MultiheadAttention(Module):
         is_causal=True without attn_mask applies the causal mask itself. A query whose keys are
         all masked gets output out_proj.bias (attention 0), like torch's SDPA path."""
         self.check_inputs(query, key, value)
+        need_weights = check_bool(need_weights, "need_weights", "MultiheadAttention")
+        average_attn_weights = check_bool(average_attn_weights, "average_attn_weights", "MultiheadAttention")
+        is_causal = check_bool(is_causal, "is_causal", "MultiheadAttention")
         B, T, S = query.shape[0], query.shape[1], key.shape[1]
         mask = attention_mask(attn_mask, key_padding_mask, query.data, (B, self.num_heads, T, S), is_causal)
         return self.forward_masked(query, key, value, mask, need_weights=need_weights,
