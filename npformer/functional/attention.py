@@ -17,7 +17,7 @@ import math
 
 from autograd import Function, Tensor, backend, is_grad_enabled, random, unbroadcast
 from autograd.backend import Array
-from autograd.checks import check_int, check_real
+from autograd.checks import check_bool, check_int, check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows, row_blocks, run_blocks
 
@@ -433,7 +433,7 @@ class _Call:
         self.score_shape = self.lead + (q.shape[-2], k.shape[-2])
         self.dropout_p = check_real(dropout_p, "dropout_p", op, at_least=0, at_most=1)
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_real(scale, "scale", op)
-        self.causal = bool(is_causal)
+        self.causal = check_bool(is_causal, "is_causal", op)
         self.blocked, self.additive = _prepare_mask(attn_mask, q, self.score_shape)
         # a float mask that requires grad enters the Function as a Tensor input: its gradient is dS
         self.mask_grad = (self.additive is not None and isinstance(attn_mask, Tensor) and attn_mask.requires_grad
@@ -469,10 +469,11 @@ def _choose_path(call, return_weights, backend_name, memory_efficient, op):
     """(path, reason): the path that runs ("naive", "memory_efficient" or "flash") and why."""
     if backend_name is not None and backend_name not in BACKENDS:
         raise ValueError(f"{op}: backend must be None or one of {BACKENDS}, got {backend_name!r}")
+    memory_efficient = check_bool(memory_efficient, "memory_efficient", op)
     if memory_efficient and backend_name == "naive":
         raise ValueError(f"{op}: memory_efficient=True contradicts backend='naive'")
     asked = backend_name or ("memory_efficient" if memory_efficient else None)
-    if return_weights:
+    if check_bool(return_weights, "return_weights", op):
         if asked in ("memory_efficient", "flash"):
             raise ValueError(f"{op}: return_weights=True needs the full attention matrix; it cannot be combined "
                              f"with backend={asked!r} / memory_efficient=True")

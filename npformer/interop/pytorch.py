@@ -70,7 +70,9 @@ def _layer_options(layer):
 
 
 def _torch_layer_options(layer):
-    """The same arguments read off a torch.nn.TransformerEncoderLayer/DecoderLayer."""
+    """Our TransformerConfig's settings read off a torch.nn.TransformerEncoderLayer/DecoderLayer:
+    the arguments of `_layer_options`, and attention_dropout / activation_dropout where the
+    layer's self_attn.dropout / dropout.p differ from its residual dropout (dropout1)."""
     tnn, tF = _torch().nn, _torch().nn.functional
     act = layer.activation
     if act is tF.relu or isinstance(act, tnn.ReLU):
@@ -82,8 +84,11 @@ def _torch_layer_options(layer):
     else:
         raise ValueError("from_torch: only layers with activation relu or gelu (exact, or GELU(approximate='tanh')) "
                          "can be converted")
+    dropout = layer.dropout1.p  # the residual dropout; attention and activation dropout may differ from it
     return dict(d_model=layer.self_attn.embed_dim, nhead=layer.self_attn.num_heads,
-                dim_feedforward=layer.linear1.out_features, dropout=layer.dropout.p,
+                dim_feedforward=layer.linear1.out_features, dropout=dropout,
+                attention_dropout=None if layer.self_attn.dropout == dropout else layer.self_attn.dropout,
+                activation_dropout=None if layer.dropout.p == dropout else layer.dropout.p,
                 activation=activation, layer_norm_eps=layer.norm1.eps,
                 norm_first=layer.norm_first, bias=layer.linear1.bias is not None)
 
@@ -93,7 +98,21 @@ def _torch_layer(layer, dtype):
     options = _layer_options(layer)
     cls = (torch.nn.TransformerEncoderLayer if isinstance(layer, nn.TransformerEncoderLayer)
            else torch.nn.TransformerDecoderLayer)
-    return cls(options.pop("d_model"), options.pop("nhead"), batch_first=True, dtype=dtype, **options)
+    twin = cls(options.pop("d_model"), options.pop("nhead"), batch_first=True, dtype=dtype, **options)
+    return _set_dropout_rates(twin, layer.config)
+
+
+def _set_dropout_rates(torch_module, config):
+    """torch.nn's layers take one dropout rate; ours may give the attention weights and the
+    feed-forward activation their own (config.attention_dropout, activation_dropout): set them
+    on every attention module and layer of `torch_module`. Returns it."""
+    tnn = _torch().nn
+    for m in torch_module.modules():
+        if isinstance(m, tnn.MultiheadAttention):
+            m.dropout = config.attention_dropout_p
+        elif isinstance(m, (tnn.TransformerEncoderLayer, tnn.TransformerDecoderLayer)):
+            m.dropout.p = config.activation_dropout_p
+    return torch_module
 
 
 def _attention_options(attention):
@@ -115,9 +134,9 @@ def _build_torch(module, dtype):
     if isinstance(module, nn.Transformer):
         layer = module.encoder.layers[0]
         options = _layer_options(layer)
-        return tnn.Transformer(num_encoder_layers=len(module.encoder.layers),
-                               num_decoder_layers=len(module.decoder.layers), batch_first=True, dtype=dtype,
-                               **options)
+        return _set_dropout_rates(tnn.Transformer(num_encoder_layers=len(module.encoder.layers),
+                                                  num_decoder_layers=len(module.decoder.layers), batch_first=True,
+                                                  dtype=dtype, **options), layer.config)
     if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
         return _torch_layer(module, dtype)
     if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)):
@@ -164,8 +183,8 @@ def _build_ours(module):
             return getattr(models, name)(**module.config)
     if isinstance(module, tnn.Transformer):
         options = _torch_layer_options(module.encoder.layers[0])
-        return nn.Transformer(num_encoder_layers=len(module.encoder.layers),
-                              num_decoder_layers=len(module.decoder.layers), **options)
+        return nn.Transformer(config=nn.TransformerConfig(num_encoder_layers=len(module.encoder.layers),
+                                                          num_decoder_layers=len(module.decoder.layers), **options))
     if isinstance(module, (tnn.TransformerEncoderLayer, tnn.TransformerDecoderLayer)):
         return _our_layer(module)
     if isinstance(module, (tnn.TransformerEncoder, tnn.TransformerDecoder)):
@@ -190,9 +209,8 @@ def _build_ours(module):
 
 def _our_layer(layer):
     torch = _torch()
-    options = _torch_layer_options(layer)
     cls = nn.TransformerEncoderLayer if isinstance(layer, torch.nn.TransformerEncoderLayer) else nn.TransformerDecoderLayer
-    return cls(options.pop("d_model"), options.pop("nhead"), **options)
+    return cls(config=nn.TransformerConfig(**_torch_layer_options(layer)))
 
 
 def _check_batch_first(torch_module):

@@ -12,6 +12,8 @@ broadcastable to (B, H, T, S); is_causal True when the causal mask is the only o
 it without materialising a mask). `attention_mask` converts the public masks to it, once, at
 the entry point; every layer below receives the converted mask (`forward_masked`, `attend`),
 and the KV cache keeps its keys' padding in it too (`DecoderCache.attendable`, True = takes part).
+A float mask Tensor that requires grad stays a Tensor through the conversion, so it gets its
+gradient, as in torch (dS summed over the axes it was broadcast over).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import math
 from typing import NamedTuple
 
 import npformer.functional as F
-from autograd import Tensor, backend, concatenate
+from autograd import Tensor, backend, concatenate, is_grad_enabled
 from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import as_array, check_bool, check_int
 
@@ -32,17 +34,26 @@ from .positional import RotaryEmbedding
 
 class AttentionMask(NamedTuple):
     """A mask in F.scaled_dot_product_attention's convention (see the module docstring): `mask`
-    None, bool (True = takes part) or float (added), broadcastable to (B, H, T, S); `is_causal`:
-    keys j > query i hidden as well."""
+    None, bool (True = takes part) or float (added; a Tensor when it requires grad), broadcastable
+    to (B, H, T, S); `is_causal`: keys j > query i hidden as well."""
 
-    mask: Array | None = None
+    mask: Array | Tensor | None = None
     is_causal: bool = False
 
 
 def _mask_array(mask, name, like):
     """A user mask (array, list or Tensor) as a bool or floating array on the device of `like`
-    (floating masks cast to like's dtype)."""
+    (floating masks cast to like's dtype); a Tensor that requires grad (grad mode on) stays that
+    Tensor, which must have like's dtype and device."""
     if isinstance(mask, Tensor):
+        if mask.requires_grad and is_grad_enabled():
+            if mask.dtype != like.dtype:
+                raise TypeError(f"{name} requires grad, so it must have the inputs' dtype {like.dtype}, "
+                                f"got {mask.dtype}")
+            if mask.device != backend.device_of(like):
+                raise RuntimeError(f"{name} is on device '{mask.device}' but the inputs are on "
+                                   f"'{backend.device_of(like)}'; move it with .to(device)")
+            return mask
         mask = mask.data
     if not backend.is_array(mask):
         mask = as_array(mask, name, None, backend.get_array_module(like))
@@ -63,7 +74,8 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
     shape: (B, H, T, S); like: an array of the inputs (device and floating dtype); names: the
     two masks' argument names in errors. is_causal: used only when attn_mask is None: key
     j > query i may not attend. The result's is_causal is True only when no mask is needed
-    besides causality (SDPA applies it without materialising a mask).
+    besides causality (SDPA applies it without materialising a mask). Float mask Tensors that
+    require grad are combined with Tensor ops: their gradients flow.
     """
     batch, heads, tgt_len, src_len = shape
     attn_name, padding_name = names
@@ -71,7 +83,7 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
     if attn_mask is not None:
         mask = _mask_array(attn_mask, attn_name, like)
         if mask.ndim == 2 and mask.shape == (tgt_len, src_len):
-            parts.append(mask[None, None])                                    # (1, 1, T, S)
+            parts.append(mask.reshape(1, 1, tgt_len, src_len))                 # (1, 1, T, S)
         elif mask.ndim == 3 and mask.shape == (batch * heads, tgt_len, src_len):
             parts.append(mask.reshape(batch, heads, tgt_len, src_len))        # (B, H, T, S)
         else:
@@ -81,23 +93,22 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
         mask = _mask_array(key_padding_mask, padding_name, like)
         if mask.shape != (batch, src_len):
             raise ValueError(f"{padding_name} must have shape (batch, S) = {(batch, src_len)}, got {mask.shape}")
-        parts.append(mask[:, None, None, :])                                   # (B, 1, 1, S)
+        parts.append(mask.reshape(batch, 1, 1, src_len))                       # (B, 1, 1, S)
     if not parts:
         return AttentionMask(None, bool(is_causal))
+    xp = backend.get_array_module(like)
     if is_causal and attn_mask is None:
-        xp = backend.get_array_module(parts[0])
         parts.append(xp.triu(xp.ones((tgt_len, src_len), dtype=bool), 1)[None, None])  # (1, 1, T, S)
     if all(p.dtype == bool for p in parts):
         blocked = parts[0]
         for p in parts[1:]:
             blocked = blocked | p
         return AttentionMask(~blocked, False)
-    xp = backend.get_array_module(parts[0])
     added = None
     for p in parts:
         if p.dtype == bool:  # True = blocked -> -inf, like torch's _canonical_mask
             p = xp.where(p, -math.inf, 0.0).astype(like.dtype)
-        added = p if added is None else added + p
+        added = p if added is None else added + p  # a Tensor once one part is (array + Tensor defers to it)
     return AttentionMask(added, False)
 
 
@@ -266,6 +277,8 @@ class MultiheadAttention(Module):
             return k, v, AttentionMask()
         visible = True if array.dtype == bool else 0.0
         column = xp.full(array.shape[:-1] + (len(extra_k),), visible, dtype=array.dtype)
+        if isinstance(array, Tensor):  # a mask that requires grad
+            return k, v, AttentionMask(concatenate([array, Tensor(column)], axis=-1))  # (..., T, S + n)
         return k, v, AttentionMask(xp.concatenate([array, column], axis=-1))           # (..., T, S + n)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask = AttentionMask(), *,
@@ -316,6 +329,9 @@ class MultiheadAttention(Module):
         is_causal=True without attn_mask applies the causal mask itself. A query whose keys are
         all masked gets output out_proj.bias (attention 0), like torch's SDPA path."""
         self.check_inputs(query, key, value)
+        need_weights = check_bool(need_weights, "need_weights", "MultiheadAttention")
+        average_attn_weights = check_bool(average_attn_weights, "average_attn_weights", "MultiheadAttention")
+        is_causal = check_bool(is_causal, "is_causal", "MultiheadAttention")
         B, T, S = query.shape[0], query.shape[1], key.shape[1]
         mask = attention_mask(attn_mask, key_padding_mask, query.data, (B, self.num_heads, T, S), is_causal)
         return self.forward_masked(query, key, value, mask, need_weights=need_weights,

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import npformer.functional as F
 from autograd import Tensor, backend, concatenate
 from autograd.backend import Array, ArrayLike, DType
-from autograd.checks import as_array, check_int
+from autograd.checks import as_array, check_bool, check_int
 from npformer.functional._common import check_index_range
 
 from . import init
@@ -46,6 +46,12 @@ def check_sequence(x: Tensor, d_model: int, owner: str, name: str) -> None:
         raise ValueError(f"{owner}: {name} must be (batch, seq, d_model={d_model}), got shape {x.shape}")
     if x.shape[1] == 0:
         raise ValueError(f"{owner}: {name} must have at least one position (seq >= 1), got shape {x.shape}")
+
+
+def causal_flag(value: bool | None, name: str, owner: str) -> bool:
+    """An is_causal argument as a bool (None, torch's default in the stacks, is False);
+    TypeError for anything else that is not True or False."""
+    return False if value is None else check_bool(value, name, owner)
 
 
 def check_same_batch(a, b, owner, names):
@@ -129,6 +135,7 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         torch.nn's convention (bool True = may not attend; a float mask is added to the scores),
         converted once here. is_causal=True without src_mask applies the causal mask."""
         check_sequence(src, self.d_model, "TransformerEncoderLayer", "src")
+        is_causal = causal_flag(is_causal, "is_causal", "TransformerEncoderLayer")
         return self.forward_masked(src, self.self_attn_mask(src, src_mask, src_key_padding_mask, is_causal))
 
     def self_attn_mask(self, src: Tensor, src_mask: ArrayLike | None, src_key_padding_mask: ArrayLike | None,
@@ -207,7 +214,7 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         check_sequence(memory, self.d_model, "TransformerDecoderLayer", "memory")
         check_same_batch(tgt, memory, "TransformerDecoderLayer", ("tgt", "memory"))
         masks = decoder_masks(tgt, memory, self.self_attn.num_heads, tgt_mask, memory_mask, tgt_key_padding_mask,
-                              memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+                              memory_key_padding_mask, tgt_is_causal, memory_is_causal, "TransformerDecoderLayer")
         return self.forward_masked(tgt, memory, *masks)
 
     def forward_masked(self, x: Tensor, memory: Tensor, self_mask: AttentionMask, cross_mask: AttentionMask) -> Tensor:
@@ -242,9 +249,12 @@ class TransformerDecoderLayer(_FeedForwardLayer):
 
 
 def decoder_masks(tgt, memory, nhead, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
-                  tgt_is_causal, memory_is_causal):
-    """(self_mask, cross_mask): the decoder's torch.nn-convention masks as AttentionMasks."""
+                  tgt_is_causal, memory_is_causal, owner):
+    """(self_mask, cross_mask): the decoder's torch.nn-convention masks as AttentionMasks
+    (errors name `owner`)."""
     B, T, S = tgt.shape[0], tgt.shape[1], memory.shape[1]
+    tgt_is_causal = causal_flag(tgt_is_causal, "tgt_is_causal", owner)
+    memory_is_causal = causal_flag(memory_is_causal, "memory_is_causal", owner)
     self_mask = attention_mask(tgt_mask, tgt_key_padding_mask, tgt.data, (B, nhead, T, T), tgt_is_causal,
                                names=("tgt_mask", "tgt_key_padding_mask"))
     cross_mask = attention_mask(memory_mask, memory_key_padding_mask, tgt.data, (B, nhead, T, S), memory_is_causal,
@@ -291,7 +301,8 @@ class TransformerEncoder(_LayerStack):
         """src (B, S, d) -> (B, S, d); masks as in TransformerEncoderLayer, converted once."""
         first = self.layers[0]
         check_sequence(src, first.d_model, "TransformerEncoder", "src")
-        prepared = first.self_attn_mask(src, mask, src_key_padding_mask, bool(is_causal))
+        prepared = first.self_attn_mask(src, mask, src_key_padding_mask,
+                                        causal_flag(is_causal, "is_causal", "TransformerEncoder"))
         x = src
         for layer in self.layers:
             x = layer.forward_masked(x, prepared)
@@ -343,7 +354,8 @@ class TransformerDecoder(_LayerStack):
         check_sequence(memory, d_model, "TransformerDecoder", "memory")
         check_same_batch(tgt, memory, "TransformerDecoder", ("tgt", "memory"))
         masks = decoder_masks(tgt, memory, self.layers[0].self_attn.num_heads, tgt_mask, memory_mask,
-                              tgt_key_padding_mask, memory_key_padding_mask, bool(tgt_is_causal), memory_is_causal)
+                              tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal,
+                              "TransformerDecoder")
         x = tgt
         for layer in self.layers:
             x = layer.forward_masked(x, memory, *masks)
@@ -550,6 +562,9 @@ class Transformer(Module):
         check_sequence(src, self.d_model, "Transformer", "src")
         check_sequence(tgt, self.d_model, "Transformer", "tgt")
         check_same_batch(src, tgt, "Transformer", ("src", "tgt"))
+        for name, flag in (("src_is_causal", src_is_causal), ("tgt_is_causal", tgt_is_causal),
+                           ("memory_is_causal", memory_is_causal)):
+            causal_flag(flag, name, "Transformer")
         memory = self.encoder(src, mask=src_mask, src_key_padding_mask=src_key_padding_mask,
                               is_causal=src_is_causal)
         return self.decoder(tgt, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
