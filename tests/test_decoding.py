@@ -111,3 +111,56 @@ def test_bad_arguments():
         greedy_decode(model, src.astype(float), 5)
     with pytest.raises(ValueError, match=r"src: expected a 2-D array"):
         greedy_decode(model, src[0], 5)
+
+
+@pytest.mark.parametrize("bos", [1, PAD])  # PAD as the start token: T5's and Marian's decoder_start_token_id
+def test_generated_pad_ids_are_tokens_on_both_paths(bos):
+    """A generated id equal to the model's pad_idx is a token, not padding, with or without the
+    cache: the uncached path must not mask it (nor a BOS equal to pad_idx)."""
+    model, src = _model(), _sources()
+    model.generator.bias.data[PAD] += 2.0  # the model now emits PAD often
+    cached = greedy_decode(model, src, 6, bos=bos, eos=None)
+    assert (cached == PAD).any()
+    np.testing.assert_array_equal(greedy_decode(model, src, 6, bos=bos, eos=None, use_cache=False), cached)
+    tokens, scores = beam_search(model, src, 6, bos=bos, eos=None, return_scores=True)
+    tokens_u, scores_u = beam_search(model, src, 6, bos=bos, eos=None, use_cache=False, return_scores=True)
+    np.testing.assert_array_equal(tokens_u, tokens)
+    np.testing.assert_allclose(scores_u, scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bos", "eos", "pad"])
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_special_ids_must_be_in_the_target_vocabulary(decode, name):
+    model, src = _model(vocab=12), _sources()
+    with pytest.raises(ValueError, match=rf"{decode.__name__}: {name} must be an integer in \[0, 11\], got 12"):
+        decode(model, src, 3, **{name: 12})
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_use_cache_must_be_a_bool(decode):
+    model, src = _model(), _sources()
+    with pytest.raises(TypeError, match=f"{decode.__name__}: use_cache must be True or False"):
+        decode(model, src, 3, use_cache="no")
+    with pytest.raises(TypeError, match="beam_search: return_scores must be True or False"):
+        beam_search(model, src, 3, return_scores="no")
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_source_mask_as_a_list_or_tensor(decode):
+    from autograd import Tensor
+    model, src = _model(), _sources()
+    mask = src == PAD
+    expected = decode(model, src, 4, src_key_padding_mask=mask)
+    np.testing.assert_array_equal(decode(model, src, 4, src_key_padding_mask=mask.tolist()), expected)
+    np.testing.assert_array_equal(decode(model, src, 4, src_key_padding_mask=Tensor(mask)), expected)
+
+
+def test_beam_search_in_train_mode_runs_in_eval_mode_and_restores_it():
+    model, src = _model(), _sources()
+    model.eval()
+    expected = beam_search(model, src, 6, beam_size=3, return_scores=True)
+    model.train()
+    tokens, scores = beam_search(model, src, 6, beam_size=3, return_scores=True)
+    assert model.training
+    np.testing.assert_array_equal(tokens, expected[0])
+    np.testing.assert_array_equal(scores, expected[1])

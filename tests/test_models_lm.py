@@ -110,6 +110,8 @@ def test_errors():
         CausalLM(9, activation="swish", **SMALL)
     with pytest.raises(ValueError, match="d_model=8 is not divisible by nhead=3"):
         CausalLM(9, **dict(SMALL, nhead=3))
+    with pytest.raises(TypeError, match="CausalLM: tie_weights must be True or False, got 'no'"):
+        CausalLM(9, tie_weights="no", **SMALL)
     model = CausalLM(9, max_len=4, **SMALL)
     with pytest.raises(ValueError, match="max_len=4"):
         model(np.ones((1, 5), dtype=int))

@@ -209,6 +209,8 @@ def test_errors(rng):
         Seq2SeqTransformer(5, 5, d_model=10, nhead=4)
     with pytest.raises(ValueError, match=r"src_vocab_size \(5\) must equal tgt_vocab_size \(6\)"):
         Seq2SeqTransformer(5, 6, d_model=8, nhead=2, tie_weights="all")
+    with pytest.raises(TypeError, match="src_vocab_size must be an integer >= 1, got '5'"):
+        Seq2SeqTransformer("5", 5, d_model=8, nhead=2, share_embeddings=True)
     with pytest.raises(ValueError, match="positional must be one of"):
         Seq2SeqTransformer(5, 5, d_model=8, nhead=2, positional="relative")
     model = Seq2SeqTransformer(7, 7, d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
