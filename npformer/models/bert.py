@@ -87,7 +87,7 @@ class BidirectionalEncoder(PooledEncoder):
                            norm_first=norm_first, activation=activation, pooling=pooling, positional=positional,
                            pad_idx=pad_idx, layer_norm_eps=layer_norm_eps, attention_dropout=attention_dropout,
                            activation_dropout=activation_dropout, type_vocab_size=type_vocab_size,
-                           embed_norm=bool(embed_norm), final_norm=bool(final_norm), pooler=bool(pooler))
+                           embed_norm=embed_norm, final_norm=final_norm, pooler=pooler)
         self._build_pooled_encoder(self.config, attention_settings(memory_efficient, block_size, attention_backend))
         self._reset_parameters()
 
@@ -120,8 +120,8 @@ class EncoderClassifier(PooledEncoder):
                            max_len=max_len, norm_first=norm_first, activation=activation, pooling=pooling,
                            positional=positional, pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
                            attention_dropout=attention_dropout, activation_dropout=activation_dropout,
-                           type_vocab_size=type_vocab_size, embed_norm=bool(embed_norm),
-                           final_norm=bool(final_norm), pooler=bool(pooler), classifier_dropout=classifier_dropout)
+                           type_vocab_size=type_vocab_size, embed_norm=embed_norm,
+                           final_norm=final_norm, pooler=pooler, classifier_dropout=classifier_dropout)
         self._build_pooled_encoder(self.config, attention_settings(memory_efficient, block_size, attention_backend))
         self.head_dropout = nn.Dropout(classifier_dropout)
         self.classifier = nn.Linear(d_model, num_classes)

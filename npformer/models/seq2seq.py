@@ -78,10 +78,6 @@ class Seq2SeqTransformer(nn.Module):
         check_choice(activation, ("relu", "gelu"), "activation", owner)
         d_model, nhead = check_d_model_nhead(d_model, nhead, owner)
         tie_weights, share_embeddings = sharing(tie_weights, share_embeddings, owner)
-        if share_embeddings and src_vocab_size != tgt_vocab_size:
-            raise ValueError(f"{owner}: share_embeddings=True shares one matrix between both embeddings and the "
-                             f"generator (a shared vocabulary), so src_vocab_size ({src_vocab_size}) must equal "
-                             f"tgt_vocab_size ({tgt_vocab_size})")
         self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
                            nhead=nhead, num_encoder_layers=num_encoder_layers,
                            num_decoder_layers=num_decoder_layers, dim_feedforward=dim_feedforward,
@@ -89,6 +85,10 @@ class Seq2SeqTransformer(nn.Module):
                            pad_idx=pad_idx, tie_weights=tie_weights, positional=positional,
                            layer_norm_eps=layer_norm_eps, share_embeddings=share_embeddings)
         self.config = check_config(self.config, owner)
+        if share_embeddings and self.config["src_vocab_size"] != self.config["tgt_vocab_size"]:
+            raise ValueError(f"{owner}: share_embeddings=True shares one matrix between both embeddings and the "
+                             f"generator (a shared vocabulary), so src_vocab_size ({src_vocab_size}) must equal "
+                             f"tgt_vocab_size ({tgt_vocab_size})")
         self.d_model, self.pad_idx, self.tie_weights = d_model, self.config["pad_idx"], tie_weights
         self.share_embeddings = share_embeddings
         self.positional_kind = positional
