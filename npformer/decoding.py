@@ -80,10 +80,11 @@ def _source(model, src, src_key_padding_mask, owner):
 
 
 def _check_max_len(model, max_len, owner):
-    """max_len (an int >= 1) generated tokens need a positional table of at least max_len decoder positions."""
+    """max_len (an int >= 1) generated tokens need a positional table (learned, sinusoidal; rope and
+    none have none) of at least max_len decoder positions."""
     max_len = check_int(max_len, "max_len", owner, at_least=1)
     config = getattr(model, "config", None) or {}
-    table = config.get("max_len") if config.get("positional", "sinusoidal") != "none" else None
+    table = config.get("max_len") if config.get("positional", "sinusoidal") in ("learned", "sinusoidal") else None
     if table is not None and max_len > table:
         raise ValueError(f"{owner}: max_len: decoding {max_len} tokens needs {max_len} target positions but the "
                          f"model's positional table has max_len={table}")

@@ -164,3 +164,15 @@ def test_beam_search_in_train_mode_runs_in_eval_mode_and_restores_it():
     assert model.training
     np.testing.assert_array_equal(tokens, expected[0])
     np.testing.assert_array_equal(scores, expected[1])
+
+
+def test_rope_and_none_positions_have_no_length_limit():
+    """Only a positional table (learned, sinusoidal) bounds max_len, as the model's own forward."""
+    manual_seed(0)
+    src = _sources()
+    for positional in ("rope", "none"):
+        model = Seq2SeqTransformer(12, 12, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                   dim_feedforward=32, pad_idx=PAD, positional=positional, max_len=7)
+        cached = greedy_decode(model, src, 9, eos=None)
+        assert cached.shape == (len(src), 9)
+        np.testing.assert_array_equal(greedy_decode(model, src, 9, eos=None, use_cache=False), cached)

@@ -149,6 +149,11 @@ def test_cache_errors(rng):
         model.decode_step(np.zeros((2, 1), dtype=int), cache)
     with pytest.raises(ValueError, match=r"x must be \(batch=2, 1, d\)"):
         model.decode_step(np.zeros(3, dtype=int), cache)
+    with pytest.raises(IndexError, match=r"decode_step: tokens token ids must be in \[0, 6\]"):
+        model.decode_step(np.array([0, 7]), cache)
+    with pytest.raises(TypeError, match="decode_step: cache must come from init_cache, got dict"):
+        model.decode_step(np.zeros(2, dtype=int), {})
+    assert cache.length == 0  # nothing appended by the refused calls
     with pytest.raises(IndexError, match=r"indices must be in \[0, 1\]"):
         cache.reorder([0, 2])
     for _ in range(3):

@@ -210,9 +210,12 @@ class Seq2SeqTransformer(nn.Module):
         """tokens (B,) ints: the newest target token of each row (the first call gets BOS) ->
         logits (B, tgt_vocab_size) for the next token. Appends this position's self-attention
         keys/values to `cache`; equals decode(prefix, memory)[:, -1] on the whole prefix."""
-        ids = as_ids(tokens, self.tgt_embed.weight.data, "decode_step", "tokens")
+        owner = "Seq2SeqTransformer.decode_step"
+        if not isinstance(cache, nn.DecoderCache):
+            raise TypeError(f"{owner}: cache must come from init_cache, got {type(cache).__name__}")
+        ids = as_ids(tokens, self.tgt_embed.weight.data, owner, "tokens")
         if ids.ndim != 1:
-            raise ValueError(f"decode_step: tokens must be a 1-D array (batch,) of ids, got shape {ids.shape}")
-        ids = ids.reshape(-1, 1)                                                       # (B, 1)
+            raise ValueError(f"{owner}: tokens must be a 1-D array (batch,) of ids, got shape {ids.shape}")
+        ids = token_ids(ids.reshape(-1, 1), self.tgt_embed, owner, "tokens")           # (B, 1)
         hidden = self.transformer.decoder.step(self._embed(ids, "tgt", offset=cache.length), cache)
         return self.project(hidden).reshape(ids.shape[0], -1)                       # (B, V)
