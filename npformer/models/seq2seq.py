@@ -209,7 +209,9 @@ class Seq2SeqTransformer(nn.Module):
     def decode_step(self, tokens: ArrayLike, cache: nn.DecoderCache) -> Tensor:
         """tokens (B,) ints: the newest target token of each row (the first call gets BOS) ->
         logits (B, tgt_vocab_size) for the next token. Appends this position's self-attention
-        keys/values to `cache`; equals decode(prefix, memory)[:, -1] on the whole prefix."""
+        keys/values to `cache`; equals decode(prefix, memory)[:, -1] on the whole prefix, with
+        every prefix token a token (an id equal to pad_idx too: pass decode an all-False
+        tgt_key_padding_mask to compare)."""
         owner = "Seq2SeqTransformer.decode_step"
         if not isinstance(cache, nn.DecoderCache):
             raise TypeError(f"{owner}: cache must come from init_cache, got {type(cache).__name__}")
