@@ -114,11 +114,12 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("bos", [1, PAD])  # PAD as the start token: T5's and Marian's decoder_start_token_id
-def test_generated_pad_ids_are_tokens_on_both_paths(bos):
+def test_generated_pad_ids_are_tokens_on_both_paths(device, bos):
     """A generated id equal to the model's pad_idx is a token, not padding, with or without the
     cache: the uncached path must not mask it (nor a BOS equal to pad_idx)."""
     model, src = _model(), _sources()
     model.generator.bias.data[PAD] += 2.0  # the model now emits PAD often
+    model.to(device)
     cached = greedy_decode(model, src, 6, bos=bos, eos=None)
     assert (cached == PAD).any()
     np.testing.assert_array_equal(greedy_decode(model, src, 6, bos=bos, eos=None, use_cache=False), cached)
@@ -176,3 +177,16 @@ def test_rope_and_none_positions_have_no_length_limit():
         cached = greedy_decode(model, src, 9, eos=None)
         assert cached.shape == (len(src), 9)
         np.testing.assert_array_equal(greedy_decode(model, src, 9, eos=None, use_cache=False), cached)
+
+
+@pytest.mark.parametrize("decode, options", [(greedy_decode, {}), (beam_search, dict(beam_size=3, length_penalty=0.6))])
+def test_each_row_decodes_as_it_would_alone(decode, options):
+    """Rows of a batch (sources of different lengths, finishing at different steps) do not
+    affect each other: every row equals that source decoded alone (without its padding)."""
+    model, src = _model(), _sources(n=6)
+    out = decode(model, src, 9, **options)
+    assert len({int((row != PAD).sum()) for row in out}) > 1  # rows finish at different steps
+    for b, row in enumerate(src):
+        alone = decode(model, row[row != PAD][None], 9, **options)[0]
+        np.testing.assert_array_equal(out[b, :len(alone)], alone)
+        assert (out[b, len(alone):] == PAD).all()
