@@ -91,6 +91,14 @@ def _check_max_len(model, max_len, owner):
     return max_len
 
 
+def _check_seq2seq(model, owner):
+    """TypeError unless `model` has the encoder-decoder interface (Seq2SeqTransformer) decoding uses."""
+    methods = ("encode", "decode", "init_cache", "decode_step")
+    if not hasattr(model, "tgt_embed") or not all(callable(getattr(model, name, None)) for name in methods):
+        raise TypeError(f"{owner}: expected an encoder-decoder model (npformer.models.Seq2SeqTransformer), got "
+                        f"{type(model).__name__}; a causal LM continues prompts with npformer.decoding.generate")
+
+
 def _check_special_ids(model, bos, eos, pad, owner):
     """bos and pad as ids of the model's target vocabulary (both are fed to the decoder), eos None or one."""
     last = model.tgt_embed.num_embeddings - 1
@@ -141,6 +149,7 @@ def greedy_decode(model: Module, src: ArrayLike, max_len: int, *, bos: int = BOS
     generated ids equal to the model's pad_idx are tokens, not padding (both paths). use_cache=False
     re-runs the decoder on the whole prefix at every step. Returns (B, L) int64, L <= max_len.
     """
+    _check_seq2seq(model, "greedy_decode")
     max_len = _check_max_len(model, max_len, "greedy_decode")
     bos, eos, pad = _check_special_ids(model, bos, eos, pad, "greedy_decode")
     use_cache = check_bool(use_cache, "use_cache", "greedy_decode")
@@ -176,6 +185,7 @@ def beam_search(model: Module, src: ArrayLike, max_len: int, *, beam_size: int =
     hypothesis per sequence, (B, L) int64 (and its scores (B,) with return_scores).
     beam_size=1 gives greedy decoding.
     """
+    _check_seq2seq(model, "beam_search")
     max_len = _check_max_len(model, max_len, "beam_search")
     k = check_int(beam_size, "beam_size", "beam_search", at_least=1)
     length_penalty = check_real(length_penalty, "length_penalty", "beam_search")

@@ -190,3 +190,11 @@ def test_each_row_decodes_as_it_would_alone(decode, options):
         alone = decode(model, row[row != PAD][None], 9, **options)[0]
         np.testing.assert_array_equal(out[b, :len(alone)], alone)
         assert (out[b, len(alone):] == PAD).all()
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_a_causal_lm_is_refused_with_a_pointer_to_generate(decode):
+    from npformer.models import CausalLM
+    model = CausalLM(12, d_model=8, nhead=2, num_layers=1, dim_feedforward=16)
+    with pytest.raises(TypeError, match=f"{decode.__name__}: expected an encoder-decoder model .* got CausalLM"):
+        decode(model, np.ones((1, 3), dtype=int), 3)
