@@ -59,7 +59,8 @@ def _blas_threads(device):
 
 
 def _source(model, src, src_key_padding_mask, owner):
-    """src as a 2-D int array and its key padding mask (derived from pad ids when the model has pad_idx)."""
+    """src as a 2-D int array and its key padding mask as a host array (derived from pad ids when the
+    model has pad_idx)."""
     src = src.data if isinstance(src, Tensor) else src
     src = backend.as_numpy(src) if backend.is_array(src) else as_array(src, "src", owner, np)
     if src.dtype.kind not in "iu":
@@ -70,27 +71,40 @@ def _source(model, src, src_key_padding_mask, owner):
         pad_idx = (getattr(model, "config", None) or {}).get("pad_idx")
         if pad_idx is not None:
             src_key_padding_mask = src == pad_idx
-    elif np.shape(src_key_padding_mask) != src.shape:
-        raise ValueError(f"{owner}: src_key_padding_mask: expected shape {src.shape}, got "
-                         f"{np.shape(src_key_padding_mask)}")
-    return src, src_key_padding_mask
+        return src, src_key_padding_mask
+    mask = src_key_padding_mask.data if isinstance(src_key_padding_mask, Tensor) else src_key_padding_mask
+    mask = backend.as_numpy(mask) if backend.is_array(mask) else as_array(mask, "src_key_padding_mask", owner, np)
+    if mask.shape != src.shape:
+        raise ValueError(f"{owner}: src_key_padding_mask: expected shape {src.shape}, got {mask.shape}")
+    return src, mask
 
 
 def _check_max_len(model, max_len, owner):
-    """max_len (an int >= 1) generated tokens need a positional table of at least max_len decoder positions."""
+    """max_len (an int >= 1) generated tokens need a positional table (learned, sinusoidal; rope and
+    none have none) of at least max_len decoder positions."""
     max_len = check_int(max_len, "max_len", owner, at_least=1)
     config = getattr(model, "config", None) or {}
-    table = config.get("max_len") if config.get("positional", "sinusoidal") != "none" else None
+    table = config.get("max_len") if config.get("positional", "sinusoidal") in ("learned", "sinusoidal") else None
     if table is not None and max_len > table:
         raise ValueError(f"{owner}: max_len: decoding {max_len} tokens needs {max_len} target positions but the "
                          f"model's positional table has max_len={table}")
     return max_len
 
 
-def _check_special_ids(bos, eos, pad, owner):
-    """bos and pad as ints >= 0, eos None or an int >= 0."""
-    return (check_int(bos, "bos", owner, at_least=0), check_optional_int(eos, "eos", owner, at_least=0),
-            check_int(pad, "pad", owner, at_least=0))
+def _check_seq2seq(model, owner):
+    """TypeError unless `model` has the encoder-decoder interface (Seq2SeqTransformer) decoding uses."""
+    methods = ("encode", "decode", "init_cache", "decode_step")
+    if not hasattr(model, "tgt_embed") or not all(callable(getattr(model, name, None)) for name in methods):
+        raise TypeError(f"{owner}: expected an encoder-decoder model (npformer.models.Seq2SeqTransformer), got "
+                        f"{type(model).__name__}; a causal LM continues prompts with npformer.decoding.generate")
+
+
+def _check_special_ids(model, bos, eos, pad, owner):
+    """bos and pad as ids of the model's target vocabulary (both are fed to the decoder), eos None or one."""
+    last = model.tgt_embed.num_embeddings - 1
+    return (check_int(bos, "bos", owner, at_least=0, at_most=last),
+            check_optional_int(eos, "eos", owner, at_least=0, at_most=last),
+            check_int(pad, "pad", owner, at_least=0, at_most=last))
 
 
 def _log_probs(logits):
@@ -108,10 +122,12 @@ class _Stepper:
             self.cache = model.init_cache(memory, memory_key_padding_mask=memory_mask)
 
     def logits(self):
-        """(N, V) Tensor: the next-token logits after the current prefix."""
+        """(N, V) Tensor: the next-token logits after the current prefix. Every prefix token is a
+        token (an id equal to the model's pad_idx too, as on the cached path): no target padding mask."""
         if self.use_cache:
             return self.model.decode_step(self.prefix[:, -1], self.cache)
-        out = self.model.decode(self.prefix, self.memory, memory_key_padding_mask=self.memory_mask)
+        out = self.model.decode(self.prefix, self.memory, memory_key_padding_mask=self.memory_mask,
+                                tgt_key_padding_mask=np.zeros(self.prefix.shape, dtype=bool))
         return out[:, -1]
 
     def advance(self, tokens, order=None):
@@ -129,10 +145,14 @@ def greedy_decode(model: Module, src: ArrayLike, max_len: int, *, bos: int = BOS
     """Pick the most likely token at every step.
 
     src: (B, S) int ids. max_len: most tokens to generate. eos: stop a sequence at this id
-    (None: always generate max_len tokens). Returns (B, L) int64, L <= max_len.
+    (None: always generate max_len tokens). bos, eos and pad are ids of the target vocabulary;
+    generated ids equal to the model's pad_idx are tokens, not padding (both paths). use_cache=False
+    re-runs the decoder on the whole prefix at every step. Returns (B, L) int64, L <= max_len.
     """
+    _check_seq2seq(model, "greedy_decode")
     max_len = _check_max_len(model, max_len, "greedy_decode")
-    bos, eos, pad = _check_special_ids(bos, eos, pad, "greedy_decode")
+    bos, eos, pad = _check_special_ids(model, bos, eos, pad, "greedy_decode")
+    use_cache = check_bool(use_cache, "use_cache", "greedy_decode")
     src, mask = _source(model, src, src_key_padding_mask, "greedy_decode")
     batch = len(src)
     out = np.full((batch, max_len), pad, dtype=np.int64)
@@ -165,10 +185,13 @@ def beam_search(model: Module, src: ArrayLike, max_len: int, *, beam_size: int =
     hypothesis per sequence, (B, L) int64 (and its scores (B,) with return_scores).
     beam_size=1 gives greedy decoding.
     """
+    _check_seq2seq(model, "beam_search")
     max_len = _check_max_len(model, max_len, "beam_search")
     k = check_int(beam_size, "beam_size", "beam_search", at_least=1)
     length_penalty = check_real(length_penalty, "length_penalty", "beam_search")
-    bos, eos, pad = _check_special_ids(bos, eos, pad, "beam_search")
+    bos, eos, pad = _check_special_ids(model, bos, eos, pad, "beam_search")
+    use_cache = check_bool(use_cache, "use_cache", "beam_search")
+    return_scores = check_bool(return_scores, "return_scores", "beam_search")
     src, mask = _source(model, src, src_key_padding_mask, "beam_search")
     batch = len(src)
     rows = np.repeat(np.arange(batch), k)  # (B*k,) source row of each beam

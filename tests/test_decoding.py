@@ -111,3 +111,90 @@ def test_bad_arguments():
         greedy_decode(model, src.astype(float), 5)
     with pytest.raises(ValueError, match=r"src: expected a 2-D array"):
         greedy_decode(model, src[0], 5)
+
+
+@pytest.mark.parametrize("bos", [1, PAD])  # PAD as the start token: T5's and Marian's decoder_start_token_id
+def test_generated_pad_ids_are_tokens_on_both_paths(device, bos):
+    """A generated id equal to the model's pad_idx is a token, not padding, with or without the
+    cache: the uncached path must not mask it (nor a BOS equal to pad_idx)."""
+    model, src = _model(), _sources()
+    model.generator.bias.data[PAD] += 2.0  # the model now emits PAD often
+    model.to(device)
+    cached = greedy_decode(model, src, 6, bos=bos, eos=None)
+    assert (cached == PAD).any()
+    np.testing.assert_array_equal(greedy_decode(model, src, 6, bos=bos, eos=None, use_cache=False), cached)
+    tokens, scores = beam_search(model, src, 6, bos=bos, eos=None, return_scores=True)
+    tokens_u, scores_u = beam_search(model, src, 6, bos=bos, eos=None, use_cache=False, return_scores=True)
+    np.testing.assert_array_equal(tokens_u, tokens)
+    np.testing.assert_allclose(scores_u, scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bos", "eos", "pad"])
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_special_ids_must_be_in_the_target_vocabulary(decode, name):
+    model, src = _model(vocab=12), _sources()
+    with pytest.raises(ValueError, match=rf"{decode.__name__}: {name} must be an integer in \[0, 11\], got 12"):
+        decode(model, src, 3, **{name: 12})
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_use_cache_must_be_a_bool(decode):
+    model, src = _model(), _sources()
+    with pytest.raises(TypeError, match=f"{decode.__name__}: use_cache must be True or False"):
+        decode(model, src, 3, use_cache="no")
+    with pytest.raises(TypeError, match="beam_search: return_scores must be True or False"):
+        beam_search(model, src, 3, return_scores="no")
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_source_mask_as_a_list_or_tensor(decode):
+    from autograd import Tensor
+    model, src = _model(), _sources()
+    mask = src == PAD
+    expected = decode(model, src, 4, src_key_padding_mask=mask)
+    np.testing.assert_array_equal(decode(model, src, 4, src_key_padding_mask=mask.tolist()), expected)
+    np.testing.assert_array_equal(decode(model, src, 4, src_key_padding_mask=Tensor(mask)), expected)
+
+
+def test_beam_search_in_train_mode_runs_in_eval_mode_and_restores_it():
+    model, src = _model(), _sources()
+    model.eval()
+    expected = beam_search(model, src, 6, beam_size=3, return_scores=True)
+    model.train()
+    tokens, scores = beam_search(model, src, 6, beam_size=3, return_scores=True)
+    assert model.training
+    np.testing.assert_array_equal(tokens, expected[0])
+    np.testing.assert_array_equal(scores, expected[1])
+
+
+def test_rope_and_none_positions_have_no_length_limit():
+    """Only a positional table (learned, sinusoidal) bounds max_len, as the model's own forward."""
+    manual_seed(0)
+    src = _sources()
+    for positional in ("rope", "none"):
+        model = Seq2SeqTransformer(12, 12, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                   dim_feedforward=32, pad_idx=PAD, positional=positional, max_len=7)
+        cached = greedy_decode(model, src, 9, eos=None)
+        assert cached.shape == (len(src), 9)
+        np.testing.assert_array_equal(greedy_decode(model, src, 9, eos=None, use_cache=False), cached)
+
+
+@pytest.mark.parametrize("decode, options", [(greedy_decode, {}), (beam_search, dict(beam_size=3, length_penalty=0.6))])
+def test_each_row_decodes_as_it_would_alone(decode, options):
+    """Rows of a batch (sources of different lengths, finishing at different steps) do not
+    affect each other: every row equals that source decoded alone (without its padding)."""
+    model, src = _model(), _sources(n=6)
+    out = decode(model, src, 9, **options)
+    assert len({int((row != PAD).sum()) for row in out}) > 1  # rows finish at different steps
+    for b, row in enumerate(src):
+        alone = decode(model, row[row != PAD][None], 9, **options)[0]
+        np.testing.assert_array_equal(out[b, :len(alone)], alone)
+        assert (out[b, len(alone):] == PAD).all()
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_a_causal_lm_is_refused_with_a_pointer_to_generate(decode):
+    from npformer.models import CausalLM
+    model = CausalLM(12, d_model=8, nhead=2, num_layers=1, dim_feedforward=16)
+    with pytest.raises(TypeError, match=f"{decode.__name__}: expected an encoder-decoder model .* got CausalLM"):
+        decode(model, np.ones((1, 3), dtype=int), 3)

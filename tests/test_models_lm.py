@@ -110,6 +110,17 @@ def test_errors():
         CausalLM(9, activation="swish", **SMALL)
     with pytest.raises(ValueError, match="d_model=8 is not divisible by nhead=3"):
         CausalLM(9, **dict(SMALL, nhead=3))
+    with pytest.raises(TypeError, match="CausalLM: tie_weights must be True or False, got 'no'"):
+        CausalLM(9, tie_weights="no", **SMALL)
+    for flag in ("embed_norm", "final_norm", "pooler"):  # bool("no") would be True
+        with pytest.raises(TypeError, match=f"EncoderClassifier: {flag} must be True or False, got 'no'"):
+            EncoderClassifier(9, 2, **{flag: "no"}, **SMALL)
+    # classifier_dropout=None: the hidden dropout, as Hugging Face's BertForSequenceClassification
+    classifier = EncoderClassifier(9, 2, **dict(SMALL, dropout=0.3), classifier_dropout=None)
+    assert classifier.config["classifier_dropout"] == 0.3 and classifier.head_dropout.p == 0.3
+    assert EncoderClassifier(**classifier.config).head_dropout.p == 0.3
+    numpy_flags = CausalLM(9, tie_weights=np.bool_(True), norm_first=np.bool_(False), **SMALL).config
+    assert numpy_flags["tie_weights"] is True and numpy_flags["norm_first"] is False  # plain bools: JSON-ready
     model = CausalLM(9, max_len=4, **SMALL)
     with pytest.raises(ValueError, match="max_len=4"):
         model(np.ones((1, 5), dtype=int))

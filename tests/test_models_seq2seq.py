@@ -149,6 +149,11 @@ def test_cache_errors(rng):
         model.decode_step(np.zeros((2, 1), dtype=int), cache)
     with pytest.raises(ValueError, match=r"x must be \(batch=2, 1, d\)"):
         model.decode_step(np.zeros(3, dtype=int), cache)
+    with pytest.raises(IndexError, match=r"decode_step: tokens token ids must be in \[0, 6\]"):
+        model.decode_step(np.array([0, 7]), cache)
+    with pytest.raises(TypeError, match="decode_step: cache must come from init_cache, got dict"):
+        model.decode_step(np.zeros(2, dtype=int), {})
+    assert cache.length == 0  # nothing appended by the refused calls
     with pytest.raises(IndexError, match=r"indices must be in \[0, 1\]"):
         cache.reorder([0, 2])
     for _ in range(3):
@@ -209,6 +214,8 @@ def test_errors(rng):
         Seq2SeqTransformer(5, 5, d_model=10, nhead=4)
     with pytest.raises(ValueError, match=r"src_vocab_size \(5\) must equal tgt_vocab_size \(6\)"):
         Seq2SeqTransformer(5, 6, d_model=8, nhead=2, tie_weights="all")
+    with pytest.raises(TypeError, match="src_vocab_size must be an integer >= 1, got '5'"):
+        Seq2SeqTransformer("5", 5, d_model=8, nhead=2, share_embeddings=True)
     with pytest.raises(ValueError, match="positional must be one of"):
         Seq2SeqTransformer(5, 5, d_model=8, nhead=2, positional="relative")
     model = Seq2SeqTransformer(7, 7, d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from autograd import Tensor, backend
 from autograd.backend import Array, ArrayLike
-from autograd.checks import as_array, check_int, check_optional_int, check_real
+from autograd.checks import as_array, check_bool, check_int, check_optional_int, check_real
 
 from .. import nn
 from ..functional._common import check_index_range
@@ -24,16 +24,21 @@ def check_choice(value, choices, name, owner):
 _SIZES = ("vocab_size", "src_vocab_size", "tgt_vocab_size", "num_classes", "d_model", "nhead", "num_layers",
           "num_encoder_layers", "num_decoder_layers", "dim_feedforward", "max_len")
 _RATES = ("attention_dropout", "activation_dropout", "classifier_dropout")  # optional (None: `dropout`)
+_FLAGS = ("norm_first", "tie_weights", "share_embeddings", "embed_norm", "final_norm", "pooler")
 
 
 def check_config(config, owner):
     """A model's constructor arguments with every number checked and made a plain int or float
     (so the config stays JSON-serialisable): sizes integers >= 1, type_vocab_size >= 0,
-    dropout rates in [0, 1], layer_norm_eps > 0, pad_idx None or an id of every vocabulary."""
+    dropout rates in [0, 1], layer_norm_eps > 0, pad_idx None or an id of every vocabulary,
+    flags (norm_first, tie_weights, ...) True or False (plain bools)."""
     config = dict(config)
     for name in _SIZES:
         if name in config:
             config[name] = check_int(config[name], name, owner, at_least=1)
+    for name in _FLAGS:
+        if name in config:
+            config[name] = check_bool(config[name], name, owner)
     if "type_vocab_size" in config:
         config["type_vocab_size"] = _type_vocab_size(config, owner)
     for name in ("dropout",) + _RATES:

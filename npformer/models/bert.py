@@ -87,7 +87,7 @@ class BidirectionalEncoder(PooledEncoder):
                            norm_first=norm_first, activation=activation, pooling=pooling, positional=positional,
                            pad_idx=pad_idx, layer_norm_eps=layer_norm_eps, attention_dropout=attention_dropout,
                            activation_dropout=activation_dropout, type_vocab_size=type_vocab_size,
-                           embed_norm=bool(embed_norm), final_norm=bool(final_norm), pooler=bool(pooler))
+                           embed_norm=embed_norm, final_norm=final_norm, pooler=pooler)
         self._build_pooled_encoder(self.config, attention_settings(memory_efficient, block_size, attention_backend))
         self._reset_parameters()
 
@@ -101,7 +101,8 @@ class EncoderClassifier(PooledEncoder):
     """ids (B, T) -> class logits (B, num_classes): classifier(dropout(pooled)), where pooled is
     BidirectionalEncoder's pooled output (same options) and the dropout has p=classifier_dropout.
     BERT's BertForSequenceClassification is EncoderClassifier with BERT's options (see
-    BidirectionalEncoder) and classifier_dropout = its hidden dropout.
+    BidirectionalEncoder) and classifier_dropout = its hidden dropout (None: `dropout`, as Hugging
+    Face's classifier_dropout=None; `config` stores the number).
     Equivalent torch composition: npformer.interop.to_torch(model). Train it with
     `F.cross_entropy(model(ids), labels)` (or `training.classification_loss()`).
     memory_efficient, block_size, attention_backend: how attention runs (see BidirectionalEncoder).
@@ -112,18 +113,19 @@ class EncoderClassifier(PooledEncoder):
                  activation: str = "gelu", pooling: str = "mean", positional: str = "learned",
                  pad_idx: int | None = None, layer_norm_eps: float = 1e-5, *, attention_dropout: float | None = None,
                  activation_dropout: float | None = None, type_vocab_size: int = 0, embed_norm: bool = False,
-                 final_norm: bool = True, pooler: bool = False, classifier_dropout: float = 0.0,
+                 final_norm: bool = True, pooler: bool = False, classifier_dropout: float | None = 0.0,
                  memory_efficient: bool = False, block_size: int = 512, attention_backend: str | None = None):
         super().__init__()
+        classifier_dropout = dropout if classifier_dropout is None else classifier_dropout
         self.config = dict(vocab_size=vocab_size, num_classes=num_classes, d_model=d_model, nhead=nhead,
                            num_layers=num_layers, dim_feedforward=dim_feedforward, dropout=dropout,
                            max_len=max_len, norm_first=norm_first, activation=activation, pooling=pooling,
                            positional=positional, pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
                            attention_dropout=attention_dropout, activation_dropout=activation_dropout,
-                           type_vocab_size=type_vocab_size, embed_norm=bool(embed_norm),
-                           final_norm=bool(final_norm), pooler=bool(pooler), classifier_dropout=classifier_dropout)
+                           type_vocab_size=type_vocab_size, embed_norm=embed_norm,
+                           final_norm=final_norm, pooler=pooler, classifier_dropout=classifier_dropout)
         self._build_pooled_encoder(self.config, attention_settings(memory_efficient, block_size, attention_backend))
-        self.head_dropout = nn.Dropout(classifier_dropout)
+        self.head_dropout = nn.Dropout(self.config["classifier_dropout"])
         self.classifier = nn.Linear(d_model, num_classes)
         self._reset_parameters()
 

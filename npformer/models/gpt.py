@@ -40,10 +40,10 @@ class CausalLM(EncoderOnlyModel):
         self.config = dict(vocab_size=vocab_size, d_model=d_model, nhead=nhead, num_layers=num_layers,
                            dim_feedforward=dim_feedforward, dropout=dropout, max_len=max_len,
                            norm_first=norm_first, activation=activation, positional=positional,
-                           tie_weights=bool(tie_weights), pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
+                           tie_weights=tie_weights, pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
                            attention_dropout=attention_dropout, activation_dropout=activation_dropout)
         self._build_trunk(self.config, attention_settings(memory_efficient, block_size, attention_backend))
-        self.tie_weights = bool(tie_weights)
+        self.tie_weights = self.config["tie_weights"]
         if not self.tie_weights:
             self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self._reset_parameters()

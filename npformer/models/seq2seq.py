@@ -78,10 +78,6 @@ class Seq2SeqTransformer(nn.Module):
         check_choice(activation, ("relu", "gelu"), "activation", owner)
         d_model, nhead = check_d_model_nhead(d_model, nhead, owner)
         tie_weights, share_embeddings = sharing(tie_weights, share_embeddings, owner)
-        if share_embeddings and src_vocab_size != tgt_vocab_size:
-            raise ValueError(f"{owner}: share_embeddings=True shares one matrix between both embeddings and the "
-                             f"generator (a shared vocabulary), so src_vocab_size ({src_vocab_size}) must equal "
-                             f"tgt_vocab_size ({tgt_vocab_size})")
         self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
                            nhead=nhead, num_encoder_layers=num_encoder_layers,
                            num_decoder_layers=num_decoder_layers, dim_feedforward=dim_feedforward,
@@ -89,6 +85,10 @@ class Seq2SeqTransformer(nn.Module):
                            pad_idx=pad_idx, tie_weights=tie_weights, positional=positional,
                            layer_norm_eps=layer_norm_eps, share_embeddings=share_embeddings)
         self.config = check_config(self.config, owner)
+        if share_embeddings and self.config["src_vocab_size"] != self.config["tgt_vocab_size"]:
+            raise ValueError(f"{owner}: share_embeddings=True shares one matrix between both embeddings and the "
+                             f"generator (a shared vocabulary), so src_vocab_size ({src_vocab_size}) must equal "
+                             f"tgt_vocab_size ({tgt_vocab_size})")
         self.d_model, self.pad_idx, self.tie_weights = d_model, self.config["pad_idx"], tie_weights
         self.share_embeddings = share_embeddings
         self.positional_kind = positional
@@ -209,10 +209,15 @@ class Seq2SeqTransformer(nn.Module):
     def decode_step(self, tokens: ArrayLike, cache: nn.DecoderCache) -> Tensor:
         """tokens (B,) ints: the newest target token of each row (the first call gets BOS) ->
         logits (B, tgt_vocab_size) for the next token. Appends this position's self-attention
-        keys/values to `cache`; equals decode(prefix, memory)[:, -1] on the whole prefix."""
-        ids = as_ids(tokens, self.tgt_embed.weight.data, "decode_step", "tokens")
+        keys/values to `cache`; equals decode(prefix, memory)[:, -1] on the whole prefix, with
+        every prefix token a token (an id equal to pad_idx too: pass decode an all-False
+        tgt_key_padding_mask to compare)."""
+        owner = "Seq2SeqTransformer.decode_step"
+        if not isinstance(cache, nn.DecoderCache):
+            raise TypeError(f"{owner}: cache must come from init_cache, got {type(cache).__name__}")
+        ids = as_ids(tokens, self.tgt_embed.weight.data, owner, "tokens")
         if ids.ndim != 1:
-            raise ValueError(f"decode_step: tokens must be a 1-D array (batch,) of ids, got shape {ids.shape}")
-        ids = ids.reshape(-1, 1)                                                       # (B, 1)
+            raise ValueError(f"{owner}: tokens must be a 1-D array (batch,) of ids, got shape {ids.shape}")
+        ids = token_ids(ids.reshape(-1, 1), self.tgt_embed, owner, "tokens")           # (B, 1)
         hidden = self.transformer.decoder.step(self._embed(ids, "tgt", offset=cache.length), cache)
         return self.project(hidden).reshape(ids.shape[0], -1)                       # (B, V)
