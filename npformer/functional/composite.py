@@ -72,7 +72,7 @@ def _stable_shift(x, dim):
     """x - max (a constant: softmax does not depend on it), with all -inf rows shifted by 0."""
     xp = x.xp
     m = x.data.max(axis=dim, keepdims=True)
-    return x - Tensor(xp.where(xp.isfinite(m), m, 0))
+    return x - Tensor(xp.where(m == -xp.inf, 0, m))   # +inf, NaN: a NaN row, as torch's
 
 
 def softmax(input, dim=-1):

@@ -1,0 +1,80 @@
+"""Edge inputs of the functional ops judged against torch (float64, random upstream gradients):
++inf and NaN entries, empty dimensions, non-contiguous views. Each op matches torch, NaN where
+torch has NaN, or refuses clearly."""
+import numpy as np
+import pytest
+
+import npformer.functional as F
+from autograd import Tensor, backend
+from npformer.functional import composite
+
+from tolerances import assert_close, rounding_tolerance
+
+
+def run(op, arrays, upstream, device):
+    """op(*leaves) and the gradient of <op(...), upstream> for each leaf, as host arrays."""
+    leaves = [Tensor(a, requires_grad=True, device=device) for a in arrays]
+    with np.errstate(all="ignore"):
+        out = op(*leaves)
+        out.backward(backend.to_device(upstream, device))
+    return out.numpy(), [backend.as_numpy(t.grad) for t in leaves]
+
+
+def run_torch(torch, op, arrays, upstream):
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    out = op(*leaves)
+    out.backward(torch.tensor(upstream))
+    return out.detach().numpy(), [t.grad.numpy() for t in leaves]
+
+
+def assert_matches_torch(ours, theirs, scale):
+    """Values and gradients equal to torch's up to float64 rounding of `scale`, NaN exactly where torch has NaN."""
+    (y, grads), (ty, tgrads) = ours, theirs
+    assert y.shape == ty.shape
+    assert_close(y, ty, rounding_tolerance(np.float64, scale, terms=8), err_msg="output")
+    for g, tg in zip(grads, tgrads):
+        assert g.shape == tg.shape
+        assert_close(g, tg, rounding_tolerance(np.float64, scale, terms=8), err_msg="gradient")
+
+
+def rows_with_infinities(rows):
+    """`rows` rows of 3 logits: ordinary rows and rows holding +inf, NaN or -inf entries."""
+    x = np.random.default_rng(0).standard_normal((rows, 3))
+    x[0, 1] = np.inf                       # one +inf: torch gives a NaN row (inf - inf)
+    x[1] = [np.inf, np.inf, 1.0]
+    x[2, 2] = np.nan
+    x[3, 0] = -np.inf                      # one -inf: an ordinary row
+    return x
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("rows", [6, 8192])   # 8192 x 3 entries: the CPU kernels' row blocks
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax_rows_holding_plus_inf_or_nan_are_nan_like_torch(name, rows, twin, device, torch):
+    """A row holding +inf is NaN in torch (its shift inf - inf is NaN), in values and gradients;
+    the row's maximum must not be replaced by 0 as for a row that is entirely -inf."""
+    x = rows_with_infinities(rows)
+    upstream = np.random.default_rng(1).standard_normal(x.shape)
+    with composite.installed() if twin else np.errstate():
+        ours = run(lambda t: getattr(F, name)(t, dim=-1), [x], upstream, device)
+    theirs = run_torch(torch, lambda t: getattr(torch, name)(t, dim=-1), [x], upstream)
+    assert np.isnan(ours[0][:3]).all() and np.isnan(ours[1][0][:3]).all()
+    assert_matches_torch(ours, theirs, 1.0 + np.abs(upstream).sum())
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("rows", [6, 8192])
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_cross_entropy_of_logits_holding_plus_inf_or_nan_is_nan_like_torch(reduction, rows, twin, device, torch):
+    """A +inf logit makes torch's loss (and the whole row's gradient) NaN, not +inf."""
+    x = rows_with_infinities(rows)
+    target = np.random.default_rng(2).integers(0, 3, rows)
+    target[0] = 0                          # not the +inf class: torch's loss is NaN, not -inf - ...
+    shape = (rows,) if reduction == "none" else ()
+    upstream = np.random.default_rng(1).standard_normal(shape)
+    with composite.installed() if twin else np.errstate():
+        ours = run(lambda t: F.cross_entropy(t, target, reduction=reduction, label_smoothing=0.1), [x], upstream, device)
+    theirs = run_torch(torch, lambda t: torch.nn.functional.cross_entropy(
+        t, torch.tensor(target), reduction=reduction, label_smoothing=0.1), [x], upstream)
+    assert np.isnan(ours[1][0][:3]).all()
+    assert_matches_torch(ours, theirs, 1.0 + np.abs(upstream).sum() + np.abs(np.nan_to_num(x, posinf=0)).sum())
