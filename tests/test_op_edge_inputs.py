@@ -78,3 +78,25 @@ def test_cross_entropy_of_logits_holding_plus_inf_or_nan_is_nan_like_torch(reduc
         t, torch.tensor(target), reduction=reduction, label_smoothing=0.1), [x], upstream)
     assert np.isnan(ours[1][0][:3]).all()
     assert_matches_torch(ours, theirs, 1.0 + np.abs(upstream).sum() + np.abs(np.nan_to_num(x, posinf=0)).sum())
+
+
+TORCH_ACTIVATIONS = {None: lambda f: lambda h: h, "relu": lambda f: f.relu, "gelu": lambda f: f.gelu,
+                     "gelu_tanh": lambda f: lambda h: f.gelu(h, approximate="tanh")}
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("activation", list(TORCH_ACTIVATIONS))
+@pytest.mark.parametrize("batch, in_features, out_features", [(3, 0, 4), (3, 5, 0), (0, 5, 4), (0, 0, 0)])
+def test_linear_with_an_empty_dimension_matches_torch(batch, in_features, out_features, activation, twin, device,
+                                                     torch):
+    """torch's linear takes 0 input features (the result is the bias), 0 output features and 0
+    rows; so does ours, with every gradient (dx zeros, dW of the right shape, db = sum of dy)."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((2, batch, in_features)), rng.standard_normal((out_features, in_features)),
+              rng.standard_normal(out_features)]
+    upstream = rng.standard_normal((2, batch, out_features))
+    with composite.installed() if twin else np.errstate():
+        ours = run(lambda x, w, b: F.linear(x, w, b, activation=activation), arrays, upstream, device)
+    act = TORCH_ACTIVATIONS[activation](torch.nn.functional)
+    theirs = run_torch(torch, lambda x, w, b: act(torch.nn.functional.linear(x, w, b)), arrays, upstream)
+    assert_matches_torch(ours, theirs, 1.0 + np.abs(upstream).sum() + np.abs(arrays[2]).sum())

@@ -1,6 +1,8 @@
 """Affine map y = x W^T + b as one 2-D GEMM, optionally followed by an activation (a fused epilogue)."""
 from __future__ import annotations
 
+import math
+
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.threads import for_rows, row_blocks, run_tasks, split_blocks
@@ -22,7 +24,7 @@ class LinearFunction(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
         xp = backend.get_array_module(x)
-        x2d = x.reshape(-1, x.shape[-1])                  # (N, in), a view when x is contiguous
+        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])   # (N, in), a view when x is contiguous (not -1: in may be 0)
         y2d = xp.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
         add_bias = bias is not None and activation is None
 
@@ -43,7 +45,7 @@ class LinearFunction(Function):
     def backward(ctx, dy):
         x2d, weight = ctx.saved_tensors
         xp = backend.get_array_module(dy)
-        dy2d = dy.reshape(-1, weight.shape[0])            # (N, out)
+        dy2d = dy.reshape(x2d.shape[0], weight.shape[0])  # (N, out)
         if ctx.activation is not None:
             # y = act(h)  ->  dh = dy act'(h); below, dy stands for dh
             dy2d = bias_activation_backward(dy2d, ctx.activation_saved, ctx.activation)
