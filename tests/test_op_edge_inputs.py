@@ -100,3 +100,43 @@ def test_linear_with_an_empty_dimension_matches_torch(batch, in_features, out_fe
     act = TORCH_ACTIVATIONS[activation](torch.nn.functional)
     theirs = run_torch(torch, lambda x, w, b: act(torch.nn.functional.linear(x, w, b)), arrays, upstream)
     assert_matches_torch(ours, theirs, 1.0 + np.abs(upstream).sum() + np.abs(arrays[2]).sum())
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("op", ["dropout", "dropout_add"])
+@pytest.mark.parametrize("training", ["no", None, 1, 0.0])
+def test_dropout_training_must_be_a_bool(training, op, twin):
+    """torch's F.dropout refuses a training flag that is not a bool (a string "no" would be truthy
+    and drop entries); numpy's bools are accepted."""
+    x = np.ones((2, 3))
+    call = (lambda t: F.dropout(x, 0.5, training=t)) if op == "dropout" else (
+        lambda t: F.dropout_add(x, x, 0.5, training=t))
+    with composite.installed() if twin else np.errstate():
+        with pytest.raises(TypeError, match=rf"{op}: training must be True or False, got {training!r}"):
+            call(training)
+        np.testing.assert_array_equal(np.asarray(data(call(np.bool_(False)))), x if op == "dropout" else 2 * x)
+
+
+def data(result):
+    return result.numpy() if isinstance(result, Tensor) else result
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("table", ["cos", "sin"])
+def test_rotary_tables_that_require_grad_are_refused_not_silently_ungraded(table, twin):
+    """apply_rotary_emb differentiates x only; a cos or sin Tensor that requires grad would get no
+    gradient (torch's rotate_half formula gives it one), so it is refused in grad mode, and
+    accepted detached or under no_grad."""
+    from autograd import no_grad
+    cos, sin = F.rotary_cos_sin(5, 4, dtype="float64")
+    tables = {"cos": cos, "sin": sin}
+    tables[table] = Tensor(tables[table], requires_grad=True)
+    x = Tensor(np.random.default_rng(4).standard_normal((2, 5, 4)), requires_grad=True)
+    with composite.installed() if twin else np.errstate():
+        with pytest.raises(RuntimeError, match=rf"apply_rotary_emb: {table} requires grad.*detach"):
+            F.apply_rotary_emb(x, **tables)
+        with no_grad():
+            expected = F.apply_rotary_emb(x, cos, sin).numpy()
+            np.testing.assert_array_equal(F.apply_rotary_emb(x, **tables).numpy(), expected)
+        tables[table] = tables[table].detach()
+        np.testing.assert_array_equal(F.apply_rotary_emb(x, **tables).numpy(), expected)

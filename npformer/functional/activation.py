@@ -5,7 +5,7 @@ import math
 
 from autograd import Function, Tensor, backend, random
 from autograd.backend import Array
-from autograd.checks import check_real
+from autograd.checks import check_bool, check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
@@ -390,11 +390,12 @@ def dropout(input: Tensor | Array, p: float = 0.5, training: bool = True,
     The mask comes from `generator`, an autograd.random.Philox (like a torch.Generator), or the
     global stream `autograd.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
     over n entries takes the next n values of the stream, and the mask is the same on every
-    device and for any number of threads. Raises ValueError unless 0 <= p <= 1.
+    device and for any number of threads. Raises ValueError unless 0 <= p <= 1, TypeError for a
+    `training` that is not a bool.
     """
     x = check_tensor("input", input, "dropout")
     p = check_real(p, "p", "dropout", at_least=0, at_most=1)
-    if not training or p == 0.0:
+    if not check_bool(training, "training", "dropout") or p == 0.0:
         return input
     draw = dropout_stream(generator, "dropout").draw(x.size, backend.device_of(x))
     return DropoutFunction.apply(input, seed=draw.seed, offset=draw.offset, p=p, state=draw.state)
