@@ -140,3 +140,27 @@ def test_rotary_tables_that_require_grad_are_refused_not_silently_ungraded(table
             np.testing.assert_array_equal(F.apply_rotary_emb(x, **tables).numpy(), expected)
         tables[table] = tables[table].detach()
         np.testing.assert_array_equal(F.apply_rotary_emb(x, **tables).numpy(), expected)
+
+
+MIXED_DTYPES = {  # name: op(a, b) on arrays or Tensors of shape (2, 3); b's dtype differs from a's
+    "linear_weight": lambda a, b: F.linear(a, b),
+    "linear_bias": lambda a, b: F.linear(a, a, b[0, :2]),
+    "layer_norm_weight": lambda a, b: F.layer_norm(a, 3, b[0]),
+    "layer_norm_bias": lambda a, b: F.layer_norm(a, 3, None, b[0]),
+    "dropout_add": lambda a, b: F.dropout_add(a, b, 0.5),
+    "dropout_add_eval": lambda a, b: F.dropout_add(a, b, 0.5, training=False),
+}
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("wrap", ["arrays", "tensor_and_array", "array_and_tensor"])
+@pytest.mark.parametrize("name", MIXED_DTYPES)
+def test_mixed_float_dtypes_are_refused_whether_arrays_or_tensors(name, wrap, twin):
+    """torch refuses float32 and float64 inputs in one op; so does every op here, also when some
+    inputs are raw arrays (not only when all are Tensors): no silent cast of one to the other."""
+    a, b = np.ones((2, 3), np.float32), np.ones((2, 3), np.float64)
+    if wrap != "arrays":
+        a, b = (Tensor(a), b) if wrap == "tensor_and_array" else (a, Tensor(b))
+    with composite.installed() if twin else np.errstate():
+        with pytest.raises(TypeError, match=r"expected one floating dtype.*float32.*float64"):
+            MIXED_DTYPES[name](a, b)

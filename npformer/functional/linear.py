@@ -7,7 +7,7 @@ from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.threads import for_rows, row_blocks, run_tasks, split_blocks
 
-from ._common import check_tensor, has_twin
+from ._common import check_one_dtype, check_tensor, has_twin
 from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward
 
 
@@ -91,7 +91,8 @@ def linear(input: Tensor | Array, weight: Tensor | Array, bias: Tensor | Array |
     input (..., in_features), weight (out_features, in_features), bias (out_features,) or None.
     activation: None, or "relu", "gelu" (exact) or "gelu_tanh" applied to the result in the same
     op (the bias and the activation fused: one pass instead of two, and one kernel on a GPU).
-    Raises ValueError when the shapes do not fit or for an unknown activation.
+    Raises ValueError when the shapes do not fit or for an unknown activation, TypeError for
+    inputs of different floating dtypes.
     """
     x = check_tensor("input", input, "linear")
     w = check_tensor("weight", weight, "linear")
@@ -100,10 +101,12 @@ def linear(input: Tensor | Array, weight: Tensor | Array, bias: Tensor | Array |
     if x.ndim == 0 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear: input's last dimension must equal weight.shape[1]={w.shape[1]}, "
                          f"got input shape {tuple(x.shape)}")
+    b = None
     if bias is not None:
         b = check_tensor("bias", bias, "linear")
         if tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"linear: bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+    check_one_dtype("linear", x, w, b)
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation must be None or one of {ACTIVATIONS}, got {activation!r}")
     return LinearFunction.apply(input, weight, bias, activation=activation)

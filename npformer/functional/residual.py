@@ -9,7 +9,7 @@ from autograd.checks import check_bool, check_real
 from autograd.kernels import kernel_table
 from autograd.random import Philox
 
-from ._common import check_tensor, has_twin
+from ._common import check_one_dtype, check_tensor, has_twin
 from .activation import DropoutFunction, dropout_apply_cpu, dropout_forward, dropout_stream
 
 
@@ -50,6 +50,7 @@ def check_dropout_add(input, residual, p, training, op):
     r = check_tensor("residual", residual, op)
     if tuple(x.shape) != tuple(r.shape):
         raise ValueError(f"{op}: input and residual must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
+    check_one_dtype(op, x, r)
     return x, check_real(p, "p", op, at_least=0, at_most=1), check_bool(training, "training", op)
 
 
