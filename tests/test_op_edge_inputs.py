@@ -21,7 +21,7 @@ def run(op, arrays, upstream, device):
 
 
 def run_torch(torch, op, arrays, upstream):
-    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    leaves = [torch.tensor(a.copy(), requires_grad=True) for a in arrays]   # a C-order copy: torch takes no negative strides
     out = op(*leaves)
     out.backward(torch.tensor(upstream))
     return out.detach().numpy(), [t.grad.numpy() for t in leaves]
@@ -164,3 +164,109 @@ def test_mixed_float_dtypes_are_refused_whether_arrays_or_tensors(name, wrap, tw
     with composite.installed() if twin else np.errstate():
         with pytest.raises(TypeError, match=r"expected one floating dtype.*float32.*float64"):
             MIXED_DTYPES[name](a, b)
+
+
+def views(rng, *shapes):
+    """Non-contiguous float64 arrays of `shapes`: the reversed transpose of a random array (negative
+    strides on every axis, for 2-D and up)."""
+    return [rng.standard_normal(shape[::-1])[(slice(None, None, -1),) * len(shape)].T for shape in shapes]
+
+
+def hf_rotary(torch, x, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb (rotate_half) on x (..., T, hd), cos/sin (T, hd / 2)."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+COS, SIN = F.rotary_cos_sin(5, 4, dtype="float64")
+IDS = np.array([[0, 4, 2], [4, 1, 4]])[:, ::-1]
+NON_CONTIGUOUS = {  # name: (ours(*leaves), torch's(torch, *leaves), shapes of the non-contiguous inputs)
+    "linear_gelu": (lambda x, w, b: F.linear(x, w, b, activation="gelu"),
+                    lambda t, x, w, b: t.nn.functional.gelu(t.nn.functional.linear(x, w, b)), [(2, 3, 5), (4, 5), (4,)]),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x + 1e4, (3, 5), w, b),
+                   lambda t, x, w, b: t.nn.functional.layer_norm(x + 1e4, (3, 5), w, b), [(2, 3, 5), (3, 5), (3, 5)]),
+    "embedding": (lambda w: F.embedding(IDS, w, padding_idx=-1),
+                  lambda t, w: t.nn.functional.embedding(t.tensor(IDS.copy()), w, padding_idx=4), [(5, 3)]),
+    "cross_entropy": (lambda x: F.cross_entropy(x * 1e4, np.array([[1, -100], [0, 3]]), label_smoothing=0.1),
+                      lambda t, x: t.nn.functional.cross_entropy(x * 1e4, t.tensor([[1, -100], [0, 3]]),
+                                                                 label_smoothing=0.1), [(2, 4, 2)]),
+    "softmax_dim1": (lambda x: F.softmax(x, 1), lambda t, x: t.softmax(x, 1), [(2, 3, 4)]),
+    "log_softmax_dim0": (lambda x: F.log_softmax(x, 0), lambda t, x: t.log_softmax(x, 0), [(3, 4)]),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"),
+                  lambda t, x: t.nn.functional.gelu(x, approximate="tanh"), [(3, 4)]),
+    "relu": (F.relu, lambda t, x: t.relu(x), [(3, 4)]),
+    "rotary": (lambda x: F.apply_rotary_emb(x, COS[::-1], SIN[::-1]),
+               lambda t, x: hf_rotary(t, x, t.tensor(COS[::-1].copy()), t.tensor(SIN[::-1].copy())), [(2, 5, 4)]),
+    "split_heads": (lambda x: F.split_heads(x, 2),
+                    lambda t, x: x.reshape(2, 3, 2, 3).transpose(1, 2), [(2, 3, 6)]),
+    "dropout_add_eval": (lambda x, r: F.dropout_add(x, r, 0.3, training=False), lambda t, x, r: x + r, [(3, 4), (3, 4)]),
+}
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("name", NON_CONTIGUOUS)
+def test_non_contiguous_inputs_match_torch(name, twin, device, torch):
+    """Inputs with negative strides and transposed layouts (views numpy and torch users pass),
+    values and every gradient in float64 against torch on the same views."""
+    ours_op, torch_op, shapes = NON_CONTIGUOUS[name]
+    rng = np.random.default_rng(5)
+    arrays = views(rng, *shapes)
+    assert all(not a.flags.c_contiguous for a in arrays if a.ndim > 1)
+    expected_shape = torch_op(torch, *(torch.tensor(a.copy()) for a in arrays)).shape
+    upstream = rng.standard_normal(tuple(expected_shape))
+    with composite.installed() if twin else np.errstate():
+        ours = run(ours_op, arrays, upstream, device)
+    theirs = run_torch(torch, lambda *t: torch_op(torch, *t), arrays, upstream)
+    assert_matches_torch(ours, theirs, 1.0 + np.abs(upstream).sum() * 1e4)
+
+
+CE_ROWS = np.array([[0.0, -np.inf, 1.0], [2.0, 1.0, 0.0], [np.nan, 1.0, 0.0]])   # target at -inf; an ignored NaN row
+SMALL = {  # name: (ours(*leaves), torch's(torch, *leaves), input arrays): empty, 0-d and 1-D inputs
+    "linear_0_rows": (lambda x, w, b: F.linear(x, w, b, activation="relu"),
+                      lambda t, x, w, b: t.relu(t.nn.functional.linear(x, w, b)),
+                      [np.zeros((0, 5)), np.ones((4, 5)), np.ones(4)]),
+    "linear_1d": (lambda x, w: F.linear(x, w), lambda t, x, w: t.nn.functional.linear(x, w),
+                  [np.arange(5.0), np.ones((4, 5)) / 3]),
+    "layer_norm_0_rows": (lambda x, w, b: F.layer_norm(x, 4, w, b), lambda t, x, w, b: t.nn.functional.layer_norm(
+        x, (4,), w, b), [np.zeros((2, 0, 4)), np.ones(4), np.ones(4)]),
+    "layer_norm_1d": (lambda x: F.layer_norm(x, 4), lambda t, x: t.nn.functional.layer_norm(x, (4,)),
+                      [np.array([1e4, 1e4 + 1, 1e4 - 2, 1e4 + 0.5])]),
+    "embedding_0_ids": (lambda w: F.embedding(np.zeros((0, 3), np.int64), w),
+                        lambda t, w: t.nn.functional.embedding(t.zeros((0, 3), dtype=t.long), w), [np.ones((5, 2))]),
+    "embedding_0d_id": (lambda w: F.embedding(np.array(3), w, padding_idx=3),
+                        lambda t, w: t.nn.functional.embedding(t.tensor(3), w, padding_idx=3), [np.ones((5, 2))]),
+    "cross_entropy_0_rows_sum": (lambda x: F.cross_entropy(x, np.zeros(0, np.int64), reduction="sum"),
+                                 lambda t, x: t.nn.functional.cross_entropy(x, t.zeros(0, dtype=t.long), reduction="sum"),
+                                 [np.zeros((0, 5))]),
+    "cross_entropy_1d_none": (lambda x: F.cross_entropy(x, np.array(2), reduction="none", label_smoothing=0.2),
+                              lambda t, x: t.nn.functional.cross_entropy(x, t.tensor(2), reduction="none",
+                                                                         label_smoothing=0.2), [np.arange(5.0)]),
+    "cross_entropy_minus_inf_and_ignored_nan": (
+        lambda x: F.cross_entropy(x, np.array([1, 0, -100]), weight=np.array([0.5, 2.0, 1.0]), label_smoothing=0.2),
+        lambda t, x: t.nn.functional.cross_entropy(x, t.tensor([1, 0, -100]), weight=t.tensor([0.5, 2.0, 1.0], dtype=t.float64),
+                                                   label_smoothing=0.2), [CE_ROWS]),
+    "softmax_0_rows": (lambda x: F.softmax(x, 0), lambda t, x: t.softmax(x, 0), [np.zeros((0, 3))]),
+    "log_softmax_empty_dim": (lambda x: F.log_softmax(x, -1), lambda t, x: t.log_softmax(x, -1), [np.zeros((3, 0))]),
+    "gelu_0d": (F.gelu, lambda t, x: t.nn.functional.gelu(x), [np.array(-0.7)]),
+    "relu_0_rows": (F.relu, lambda t, x: t.relu(x), [np.zeros((0, 3))]),
+    "rotary_0_positions": (lambda x: F.apply_rotary_emb(x, COS[:0], SIN[:0]),
+                           lambda t, x: x * 1.0, [np.zeros((2, 0, 4))]),
+    "split_heads_0_batch": (lambda x: F.split_heads(x, 2), lambda t, x: x.reshape(0, 3, 2, 3).transpose(1, 2),
+                            [np.zeros((0, 3, 6))]),
+    "dropout_0d": (lambda x: F.dropout(x, 1.0), lambda t, x: t.nn.functional.dropout(x, 1.0), [np.array(2.0)]),
+}
+
+
+@pytest.mark.parametrize("twin", [False, True])
+@pytest.mark.parametrize("name", SMALL)
+def test_empty_0d_and_1d_inputs_match_torch(name, twin, device, torch):
+    """Empty batches, 0-d and 1-D inputs: torch's shapes, values and gradients (float64, random upstream)."""
+    ours_op, torch_op, arrays = SMALL[name]
+    rng = np.random.default_rng(6)
+    arrays = [a.astype(np.float64) for a in arrays]
+    upstream = rng.standard_normal(tuple(torch_op(torch, *(torch.tensor(a) for a in arrays)).shape))
+    with composite.installed() if twin else np.errstate():
+        ours = run(ours_op, arrays, upstream, device)
+    theirs = run_torch(torch, lambda *t: torch_op(torch, *t), arrays, upstream)
+    assert_matches_torch(ours, theirs, 1.0 + np.abs(upstream).sum() * (1.0 + np.abs(np.nan_to_num(arrays[0], neginf=0)).sum()))

@@ -61,7 +61,9 @@ def dropout(input, p=0.5, training=True, generator=None):
     if not check_bool(training, "training", "dropout") or p == 0.0:
         return input
     keep = dropout_mask(x.shape, p, x.device, generator)     # the same values of the same stream as F.dropout
-    return x * Tensor(keep.astype(x.dtype) * dropout_scale(p))
+    scale = keep.astype(x.dtype)
+    scale *= dropout_scale(p)                                 # in place: a 0-d array stays an array of x's dtype
+    return x * Tensor(scale)
 
 
 def dropout_add(input, residual, p=0.5, training=True, generator=None):
@@ -72,6 +74,8 @@ def dropout_add(input, residual, p=0.5, training=True, generator=None):
 def _stable_shift(x, dim):
     """x - max (a constant: softmax does not depend on it), with all -inf rows shifted by 0."""
     xp = x.xp
+    if x.shape[dim] == 0:                                     # empty rows: nothing to shift (max has no identity)
+        return x
     m = x.data.max(axis=dim, keepdims=True)
     return x - Tensor(xp.where(m == -xp.inf, 0, m))   # +inf, NaN: a NaN row, as torch's
 
