@@ -74,7 +74,7 @@ def dropout_add(input, residual, p=0.5, training=True, generator=None):
 def _stable_shift(x, dim):
     """x - max (a constant: softmax does not depend on it), with all -inf rows shifted by 0."""
     xp = x.xp
-    if x.shape[dim] == 0:                                     # empty rows: nothing to shift (max has no identity)
+    if x.data.size == 0:                                      # nothing to shift (an empty max has no identity)
         return x
     m = x.data.max(axis=dim, keepdims=True)
     return x - Tensor(xp.where(m == -xp.inf, 0, m))   # +inf, NaN: a NaN row, as torch's
