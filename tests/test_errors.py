@@ -208,7 +208,7 @@ CASES = [
      r"ck\.npz: .*truncated or corrupted"),
     # -- devices and dtypes mixed in one op ----------------------------------------------------------------------
     ("float64_input_to_float32_linear", lambda _: nn.Linear(8, 3)(floats(2, 8, dtype=np.float64)), TypeError,
-     r"LinearFunction: expected one floating dtype, got \['float32', 'float64'\].*\.float\(\)/\.double\(\)"),
+     r"linear: expected one floating dtype, got \['float32', 'float64'\].*\.float\(\)/\.double\(\)"),
     ("float64_memory_to_float32_model", lambda _: seq2seq().decode(ids(2, 2), floats(2, 3, 8, dtype=np.float64)),
      TypeError, r"expected one floating dtype, got \['float32', 'float64'\]"),
     ("sdpa_float32_key_float64_query",

@@ -37,6 +37,16 @@ def check_tensor(name, x, op, *, floating=True):
     return raw
 
 
+def check_one_dtype(op, *arrays):
+    """TypeError unless the floating arrays (None aside) share one dtype, as torch requires: also
+    where some are raw arrays, which Function.apply does not compare (it checks Tensors)."""
+    first = arrays[0].dtype
+    if any(a is not None and a.dtype != first for a in arrays):
+        dtypes = sorted({str(a.dtype) for a in arrays if a is not None})
+        raise TypeError(f"{op}: expected one floating dtype, got {dtypes}; cast with .astype(...) / .to(dtype=...) "
+                        "or .float()/.double() on modules")
+
+
 def on_device_of(array, like, name, op, check=None):
     """`array` (a raw array or a non-differentiable Tensor such as ids or a mask) on the device of
     the array `like`. Raw host arrays (and lists) are copied over; a Tensor on another device is an

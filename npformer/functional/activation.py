@@ -5,7 +5,7 @@ import math
 
 from autograd import Function, Tensor, backend, random
 from autograd.backend import Array
-from autograd.checks import check_real
+from autograd.checks import check_bool, check_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
@@ -48,7 +48,7 @@ CACHE_CHUNK = 1 << 17
 def in_cache_chunks(kernel, row_length=1):
     """kernel(start, stop) run on consecutive chunks of rows of `row_length` entries, at most
     CACHE_CHUNK entries (or one row) a chunk."""
-    rows = max(CACHE_CHUNK // row_length, 1)
+    rows = max(CACHE_CHUNK // max(row_length, 1), 1)   # rows of 0 entries: one chunk
 
     def chunked(start, stop):
         for lo in range(start, stop, rows):
@@ -66,7 +66,8 @@ def bias_activation_forward_cpu(x, bias, kind):
     keep = xp.empty(x.shape, dtype=bool)                    # (...) bool: 1 byte per entry saved
     y = xp.empty(x.shape, dtype=x.dtype)
     n = x.shape[-1] if bias is not None else 1                 # rows of the bias's length, or single entries
-    xf, kf, yf = x.reshape(-1, n), keep.reshape(-1, n), y.reshape(-1, n)
+    rows = x.size // n if n else 0                          # (not -1 in reshape: n may be 0)
+    xf, kf, yf = x.reshape(rows, n), keep.reshape(rows, n), y.reshape(rows, n)
 
     def block(start, stop):
         h = xf[start:stop]
@@ -85,7 +86,7 @@ def _gelu_forward_cpu(x, bias, kind):
     added chunk by chunk: (y, (h, aux)). float32's exact form takes Phi from normal_cdf_float32."""
     xp = backend.get_array_module(x)
     n = x.shape[-1] if bias is not None else 1                 # rows of the bias's length, or single entries
-    xf = x.reshape(-1, n)
+    xf = x.reshape(x.size // n if n else 0, n)                 # (not -1: n may be 0)
     hf = xp.empty_like(xf) if bias is not None else xf         # h = x + bias, saved for the backward
     y, aux = xp.empty_like(xf), xp.empty_like(xf)              # aux: tanh(u), or Phi(h)
 
@@ -389,11 +390,12 @@ def dropout(input: Tensor | Array, p: float = 0.5, training: bool = True,
     The mask comes from `generator`, an autograd.random.Philox (like a torch.Generator), or the
     global stream `autograd.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
     over n entries takes the next n values of the stream, and the mask is the same on every
-    device and for any number of threads. Raises ValueError unless 0 <= p <= 1.
+    device and for any number of threads. Raises ValueError unless 0 <= p <= 1, TypeError for a
+    `training` that is not a bool.
     """
     x = check_tensor("input", input, "dropout")
     p = check_real(p, "p", "dropout", at_least=0, at_most=1)
-    if not training or p == 0.0:
+    if not check_bool(training, "training", "dropout") or p == 0.0:
         return input
     draw = dropout_stream(generator, "dropout").draw(x.size, backend.device_of(x))
     return DropoutFunction.apply(input, seed=draw.seed, offset=draw.offset, p=p, state=draw.state)

@@ -6,13 +6,14 @@ import contextlib
 import math
 
 from autograd import Tensor, concatenate, where
-from autograd.checks import check_real, check_shape
+from autograd.checks import check_bool, check_real, check_shape
 
 from . import _erf as formulas
 from .activation import TANH_C, TANH_K, dropout_mask, dropout_scale
 from .attention import _lead_shape, _prepare_mask, causal_blocked
 from ._common import _twins, on_device_of
 from .residual import check_dropout_add
+from .rotary import rotary_tables
 
 
 def _tensor(x):
@@ -57,22 +58,26 @@ def gelu(input, approximate="none"):
 def dropout(input, p=0.5, training=True, generator=None):
     x = _tensor(input)
     p = check_real(p, "p", "dropout", at_least=0, at_most=1)
-    if not training or p == 0.0:
+    if not check_bool(training, "training", "dropout") or p == 0.0:
         return input
     keep = dropout_mask(x.shape, p, x.device, generator)     # the same values of the same stream as F.dropout
-    return x * Tensor(keep.astype(x.dtype) * dropout_scale(p))
+    scale = keep.astype(x.dtype)
+    scale *= dropout_scale(p)                                 # in place: a 0-d array stays an array of x's dtype
+    return x * Tensor(scale)
 
 
 def dropout_add(input, residual, p=0.5, training=True, generator=None):
-    check_dropout_add(input, residual, p, "dropout_add")
+    check_dropout_add(input, residual, p, training, "dropout_add")
     return _tensor(residual) + dropout(input, p, training, generator)   # the same stream's values as F's
 
 
 def _stable_shift(x, dim):
     """x - max (a constant: softmax does not depend on it), with all -inf rows shifted by 0."""
     xp = x.xp
+    if x.data.size == 0:                                      # nothing to shift (an empty max has no identity)
+        return x
     m = x.data.max(axis=dim, keepdims=True)
-    return x - Tensor(xp.where(xp.isfinite(m), m, 0))
+    return x - Tensor(xp.where(m == -xp.inf, 0, m))   # +inf, NaN: a NaN row, as torch's
 
 
 def softmax(input, dim=-1):
@@ -161,10 +166,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def apply_rotary_emb(x, cos, sin):
+    cos, sin = map(Tensor, rotary_tables(x, cos, sin))
     x = _tensor(x)
     half = x.shape[-1] // 2
-    cos, sin = (Tensor(on_device_of(t, x.data, name, "apply_rotary_emb").astype(x.dtype))
-                for t, name in ((cos, "cos"), (sin, "sin")))
     x1, x2 = x[..., :half], x[..., half:]
     return concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 

@@ -1,11 +1,13 @@
 """Affine map y = x W^T + b as one 2-D GEMM, optionally followed by an activation (a fused epilogue)."""
 from __future__ import annotations
 
+import math
+
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.threads import for_rows, row_blocks, run_tasks, split_blocks
 
-from ._common import check_tensor, has_twin
+from ._common import check_one_dtype, check_tensor, has_twin
 from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward
 
 
@@ -22,7 +24,7 @@ class LinearFunction(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
         xp = backend.get_array_module(x)
-        x2d = x.reshape(-1, x.shape[-1])                  # (N, in), a view when x is contiguous
+        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])   # (N, in), a view when x is contiguous (not -1: in may be 0)
         y2d = xp.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
         add_bias = bias is not None and activation is None
 
@@ -43,7 +45,7 @@ class LinearFunction(Function):
     def backward(ctx, dy):
         x2d, weight = ctx.saved_tensors
         xp = backend.get_array_module(dy)
-        dy2d = dy.reshape(-1, weight.shape[0])            # (N, out)
+        dy2d = dy.reshape(x2d.shape[0], weight.shape[0])  # (N, out)
         if ctx.activation is not None:
             # y = act(h)  ->  dh = dy act'(h); below, dy stands for dh
             dy2d = bias_activation_backward(dy2d, ctx.activation_saved, ctx.activation)
@@ -89,7 +91,8 @@ def linear(input: Tensor | Array, weight: Tensor | Array, bias: Tensor | Array |
     input (..., in_features), weight (out_features, in_features), bias (out_features,) or None.
     activation: None, or "relu", "gelu" (exact) or "gelu_tanh" applied to the result in the same
     op (the bias and the activation fused: one pass instead of two, and one kernel on a GPU).
-    Raises ValueError when the shapes do not fit or for an unknown activation.
+    Raises ValueError when the shapes do not fit or for an unknown activation, TypeError for
+    inputs of different floating dtypes.
     """
     x = check_tensor("input", input, "linear")
     w = check_tensor("weight", weight, "linear")
@@ -98,10 +101,12 @@ def linear(input: Tensor | Array, weight: Tensor | Array, bias: Tensor | Array |
     if x.ndim == 0 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear: input's last dimension must equal weight.shape[1]={w.shape[1]}, "
                          f"got input shape {tuple(x.shape)}")
+    b = None
     if bias is not None:
         b = check_tensor("bias", bias, "linear")
         if tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"linear: bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+    check_one_dtype("linear", x, w, b)
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation must be None or one of {ACTIVATIONS}, got {activation!r}")
     return LinearFunction.apply(input, weight, bias, activation=activation)

@@ -9,7 +9,7 @@ from autograd.checks import check_real, check_shape
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
-from ._common import check_tensor, has_twin
+from ._common import check_one_dtype, check_tensor, has_twin
 from .softmax import row_sum
 
 
@@ -152,14 +152,18 @@ def layer_norm(input: Tensor | Array, normalized_shape: int | tuple[int, ...], w
     """Like torch.nn.functional.layer_norm: normalize over the trailing `normalized_shape` dims,
     then scale by `weight` and shift by `bias` (each of shape normalized_shape, or None), e.g.
     (B, T, E) with normalized_shape E. The variance is the biased one; eps is added to it.
-    Raises ValueError when the shapes do not match and for eps <= 0."""
+    Raises ValueError when the shapes do not match and for eps <= 0, TypeError for inputs of
+    different floating dtypes."""
     x = check_tensor("input", input, "layer_norm")
     shape = check_shape(normalized_shape, "normalized_shape", "layer_norm")
     if tuple(x.shape[x.ndim - len(shape):]) != shape or len(shape) > x.ndim:
         raise ValueError(f"layer_norm: normalized_shape {shape} must match the trailing dimensions "
                          f"of input, got input shape {tuple(x.shape)}")
+    affine = []
     for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(check_tensor(name, p, "layer_norm").shape) != shape:
+        affine.append(None if p is None else check_tensor(name, p, "layer_norm"))
+        if p is not None and tuple(affine[-1].shape) != shape:
             raise ValueError(f"layer_norm: {name} must have shape {shape}, got {tuple(p.shape)}")
+    check_one_dtype("layer_norm", x, *affine)
     eps = check_real(eps, "eps", "layer_norm", above=0)
     return LayerNormFunction.apply(input, weight, bias, normalized_shape=shape, eps=eps)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
-from autograd.checks import check_real
+from autograd.checks import check_bool, check_real
 from autograd.kernels import kernel_table
 from autograd.random import Philox
 
-from ._common import check_tensor, has_twin
+from ._common import check_one_dtype, check_tensor, has_twin
 from .activation import DropoutFunction, dropout_apply_cpu, dropout_forward, dropout_stream
 
 
@@ -44,12 +44,14 @@ class DropoutAddFunction(Function):
         return DropoutFunction.backward(ctx, dy), dy
 
 
-def check_dropout_add(input, residual, p, op):
+def check_dropout_add(input, residual, p, training, op):
+    """(input's array, p, training) checked: one shape for input and residual, 0 <= p <= 1, a bool training."""
     x = check_tensor("input", input, op)
     r = check_tensor("residual", residual, op)
     if tuple(x.shape) != tuple(r.shape):
         raise ValueError(f"{op}: input and residual must have one shape, got {tuple(x.shape)} and {tuple(r.shape)}")
-    return x, check_real(p, "p", op, at_least=0, at_most=1)
+    check_one_dtype(op, x, r)
+    return x, check_real(p, "p", op, at_least=0, at_most=1), check_bool(training, "training", op)
 
 
 @has_twin
@@ -59,8 +61,9 @@ def dropout_add(input: Tensor | Array, residual: Tensor | Array, p: float = 0.5,
     with F.dropout's mask (from `generator`, an autograd.random.Philox, or the global dropout
     stream), so on a GPU one kernel draws the mask and adds, and the backward draws it again
     instead of storing it. p=0 or training=False: residual + input. input and residual have one
-    shape, e.g. (B, T, E). Raises ValueError unless 0 <= p <= 1 or when the shapes differ."""
-    x, p = check_dropout_add(input, residual, p, "dropout_add")
+    shape, e.g. (B, T, E). Raises ValueError unless 0 <= p <= 1 or when the shapes differ, TypeError
+    for a `training` that is not a bool."""
+    x, p, training = check_dropout_add(input, residual, p, training, "dropout_add")
     as_tensor = lambda t: t if isinstance(t, Tensor) else Tensor(t)  # noqa: E731
     if not training or p == 0.0:
         return as_tensor(residual) + input

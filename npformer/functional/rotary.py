@@ -1,7 +1,7 @@
 """Rotary position embedding (RoPE), half-split layout."""
 from __future__ import annotations
 
-from autograd import Function, Tensor, backend
+from autograd import Function, Tensor, backend, is_grad_enabled
 from autograd.backend import Array, DType
 from autograd.checks import check_int, check_real
 
@@ -48,8 +48,15 @@ def apply_rotary_emb(x: Tensor | Array, cos: Tensor | Array, sin: Tensor | Array
     (..., T, head_dim // 2)), e.g. from `rotary_cos_sin`. Slice them (cos[start:start+T]) to
     rotate positions that do not start at 0. The pairs are (i, i + head_dim // 2) (GPT-NeoX /
     Llama in Hugging Face's layout). Raises ValueError for an odd head_dim or tables that do not
-    broadcast.
+    broadcast, RuntimeError for a table Tensor that requires grad (the tables get no gradient).
     """
+    cos, sin = rotary_tables(x, cos, sin)
+    return RotaryEmbeddingFunction.apply(x, cos=cos, sin=sin)
+
+
+def rotary_tables(x, cos, sin):
+    """apply_rotary_emb's arguments checked: the cos and sin tables as arrays of x's dtype on x's
+    device. They are constants: a table Tensor that requires grad is refused in grad mode."""
     op = "apply_rotary_emb"
     xd = check_tensor("x", x, op)
     if xd.ndim < 2 or xd.shape[-1] % 2:
@@ -57,12 +64,15 @@ def apply_rotary_emb(x: Tensor | Array, cos: Tensor | Array, sin: Tensor | Array
     half_shape = tuple(xd.shape[:-1]) + (xd.shape[-1] // 2,)
     tables = []
     for name, table in (("cos", cos), ("sin", sin)):
+        if isinstance(table, Tensor) and table.requires_grad and is_grad_enabled():
+            raise RuntimeError(f"{op}: {name} requires grad, but the rotary tables are constants and get no "
+                               f"gradient; pass {name}.detach()")
         table = on_device_of(table, xd, name, op)
         if not broadcasts_to(table.shape, half_shape):
             raise ValueError(f"{op}: {name} must broadcast to (..., T, head_dim/2) = {half_shape}, "
                              f"got shape {tuple(table.shape)}")
         tables.append(table.astype(xd.dtype, copy=False))
-    return RotaryEmbeddingFunction.apply(x, cos=tables[0], sin=tables[1])
+    return tables
 
 
 def rotary_cos_sin(seq_len: int, head_dim: int, base: float = 10000.0, dtype: DType = "float32",

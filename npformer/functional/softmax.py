@@ -9,12 +9,13 @@ from ._common import check_tensor, has_twin, normalize_dim
 
 
 def stable_row_max(x, axis):
-    """Row maximum with rows that are entirely -inf mapped to 0, so x - max never makes -inf - (-inf)."""
+    """Row maximum with rows that are entirely -inf mapped to 0, so x - max never makes -inf - (-inf).
+    A row holding +inf or NaN keeps its maximum: x - max is NaN there, the whole row NaN, as torch's."""
     xp = backend.get_array_module(x)
     if x.shape[axis] == 0:  # empty rows: nothing to shift
         return xp.zeros(x.shape[:axis % x.ndim] + (1,) + x.shape[axis % x.ndim + 1:], dtype=x.dtype)
     m = row_max(x, axis)
-    xp.copyto(m, 0.0, where=~xp.isfinite(m))  # not m[mask] = 0: on a GPU that waits for the count
+    xp.copyto(m, 0.0, where=m == -xp.inf)  # not m[mask] = 0: on a GPU that waits for the count
     return m
 
 

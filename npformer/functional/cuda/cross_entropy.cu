@@ -5,14 +5,14 @@
 // these kernels are tested against; the derivations are in docs/backprop.md.
 #include "reduce.cuh"
 
-// The shift of a row: its maximum, or 0 when that is not finite (a row of all -inf: no
-// -inf - (-inf) = NaN), as stable_row_max in softmax.py.
+// The shift of a row: its maximum, or 0 when that is -inf (a row of all -inf: no -inf - (-inf) =
+// NaN), as stable_row_max in softmax.py; a +inf maximum stays, making the row NaN as in torch.
 template <typename T>
 __device__ T row_shift(const T* xr, int n) {
     T m = -infinity<T>();
     for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, xr[i]);
     m = block_max(m);
-    return isfinite(m) ? m : T(0);
+    return m == -infinity<T>() ? T(0) : m;
 }
 
 // logp_i = x_i - m - log(sum_j exp(x_j - m)); a row of all -inf has sum 0, taken as 1: logp = -inf.

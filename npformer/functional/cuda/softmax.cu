@@ -15,7 +15,7 @@ __global__ void softmax_forward(const T* __restrict__ x, T* y, long long rows, i
         T m = -infinity<T>();                                        // m = max_j x_j
         for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, xr[i]);
         m = block_max(m);
-        if (!isfinite(m)) m = T(0);                             // all -inf: shift by 0
+        if (m == -infinity<T>()) m = T(0);                      // all -inf: shift by 0 (+inf: a NaN row)
         T total = T(0);                                         // total = sum_j exp(x_j - m)
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             T e = exp(xr[i] - m);
