@@ -56,6 +56,13 @@ def in_cache_chunks(kernel, row_length=1):
     return chunked
 
 
+def _bias_rows(x, bias):
+    """(rows, n): the 2-D shape of x as rows of the bias's length (n = x.shape[-1]) or, without a
+    bias, of single entries (rows counted, not -1 in reshape: n may be 0)."""
+    n = x.shape[-1] if bias is not None else 1
+    return (x.size // n if n else 0, n)
+
+
 @bias_activation_forward.register("cpu")
 def bias_activation_forward_cpu(x, bias, kind):
     """ReLU, and GELU in cache-sized chunks, in flat blocks on the threads of `autograd.threads`
@@ -65,9 +72,8 @@ def bias_activation_forward_cpu(x, bias, kind):
     xp = backend.get_array_module(x)
     keep = xp.empty(x.shape, dtype=bool)                    # (...) bool: 1 byte per entry saved
     y = xp.empty(x.shape, dtype=x.dtype)
-    n = x.shape[-1] if bias is not None else 1                 # rows of the bias's length, or single entries
-    rows = x.size // n if n else 0                          # (not -1 in reshape: n may be 0)
-    xf, kf, yf = x.reshape(rows, n), keep.reshape(rows, n), y.reshape(rows, n)
+    rows = _bias_rows(x, bias)                               # (rows, n)
+    xf, kf, yf = x.reshape(rows), keep.reshape(rows), y.reshape(rows)
 
     def block(start, stop):
         h = xf[start:stop]
@@ -85,8 +91,8 @@ def _gelu_forward_cpu(x, bias, kind):
     """The reference's GELU (exact or tanh form) on blocks of rows and cache-sized chunks, the bias
     added chunk by chunk: (y, (h, aux)). float32's exact form takes Phi from normal_cdf_float32."""
     xp = backend.get_array_module(x)
-    n = x.shape[-1] if bias is not None else 1                 # rows of the bias's length, or single entries
-    xf = x.reshape(x.size // n if n else 0, n)                 # (not -1: n may be 0)
+    xf = x.reshape(_bias_rows(x, bias))
+    n = xf.shape[1]
     hf = xp.empty_like(xf) if bias is not None else xf         # h = x + bias, saved for the backward
     y, aux = xp.empty_like(xf), xp.empty_like(xf)              # aux: tanh(u), or Phi(h)
 
