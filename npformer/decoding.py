@@ -287,9 +287,7 @@ def sample_logits(logits: Tensor | Array, rng: np.random.Generator, temperature:
     temperature tends to the argmax instead of overflowing. ValueError for a row whose logits
     give no distribution (NaN, +inf, or every entry -inf), as torch.multinomial."""
     owner = "sample_logits"
-    temperature = check_real(temperature, "temperature", owner, at_least=0.0)
-    top_k = check_optional_int(top_k, "top_k", owner, at_least=0)
-    top_p = None if top_p is None else check_real(top_p, "top_p", owner, above=0.0, at_most=1.0)
+    temperature, top_k, top_p = _sampling_settings(temperature, top_k, top_p, owner)
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"{owner}: rng must be a numpy.random.Generator, got {type(rng).__name__}")
     scores = logits.data if isinstance(logits, Tensor) else logits
@@ -378,13 +376,18 @@ def _prompts(ids, key_padding_mask, pad, vocab, pad_idx):
     return prompt.astype(np.int64), (mask if mask.any() else None), False
 
 
-def _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed, vocab):
-    """The sampling arguments as plain numbers (autograd.checks: TypeError for a wrong type,
-    ValueError out of range; eos an id of the vocabulary)."""
-    owner = "generate"
+def _sampling_settings(temperature, top_k, top_p, owner):
+    """(temperature >= 0, top_k None or >= 0, top_p None or in (0, 1]) as plain numbers, checked
+    for `owner` (autograd.checks: TypeError for a wrong type, ValueError out of range)."""
     return (check_real(temperature, "temperature", owner, at_least=0.0),
             check_optional_int(top_k, "top_k", owner, at_least=0),
-            None if top_p is None else check_real(top_p, "top_p", owner, above=0.0, at_most=1.0),
+            None if top_p is None else check_real(top_p, "top_p", owner, above=0.0, at_most=1.0))
+
+
+def _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed, vocab):
+    """The sampling arguments as plain numbers (_sampling_settings, and eos an id of the vocabulary)."""
+    owner = "generate"
+    return (*_sampling_settings(temperature, top_k, top_p, owner),
             check_int(max_new_tokens, "max_new_tokens", owner, at_least=1),
             check_optional_int(eos, "eos", owner, at_least=0, at_most=vocab - 1),
             check_optional_int(seed, "seed", owner, at_least=0))
