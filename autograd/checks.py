@@ -30,6 +30,16 @@ def _is_bool(value):
     return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")  # numpy's bool is no int
 
 
+def is_integer(value) -> bool:
+    """Whether `value` is an integer of any integral type (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
+
+
+def is_real(value) -> bool:
+    """Whether `value` is a real number of any real type (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not _is_bool(value)
+
+
 def _refuse_type(value, name, owner, expected):
     actual = "(a bool, not a number)" if _is_bool(value) else f"of type {type(value).__name__}"
     raise TypeError(f"{owner}: {name} must be {expected}, got {value!r} {actual}")
@@ -41,7 +51,7 @@ def check_int(value, name: str, owner: str, *, at_least: int | None = None, at_m
     if type(value) is int and (at_least is None or value >= at_least) and (at_most is None or value <= at_most):
         return value  # the common case, without building the message
     expected = "an integer" + _bounds(at_least, None, at_most, None)
-    if _is_bool(value) or not isinstance(value, numbers.Integral):
+    if not is_integer(value):
         _refuse_type(value, name, owner, expected)
     value = int(value)
     if (at_least is not None and value < at_least) or (at_most is not None and value > at_most):
@@ -61,7 +71,7 @@ def check_real(value, name: str, owner: str, *, at_least: float | None = None, a
     bounded = (at_least, above) != (None, None) and (at_most, below) != (None, None)
     expected = ("a finite real number" if finite and not bounded else "a real number") + _bounds(
         at_least, above, at_most, below)
-    if _is_bool(value) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         _refuse_type(value, name, owner, expected)
     value = float(value)
     inside = not math.isnan(value) and (math.isfinite(value) or not finite)
@@ -95,7 +105,7 @@ def as_array(value, name: str, owner: str | None, xp):
 
 def check_shape(value, name: str, owner: str) -> tuple:
     """An integer or a sequence of integers >= 1 (e.g. LayerNorm's normalized_shape) as a tuple of ints."""
-    if isinstance(value, numbers.Integral) and not _is_bool(value):
+    if is_integer(value):
         value = (value,)
     if not isinstance(value, (list, tuple)) or not value:
         _refuse_type(value, name, owner, "an integer >= 1 or a non-empty tuple of them")

@@ -21,14 +21,13 @@ run saved on N ranks continues on M. `RandomBatches` does the same for any datas
 """
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from autograd.checks import check_bool, check_int
+from autograd.checks import check_bool, check_int, is_integer
 
 __all__ = ["PAD", "BOS", "EOS", "NUM_SPECIAL", "TASKS", "Batch", "shard", "RandomBatches", "SequenceTask"]
 
@@ -293,7 +292,7 @@ class SequenceTask:
         """Symbols 1..V-3 (what people type) -> ids 3..V-1; raises TypeError for a symbol that is
         not an integer (a bool, a float, a str), ValueError for one out of range."""
         symbols = list(symbols)
-        wrong = [s for s in symbols if isinstance(s, (bool, np.bool_)) or not isinstance(s, numbers.Integral)]
+        wrong = [s for s in symbols if not is_integer(s)]
         if wrong:
             raise TypeError(f"symbols: expected integers in 1..{self.num_symbols}, got {wrong!r:.80} (not integers)")
         symbols = [int(s) for s in symbols]

@@ -19,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import npformer.functional as F
 from autograd import Tensor, backend
-from autograd.checks import check_bool, check_int, check_real
+from autograd.checks import check_bool, check_int, check_real, is_real
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # gelu: exact; gelu_tanh: GPT-2's "gelu_new"
 
@@ -181,15 +180,11 @@ def _defaults(function):
     return {name: p.default for name, p in inspect.signature(function).parameters.items()}
 
 
-def _is_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
-
-
 def _same(a, b):
     """Equal values of one type (numbers compare by value: 8, 8.0, np.int64(8))."""
     if a is b:
         return True
-    if _is_number(a) and _is_number(b):
+    if is_real(a) and is_real(b):
         return a == b
     return type(a) is type(b) and a == b
 

@@ -9,11 +9,10 @@ made after `optimizer.load_state_dict`) keeps it. The lrs are Python floats.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
-from autograd.checks import check_int, check_real
+from autograd.checks import check_int, check_real, is_integer, is_real
 
 from .optimizer import Optimizer
 
@@ -77,7 +76,7 @@ class LambdaLR:
             got = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"state_dict: expected a dict with the keys {sorted(keys)}, got {got}")
         last_epoch = state_dict["last_epoch"]
-        if isinstance(last_epoch, bool) or not isinstance(last_epoch, numbers.Integral) or last_epoch < -1:
+        if not is_integer(last_epoch) or last_epoch < -1:
             raise TypeError(f"state_dict: last_epoch must be an int >= -1, got {last_epoch!r}")
         last_epoch = int(last_epoch)
         lrs = {}
@@ -98,7 +97,7 @@ class LambdaLR:
 
 
 def _is_lr(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return is_real(value) and math.isfinite(value) and value >= 0
 
 
 def noam_factor(step: int, d_model: int, warmup_steps: int) -> float:

@@ -12,31 +12,20 @@ copies, and `load_state_dict` moves them to each parameter's device and dtype.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from autograd import Tensor, backend, graphs
-from autograd.checks import check_bool, check_real
+from autograd.checks import check_bool, check_real, is_integer, is_real
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
 
-def _is_int(value):
-    """An integer of any integral type (numpy's too), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value):
-    """A real number of any real type (numpy's too), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _plain(value):
     """A saved number as a Python int or float (numpy scalars too); anything else as it is."""
-    if _is_int(value):
+    if is_integer(value):
         return int(value)
-    return float(value) if _is_number(value) else value
+    return float(value) if is_real(value) else value
 
 
 def _like(value, default):
@@ -46,14 +35,14 @@ def _like(value, default):
         return isinstance(value, bool)
     if isinstance(default, tuple):
         return isinstance(value, (list, tuple)) and len(value) == len(default)
-    return _is_number(value)
+    return is_real(value)
 
 
 def _is_hyperparameter(value):
     """What a saved param group may hold besides its params: None, a bool, a number or numbers."""
     if isinstance(value, (list, tuple)):
-        return all(_is_number(v) for v in value)
-    return value is None or isinstance(value, bool) or _is_number(value)
+        return all(is_real(v) for v in value)
+    return value is None or isinstance(value, bool) or is_real(value)
 
 
 def _ordered(params, name):
@@ -212,7 +201,7 @@ class Optimizer:
             raise ValueError(f"state_dict: 'state' must be a dict, got {type(state).__name__}")
         new_state = {}
         for j, values in state.items():
-            p = by_index.get(j) if _is_int(j) else None
+            p = by_index.get(j) if is_integer(j) else None
             if p is None:
                 raise ValueError(f"state_dict: state for parameter index {j!r}, which no group lists")
             new_state[id(p)] = self._checked_state(j, p, values)
@@ -229,7 +218,7 @@ class Optimizer:
         if not isinstance(saved, dict):
             raise ValueError(f"state_dict: parameter group {i} must be a dict, got {type(saved).__name__}")
         params = saved.get("params")
-        if not isinstance(params, (list, tuple)) or not all(_is_int(j) for j in params):
+        if not isinstance(params, (list, tuple)) or not all(is_integer(j) for j in params):
             raise ValueError(f"state_dict: group {i}: 'params' must be a list of parameter indices")
         if len(params) != len(mine["params"]):
             raise ValueError(f"state_dict: group {i} has {len(params)} parameters, "
@@ -277,7 +266,7 @@ class Optimizer:
             else:
                 if backend.is_array(v) and v.ndim == 0:
                     v = v.item()
-                if not _is_number(v) or (kind == "count" and (not _is_int(v) or v < 0)):
+                if not is_real(v) or (kind == "count" and (not is_integer(v) or v < 0)):
                     raise TypeError(f"state_dict: {name} of parameter {j} must be "
                                     f"{'an int >= 0' if kind == 'count' else 'a number'}, got {v!r}")
                 v = _plain(v)
