@@ -65,3 +65,17 @@ def test_the_repository_stands_on_its_own():
         for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", page.read_text()):
             if not re.match(r"[a-z]+:", target):
                 assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
+
+
+def test_the_files_the_docs_name_exist():
+    """Every path into the repository that README.md or a page of docs/ names (`tests/test_x.py`,
+    `npformer/functional/cuda/`, `tests/test_x.py::test_name`) is there, the test too."""
+    named = re.compile(r"(?<![\w/.])((?:autograd|npformer|tests|demos|benchmarks|scripts|docs)/[\w./-]*?)"
+                       r"(?:::(\w+))?(?=[`\s),:;]|$)")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for path, function in named.findall(page.read_text()):
+            path = path.rstrip(".")
+            assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"
+            if function:
+                assert f"def {function}(" in (ROOT / path).read_text(), f"{page.name}: {path} has no {function}"
