@@ -55,7 +55,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="gpt_char.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     for name, value in DEFAULTS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(value), default=value)
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(value),
+                       default=None if name == "warmup" else value)
     p.add_argument("--max-train-seconds", type=float, default=225.0,
                    help="stop training after this long even before --steps (keeps the run within 5 minutes)")
     p.add_argument("--prompt", default="Return the ", help="what the samples start with")
@@ -80,6 +81,8 @@ def check_args(parser, args):
     if args.d_model % args.heads:
         parser.error(f"--heads: {args.heads} does not divide --d-model {args.d_model} (each head gets d_model / heads "
                      "features)")
+    if args.warmup is None:  # the defaults' share of the steps, as demos/reverse.py
+        args.warmup = round(DEFAULTS["warmup"] * args.steps / DEFAULTS["steps"])
     if not 0 <= args.warmup <= args.steps:
         parser.error(f"--warmup: expected 0..{args.steps} (at most --steps), got {args.warmup}")
     if args.sample_length < 0:

@@ -296,6 +296,8 @@ def train(args):
     ranks, main_rank = 1, True
     if args.distributed:  # before the model is built: with GPUs, each rank takes its own
         ranks, main_rank = dist.init().size, dist.rank() == 0
+        if "NPFORMER_NUM_THREADS" not in os.environ:  # the ranks share the cores (as torchrun's OMP_NUM_THREADS)
+            autograd.threads.set_num_threads(max(1, autograd.threads.available_cores() // ranks))
     os.makedirs(out, exist_ok=True)
     task = make_task(settings, seed)
     model, optimizer, scheduler = build(settings, seed, args.device)
@@ -347,7 +349,8 @@ def train(args):
         "steps": trainer.step, "train_seconds": round(train_seconds, 2),
         "wall_seconds": round(time.perf_counter() - START, 2), "cpu_seconds": round(time.process_time(), 2),
         "parameters": int(parameters),
-        "preset": preset, "seed": seed, "device": args.device, "ranks": ranks, "settings": settings,
+        "preset": preset, "seed": seed, "device": args.device, "ranks": ranks,
+        "threads_per_rank": autograd.threads.get_num_threads(), "settings": settings,
         "model_config": model.config, "checkpoint": checkpoint_path, "figures": files,
     }
     with open(os.path.join(out, "metrics.json"), "w") as f:

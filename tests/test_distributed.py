@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import npformer
+from autograd import threads
 from npformer.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,6 +168,8 @@ def test_reverse_demo_distributed(mpiexec, tmp_path):
     assert run.returncode == 0, run.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["ranks"] == 2 and metrics["steps"] == 12 and metrics["heldout_sequences"] == 1000
+    if "NPFORMER_NUM_THREADS" not in os.environ:  # the two ranks share the cores
+        assert metrics["threads_per_rank"] == max(1, threads.available_cores() // 2)
     assert {"checkpoint.npz", "curves.png", "grad_norms.png"} <= {p.name for p in tmp_path.iterdir()}
     assert run.stdout.count("held-out (1000 unseen sequences)") == 1  # rank 0 alone reports (results on stdout)
     assert load_checkpoint(tmp_path / "checkpoint.npz", restore_rng=False)["step"] == 12

@@ -66,3 +66,10 @@ def test_bad_arguments_are_one_line_usage_errors(args, message, capsys):
     err = capsys.readouterr().err
     assert exit.value.code == 2 and "Traceback" not in err
     assert err.splitlines()[-1].startswith("gpt_char.py: error: ") and re.search(message, err.splitlines()[-1]), err
+
+
+def test_the_warmup_scales_with_the_steps():  # `--steps 50` alone was a usage error (warmup 100 > 50 steps)
+    demo = _load_demo()
+    assert demo.parse_args([]).warmup == demo.DEFAULTS["warmup"]
+    assert demo.parse_args(["--steps", "50"]).warmup == 4  # 100 of 1,200 steps: the same share
+    assert demo.parse_args(["--steps", "50", "--warmup", "0"]).warmup == 0
