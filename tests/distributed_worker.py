@@ -228,6 +228,44 @@ def scenario_resume_across_world_sizes():
             "two_ranks_final": parameters_of(two.module)}
 
 
+def scenario_collectives():
+    """The communicator on arrays of any layout, against numpy: sum_ and broadcast_ in place on
+    non-contiguous views (the entries outside the view untouched), 0-d, empty and integer
+    arrays, on "cpu" and "test". Returns the names of the cases that came out wrong."""
+    group = dist.group()
+    wrong = []
+
+    def check(name, got, expected):
+        if not np.array_equal(backend.as_numpy(got), expected):
+            wrong.append(name)
+
+    def local(rank):
+        return np.arange(12.0).reshape(3, 4) * (rank + 1)
+
+    ranks = range(group.size)
+    for device in ("cpu", "test"):
+        whole = backend.to_device(local(group.rank), device)
+        returned = group.sum_(whole[:, ::2])
+        expected = local(group.rank)
+        expected[:, ::2] = sum(local(r)[:, ::2] for r in ranks)
+        check(f"{device} sum_ of a strided view", whole, expected)
+        check(f"{device} sum_ returns the summed view", returned, expected[:, ::2])
+        check(f"{device} sum_ of 0-d", group.sum_(backend.to_device(np.array(group.rank + 1.0), device)),
+              np.array(sum(r + 1.0 for r in ranks)))
+        check(f"{device} sum_ of an empty array", group.sum_(backend.to_device(np.zeros((0, 3)), device)),
+              np.zeros((0, 3)))
+        check(f"{device} sum_ of int64", group.sum_(backend.to_device(np.array([group.rank, 7]), device)),
+              np.array([sum(ranks), 7 * group.size]))
+        whole = backend.to_device(local(group.rank), device)
+        group.broadcast_(whole[::2, 1:])
+        expected = local(group.rank)
+        expected[::2, 1:] = local(0)[::2, 1:]
+        check(f"{device} broadcast_ of a strided view", whole, expected)
+        check(f"{device} broadcast_ of 0-d", group.broadcast_(backend.to_device(np.array(group.rank + 1.0), device)),
+              np.array(1.0))
+    return {"wrong": wrong}
+
+
 # -- faults: these end the job ------------------------------------------------------------------
 def scenario_raise():
     """Rank 1 raises during training while rank 0 waits in the next collective."""

@@ -215,8 +215,11 @@ class ProcessGroup:
         return buffer.tolist()
 
     def sum_(self, array: Array) -> Array:
-        """Sum an array (any device) over ranks, in place; returns it."""
-        self.transport(backend.device_of(array)).start_sum(array).wait()
+        """Sum an array (any device, any layout) over ranks, in place; returns it."""
+        contiguous = array if array.flags.c_contiguous else backend.get_array_module(array).ascontiguousarray(array)
+        self.transport(backend.device_of(array)).start_sum(contiguous).wait()
+        if contiguous is not array:  # MPI and NCCL take contiguous memory only
+            array[...] = contiguous
         return array
 
     def broadcast_(self, array: Array, root: int = 0) -> Array:
