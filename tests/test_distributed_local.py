@@ -13,7 +13,8 @@ from npformer.distributed import comm
 import npformer.functional as F
 from autograd import Tensor
 from autograd.function import queue_callback
-from npformer import nn
+from npformer import nn, optim
+from npformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from npformer.data import PAD, RandomBatches, SequenceTask, shard
 from npformer.models import Seq2SeqTransformer
 
@@ -151,6 +152,45 @@ def test_scaled_loss_is_the_mean_in_one_process():
     assert total.grad == 0.25
     with pytest.raises(ValueError, match="nothing to average"):
         dist.scaled_loss(total, 0)
+
+
+# -- ZeRO-1 in a world of one ---------------------------------------------------------------------------
+def test_zero_steps_like_its_optimizer_and_a_load_forgets_the_consolidated_state():
+    plain, sharded = model(), model()
+    reference = optim.Adam(plain.parameters(), lr=1e-2)
+    zero = dist.ZeroRedundancyOptimizer(optim.Adam(sharded.parameters(), lr=1e-2))
+    for seed in range(3):
+        for m, opt in ((plain, reference), (sharded, zero)):
+            opt.zero_grad()
+            loss_of(m, seed).backward()
+            opt.step()
+    for p, q in zip(plain.parameters(), sharded.parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+    zero.consolidate_state_dict()
+    expected, gathered = reference.state_dict(), zero.state_dict()
+    assert gathered["param_groups"] == expected["param_groups"] and gathered["state"].keys() == expected["state"].keys()
+    for i, entries in expected["state"].items():
+        for name, value in entries.items():
+            np.testing.assert_array_equal(gathered["state"][i][name], value)
+    zero.load_state_dict(optim.Adam(model().parameters(), lr=0.5).state_dict())  # no state yet, another lr
+    with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(\)"):
+        zero.state_dict()  # not the state gathered before the load
+    zero.consolidate_state_dict()
+    assert zero.state_dict()["state"] == {} and zero.state_dict()["param_groups"][0]["lr"] == 0.5
+
+
+def test_a_checkpoint_whose_optimizer_state_does_not_fit_a_zero_optimizer_is_refused_whole(tmp_path):
+    saved = model()
+    sgd = optim.SGD(saved.parameters(), lr=0.1, momentum=0.9)
+    loss_of(saved).backward()
+    sgd.step()
+    path = save_checkpoint(tmp_path / "sgd.npz", saved, sgd)
+    target = model()
+    zero = dist.ZeroRedundancyOptimizer(optim.Adam(target.parameters()))
+    with pytest.raises(CheckpointError, match="sgd.npz: optimizer state"):
+        load_checkpoint(path, target, zero, restore_rng=False)
+    for p, q in zip(target.parameters(), model().parameters()):
+        np.testing.assert_array_equal(p.data, q.data)  # the model was not loaded either
 
 
 # -- sharded data ----------------------------------------------------------------------------------------

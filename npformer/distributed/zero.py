@@ -9,6 +9,7 @@ bit for bit those of unsharded training, and each rank keeps about 1/N of the st
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -117,9 +118,21 @@ class ZeroRedundancyOptimizer:
         return self._consolidated
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a whole state (from any number of ranks, sharded or not) and keep this rank's share."""
-        self.optimizer.load_state_dict(state_dict)
-        self._drop_foreign_state()
+        """Load a whole state (from any number of ranks, sharded or not) and keep this rank's share.
+        Checked first as the wrapped optimizer's (ValueError or TypeError); a failed load changes
+        nothing. A state consolidated before is forgotten (consolidate again to save)."""
+        self.prepare_load_state_dict(state_dict)()
+
+    def prepare_load_state_dict(self, state_dict: dict[str, Any]) -> Callable[[], None]:
+        """Check `state_dict` as load_state_dict does, changing nothing; returns a function
+        that loads it (it cannot fail)."""
+        load = self.optimizer.prepare_load_state_dict(state_dict)
+
+        def apply():
+            load()
+            self._drop_foreign_state()
+            self._consolidated = None  # gathered before the load: out of date
+        return apply
 
     def state_numel(self) -> int:
         """Entries of the state arrays this rank holds (about 1/N of the unsharded optimizer's)."""
