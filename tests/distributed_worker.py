@@ -207,6 +207,60 @@ def scenario_unused_parameters():
             "never_grad_is_none": grads["never.weight"].grad is None and grads["never.bias"].grad is None}
 
 
+class FailingBackward(autograd.Function):
+    """The identity, whose backward raises while `failing` is set."""
+    failing = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if FailingBackward.failing:
+            raise FloatingPointError("a failed backward")
+        return grad
+
+
+class FailsBetweenLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.last(FailingBackward.apply(self.first(x)))
+
+
+def scenario_failed_backward():
+    """Every rank's backward raises after the output layer's buckets started; the ranks catch
+    it, and the next pass's gradients are again the mean over ranks."""
+    group = dist.group()
+
+    def model():
+        autograd.manual_seed(0)
+        return FailsBetweenLayers().double()
+    ddp = dist.DistributedDataParallel(model(), bucket_cap_mb=1e-5)  # one bucket per parameter
+
+    def data(rank):
+        return autograd.Tensor(np.linspace(-1, 1, 6).reshape(2, 3) * (rank + 1))
+    FailingBackward.failing = True
+    try:
+        (ddp(data(group.rank)) ** 2).sum().backward()
+    except FloatingPointError:
+        pass
+    FailingBackward.failing = False
+    ddp.zero_grad()
+    (ddp(data(group.rank)) ** 2).sum().backward()
+    expected = {}  # the mean over ranks of each rank's own gradient
+    for r in range(group.size):
+        local = model()
+        (local(data(r)) ** 2).sum().backward()
+        for name, p in local.named_parameters():
+            expected[name] = expected.get(name, 0) + p.grad / group.size
+    return {"max_difference": max(float(np.abs(p.grad - expected[name]).max())
+                                  for name, p in ddp.module.named_parameters())}
+
+
 def scenario_resume_across_world_sizes():
     """1 -> 2: a checkpoint saved by one process continues on 2 ranks; 2 -> 1: the 2-rank
     (ZeRO-1) run saves at step 5 (rank 0 writes OUT/two_ranks.npz) for the test to resume alone."""

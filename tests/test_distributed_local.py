@@ -127,6 +127,51 @@ def test_ddp_buckets_keep_dtypes_apart_and_accumulate_across_backwards():
         np.testing.assert_allclose(p.grad, 2 * q.grad, rtol=1e-6)
 
 
+class FailingBackward(autograd.Function):
+    """The identity, whose backward raises while `failing` is set."""
+    failing = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if FailingBackward.failing:
+            raise FloatingPointError("a failed backward")
+        return grad
+
+
+class FailsBetweenLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.last(FailingBackward.apply(self.first(x)))
+
+
+def test_ddp_synchronises_again_after_a_backward_that_raised(monkeypatch):
+    autograd.manual_seed(0)
+    m, plain = FailsBetweenLayers().double(), FailsBetweenLayers().double()
+    plain.load_state_dict(m.state_dict())
+    ddp = dist.DistributedDataParallel(m, bucket_cap_mb=1e-5)  # one bucket per parameter
+    x = Tensor(np.linspace(-1, 1, 6).reshape(2, 3))
+    monkeypatch.setattr(FailingBackward, "failing", True)
+    with pytest.raises(FloatingPointError):  # after the last layer's buckets started
+        ddp(x).sum().backward()
+    monkeypatch.setattr(FailingBackward, "failing", False)
+    for p in m.parameters():
+        p.grad = None
+    ddp(x).sum().backward()
+    plain(x).sum().backward()
+    assert ddp.timings["passes"] == 1  # this pass was all-reduced (with several ranks: averaged)
+    views = {id(v) for b in ddp.buckets for v in b.views}
+    for p, q in zip(m.parameters(), plain.parameters()):
+        assert id(p.grad) in views
+        np.testing.assert_array_equal(p.grad, q.grad)
+
+
 def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
     monkeypatch.setattr(comm, "_world", None)  # as before init()
     monkeypatch.setenv("PMI_SIZE", "2")

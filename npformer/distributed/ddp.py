@@ -91,6 +91,8 @@ class DistributedDataParallel(Module):
 
     Every rank must run backward the same number of times, with `no_sync()` at the same places;
     a rank whose loss reaches no parameter at all in a pass never joins that pass's all-reduce.
+    A backward pass that raised (on every rank alike) is abandoned at the next `ddp(...)`: its
+    all-reduces are completed, its gradients are partial (zero_grad before the next backward).
     Raises TypeError for a module that is not an npformer Module, ValueError for bucket_cap_mb <= 0,
     RuntimeError in an MPI job whose `init()` was not called.
     """
@@ -138,7 +140,19 @@ class DistributedDataParallel(Module):
 
     def forward(self, *args, **kwargs) -> Any:
         """`self.module(*args, **kwargs)`: the wrapped model's output, unchanged."""
+        if self._pass_open:  # the last backward raised before its end, which never came
+            self._abandon_pass()
         return self.module(*args, **kwargs)
+
+    def _abandon_pass(self):
+        """Complete the all-reduces a failed backward pass started (ranks whose pass failed alike
+        started the same ones) and forget that pass, so that the next one synchronises again."""
+        for bucket in self.buckets:
+            if bucket.request is not None:
+                bucket.request.wait()
+                bucket.request = None
+            bucket.final = 0
+        self._pass_open = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
