@@ -127,6 +127,17 @@ def test_ddp_buckets_keep_dtypes_apart_and_accumulate_across_backwards():
         np.testing.assert_allclose(p.grad, 2 * q.grad, rtol=1e-6)
 
 
+@pytest.mark.parametrize("change", ["double", "test device"])
+def test_ddp_refuses_a_model_cast_or_moved_after_wrapping(change):
+    autograd.manual_seed(0)
+    m = nn.Linear(3, 2)
+    ddp = dist.DistributedDataParallel(m)
+    ddp.double() if change == "double" else ddp.to("test")  # the buckets stay float32 on the CPU
+    x = Tensor(np.ones((2, 3), dtype=m.weight.dtype)).to(m.weight.device)
+    with pytest.raises(RuntimeError, match="when wrapped .* cast or move the model first, then wrap it"):
+        ddp(x).sum().backward()
+
+
 class FailingBackward(autograd.Function):
     """The identity, whose backward raises while `failing` is set."""
     failing = False

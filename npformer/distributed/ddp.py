@@ -37,7 +37,7 @@ class _Bucket:
     None, as in one process)."""
 
     def __init__(self, params, transport):
-        self.params, self.transport = params, transport
+        self.params, self.transport, self.device = params, transport, params[0].device
         sizes = [p.size for p in params]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         self.flat = params[0].xp.zeros(offsets[-1] + len(params), dtype=params[0].dtype)
@@ -60,6 +60,10 @@ class _Bucket:
                 view[...] = 0
                 used[i] = 0
             elif p.grad is not view:
+                if p.grad.dtype != view.dtype or backend.device_of(p.grad) != self.device:
+                    raise RuntimeError(f"DistributedDataParallel: a parameter of shape {p.shape} is now {p.dtype} on "
+                                       f"'{p.device}' but was {view.dtype} on '{self.device}' when wrapped (its "
+                                       "gradient would be cast); cast or move the model first, then wrap it")
                 view[...] = p.grad
                 p.grad = view
         self.used[...] = backend.to_device(used, backend.device_of(self.flat))
@@ -85,7 +89,8 @@ class DistributedDataParallel(Module):
     `ddp(*inputs)` runs `ddp.module`; when `loss.backward()` returns, the `.grad` of every
     parameter holds the mean over ranks (all-reduces overlap with the rest of backward).
 
-    module: the model, already on its device and in its dtype (move it before wrapping).
+    module: the model, already on its device and in its dtype (move it before wrapping; backward
+        raises RuntimeError for a parameter cast or moved since).
     bucket_cap_mb: gradients per all-reduce message (MB); smaller buckets start earlier.
     group: the process group (default: `init()`'s world; a single process is a world of one).
 
