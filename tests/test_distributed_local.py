@@ -194,6 +194,35 @@ def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
         dist.DistributedDataParallel(model(), bucket_cap_mb=0)
 
 
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: dist.DistributedDataParallel(model(), bucket_cap_mb="25"), TypeError,
+     "bucket_cap_mb must be a real number > 0, got '25' of type str"),
+    (lambda: dist.DistributedDataParallel(model(), bucket_cap_mb=float("nan")), ValueError, "bucket_cap_mb"),
+    (lambda: dist.DistributedDataParallel(model(), per_rank_random="no"), TypeError,
+     "per_rank_random must be True or False, got 'no'"),
+    (lambda: dist.init(cuda_aware=1), TypeError, "init: cuda_aware must be True or False"),
+    (lambda: dist.global_count("3"), TypeError, "global_count: count must be a finite real number, got '3'"),
+    (lambda: dist.global_count(None), TypeError, "count must be a finite real number, got None"),
+    (lambda: dist.scaled_loss(Tensor(np.array(6.0)), True), TypeError, r"count must be .* \(a bool, not a number\)"),
+    (lambda: dist.scaled_loss(Tensor(np.array(6.0)), float("inf")), ValueError, "count must be a finite"),
+    (lambda: dist.scaled_loss(Tensor(np.array(6.0)), [3]), TypeError, "count must be"),
+    (lambda: dist.scaled_loss(6.0, 3), TypeError, "loss_sum must be a Tensor .* got float"),
+    (lambda: dist.ZeroRedundancyOptimizer(optim.SGD(model().parameters())).consolidate_state_dict(to=1),
+     ValueError, r"to must be an integer in \[0, 0\], got 1"),
+])
+def test_arguments_are_checked(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_arguments_of_any_real_type_are_taken():
+    m = model()
+    ddp = dist.DistributedDataParallel(m, bucket_cap_mb=np.float32(0.01), per_rank_random=np.bool_(False))
+    assert len(ddp.buckets) > 1 and dist.DistributedDataParallel(model(), bucket_cap_mb=float("inf")).buckets
+    assert dist.global_count(np.int64(7)) == 7 and dist.global_count(2.5) == 2.5
+    assert dist.scaled_loss(Tensor(np.array(6.0)), np.int32(3)).item() == 2.0
+
+
 def test_one_process_is_rank_0_of_1():
     assert (dist.rank(), dist.world_size()) == (0, 1)  # initialised or not (the README's example calls init)
     dist.barrier()

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from autograd import backend
+from autograd.checks import check_bool
 from autograd.backend import Array
 
 
@@ -315,8 +316,9 @@ def init(cuda_aware: bool = False) -> ProcessGroup:
     Also: an exception that reaches the top of any rank aborts the whole job (MPI_Abort), so
     that the other ranks never wait forever in a collective; with CuPy and GPUs present, each
     rank takes the GPU `local_rank % number of GPUs` (one rank per GPU); cuda_aware=True hands
-    CuPy arrays to MPI directly (only with an MPI built CUDA-aware)."""
+    CuPy arrays to MPI directly (only with an MPI built CUDA-aware; TypeError unless a bool)."""
     global _world
+    cuda_aware = check_bool(cuda_aware, "cuda_aware", "init")
     if _world is not None:
         return _world
     try:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from autograd import backend, manual_seed, random
+from autograd.checks import check_bool, check_real
 from autograd.function import queue_callback
 
 from ..nn import Module
@@ -98,8 +99,9 @@ class DistributedDataParallel(Module):
     a rank whose loss reaches no parameter at all in a pass never joins that pass's all-reduce.
     A backward pass that raised (on every rank alike) is abandoned at the next `ddp(...)`: its
     all-reduces are completed, its gradients are partial (zero_grad before the next backward).
-    Raises TypeError for a module that is not an npformer Module, ValueError for bucket_cap_mb <= 0,
-    RuntimeError in an MPI job whose `init()` was not called.
+    Raises TypeError for a module that is not an npformer Module, a bucket_cap_mb that is not a
+    number or a per_rank_random that is not a bool, ValueError for bucket_cap_mb <= 0 (inf: one
+    bucket per device and dtype), RuntimeError in an MPI job whose `init()` was not called.
     """
 
     def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group: comm.ProcessGroup | None = None,
@@ -107,9 +109,8 @@ class DistributedDataParallel(Module):
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"module: expected an npformer.nn.Module, got {type(module).__name__}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float, np.number)) \
-                or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
+        bucket_cap_mb = check_real(bucket_cap_mb, "bucket_cap_mb", "DistributedDataParallel", above=0, finite=False)
+        per_rank_random = check_bool(per_rank_random, "per_rank_random", "DistributedDataParallel")
         group = comm.group() if group is None else group
         if group is comm.LOCAL and comm.launched_by_mpi():
             raise RuntimeError("DistributedDataParallel: this process is one rank of an MPI job but "

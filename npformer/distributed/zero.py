@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from autograd import Tensor
+from autograd.checks import check_int
 
 from ..optim import Optimizer
 from . import comm
@@ -96,7 +97,10 @@ class ZeroRedundancyOptimizer:
     # -- state dicts ----------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: gather every rank's share of the state on rank `to`, whose `state_dict()`
-        then returns the whole state (the layout of the unsharded optimizer's)."""
+        then returns the whole state (the layout of the unsharded optimizer's). TypeError /
+        ValueError for a `to` that is not a rank of the group."""
+        to = check_int(to, "to", "ZeroRedundancyOptimizer.consolidate_state_dict", at_least=0,
+                       at_most=self.group.size - 1)
         own = self.optimizer.state_dict()
         shares = self.group.gather_object(own["state"], root=to)
         if self.group.rank == to:
