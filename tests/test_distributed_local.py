@@ -2,6 +2,7 @@
 and end-of-backward callback, DistributedDataParallel in a world of one (buckets, views, dtypes),
 exact loss scaling, and sharded data (data.shard, SequenceTask.batch, RandomBatches).
 The real multi-rank runs are in test_distributed.py."""
+import contextlib
 import sys
 
 import numpy as np
@@ -181,6 +182,70 @@ def test_ddp_synchronises_again_after_a_backward_that_raised(monkeypatch):
     for p, q in zip(m.parameters(), plain.parameters()):
         assert id(p.grad) in views
         np.testing.assert_array_equal(p.grad, q.grad)
+
+
+class ThreeBranches(nn.Module):
+    """`a` always used, `b` when asked, `never` never; `frozen` does not require grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.never, self.frozen = (nn.Linear(3, 2) for _ in range(4))
+
+    def forward(self, x, use_b):
+        out = self.a(x) + self.frozen(x)
+        return out + self.b(x) if use_b else out
+
+
+@pytest.fixture
+def torch_world_of_one(torch, tmp_path):
+    """torch.distributed initialised in this process: gloo, rank 0 of 1."""
+    if not torch.distributed.is_available():
+        pytest.skip("this torch has no torch.distributed")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                                         world_size=1)
+    try:
+        yield torch
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ddp_gradients_match_torch_ddp_with_unused_parameters_no_sync_and_accumulation(torch_world_of_one):
+    """A world of one against torch's DistributedDataParallel (gloo, find_unused_parameters):
+    the same .grad (None where torch has None) after a pass with a branch unused, after a
+    no_sync pass using it followed by a synchronised one without it, and without zero_grad."""
+    torch = torch_world_of_one
+    autograd.manual_seed(0)
+    class TorchThreeBranches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.never, self.frozen = (torch.nn.Linear(3, 2) for _ in range(4))
+        forward = ThreeBranches.forward
+
+    ours, theirs = ThreeBranches().double(), TorchThreeBranches().double()
+    with torch.no_grad():
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            q.copy_(torch.from_numpy(p.data))
+    ours.frozen.weight.requires_grad = ours.frozen.bias.requires_grad = False
+    theirs.frozen.requires_grad_(False)
+    ddp = dist.DistributedDataParallel(ours)
+    reference = torch.nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
+    xs = np.random.default_rng(0).normal(size=(3, 4, 3))
+
+    def backward(use_b, x, sync=True):
+        for model, tensor in ((ddp, Tensor(x)), (reference, torch.from_numpy(x))):
+            with contextlib.nullcontext() if sync else model.no_sync():
+                (model(tensor, use_b) ** 2).sum().backward()
+
+    def compare():
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                np.testing.assert_allclose(p.grad, q.grad.numpy(), rtol=1e-12, atol=1e-12, err_msg=name)
+    backward(False, xs[0])
+    compare()
+    backward(True, xs[1], sync=False)
+    backward(False, xs[2])
+    compare()
 
 
 def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
