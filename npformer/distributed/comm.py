@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from autograd import backend
-from autograd.checks import check_bool
 from autograd.backend import Array
+from autograd.checks import check_bool
 
 
 class _Done:
