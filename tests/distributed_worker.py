@@ -261,6 +261,40 @@ def scenario_failed_backward():
                                   for name, p in ddp.module.named_parameters())}
 
 
+def scenario_unfrozen_after_wrapping():
+    """Fine-tuning with gradual unfreezing: `never` (unused) and `b` frozen when wrapped, `b`
+    unfrozen before a later step; its gradient is then averaged like the others'."""
+    group = dist.group()
+
+    def model():
+        autograd.manual_seed(0)
+        m = TwoBranches().double()
+        for p in m.b.parameters():
+            p.requires_grad = False
+        return m
+    ddp = dist.DistributedDataParallel(model())
+
+    def data(rank):
+        return autograd.Tensor(np.full((4, 3), float(rank + 1)))
+    (ddp(data(group.rank), use_b=True) ** 2).sum().backward()
+    for p in ddp.module.b.parameters():
+        p.requires_grad = True
+    ddp.zero_grad()
+    (ddp(data(group.rank), use_b=True) ** 2).sum().backward()
+    expected = {}  # the mean over ranks of each rank's own gradient
+    for r in range(group.size):
+        local = model()
+        for p in local.b.parameters():
+            p.requires_grad = True
+        (local(data(r), use_b=True) ** 2).sum().backward()
+        for name, p in local.named_parameters():
+            if p.grad is not None:
+                expected[name] = expected.get(name, 0) + p.grad / group.size
+    grads = dict(ddp.module.named_parameters())
+    return {"max_difference": max(float(np.abs(grads[n].grad - g).max()) for n, g in expected.items()),
+            "b_grad_none": grads["b.weight"].grad is None}
+
+
 def scenario_resume_across_world_sizes():
     """1 -> 2: a checkpoint saved by one process continues on 2 ranks; 2 -> 1: the 2-rank
     (ZeRO-1) run saves at step 5 (rank 0 writes OUT/two_ranks.npz) for the test to resume alone."""

@@ -139,6 +139,27 @@ def test_ddp_refuses_a_model_cast_or_moved_after_wrapping(change):
         ddp(x).sum().backward()
 
 
+def test_ddp_buckets_parameters_unfrozen_or_added_after_wrapping():
+    autograd.manual_seed(0)
+    m = ThreeBranches().double()
+    for p in m.b.parameters():
+        p.requires_grad = False
+    ddp = dist.DistributedDataParallel(m)
+    x = Tensor(np.ones((2, 3)))
+    ddp(x, True).sum().backward()
+    for p in m.b.parameters():
+        p.requires_grad = True
+    m.extra = nn.Linear(3, 2).double()  # unused: in a bucket, its .grad stays None
+    ddp.zero_grad()
+    ddp(x, True).sum().backward()
+    bucketed = [p for b in ddp.buckets for p in b.params]
+    views = {id(v) for b in ddp.buckets for v in b.views}
+    for p in list(m.b.parameters()) + list(m.extra.parameters()):
+        assert any(p is q for q in bucketed)
+    assert all(id(p.grad) in views for p in m.b.parameters()) and m.extra.weight.grad is None
+    assert sum(len(p._post_accumulate_grad_hooks) for p in m.parameters()) == len(bucketed)  # no stale hooks
+
+
 class FailingBackward(autograd.Function):
     """The identity, whose backward raises while `failing` is set."""
     failing = False

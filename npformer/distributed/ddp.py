@@ -97,6 +97,8 @@ class DistributedDataParallel(Module):
 
     Every rank must run backward the same number of times, with `no_sync()` at the same places;
     a rank whose loss reaches no parameter at all in a pass never joins that pass's all-reduce.
+    A parameter unfrozen (requires_grad set) or added after wrapping joins the buckets at the
+    next `ddp(...)`, with rank 0's values (every rank must make the same change before it).
     A backward pass that raised (on every rank alike) is abandoned at the next `ddp(...)`: its
     all-reduces are completed, its gradients are partial (zero_grad before the next backward).
     Raises TypeError for a module that is not an npformer Module, a bucket_cap_mb that is not a
@@ -121,14 +123,15 @@ class DistributedDataParallel(Module):
             group.broadcast_(t.data)
         if per_rank_random and group.size > 1:
             split_random_streams(group)
-        self.buckets = self._make_buckets(bucket_cap_mb)
+        self._bucket_cap_mb, self._hooks = bucket_cap_mb, []
+        self.buckets = self._make_buckets()
         self._sync, self._pass_open, self._next_bucket = True, False, 0
         self.timings = {"start": 0.0, "wait": 0.0, "passes": 0}  # seconds spent starting / finishing all-reduces
 
-    def _make_buckets(self, cap_mb):
+    def _make_buckets(self):
         """Parameters that require grad, last registered first, cut into buckets of at most
-        cap_mb per (device, dtype) (a bigger parameter gets a bucket of its own)."""
-        cap = cap_mb * 2 ** 20
+        bucket_cap_mb per (device, dtype) (a bigger parameter gets a bucket of its own)."""
+        cap = self._bucket_cap_mb * 2 ** 20
         filling = {}  # (device, dtype) -> [parameters, bytes] of the bucket being filled
         members = []
         for p in [p for p in self.module.parameters() if p.requires_grad][::-1]:
@@ -141,13 +144,29 @@ class DistributedDataParallel(Module):
         buckets = [_Bucket(params, self.group.transport(params[0].device)) for params in members]
         for index, bucket in enumerate(buckets):
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda _p, index=index: self._gradient_final(index))
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, index=index: self._gradient_final(index)))
+        self._bucketed = {id(p) for bucket in buckets for p in bucket.params}
         return buckets
+
+    def _rebucket(self):
+        """New buckets for the parameters that require grad now, after some was unfrozen or
+        added since the buckets were made (its gradient would not be averaged otherwise); the
+        parameters new to the buckets start from rank 0's values, as at construction."""
+        for p in self.module.parameters():
+            if p.requires_grad and id(p) not in self._bucketed:
+                self.group.broadcast_(p.data)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.buckets = self._make_buckets()
 
     def forward(self, *args, **kwargs) -> Any:
         """`self.module(*args, **kwargs)`: the wrapped model's output, unchanged."""
         if self._pass_open:  # the last backward raised before its end, which never came
             self._abandon_pass()
+        if any(p.requires_grad and id(p) not in self._bucketed for p in self.module.parameters()):
+            self._rebucket()
         return self.module(*args, **kwargs)
 
     def _abandon_pass(self):
