@@ -207,6 +207,94 @@ def scenario_unused_parameters():
             "never_grad_is_none": grads["never.weight"].grad is None and grads["never.bias"].grad is None}
 
 
+class FailingBackward(autograd.Function):
+    """The identity, whose backward raises while `failing` is set."""
+    failing = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if FailingBackward.failing:
+            raise FloatingPointError("a failed backward")
+        return grad
+
+
+class FailsBetweenLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.last(FailingBackward.apply(self.first(x)))
+
+
+def scenario_failed_backward():
+    """Every rank's backward raises after the output layer's buckets started; the ranks catch
+    it, and the next pass's gradients are again the mean over ranks."""
+    group = dist.group()
+
+    def model():
+        autograd.manual_seed(0)
+        return FailsBetweenLayers().double()
+    ddp = dist.DistributedDataParallel(model(), bucket_cap_mb=1e-5)  # one bucket per parameter
+
+    def data(rank):
+        return autograd.Tensor(np.linspace(-1, 1, 6).reshape(2, 3) * (rank + 1))
+    FailingBackward.failing = True
+    try:
+        (ddp(data(group.rank)) ** 2).sum().backward()
+    except FloatingPointError:
+        pass
+    FailingBackward.failing = False
+    ddp.zero_grad()
+    (ddp(data(group.rank)) ** 2).sum().backward()
+    expected = {}  # the mean over ranks of each rank's own gradient
+    for r in range(group.size):
+        local = model()
+        (local(data(r)) ** 2).sum().backward()
+        for name, p in local.named_parameters():
+            expected[name] = expected.get(name, 0) + p.grad / group.size
+    return {"max_difference": max(float(np.abs(p.grad - expected[name]).max())
+                                  for name, p in ddp.module.named_parameters())}
+
+
+def scenario_unfrozen_after_wrapping():
+    """Fine-tuning with gradual unfreezing: `never` (unused) and `b` frozen when wrapped, `b`
+    unfrozen before a later step; its gradient is then averaged like the others'."""
+    group = dist.group()
+
+    def model():
+        autograd.manual_seed(0)
+        m = TwoBranches().double()
+        for p in m.b.parameters():
+            p.requires_grad = False
+        return m
+    ddp = dist.DistributedDataParallel(model())
+
+    def data(rank):
+        return autograd.Tensor(np.full((4, 3), float(rank + 1)))
+    (ddp(data(group.rank), use_b=True) ** 2).sum().backward()
+    for p in ddp.module.b.parameters():
+        p.requires_grad = True
+    ddp.zero_grad()
+    (ddp(data(group.rank), use_b=True) ** 2).sum().backward()
+    expected = {}  # the mean over ranks of each rank's own gradient
+    for r in range(group.size):
+        local = model()
+        for p in local.b.parameters():
+            p.requires_grad = True
+        (local(data(r), use_b=True) ** 2).sum().backward()
+        for name, p in local.named_parameters():
+            if p.grad is not None:
+                expected[name] = expected.get(name, 0) + p.grad / group.size
+    grads = dict(ddp.module.named_parameters())
+    return {"max_difference": max(float(np.abs(grads[n].grad - g).max()) for n, g in expected.items()),
+            "b_grad_none": grads["b.weight"].grad is None}
+
+
 def scenario_resume_across_world_sizes():
     """1 -> 2: a checkpoint saved by one process continues on 2 ranks; 2 -> 1: the 2-rank
     (ZeRO-1) run saves at step 5 (rank 0 writes OUT/two_ranks.npz) for the test to resume alone."""
@@ -226,6 +314,44 @@ def scenario_resume_across_world_sizes():
     two.fit(10)
     return {"one_to_two_max_difference": max_difference(resumed.module, single.module),
             "two_ranks_final": parameters_of(two.module)}
+
+
+def scenario_collectives():
+    """The communicator on arrays of any layout, against numpy: sum_ and broadcast_ in place on
+    non-contiguous views (the entries outside the view untouched), 0-d, empty and integer
+    arrays, on "cpu" and "test". Returns the names of the cases that came out wrong."""
+    group = dist.group()
+    wrong = []
+
+    def check(name, got, expected):
+        if not np.array_equal(backend.as_numpy(got), expected):
+            wrong.append(name)
+
+    def local(rank):
+        return np.arange(12.0).reshape(3, 4) * (rank + 1)
+
+    ranks = range(group.size)
+    for device in ("cpu", "test"):
+        whole = backend.to_device(local(group.rank), device)
+        returned = group.sum_(whole[:, ::2])
+        expected = local(group.rank)
+        expected[:, ::2] = sum(local(r)[:, ::2] for r in ranks)
+        check(f"{device} sum_ of a strided view", whole, expected)
+        check(f"{device} sum_ returns the summed view", returned, expected[:, ::2])
+        check(f"{device} sum_ of 0-d", group.sum_(backend.to_device(np.array(group.rank + 1.0), device)),
+              np.array(sum(r + 1.0 for r in ranks)))
+        check(f"{device} sum_ of an empty array", group.sum_(backend.to_device(np.zeros((0, 3)), device)),
+              np.zeros((0, 3)))
+        check(f"{device} sum_ of int64", group.sum_(backend.to_device(np.array([group.rank, 7]), device)),
+              np.array([sum(ranks), 7 * group.size]))
+        whole = backend.to_device(local(group.rank), device)
+        group.broadcast_(whole[::2, 1:])
+        expected = local(group.rank)
+        expected[::2, 1:] = local(0)[::2, 1:]
+        check(f"{device} broadcast_ of a strided view", whole, expected)
+        check(f"{device} broadcast_ of 0-d", group.broadcast_(backend.to_device(np.array(group.rank + 1.0), device)),
+              np.array(1.0))
+    return {"wrong": wrong}
 
 
 # -- faults: these end the job ------------------------------------------------------------------

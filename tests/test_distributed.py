@@ -27,7 +27,8 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 IN_CI = bool(os.environ.get("CI"))
 TOLERANCE = 1e-10  # parameters of order 0.1-1 after 20 steps; every sum differs only in its order
 SCENARIOS = ["sgd", "adam", "test_device", "trainer_padding", "zero", "lm_trainer", "no_sync",
-             "unused_parameters", "resume_across_world_sizes"]
+             "unused_parameters", "resume_across_world_sizes", "collectives",
+             "failed_backward", "unfrozen_after_wrapping"]
 
 
 def find_mpiexec():
@@ -112,6 +113,22 @@ def test_parameters_unused_on_some_ranks(results):
     for rank in (0, 1):
         r = results[rank]["unused_parameters"]
         assert r["max_difference"] == 0.0 and r["never_grad_is_none"]
+
+
+def test_a_backward_that_raised_on_every_rank_leaves_the_next_one_averaged(results):
+    for rank in (0, 1):
+        assert results[rank]["failed_backward"]["max_difference"] < TOLERANCE
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_averaged(results):
+    for rank in (0, 1):
+        r = results[rank]["unfrozen_after_wrapping"]
+        assert r["max_difference"] < TOLERANCE and not r["b_grad_none"]
+
+
+def test_collectives_on_views_0d_empty_and_integer_arrays(results):
+    for rank in (0, 1):
+        assert results[rank]["collectives"]["wrong"] == [], rank
 
 
 def test_checkpoints_move_between_one_and_two_ranks(results):

@@ -2,6 +2,7 @@
 and end-of-backward callback, DistributedDataParallel in a world of one (buckets, views, dtypes),
 exact loss scaling, and sharded data (data.shard, SequenceTask.batch, RandomBatches).
 The real multi-rank runs are in test_distributed.py."""
+import contextlib
 import sys
 
 import numpy as np
@@ -13,7 +14,8 @@ from npformer.distributed import comm
 import npformer.functional as F
 from autograd import Tensor
 from autograd.function import queue_callback
-from npformer import nn
+from npformer import nn, optim
+from npformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from npformer.data import PAD, RandomBatches, SequenceTask, shard
 from npformer.models import Seq2SeqTransformer
 
@@ -126,6 +128,147 @@ def test_ddp_buckets_keep_dtypes_apart_and_accumulate_across_backwards():
         np.testing.assert_allclose(p.grad, 2 * q.grad, rtol=1e-6)
 
 
+@pytest.mark.parametrize("change", ["double", "test device"])
+def test_ddp_refuses_a_model_cast_or_moved_after_wrapping(change):
+    autograd.manual_seed(0)
+    m = nn.Linear(3, 2)
+    ddp = dist.DistributedDataParallel(m)
+    ddp.double() if change == "double" else ddp.to("test")  # the buckets stay float32 on the CPU
+    x = Tensor(np.ones((2, 3), dtype=m.weight.dtype)).to(m.weight.device)
+    with pytest.raises(RuntimeError, match="when wrapped .* cast or move the model first, then wrap it"):
+        ddp(x).sum().backward()
+
+
+def test_ddp_buckets_parameters_unfrozen_or_added_after_wrapping():
+    autograd.manual_seed(0)
+    m = ThreeBranches().double()
+    for p in m.b.parameters():
+        p.requires_grad = False
+    ddp = dist.DistributedDataParallel(m)
+    x = Tensor(np.ones((2, 3)))
+    ddp(x, True).sum().backward()
+    for p in m.b.parameters():
+        p.requires_grad = True
+    m.extra = nn.Linear(3, 2).double()  # unused: in a bucket, its .grad stays None
+    ddp.zero_grad()
+    ddp(x, True).sum().backward()
+    bucketed = [p for b in ddp.buckets for p in b.params]
+    views = {id(v) for b in ddp.buckets for v in b.views}
+    for p in list(m.b.parameters()) + list(m.extra.parameters()):
+        assert any(p is q for q in bucketed)
+    assert all(id(p.grad) in views for p in m.b.parameters()) and m.extra.weight.grad is None
+    assert sum(len(p._post_accumulate_grad_hooks) for p in m.parameters()) == len(bucketed)  # no stale hooks
+
+
+class FailingBackward(autograd.Function):
+    """The identity, whose backward raises while `failing` is set."""
+    failing = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if FailingBackward.failing:
+            raise FloatingPointError("a failed backward")
+        return grad
+
+
+class FailsBetweenLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.last(FailingBackward.apply(self.first(x)))
+
+
+def test_ddp_synchronises_again_after_a_backward_that_raised(monkeypatch):
+    autograd.manual_seed(0)
+    m, plain = FailsBetweenLayers().double(), FailsBetweenLayers().double()
+    plain.load_state_dict(m.state_dict())
+    ddp = dist.DistributedDataParallel(m, bucket_cap_mb=1e-5)  # one bucket per parameter
+    x = Tensor(np.linspace(-1, 1, 6).reshape(2, 3))
+    monkeypatch.setattr(FailingBackward, "failing", True)
+    with pytest.raises(FloatingPointError):  # after the last layer's buckets started
+        ddp(x).sum().backward()
+    monkeypatch.setattr(FailingBackward, "failing", False)
+    for p in m.parameters():
+        p.grad = None
+    ddp(x).sum().backward()
+    plain(x).sum().backward()
+    assert ddp.timings["passes"] == 1  # this pass was all-reduced (with several ranks: averaged)
+    views = {id(v) for b in ddp.buckets for v in b.views}
+    for p, q in zip(m.parameters(), plain.parameters()):
+        assert id(p.grad) in views
+        np.testing.assert_array_equal(p.grad, q.grad)
+
+
+class ThreeBranches(nn.Module):
+    """`a` always used, `b` when asked, `never` never; `frozen` does not require grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.never, self.frozen = (nn.Linear(3, 2) for _ in range(4))
+
+    def forward(self, x, use_b):
+        out = self.a(x) + self.frozen(x)
+        return out + self.b(x) if use_b else out
+
+
+@pytest.fixture
+def torch_world_of_one(torch, tmp_path):
+    """torch.distributed initialised in this process: gloo, rank 0 of 1."""
+    if not torch.distributed.is_available():
+        pytest.skip("this torch has no torch.distributed")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                                         world_size=1)
+    try:
+        yield torch
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ddp_gradients_match_torch_ddp_with_unused_parameters_no_sync_and_accumulation(torch_world_of_one):
+    """A world of one against torch's DistributedDataParallel (gloo, find_unused_parameters):
+    the same .grad (None where torch has None) after a pass with a branch unused, after a
+    no_sync pass using it followed by a synchronised one without it, and without zero_grad."""
+    torch = torch_world_of_one
+    autograd.manual_seed(0)
+    class TorchThreeBranches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.never, self.frozen = (torch.nn.Linear(3, 2) for _ in range(4))
+        forward = ThreeBranches.forward
+
+    ours, theirs = ThreeBranches().double(), TorchThreeBranches().double()
+    with torch.no_grad():
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            q.copy_(torch.from_numpy(p.data))
+    ours.frozen.weight.requires_grad = ours.frozen.bias.requires_grad = False
+    theirs.frozen.requires_grad_(False)
+    ddp = dist.DistributedDataParallel(ours)
+    reference = torch.nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
+    xs = np.random.default_rng(0).normal(size=(3, 4, 3))
+
+    def backward(use_b, x, sync=True):
+        for model, tensor in ((ddp, Tensor(x)), (reference, torch.from_numpy(x))):
+            with contextlib.nullcontext() if sync else model.no_sync():
+                (model(tensor, use_b) ** 2).sum().backward()
+
+    def compare():
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                np.testing.assert_allclose(p.grad, q.grad.numpy(), rtol=1e-12, atol=1e-12, err_msg=name)
+    backward(False, xs[0])
+    compare()
+    backward(True, xs[1], sync=False)
+    backward(False, xs[2])
+    compare()
+
+
 def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
     monkeypatch.setattr(comm, "_world", None)  # as before init()
     monkeypatch.setenv("PMI_SIZE", "2")
@@ -135,6 +278,35 @@ def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
         dist.DistributedDataParallel(lambda x: x)
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         dist.DistributedDataParallel(model(), bucket_cap_mb=0)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: dist.DistributedDataParallel(model(), bucket_cap_mb="25"), TypeError,
+     "bucket_cap_mb must be a real number > 0, got '25' of type str"),
+    (lambda: dist.DistributedDataParallel(model(), bucket_cap_mb=float("nan")), ValueError, "bucket_cap_mb"),
+    (lambda: dist.DistributedDataParallel(model(), per_rank_random="no"), TypeError,
+     "per_rank_random must be True or False, got 'no'"),
+    (lambda: dist.init(cuda_aware=1), TypeError, "init: cuda_aware must be True or False"),
+    (lambda: dist.global_count("3"), TypeError, "global_count: count must be a finite real number, got '3'"),
+    (lambda: dist.global_count(None), TypeError, "count must be a finite real number, got None"),
+    (lambda: dist.scaled_loss(Tensor(np.array(6.0)), True), TypeError, r"count must be .* \(a bool, not a number\)"),
+    (lambda: dist.scaled_loss(Tensor(np.array(6.0)), float("inf")), ValueError, "count must be a finite"),
+    (lambda: dist.scaled_loss(Tensor(np.array(6.0)), [3]), TypeError, "count must be"),
+    (lambda: dist.scaled_loss(6.0, 3), TypeError, "loss_sum must be a Tensor .* got float"),
+    (lambda: dist.ZeroRedundancyOptimizer(optim.SGD(model().parameters())).consolidate_state_dict(to=1),
+     ValueError, r"to must be an integer in \[0, 0\], got 1"),
+])
+def test_arguments_are_checked(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_arguments_of_any_real_type_are_taken():
+    m = model()
+    ddp = dist.DistributedDataParallel(m, bucket_cap_mb=np.float32(0.01), per_rank_random=np.bool_(False))
+    assert len(ddp.buckets) > 1 and dist.DistributedDataParallel(model(), bucket_cap_mb=float("inf")).buckets
+    assert dist.global_count(np.int64(7)) == 7 and dist.global_count(2.5) == 2.5
+    assert dist.scaled_loss(Tensor(np.array(6.0)), np.int32(3)).item() == 2.0
 
 
 def test_one_process_is_rank_0_of_1():
@@ -151,6 +323,45 @@ def test_scaled_loss_is_the_mean_in_one_process():
     assert total.grad == 0.25
     with pytest.raises(ValueError, match="nothing to average"):
         dist.scaled_loss(total, 0)
+
+
+# -- ZeRO-1 in a world of one ---------------------------------------------------------------------------
+def test_zero_steps_like_its_optimizer_and_a_load_forgets_the_consolidated_state():
+    plain, sharded = model(), model()
+    reference = optim.Adam(plain.parameters(), lr=1e-2)
+    zero = dist.ZeroRedundancyOptimizer(optim.Adam(sharded.parameters(), lr=1e-2))
+    for seed in range(3):
+        for m, opt in ((plain, reference), (sharded, zero)):
+            opt.zero_grad()
+            loss_of(m, seed).backward()
+            opt.step()
+    for p, q in zip(plain.parameters(), sharded.parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+    zero.consolidate_state_dict()
+    expected, gathered = reference.state_dict(), zero.state_dict()
+    assert gathered["param_groups"] == expected["param_groups"] and gathered["state"].keys() == expected["state"].keys()
+    for i, entries in expected["state"].items():
+        for name, value in entries.items():
+            np.testing.assert_array_equal(gathered["state"][i][name], value)
+    zero.load_state_dict(optim.Adam(model().parameters(), lr=0.5).state_dict())  # no state yet, another lr
+    with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(\)"):
+        zero.state_dict()  # not the state gathered before the load
+    zero.consolidate_state_dict()
+    assert zero.state_dict()["state"] == {} and zero.state_dict()["param_groups"][0]["lr"] == 0.5
+
+
+def test_a_checkpoint_whose_optimizer_state_does_not_fit_a_zero_optimizer_is_refused_whole(tmp_path):
+    saved = model()
+    sgd = optim.SGD(saved.parameters(), lr=0.1, momentum=0.9)
+    loss_of(saved).backward()
+    sgd.step()
+    path = save_checkpoint(tmp_path / "sgd.npz", saved, sgd)
+    target = model()
+    zero = dist.ZeroRedundancyOptimizer(optim.Adam(target.parameters()))
+    with pytest.raises(CheckpointError, match="sgd.npz: optimizer state"):
+        load_checkpoint(path, target, zero, restore_rng=False)
+    for p, q in zip(target.parameters(), model().parameters()):
+        np.testing.assert_array_equal(p.data, q.data)  # the model was not loaded either
 
 
 # -- sharded data ----------------------------------------------------------------------------------------

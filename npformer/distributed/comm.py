@@ -21,6 +21,7 @@ import numpy as np
 
 from autograd import backend
 from autograd.backend import Array
+from autograd.checks import check_bool
 
 
 class _Done:
@@ -215,8 +216,11 @@ class ProcessGroup:
         return buffer.tolist()
 
     def sum_(self, array: Array) -> Array:
-        """Sum an array (any device) over ranks, in place; returns it."""
-        self.transport(backend.device_of(array)).start_sum(array).wait()
+        """Sum an array (any device, any layout) over ranks, in place; returns it."""
+        contiguous = array if array.flags.c_contiguous else backend.get_array_module(array).ascontiguousarray(array)
+        self.transport(backend.device_of(array)).start_sum(contiguous).wait()
+        if contiguous is not array:  # MPI and NCCL take contiguous memory only
+            array[...] = contiguous
         return array
 
     def broadcast_(self, array: Array, root: int = 0) -> Array:
@@ -312,8 +316,9 @@ def init(cuda_aware: bool = False) -> ProcessGroup:
     Also: an exception that reaches the top of any rank aborts the whole job (MPI_Abort), so
     that the other ranks never wait forever in a collective; with CuPy and GPUs present, each
     rank takes the GPU `local_rank % number of GPUs` (one rank per GPU); cuda_aware=True hands
-    CuPy arrays to MPI directly (only with an MPI built CUDA-aware)."""
+    CuPy arrays to MPI directly (only with an MPI built CUDA-aware; TypeError unless a bool)."""
     global _world
+    cuda_aware = check_bool(cuda_aware, "cuda_aware", "init")
     if _world is not None:
         return _world
     try:

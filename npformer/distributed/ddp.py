@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from autograd import backend, manual_seed, random
+from autograd.checks import check_bool, check_real
 from autograd.function import queue_callback
 
 from ..nn import Module
@@ -37,7 +38,7 @@ class _Bucket:
     None, as in one process)."""
 
     def __init__(self, params, transport):
-        self.params, self.transport = params, transport
+        self.params, self.transport, self.device = params, transport, params[0].device
         sizes = [p.size for p in params]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         self.flat = params[0].xp.zeros(offsets[-1] + len(params), dtype=params[0].dtype)
@@ -60,6 +61,10 @@ class _Bucket:
                 view[...] = 0
                 used[i] = 0
             elif p.grad is not view:
+                if p.grad.dtype != view.dtype or backend.device_of(p.grad) != self.device:
+                    raise RuntimeError(f"DistributedDataParallel: a parameter of shape {p.shape} is now {p.dtype} on "
+                                       f"'{p.device}' but was {view.dtype} on '{self.device}' when wrapped (its "
+                                       "gradient would be cast); cast or move the model first, then wrap it")
                 view[...] = p.grad
                 p.grad = view
         self.used[...] = backend.to_device(used, backend.device_of(self.flat))
@@ -85,14 +90,20 @@ class DistributedDataParallel(Module):
     `ddp(*inputs)` runs `ddp.module`; when `loss.backward()` returns, the `.grad` of every
     parameter holds the mean over ranks (all-reduces overlap with the rest of backward).
 
-    module: the model, already on its device and in its dtype (move it before wrapping).
+    module: the model, already on its device and in its dtype (move it before wrapping; backward
+        raises RuntimeError for a parameter cast or moved since).
     bucket_cap_mb: gradients per all-reduce message (MB); smaller buckets start earlier.
     group: the process group (default: `init()`'s world; a single process is a world of one).
 
     Every rank must run backward the same number of times, with `no_sync()` at the same places;
     a rank whose loss reaches no parameter at all in a pass never joins that pass's all-reduce.
-    Raises TypeError for a module that is not an npformer Module, ValueError for bucket_cap_mb <= 0,
-    RuntimeError in an MPI job whose `init()` was not called.
+    A parameter unfrozen (requires_grad set) or added after wrapping joins the buckets at the
+    next `ddp(...)`, with rank 0's values (every rank must make the same change before it).
+    A backward pass that raised (on every rank alike) is abandoned at the next `ddp(...)`: its
+    all-reduces are completed, its gradients are partial (zero_grad before the next backward).
+    Raises TypeError for a module that is not an npformer Module, a bucket_cap_mb that is not a
+    number or a per_rank_random that is not a bool, ValueError for bucket_cap_mb <= 0 (inf: one
+    bucket per device and dtype), RuntimeError in an MPI job whose `init()` was not called.
     """
 
     def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group: comm.ProcessGroup | None = None,
@@ -100,9 +111,8 @@ class DistributedDataParallel(Module):
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"module: expected an npformer.nn.Module, got {type(module).__name__}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float, np.number)) \
-                or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
+        bucket_cap_mb = check_real(bucket_cap_mb, "bucket_cap_mb", "DistributedDataParallel", above=0, finite=False)
+        per_rank_random = check_bool(per_rank_random, "per_rank_random", "DistributedDataParallel")
         group = comm.group() if group is None else group
         if group is comm.LOCAL and comm.launched_by_mpi():
             raise RuntimeError("DistributedDataParallel: this process is one rank of an MPI job but "
@@ -113,14 +123,15 @@ class DistributedDataParallel(Module):
             group.broadcast_(t.data)
         if per_rank_random and group.size > 1:
             split_random_streams(group)
-        self.buckets = self._make_buckets(bucket_cap_mb)
+        self._bucket_cap_mb, self._hooks = bucket_cap_mb, []
+        self.buckets = self._make_buckets()
         self._sync, self._pass_open, self._next_bucket = True, False, 0
         self.timings = {"start": 0.0, "wait": 0.0, "passes": 0}  # seconds spent starting / finishing all-reduces
 
-    def _make_buckets(self, cap_mb):
+    def _make_buckets(self):
         """Parameters that require grad, last registered first, cut into buckets of at most
-        cap_mb per (device, dtype) (a bigger parameter gets a bucket of its own)."""
-        cap = cap_mb * 2 ** 20
+        bucket_cap_mb per (device, dtype) (a bigger parameter gets a bucket of its own)."""
+        cap = self._bucket_cap_mb * 2 ** 20
         filling = {}  # (device, dtype) -> [parameters, bytes] of the bucket being filled
         members = []
         for p in [p for p in self.module.parameters() if p.requires_grad][::-1]:
@@ -133,12 +144,40 @@ class DistributedDataParallel(Module):
         buckets = [_Bucket(params, self.group.transport(params[0].device)) for params in members]
         for index, bucket in enumerate(buckets):
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda _p, index=index: self._gradient_final(index))
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, index=index: self._gradient_final(index)))
+        self._bucketed = {id(p) for bucket in buckets for p in bucket.params}
         return buckets
+
+    def _rebucket(self):
+        """New buckets for the parameters that require grad now, after some was unfrozen or
+        added since the buckets were made (its gradient would not be averaged otherwise); the
+        parameters new to the buckets start from rank 0's values, as at construction."""
+        for p in self.module.parameters():
+            if p.requires_grad and id(p) not in self._bucketed:
+                self.group.broadcast_(p.data)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.buckets = self._make_buckets()
 
     def forward(self, *args, **kwargs) -> Any:
         """`self.module(*args, **kwargs)`: the wrapped model's output, unchanged."""
+        if self._pass_open:  # the last backward raised before its end, which never came
+            self._abandon_pass()
+        if any(p.requires_grad and id(p) not in self._bucketed for p in self.module.parameters()):
+            self._rebucket()
         return self.module(*args, **kwargs)
+
+    def _abandon_pass(self):
+        """Complete the all-reduces a failed backward pass started (ranks whose pass failed alike
+        started the same ones) and forget that pass, so that the next one synchronises again."""
+        for bucket in self.buckets:
+            if bucket.request is not None:
+                bucket.request.wait()
+                bucket.request = None
+            bucket.final = 0
+        self._pass_open = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -9,11 +9,13 @@ bit for bit those of unsharded training, and each rank keeps about 1/N of the st
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from autograd import Tensor
+from autograd.checks import check_int
 
 from ..optim import Optimizer
 from . import comm
@@ -95,7 +97,10 @@ class ZeroRedundancyOptimizer:
     # -- state dicts ----------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collective: gather every rank's share of the state on rank `to`, whose `state_dict()`
-        then returns the whole state (the layout of the unsharded optimizer's)."""
+        then returns the whole state (the layout of the unsharded optimizer's). TypeError /
+        ValueError for a `to` that is not a rank of the group."""
+        to = check_int(to, "to", "ZeroRedundancyOptimizer.consolidate_state_dict", at_least=0,
+                       at_most=self.group.size - 1)
         own = self.optimizer.state_dict()
         shares = self.group.gather_object(own["state"], root=to)
         if self.group.rank == to:
@@ -117,9 +122,21 @@ class ZeroRedundancyOptimizer:
         return self._consolidated
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a whole state (from any number of ranks, sharded or not) and keep this rank's share."""
-        self.optimizer.load_state_dict(state_dict)
-        self._drop_foreign_state()
+        """Load a whole state (from any number of ranks, sharded or not) and keep this rank's share.
+        Checked first as the wrapped optimizer's (ValueError or TypeError); a failed load changes
+        nothing. A state consolidated before is forgotten (consolidate again to save)."""
+        self.prepare_load_state_dict(state_dict)()
+
+    def prepare_load_state_dict(self, state_dict: dict[str, Any]) -> Callable[[], None]:
+        """Check `state_dict` as load_state_dict does, changing nothing; returns a function
+        that loads it (it cannot fail)."""
+        load = self.optimizer.prepare_load_state_dict(state_dict)
+
+        def apply():
+            load()
+            self._drop_foreign_state()
+            self._consolidated = None  # gathered before the load: out of date
+        return apply
 
     def state_numel(self) -> int:
         """Entries of the state arrays this rank holds (about 1/N of the unsharded optimizer's)."""
