@@ -2,7 +2,9 @@
 
 matplotlib is imported only when a figure is drawn (`pip install -e .[plot]`), and only
 its object-oriented API is used (`matplotlib.figure.Figure`, saved by the Agg canvas), so
-no pyplot backend or global state is touched.
+no pyplot backend or global state is touched. Figures are written atomically
+(`npformer.files.atomic_write`: missing folders are made, a file replaced keeps its mode), in
+the format of the path's extension (PNG without one).
 
 `attention_maps` (no matplotlib needed) returns the per-head attention probabilities of
 every attention module of a Seq2SeqTransformer for one forward pass.
@@ -18,6 +20,7 @@ import numpy as np
 from autograd.backend import ArrayLike
 
 from .decoding import _inference
+from .files import atomic_write
 from .nn import Module, record_attention
 
 __all__ = ["attention_maps", "plot_curves", "plot_grad_norms", "plot_attention", "plot_attention_and_grads", "TITLES"]
@@ -28,13 +31,25 @@ TITLES = {"encoder_self": "encoder self-attention", "decoder_self": "decoder sel
           "cross": "cross-attention (decoder queries, encoder keys)"}
 
 
-def _figure(**kwargs):
+def _matplotlib():
     try:
-        from matplotlib.figure import Figure
+        import matplotlib
+        import matplotlib.figure
     except ImportError as e:
         raise ImportError("npformer.plots needs matplotlib: pip install -e '.[plot]' (or pip install "
                           "matplotlib)") from e
-    return Figure(**kwargs)
+    return matplotlib
+
+
+def _figure(**kwargs):
+    return _matplotlib().figure.Figure(**kwargs)
+
+
+def _save(fig, path):
+    """fig written to path atomically, in the format of path's extension (PNG without one); -> path."""
+    fmt = os.path.splitext(os.fspath(path))[1][1:].lower() or "png"
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
+    return path
 
 
 def _group_of(name):
@@ -107,8 +122,7 @@ def plot_curves(history: dict[str, Any], path: str | os.PathLike, title: str = "
     ax_lr.plot(steps, history["lr"], color="C2")
     ax_lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
 
 
 def plot_loss(steps, loss, path, title, evaluations=None, baselines=None, ylabel="cross-entropy (bits per token)"):
@@ -127,8 +141,7 @@ def plot_loss(steps, loss, path, title, evaluations=None, baselines=None, ylabel
         ax.axhline(value, ls="--", color=f"C{i + 4}", label=label)
     ax.set(xlabel="step", ylabel=ylabel, title=title)
     ax.legend()
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
 
 
 def _grad_norm_panels(names):
@@ -155,23 +168,20 @@ def plot_grad_norms(history: dict[str, Any], path: str | os.PathLike) -> str | o
     first (dark) to last (light), the total norm of all layers in grey behind each. Needs a
     Trainer history with "layer_grad_norm_step", "layer_grad_norm", "step" and "grad_norm".
     Writes a PNG to `path` and returns path."""
-    import matplotlib
-
     panels = _grad_norm_panels(list(history["layer_grad_norm"]))
     fig = _figure(figsize=(4.6 * len(panels), 4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
     steps = history["layer_grad_norm_step"]
     for ax, (title, lines) in zip(axes, panels.items()):
         ax.plot(history["step"], history["grad_norm"], color="0.6", lw=0.6, alpha=0.6, label="total (all layers)")
-        colours = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, len(lines)))
+        colours = _matplotlib().colormaps["viridis"](np.linspace(0.0, 0.85, len(lines)))
         for (name, label), colour in zip(lines, colours):
             ax.plot(steps, history["layer_grad_norm"][name], color=colour, lw=1.4, label=label)
         ax.set(yscale="log", xlabel="step", title=title)
         ax.legend(fontsize=8, loc="upper right", framealpha=0.8)
     axes[0].set_ylabel("gradient L2 norm (before clipping)")
     fig.suptitle("gradient norm per layer")
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
 
 
 def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title: str, query_labels: Sequence[str],
@@ -200,8 +210,7 @@ def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title:
                 ax.set_xlabel("key")
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention probability")
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
 
 
 def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str | os.PathLike, title: str,
@@ -231,5 +240,4 @@ def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str |
     fig.colorbar(top, ax=axes[0].tolist(), shrink=0.8, label="P")
     fig.colorbar(bottom, ax=axes[1].tolist(), shrink=0.8, label="dL/dP (red: attending more raises the loss)")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
