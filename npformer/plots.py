@@ -184,16 +184,49 @@ def plot_grad_norms(history: dict[str, Any], path: str | os.PathLike) -> str | o
     return _save(fig, path)
 
 
+_MAX_INCHES = 80.0  # an attention figure's longer side (8,800 pixels): many heads or keys shrink the cells
+_LABEL_INCHES = 0.1  # tick labels (7 points) need this much per position; in smaller cells they are left out
+
+
+def _cell(length, per_position, across, down, margin):
+    """The side (inches) of one heatmap of `length` positions in a grid across x down: it grows with
+    the length, and shrinks where the figure's longer side (cells plus `margin`) would pass _MAX_INCHES."""
+    return min(per_position * length + 1.2, (_MAX_INCHES - margin) / max(across, down))
+
+
+def _heatmaps(arrays, names, query_labels, key_labels, owner):
+    """arrays as float arrays of one shape (H, Tq, Tk) that the labels fit; ValueError naming what does not."""
+    arrays = [np.asarray(a, dtype=float) for a in arrays]
+    shapes = [a.shape for a in arrays]
+    if not arrays or arrays[0].ndim != 3 or len(set(shapes)) != 1:
+        raise ValueError(f"{owner}: {names}: expected (H, Tq, Tk) arrays of one shape (one example: "
+                         f"[w[0] for w in maps]), got shapes {shapes}")
+    tq, tk = shapes[0][1:]
+    if len(query_labels) != tq or len(key_labels) != tk:
+        raise ValueError(f"{owner}: query_labels, key_labels: expected {tq} and {tk} labels (Tq, Tk), got "
+                         f"{len(query_labels)} and {len(key_labels)}")
+    return arrays
+
+
+def _ticks(ax, cell, query_labels, key_labels):
+    """The query and key tokens as tick labels of a heatmap `cell` inches wide, where they fit."""
+    if cell / max(len(query_labels), len(key_labels)) >= _LABEL_INCHES:
+        ax.set_xticks(range(len(key_labels)), key_labels, fontsize=7)
+        ax.set_yticks(range(len(query_labels)), query_labels, fontsize=7)
+    else:
+        ax.set(xticks=[], yticks=[])
+
+
 def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title: str, query_labels: Sequence[str],
                    key_labels: Sequence[str]) -> str | os.PathLike:
     """A grid of heatmaps, one row per layer and one column per head.
 
-    layers: list of (H, Tq, Tk) arrays (one example). query_labels / key_labels: tick labels.
-    Writes a PNG to `path` and returns path.
+    layers: list of (H, Tq, Tk) arrays (one example). query_labels / key_labels: Tq and Tk tick
+    labels. Writes a PNG to `path` and returns path. ValueError for arrays or labels that do not fit.
     """
-    n_layers, n_heads = len(layers), layers[0].shape[0]
-    tq, tk = layers[0].shape[1:]
-    cell = 0.28 * max(tq, tk) + 1.2
+    layers = _heatmaps(layers, "layers", query_labels, key_labels, "plot_attention")
+    (n_heads, tq, tk), n_layers = layers[0].shape, len(layers)
+    cell = _cell(max(tq, tk), 0.28, n_heads, n_layers, 1.0)
     fig = _figure(figsize=(cell * n_heads + 1, cell * n_layers + 0.6), layout="constrained")
     axes = np.asarray(fig.subplots(n_layers, n_heads, squeeze=False))
     image = None
@@ -201,8 +234,7 @@ def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title:
         for h in range(n_heads):
             ax = axes[i, h]
             image = ax.imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis")
-            ax.set_xticks(range(tk), key_labels, fontsize=7)
-            ax.set_yticks(range(tq), query_labels, fontsize=7)
+            _ticks(ax, cell, query_labels, key_labels)
             ax.set_title(f"layer {i} head {h}", fontsize=8)
             if h == 0:
                 ax.set_ylabel("query")
@@ -219,12 +251,14 @@ def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str |
     """Per head: the attention probabilities P (top row) next to dL/dP (bottom row,
     a diverging scale centred on 0). weights, grads: (H, Tq, Tk); the ticks are labelled
     with the query and key tokens, the axes with query_axis and key_axis. Writes a PNG to
-    `path` and returns path."""
+    `path` and returns path. ValueError for arrays or labels that do not fit."""
+    weights, grads = _heatmaps([weights, grads], "weights, grads", query_labels, key_labels,
+                               "plot_attention_and_grads")
     n_heads, tq, tk = weights.shape
-    cell = 0.3 * max(tq, tk) + 1.2
+    cell = _cell(max(tq, tk), 0.3, n_heads, 2, 1.5)
     fig = _figure(figsize=(cell * n_heads + 1.5, 2 * cell + 1.2), layout="constrained")
     axes = np.asarray(fig.subplots(2, n_heads, squeeze=False))
-    limit = float(np.abs(grads).max()) or 1.0
+    limit = float(np.abs(grads[np.isfinite(grads)]).max(initial=0.0)) or 1.0
     top = bottom = None
     for h in range(n_heads):
         top = axes[0, h].imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis")
@@ -232,8 +266,7 @@ def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str |
         axes[0, h].set_title(f"head {h}: P", fontsize=9)
         axes[1, h].set_title(f"head {h}: dL/dP", fontsize=9)
         for ax in axes[:, h]:
-            ax.set_xticks(range(tk), key_labels, fontsize=7)
-            ax.set_yticks(range(tq), query_labels, fontsize=7)
+            _ticks(ax, cell, query_labels, key_labels)
         axes[1, h].set_xlabel(key_axis, fontsize=8)
     for ax in axes[:, 0]:
         ax.set_ylabel(query_axis, fontsize=8)

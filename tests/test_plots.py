@@ -72,3 +72,47 @@ def test_every_figure_says_how_to_install_matplotlib_without_it(tmp_path, monkey
                  lambda: plots.plot_attention([np.ones((1, 2, 2))], tmp_path / "c.png", "t", "ab", "ab")):
         with pytest.raises(ImportError, match="npformer.plots needs matplotlib: pip install"):
             draw()
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the plotting functions make, kept instead of written."""
+    made = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: made.append(fig) or path)
+    return made
+
+
+def test_many_heads_and_long_sequences_give_a_figure_of_bounded_size(figures):
+    """12 layers x 12 heads of 128 positions asked for a 444-inch square figure (49,000 pixels a
+    side, gigabytes to render, minutes of tick labels); the cells shrink instead, and tick labels
+    are left out where they could not be read."""
+    plots.plot_attention([np.full((12, 128, 128), 1 / 128)] * 12, "a.png", "t", ["q"] * 128, ["k"] * 128)
+    plots.plot_attention_and_grads(np.full((64, 32, 32), 1 / 32), np.zeros((64, 32, 32)), "b.png", "t",
+                                   ["q"] * 32, ["k"] * 32)
+    for fig in figures:
+        assert max(fig.get_size_inches()) <= plots._MAX_INCHES
+        assert all(not ax.get_xticklabels() for ax in fig.axes[:-1])       # the last: the colour bar
+    plots.plot_attention([np.full((2, 5, 5), 0.2)], "c.png", "t", "abcde", "abcde")
+    assert [t.get_text() for t in figures[-1].axes[0].get_xticklabels()] == list("abcde")
+
+
+def test_a_nan_gradient_leaves_every_head_on_one_symmetric_scale(figures):
+    grads = np.full((2, 3, 3), 0.1)
+    grads[0, 0, 0] = np.nan
+    plots.plot_attention_and_grads(np.full((2, 3, 3), 1 / 3), grads, "x.png", "t", "abc", "abc")
+    scales = [(im.norm.vmin, im.norm.vmax) for ax in figures[0].axes for im in ax.images if ax.get_title().endswith("dL/dP")]
+    assert scales == [(-0.1, 0.1)] * 2
+
+
+@pytest.mark.parametrize("layers, labels, match", [
+    ([], ("ab", "ab"), r"layers: expected \(H, Tq, Tk\) arrays of one shape .*got shapes \[\]"),
+    ([np.ones((1, 2, 2, 2))], ("ab", "ab"), r"got shapes \[\(1, 2, 2, 2\)\]"),           # a batch, not one example
+    ([np.ones((2, 2, 2)), np.ones((3, 2, 2))], ("ab", "ab"), r"got shapes \[\(2, 2, 2\), \(3, 2, 2\)\]"),
+    ([np.ones((2, 2, 3))], ("ab", "ab"), "expected 2 and 3 labels .*got 2 and 2"),
+])
+def test_attention_arrays_or_labels_that_do_not_fit_are_refused_naming_them(layers, labels, match, figures):
+    with pytest.raises(ValueError, match="plot_attention: .*" + match):
+        plots.plot_attention(layers, "x.png", "t", *labels)
+    with pytest.raises(ValueError, match=r"plot_attention_and_grads: weights, grads: .*got shapes \[\(2, 2, 2\), \(2, 2, 3\)\]"):
+        plots.plot_attention_and_grads(np.ones((2, 2, 2)), np.ones((2, 2, 3)), "x.png", "t", "ab", "ab")
+    assert not figures
