@@ -52,6 +52,14 @@ def _save(fig, path):
     return path
 
 
+def _yscale(*series):
+    """"log" when the finite values of the series are all positive (and there are some), else "linear":
+    a zero or negative value would vanish from a log axis."""
+    values = np.concatenate([np.asarray(s, dtype=float).ravel() for s in series])
+    finite = values[np.isfinite(values)]
+    return "log" if finite.size and (finite > 0).all() else "linear"
+
+
 def _group_of(name):
     if name.endswith("multihead_attn"):
         return "cross"
@@ -109,7 +117,7 @@ def plot_curves(history: dict[str, Any], path: str | os.PathLike, title: str = "
                      label=f"training (mean of {k})")
     if eval_loss is not None:
         ax_loss.plot(eval_steps, eval_loss, "o-", color="C1", label="held-out")
-    ax_loss.set(yscale="log" if (loss > 0).all() else "linear", xlabel="step", ylabel="loss", title="loss")
+    ax_loss.set(yscale=_yscale(loss, eval_loss or []), xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend()
     if panels == 3:
         ax_metrics = axes[1]
@@ -166,18 +174,24 @@ def plot_grad_norms(history: dict[str, Any], path: str | os.PathLike) -> str | o
     """The gradient norm of every layer (before clipping) against the step: one panel per
     layer stack (encoder, decoder) and one for the embeddings and output, layers coloured from
     first (dark) to last (light), the total norm of all layers in grey behind each. Needs a
-    Trainer history with "layer_grad_norm_step", "layer_grad_norm", "step" and "grad_norm".
+    Trainer history with "layer_grad_norm_step", "layer_grad_norm", "step" and "grad_norm"
+    (KeyError naming the missing ones). The scale is logarithmic unless a norm is 0.
     Writes a PNG to `path` and returns path."""
+    missing = [k for k in ("step", "grad_norm", "layer_grad_norm_step", "layer_grad_norm") if k not in history]
+    if missing:
+        raise KeyError(f"history: expected the keys 'step', 'grad_norm', 'layer_grad_norm_step' and "
+                       f"'layer_grad_norm' (a Trainer's history), missing {missing}")
     panels = _grad_norm_panels(list(history["layer_grad_norm"]))
     fig = _figure(figsize=(4.6 * len(panels), 4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
     steps = history["layer_grad_norm_step"]
+    yscale = _yscale(history["grad_norm"], *history["layer_grad_norm"].values())
     for ax, (title, lines) in zip(axes, panels.items()):
         ax.plot(history["step"], history["grad_norm"], color="0.6", lw=0.6, alpha=0.6, label="total (all layers)")
         colours = _matplotlib().colormaps["viridis"](np.linspace(0.0, 0.85, len(lines)))
         for (name, label), colour in zip(lines, colours):
             ax.plot(steps, history["layer_grad_norm"][name], color=colour, lw=1.4, label=label)
-        ax.set(yscale="log", xlabel="step", title=title)
+        ax.set(yscale=yscale, xlabel="step", title=title)
         ax.legend(fontsize=8, loc="upper right", framealpha=0.8)
     axes[0].set_ylabel("gradient L2 norm (before clipping)")
     fig.suptitle("gradient norm per layer")

@@ -116,3 +116,25 @@ def test_attention_arrays_or_labels_that_do_not_fit_are_refused_naming_them(laye
     with pytest.raises(ValueError, match=r"plot_attention_and_grads: weights, grads: .*got shapes \[\(2, 2, 2\), \(2, 2, 3\)\]"):
         plots.plot_attention_and_grads(np.ones((2, 2, 2)), np.ones((2, 2, 3)), "x.png", "t", "ab", "ab")
     assert not figures
+
+
+def test_a_zero_norm_or_loss_turns_the_log_scale_linear_rather_than_vanish(figures):
+    """A layer whose gradient is 0 (frozen, or cut off from the loss) is what the figure is for; on a
+    log axis its line vanished. Non-finite values (a skipped step) do not decide the scale."""
+    plots.plot_grad_norms(HISTORY, "a.png")
+    frozen = dict(HISTORY, layer_grad_norm={**HISTORY["layer_grad_norm"], "encoder.layers.1": [0.0, 0.0]})
+    plots.plot_grad_norms(frozen, "b.png")
+    plots.plot_curves(dict(HISTORY, loss=[3.0, float("nan"), float("inf")]), "c.png")
+    plots.plot_curves(dict(HISTORY, eval_step=[3], eval_loss=[0.0]), "d.png")
+    assert [fig.axes[0].get_yscale() for fig in figures] == ["log", "linear", "log", "linear"]
+
+
+def test_plot_grad_norms_names_the_history_keys_it_misses(figures):
+    with pytest.raises(KeyError, match=r"missing \['layer_grad_norm_step', 'layer_grad_norm'\]"):
+        plots.plot_grad_norms({"step": [1], "loss": [1.0], "grad_norm": [1.0]}, "x.png")
+
+
+def test_empty_single_and_non_finite_histories_draw(tmp_path):
+    for i, loss in enumerate([[], [2.0], [2.0, float("nan"), float("inf")] + [1.0] * 30, [1.0, 0.0, -1.0]]):
+        history = {"step": list(range(1, len(loss) + 1)), "loss": loss, "lr": [1e-3] * len(loss)}
+        assert png_size(plots.plot_curves(history, tmp_path / f"{i}.png"))[0] > 100
