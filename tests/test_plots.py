@@ -29,7 +29,8 @@ def every_figure(folder):
     return [plots.plot_curves(HISTORY, os.path.join(folder, "curves.png")),
             plots.plot_grad_norms(HISTORY, os.path.join(folder, "grad_norms.png")),
             plots.plot_attention([weights], os.path.join(folder, "attention.png"), "t", "abc", "abc"),
-            plots.plot_attention_and_grads(weights, weights - 0.5, os.path.join(folder, "grads.png"), "t", "abc", "abc")]
+            plots.plot_attention_and_grads(weights, weights - 0.5, os.path.join(folder, "grads.png"), "t", "abc",
+                                           "abc")]
 
 
 def test_figures_go_into_folders_that_do_not_exist_yet(tmp_path):
@@ -100,7 +101,8 @@ def test_a_nan_gradient_leaves_every_head_on_one_symmetric_scale(figures):
     grads = np.full((2, 3, 3), 0.1)
     grads[0, 0, 0] = np.nan
     plots.plot_attention_and_grads(np.full((2, 3, 3), 1 / 3), grads, "x.png", "t", "abc", "abc")
-    scales = [(im.norm.vmin, im.norm.vmax) for ax in figures[0].axes for im in ax.images if ax.get_title().endswith("dL/dP")]
+    scales = [(im.norm.vmin, im.norm.vmax) for ax in figures[0].axes for im in ax.images
+              if ax.get_title().endswith("dL/dP")]
     assert scales == [(-0.1, 0.1)] * 2
 
 
@@ -113,7 +115,8 @@ def test_a_nan_gradient_leaves_every_head_on_one_symmetric_scale(figures):
 def test_attention_arrays_or_labels_that_do_not_fit_are_refused_naming_them(layers, labels, match, figures):
     with pytest.raises(ValueError, match="plot_attention: .*" + match):
         plots.plot_attention(layers, "x.png", "t", *labels)
-    with pytest.raises(ValueError, match=r"plot_attention_and_grads: weights, grads: .*got shapes \[\(2, 2, 2\), \(2, 2, 3\)\]"):
+    with pytest.raises(ValueError, match=r"plot_attention_and_grads: weights, grads: .*"
+                                         r"got shapes \[\(2, 2, 2\), \(2, 2, 3\)\]"):
         plots.plot_attention_and_grads(np.ones((2, 2, 2)), np.ones((2, 2, 3)), "x.png", "t", "ab", "ab")
     assert not figures
 
