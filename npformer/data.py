@@ -234,9 +234,17 @@ class SequenceTask:
     # -- batches ------------------------------------------------------------------------
     def collate(self, seqs: Sequence[Sequence[int] | np.ndarray]) -> Batch:
         """A Batch of source sequences (lists or arrays of ids), padded to the longest, with their
-        targets (EOS appended when the task uses it) and decoder inputs. ValueError for no sequence."""
+        targets (EOS appended when the task uses it) and decoder inputs. ValueError for no sequence or
+        an id outside the symbols' (3..vocab_size-1: `encode` makes them), TypeError for one that is
+        not an integer."""
         if not len(seqs):
             raise ValueError("seqs: expected at least one sequence")
+        for i, row in enumerate(np.asarray(s) for s in seqs):
+            if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
+                raise TypeError(f"seqs[{i}]: expected a sequence of integer ids, got {row!r:.80}")
+            if row.size and not (NUM_SPECIAL <= row.min() and row.max() < self.vocab_size):
+                raise ValueError(f"seqs[{i}]: expected symbol ids in {NUM_SPECIAL}..{self.vocab_size - 1} "
+                                 f"(task.encode makes them from symbols), got {row.tolist()!r:.80}")
         n, src_len = len(seqs), max(len(s) for s in seqs)
         tgt_len = src_len + self.eos
         src = np.full((n, src_len), PAD, dtype=np.int64)
@@ -324,13 +332,22 @@ class SequenceTask:
         return {"rng": self.rng.bit_generator.state, "config": self.config()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the training stream of `state`; ValueError if it was made by another task."""
+        """Continue the training stream of `state` (what state_dict returned). All or nothing:
+        ValueError naming what is wrong (a state made by another task too), and the stream is unchanged."""
+        owner = "SequenceTask.load_state_dict"
+        if not isinstance(state, dict) or "rng" not in state or not isinstance(state.get("config", {}), dict):
+            raise ValueError(f"{owner}: expected a dict with the keys ['rng', 'config'], got {state!r:.80}")
         saved = state.get("config")
         if saved is not None and saved != self.config():
             differ = {k: (saved.get(k), v) for k, v in self.config().items() if saved.get(k) != v}
             raise ValueError("state: saved by a different task (saved vs this one: "
                              + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items()) + ")")
-        self.rng.bit_generator.state = state["rng"]
+        trial = type(self.rng.bit_generator)()
+        try:
+            trial.state = state["rng"]
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"{owner}: rng: not a {type(trial).__name__} state ({e})") from None
+        self.rng.bit_generator.state = trial.state
 
     def __repr__(self):
         return (f"SequenceTask({self.task!r}, vocab_size={self.vocab_size}, lengths {self.min_len}.."

@@ -2,7 +2,9 @@
 
 matplotlib is imported only when a figure is drawn (`pip install -e .[plot]`), and only
 its object-oriented API is used (`matplotlib.figure.Figure`, saved by the Agg canvas), so
-no pyplot backend or global state is touched.
+no pyplot backend or global state is touched. Figures are written atomically
+(`npformer.files.atomic_write`: missing folders are made, a file replaced keeps its mode), in
+the format of the path's extension (PNG without one).
 
 `attention_maps` (no matplotlib needed) returns the per-head attention probabilities of
 every attention module of a Seq2SeqTransformer for one forward pass.
@@ -18,6 +20,7 @@ import numpy as np
 from autograd.backend import ArrayLike
 
 from .decoding import _inference
+from .files import atomic_write
 from .nn import Module, record_attention
 
 __all__ = ["attention_maps", "plot_curves", "plot_grad_norms", "plot_attention", "plot_attention_and_grads", "TITLES"]
@@ -28,13 +31,33 @@ TITLES = {"encoder_self": "encoder self-attention", "decoder_self": "decoder sel
           "cross": "cross-attention (decoder queries, encoder keys)"}
 
 
-def _figure(**kwargs):
+def _matplotlib():
     try:
-        from matplotlib.figure import Figure
+        import matplotlib
+        import matplotlib.figure
     except ImportError as e:
         raise ImportError("npformer.plots needs matplotlib: pip install -e '.[plot]' (or pip install "
                           "matplotlib)") from e
-    return Figure(**kwargs)
+    return matplotlib
+
+
+def _figure(**kwargs):
+    return _matplotlib().figure.Figure(**kwargs)
+
+
+def _save(fig, path):
+    """fig written to path atomically, in the format of path's extension (PNG without one); -> path."""
+    fmt = os.path.splitext(os.fspath(path))[1][1:].lower() or "png"
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
+    return path
+
+
+def _yscale(*series):
+    """"log" when the finite values of the series are all positive (and there are some), else "linear":
+    a zero or negative value would vanish from a log axis."""
+    values = np.concatenate([np.asarray(s, dtype=float).ravel() for s in series])
+    finite = values[np.isfinite(values)]
+    return "log" if finite.size and (finite > 0).all() else "linear"
 
 
 def _group_of(name):
@@ -94,7 +117,7 @@ def plot_curves(history: dict[str, Any], path: str | os.PathLike, title: str = "
                      label=f"training (mean of {k})")
     if eval_loss is not None:
         ax_loss.plot(eval_steps, eval_loss, "o-", color="C1", label="held-out")
-    ax_loss.set(yscale="log" if (loss > 0).all() else "linear", xlabel="step", ylabel="loss", title="loss")
+    ax_loss.set(yscale=_yscale(loss, eval_loss or []), xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend()
     if panels == 3:
         ax_metrics = axes[1]
@@ -107,8 +130,7 @@ def plot_curves(history: dict[str, Any], path: str | os.PathLike, title: str = "
     ax_lr.plot(steps, history["lr"], color="C2")
     ax_lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
 
 
 def plot_loss(steps, loss, path, title, evaluations=None, baselines=None, ylabel="cross-entropy (bits per token)"):
@@ -127,8 +149,7 @@ def plot_loss(steps, loss, path, title, evaluations=None, baselines=None, ylabel
         ax.axhline(value, ls="--", color=f"C{i + 4}", label=label)
     ax.set(xlabel="step", ylabel=ylabel, title=title)
     ax.legend()
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
 
 
 def _grad_norm_panels(names):
@@ -153,37 +174,73 @@ def plot_grad_norms(history: dict[str, Any], path: str | os.PathLike) -> str | o
     """The gradient norm of every layer (before clipping) against the step: one panel per
     layer stack (encoder, decoder) and one for the embeddings and output, layers coloured from
     first (dark) to last (light), the total norm of all layers in grey behind each. Needs a
-    Trainer history with "layer_grad_norm_step", "layer_grad_norm", "step" and "grad_norm".
+    Trainer history with "layer_grad_norm_step", "layer_grad_norm", "step" and "grad_norm"
+    (KeyError naming the missing ones). The scale is logarithmic unless a norm is 0.
     Writes a PNG to `path` and returns path."""
-    import matplotlib
-
+    missing = [k for k in ("step", "grad_norm", "layer_grad_norm_step", "layer_grad_norm") if k not in history]
+    if missing:
+        raise KeyError(f"history: expected the keys 'step', 'grad_norm', 'layer_grad_norm_step' and "
+                       f"'layer_grad_norm' (a Trainer's history), missing {missing}")
     panels = _grad_norm_panels(list(history["layer_grad_norm"]))
     fig = _figure(figsize=(4.6 * len(panels), 4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
     steps = history["layer_grad_norm_step"]
+    yscale = _yscale(history["grad_norm"], *history["layer_grad_norm"].values())
     for ax, (title, lines) in zip(axes, panels.items()):
         ax.plot(history["step"], history["grad_norm"], color="0.6", lw=0.6, alpha=0.6, label="total (all layers)")
-        colours = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, len(lines)))
+        colours = _matplotlib().colormaps["viridis"](np.linspace(0.0, 0.85, len(lines)))
         for (name, label), colour in zip(lines, colours):
             ax.plot(steps, history["layer_grad_norm"][name], color=colour, lw=1.4, label=label)
-        ax.set(yscale="log", xlabel="step", title=title)
+        ax.set(yscale=yscale, xlabel="step", title=title)
         ax.legend(fontsize=8, loc="upper right", framealpha=0.8)
     axes[0].set_ylabel("gradient L2 norm (before clipping)")
     fig.suptitle("gradient norm per layer")
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
+
+
+_MAX_INCHES = 80.0  # an attention figure's longer side (8,800 pixels): many heads or keys shrink the cells
+_LABEL_INCHES = 0.1  # tick labels (7 points) need this much per position; in smaller cells they are left out
+
+
+def _cell(length, per_position, across, down, margin):
+    """The side (inches) of one heatmap of `length` positions in a grid across x down: it grows with
+    the length, and shrinks where the figure's longer side (cells plus `margin`) would pass _MAX_INCHES."""
+    return min(per_position * length + 1.2, (_MAX_INCHES - margin) / max(across, down))
+
+
+def _heatmaps(arrays, names, query_labels, key_labels, owner):
+    """arrays as float arrays of one shape (H, Tq, Tk) that the labels fit; ValueError naming what does not."""
+    arrays = [np.asarray(a, dtype=float) for a in arrays]
+    shapes = [a.shape for a in arrays]
+    if not arrays or arrays[0].ndim != 3 or len(set(shapes)) != 1:
+        raise ValueError(f"{owner}: {names}: expected (H, Tq, Tk) arrays of one shape (one example: "
+                         f"[w[0] for w in maps]), got shapes {shapes}")
+    tq, tk = shapes[0][1:]
+    if len(query_labels) != tq or len(key_labels) != tk:
+        raise ValueError(f"{owner}: query_labels, key_labels: expected {tq} and {tk} labels (Tq, Tk), got "
+                         f"{len(query_labels)} and {len(key_labels)}")
+    return arrays
+
+
+def _ticks(ax, cell, query_labels, key_labels):
+    """The query and key tokens as tick labels of a heatmap `cell` inches wide, where they fit."""
+    if cell / max(len(query_labels), len(key_labels)) >= _LABEL_INCHES:
+        ax.set_xticks(range(len(key_labels)), key_labels, fontsize=7)
+        ax.set_yticks(range(len(query_labels)), query_labels, fontsize=7)
+    else:
+        ax.set(xticks=[], yticks=[])
 
 
 def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title: str, query_labels: Sequence[str],
                    key_labels: Sequence[str]) -> str | os.PathLike:
     """A grid of heatmaps, one row per layer and one column per head.
 
-    layers: list of (H, Tq, Tk) arrays (one example). query_labels / key_labels: tick labels.
-    Writes a PNG to `path` and returns path.
+    layers: list of (H, Tq, Tk) arrays (one example). query_labels / key_labels: Tq and Tk tick
+    labels. Writes a PNG to `path` and returns path. ValueError for arrays or labels that do not fit.
     """
-    n_layers, n_heads = len(layers), layers[0].shape[0]
-    tq, tk = layers[0].shape[1:]
-    cell = 0.28 * max(tq, tk) + 1.2
+    layers = _heatmaps(layers, "layers", query_labels, key_labels, "plot_attention")
+    (n_heads, tq, tk), n_layers = layers[0].shape, len(layers)
+    cell = _cell(max(tq, tk), 0.28, n_heads, n_layers, 1.0)
     fig = _figure(figsize=(cell * n_heads + 1, cell * n_layers + 0.6), layout="constrained")
     axes = np.asarray(fig.subplots(n_layers, n_heads, squeeze=False))
     image = None
@@ -191,8 +248,7 @@ def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title:
         for h in range(n_heads):
             ax = axes[i, h]
             image = ax.imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis")
-            ax.set_xticks(range(tk), key_labels, fontsize=7)
-            ax.set_yticks(range(tq), query_labels, fontsize=7)
+            _ticks(ax, cell, query_labels, key_labels)
             ax.set_title(f"layer {i} head {h}", fontsize=8)
             if h == 0:
                 ax.set_ylabel("query")
@@ -200,8 +256,7 @@ def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title:
                 ax.set_xlabel("key")
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention probability")
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)
 
 
 def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str | os.PathLike, title: str,
@@ -210,12 +265,14 @@ def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str |
     """Per head: the attention probabilities P (top row) next to dL/dP (bottom row,
     a diverging scale centred on 0). weights, grads: (H, Tq, Tk); the ticks are labelled
     with the query and key tokens, the axes with query_axis and key_axis. Writes a PNG to
-    `path` and returns path."""
+    `path` and returns path. ValueError for arrays or labels that do not fit."""
+    weights, grads = _heatmaps([weights, grads], "weights, grads", query_labels, key_labels,
+                               "plot_attention_and_grads")
     n_heads, tq, tk = weights.shape
-    cell = 0.3 * max(tq, tk) + 1.2
+    cell = _cell(max(tq, tk), 0.3, n_heads, 2, 1.5)
     fig = _figure(figsize=(cell * n_heads + 1.5, 2 * cell + 1.2), layout="constrained")
     axes = np.asarray(fig.subplots(2, n_heads, squeeze=False))
-    limit = float(np.abs(grads).max()) or 1.0
+    limit = float(np.abs(grads[np.isfinite(grads)]).max(initial=0.0)) or 1.0
     top = bottom = None
     for h in range(n_heads):
         top = axes[0, h].imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis")
@@ -223,13 +280,11 @@ def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str |
         axes[0, h].set_title(f"head {h}: P", fontsize=9)
         axes[1, h].set_title(f"head {h}: dL/dP", fontsize=9)
         for ax in axes[:, h]:
-            ax.set_xticks(range(tk), key_labels, fontsize=7)
-            ax.set_yticks(range(tq), query_labels, fontsize=7)
+            _ticks(ax, cell, query_labels, key_labels)
         axes[1, h].set_xlabel(key_axis, fontsize=8)
     for ax in axes[:, 0]:
         ax.set_ylabel(query_axis, fontsize=8)
     fig.colorbar(top, ax=axes[0].tolist(), shrink=0.8, label="P")
     fig.colorbar(bottom, ax=axes[1].tolist(), shrink=0.8, label="dL/dP (red: attending more raises the loss)")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, path)

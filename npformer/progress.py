@@ -4,7 +4,8 @@ import sys
 
 class Progress:
     """tqdm when installed, else one line rewritten with a carriage return on a terminal (or a
-    new line every ~10% of the run when stderr is a file). Disabled: every call does nothing.
+    new line every ~10% of the run when stderr is a file). Disabled: `update` and `close` do
+    nothing; `write` still prints its message (a skipped update is news, not progress).
 
     total: the step the run ends at; initial: the step it starts from (a resumed run)."""
 

@@ -175,3 +175,25 @@ def test_recording_is_undone_after_an_error_and_cannot_nest():
                 pass
     with pytest.raises(ValueError, match="has no MultiheadAttention"):
         nn.record_attention(nn.Linear(2, 2))
+
+
+def test_only_the_thread_that_opened_the_block_records(rng):
+    """Recording is per thread, like grad mode: another thread using the model meanwhile runs
+    the usual path and adds nothing to the recorder."""
+    import threading
+
+    mha, query, memory, padding, _ = small_attention(rng)
+    x, m = Tensor(query), Tensor(memory)
+    plain = mha(x, m, m, key_padding_mask=padding)[0].numpy()
+    seen = {}
+
+    def other_thread():
+        seen["out"] = mha(x, m, m, key_padding_mask=padding)[0].numpy()
+    with nn.record_attention(mha) as recorder:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        assert len(recorder) == 0
+        mha(x, m, m, key_padding_mask=padding)
+    assert len(recorder) == 1
+    np.testing.assert_array_equal(seen["out"], plain)

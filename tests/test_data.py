@@ -154,3 +154,35 @@ def test_random_batches_refuse_a_bad_state_and_change_nothing():
     fresh = RandomBatches(np.arange(10), batch_size=3, seed=7)
     fresh.load_state_dict({**good, "position": np.int64(good["position"])})
     np.testing.assert_array_equal(next(fresh), next(stream))
+
+
+def test_sequence_task_refuses_a_bad_state_and_changes_nothing():
+    """A checkpoint's data state is untrusted: what is wrong is a ValueError naming it (the Trainer's
+    all-or-nothing load expects one), not an AttributeError or KeyError, and the stream is unchanged."""
+    task = SequenceTask(min_len=2, max_len=4, heldout_size=10, seed=3)
+    good = task.state_dict()
+    for bad, words in [([1], "expected a dict with the keys"), ({}, "expected a dict with the keys"),
+                       ({**good, "config": [1]}, "expected a dict with the keys"),
+                       ({**good, "rng": "x"}, "rng: not a PCG64 state"),
+                       ({**good, "rng": {"bit_generator": "PCG64", "state": "x"}}, "rng: not a PCG64 state")]:
+        with pytest.raises(ValueError, match=f"SequenceTask.load_state_dict: {words}"):
+            task.load_state_dict(bad)
+        assert task.state_dict() == good
+    first = task.batch(4)
+    task.load_state_dict(good)
+    np.testing.assert_array_equal(task.batch(4).src, first.src)
+
+
+def test_collate_refuses_ids_that_are_not_symbols():
+    """Floats were truncated (3.7 -> 3) and PAD/BOS/EOS or ids past the vocabulary went into the
+    source silently (a PAD inside a sequence reads as padding)."""
+    task = SequenceTask(vocab_size=10, min_len=2, max_len=4, heldout_size=10)
+    assert task.collate([np.array([3, 9], np.uint8), [4]]).src.tolist() == [[3, 9], [4, PAD]]
+    assert task.collate([[], [4]]).src.tolist() == [[PAD], [4]]
+    for bad, error, words in [([[3, 4], [3.7]], TypeError, r"seqs\[1\]: expected a sequence of integer ids"),
+                              ([[True, False]], TypeError, "integer ids"), ([["3"]], TypeError, "integer ids"),
+                              ([[[3, 4]]], TypeError, "integer ids"),
+                              ([[3, PAD, 4]], ValueError, r"seqs\[0\]: expected symbol ids in 3..9 .*got \[3, 0, 4\]"),
+                              ([[5], [10]], ValueError, r"seqs\[1\]: expected symbol ids in 3..9")]:
+        with pytest.raises(error, match=words):
+            task.collate(bad)

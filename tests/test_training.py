@@ -317,6 +317,8 @@ def test_progress_line_on_a_file(capsys, monkeypatch):
     silent.update(1, "x")
     silent.close()
     assert capsys.readouterr().err == ""
+    silent.write("step 3: gradient norm inf, update skipped")  # news, not progress: printed all the same
+    assert capsys.readouterr().err == "step 3: gradient norm inf, update skipped\n"
 
 
 def test_plot_curves_draws_the_documented_history_keys(tmp_path):

@@ -16,10 +16,12 @@ as in torch). While recording, each attention module computes P with
 `F.scaled_dot_product_attention(..., return_weights=True)`, keeps it with `retain_grad()`,
 then forms its output as dropout(P) V with autograd, so after `backward()` P's gradient is
 the loss's dL/dP. The model's outputs, losses and parameter gradients are those of the usual
-path (the same dropout masks too); only the memory-efficient kernel is not used.
+path (the same dropout masks too); only the memory-efficient and flash kernels are not used.
+Only the thread that opened the block records (like grad mode, recording is per thread).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import npformer.functional as F
@@ -90,9 +92,10 @@ class record_attention:
     Works for any model made of npformer.nn modules (Seq2SeqTransformer, CausalLM,
     EncoderClassifier, a bare MultiheadAttention). Records hold the Tensors of the graph, so
     open it for one forward/backward at a time. The modules are changed for the duration only
-    (an instance attribute shadows their `attend`), for every thread that uses this model.
+    (an instance attribute shadows their `attend`); only the calls of the thread that opened the
+    block are recorded, other threads using the model meanwhile run the usual path.
     Raises ValueError for a model without attention, RuntimeError when a block is already open
-    on it.
+    on it (in any thread).
     """
 
     def __init__(self, model: Module):
@@ -105,6 +108,7 @@ class record_attention:
         busy = [name or "(the model)" for name, m in self.modules if "attend" in m.__dict__]
         if busy:
             raise RuntimeError(f"record_attention: already recording {busy}; close the other block first")
+        self.thread = threading.get_ident()
         for name, module in self.modules:
             module.__dict__["attend"] = self._recording_attend(name, module)
         return self.recorder
@@ -117,6 +121,9 @@ class record_attention:
     def _recording_attend(self, name, module):
         def attend(q, k, v, mask=AttentionMask(), *, need_weights=False, average_attn_weights=True):
             """MultiheadAttention.attend with P as a node of the graph (see the module docstring)."""
+            if threading.get_ident() != self.thread:  # another thread: the usual path, not recorded
+                return type(module).attend(module, q, k, v, mask, need_weights=need_weights,
+                                           average_attn_weights=average_attn_weights)
             B, H, T, _ = q.shape
             _, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, is_causal=mask.is_causal,
                                                       return_weights=True)     # (B, H, T, S) P
