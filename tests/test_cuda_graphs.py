@@ -154,6 +154,26 @@ def test_out_of_range_device_ids_raise_when_the_loss_of_a_replay_is_read():
         loss.item()
 
 
+def test_replays_never_read_keep_one_replays_checks_pending():
+    """Each replay makes the captured id checks pending again; they read the same device values (the
+    latest replay's), so replays whose loss is never read must not pile them up: 200 unread replays
+    held 1,600 pending checks, and reading the loss then made 3,000 device-to-host reads (a
+    synchronisation each on a GPU) instead of a handful."""
+    _, _, _, step = trainer("test")
+    graphed = npformer.cuda.graphed(step, device="test")
+    data = [backend.to_device(a, "test") for a in batches(1)[0]]
+    graphed(*data).item()                       # the warm-up call
+    graphed(*data).item()                       # the capture
+    reads = []
+    for replays in (2, 30):
+        for _ in range(replays):
+            loss = graphed(*data)
+        testdevice.transfers.clear()
+        loss.item()
+        reads.append(testdevice.transfers["device_to_host"])
+    assert reads[1] == reads[0] <= 20, reads
+
+
 def test_a_host_offset_cannot_be_taken_while_capturing():
     """Philox.take inside a capture would bake one offset into the graph: refused, with the way out."""
     from autograd import graphs
