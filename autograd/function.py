@@ -399,19 +399,21 @@ def _accumulate(slot_owner, index, grad):
 
 def run_backward(tensor, grad, retain_graph=False):
     """Propagate `grad` (d loss / d tensor) to every leaf that requires grad, then run the
-    callbacks queued during the pass."""
+    callbacks queued during the pass. Like torch's engine without create_graph, the pass, its
+    hooks and its callbacks run with grad mode off (ops in a hook record no graph)."""
     outer, _backward.callbacks = getattr(_backward, "callbacks", None), []
-    try:
-        if tensor.creator is None:
-            tensor._accumulate_leaf(grad)
-            tensor._run_post_accumulate_grad_hooks()
-        else:
-            _run_nodes(tensor, grad, retain_graph)
-        callbacks = _backward.callbacks
-    finally:
-        _backward.callbacks = outer
-    for fn in callbacks:
-        fn()
+    with no_grad():
+        try:
+            if tensor.creator is None:
+                tensor._accumulate_leaf(grad)
+                tensor._run_post_accumulate_grad_hooks()
+            else:
+                _run_nodes(tensor, grad, retain_graph)
+            callbacks = _backward.callbacks
+        finally:
+            _backward.callbacks = outer
+        for fn in callbacks:
+            fn()
 
 
 def _freed_graph_error():
