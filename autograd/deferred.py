@@ -48,8 +48,12 @@ def defer(verdict, *values):
 
 
 def add_pending(entries):
-    """Make (verdict, values) entries pending in this thread (a graph replay's checks)."""
-    _pending().extend(entries)
+    """Make (verdict, values) entries pending in this thread (a graph replay's checks). An entry
+    already pending is not added again: it reads the same device values, which hold the latest
+    replay's, so the checks of replays never read stay as many as one replay's."""
+    pending = _pending()
+    known = set(map(id, pending))
+    pending.extend(e for e in entries if id(e) not in known)
 
 
 def raise_pending():

@@ -15,6 +15,7 @@ complete, and `queue_callback(fn)` runs `fn()` when the pass now running ends (t
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import threading
 import traceback
@@ -63,11 +64,38 @@ class _ModeSwitch:
         setattr(_state, self.name, _state.saved.pop())
 
     def __call__(self, fn: Callable) -> Callable:
-        """Used as a decorator: `fn` wrapped to run in this mode (each call enters and leaves it)."""
+        """Used as a decorator: `fn` wrapped to run in this mode (each call enters and leaves it;
+        a generator function's body runs in it each time it resumes, as torch's)."""
+        if inspect.isgeneratorfunction(fn):
+            return self._in_mode_at_each_resume(fn)
+
         @functools.wraps(fn)
         def in_mode(*args, **kwargs):
             with self:
                 return fn(*args, **kwargs)
+        return in_mode
+
+    def _in_mode_at_each_resume(self, fn):
+        """The generator function `fn` with its body in this mode and the caller's mode back at
+        every yield (torch's _wrap_generator): values, send(), throw() and close() pass through."""
+        @functools.wraps(fn)
+        def in_mode(*args, **kwargs):
+            gen = fn(*args, **kwargs)
+            resume, value = gen.send, None
+            while True:
+                try:
+                    with self:
+                        out = resume(value)
+                except StopIteration as stop:
+                    return stop.value
+                try:
+                    resume, value = gen.send, (yield out)
+                except GeneratorExit:
+                    with self:
+                        gen.close()
+                    raise
+                except BaseException as error:  # thrown in by the caller: into fn's body, in the mode
+                    resume, value = gen.throw, error
         return in_mode
 
 
@@ -107,6 +135,13 @@ class set_grad_enabled(_ModeSwitch):
         previous, self.previous = (_state.grad_enabled if self.previous is None else self.previous), None
         _state.saved.append(previous)
         _state.grad_enabled = self.value
+
+    def __call__(self, fn: Callable) -> Callable:
+        """Used as a decorator (`@set_grad_enabled(False)`), like torch's: the mode that the call
+        switched returns at once, and `fn` runs in `mode` each time it is called."""
+        if self.previous is not None:
+            _state.grad_enabled, self.previous = self.previous, None
+        return super().__call__(fn)
 
 
 class detect_anomaly(_ModeSwitch):
@@ -364,19 +399,21 @@ def _accumulate(slot_owner, index, grad):
 
 def run_backward(tensor, grad, retain_graph=False):
     """Propagate `grad` (d loss / d tensor) to every leaf that requires grad, then run the
-    callbacks queued during the pass."""
+    callbacks queued during the pass. Like torch's engine without create_graph, the pass, its
+    hooks and its callbacks run with grad mode off (ops in a hook record no graph)."""
     outer, _backward.callbacks = getattr(_backward, "callbacks", None), []
-    try:
-        if tensor.creator is None:
-            tensor._accumulate_leaf(grad)
-            tensor._run_post_accumulate_grad_hooks()
-        else:
-            _run_nodes(tensor, grad, retain_graph)
-        callbacks = _backward.callbacks
-    finally:
-        _backward.callbacks = outer
-    for fn in callbacks:
-        fn()
+    with no_grad():
+        try:
+            if tensor.creator is None:
+                tensor._accumulate_leaf(grad)
+                tensor._run_post_accumulate_grad_hooks()
+            else:
+                _run_nodes(tensor, grad, retain_graph)
+            callbacks = _backward.callbacks
+        finally:
+            _backward.callbacks = outer
+        for fn in callbacks:
+            fn()
 
 
 def _freed_graph_error():

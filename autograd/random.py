@@ -25,6 +25,7 @@ a (2,) uint64 array (seed, base) that kernels read (`PhiloxDraw.state`), rewritt
 replay with the next unused offset, like torch's Philox state under CUDA graphs. Dropout sites
 draw with `draw(n, device)` and pass its `state` on (to `bits16` or a kernel).
 """
+import os
 import threading
 from typing import Any, NamedTuple
 
@@ -33,9 +34,19 @@ from .checks import check_int
 from .kernels import kernel_table
 
 _generators = {}
-# held while a Philox stream's state is read or changed: threads sharing a stream (two models trained
-# side by side on the global one) reserve disjoint values, as torch's generator (it has a mutex)
+# held while a Philox stream's state or the global generators are read or changed: threads sharing a
+# stream (two models trained side by side on the global one) reserve disjoint values, and threads
+# using a global generator first use one object, as torch's generator (it has a mutex)
 _streams_lock = threading.RLock()
+
+
+def _new_lock_in_child():  # a forked child has none of the parent's threads: a lock one of them held stays held
+    global _streams_lock
+    _streams_lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57          # Philox4x32 multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments (golden ratio, sqrt(3) - 1)
@@ -61,9 +72,10 @@ def manual_seed(seed: int) -> None:
     """Reseed every global generator: each device's Generator (the initialisers) and the dropout
     stream, like torch.manual_seed. seed: an integer >= 0 (TypeError / ValueError otherwise)."""
     seed = check_int(seed, "seed", "manual_seed", at_least=0)
-    _generators.clear()
-    _generators["seed"] = seed
-    _dropout.seeded = False  # reseeded (in place) when next used
+    with _streams_lock:
+        _generators.clear()
+        _generators["seed"] = seed
+        _dropout.seeded = False  # reseeded (in place) when next used
 
 
 def _seed_words(index, words):
@@ -76,10 +88,14 @@ def _seed_words(index, words):
 
 def global_rng(device="cpu"):
     """The global generator of a device, used by the initialisers."""
-    if device not in _generators:  # one independent stream per device from the one seed
-        (seed,) = _seed_words(backend.DEVICES.index(device), 1)
-        _generators[device] = default_rng(seed, device)
-    return _generators[device]
+    rng = _generators.get(device)
+    if rng is None:
+        with _streams_lock:
+            rng = _generators.get(device)
+            if rng is None:  # one independent stream per device from the one seed
+                (seed,) = _seed_words(backend.DEVICES.index(device), 1)
+                rng = _generators[device] = default_rng(seed, device)
+    return rng
 
 
 def dropout_stream():

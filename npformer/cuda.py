@@ -97,13 +97,14 @@ class _EmulatedGraph:
     """The test device's stand-in: a recorded run of the step (autograd.testdevice.Capture)."""
 
     def __init__(self):
-        self.record = testdevice.Capture()
+        self.record = None
 
     @staticmethod
     def eager():
         return contextlib.nullcontext()
 
     def capturing(self, run):
+        self.record = testdevice.Capture()   # a new one: nothing of a capture that failed is replayed
         with self.record:
             return run()
 
@@ -191,9 +192,12 @@ class GraphedStep:
 
     # -- capture and replay ------------------------------------------------------------------------------------------
     def _capture(self):
-        self.capture = graphs.Capture(self.device)
-        with graphs.capturing(self.capture):
-            self.outputs = self.graph.capturing(lambda: self.fn(*self.static))
+        """Capture the step; kept only when the whole capture succeeded (after an error the next
+        call captures again, instead of replaying part of a step)."""
+        capture = graphs.Capture(self.device)
+        with graphs.capturing(capture):
+            outputs = self.graph.capturing(lambda: self.fn(*self.static))
+        self.capture, self.outputs = capture, outputs
 
     def _replay(self):
         for hook in self.capture.hooks:      # the step's host-side state (dropout offsets, Adam's scalars)

@@ -171,6 +171,68 @@ def test_set_grad_enabled_is_a_function_and_a_context_manager_like_torchs(torch)
         torch.set_grad_enabled(0)
 
 
+def test_set_grad_enabled_as_a_decorator_leaves_the_mode_alone_until_called_like_torch(torch):
+    """@set_grad_enabled(False): the call switches the mode, the decoration switches it back (torch's
+    __call__), and every call of the function runs in mode False then restores the caller's."""
+    @autograd.set_grad_enabled(False)
+    def inside():
+        return autograd.is_grad_enabled()
+
+    @torch.set_grad_enabled(False)
+    def torch_inside():
+        return torch.is_grad_enabled()
+    assert autograd.is_grad_enabled() is torch.is_grad_enabled() is True
+    with autograd.no_grad(), torch.no_grad():
+        assert inside() is torch_inside() is False
+        assert autograd.is_grad_enabled() is torch.is_grad_enabled() is False    # not the mode before decoration
+    assert inside() is torch_inside() is False
+    assert autograd.is_grad_enabled() is torch.is_grad_enabled() is True
+
+
+@pytest.mark.parametrize("name", ["no_grad", "enable_grad", "set_grad_enabled"])
+def test_a_decorated_generator_runs_in_the_mode_at_each_resume_like_torch(name, torch):
+    """A decorated generator function: its body runs in the mode each time it resumes, the caller's
+    mode is back at each yield, and send / throw / close / the return value pass through (torch's)."""
+    def decorator(lib):
+        return getattr(lib, name)(False) if name == "set_grad_enabled" else getattr(lib, name)()
+
+    def walk(lib):
+        @decorator(lib)
+        def steps():
+            seen = [lib.is_grad_enabled()]
+            try:
+                seen.append((yield lib.is_grad_enabled()))
+            except KeyError:
+                seen.append(("thrown", lib.is_grad_enabled()))
+            seen.append((yield lib.is_grad_enabled()))
+            return seen
+
+        @decorator(lib)
+        def closed():
+            try:
+                yield
+            finally:
+                log.append(lib.is_grad_enabled())
+        log, outside = [], not (name == "enable_grad")        # the caller's mode: the opposite one
+        lib.set_grad_enabled(outside)
+        try:
+            gen = steps()
+            log += [next(gen), lib.is_grad_enabled(), gen.throw(KeyError()), lib.is_grad_enabled()]
+            with pytest.raises(StopIteration) as stop:
+                gen.send("sent")
+            gen = closed()
+            next(gen)
+            gen.close()
+            return log + [stop.value.value, lib.is_grad_enabled()]
+        finally:
+            lib.set_grad_enabled(True)
+    inside = name == "enable_grad"
+    expected = [inside, not inside, inside, not inside, inside,
+                [inside, ("thrown", inside), "sent"], not inside]
+    assert walk(torch) == expected
+    assert walk(autograd) == expected
+
+
 def test_a_no_grad_object_shared_by_two_threads_keeps_each_threads_mode():
     mode, results, entered, released = autograd.no_grad(), {}, threading.Event(), threading.Event()
 

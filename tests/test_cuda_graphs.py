@@ -78,6 +78,41 @@ def test_graphed_steps_equal_eager_steps_on_the_test_device(attention):
     assert len(set(eager_losses)) == len(eager_losses)          # the steps learn: nothing repeats
 
 
+def test_a_capture_that_raised_is_captured_again_at_the_next_call():
+    """The step raises while it is being captured (after its forward drew dropout masks): the error
+    reaches the caller, and the next call captures the step again, instead of replaying the part of
+    it recorded before the error (which returned None and skipped the update). The losses, weights
+    and dropout offset are those of eager steps where the same call raised at the same point."""
+    data = batches(5)
+
+    def steps(graph):
+        model, _, scheduler, step = trainer("test")
+        calls = []
+
+        def failing_once(src, tgt_in, tgt_out):
+            calls.append(None)
+            if len(calls) == 2:                                   # the capture (after one warm-up call)
+                model(src, tgt_in)
+                raise RuntimeError("transient")
+            return step(src, tgt_in, tgt_out)
+        run_step = npformer.cuda.graphed(failing_once, device="test") if graph else failing_once
+        losses = []
+        for src, tgt_in, tgt_out in data:
+            try:
+                losses.append(run_step(*[backend.to_device(a, "test") for a in (src, tgt_in)], tgt_out).item())
+            except RuntimeError as error:
+                assert str(error) == "transient"
+                losses.append(None)
+            scheduler.step()
+        return losses, [p.numpy() for p in model.parameters()], random.dropout_stream().offset
+    eager_losses, eager_weights, eager_offset = steps(graph=False)
+    losses, weights, offset = steps(graph=True)
+    assert losses == eager_losses and losses[1] is None and None not in losses[2:]
+    assert offset == eager_offset
+    for a, b in zip(weights, eager_weights):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_each_replay_draws_new_dropout_masks():
     """Without the device-side offset the replays would repeat the capture's masks; with the same
     batch every step the losses still differ, like the eager ones."""
@@ -117,6 +152,26 @@ def test_out_of_range_device_ids_raise_when_the_loss_of_a_replay_is_read():
     loss = graphed(backend.to_device(src, "test"), *data[2][1:])  # no error yet: nothing was read
     with pytest.raises(IndexError, match=rf"token ids must be in \[0, {VOCAB - 1}\].*max {VOCAB + 4}"):
         loss.item()
+
+
+def test_replays_never_read_keep_one_replays_checks_pending():
+    """Each replay makes the captured id checks pending again; they read the same device values (the
+    latest replay's), so replays whose loss is never read must not pile them up: 200 unread replays
+    held 1,600 pending checks, and reading the loss then made 3,000 device-to-host reads (a
+    synchronisation each on a GPU) instead of a handful."""
+    _, _, _, step = trainer("test")
+    graphed = npformer.cuda.graphed(step, device="test")
+    data = [backend.to_device(a, "test") for a in batches(1)[0]]
+    graphed(*data).item()                       # the warm-up call
+    graphed(*data).item()                       # the capture
+    reads = []
+    for replays in (2, 30):
+        for _ in range(replays):
+            loss = graphed(*data)
+        testdevice.transfers.clear()
+        loss.item()
+        reads.append(testdevice.transfers["device_to_host"])
+    assert reads[1] == reads[0] <= 20, reads
 
 
 def test_a_host_offset_cannot_be_taken_while_capturing():

@@ -60,6 +60,24 @@ def test_queue_callback_runs_once_after_every_hook_and_only_inside_backward(rng)
         queue_callback(lambda: None)
 
 
+def test_hooks_and_callbacks_run_with_grad_mode_off_like_torchs(torch):
+    """torch's engine runs a backward pass (without create_graph), its hooks and its callbacks with
+    grad mode off: an op in a hook (an optimizer step in backward, a norm) records no graph; grad
+    mode is back on after backward."""
+    def seen_in_backward(lib, tensor, callback):
+        w, seen = tensor(np.ones(3), requires_grad=True), []
+
+        def hook(t):
+            seen.append((lib.is_grad_enabled(), (t * 2.0).requires_grad))
+            callback(lambda: seen.append(lib.is_grad_enabled()))
+        w.register_post_accumulate_grad_hook(hook)
+        (w * w).sum().backward()
+        return seen + [lib.is_grad_enabled()]
+    expected = [(False, False), False, True]
+    assert seen_in_backward(torch, torch.tensor, torch.autograd.Variable._execution_engine.queue_callback) == expected
+    assert seen_in_backward(autograd, Tensor, queue_callback) == expected
+
+
 def test_hooks_on_leaves_only_and_not_for_leaves_without_gradient(rng):
     w = Tensor(rng.normal(size=3), requires_grad=True)
     with pytest.raises(RuntimeError, match="only leaves"):

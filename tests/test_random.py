@@ -1,6 +1,9 @@
 """autograd.random: Philox4x32-10 against the published known-answer vectors (Random123's
 kat_vectors), the stream's offsets and state, and the statistics of the 16-bit values."""
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -97,6 +100,66 @@ def test_threads_sharing_a_stream_never_get_the_same_values(frequent_switches):
         random.manual_seed(5)
         offsets = takes_in_threads(lambda n: random.dropout_stream().take(n), each=1)
         assert sorted(offsets) == list(range(0, 8 * len(offsets), 8))
+
+
+def test_threads_first_using_the_global_generator_share_one(monkeypatch):
+    """Two threads initialising models at once after manual_seed: both draw from the one global
+    generator (torch's default generator), not from two identically seeded copies, which would give
+    both models the same weights and leave the global generator's stream depending on timing."""
+    both_inside = threading.Barrier(2, timeout=1)
+    make = random.default_rng
+
+    def slow_default_rng(*args):                  # both threads making the generator at once, if they can
+        try:
+            both_inside.wait()
+        except threading.BrokenBarrierError:      # the other thread waits for this one: as it should
+            pass
+        return make(*args)
+    monkeypatch.setattr(random, "default_rng", slow_default_rng)
+    random.manual_seed(0)
+    got = [None, None]
+
+    def first_use(i):
+        got[i] = random.global_rng("cpu")
+    workers = [threading.Thread(target=first_use, args=(i,)) for i in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(10)
+    assert got[0] is got[1] is random.global_rng("cpu")
+
+
+def test_a_child_forked_while_another_thread_draws_can_draw():
+    """os.fork (multiprocessing's "fork" start method) while another thread holds the streams' lock
+    (reserving dropout values, seeding): the child has no such thread, so the lock must not stay
+    held there, or the child's first dropout waits forever."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with random._streams_lock:
+            holding.set()
+            release.wait(10)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(10)
+    pid = os.fork()
+    if pid == 0:                                  # the child: never returns into pytest
+        code = 1
+        try:
+            random.manual_seed(3)
+            code = 0 if random.Philox(1).take(8) == 0 and random.dropout_stream().take(8) == 0 else 3
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join(10)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the lock held by a thread of the parent")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_the_values_are_uniform_and_independent():
