@@ -19,10 +19,14 @@ core this process may run on (len(os.sched_getaffinity(0)), os.cpu_count() where
 missing) when threadpoolctl is installed. Without threadpoolctl (numpy is npformer's only
 dependency) the default is 1, silently: each op runs in the caller and numpy's BLAS threads
 the GEMMs with its own threads, since npformer could not stop BLAS from competing with its
-pool. Results are the same for any number of threads. The default is chosen at the first op
+pool. Results are the same for any number of threads, to the last bit except in the GEMMs,
+which BLAS may round differently (in the last bits) for a block of rows than for the whole product or on
+its own threads than on one (OpenBLAS does). The default is chosen at the first op
 (or get_num_threads()), not at import.
 """
+import contextlib
 import os
+import sys
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -36,7 +40,8 @@ from autograd.checks import check_int
 # GPT step from 187 to 143 ms and leaves the tiny and base steps as they were.
 MIN_PARALLEL_ENTRIES = 1 << 18
 
-_state = {"threads": None, "pool": None, "blas_limit": None}
+# blas_callers: thread ident -> depth of its open blas_threads_in_caller blocks
+_state = {"threads": None, "pool": None, "blas_limit": None, "blas_callers": {}}
 _lock = threading.Lock()     # guards _state: set_num_threads may run while other threads run ops
 _local = threading.local()  # .busy: this thread is running a block (nested splits run whole)
 
@@ -83,14 +88,56 @@ def set_num_threads(n: int) -> None:
     numpy's BLAS is limited to one thread (via threadpoolctl), since npformer splits the GEMMs."""
     n = check_int(n, "n", "set_num_threads", at_least=1)
     with _lock:
-        if n > 1 and _state["blas_limit"] is None:
-            _state["blas_limit"] = _limit_blas_threads()
-        elif n == 1 and _state["blas_limit"] is not None:
-            _state["blas_limit"].restore_original_limits()
-            _state["blas_limit"] = None
         # the old pool is dropped, not shut down: ops in flight in other threads keep using it,
         # and its idle workers exit once the last of them lets go of it (garbage collection)
         _state.update(threads=n, pool=None)
+        _settle_blas_threads()
+
+
+@contextlib.contextmanager
+def blas_threads_in_caller():
+    """Within the block, this thread's ops run whole in the caller and numpy's BLAS threads the
+    products with its own threads (its thread count is one setting per process, so other threads'
+    products get them too meanwhile); other threads keep npformer's split, and set_num_threads
+    keeps its meaning. For products of a few rows (a decoding step), which OpenBLAS's threads run
+    faster than npformer's split of the rows."""
+    get_num_threads()  # the default is settled before the block, not inside it
+    me = threading.get_ident()
+    busy, _local.busy = getattr(_local, "busy", False), True
+    with _lock:
+        _state["blas_callers"][me] = _state["blas_callers"].get(me, 0) + 1
+        _settle_blas_threads()
+    try:
+        yield
+    finally:
+        _local.busy = busy
+        with _lock:
+            depth = _state["blas_callers"].pop(me) - 1
+            if depth:
+                _state["blas_callers"][me] = depth
+            _settle_blas_threads()
+
+
+def _settle_blas_threads():
+    """(holding _lock) numpy's BLAS on one thread while npformer splits the products (threads > 1)
+    and no blas_threads_in_caller block is open; its own threads otherwise."""
+    split = _state["threads"] > 1 and not _state["blas_callers"]
+    if split and _state["blas_limit"] is None:
+        _take_blas_control()
+        _state["blas_limit"] = _limit_blas_threads()
+    elif not split and _state["blas_limit"] is not None:
+        _take_blas_control()
+        _state["blas_limit"].restore_original_limits()
+        _state["blas_limit"] = None
+
+
+def _take_blas_control():
+    """threadpoolctl (>= 3.8) lets only the Python thread that last limited OpenBLAS change its
+    process-wide thread count and silently ignores the others; npformer's changes, made one at a
+    time under _lock from whichever thread calls, take that control over."""
+    controller = getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None)
+    if hasattr(controller, "clear_controlling_thread"):
+        controller.clear_controlling_thread(force=True)
 
 
 def _limit_blas_threads():
@@ -108,6 +155,8 @@ def _forget_pool():  # a forked child has none of the parent's threads (and a lo
     global _lock
     _lock = threading.Lock()
     _state["pool"] = None
+    me = threading.get_ident()  # the one thread the child has; other threads' blocks never close there
+    _state["blas_callers"] = {me: _state["blas_callers"][me]} if me in _state["blas_callers"] else {}
 
 
 if hasattr(os, "register_at_fork"):

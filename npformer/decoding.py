@@ -41,21 +41,12 @@ def _inference(model):
         model.train(was_training)
 
 
-@contextlib.contextmanager
 def _blas_threads(device):
-    """On the CPU, run ops in the caller (npformer.set_num_threads(1)) and let numpy's BLAS thread
-    the products, restoring the thread count afterwards. A decoding step multiplies a few rows
-    by every weight matrix: measured on 2 cores (benchmarks/generate.py, GPT-2 small), OpenBLAS's
-    own threads run these matrix-vector products 1.6x faster than npformer's split."""
-    count = threads.get_num_threads()
-    if device != "cpu" or count == 1:
-        yield
-        return
-    threads.set_num_threads(1)
-    try:
-        yield
-    finally:
-        threads.set_num_threads(count)
+    """On the CPU, this thread's ops run in the caller and numpy's BLAS threads the products
+    (threads.blas_threads_in_caller). A decoding step multiplies a few rows by every weight
+    matrix: measured on 2 cores (benchmarks/generate.py, GPT-2 small), OpenBLAS's own threads
+    run these matrix-vector products 1.6x faster than npformer's split."""
+    return threads.blas_threads_in_caller() if device == "cpu" else contextlib.nullcontext()
 
 
 def _source(model, src, src_key_padding_mask, owner):
