@@ -249,6 +249,22 @@ def test_a_member_declaring_more_than_it_holds_is_corrupted(tmp_path, saved):
         npformer.load_checkpoint(path)
 
 
+def test_big_endian_and_fortran_members_load_as_native_arrays(tmp_path):
+    """numpy writes either byte order and either memory order: the values count, and the arrays
+    come back in this machine's byte order (a big-endian float64 file is a float64 model)."""
+    model = seq2seq().double()
+    path = npformer.save_checkpoint(tmp_path / "ck.npz", model)
+    state = model.state_dict()
+    swapped = {f"model/{k}": npy(np.asfortranarray(v).astype(v.dtype.newbyteorder(">"))) for k, v in state.items()}
+    path = with_members(path, tmp_path / "big.npz", **swapped)
+    loaded, ckpt = npformer.load_model(path)
+    for name, value in ckpt["model"].items():
+        assert value.dtype == np.float64 and value.dtype.isnative, name
+        np.testing.assert_array_equal(value, state[name], err_msg=name)
+    assert loaded.generator.weight.dtype == np.float64
+    np.testing.assert_array_equal(loaded.generator.weight.numpy(), state["generator.weight"])
+
+
 # -- load_model: the config's shapes against the file's, before building anything -------------------------
 def test_a_config_declaring_a_huge_vocabulary_fails_before_building(tmp_path, saved, monkeypatch):
     meta = meta_of(saved)

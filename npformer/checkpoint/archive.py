@@ -8,7 +8,8 @@ array that the metadata references. `Archive` opens such a file and reads:
 - only `meta.npy` and the members the metadata names (`array(key)`), never every member;
 - each member's `.npy` header first (numpy's own header parser, no pickle): a plain bool or
   numeric dtype (no object, no structured dtype), non-negative dimensions, and a byte count
-  (shape x itemsize) equal to the member's size minus its header;
+  (shape x itemsize) equal to the member's size minus its header; arrays come back in native
+  byte order;
 - members only when their size is plausible for their compressed size (at most
   MAX_COMPRESSION_RATIO times it, plus SIZE_SLACK) and while the total of the members read stays
   under MAX_COMPRESSION_RATIO times the file's size (plus SIZE_SLACK): a zip bomb is refused
@@ -188,6 +189,8 @@ class Archive:
                 self._fill(member, flat.view(np.uint8), what)
         except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as e:  # a damaged stream or a CRC mismatch
             raise _corrupted(self.path, f"{what}: {type(e).__name__}: {e}") from e
+        if not dtype.isnative:  # e.g. a big-endian member: the values, in this machine's byte order
+            flat = flat.astype(dtype.newbyteorder("="))
         if fortran_order:
             return flat.reshape(shape[::-1]).transpose()
         return flat.reshape(shape)
