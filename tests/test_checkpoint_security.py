@@ -8,7 +8,9 @@ import io
 import json
 import pickle
 import re
+import struct
 import tracemalloc
+import warnings
 import zipfile
 import zlib
 
@@ -263,6 +265,55 @@ def test_big_endian_and_fortran_members_load_as_native_arrays(tmp_path):
         np.testing.assert_array_equal(value, state[name], err_msg=name)
     assert loaded.generator.weight.dtype == np.float64
     np.testing.assert_array_equal(loaded.generator.weight.numpy(), state["generator.weight"])
+
+
+def with_member_sizes(src, dst, name, payload, compress_size, file_size):
+    """A copy of checkpoint `src` with a stored member `name` (referenced by the metadata as
+    "extra") whose zip entries declare the sizes given, whatever `payload` holds."""
+    meta = meta_of(src)
+    meta["extra"] = {"__array__": name}
+    contents = members(src)
+    contents["meta.npy"] = npy(np.array(json.dumps(meta)))
+    path = write_zip(dst, [stored(k, v) for k, v in contents.items()]
+                     + [(f"{name}.npy", payload, zipfile.ZIP_STORED, zlib.crc32(payload), file_size)])
+    data = bytearray(path.read_bytes())  # write_zip declares len(payload) compressed: patch both headers
+    local = data.rfind(b"PK\x03\x04", 0, data.rfind(f"{name}.npy".encode(), 0, data.rfind(b"PK\x01\x02")))
+    central = data.rfind(b"PK\x01\x02")
+    struct.pack_into("<I", data, local + 18, compress_size)
+    struct.pack_into("<I", data, central + 20, compress_size)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("compress_size, file_size, message", [
+    (8 << 20, 8 << 20, r"array 'liar' declares 8388608 bytes at offset \d+, past the end of the file \(\d+ bytes\)"),
+    (60_000, 6 << 20, r"array 'liar' is stored uncompressed but declares 6291456 bytes in 60000"),
+], ids=["past-the-end", "stored-size"])
+def test_a_member_declaring_more_than_the_file_holds_is_refused_before_allocating(tmp_path, saved, compress_size,
+                                                                               file_size, message):
+    """A file of ~100 KB may declare members of up to 100 times its size in all: the sizes of a
+    stored member are checked against the file itself before its array is allocated."""
+    payload = raw_npy(((file_size - 128) // 8,), data=bytes(60_000 - 128))
+    path = with_member_sizes(saved, tmp_path / "liar.npz", "liar", payload, compress_size, file_size)
+    assert path.stat().st_size < 1 << 20
+    error, peak = peak_bytes(lambda: npformer.load_checkpoint(path, restore_rng=False))
+    assert peak < 4 << 20, error
+    assert isinstance(error, CheckpointError) and re.search(r"liar\.npz: not a readable npformer checkpoint, the file "
+                                                            r"is truncated or corrupted \(" + message, str(error)), error
+
+
+def test_a_member_stored_twice_is_refused(tmp_path, saved):
+    """zipfile and numpy keep the last of two members of one name: the file would mean two things."""
+    contents = members(saved)
+    meta = meta_of(saved)
+    entries = [stored(k, v) for k, v in contents.items()] + [stored("meta.npy", npy(np.array(json.dumps(
+        dict(meta, step=99)))))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name
+        path = write_zip(tmp_path / "twice.npz", entries)
+    with pytest.raises(CheckpointError, match=r"twice\.npz: .*the archive holds the members \['meta\.npy'\] more "
+                                              r"than once"):
+        npformer.load_checkpoint(path)
 
 
 # -- load_model: the config's shapes against the file's, before building anything -------------------------

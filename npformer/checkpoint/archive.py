@@ -10,7 +10,8 @@ array that the metadata references. `Archive` opens such a file and reads:
   numeric dtype (no object, no structured dtype), non-negative dimensions, and a byte count
   (shape x itemsize) equal to the member's size minus its header; arrays come back in native
   byte order;
-- members only when their size is plausible for their compressed size (at most
+- members only when their stored bytes lie inside the file (a member stored uncompressed holds
+  exactly its size) and their size is plausible for their compressed size (at most
   MAX_COMPRESSION_RATIO times it, plus SIZE_SLACK) and while the total of the members read stays
   under MAX_COMPRESSION_RATIO times the file's size (plus SIZE_SLACK): a zip bomb is refused
   before anything is allocated.
@@ -107,8 +108,8 @@ class Archive:
         self._file = open(path, "rb")
         try:
             self._zip = self._open_zip()
-            size = os.fstat(self._file.fileno()).st_size
-            self._budget = MAX_COMPRESSION_RATIO * size + SIZE_SLACK   # bytes all members read may hold
+            self._size = os.fstat(self._file.fileno()).st_size
+            self._budget = MAX_COMPRESSION_RATIO * self._size + SIZE_SLACK   # bytes all members read may hold
             self._arrays = {}
             self.meta = self._read_meta()
         except BaseException:
@@ -132,6 +133,10 @@ class Archive:
             raise _corrupted(self.path, f"{type(e).__name__}: {e}") from e
         if f"{META}.npy" not in archive.NameToInfo:
             raise _describe_foreign_zip(self.path, archive.namelist())
+        if len(archive.NameToInfo) != len(archive.infolist()):  # zipfile keeps the last: the file means two things
+            names = archive.namelist()
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise _corrupted(self.path, f"the archive holds the members {twice[:5]} more than once")
         return archive
 
     def _read_meta(self):
@@ -158,6 +163,12 @@ class Archive:
         """Read member `key`.npy as an array whose dtype kind is in `kinds`, checking sizes first."""
         info = self._zip.NameToInfo[f"{key}.npy"]
         what = f"array {key!r}"
+        if info.header_offset + info.compress_size > self._size:
+            raise _corrupted(self.path, f"{what} declares {info.compress_size} bytes at offset {info.header_offset}, "
+                                        f"past the end of the file ({self._size} bytes)")
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+            raise _corrupted(self.path, f"{what} is stored uncompressed but declares {info.file_size} bytes in "
+                                        f"{info.compress_size}")
         if info.flag_bits & 0x1:
             raise CheckpointError(f"{self.path}: {what} is encrypted")
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
