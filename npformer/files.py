@@ -1,11 +1,13 @@
 """Atomic file writes, shared by the savers: a write that fails or is killed midway never leaves
-a half-written file where a good one was.
+a half-written file where a good one was. And `loads_json`, shared by the loaders: JSON whose
+objects name each key once.
 
 The temporary file is `.<name>.<pid>.<random>.tmp` beside the target. A writer killed midway
 leaves it behind; the next write of the same target removes the temporaries whose writer process
 no longer exists and that were not modified for STALE_AFTER_S seconds (a live writer's, in this
 process or another, is never touched)."""
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -92,3 +94,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> str
     with contextlib.suppress(OSError):  # make the rename itself durable (POSIX; not on every platform)
         _fsync_path(directory)
     return path
+
+
+def _unique_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one JSON object")
+        out[key] = value
+    return out
+
+
+def loads_json(text: str):
+    """json.loads(text), refusing an object that names a key twice (json.loads would keep the
+    last: the file would mean two things) with a ValueError, as invalid JSON is refused."""
+    return json.loads(text, object_pairs_hook=_unique_keys)

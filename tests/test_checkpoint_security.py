@@ -458,7 +458,9 @@ def test_malformed_metadata_is_a_checkpoint_error(tmp_path, saved, case, mutate,
     ("{", r"the metadata is not valid JSON \(JSONDecodeError"),
     ("[" * 100_000 + "]" * 100_000, r"the metadata is not valid JSON \(RecursionError"),
     ("1" * 5000, r"the metadata is not valid JSON \(ValueError"),
-], ids=["truncated", "deep", "long-int"])
+    ('{"format": "npformer-checkpoint", "step": 1, "step": 2}',
+     r"the metadata is not valid JSON \(ValueError: the key 'step' appears twice in one JSON object"),
+], ids=["truncated", "deep", "long-int", "key-twice"])
 def test_metadata_that_is_not_json(tmp_path, saved, text, message):
     path = with_members(saved, tmp_path / "bad.npz", meta=npy(np.array(text)))
     with pytest.raises(CheckpointError, match=r"bad\.npz: " + message):

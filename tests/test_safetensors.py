@@ -159,6 +159,10 @@ def test_load_pretrained_errors_name_the_file(tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(SafetensorsError, match=r"config\.json: not a JSON model config"):
         load_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps(config)[:-1] + ', "n_layer": 3}')  # json.loads keeps the last
+    with pytest.raises(SafetensorsError, match=r"config\.json: not a JSON model config \(ValueError: the key 'n_layer' "
+                                               r"appears twice in one JSON object\)"):
+        load_pretrained(bad)
     (bad / "config.json").write_text(json.dumps(dict(config, n_layer=3)))
     with pytest.raises(SafetensorsError, match=r"model\.safetensors: missing key 'transformer\.h\.2\.ln_1\.weight'"):
         load_pretrained(bad)
@@ -202,7 +206,8 @@ DAMAGED = {
     "metadata_not_strings": (safetensors_bytes({"__metadata__": {"a": 1}}), "strings to strings"),
     "dtype_not_a_string": (safetensors_bytes({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
                                              b"\0" * 4), r"unknown dtype \['F32'\]"),
-    "duplicate_names": (struct.pack("<Q", len(DUPLICATE)) + DUPLICATE + b"\0" * 4, "tensor name 'w' appears twice"),
+    "duplicate_names": (struct.pack("<Q", len(DUPLICATE)) + DUPLICATE + b"\0" * 4,
+                        "the key 'w' appears twice in one JSON object"),
     "bool_shape": (safetensors_bytes({"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4),
                    "list of ints"),
 }
@@ -265,9 +270,10 @@ def test_metadata_is_checked_and_never_names_code(tmp_path):
         path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": json.dumps(info)})
         with pytest.raises(SafetensorsError, match=message):
             load_safetensors(path)
-    path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": "{not json"})
-    with pytest.raises(SafetensorsError, match="damaged npformer metadata"):
-        load_safetensors(path)
+    for text in ("{not json", '{"format": "npformer-safetensors", "class": "CausalLM", "class": "BidirectionalEncoder"}'):
+        path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": text})
+        with pytest.raises(SafetensorsError, match="damaged npformer metadata"):
+            load_safetensors(path)
     path = write_safetensors(tmp_path / "plain.safetensors", arrays)
     with pytest.raises(SafetensorsError, match="load_pretrained"):
         load_safetensors(path)

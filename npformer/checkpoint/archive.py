@@ -16,13 +16,14 @@ array that the metadata references. `Archive` opens such a file and reads:
   under MAX_COMPRESSION_RATIO times the file's size (plus SIZE_SLACK): a zip bomb is refused
   before anything is allocated.
 """
-import json
 import os
 import tokenize
 import zipfile
 import zlib
 
 import numpy as np
+
+from ..files import loads_json
 
 MAX_COMPRESSION_RATIO = 100     # npformer stores members uncompressed: its own files have ratio 1
 SIZE_SLACK = 1 << 20            # bytes any member, or the total, may have beyond the ratio
@@ -144,8 +145,8 @@ class Archive:
         if meta.shape != ():
             raise _corrupted(self.path, f"the '{META}' entry is a {meta.shape} array, not one string")
         try:
-            return json.loads(meta.item())
-        except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; deep nesting recurses
+            return loads_json(meta.item())
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, a key twice; deep nesting recurses
             raise CheckpointError(f"{self.path}: the metadata is not valid JSON ({type(e).__name__}: "
                                   f"{str(e)[:200]})") from e
 

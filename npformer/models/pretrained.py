@@ -24,7 +24,7 @@ import math
 import os
 import warnings
 
-from ..files import atomic_write
+from ..files import atomic_write, loads_json
 from ..nn import Module
 from ..nn.config import stored_config
 from ..safetensors_file import SafetensorsError, read_header, read_safetensors, write_safetensors
@@ -69,7 +69,7 @@ def _npformer_info(path, metadata):
     if "npformer" not in metadata:
         return None
     try:
-        info = json.loads(metadata["npformer"])
+        info = loads_json(metadata["npformer"])
     except (ValueError, RecursionError) as e:
         raise SafetensorsError(f"{path}: damaged npformer metadata ({type(e).__name__}: {e})") from e
     if not isinstance(info, dict) or info.get("format") != FORMAT:
@@ -163,8 +163,8 @@ def _read_config(path):
         raise SafetensorsError(f"{path}: {size} bytes is too large for a model config")
     with open(path, "rb") as f:
         try:
-            config = json.loads(f.read().decode("utf-8"))
-        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, JSON nested too deep
+            config = loads_json(f.read().decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a key twice, JSON nested too deep
             raise SafetensorsError(f"{path}: not a JSON model config ({type(e).__name__}: {e})") from e
     if not isinstance(config, dict):
         raise SafetensorsError(f"{path}: not a model config (a JSON object)")
