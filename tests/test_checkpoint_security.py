@@ -351,6 +351,19 @@ def test_a_config_declaring_a_huge_positional_table_fails_before_building(tmp_pa
     assert peak < 16 << 20
 
 
+@pytest.mark.parametrize("key", ["num_encoder_layers", "num_decoder_layers"])
+def test_a_config_declaring_countless_layers_fails_before_listing_their_shapes(tmp_path, saved, monkeypatch, key):
+    """10**30 layers: state_shapes would list their shapes forever. The file's 40 arrays bound
+    the layers it can hold (each holds several)."""
+    meta = meta_of(saved)
+    meta["config"][key] = 10**30
+    path = with_meta(saved, tmp_path / "layers.npz", meta)
+    monkeypatch.setattr(Seq2SeqTransformer, "state_shapes", classmethod(lambda *a, **k: pytest.fail("listed")))
+    with pytest.raises(CheckpointError, match=rf"layers\.npz: config: {key}=1000000000000000000000000000000 layers, but the file holds "
+                                              rf"\d+ arrays \(each layer holds several\)"):
+        npformer.load_model(path)
+
+
 SHAPE_CONFIGS = {
     "Seq2SeqTransformer": [dict(src_vocab_size=7, tgt_vocab_size=9, **SMALL),
                            dict(src_vocab_size=7, tgt_vocab_size=9, **{**SMALL, "num_decoder_layers": 2},

@@ -359,6 +359,25 @@ def test_a_config_declaring_a_huge_model_fails_before_building(tmp_path, monkeyp
         load_pretrained(folder)
 
 
+def test_a_config_declaring_countless_layers_fails_before_listing_their_shapes(tmp_path, monkeypatch):
+    """10**30 layers: state_shapes would list their shapes forever; the file's arrays bound the
+    layers it can hold (each holds several). In an npformer file and in a Hugging Face folder."""
+    model = MODELS["gpt2"]()
+    info = {"format": "npformer-safetensors", "version": 1, "class": "CausalLM", "names": "npformer",
+            "config": dict(model.config, num_layers=10**30)}
+    path = write_safetensors(tmp_path / "m.safetensors", model.state_dict(), {"npformer": json.dumps(info)})
+    folder = pathlib.Path(save_pretrained(model, tmp_path / "gpt2"))
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(hf, n_layer=10**30)))
+    monkeypatch.setattr(models.CausalLM, "state_shapes", classmethod(lambda *a, **k: pytest.fail("listed")))
+    message = r"cannot build CausalLM from the stored config \(num_layers=10{30} layers, but the file holds \d+ arrays"
+    message = message.replace("10{30}", str(10**30))
+    with pytest.raises(SafetensorsError, match=r"m\.safetensors: " + message):
+        load_safetensors(path)
+    with pytest.raises(SafetensorsError, match=r"config\.json: " + message):
+        load_pretrained(folder)
+
+
 def test_write_refuses_metadata_and_names_it_cannot_store(tmp_path):
     path = tmp_path / "w.safetensors"
     with pytest.raises(TypeError, match=r"write_safetensors: metadata must map strings to strings \(a dict\), "

@@ -24,6 +24,8 @@ import math
 import os
 import warnings
 
+from autograd.checks import is_integer
+
 from ..files import atomic_write, loads_json
 from ..nn import Module
 from ..nn.config import stored_config
@@ -91,6 +93,19 @@ def _float_dtype(header):
     return "float64" if floats == {"float64"} else "float32"
 
 
+LAYER_COUNTS = ("num_layers", "num_encoder_layers", "num_decoder_layers")
+
+
+def check_layer_counts(config: dict, arrays: int) -> None:
+    """ValueError when a layer count of an (untrusted) `config` exceeds `arrays`, the number of
+    arrays in its file: every layer holds several, so the config cannot fit the file, and listing
+    the shapes of its layers (state_shapes) would take time and memory without bound."""
+    for name in LAYER_COUNTS:
+        value = config.get(name)
+        if is_integer(value) and value > arrays:
+            raise ValueError(f"{name}={value} layers, but the file holds {arrays} arrays (each layer holds several)")
+
+
 # entries (64 MB of float32) a config may imply without fitting the file: such a model is
 # built and then refused key by key, with the first missing or mis-shaped key named
 MAX_UNCHECKED = 1 << 24
@@ -103,6 +118,7 @@ def _build(path, cls, config, header):
     try:
         bound = inspect.signature(cls).bind(**config)
         bound.apply_defaults()
+        check_layer_counts(bound.arguments, len(header))
         weights = sum(math.prod(shape) for shape in cls.state_shapes(bound.arguments).values())
         everything = sum(math.prod(shape) for shape in cls.state_shapes(bound.arguments, persistent=False).values())
     except (TypeError, ValueError) as e:
