@@ -258,6 +258,26 @@ def test_files_that_do_not_fit_change_nothing(tmp_path):
     assert_same_weights_dict(before, smaller.state_dict())
 
 
+@pytest.mark.parametrize("name, extra, message", [
+    ("gpt2", "h.0.ln_1.weight", r"the keys 'h\.0\.ln_1\.weight' and 'transformer\.h\.0\.ln_1\.weight' are two values "
+                                r"of one weight \('h\.0\.ln_1\.weight'\)"),
+    ("bert", "embeddings.LayerNorm.gamma", r"the keys 'embeddings\.LayerNorm\.gamma' and "
+                                           r"'embeddings\.LayerNorm\.weight' are two values of one weight"),
+], ids=["prefixed-and-not", "gamma-and-weight"])
+def test_two_names_for_one_weight_are_refused(name, extra, message, tmp_path):
+    """Hugging Face names are read prefixed or not, and BERT's gamma/beta as weight/bias: a file
+    holding both spellings of one weight (different values) means two things."""
+    source = MODELS[name]()
+    tensors = huggingface.hf_state_dict(source)
+    tensors[extra] = np.full(8, 7.0, dtype="float32")
+    path = write_safetensors(tmp_path / "two.safetensors", tensors, {"format": "pt"})
+    target = MODELS[name]()
+    before = target.state_dict()
+    with pytest.raises(SafetensorsError, match=r"two\.safetensors: " + message):
+        load_safetensors(path, target)
+    assert_same_weights_dict(before, target.state_dict())
+
+
 def test_metadata_is_checked_and_never_names_code(tmp_path):
     model = MODELS["causal_lm_rope"]()
     arrays = model.state_dict()

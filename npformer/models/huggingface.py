@@ -248,12 +248,17 @@ def _canonical(tensors, prefix):
     """({name as _rules names it: (name in `tensors`, array)}, the prefix stripped): the base
     model's prefix stripped (files saved from a model with a head carry it, e.g. BERT's
     pretraining checkpoints; GPT-2's original files do not),
-    TensorFlow-era BERT LayerNorm gamma/beta renamed weight/bias."""
+    TensorFlow-era BERT LayerNorm gamma/beta renamed weight/bias. ValueError when two keys
+    become one name (e.g. "transformer.h.0.ln_1.weight" and "h.0.ln_1.weight")."""
     canonical = {}
     stripped = prefix if prefix and any(k.startswith(prefix) for k in tensors) else ""
     for key, array in tensors.items():
         name = key[len(stripped):] if stripped and key.startswith(stripped) else key
         name = _OLD_LAYER_NORM.sub(lambda m: ".LayerNorm." + {"gamma": "weight", "beta": "bias"}[m.group(1)], name)
+        if name in canonical:
+            first, second = sorted((canonical[name][0], key))
+            raise ValueError(f"the keys {first!r} and {second!r} are two values of one weight ({name!r}): the file "
+                             f"means two things")
         canonical[name] = (key, array)
     return canonical, stripped
 
@@ -261,7 +266,7 @@ def _canonical(tensors, prefix):
 def state_dict_from_hf(model, tensors: dict) -> tuple[dict, list]:
     """(state_dict for `model`, skipped keys) from a Hugging Face state dict `tensors`
     ({name: array}, prefixed or not). Raises ValueError naming the first missing, mis-shaped
-    or unmapped key. Skipped: BERT pretraining heads (cls.*). Causal-mask and position-id
+    or unmapped key, or two keys of one weight (prefixed and not, LayerNorm gamma and weight). Skipped: BERT pretraining heads (cls.*). Causal-mask and position-id
     buffers are dropped; a tied lm_head.weight must equal the word embeddings."""
     family = ARCHITECTURES[_architecture(model)][0]
     canonical, stripped = _canonical(tensors, {"gpt2": GPT2_PREFIX, "bert": BERT_PREFIX}[family])
