@@ -83,7 +83,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
                                f"{type(e).__name__}: {e})") from e
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: not a safetensors file (the header is not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         raise SafetensorsError(f"{path}: __metadata__ must map strings to strings")

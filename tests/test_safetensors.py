@@ -204,6 +204,8 @@ DAMAGED = {
     "extra_field": (safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}},
                                       b"\0" * 4), "exactly dtype, shape and data_offsets"),
     "metadata_not_strings": (safetensors_bytes({"__metadata__": {"a": 1}}), "strings to strings"),
+    "metadata_a_list": (safetensors_bytes({"__metadata__": []}), "strings to strings"),
+    "metadata_false": (safetensors_bytes({"__metadata__": False}), "strings to strings"),
     "dtype_not_a_string": (safetensors_bytes({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
                                              b"\0" * 4), r"unknown dtype \['F32'\]"),
     "duplicate_names": (struct.pack("<Q", len(DUPLICATE)) + DUPLICATE + b"\0" * 4,
@@ -285,6 +287,9 @@ def test_metadata_is_checked_and_never_names_code(tmp_path):
                             "names": "npformer"}, "unknown model class 'os.system'"),
                           ({"format": "other"}, "no 'npformer-safetensors' format tag"),
                           ({"format": "npformer-safetensors", "version": 99}, "version 99"),
+                          ({"format": "npformer-safetensors", "version": True}, "version True"),
+                          ({"format": "npformer-safetensors", "version": 1, "class": ["CausalLM"], "config": {},
+                            "names": "npformer"}, r"unknown model class \['CausalLM'\]"),
                           ({"format": "npformer-safetensors", "version": 1, "class": "CausalLM",
                             "config": {"vocab_size": 13, "bogus": 1}, "names": "npformer"}, "cannot build CausalLM")):
         path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": json.dumps(info)})

@@ -76,10 +76,11 @@ def _npformer_info(path, metadata):
         raise SafetensorsError(f"{path}: damaged npformer metadata ({type(e).__name__}: {e})") from e
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise SafetensorsError(f"{path}: the npformer metadata has no '{FORMAT}' format tag")
-    if not isinstance(info.get("version"), int) or info["version"] > VERSION:
-        raise SafetensorsError(f"{path}: npformer safetensors version {info.get('version')!r} is not one this "
-                               f"npformer reads (up to {VERSION})")
-    if info.get("class") is not None and info["class"] not in MODEL_CLASSES:
+    version = info.get("version")
+    if not is_integer(version) or not 1 <= version <= VERSION:
+        raise SafetensorsError(f"{path}: npformer safetensors version {version!r} is not one this "
+                               f"npformer reads (1 to {VERSION})")
+    if info.get("class") is not None and (not isinstance(info["class"], str) or info["class"] not in MODEL_CLASSES):
         raise SafetensorsError(f"{path}: unknown model class {info['class']!r} (known: {sorted(MODEL_CLASSES)})")
     if info.get("names") not in (HF_NAMES, OUR_NAMES) or not isinstance(info.get("config"), (dict, type(None))):
         raise SafetensorsError(f"{path}: damaged npformer metadata (names {info.get('names')!r}, "
