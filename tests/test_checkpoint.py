@@ -252,7 +252,8 @@ def test_saving_through_a_symlink_replaces_the_file_it_points_to(tmp_path):
 def test_saving_where_no_regular_file_can_be_is_refused_before_writing(tmp_path):
     model, _, _ = _setup()
     (tmp_path / "folder").mkdir()
-    with pytest.raises(IsADirectoryError, match=f"cannot write {re.escape(str(tmp_path / 'folder'))}: it is a directory"):
+    folder = re.escape(str(tmp_path / "folder"))
+    with pytest.raises(IsADirectoryError, match=f"cannot write {folder}: it is a directory"):
         npformer.save_checkpoint(tmp_path / "folder", model)
     if hasattr(os, "mkfifo"):
         os.mkfifo(tmp_path / "fifo")

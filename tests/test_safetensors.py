@@ -295,7 +295,8 @@ def test_metadata_is_checked_and_never_names_code(tmp_path):
         path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": json.dumps(info)})
         with pytest.raises(SafetensorsError, match=message):
             load_safetensors(path)
-    for text in ("{not json", '{"format": "npformer-safetensors", "class": "CausalLM", "class": "BidirectionalEncoder"}'):
+    twice = '{"format": "npformer-safetensors", "class": "CausalLM", "class": "BidirectionalEncoder"}'
+    for text in ("{not json", twice):
         path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": text})
         with pytest.raises(SafetensorsError, match="damaged npformer metadata"):
             load_safetensors(path)
@@ -417,6 +418,9 @@ def test_write_refuses_metadata_and_names_it_cannot_store(tmp_path):
     (dict(activation_function=["gelu"]), r"activation_function=\['gelu'\] has no npformer counterpart"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
     (dict(model_type=["gpt2"]), r"model_type \['gpt2'\] is not supported"),
+    (dict(architectures=5), r"architectures must be a list of class names, got 5"),
+    (dict(architectures="GPT2LMHeadModel"), r"architectures must be a list of class names, got 'GPT2LMHeadModel'"),
+    (dict(scale_attn_weights="false"), r"GPT-2 config: scale_attn_weights must be true or false, got 'false'"),
 ])
 def test_wrong_typed_gpt2_config_fields_are_named(changes, message, tmp_path):
     folder = save_pretrained(models.CausalLM(13, **SMALL, **GPT2), tmp_path / "gpt2")
@@ -430,6 +434,8 @@ def test_wrong_typed_gpt2_config_fields_are_named(changes, message, tmp_path):
     (dict(hidden_act={"a": 1}), r"hidden_act=\{'a': 1\} has no npformer counterpart"),
     (dict(type_vocab_size=0), "BERT config: type_vocab_size must be an integer >= 1, got 0"),
     (dict(id2label="abc"), "BERT config: id2label must map label ids to names, got str"),
+    (dict(architectures={"0": "BertForSequenceClassification"}), r"architectures must be a list of class names"),
+    (dict(is_decoder="false"), r"BERT config: is_decoder must be true or false, got 'false'"),
 ])
 def test_wrong_typed_bert_config_fields_are_named(changes, message, tmp_path):
     folder = save_pretrained(MODELS["bert_classifier"](), tmp_path / "bert")
