@@ -6,6 +6,7 @@ that differ, and files of other kinds. Loading must never run code, never alloca
 file merely declares, and either succeed whole or change nothing."""
 import io
 import json
+import pathlib
 import pickle
 import re
 import struct
@@ -563,6 +564,62 @@ def test_fuzzed_metadata_loads_whole_or_raises_a_checkpoint_error_and_changes_no
     except RuntimeError as e:  # the model's keys or shapes do not fit, as torch's load_state_dict says
         assert str(e).startswith("Error(s) in loading state_dict for Seq2SeqTransformer")
         assert_unchanged(before, snapshot(model, opt, sched))
+
+
+def structural_offsets(path):
+    """Byte offsets of a zip file's structure: each member's local header, name and .npy header
+    (the first 128 bytes of its data, which hold the JSON metadata's start too), and the
+    central directory with its end record."""
+    with zipfile.ZipFile(path) as z:
+        spots = [i for info in z.infolist() for i in range(info.header_offset, info.header_offset + 30
+                                                            + len(info.filename) + 128)]
+        return spots + list(range(z.start_dir, path.stat().st_size))
+
+
+def mutate_bytes(data, spots, draw):
+    """1 to 3 mutations drawn at `spots`: a byte, a 32-bit field (0, -1, huge, the file size), a
+    deletion, an insertion."""
+    data = bytearray(data)
+    for _ in range(draw(st.integers(1, 3))):
+        at = min(draw(st.sampled_from(spots)), len(data) - 1)
+        operation = draw(st.sampled_from(["byte", "field", "delete", "insert"]))
+        if operation == "byte":
+            data[at] = draw(st.integers(0, 255))
+        elif operation == "field":
+            value = draw(st.sampled_from([0, 1, 2**31, 2**32 - 1, len(data), len(data) - at]))
+            data[at:at + 4] = value.to_bytes(4, "little")
+        elif operation == "delete":
+            del data[at:at + draw(st.integers(1, 40))]
+        else:
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_bytes_load_the_saved_state_or_raise_a_checkpoint_error_and_change_nothing(tmp_path, saved, data):
+    """Bytes of a real checkpoint mutated where its structure is (zip headers, .npy headers, the
+    metadata, the central directory): a load gives back exactly what was saved (the zip's CRCs
+    cover every member), or raises CheckpointError naming the file and changes nothing."""
+    path = tmp_path / "fuzzed.npz"
+    original = pathlib.Path(saved)
+    path.write_bytes(mutate_bytes(original.read_bytes(), structural_offsets(original), data.draw))
+    expected = npformer.load_checkpoint(saved, restore_rng=False)
+    model, opt, sched = trained(lr=0.5)
+    before = snapshot(model, opt, sched)
+    try:
+        ckpt = npformer.load_checkpoint(path, model, opt, sched)
+    except CheckpointError as e:
+        assert "fuzzed.npz" in str(e)
+        assert_unchanged(before, snapshot(model, opt, sched))
+    else:
+        assert ckpt["step"] == expected["step"] and ckpt["config"] == expected["config"]
+        for name, value in expected["model"].items():
+            np.testing.assert_array_equal(model.state_dict()[name], value, err_msg=name)
+    try:
+        npformer.load_model(path)
+    except CheckpointError as e:
+        assert "fuzzed.npz" in str(e)
 
 
 # -- all or nothing ----------------------------------------------------------------------------------------

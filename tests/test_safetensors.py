@@ -14,6 +14,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from npformer import interop, models, nn
 from npformer.models import huggingface, load_pretrained, load_safetensors, save_pretrained, save_safetensors
@@ -233,6 +235,49 @@ def assert_same_weights_dict(a, b):
     assert list(a) == list(b)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+HEADER_BYTES = st.sampled_from(list(b'0123456789,:[]{}" -eE.') + [0, 0xFF, 0xC3])
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_fuzzed_headers_load_what_they_say_or_raise_and_change_nothing(tmp_path_factory, data):
+    """Bytes of a real file's length field and JSON header mutated: a load raises SafetensorsError
+    naming the file and leaves the model as it was, or loads, and then (when the header still
+    describes the same tensors) exactly the weights saved."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    source = MODELS["gpt2"]()
+    original = pathlib.Path(save_safetensors(source, folder / "model.safetensors"))
+    content = bytearray(original.read_bytes())
+    end = 8 + int.from_bytes(content[:8], "little")
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, end - 1))
+        operation = data.draw(st.sampled_from(["byte", "delete", "insert", "length"]))
+        if operation == "byte":
+            content[at] = data.draw(HEADER_BYTES)
+        elif operation == "delete":
+            del content[at:at + data.draw(st.integers(1, 8))]
+        elif operation == "insert":
+            content[at:at] = bytes(data.draw(st.lists(HEADER_BYTES, min_size=1, max_size=4)))
+        else:
+            content[:8] = (end - 8 + data.draw(st.integers(-4, 4))).to_bytes(8, "little")
+    path = folder / "fuzzed.safetensors"
+    path.write_bytes(bytes(content))
+    target = MODELS["gpt2"]()
+    before = target.state_dict()
+    try:
+        load_safetensors(path, target)
+    except SafetensorsError as e:
+        assert "fuzzed.safetensors" in str(e)
+        assert_same_weights_dict(before, target.state_dict())
+    else:
+        if read_header(path)[0] == read_header(original)[0]:
+            assert_same_weights(source, target)
+    try:
+        load_safetensors(path)
+    except SafetensorsError as e:
+        assert "fuzzed.safetensors" in str(e)
 
 
 def test_a_huge_declared_header_is_refused_before_reading_it(tmp_path):
