@@ -145,6 +145,10 @@ def test_random_batches_refuse_a_bad_state_and_change_nothing():
             ({**good, "position": True}, TypeError, "position must be an integer"),
             ({**good, "position": "x"}, TypeError, "position must be an integer"),
             ({**good, "epoch_start": {"bit_generator": "PCG64", "state": "x"}}, ValueError, "epoch_start"),
+            ({**good, "epoch_start": {**good["epoch_start"], "state": {"state": -1, "inc": 1}}}, ValueError,
+             r"epoch_start/state/state: expected an int in \[0, "),
+            ({**good, "epoch_start": np.random.MT19937(0).state}, ValueError,
+             "epoch_start: a MT19937 state for a PCG64 generator"),
             ({"position": 1}, ValueError, r"expected a dict with the keys \['epoch_start', 'position'\]"),
             ([1], ValueError, "expected a dict")]:
         state = stream.state_dict()
