@@ -458,6 +458,8 @@ MALFORMED = [
     ("rng-list", lambda m: edit(m, "rng", value=[]), r"metadata rng: expected a dict, got list"),
     ("rng-device", lambda m: edit(m, "rng", "cuda", value={}), r"metadata rng/cuda: unknown generator"),
     ("rng-name", lambda m: edit(m, "rng", "cpu", "bit_generator", value="seed"), r"metadata rng/cpu: bit_generator"),
+    ("dropout-offset", lambda m: edit(m, "rng", "dropout", "offset", value=2**200),  # the first dropout overflowed
+     r"metadata rng/dropout: Philox state: offset must be an integer in \[0, 18446744073709551615\]"),
 ]
 
 
