@@ -171,6 +171,14 @@ def test_load_pretrained_errors_name_the_file(tmp_path):
     (bad / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "n_embd"}))
     with pytest.raises(SafetensorsError, match=r"config\.json: missing 'n_embd'"):
         load_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps(config) + " " * models.pretrained.MAX_CONFIG_BYTES)
+    with pytest.raises(SafetensorsError, match=r"config\.json: more than 16777216 bytes, too large for a model config"):
+        load_pretrained(bad)
+    if os.path.exists("/dev/zero"):  # endless: was read whole (memory ran out), as its size is 0
+        (bad / "config.json").unlink()
+        (bad / "config.json").symlink_to("/dev/zero")
+        with pytest.raises(SafetensorsError, match=r"config\.json: more than 16777216 bytes"):
+            load_pretrained(bad)
 
 
 # -- untrusted files ------------------------------------------------------------------------

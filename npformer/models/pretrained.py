@@ -175,14 +175,14 @@ def load_safetensors(path: str | os.PathLike, model: Module | None = None, devic
 
 
 def _read_config(path):
-    size = os.path.getsize(path)
-    if size > MAX_CONFIG_BYTES:
-        raise SafetensorsError(f"{path}: {size} bytes is too large for a model config")
     with open(path, "rb") as f:
-        try:
-            config = loads_json(f.read().decode("utf-8"))
-        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a key twice, JSON nested too deep
-            raise SafetensorsError(f"{path}: not a JSON model config ({type(e).__name__}: {e})") from e
+        text = f.read(MAX_CONFIG_BYTES + 1)  # a bounded read: the file may be a device (/dev/zero) or still growing
+    if len(text) > MAX_CONFIG_BYTES:
+        raise SafetensorsError(f"{path}: more than {MAX_CONFIG_BYTES} bytes, too large for a model config")
+    try:
+        config = loads_json(text.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a key twice, JSON nested too deep
+        raise SafetensorsError(f"{path}: not a JSON model config ({type(e).__name__}: {e})") from e
     if not isinstance(config, dict):
         raise SafetensorsError(f"{path}: not a model config (a JSON object)")
     return config
