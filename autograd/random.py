@@ -182,12 +182,13 @@ class Philox:
             return {"seed": self.seed, "offset": self.offset}
 
     def load_state_dict(self, state):
-        """Continue from `state` ({"seed": int in [0, 2^64), "offset": int >= 0}); anything else
-        is a TypeError or ValueError, and the stream is left as it was."""
+        """Continue from `state` ({"seed": int in [0, 2^64), "offset": int in [0, 2^64)}: the stream's
+        values are counted in 64 bits); anything else is a TypeError or ValueError, and the stream
+        is left as it was."""
         if not isinstance(state, dict) or set(state) != {"seed", "offset"}:
             raise ValueError(f"Philox state: expected {{'seed': ..., 'offset': ...}}, got {state!r:.80}")
         seed = check_int(state["seed"], "seed", "Philox state", at_least=0, at_most=2**64 - 1)
-        offset = check_int(state["offset"], "offset", "Philox state", at_least=0)
+        offset = check_int(state["offset"], "offset", "Philox state", at_least=0, at_most=2**64 - 1)
         with _streams_lock:
             self.seed, self.offset = seed, offset
 

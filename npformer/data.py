@@ -29,6 +29,8 @@ import numpy as np
 
 from autograd.checks import check_bool, check_int, is_integer
 
+from .checkpoint.packing import bit_generator
+
 __all__ = ["PAD", "BOS", "EOS", "NUM_SPECIAL", "TASKS", "Batch", "shard", "RandomBatches", "SequenceTask"]
 
 PAD, BOS, EOS = 0, 1, 2
@@ -141,11 +143,7 @@ class RandomBatches:
         if not isinstance(state, dict) or set(state) != {"epoch_start", "position"}:
             raise ValueError(f"{owner}: expected a dict with the keys ['epoch_start', 'position'], got {state!r:.80}")
         position = check_int(state["position"], "position", owner, at_least=0, at_most=len(self.arrays[0]))
-        trial = type(self.rng.bit_generator)()
-        try:
-            trial.state = state["epoch_start"]
-        except (TypeError, ValueError, KeyError) as e:
-            raise ValueError(f"{owner}: epoch_start: not a {type(trial).__name__} state ({e})") from None
+        trial = bit_generator(state["epoch_start"], f"{owner}: epoch_start", like=self.rng.bit_generator)
         self.rng.bit_generator.state = trial.state
         self._new_epoch()
         self.position = position
@@ -332,22 +330,17 @@ class SequenceTask:
         return {"rng": self.rng.bit_generator.state, "config": self.config()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the training stream of `state` (what state_dict returned). All or nothing:
-        ValueError naming what is wrong (a state made by another task too), and the stream is unchanged."""
+        """Continue the training stream of `state`; ValueError if it was made by another task or
+        is not what state_dict returns (the stream is then unchanged)."""
         owner = "SequenceTask.load_state_dict"
-        if not isinstance(state, dict) or "rng" not in state or not isinstance(state.get("config", {}), dict):
-            raise ValueError(f"{owner}: expected a dict with the keys ['rng', 'config'], got {state!r:.80}")
+        if not isinstance(state, dict) or "rng" not in state or not isinstance(state.get("config"), (dict, type(None))):
+            raise ValueError(f"{owner}: expected a dict with 'rng' and 'config' (a dict), got {state!r:.80}")
         saved = state.get("config")
         if saved is not None and saved != self.config():
             differ = {k: (saved.get(k), v) for k, v in self.config().items() if saved.get(k) != v}
             raise ValueError("state: saved by a different task (saved vs this one: "
                              + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items()) + ")")
-        trial = type(self.rng.bit_generator)()
-        try:
-            trial.state = state["rng"]
-        except (TypeError, ValueError, KeyError) as e:
-            raise ValueError(f"{owner}: rng: not a {type(trial).__name__} state ({e})") from None
-        self.rng.bit_generator.state = trial.state
+        self.rng.bit_generator.state = bit_generator(state["rng"], f"{owner}: rng", like=self.rng.bit_generator).state
 
     def __repr__(self):
         return (f"SequenceTask({self.task!r}, vocab_size={self.vocab_size}, lengths {self.min_len}.."

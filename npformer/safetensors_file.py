@@ -10,13 +10,12 @@ A file that fails raises SafetensorsError naming it. Nothing in a file is execut
 Writing is atomic (npformer.files.atomic_write). The `safetensors` package (the optional
 extra `npformer[safetensors]`) is imported inside these functions only.
 """
-import json
 import math
 import os
 
 import numpy as np
 
-from .files import atomic_write
+from .files import atomic_write, loads_json
 
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32", "I16": "int16",
@@ -63,17 +62,6 @@ def _entry(path, name, entry):
     return DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
 
 
-def _unique(path, pairs):
-    """A JSON object's pairs as a dict, refusing a repeated name (json.loads would keep the last:
-    the file would mean two things)."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise SafetensorsError(f"{path}: damaged: the header's tensor name {key!r} appears twice")
-        out[key] = value
-    return out
-
-
 def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     """({name: (numpy dtype name, shape)}, metadata {str: str}) of a safetensors file, after
     checking every entry against the file's size (see the module docstring). Reads only the
@@ -89,15 +77,14 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
                                    f"but the file has {file_size - 8} after the length")
         raw = f.read(length)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=lambda pairs: _unique(path, pairs))
-    except SafetensorsError:
-        raise
-    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, JSON nested too deep
+        header = loads_json(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a name twice, JSON nested too deep
         raise SafetensorsError(f"{path}: not a safetensors file (the header is not JSON: "
                                f"{type(e).__name__}: {e})") from e
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: not a safetensors file (the header is not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         raise SafetensorsError(f"{path}: __metadata__ must map strings to strings")

@@ -46,6 +46,7 @@ from autograd.checks import check_bool, check_int, check_real
 
 from . import functional as F
 from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint.packing import bit_generator
 from .data import EOS, PAD, SequenceTask, shard
 from .decoding import _inference, greedy_decode
 from .distributed import comm
@@ -269,10 +270,12 @@ class Trainer:
         for name, p in self.module.named_parameters():
             self.layers.setdefault(layer_of(name), []).append(p)
         self.step = 0
-        self.history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "items": [], "seconds": [],
-                        "layer_grad_norm_step": [], "layer_grad_norm": {name: [] for name in self.layers},
-                        "eval_step": []}
+        self.history = self._empty_history()
         self._bar = None
+
+    def _empty_history(self):
+        return {"step": [], "loss": [], "lr": [], "grad_norm": [], "items": [], "seconds": [],
+                "layer_grad_norm_step": [], "layer_grad_norm": {name: [] for name in self.layers}, "eval_step": []}
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self, batch: Any = None) -> dict[str, Any]:
@@ -405,6 +408,7 @@ class Trainer:
         if not isinstance(state, dict) or not isinstance(state.get("history"), dict):
             raise ValueError(f"expected a dict with 'step' and 'history', got {type(state).__name__}")
         step = check_int(state.get("step"), "step", "Trainer.prepare_load_state_dict", at_least=0)
+        self._check_history(state["history"])
         for name, owner in self._state_owners():
             if name in state:
                 copy.deepcopy(owner).load_state_dict(state[name])  # raises here, or loads below too
@@ -412,11 +416,11 @@ class Trainer:
         if saved_rngs is not None:
             if not isinstance(saved_rngs, list):
                 raise ValueError(f"rank_rng: expected a list, got {type(saved_rngs).__name__}")
-            trial, stream = type(random.global_rng("cpu").bit_generator)(), random.Philox()
+            stream = random.Philox()
             for saved in saved_rngs:
                 if not isinstance(saved, dict) or set(saved) != {"cpu", "dropout"}:
                     raise ValueError(f"rank_rng: expected {{'cpu': ..., 'dropout': ...}} per rank, got {saved!r:.80}")
-                trial.state = saved["cpu"]
+                bit_generator(saved["cpu"], "rank_rng/cpu", like=random.global_rng("cpu").bit_generator)
                 stream.load_state_dict(saved["dropout"])
 
         def apply():
@@ -426,6 +430,17 @@ class Trainer:
                     owner.load_state_dict(state[name])
             self._restore_rank_rng(saved_rngs)
         return apply
+
+    def _check_history(self, history):
+        """ValueError unless train_step can append to `history`: a list for every entry (those of
+        an empty history included), layer_grad_norm a dict with a list for each of the model's layers."""
+        entries = [k for k in {**self._empty_history(), **history} if k != "layer_grad_norm"]
+        layers = history.get("layer_grad_norm")
+        if (not all(isinstance(history.get(k), list) for k in entries) or not isinstance(layers, dict)
+                or not all(isinstance(layers.get(name), list) for name in self.layers)):
+            raise ValueError(f"history: expected a list for each of {sorted(self._empty_history())} and every "
+                             f"other entry, and layer_grad_norm holding a list for each of {sorted(self.layers)}; "
+                             f"got {str(history)[:200]}")
 
     def _state_owners(self):
         """(key in the state dict, object with its own load_state_dict) pairs."""

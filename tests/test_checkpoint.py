@@ -231,6 +231,43 @@ def test_saving_keeps_the_mode_of_the_file_it_replaces(tmp_path):
         assert stat.S_IMODE(os.stat(path).st_mode) == mode
 
 
+def test_saving_through_a_symlink_replaces_the_file_it_points_to(tmp_path):
+    """As open() (torch.save, numpy.savez) writes: `latest.npz -> run/ck.npz` stays a link, and
+    run/ck.npz, keeping its mode, holds the new checkpoint."""
+    model, opt, _ = _setup()
+    (tmp_path / "run").mkdir()
+    target = npformer.save_checkpoint(tmp_path / "run" / "ck.npz", model, opt, step=1)
+    os.chmod(target, 0o640)
+    (tmp_path / "latest.npz").symlink_to("run/ck.npz")
+    assert npformer.save_checkpoint(tmp_path / "latest.npz", model, opt, step=2) == str(tmp_path / "latest.npz")
+    assert os.path.islink(tmp_path / "latest.npz") and stat.S_IMODE(os.stat(target).st_mode) == 0o640
+    assert npformer.load_checkpoint(target, restore_rng=False)["step"] == 2
+    (tmp_path / "new.npz").symlink_to("run/new.npz")  # a dangling link: open() creates the file it names
+    npformer.save_checkpoint(tmp_path / "new.npz", model, step=3)
+    assert os.path.islink(tmp_path / "new.npz") and npformer.load_checkpoint(tmp_path / "run" / "new.npz")["step"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["latest.npz", "new.npz", "run"]
+    assert sorted(os.listdir(tmp_path / "run")) == ["ck.npz", "new.npz"]
+
+
+def test_saving_where_no_regular_file_can_be_is_refused_before_writing(tmp_path):
+    model, _, _ = _setup()
+    (tmp_path / "folder").mkdir()
+    folder = re.escape(str(tmp_path / "folder"))
+    with pytest.raises(IsADirectoryError, match=f"cannot write {folder}: it is a directory"):
+        npformer.save_checkpoint(tmp_path / "folder", model)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        with pytest.raises(OSError, match=r"cannot write .*fifo: not a regular file \(a device, FIFO or socket\)"):
+            npformer.save_checkpoint(tmp_path / "fifo", model)
+        assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(FileExistsError, match=r"cannot write .*file/ck\.npz: cannot create the folder .*file "
+                                              r"\(File exists\)"):
+        npformer.save_checkpoint(tmp_path / "file" / "ck.npz", model)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "file", "folder"][0 if hasattr(os, "mkfifo") else 1:]
+    assert os.listdir(tmp_path / "folder") == []
+
+
 def temporary(directory, name, pid, age_s):
     path = directory / f".{name}.{pid}.{age_s:08x}.tmp"
     path.write_bytes(b"PK\x03\x04 half a checkpoint")

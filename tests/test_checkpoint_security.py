@@ -6,9 +6,12 @@ that differ, and files of other kinds. Loading must never run code, never alloca
 file merely declares, and either succeed whole or change nothing."""
 import io
 import json
+import pathlib
 import pickle
 import re
+import struct
 import tracemalloc
+import warnings
 import zipfile
 import zlib
 
@@ -249,6 +252,71 @@ def test_a_member_declaring_more_than_it_holds_is_corrupted(tmp_path, saved):
         npformer.load_checkpoint(path)
 
 
+def test_big_endian_and_fortran_members_load_as_native_arrays(tmp_path):
+    """numpy writes either byte order and either memory order: the values count, and the arrays
+    come back in this machine's byte order (a big-endian float64 file is a float64 model)."""
+    model = seq2seq().double()
+    path = npformer.save_checkpoint(tmp_path / "ck.npz", model)
+    state = model.state_dict()
+    swapped = {f"model/{k}": npy(np.asfortranarray(v).astype(v.dtype.newbyteorder(">"))) for k, v in state.items()}
+    path = with_members(path, tmp_path / "big.npz", **swapped)
+    loaded, ckpt = npformer.load_model(path)
+    for name, value in ckpt["model"].items():
+        assert value.dtype == np.float64 and value.dtype.isnative, name
+        np.testing.assert_array_equal(value, state[name], err_msg=name)
+    assert loaded.generator.weight.dtype == np.float64
+    np.testing.assert_array_equal(loaded.generator.weight.numpy(), state["generator.weight"])
+
+
+def with_member_sizes(src, dst, name, payload, compress_size, file_size):
+    """A copy of checkpoint `src` with a stored member `name` (referenced by the metadata as
+    "extra") whose zip entries declare the sizes given, whatever `payload` holds."""
+    meta = meta_of(src)
+    meta["extra"] = {"__array__": name}
+    contents = members(src)
+    contents["meta.npy"] = npy(np.array(json.dumps(meta)))
+    path = write_zip(dst, [stored(k, v) for k, v in contents.items()]
+                     + [(f"{name}.npy", payload, zipfile.ZIP_STORED, zlib.crc32(payload), file_size)])
+    data = bytearray(path.read_bytes())  # write_zip declares len(payload) compressed: patch both headers
+    local = data.rfind(b"PK\x03\x04", 0, data.rfind(f"{name}.npy".encode(), 0, data.rfind(b"PK\x01\x02")))
+    central = data.rfind(b"PK\x01\x02")
+    struct.pack_into("<I", data, local + 18, compress_size)
+    struct.pack_into("<I", data, central + 20, compress_size)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("compress_size, file_size, message", [
+    (8 << 20, 8 << 20, r"array 'liar' declares 8388608 bytes at offset \d+, past the end of the file \(\d+ bytes\)"),
+    (60_000, 6 << 20, r"array 'liar' is stored uncompressed but declares 6291456 bytes in 60000"),
+], ids=["past-the-end", "stored-size"])
+def test_a_member_declaring_more_than_the_file_holds_is_refused_before_allocating(tmp_path, saved, compress_size,
+                                                                               file_size, message):
+    """A file of ~100 KB may declare members of up to 100 times its size in all: the sizes of a
+    stored member are checked against the file itself before its array is allocated."""
+    payload = raw_npy(((file_size - 128) // 8,), data=bytes(60_000 - 128))
+    path = with_member_sizes(saved, tmp_path / "liar.npz", "liar", payload, compress_size, file_size)
+    assert path.stat().st_size < 1 << 20
+    error, peak = peak_bytes(lambda: npformer.load_checkpoint(path, restore_rng=False))
+    assert peak < 4 << 20, error
+    expected = r"liar\.npz: not a readable npformer checkpoint, the file is truncated or corrupted \(" + message
+    assert isinstance(error, CheckpointError) and re.search(expected, str(error)), error
+
+
+def test_a_member_stored_twice_is_refused(tmp_path, saved):
+    """zipfile and numpy keep the last of two members of one name: the file would mean two things."""
+    contents = members(saved)
+    meta = meta_of(saved)
+    entries = [stored(k, v) for k, v in contents.items()] + [stored("meta.npy", npy(np.array(json.dumps(
+        dict(meta, step=99)))))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name
+        path = write_zip(tmp_path / "twice.npz", entries)
+    with pytest.raises(CheckpointError, match=r"twice\.npz: .*the archive holds the members \['meta\.npy'\] more "
+                                              r"than once"):
+        npformer.load_checkpoint(path)
+
+
 # -- load_model: the config's shapes against the file's, before building anything -------------------------
 def test_a_config_declaring_a_huge_vocabulary_fails_before_building(tmp_path, saved, monkeypatch):
     meta = meta_of(saved)
@@ -282,6 +350,19 @@ def test_a_config_declaring_a_huge_positional_table_fails_before_building(tmp_pa
     assert isinstance(error, CheckpointError), error
     assert "derived buffers {'positional.pe': (1000000000, 8)}" in str(error) and "nothing was built" in str(error)
     assert peak < 16 << 20
+
+
+@pytest.mark.parametrize("key", ["num_encoder_layers", "num_decoder_layers"])
+def test_a_config_declaring_countless_layers_fails_before_listing_their_shapes(tmp_path, saved, monkeypatch, key):
+    """10**30 layers: state_shapes would list their shapes forever. The file's 40 arrays bound
+    the layers it can hold (each holds several)."""
+    meta = meta_of(saved)
+    meta["config"][key] = 10**30
+    path = with_meta(saved, tmp_path / "layers.npz", meta)
+    monkeypatch.setattr(Seq2SeqTransformer, "state_shapes", classmethod(lambda *a, **k: pytest.fail("listed")))
+    with pytest.raises(CheckpointError, match=rf"layers\.npz: config: {key}={10**30} layers, but the file holds \d+ "
+                                              r"arrays \(each layer holds several\)"):
+        npformer.load_model(path)
 
 
 SHAPE_CONFIGS = {
@@ -377,6 +458,8 @@ MALFORMED = [
     ("rng-list", lambda m: edit(m, "rng", value=[]), r"metadata rng: expected a dict, got list"),
     ("rng-device", lambda m: edit(m, "rng", "cuda", value={}), r"metadata rng/cuda: unknown generator"),
     ("rng-name", lambda m: edit(m, "rng", "cpu", "bit_generator", value="seed"), r"metadata rng/cpu: bit_generator"),
+    ("dropout-offset", lambda m: edit(m, "rng", "dropout", "offset", value=2**200),  # the first dropout overflowed
+     r"metadata rng/dropout: Philox state: offset must be an integer in \[0, 18446744073709551615\]"),
 ]
 
 
@@ -391,7 +474,9 @@ def test_malformed_metadata_is_a_checkpoint_error(tmp_path, saved, case, mutate,
     ("{", r"the metadata is not valid JSON \(JSONDecodeError"),
     ("[" * 100_000 + "]" * 100_000, r"the metadata is not valid JSON \(RecursionError"),
     ("1" * 5000, r"the metadata is not valid JSON \(ValueError"),
-], ids=["truncated", "deep", "long-int"])
+    ('{"format": "npformer-checkpoint", "step": 1, "step": 2}',
+     r"the metadata is not valid JSON \(ValueError: the key 'step' appears twice in one JSON object"),
+], ids=["truncated", "deep", "long-int", "key-twice"])
 def test_metadata_that_is_not_json(tmp_path, saved, text, message):
     path = with_members(saved, tmp_path / "bad.npz", meta=npy(np.array(text)))
     with pytest.raises(CheckpointError, match=r"bad\.npz: " + message):
@@ -481,6 +566,62 @@ def test_fuzzed_metadata_loads_whole_or_raises_a_checkpoint_error_and_changes_no
     except RuntimeError as e:  # the model's keys or shapes do not fit, as torch's load_state_dict says
         assert str(e).startswith("Error(s) in loading state_dict for Seq2SeqTransformer")
         assert_unchanged(before, snapshot(model, opt, sched))
+
+
+def structural_offsets(path):
+    """Byte offsets of a zip file's structure: each member's local header, name and .npy header
+    (the first 128 bytes of its data, which hold the JSON metadata's start too), and the
+    central directory with its end record."""
+    with zipfile.ZipFile(path) as z:
+        spots = [i for info in z.infolist() for i in range(info.header_offset, info.header_offset + 30
+                                                            + len(info.filename) + 128)]
+        return spots + list(range(z.start_dir, path.stat().st_size))
+
+
+def mutate_bytes(data, spots, draw):
+    """1 to 3 mutations drawn at `spots`: a byte, a 32-bit field (0, -1, huge, the file size), a
+    deletion, an insertion."""
+    data = bytearray(data)
+    for _ in range(draw(st.integers(1, 3))):
+        at = min(draw(st.sampled_from(spots)), len(data) - 1)
+        operation = draw(st.sampled_from(["byte", "field", "delete", "insert"]))
+        if operation == "byte":
+            data[at] = draw(st.integers(0, 255))
+        elif operation == "field":
+            value = draw(st.sampled_from([0, 1, 2**31, 2**32 - 1, len(data), len(data) - at]))
+            data[at:at + 4] = value.to_bytes(4, "little")
+        elif operation == "delete":
+            del data[at:at + draw(st.integers(1, 40))]
+        else:
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_bytes_load_the_saved_state_or_raise_a_checkpoint_error_and_change_nothing(tmp_path, saved, data):
+    """Bytes of a real checkpoint mutated where its structure is (zip headers, .npy headers, the
+    metadata, the central directory): a load gives back exactly what was saved (the zip's CRCs
+    cover every member), or raises CheckpointError naming the file and changes nothing."""
+    path = tmp_path / "fuzzed.npz"
+    original = pathlib.Path(saved)
+    path.write_bytes(mutate_bytes(original.read_bytes(), structural_offsets(original), data.draw))
+    expected = npformer.load_checkpoint(saved, restore_rng=False)
+    model, opt, sched = trained(lr=0.5)
+    before = snapshot(model, opt, sched)
+    try:
+        ckpt = npformer.load_checkpoint(path, model, opt, sched)
+    except CheckpointError as e:
+        assert "fuzzed.npz" in str(e)
+        assert_unchanged(before, snapshot(model, opt, sched))
+    else:
+        assert ckpt["step"] == expected["step"] and ckpt["config"] == expected["config"]
+        for name, value in expected["model"].items():
+            np.testing.assert_array_equal(model.state_dict()[name], value, err_msg=name)
+    try:
+        npformer.load_model(path)
+    except CheckpointError as e:
+        assert "fuzzed.npz" in str(e)
 
 
 # -- all or nothing ----------------------------------------------------------------------------------------

@@ -145,6 +145,10 @@ def test_random_batches_refuse_a_bad_state_and_change_nothing():
             ({**good, "position": True}, TypeError, "position must be an integer"),
             ({**good, "position": "x"}, TypeError, "position must be an integer"),
             ({**good, "epoch_start": {"bit_generator": "PCG64", "state": "x"}}, ValueError, "epoch_start"),
+            ({**good, "epoch_start": {**good["epoch_start"], "state": {"state": -1, "inc": 1}}}, ValueError,
+             r"epoch_start/state/state: expected an int in \[0, "),
+            ({**good, "epoch_start": np.random.MT19937(0).state}, ValueError,
+             "epoch_start: a MT19937 state for a PCG64 generator"),
             ({"position": 1}, ValueError, r"expected a dict with the keys \['epoch_start', 'position'\]"),
             ([1], ValueError, "expected a dict")]:
         state = stream.state_dict()
@@ -161,10 +165,10 @@ def test_sequence_task_refuses_a_bad_state_and_changes_nothing():
     all-or-nothing load expects one), not an AttributeError or KeyError, and the stream is unchanged."""
     task = SequenceTask(min_len=2, max_len=4, heldout_size=10, seed=3)
     good = task.state_dict()
-    for bad, words in [([1], "expected a dict with the keys"), ({}, "expected a dict with the keys"),
-                       ({**good, "config": [1]}, "expected a dict with the keys"),
-                       ({**good, "rng": "x"}, "rng: not a PCG64 state"),
-                       ({**good, "rng": {"bit_generator": "PCG64", "state": "x"}}, "rng: not a PCG64 state")]:
+    for bad, words in [([1], "expected a dict with 'rng' and 'config'"), ({}, "expected a dict with 'rng'"),
+                       ({**good, "config": [1]}, r"expected a dict with 'rng' and 'config' \(a dict\)"),
+                       ({**good, "rng": "x"}, "rng: a generator state must be a dict"),
+                       ({**good, "rng": {"bit_generator": "PCG64", "state": "x"}}, "rng: expected a dict with the keys")]:
         with pytest.raises(ValueError, match=f"SequenceTask.load_state_dict: {words}"):
             task.load_state_dict(bad)
         assert task.state_dict() == good

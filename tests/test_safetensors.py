@@ -14,6 +14,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from npformer import interop, models, nn
 from npformer.models import huggingface, load_pretrained, load_safetensors, save_pretrained, save_safetensors
@@ -159,12 +161,24 @@ def test_load_pretrained_errors_name_the_file(tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(SafetensorsError, match=r"config\.json: not a JSON model config"):
         load_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps(config)[:-1] + ', "n_layer": 3}')  # json.loads keeps the last
+    with pytest.raises(SafetensorsError, match=r"config\.json: not a JSON model config \(ValueError: the key 'n_layer' "
+                                               r"appears twice in one JSON object\)"):
+        load_pretrained(bad)
     (bad / "config.json").write_text(json.dumps(dict(config, n_layer=3)))
     with pytest.raises(SafetensorsError, match=r"model\.safetensors: missing key 'transformer\.h\.2\.ln_1\.weight'"):
         load_pretrained(bad)
     (bad / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "n_embd"}))
     with pytest.raises(SafetensorsError, match=r"config\.json: missing 'n_embd'"):
         load_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps(config) + " " * models.pretrained.MAX_CONFIG_BYTES)
+    with pytest.raises(SafetensorsError, match=r"config\.json: more than 16777216 bytes, too large for a model config"):
+        load_pretrained(bad)
+    if os.path.exists("/dev/zero"):  # endless: was read whole (memory ran out), as its size is 0
+        (bad / "config.json").unlink()
+        (bad / "config.json").symlink_to("/dev/zero")
+        with pytest.raises(SafetensorsError, match=r"config\.json: more than 16777216 bytes"):
+            load_pretrained(bad)
 
 
 # -- untrusted files ------------------------------------------------------------------------
@@ -200,9 +214,12 @@ DAMAGED = {
     "extra_field": (safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}},
                                       b"\0" * 4), "exactly dtype, shape and data_offsets"),
     "metadata_not_strings": (safetensors_bytes({"__metadata__": {"a": 1}}), "strings to strings"),
+    "metadata_a_list": (safetensors_bytes({"__metadata__": []}), "strings to strings"),
+    "metadata_false": (safetensors_bytes({"__metadata__": False}), "strings to strings"),
     "dtype_not_a_string": (safetensors_bytes({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
                                              b"\0" * 4), r"unknown dtype \['F32'\]"),
-    "duplicate_names": (struct.pack("<Q", len(DUPLICATE)) + DUPLICATE + b"\0" * 4, "tensor name 'w' appears twice"),
+    "duplicate_names": (struct.pack("<Q", len(DUPLICATE)) + DUPLICATE + b"\0" * 4,
+                        "the key 'w' appears twice in one JSON object"),
     "bool_shape": (safetensors_bytes({"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4),
                    "list of ints"),
 }
@@ -226,6 +243,49 @@ def assert_same_weights_dict(a, b):
     assert list(a) == list(b)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+HEADER_BYTES = st.sampled_from(list(b'0123456789,:[]{}" -eE.') + [0, 0xFF, 0xC3])
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_fuzzed_headers_load_what_they_say_or_raise_and_change_nothing(tmp_path_factory, data):
+    """Bytes of a real file's length field and JSON header mutated: a load raises SafetensorsError
+    naming the file and leaves the model as it was, or loads, and then (when the header still
+    describes the same tensors) exactly the weights saved."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    source = MODELS["gpt2"]()
+    original = pathlib.Path(save_safetensors(source, folder / "model.safetensors"))
+    content = bytearray(original.read_bytes())
+    end = 8 + int.from_bytes(content[:8], "little")
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, end - 1))
+        operation = data.draw(st.sampled_from(["byte", "delete", "insert", "length"]))
+        if operation == "byte":
+            content[at] = data.draw(HEADER_BYTES)
+        elif operation == "delete":
+            del content[at:at + data.draw(st.integers(1, 8))]
+        elif operation == "insert":
+            content[at:at] = bytes(data.draw(st.lists(HEADER_BYTES, min_size=1, max_size=4)))
+        else:
+            content[:8] = (end - 8 + data.draw(st.integers(-4, 4))).to_bytes(8, "little")
+    path = folder / "fuzzed.safetensors"
+    path.write_bytes(bytes(content))
+    target = MODELS["gpt2"]()
+    before = target.state_dict()
+    try:
+        load_safetensors(path, target)
+    except SafetensorsError as e:
+        assert "fuzzed.safetensors" in str(e)
+        assert_same_weights_dict(before, target.state_dict())
+    else:
+        if read_header(path)[0] == read_header(original)[0]:
+            assert_same_weights(source, target)
+    try:
+        load_safetensors(path)
+    except SafetensorsError as e:
+        assert "fuzzed.safetensors" in str(e)
 
 
 def test_a_huge_declared_header_is_refused_before_reading_it(tmp_path):
@@ -253,6 +313,26 @@ def test_files_that_do_not_fit_change_nothing(tmp_path):
     assert_same_weights_dict(before, smaller.state_dict())
 
 
+@pytest.mark.parametrize("name, extra, message", [
+    ("gpt2", "h.0.ln_1.weight", r"the keys 'h\.0\.ln_1\.weight' and 'transformer\.h\.0\.ln_1\.weight' are two values "
+                                r"of one weight \('h\.0\.ln_1\.weight'\)"),
+    ("bert", "embeddings.LayerNorm.gamma", r"the keys 'embeddings\.LayerNorm\.gamma' and "
+                                           r"'embeddings\.LayerNorm\.weight' are two values of one weight"),
+], ids=["prefixed-and-not", "gamma-and-weight"])
+def test_two_names_for_one_weight_are_refused(name, extra, message, tmp_path):
+    """Hugging Face names are read prefixed or not, and BERT's gamma/beta as weight/bias: a file
+    holding both spellings of one weight (different values) means two things."""
+    source = MODELS[name]()
+    tensors = huggingface.hf_state_dict(source)
+    tensors[extra] = np.full(8, 7.0, dtype="float32")
+    path = write_safetensors(tmp_path / "two.safetensors", tensors, {"format": "pt"})
+    target = MODELS[name]()
+    before = target.state_dict()
+    with pytest.raises(SafetensorsError, match=r"two\.safetensors: " + message):
+        load_safetensors(path, target)
+    assert_same_weights_dict(before, target.state_dict())
+
+
 def test_metadata_is_checked_and_never_names_code(tmp_path):
     model = MODELS["causal_lm_rope"]()
     arrays = model.state_dict()
@@ -260,14 +340,19 @@ def test_metadata_is_checked_and_never_names_code(tmp_path):
                             "names": "npformer"}, "unknown model class 'os.system'"),
                           ({"format": "other"}, "no 'npformer-safetensors' format tag"),
                           ({"format": "npformer-safetensors", "version": 99}, "version 99"),
+                          ({"format": "npformer-safetensors", "version": True}, "version True"),
+                          ({"format": "npformer-safetensors", "version": 1, "class": ["CausalLM"], "config": {},
+                            "names": "npformer"}, r"unknown model class \['CausalLM'\]"),
                           ({"format": "npformer-safetensors", "version": 1, "class": "CausalLM",
                             "config": {"vocab_size": 13, "bogus": 1}, "names": "npformer"}, "cannot build CausalLM")):
         path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": json.dumps(info)})
         with pytest.raises(SafetensorsError, match=message):
             load_safetensors(path)
-    path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": "{not json"})
-    with pytest.raises(SafetensorsError, match="damaged npformer metadata"):
-        load_safetensors(path)
+    twice = '{"format": "npformer-safetensors", "class": "CausalLM", "class": "BidirectionalEncoder"}'
+    for text in ("{not json", twice):
+        path = write_safetensors(tmp_path / "m.safetensors", arrays, {"npformer": text})
+        with pytest.raises(SafetensorsError, match="damaged npformer metadata"):
+            load_safetensors(path)
     path = write_safetensors(tmp_path / "plain.safetensors", arrays)
     with pytest.raises(SafetensorsError, match="load_pretrained"):
         load_safetensors(path)
@@ -353,6 +438,25 @@ def test_a_config_declaring_a_huge_model_fails_before_building(tmp_path, monkeyp
         load_pretrained(folder)
 
 
+def test_a_config_declaring_countless_layers_fails_before_listing_their_shapes(tmp_path, monkeypatch):
+    """10**30 layers: state_shapes would list their shapes forever; the file's arrays bound the
+    layers it can hold (each holds several). In an npformer file and in a Hugging Face folder."""
+    model = MODELS["gpt2"]()
+    info = {"format": "npformer-safetensors", "version": 1, "class": "CausalLM", "names": "npformer",
+            "config": dict(model.config, num_layers=10**30)}
+    path = write_safetensors(tmp_path / "m.safetensors", model.state_dict(), {"npformer": json.dumps(info)})
+    folder = pathlib.Path(save_pretrained(model, tmp_path / "gpt2"))
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(hf, n_layer=10**30)))
+    monkeypatch.setattr(models.CausalLM, "state_shapes", classmethod(lambda *a, **k: pytest.fail("listed")))
+    message = r"cannot build CausalLM from the stored config \(num_layers=10{30} layers, but the file holds \d+ arrays"
+    message = message.replace("10{30}", str(10**30))
+    with pytest.raises(SafetensorsError, match=r"m\.safetensors: " + message):
+        load_safetensors(path)
+    with pytest.raises(SafetensorsError, match=r"config\.json: " + message):
+        load_pretrained(folder)
+
+
 def test_write_refuses_metadata_and_names_it_cannot_store(tmp_path):
     path = tmp_path / "w.safetensors"
     with pytest.raises(TypeError, match=r"write_safetensors: metadata must map strings to strings \(a dict\), "
@@ -367,6 +471,9 @@ def test_write_refuses_metadata_and_names_it_cannot_store(tmp_path):
     (dict(activation_function=["gelu"]), r"activation_function=\['gelu'\] has no npformer counterpart"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
     (dict(model_type=["gpt2"]), r"model_type \['gpt2'\] is not supported"),
+    (dict(architectures=5), r"architectures must be a list of class names, got 5"),
+    (dict(architectures="GPT2LMHeadModel"), r"architectures must be a list of class names, got 'GPT2LMHeadModel'"),
+    (dict(scale_attn_weights="false"), r"GPT-2 config: scale_attn_weights must be true or false, got 'false'"),
 ])
 def test_wrong_typed_gpt2_config_fields_are_named(changes, message, tmp_path):
     folder = save_pretrained(models.CausalLM(13, **SMALL, **GPT2), tmp_path / "gpt2")
@@ -380,6 +487,8 @@ def test_wrong_typed_gpt2_config_fields_are_named(changes, message, tmp_path):
     (dict(hidden_act={"a": 1}), r"hidden_act=\{'a': 1\} has no npformer counterpart"),
     (dict(type_vocab_size=0), "BERT config: type_vocab_size must be an integer >= 1, got 0"),
     (dict(id2label="abc"), "BERT config: id2label must map label ids to names, got str"),
+    (dict(architectures={"0": "BertForSequenceClassification"}), r"architectures must be a list of class names"),
+    (dict(is_decoder="false"), r"BERT config: is_decoder must be true or false, got 'false'"),
 ])
 def test_wrong_typed_bert_config_fields_are_named(changes, message, tmp_path):
     folder = save_pretrained(MODELS["bert_classifier"](), tmp_path / "bert")

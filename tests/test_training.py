@@ -2,6 +2,7 @@
 modelling, classification), history, argument checks, skipped updates, progress, figures, and
 rebuilding a model from a checkpoint alone. Data parallelism: test_distributed*.py."""
 import math
+import re
 import sys
 
 import numpy as np
@@ -55,16 +56,29 @@ def test_a_resume_that_fails_changes_nothing(tmp_path):
     first.fit(2)
     first.save(tmp_path / "other_task.npz")
     state = first.state_dict()
+    pcg = state["task"]["rng"]
+    rank_rng = state["rank_rng"][0]
     broken = {"missing step": {k: v for k, v in state.items() if k != "step"},
               "step -1": dict(state, step=-1),
-              "bad stream": dict(state, task=dict(state["task"], rng={"bit_generator": "PCG64", "state": 1}))}
+              "bad stream": dict(state, task=dict(state["task"], rng={"bit_generator": "PCG64", "state": 1})),
+              # numpy's own errors (OverflowError, KeyError, AttributeError) were raised as they were
+              "negative stream": dict(state, task=dict(state["task"], rng=dict(pcg, state={"state": -1, "inc": 1}))),
+              "stream without state": dict(state, task=dict(state["task"], rng={"bit_generator": "PCG64"})),
+              "task not a dict": dict(state, task=5),
+              "task without rng": dict(state, task={"config": state["task"]["config"]}),
+              "rank stream without state": dict(state, rank_rng=[dict(rank_rng, cpu={"bit_generator": "PCG64"})]),
+              "rank stream of 2**200": dict(state, rank_rng=[dict(rank_rng, cpu=dict(
+                  rank_rng["cpu"], state={"state": 2**200, "inc": 1}))]),
+              # accepted, then train_step failed appending to it
+              "history entry not a list": dict(state, history=dict(state["history"], loss=5)),
+              "history without a layer": dict(state, history=dict(state["history"], layer_grad_norm={}))}
     for name, bad in broken.items():
         save_checkpoint(tmp_path / f"{name}.npz", first.model, first.optimizer, first.scheduler, step=2, trainer=bad)
     for name in ["other_task"] + list(broken):
         second = _trainer(seed=1)
         before = {k: v.copy() for k, v in second.model.state_dict().items()}
         lr, rng_state = second.optimizer.param_groups[0]["lr"], random.global_rng().bit_generator.state
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(f"{name}.npz: trainer state: ") if name in broken else "."):
             second.resume(tmp_path / f"{name}.npz")
         assert second.step == 0 and not second.optimizer.state and second.optimizer.param_groups[0]["lr"] == lr
         assert random.global_rng().bit_generator.state == rng_state

@@ -29,6 +29,7 @@ from autograd import random
 
 from ..files import atomic_write
 from ..models import MODEL_CLASSES
+from ..models.pretrained import check_layer_counts
 from ..nn import Module
 from ..nn.config import RUNTIME_SETTINGS, TransformerConfig, stored_config
 from ..optim import Optimizer
@@ -332,6 +333,7 @@ def load_model(path: str | os.PathLike, device: str | None = None) -> tuple[Modu
         raise CheckpointError(f"{path}: the config does not fit {name}({e})") from e
     bound.apply_defaults()
     try:
+        check_layer_counts(bound.arguments, len(arrays))
         expected = cls.state_shapes(bound.arguments)
         every_array = cls.state_shapes(bound.arguments, persistent=False)
     except (ValueError, TypeError) as e:

@@ -8,19 +8,22 @@ array that the metadata references. `Archive` opens such a file and reads:
 - only `meta.npy` and the members the metadata names (`array(key)`), never every member;
 - each member's `.npy` header first (numpy's own header parser, no pickle): a plain bool or
   numeric dtype (no object, no structured dtype), non-negative dimensions, and a byte count
-  (shape x itemsize) equal to the member's size minus its header;
-- members only when their size is plausible for their compressed size (at most
+  (shape x itemsize) equal to the member's size minus its header; arrays come back in native
+  byte order;
+- members only when their stored bytes lie inside the file (a member stored uncompressed holds
+  exactly its size) and their size is plausible for their compressed size (at most
   MAX_COMPRESSION_RATIO times it, plus SIZE_SLACK) and while the total of the members read stays
   under MAX_COMPRESSION_RATIO times the file's size (plus SIZE_SLACK): a zip bomb is refused
   before anything is allocated.
 """
-import json
 import os
 import tokenize
 import zipfile
 import zlib
 
 import numpy as np
+
+from ..files import loads_json
 
 MAX_COMPRESSION_RATIO = 100     # npformer stores members uncompressed: its own files have ratio 1
 SIZE_SLACK = 1 << 20            # bytes any member, or the total, may have beyond the ratio
@@ -106,8 +109,8 @@ class Archive:
         self._file = open(path, "rb")
         try:
             self._zip = self._open_zip()
-            size = os.fstat(self._file.fileno()).st_size
-            self._budget = MAX_COMPRESSION_RATIO * size + SIZE_SLACK   # bytes all members read may hold
+            self._size = os.fstat(self._file.fileno()).st_size
+            self._budget = MAX_COMPRESSION_RATIO * self._size + SIZE_SLACK   # bytes all members read may hold
             self._arrays = {}
             self.meta = self._read_meta()
         except BaseException:
@@ -131,6 +134,10 @@ class Archive:
             raise _corrupted(self.path, f"{type(e).__name__}: {e}") from e
         if f"{META}.npy" not in archive.NameToInfo:
             raise _describe_foreign_zip(self.path, archive.namelist())
+        if len(archive.NameToInfo) != len(archive.infolist()):  # zipfile keeps the last: the file means two things
+            names = archive.namelist()
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise _corrupted(self.path, f"the archive holds the members {twice[:5]} more than once")
         return archive
 
     def _read_meta(self):
@@ -138,8 +145,8 @@ class Archive:
         if meta.shape != ():
             raise _corrupted(self.path, f"the '{META}' entry is a {meta.shape} array, not one string")
         try:
-            return json.loads(meta.item())
-        except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; deep nesting recurses
+            return loads_json(meta.item())
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, a key twice; deep nesting recurses
             raise CheckpointError(f"{self.path}: the metadata is not valid JSON ({type(e).__name__}: "
                                   f"{str(e)[:200]})") from e
 
@@ -157,6 +164,12 @@ class Archive:
         """Read member `key`.npy as an array whose dtype kind is in `kinds`, checking sizes first."""
         info = self._zip.NameToInfo[f"{key}.npy"]
         what = f"array {key!r}"
+        if info.header_offset + info.compress_size > self._size:
+            raise _corrupted(self.path, f"{what} declares {info.compress_size} bytes at offset {info.header_offset}, "
+                                        f"past the end of the file ({self._size} bytes)")
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+            raise _corrupted(self.path, f"{what} is stored uncompressed but declares {info.file_size} bytes in "
+                                        f"{info.compress_size}")
         if info.flag_bits & 0x1:
             raise CheckpointError(f"{self.path}: {what} is encrypted")
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
@@ -188,6 +201,8 @@ class Archive:
                 self._fill(member, flat.view(np.uint8), what)
         except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as e:  # a damaged stream or a CRC mismatch
             raise _corrupted(self.path, f"{what}: {type(e).__name__}: {e}") from e
+        if not dtype.isnative:  # e.g. a big-endian member: the values, in this machine's byte order
+            flat = flat.astype(dtype.newbyteorder("="))
         if fortran_order:
             return flat.reshape(shape[::-1]).transpose()
         return flat.reshape(shape)

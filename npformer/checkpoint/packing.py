@@ -111,16 +111,19 @@ def unpack(obj, archive, where, depth=0):
 
 
 # -- numpy generators --------------------------------------------------------------------------
-def bit_generator(state, where):
+def bit_generator(state, where, like=None):
     """A new numpy bit generator set to `state` (a dict from `bit_generator.state`), after checking
-    that it names an allowed bit generator and has exactly that generator's structure and bounds.
-    Raises CheckpointError prefixed by `where`."""
+    that it names an allowed bit generator (with `like`, a bit generator: that one's kind) and has
+    exactly that generator's structure and bounds. Raises CheckpointError (a ValueError) prefixed
+    by `where`."""
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: a generator state must be a dict, got {type(state).__name__}")
     name = state.get("bit_generator")
     cls = BIT_GENERATORS.get(name) if isinstance(name, str) else None
     if cls is None:
         raise CheckpointError(f"{where}: bit_generator must be one of {sorted(BIT_GENERATORS)}, got {name!r}")
+    if like is not None and cls is not type(like):
+        raise CheckpointError(f"{where}: a {name} state for a {type(like).__name__} generator")
     generator = cls(0)
     _check_like(state, generator.state, where)
     try:

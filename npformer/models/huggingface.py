@@ -59,8 +59,12 @@ def config_from_hf(hf_config: dict, architecture: str | None = None, pooler: boo
     if not isinstance(hf_config, dict):
         raise TypeError(f"config_from_hf: expected a dict (config.json), got {type(hf_config).__name__}")
     model_type = hf_config.get("model_type")
+    architectures = hf_config.get("architectures")
+    _require(architectures is None or (isinstance(architectures, list)
+                                       and all(isinstance(a, str) for a in architectures)),
+             f"config_from_hf: architectures must be a list of class names, got {architectures!r}")
     if architecture is None:
-        architecture = (hf_config.get("architectures") or [None])[0]
+        architecture = (architectures or [None])[0]
     if model_type == "gpt2":
         return "CausalLM", _gpt2_config(hf_config)
     if model_type == "bert":
@@ -80,10 +84,12 @@ def _flag(c, name, default, family):
 
 
 def _gpt2_config(c):
-    _require(c.get("scale_attn_weights", True), "GPT-2 config: scale_attn_weights=False has no npformer counterpart")
-    _require(not c.get("scale_attn_by_inverse_layer_idx", False),
+    _require(_flag(c, "scale_attn_weights", True, "GPT-2"),
+             "GPT-2 config: scale_attn_weights=False has no npformer counterpart")
+    _require(not _flag(c, "scale_attn_by_inverse_layer_idx", False, "GPT-2"),
              "GPT-2 config: scale_attn_by_inverse_layer_idx=True has no npformer counterpart")
-    _require(not c.get("add_cross_attention", False), "GPT-2 config: add_cross_attention=True is not supported")
+    _require(not _flag(c, "add_cross_attention", False, "GPT-2"),
+             "GPT-2 config: add_cross_attention=True is not supported")
     resid, embd = c.get("resid_pdrop", 0.1), c.get("embd_pdrop", 0.1)
     _require(resid == embd, f"GPT-2 config: npformer uses one dropout rate for embeddings and residuals, got "
                             f"embd_pdrop={embd} and resid_pdrop={resid}")
@@ -102,8 +108,9 @@ def _bert_config(c, classifier, pooler):
     _require(c.get("position_embedding_type", "absolute") == "absolute",
              f"BERT config: position_embedding_type={c.get('position_embedding_type')!r} is not supported "
              f"(only 'absolute')")
-    _require(not c.get("is_decoder", False), "BERT config: is_decoder=True (a causal BERT) is not supported")
-    _require(not c.get("add_cross_attention", False), "BERT config: add_cross_attention=True is not supported")
+    _require(not _flag(c, "is_decoder", False, "BERT"), "BERT config: is_decoder=True (a causal BERT) is not supported")
+    _require(not _flag(c, "add_cross_attention", False, "BERT"),
+             "BERT config: add_cross_attention=True is not supported")
     type_vocab_size = c.get("type_vocab_size", 2)
     _require(isinstance(type_vocab_size, int) and not isinstance(type_vocab_size, bool) and type_vocab_size >= 1,
              f"BERT config: type_vocab_size must be an integer >= 1, got {type_vocab_size!r} (BERT always adds "
@@ -248,12 +255,17 @@ def _canonical(tensors, prefix):
     """({name as _rules names it: (name in `tensors`, array)}, the prefix stripped): the base
     model's prefix stripped (files saved from a model with a head carry it, e.g. BERT's
     pretraining checkpoints; GPT-2's original files do not),
-    TensorFlow-era BERT LayerNorm gamma/beta renamed weight/bias."""
+    TensorFlow-era BERT LayerNorm gamma/beta renamed weight/bias. ValueError when two keys
+    become one name (e.g. "transformer.h.0.ln_1.weight" and "h.0.ln_1.weight")."""
     canonical = {}
     stripped = prefix if prefix and any(k.startswith(prefix) for k in tensors) else ""
     for key, array in tensors.items():
         name = key[len(stripped):] if stripped and key.startswith(stripped) else key
         name = _OLD_LAYER_NORM.sub(lambda m: ".LayerNorm." + {"gamma": "weight", "beta": "bias"}[m.group(1)], name)
+        if name in canonical:
+            first, second = sorted((canonical[name][0], key))
+            raise ValueError(f"the keys {first!r} and {second!r} are two values of one weight ({name!r}): the file "
+                             f"means two things")
         canonical[name] = (key, array)
     return canonical, stripped
 
@@ -261,8 +273,9 @@ def _canonical(tensors, prefix):
 def state_dict_from_hf(model, tensors: dict) -> tuple[dict, list]:
     """(state_dict for `model`, skipped keys) from a Hugging Face state dict `tensors`
     ({name: array}, prefixed or not). Raises ValueError naming the first missing, mis-shaped
-    or unmapped key. Skipped: BERT pretraining heads (cls.*). Causal-mask and position-id
-    buffers are dropped; a tied lm_head.weight must equal the word embeddings."""
+    or unmapped key, or two keys of one weight (prefixed and not, LayerNorm gamma and weight).
+    Skipped: BERT pretraining heads (cls.*). Causal-mask and position-id buffers are dropped;
+    a tied lm_head.weight must equal the word embeddings."""
     family = ARCHITECTURES[_architecture(model)][0]
     canonical, stripped = _canonical(tensors, {"gpt2": GPT2_PREFIX, "bert": BERT_PREFIX}[family])
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

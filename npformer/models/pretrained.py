@@ -24,7 +24,9 @@ import math
 import os
 import warnings
 
-from ..files import atomic_write
+from autograd.checks import is_integer
+
+from ..files import atomic_write, loads_json
 from ..nn import Module
 from ..nn.config import stored_config
 from ..safetensors_file import SafetensorsError, read_header, read_safetensors, write_safetensors
@@ -69,15 +71,16 @@ def _npformer_info(path, metadata):
     if "npformer" not in metadata:
         return None
     try:
-        info = json.loads(metadata["npformer"])
+        info = loads_json(metadata["npformer"])
     except (ValueError, RecursionError) as e:
         raise SafetensorsError(f"{path}: damaged npformer metadata ({type(e).__name__}: {e})") from e
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise SafetensorsError(f"{path}: the npformer metadata has no '{FORMAT}' format tag")
-    if not isinstance(info.get("version"), int) or info["version"] > VERSION:
-        raise SafetensorsError(f"{path}: npformer safetensors version {info.get('version')!r} is not one this "
-                               f"npformer reads (up to {VERSION})")
-    if info.get("class") is not None and info["class"] not in MODEL_CLASSES:
+    version = info.get("version")
+    if not is_integer(version) or not 1 <= version <= VERSION:
+        raise SafetensorsError(f"{path}: npformer safetensors version {version!r} is not one this "
+                               f"npformer reads (1 to {VERSION})")
+    if info.get("class") is not None and (not isinstance(info["class"], str) or info["class"] not in MODEL_CLASSES):
         raise SafetensorsError(f"{path}: unknown model class {info['class']!r} (known: {sorted(MODEL_CLASSES)})")
     if info.get("names") not in (HF_NAMES, OUR_NAMES) or not isinstance(info.get("config"), (dict, type(None))):
         raise SafetensorsError(f"{path}: damaged npformer metadata (names {info.get('names')!r}, "
@@ -89,6 +92,19 @@ def _float_dtype(header):
     """float64 when every floating tensor of the file is float64, else float32."""
     floats = {dtype for dtype, _ in header.values() if dtype.startswith("float")}
     return "float64" if floats == {"float64"} else "float32"
+
+
+LAYER_COUNTS = ("num_layers", "num_encoder_layers", "num_decoder_layers")
+
+
+def check_layer_counts(config: dict, arrays: int) -> None:
+    """ValueError when a layer count of an (untrusted) `config` exceeds `arrays`, the number of
+    arrays in its file: every layer holds several, so the config cannot fit the file, and listing
+    the shapes of its layers (state_shapes) would take time and memory without bound."""
+    for name in LAYER_COUNTS:
+        value = config.get(name)
+        if is_integer(value) and value > arrays:
+            raise ValueError(f"{name}={value} layers, but the file holds {arrays} arrays (each layer holds several)")
 
 
 # entries (64 MB of float32) a config may imply without fitting the file: such a model is
@@ -103,6 +119,7 @@ def _build(path, cls, config, header):
     try:
         bound = inspect.signature(cls).bind(**config)
         bound.apply_defaults()
+        check_layer_counts(bound.arguments, len(header))
         weights = sum(math.prod(shape) for shape in cls.state_shapes(bound.arguments).values())
         everything = sum(math.prod(shape) for shape in cls.state_shapes(bound.arguments, persistent=False).values())
     except (TypeError, ValueError) as e:
@@ -158,14 +175,14 @@ def load_safetensors(path: str | os.PathLike, model: Module | None = None, devic
 
 
 def _read_config(path):
-    size = os.path.getsize(path)
-    if size > MAX_CONFIG_BYTES:
-        raise SafetensorsError(f"{path}: {size} bytes is too large for a model config")
     with open(path, "rb") as f:
-        try:
-            config = json.loads(f.read().decode("utf-8"))
-        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, JSON nested too deep
-            raise SafetensorsError(f"{path}: not a JSON model config ({type(e).__name__}: {e})") from e
+        text = f.read(MAX_CONFIG_BYTES + 1)  # a bounded read: the file may be a device (/dev/zero) or still growing
+    if len(text) > MAX_CONFIG_BYTES:
+        raise SafetensorsError(f"{path}: more than {MAX_CONFIG_BYTES} bytes, too large for a model config")
+    try:
+        config = loads_json(text.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a key twice, JSON nested too deep
+        raise SafetensorsError(f"{path}: not a JSON model config ({type(e).__name__}: {e})") from e
     if not isinstance(config, dict):
         raise SafetensorsError(f"{path}: not a model config (a JSON object)")
     return config
