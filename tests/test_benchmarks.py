@@ -4,6 +4,8 @@ FLOPs as an independent count, the same threads, and counts (tokens, memory) tha
 they say. The scripts that set threads at import run in a subprocess."""
 import collections
 import importlib.util
+import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -141,3 +143,34 @@ def test_train_step_memory_runs_every_side_and_reports_memory_above_the_imports(
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("peak host memory"))
     assert line.count("graphed") == 2 and "above the imported libraries" in line, line
+
+
+def run_python(code, threads_env=None):
+    """`code` in a fresh interpreter at the root with benchmarks/ on the path, BLAS and npformer
+    thread variables removed from the environment (then `threads_env` added); its last line as JSON."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NPFORMER_NUM_THREADS")}
+    env.update(threads_env or {}, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS)]))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_generate_threads_gives_numpys_blas_that_many_threads():
+    """generate.py --threads N: numpy's BLAS (which threads ours' decoding products) gets N threads
+    as torch does, not BLAS's default of every core (it was set for N = 1 only)."""
+    out = run_python("import sys, os, json; sys.argv = ['generate.py', '--threads', '3']; import generate; "
+                     "print(json.dumps({v: os.environ.get(v) for v in ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS')}))")
+    assert out == {"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "3"}
+
+
+def test_generate_header_reports_the_threads_of_ours_decoding_steps():
+    """The threads inside `generate`'s decoding steps: npformer's ops on one thread, BLAS's threads."""
+    out = run_python("import sys, json; sys.argv = ['generate.py', '--threads', '1']; import generate\n"
+                     "import numpy as np\n"
+                     "from npformer import models\n"
+                     "model = models.CausalLM(50, d_model=16, nhead=2, num_layers=1, dim_feedforward=32, max_len=8)\n"
+                     "print(json.dumps(generate.generation_threads(model, np.zeros((1, 2), dtype=np.int64))))",
+                     {"NPFORMER_NUM_THREADS": "2"})
+    assert out == [1, "1"]
