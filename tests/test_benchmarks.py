@@ -174,3 +174,19 @@ def test_generate_header_reports_the_threads_of_ours_decoding_steps():
                      "print(json.dumps(generate.generation_threads(model, np.zeros((1, 2), dtype=np.int64))))",
                      {"NPFORMER_NUM_THREADS": "2"})
     assert out == [1, "1"]
+
+
+def test_decode_runs_ours_on_blas_threads_only():
+    """decode.py: ours on --threads BLAS threads and npformer's one, as torch on --threads threads
+    (npformer's default, one thread per core, gave ours more cores than torch)."""
+    out = run_python("import sys, json, decode, autograd\n"
+                     "seen = []\n"
+                     "greedy = decode.greedy_decode\n"
+                     "def probe(*args, **kwargs):\n"
+                     "    seen.append(autograd.threads.get_num_threads())\n"
+                     "    return greedy(*args, **kwargs)\n"
+                     "decode.greedy_decode = probe\n"
+                     "decode.main(['--config', 'tiny', '--batch', '2', '--src-len', '4', '--tgt-len', '2', "
+                     "'--repeat', '1', '--no-torch'])\n"
+                     "print(json.dumps(sorted(set(seen))))", {"NPFORMER_NUM_THREADS": "2"})
+    assert out == [1]
