@@ -190,3 +190,20 @@ def test_decode_runs_ours_on_blas_threads_only():
                      "'--repeat', '1', '--no-torch'])\n"
                      "print(json.dumps(sorted(set(seen))))", {"NPFORMER_NUM_THREADS": "2"})
     assert out == [1]
+
+
+def test_attention_runs_ours_on_blas_threads():
+    """attention.py's CPU worker: B = 1 gives npformer's threads nothing to split, so ours runs on
+    one npformer thread and BLAS's threads, as many as torch's (npformer's default held BLAS to
+    one thread while torch used every core)."""
+    out = run_python("import json, attention, autograd\n"
+                     "import npformer.functional as F\n"
+                     "seen = []\n"
+                     "sdpa = F.scaled_dot_product_attention\n"
+                     "def probe(*args, **kwargs):\n"
+                     "    seen.append(autograd.threads.get_num_threads())\n"
+                     "    return sdpa(*args, **kwargs)\n"
+                     "F.scaled_dot_product_attention = probe\n"
+                     "attention.cpu_worker('ours-naive', 16, 1, False, 512)\n"
+                     "print(json.dumps(sorted(set(seen))))", {"NPFORMER_NUM_THREADS": "2"})
+    assert out == [1]
