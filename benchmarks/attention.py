@@ -10,7 +10,8 @@ reported as such. Time: median of --repeats runs of forward + backward (after on
 --device cpu (default lengths 128 ... 4096): peak extra memory of the first run two ways, the
 growth of the process's peak RSS (numpy and torch alike) and for ours numpy's own allocations
 seen by tracemalloc. --threads N sets OPENBLAS_NUM_THREADS / OMP_NUM_THREADS and torch's thread
-count to N in the workers (default: the environment as it is); on a shared machine
+count to N in the workers (default: the environment as it is); ours run npformer's ops on one
+thread (B = 1 leaves its threads nothing to split), numpy's BLAS threading the products; on a shared machine
 multithreaded BLAS calls wait for descheduled threads, --threads 1 gives steadier figures there.
 
 --device cuda (default lengths 1,024 ... 65,536; needs CuPy and torch with CUDA): peak GPU memory
@@ -108,6 +109,11 @@ def cpu_worker(impl, t, repeats, causal, block_size):
             q.grad = k.grad = v.grad = None
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(dout)
     else:
+        from autograd import threads
+        # npformer's threads split attention over the batch axis, here of size 1: with n > 1 they
+        # would idle and hold numpy's BLAS to one thread. One npformer thread leaves the products
+        # to BLAS's threads (the environment's, or --threads), as many as torch's.
+        threads.set_num_threads(1)
         step = ours_step(impl, "cpu", arrays, causal, block_size)
 
     baseline = rss_mb()

@@ -5,7 +5,8 @@
     python benchmarks/decode.py --device cuda --no-torch
 
 Threads: --threads N (default 1) for numpy's BLAS (OPENBLAS_NUM_THREADS, unless already set)
-and torch: one step's matrices are small, and on a busy machine BLAS threads that wait for
+and torch; npformer runs its ops on one thread (set_num_threads(1)), so BLAS's threads are all
+ours use: one step's matrices are small, and on a busy machine BLAS threads that wait for
 each other slow small products down many times.
 
 Every run decodes exactly --tgt-len tokens (EOS disabled) for a batch of random sources
@@ -32,7 +33,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autograd  # noqa: E402
-from autograd import backend  # noqa: E402
+from autograd import backend, threads  # noqa: E402
 from npformer.decoding import greedy_decode  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
 
@@ -85,6 +86,7 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = CONFIGS[args.config]
     autograd.manual_seed(0)
+    threads.set_num_threads(1)  # BLAS's threads only (npformer's default would add one per core)
     model = Seq2SeqTransformer(cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"],
                                num_encoder_layers=cfg["layers"], num_decoder_layers=cfg["layers"],
                                dim_feedforward=cfg["dim_feedforward"], dropout=0.1,
@@ -95,7 +97,8 @@ def main(argv=None):
     sync = (lambda: backend.module_for("cuda").cuda.Device().synchronize()) if args.device == "cuda" else (lambda: None)
     print(f"greedy decoding, config {args.config} ({sum(p.size for p in model.parameters()):,} parameters), "
           f"batch {args.batch}, source {args.src_len}, {args.tgt_len} target tokens, {args.device}, "
-          f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s), best of {args.repeat}")
+          f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s) (npformer {threads.get_num_threads()}), "
+          f"best of {args.repeat}")
 
     greedy_decode(model, src[:2], 4, eos=None)  # warm-up (allocations, CuPy kernels)
     results = {}
@@ -112,6 +115,7 @@ def main(argv=None):
 
         torch.set_num_threads(args.threads)
         twin = to_torch(model).eval()
+        torch_greedy(twin, torch.as_tensor(src[:2]), 4)  # warm-up, as ours
         results["torch uncached"] = best_time(lambda: torch_greedy(twin, torch.as_tensor(src), args.tgt_len),
                                               args.repeat)
         agree = (results["torch uncached"][1] == results["npformer cached"][1]).mean()

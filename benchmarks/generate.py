@@ -10,8 +10,10 @@
 The model: transformers.GPT2LMHeadModel(GPT2Config()) (12 layers, d_model 768, 12 heads,
 vocabulary 50257, 1024 positions: 124M parameters), randomly initialised (speed does not depend
 on the weights), float32, eval mode; ours is `npformer.interop.from_hf` of it. Each library runs
-with its default threads (torch: its intra-op threads; npformer: set_num_threads' default), or
---threads N for both (N = 1 also gives numpy's BLAS one thread). On a machine shared with other
+with its default threads (torch: its intra-op threads; npformer: set_num_threads' default, under
+which `generate` runs the ops on one thread and lets numpy's BLAS thread the products), or
+--threads N for both (torch's intra-op threads and numpy's BLAS threads). The header prints the
+threads ours' decoding steps actually ran with. On a machine shared with other
 work, torch's OpenMP threads suffer most from the competition: the header prints the load.
 Prompts are random ids of --prompt tokens; both generate exactly --new-tokens tokens (no EOS).
 Runs alternate between the two libraries; reported: the best of --repeat of batch *
@@ -31,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from threads_arg import set_blas_threads, threads_arg  # noqa: E402  (before numpy loads OpenBLAS)
 
 THREADS = threads_arg(sys.argv[1:], default=None)  # None: each library's default
-if THREADS == "1":  # one thread everywhere: numpy's BLAS too (npformer's 1 thread leaves GEMMs to BLAS)
-    set_blas_threads("1")
+if THREADS is not None:  # generate runs npformer's ops on one thread and numpy's BLAS threads the products
+    set_blas_threads(THREADS)
 
 import numpy as np  # noqa: E402
 
@@ -69,6 +71,32 @@ def time_hf(hf_model, prompt, new_tokens):
                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         seconds = time.perf_counter() - t0
     return seconds, out.numpy()
+
+
+def blas_threads():
+    """numpy's BLAS threads now (threadpoolctl), or "?" without threadpoolctl."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "?"
+    return ",".join(str(i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
+
+
+def generation_threads(model, prompt):
+    """(npformer's threads, numpy's BLAS threads) inside a decoding step of `generate` (which
+    runs npformer's ops on one thread on the CPU and leaves the products to BLAS's threads)."""
+    seen = []
+    step = model.decode_step
+
+    def probe(*args, **kwargs):
+        seen.append((npformer.get_num_threads(), blas_threads()))
+        return step(*args, **kwargs)
+    model.decode_step = probe
+    try:
+        generate(model, prompt, 1, temperature=0.0)
+    finally:
+        del model.decode_step
+    return seen[0]
 
 
 def profile(model, prompt, new_tokens, use_cprofile):
@@ -126,8 +154,9 @@ def main():
         return
     print(f"GPT-2 small shape, random weights, {sum(p.size for p in ours.parameters()) / 1e6:.1f}M parameters, "
           f"float32, prompt {args.prompt} tokens, {args.new_tokens} new tokens, greedy, best of {args.repeat}")
-    print(f"threads: npformer {npformer.get_num_threads()}, torch {torch.get_num_threads()}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    ours_threads, ours_blas = generation_threads(ours, np.zeros((1, 2), dtype=np.int64))
+    print(f"threads: ours' decoding steps npformer {ours_threads} + numpy BLAS {ours_blas}, "
+          f"torch {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
     for batch in args.batch:
         prompt = rng.integers(0, 50257, size=(batch, args.prompt))
         time_ours(ours, prompt, 2)  # warm-up

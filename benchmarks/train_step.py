@@ -7,8 +7,11 @@ PyTorch eager side by side in one run, float32.
 On cuda (and on "test", its stand-in without a GPU) ours runs twice: eager and as a captured CUDA
 graph (npformer.cuda.graphed: one capture, then one replay per step), beside torch's CUDA eager.
 Prints the median ms/step of each (steps alternate between the runners), the ratio ours/torch,
-tokens/s, achieved GFLOP/s and its share of this machine's measured float32 GEMM rate, and
-the peak memory of each side measured in a separate process. Configurations: docs/benchmark_configurations.md.
+tokens/s (the tokens a step reads: source + target, or a causal LM's one sequence),
+achieved GFLOP/s and its share of this machine's measured float32 GEMM rate, and the peak
+resident host memory of each side measured in a separate process: in all, and above what
+the process holds once its libraries are imported (torch's alone are ~190 MB).
+Configurations: docs/benchmark_configurations.md.
 Threads: torch.set_num_threads(--threads) and npformer.set_num_threads(--ours-threads,
 default --threads; above 1 npformer splits the GEMMs and numpy's BLAS runs one thread;
 --ours-threads 1 leaves the GEMMs to BLAS's own threads). --defaults: each library's default
@@ -56,6 +59,12 @@ def training_flops(cfg):
         return 3 * (L * enc + 2 * n * d * V)
     dec = enc + 2 * n * d * d + 2 * n * d * 2 * d + 2 * n * d * d + attention  # + cross-attention
     return 3 * (L * (enc + dec) + 2 * n * d * V)
+
+
+def tokens_per_step(cfg):
+    """The tokens one step reads: source + target (encoder-decoder), the one sequence (causal LM)."""
+    sequences = 1 if cfg.get("causal") else 2
+    return sequences * cfg["batch"] * cfg["seq"]
 
 
 def causal_config(cfg):
@@ -177,24 +186,26 @@ def blas_info():
         return "threadpoolctl not installed"
 
 
-def peak_rss_mb():
-    """This process's peak resident memory. Linux: VmHWM of /proc/self/status (ru_maxrss would
-    include the parent's resident memory at the fork that started this process)."""
+def rss_mb(field="VmHWM"):
+    """This process's peak (VmHWM) or current (VmRSS) resident memory from /proc/self/status on
+    Linux (ru_maxrss would include the parent's resident memory at the fork that started this
+    process); elsewhere ru_maxrss."""
     try:
         with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def peak_memory_mb(args, side, steps):
-    """Peak resident memory of a fresh process that builds one side and runs `steps` steps."""
+    """{"peak_mb", "imports_mb"}: the peak resident memory of a fresh process that builds one
+    side and runs `steps` steps, and its resident memory once its libraries were imported."""
     cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--device", args.device,
            "--only", side, "--steps", str(steps), "--threads", str(args.threads),
            "--ours-threads", str(args.ours_threads), "--dropout", str(args.dropout)] + \
         (["--defaults"] if args.defaults else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["peak_mb"]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main():
@@ -211,7 +222,7 @@ def main():
                         help="npformer.set_num_threads (default --threads; 1: BLAS threads the GEMMs)")
     parser.add_argument("--defaults", action="store_true",
                         help="each library's default threads (--threads and --ours-threads are not applied)")
-    parser.add_argument("--only", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["ours", "graphed", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     cfg = dict(CONFIGS[args.config], dropout=args.dropout)
     steps = args.steps or DEFAULT_STEPS[args.config]
@@ -226,10 +237,11 @@ def main():
             torch.set_num_threads(args.threads)
 
     if args.only:  # a child process measuring one side's peak memory
-        runner = (Ours if args.only == "ours" else Torch)(cfg, args.device)
+        imports = rss_mb("VmRSS")
+        runner = Torch(cfg, args.device) if args.only == "torch" else Ours(cfg, args.device, args.only == "graphed")
         for _ in range(steps):
             runner.step()
-        print(json.dumps({"peak_mb": peak_rss_mb()}))
+        print(json.dumps({"peak_mb": rss_mb(), "imports_mb": imports}))
         return
 
     runners = {"ours": Ours(cfg, args.device), "torch": Torch(cfg, args.device)}
@@ -249,7 +261,7 @@ def main():
             runner.step()
             times[name].append(time.perf_counter() - t0)
     flops = training_flops(cfg)
-    tokens = 2 * cfg["batch"] * cfg["seq"]
+    tokens = tokens_per_step(cfg)
     print(f"config {args.config} {CONFIGS[args.config]}  dropout {args.dropout}  device {args.device}  steps {steps}")
     print(f"numpy BLAS: {blas_info()}   OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}  "
           f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE')}  load average {os.getloadavg()[0]:.2f}")
@@ -267,8 +279,13 @@ def main():
               f"(graphed/eager {median['graphed'] / median['ours']:.2f}x)")
     if not args.no_memory:
         mem = {side: peak_memory_mb(args, side, 2) for side in runners}
-        print(f"peak memory (separate processes, 2 steps): ours {mem['ours']:.0f} MB, torch {mem['torch']:.0f} MB, "
-              f"ratio {mem['ours'] / mem['torch']:.2f}x")
+        peak = {side: m["peak_mb"] for side, m in mem.items()}
+        step = {side: m["peak_mb"] - m["imports_mb"] for side, m in mem.items()}
+
+        def sides(mb):
+            return ", ".join(f"{side} {mb[side]:.0f} MB" for side in mb) + f", ratio {mb['ours'] / mb['torch']:.2f}x"
+        print(f"peak host memory (separate processes, 2 steps): {sides(peak)}; "
+              f"above the imported libraries: {sides(step)}")
 
 
 if __name__ == "__main__":
