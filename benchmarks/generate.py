@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import npformer  # noqa: E402
+from autograd import threads  # noqa: E402
 from npformer import interop  # noqa: E402
 from npformer.decoding import generate  # noqa: E402
 from timing import time_functions, timed  # noqa: E402
@@ -83,13 +84,13 @@ def blas_threads():
 
 
 def generation_threads(model, prompt):
-    """(npformer's threads, numpy's BLAS threads) inside a decoding step of `generate` (which
-    runs npformer's ops on one thread on the CPU and leaves the products to BLAS's threads)."""
+    """(the threads npformer's ops use, numpy's BLAS threads) inside a decoding step of `generate`
+    (which runs its ops in the caller on the CPU and leaves the products to BLAS's threads)."""
     seen = []
     step = model.decode_step
 
     def probe(*args, **kwargs):
-        seen.append((npformer.get_num_threads(), blas_threads()))
+        seen.append((len(threads.row_blocks(1 << 10, threads.MIN_PARALLEL_ENTRIES)), blas_threads()))
         return step(*args, **kwargs)
     model.decode_step = probe
     try:
