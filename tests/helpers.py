@@ -187,3 +187,19 @@ DTYPES = st.sampled_from([np.float64, np.float32])
 def tolerance(dtype):
     """Against torch in property tests: float64 to 1e-10, float32 to 1e-5 (absolute) and 1e-4 (relative)."""
     return {"atol": 1e-10, "rtol": 1e-10} if dtype == np.float64 else {"atol": 1e-5, "rtol": 1e-4}
+
+
+def child_exit_code(pid, seconds, hung):
+    """The exit code of the forked child `pid`; killed, and the test failed with `hung`, when it
+    has not exited within `seconds` (a fork that inherited a held lock hangs)."""
+    import os
+    import signal
+    import time
+    deadline = time.monotonic() + seconds
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail(hung)
+    return os.waitstatus_to_exitcode(done[1])

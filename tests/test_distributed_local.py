@@ -19,6 +19,8 @@ from npformer.checkpoint import CheckpointError, load_checkpoint, save_checkpoin
 from npformer.data import PAD, RandomBatches, SequenceTask, shard
 from npformer.models import Seq2SeqTransformer
 
+from distributed_worker import FailingBackward, FailsBetweenLayers  # the 2-rank scenario's model
+
 
 # -- the tape's hooks ------------------------------------------------------------------------------
 def test_post_accumulate_grad_hook_fires_once_when_the_gradient_is_final(rng):
@@ -176,30 +178,6 @@ def test_ddp_buckets_parameters_unfrozen_or_added_after_wrapping():
         assert any(p is q for q in bucketed)
     assert all(id(p.grad) in views for p in m.b.parameters()) and m.extra.weight.grad is None
     assert sum(len(p._post_accumulate_grad_hooks) for p in m.parameters()) == len(bucketed)  # no stale hooks
-
-
-class FailingBackward(autograd.Function):
-    """The identity, whose backward raises while `failing` is set."""
-    failing = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        if FailingBackward.failing:
-            raise FloatingPointError("a failed backward")
-        return grad
-
-
-class FailsBetweenLayers(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first, self.last = nn.Linear(3, 4), nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.last(FailingBackward.apply(self.first(x)))
 
 
 def test_ddp_synchronises_again_after_a_backward_that_raised(monkeypatch):

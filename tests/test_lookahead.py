@@ -3,9 +3,7 @@ gives the same numbers to the bit with and without it, when the prediction holds
 fails; autograd.threads.run_tasks runs a task the pool has not started in the caller; a process
 forked while a mask is drawn ahead neither hangs nor draws another mask."""
 import os
-import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,6 +14,8 @@ from autograd import threads as _threads
 from npformer import functional as F
 from npformer import models, optim
 from npformer.functional.activation import dropout_threshold
+
+from helpers import child_exit_code
 
 WAIT = 30  # seconds before a missed event (or a hung child) fails the test instead of hanging it
 
@@ -213,11 +213,5 @@ def test_a_child_forked_while_a_mask_is_drawn_ahead_draws_it_itself(two_threads,
             os._exit(code)
     release.set()
     np.testing.assert_array_equal(F.dropout(x, 0.5, generator=stream).numpy(), expected)
-    deadline = time.monotonic() + WAIT
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if done[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on the parent's draw ahead")
-    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child drew another mask or its pool failed"
+    code = child_exit_code(pid, WAIT, "the forked child hung on the parent's draw ahead")
+    assert code == 0, "the child drew another mask or its pool failed"

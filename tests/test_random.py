@@ -1,15 +1,15 @@
 """autograd.random: Philox4x32-10 against the published known-answer vectors (Random123's
 kat_vectors), the stream's offsets and state, and the statistics of the 16-bit values."""
 import os
-import signal
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import autograd
 from autograd import random, threads
+
+from helpers import child_exit_code
 
 # counter (4 words), key (2 words) -> output (4 words), from Random123's kat_vectors
 KNOWN_ANSWERS = [
@@ -152,14 +152,7 @@ def test_a_child_forked_while_another_thread_draws_can_draw():
             os._exit(code)
     release.set()
     holder.join(10)
-    deadline = time.monotonic() + 10
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if done[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on the lock held by a thread of the parent")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert child_exit_code(pid, 10, "the forked child hung on the lock held by a thread of the parent") == 0
 
 
 def test_the_values_are_uniform_and_independent():
