@@ -14,7 +14,7 @@ from autograd.gradcheck import vjp
 from npformer import interop, nn
 from npformer.opcases.modules import randomize_vectors
 
-from helpers import F64, assert_torch_parity
+from helpers import assert_torch_parity
 from tolerances import scaled
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask"),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import autograd
-from autograd import Function, GradcheckError, Tensor, backend, gradcheck, random, testdevice
+from autograd import Function, GradcheckError, Tensor, backend, gradcheck, testdevice
 
 from helpers import WrongSoftmax
 from tolerances import scaled

@@ -16,7 +16,7 @@ import autograd
 import npformer.functional as F
 from autograd import Tensor, backend, random
 from npformer import nn
-from npformer.functional import attention, composite
+from npformer.functional import composite
 from npformer.functional.attention import attention_blockwise_backward, attention_blockwise_forward
 from npformer.functional.cuda import flash_attention
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from autograd import Tensor, backend, random
+from autograd import Tensor, random
 from autograd.checks import check_real
 
 __all__ = ["uniform_", "normal_", "constant_", "zeros_", "ones_", "xavier_uniform_", "kaiming_uniform_",
