@@ -43,9 +43,11 @@ def test_linear_split_by_rows_and_features(threads, rng):
     assert_same_with_threads(threads, lambda x, w: F.linear(x, w), [x, w])
 
 
-@pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask", "broadcast_kv", "dropout_weights"])
-def test_attention_split_by_batch(threads, rng, case):
-    B, H, T, S, hd = 5, 2, 4, 6, 3
+@pytest.mark.parametrize("batch", [5, 1])  # 5: blocks of the batch; 1: blocks of the heads
+@pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask", "broadcast_kv", "dropout_weights",
+                                  "head_masks"])
+def test_attention_split_by_batch_or_heads(threads, rng, case, batch):
+    B, H, T, S, hd = batch, 4, 4, 6, 3
     q = rng.standard_normal((B, H, T, hd))
     k = rng.standard_normal((1 if case == "broadcast_kv" else B, H, S, hd))
     v = rng.standard_normal(k.shape)
@@ -55,6 +57,12 @@ def test_attention_split_by_batch(threads, rng, case):
         mask[:, ..., 0] = True
     elif case == "float_mask":
         mask = rng.standard_normal((T, S))
+    elif case == "head_masks":  # a mask per head (aligned to the right), and one per batch entry and head
+        head_mask, both = rng.standard_normal((H, T, S)), rng.random((B, H, T, S)) > 0.3
+        both[..., 0] = True
+        assert_same_with_threads(threads, lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                                 [q, k, v, head_mask])   # the mask's gradient too
+        mask = both
 
     def attention(q, k, v):
         generator = random.Philox(7)

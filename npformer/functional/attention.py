@@ -70,7 +70,8 @@ class AttentionFunction(Function):
     S = s Q K^T + mask, P = softmax(S) (dropout: Pd = P * keep / (1 - p)), O = Pd V;
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
     dQ = s dS K, dK = s dS^T Q, and d(additive mask) = dS summed over its broadcast axes.
-    With set_num_threads(n > 1), blocks of the first batch axis run in the threads of `autograd.threads`.
+    With set_num_threads(n > 1), blocks of a batch axis (the batch, or the heads) run in the threads of
+    `autograd.threads`.
     """
 
     @staticmethod
@@ -82,8 +83,10 @@ class AttentionFunction(Function):
         out = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)     # (..., Tq, hdv)
         weights = xp.empty_like(probs) if keep is not None and return_weights else None
 
+        axis, blocks = _batch_blocks(lead, (q, k, v), probs.size, q)
+
         def forward_block(start, stop):
-            part = _batch_block(lead, start, stop)
+            part = _batch_block(lead, axis, start, stop)
             s = masked_scores(part(q) * scale, part(k), part(blocked), part(mask), causal, 0, 0,
                               out=part(probs))                                # S
             softmax_forward(s, -1, out=s)                                     # P
@@ -93,7 +96,7 @@ class AttentionFunction(Function):
                 dropped *= dropout_scale
             xp.matmul(dropped, part(v), out=part(out))                        # O = Pd V
 
-        run_blocks(forward_block, _batch_blocks(lead, (q, k, v), probs.size, q))
+        run_blocks(forward_block, blocks)
         ctx.save_for_backward(q, k, v, probs, keep)
         ctx.scale, ctx.dropout_scale = scale, dropout_scale
         ctx.mask_shape = None if additive is None else additive.shape
@@ -110,8 +113,10 @@ class AttentionFunction(Function):
         dv = xp.empty(lead + v.shape[-2:], dtype=q.dtype) if need_v else None
         dmask = xp.empty_like(probs) if need_mask else None                  # (..., Tq, Tk) dS
 
+        axis, blocks = _batch_blocks(lead, (q, k, v), probs.size, probs)
+
         def backward_block(start, stop):
-            part = _batch_block(lead, start, stop)
+            part = _batch_block(lead, axis, start, stop)
             p, do = part(probs), part(dout)
             dropped = p
             if keep is not None:
@@ -144,7 +149,7 @@ class AttentionFunction(Function):
                 dk_block = xp.matmul(dscores.swapaxes(-1, -2), part(q), out=part(dk))
                 dk_block *= ctx.scale
 
-        run_blocks(backward_block, _batch_blocks(lead, (q, k, v), probs.size, probs))
+        run_blocks(backward_block, blocks)
         return (unbroadcast(dq, q.shape) if need_q else None,
                 unbroadcast(dk, k.shape) if need_k else None,
                 unbroadcast(dv, v.shape) if need_v else None,
@@ -152,21 +157,26 @@ class AttentionFunction(Function):
 
 
 def _batch_blocks(lead, inputs, entries, like):
-    """Blocks of the first batch axis for `autograd.threads`: one per thread when every input has that
-    axis in full, else a single block (a broadcast input is shared by every block)."""
-    rows = lead[0] if lead else 1
-    if lead and all(a.ndim == len(lead) + 2 and a.shape[0] == rows for a in inputs):
-        return row_blocks(rows, entries, like)
-    return [(0, rows)]
+    """(axis, blocks) for `autograd.threads`: blocks of one batch axis, one per thread, along the
+    longest axis that every input has in full (a broadcast input is shared by every block; B = 1
+    with H heads splits the heads), else the single block of axis 0."""
+    full = [i for i, n in enumerate(lead) if all(a.ndim == len(lead) + 2 and a.shape[i] == n for a in inputs)]
+    if not full:
+        return 0, [(0, lead[0] if lead else 1)]
+    axis = max(full, key=lambda i: lead[i])  # the first of the longest
+    return axis, row_blocks(lead[axis], entries, like)
 
 
-def _batch_block(lead, start, stop):
-    """part(a): rows [start, stop) of the first batch axis of `a` when a has that axis in full
-    (a broadcast array, a lower-dimensional mask or None pass whole)."""
+def _batch_block(lead, axis, start, stop):
+    """part(a): entries [start, stop) of batch axis `axis` of `a` (its axes aligned to the right
+    of (*lead, rows, cols)); an array that broadcasts along that axis, or None, passes whole."""
     def part(a):
-        if a is None or not lead or a.ndim != len(lead) + 2 or a.shape[0] != lead[0]:
+        if a is None or not lead:
             return a
-        return a[start:stop]
+        at = axis - (len(lead) + 2 - a.ndim)
+        if at < 0 or a.shape[at] != lead[axis]:
+            return a
+        return a[(slice(None),) * at + (slice(start, stop),)]
     return part
 
 
