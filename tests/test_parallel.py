@@ -64,12 +64,15 @@ def test_attention_split_by_batch_or_heads(threads, rng, case, batch):
                                  [q, k, v, head_mask])   # the mask's gradient too
         mask = both
 
-    def attention(q, k, v):
+    def attention(q, k, v, **path):
         generator = random.Philox(7)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=case == "causal", dropout_p=0.3 if case == "dropout_weights" else 0.0,
-            return_weights=case == "dropout_weights", generator=generator)
+            return_weights=case == "dropout_weights", generator=generator, **path)
     assert_same_with_threads(threads, attention, [q, k, v])
+    if case != "dropout_weights":  # the memory-efficient path (its CPU kernels split alike), in blocks of 4
+        assert_same_with_threads(threads, lambda q, k, v: attention(q, k, v, memory_efficient=True, block_size=4),
+                                 [q, k, v])
 
 
 def test_row_ops_split_by_rows(threads, rng):

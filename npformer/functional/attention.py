@@ -312,6 +312,58 @@ def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, cau
     return dq, dk, dv, dmask
 
 
+def _blockwise_split(q, k, v):
+    """(lead, axis, blocks): the batch axis (batch or heads) and its blocks on which the CPU runs the
+    blockwise references in threads, as the naive path splits (see _batch_blocks)."""
+    lead = _lead_shape(q, k, v)
+    return (lead, *_batch_blocks(lead, (q, k, v), math.prod(lead) * q.shape[-2] * k.shape[-2], q))
+
+
+@attention_blockwise_forward.register("cpu", supports=lambda q, k, v, blocked, additive, causal, scale, block_size,
+                                      dropout, mask_grad: dropout is None)
+def attention_blockwise_forward_cpu(q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
+    """The reference on blocks of a batch axis in the threads (each block's rows are independent);
+    with dropout, whose mask is numbered over the whole leading shape, the reference whole."""
+    lead, axis, blocks = _blockwise_split(q, k, v)
+    if len(blocks) == 1:
+        return attention_blockwise_forward.reference(q, k, v, blocked, additive, causal, scale, block_size,
+                                                     None, mask_grad)
+    xp = backend.get_array_module(q)
+    out = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)   # (..., Tq, hdv)
+    lse = xp.empty(lead + (q.shape[-2], 1), dtype=q.dtype)             # (..., Tq, 1) L
+
+    def block(start, stop):
+        part = _batch_block(lead, axis, start, stop)
+        part(out)[...], part(lse)[..., 0] = attention_blockwise_forward.reference(
+            part(q), part(k), part(v), part(blocked), part(additive), causal, scale, block_size, None, mask_grad)
+
+    run_blocks(block, blocks)
+    return out, lse[..., 0]
+
+
+@attention_blockwise_backward.register("cpu", supports=lambda q, k, v, out, lse, dout, blocked, additive, causal,
+                                       scale, block_size, dropout, need_mask: dropout is None and not need_mask)
+def attention_blockwise_backward_cpu(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
+                                     need_mask):
+    """The reference on blocks of a batch axis in the threads: a block's dQ, dK, dV come from its
+    own rows only (not d(mask), which sums over the mask's broadcast axes: then the reference whole)."""
+    lead, axis, blocks = _blockwise_split(q, k, v)
+    if len(blocks) == 1:
+        return attention_blockwise_backward.reference(q, k, v, out, lse, dout, blocked, additive, causal, scale,
+                                                      block_size, None, False)
+    xp = backend.get_array_module(dout)
+    dq, dk, dv = (xp.empty(lead + a.shape[-2:], dtype=q.dtype) for a in (q, k, v))
+
+    def block(start, stop):
+        part = _batch_block(lead, axis, start, stop)
+        part(dq)[...], part(dk)[...], part(dv)[...], _ = attention_blockwise_backward.reference(
+            part(q), part(k), part(v), part(out), part(lse[..., None])[..., 0], part(dout), part(blocked),
+            part(additive), causal, scale, block_size, None, False)
+
+    run_blocks(block, blocks)
+    return dq, dk, dv, None
+
+
 def attention_keep_block(dropout, lead, tq, tk, q_start, q_stop, k_start, k_stop, like):
     """The dropout contract's keep-mask of the attention block (..., q rows, k cols), drawn alone:
     entry (b, i, j) of the (..., Tq, Tk) probabilities (b the flat index of the leading axes) is
@@ -492,9 +544,10 @@ def _choose_path(call, return_weights, backend_name, memory_efficient, op):
         return "naive", "backend='naive' was asked for"
     args = (call.q, call.k, call.v, None, _data(call.additive), call.causal, call.scale, 1, None, call.mask_grad)
     reason = None
-    if attention_blockwise_forward.select(*args) is attention_blockwise_forward.reference:
+    not_flash = (attention_blockwise_forward.reference, attention_blockwise_forward_cpu)  # (the reference on threads)
+    if attention_blockwise_forward.select(*args) in not_flash:
         flash, supports = attention_blockwise_forward.implementations.get(_device(call.q), (None, None))
-        if flash is not None and (supports is None or supports(*args)):
+        if flash not in (None, *not_flash) and (supports is None or supports(*args)):
             reason = "autograd.kernels.reference_only() is active"
         else:
             reason = flash_unsupported(call.q, call.k, call.v, _data(call.additive), call.mask_grad)
