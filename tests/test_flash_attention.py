@@ -160,6 +160,20 @@ def test_kernels_give_a_nan_row_the_nan_logsumexp_of_the_reference(kernels):
         assert np.isnan(lse[0, 0, 1]) and np.isneginf(lse[0, 0, 2]) and not out[0, 0, 2].any()
 
 
+def test_kernels_decline_a_bool_and_a_float_mask_together(monkeypatch):
+    """The kernels read one mask (Mask::kind): given both, the additive one was dropped without a
+    word; such a call of the tables goes to the reference."""
+    monkeypatch.setattr(flash_attention, "flash_unsupported", lambda *args: None)   # as on "cuda"
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, 1, 1, 5, 6, 32)
+    blocked, additive = rng.random((5, 6)) < 0.3, rng.standard_normal((5, 6))
+    out, lse = q[..., :1] * 0, q[..., 0] * 0
+    for masks, expected in (((blocked, None), True), ((None, additive), True), ((blocked, additive), False)):
+        assert flash_attention._forward_supported(q, k, v, *masks, False, 0.2, 16, None, False) is expected
+        assert flash_attention._backward_supported(q, k, v, out, lse, q, *masks, False, 0.2, 16, None, False) \
+            is expected
+
+
 def test_a_missing_barrier_would_be_caught(kernels):
     """The emulator runs the threads of a block in a new random order between barriers: every
     order gives the same (right) result, which a kernel that reads shared memory before a
