@@ -143,6 +143,37 @@ def test_kernels_broadcast_leading_axes_and_drop_everything_at_p_1(kernels):
                               rng.standard_normal((7, 32)), None, None, True, None, rng)
 
 
+def test_kernels_give_a_nan_row_the_nan_logsumexp_of_the_reference(kernels):
+    """A NaN score (here a NaN query) makes l NaN: O and L are NaN as in the reference (L was -inf,
+    the mark of a fully hidden row), and a fully hidden row keeps O = 0, L = -inf."""
+    rng = np.random.default_rng(7)
+    for dtype in ("float32", "float64"):
+        q, k, v = qkv(rng, 1, 1, 5, 6, 32, dtype)
+        q[0, 0, 1, 3] = np.nan
+        blocked = np.zeros((5, 6), bool)
+        blocked[2] = True
+        forward = (q, k, v, blocked, None, False, 0.25, 16, None, False)
+        (out, lse), (ref_out, ref_lse) = (flash_attention.attention_flash_forward(*forward),
+                                          attention_blockwise_forward.reference(*forward))
+        np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+        assert np.isnan(lse[0, 0, 1]) and np.isneginf(lse[0, 0, 2]) and not out[0, 0, 2].any()
+
+
+def test_kernels_decline_a_bool_and_a_float_mask_together(monkeypatch):
+    """The kernels read one mask (Mask::kind): given both, the additive one was dropped without a
+    word; such a call of the tables goes to the reference."""
+    monkeypatch.setattr(flash_attention, "flash_unsupported", lambda *args: None)   # as on "cuda"
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, 1, 1, 5, 6, 32)
+    blocked, additive = rng.random((5, 6)) < 0.3, rng.standard_normal((5, 6))
+    out, lse = q[..., :1] * 0, q[..., 0] * 0
+    for masks, expected in (((blocked, None), True), ((None, additive), True), ((blocked, additive), False)):
+        assert flash_attention._forward_supported(q, k, v, *masks, False, 0.2, 16, None, False) is expected
+        assert flash_attention._backward_supported(q, k, v, out, lse, q, *masks, False, 0.2, 16, None, False) \
+            is expected
+
+
 def test_a_missing_barrier_would_be_caught(kernels):
     """The emulator runs the threads of a block in a new random order between barriers: every
     order gives the same (right) result, which a kernel that reads shared memory before a

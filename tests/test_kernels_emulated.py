@@ -179,6 +179,16 @@ def test_dropout_kernels_draw_the_reference_mask_exactly(size, p, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_kernels_keep_the_shape_of_a_0d_array(dtype):
+    """A 0-d input gives a 0-d output (ascontiguousarray makes a 0-d array 1-d, in numpy and CuPy)."""
+    x = np.array(1.5, dtype)
+    y = cuda(dropout_forward, x, 7, 8, 0.5)[0]
+    assert y.shape == () and y == dropout_forward.reference(x, 7, 8, 0.5)[0]
+    dx = cuda(dropout_backward, x, None, 7, 8, 0.5)
+    assert dx.shape == () and dx == dropout_backward.reference(x, None, 7, 8, 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [5, 1500])
 def test_embedding_backward_kernel(dim, dtype, rng):
     ids = rng.integers(0, 6, 40)                            # many repeats: atomic adds meet

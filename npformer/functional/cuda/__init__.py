@@ -91,6 +91,15 @@ def null(array):
     return 0 if array is None else array
 
 
+MAX_ROW_LENGTH = 2**31 - 1 - MAX_THREADS  # the kernels step through a row with an int: i + blockDim.x < 2^31
+
+
+def short_rows(n):
+    """Rows of n entries fit the row kernels: their (int) row length and indices do not overflow;
+    longer rows are left to the reference."""
+    return n <= MAX_ROW_LENGTH
+
+
 def row_threads(n):
     """Threads per block for a kernel that gives one block to each row of n entries: a multiple
     of 32 (whole warps, as the block reductions need), one entry per thread up to 1024."""

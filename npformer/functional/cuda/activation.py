@@ -2,16 +2,17 @@
 from autograd import backend
 
 from ..activation import bias_activation_backward, bias_activation_forward
-from . import contiguous_floats, entry_grid, function, null
+from . import contiguous_floats, entry_grid, function, null, short_rows
 
 THREADS = 256
 
 
-@bias_activation_forward.register("cuda", supports=lambda x, bias, kind: contiguous_floats(x, bias))
+@bias_activation_forward.register("cuda", supports=lambda x, bias, kind:
+                                 (bias is None or short_rows(bias.size)) and contiguous_floats(x, bias))
 def bias_activation_forward_cuda(x, bias, kind):
     xp = backend.get_array_module(x)
     y = xp.empty_like(x)
-    n = x.shape[-1] if x.ndim else 1
+    n = bias.size if bias is not None else 1            # the bias index is i % n (n: an int)
     if kind == "relu":
         keep = xp.empty(x.shape, dtype=bool)
         if x.size:

@@ -3,13 +3,13 @@ from autograd import backend
 
 from ..loss import cross_entropy_backward, cross_entropy_forward
 from ..softmax import log_softmax_backward, log_softmax_forward
-from . import contiguous_floats, entry_grid, function, null, row_grid, row_shape, row_threads
+from . import contiguous_floats, entry_grid, function, null, row_grid, row_shape, row_threads, short_rows
 
 THREADS = 256
 
 
 def _last_axis(x, axis):
-    return axis in (-1, x.ndim - 1) and x.ndim > 0
+    return axis in (-1, x.ndim - 1) and x.ndim > 0 and short_rows(x.shape[-1])
 
 
 @log_softmax_forward.register("cuda", supports=lambda x, axis: _last_axis(x, axis) and contiguous_floats(x))
@@ -38,7 +38,7 @@ def log_softmax_backward_cuda(logp, dy, axis):
 
 
 @cross_entropy_forward.register("cuda", supports=lambda logits, target, valid, weight, label_smoothing:
-                                contiguous_floats(logits, weight))
+                                short_rows(logits.shape[1]) and contiguous_floats(logits, weight))
 def cross_entropy_forward_cuda(logits, target, valid, weight, label_smoothing):
     xp = backend.get_array_module(logits)
     m, c = logits.shape
@@ -55,7 +55,7 @@ def cross_entropy_forward_cuda(logits, target, valid, weight, label_smoothing):
 
 
 @cross_entropy_backward.register("cuda", supports=lambda probs, target, weight, label_smoothing, dloss:
-                                 contiguous_floats(probs, weight, dloss))
+                                 short_rows(probs.shape[1]) and contiguous_floats(probs, weight, dloss))
 def cross_entropy_backward_cuda(probs, target, weight, label_smoothing, dloss):
     xp = backend.get_array_module(probs)
     m, c = probs.shape

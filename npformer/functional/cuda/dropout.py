@@ -25,8 +25,8 @@ def dropout_apply(x, seed, offset, p, state=None):
     capture), as a new contiguous array (the array module comes from x: on host arrays the kernel
     runs in the test suite's emulator)."""
     xp = backend.get_array_module(x)
-    x = xp.ascontiguousarray(x)
-    y = xp.empty_like(x)
+    y = xp.empty(x.shape, dtype=x.dtype)
+    x = xp.ascontiguousarray(x)                                      # (a 0-d array comes back 1-d)
     function("dropout", "dropout_apply", x.dtype)(_grid(x.size, offset), (THREADS,),
                                                   (x, y, *_stream(xp, x, seed, offset, p, state)))
     return y

@@ -2,10 +2,10 @@
 from autograd import backend
 
 from ..embedding import scatter_add_rows
-from . import contiguous_floats, function, row_grid, row_threads
+from . import contiguous_floats, function, row_grid, row_threads, short_rows
 
 
-@scatter_add_rows.register("cuda", supports=lambda ids, rows, num_rows: contiguous_floats(rows))
+@scatter_add_rows.register("cuda", supports=lambda ids, rows, num_rows: short_rows(rows.shape[1]) and contiguous_floats(rows))
 def scatter_add_rows_cuda(ids, rows, num_rows):
     xp = backend.get_array_module(rows)
     out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)

@@ -194,10 +194,11 @@ flash_attention_forward(const T* __restrict__ q, const T* __restrict__ k, const 
         m = new_max;
     }
     if (i < tq) {
-        const T factor = l > T(0) ? dropout_scale / l : T(0);    // O = acc / l / (1 - p); 0 if all hidden
+        // O = acc / l / (1 - p); 0 if all hidden (l = 0, not a NaN l: a NaN score keeps O and L NaN)
+        const T factor = l == T(0) ? T(0) : dropout_scale / l;
         #pragma unroll
         for (int d = 0; d < DIMS; ++d) out[((long long)bh * tq + i) * D + dim_of<T, G>(d, g)] = acc[d] * factor;
-        if (g == 0) lse[(long long)bh * tq + i] = l > T(0) ? m + log(l) : -infinity<T>();
+        if (g == 0) lse[(long long)bh * tq + i] = l == T(0) ? -infinity<T>() : m + log(l);
     }
 }
 

@@ -1,7 +1,8 @@
 """Launchers of flash_attention.cu: the CUDA implementation of the memory-efficient attention's
 kernel tables (`attention_blockwise_forward`, `attention_blockwise_backward` in
 npformer/functional/attention.py), registered for "cuda" wherever `flash_unsupported` finds
-nothing against the call (head dims 32/64/128, float32/float64, no mask that needs a gradient).
+nothing against the call (head dims 32/64/128, float32/float64, no mask that needs a gradient) and
+at most one of the bool and float masks is given (the kernels read one mask).
 
 Inputs with broadcast leading axes are made contiguous (BH, T, D) arrays; a mask keeps its own
 shape: the kernels read it through one offset per (batch, head) and its strides along queries
@@ -65,11 +66,11 @@ def _common_arguments(xp, dtype, tq, tk, causal, scale, dropout):
 
 
 def _forward_supported(q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
-    return flash_unsupported(q, k, v, additive, mask_grad) is None
+    return (blocked is None or additive is None) and flash_unsupported(q, k, v, additive, mask_grad) is None
 
 
 def _backward_supported(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout, need_mask):
-    return flash_unsupported(q, k, v, additive, need_mask) is None
+    return (blocked is None or additive is None) and flash_unsupported(q, k, v, additive, need_mask) is None
 
 
 @attention_blockwise_forward.register("cuda", supports=_forward_supported)

@@ -2,13 +2,14 @@
 from autograd import backend
 
 from ..normalization import layer_norm_backward, layer_norm_forward
-from . import contiguous_floats, function, null, row_grid, row_shape, row_threads
+from . import contiguous_floats, function, null, row_grid, row_shape, row_threads, short_rows
 
 PARAM_BLOCK = (32, 32)   # layer_norm_backward_params: 32 columns x 32 row-threads per block
 MAX_ROW_PARTS = 64       # blocks along the rows in the first reduction of dweight / dbias
 
 
-@layer_norm_forward.register("cuda", supports=lambda x, weight, bias, eps: contiguous_floats(x, weight, bias))
+@layer_norm_forward.register("cuda", supports=lambda x, weight, bias, eps:
+                            short_rows(x.shape[1]) and contiguous_floats(x, weight, bias))
 def layer_norm_forward_cuda(x, weight, bias, eps):
     xp = backend.get_array_module(x)
     rows, n = x.shape
@@ -22,7 +23,7 @@ def layer_norm_forward_cuda(x, weight, bias, eps):
 
 
 @layer_norm_backward.register("cuda", supports=lambda dy, xhat, rstd, weight, *needs:
-                              contiguous_floats(dy, xhat, rstd, weight))
+                              short_rows(xhat.shape[1]) and contiguous_floats(dy, xhat, rstd, weight))
 def layer_norm_backward_cuda(dy, xhat, rstd, weight, need_x, need_w, need_b):
     xp = backend.get_array_module(dy)
     rows, n = xhat.shape

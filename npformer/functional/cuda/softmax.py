@@ -2,12 +2,13 @@
 from autograd import backend
 
 from ..softmax import softmax_backward, softmax_forward
-from . import contiguous_floats, function, row_grid, row_shape, row_threads
+from . import contiguous_floats, function, row_grid, row_shape, row_threads, short_rows
 
 
 def _last_axis_rows(*arrays, axis):
     """The kernels take contiguous (rows, n) data with the softmax along n (out: None or such an array)."""
-    return axis in (-1, arrays[0].ndim - 1) and arrays[0].size > 0 and contiguous_floats(*arrays)
+    return (axis in (-1, arrays[0].ndim - 1) and arrays[0].size > 0 and short_rows(arrays[0].shape[-1])
+            and contiguous_floats(*arrays))
 
 
 @softmax_forward.register("cuda", supports=lambda x, axis, out=None: _last_axis_rows(x, out, axis=axis))
