@@ -127,7 +127,7 @@ class Philox:
     atomic, so they get disjoint values."""
 
     def __init__(self, seed=0, offset=0):
-        self.seed, self.offset = int(seed) % 2**64, int(offset)
+        self.seed, self.offset = int(seed) % 2**64, _whole_counters(int(offset), "Philox")
         self.seeded = True
 
     def manual_seed(self, seed):
@@ -188,12 +188,21 @@ class Philox:
         if not isinstance(state, dict) or set(state) != {"seed", "offset"}:
             raise ValueError(f"Philox state: expected {{'seed': ..., 'offset': ...}}, got {state!r:.80}")
         seed = check_int(state["seed"], "seed", "Philox state", at_least=0, at_most=2**64 - 1)
-        offset = check_int(state["offset"], "offset", "Philox state", at_least=0, at_most=2**64 - 1)
+        offset = _whole_counters(check_int(state["offset"], "offset", "Philox state", at_least=0, at_most=2**64 - 1),
+                                 "Philox state")
         with _streams_lock:
             self.seed, self.offset = seed, offset
 
     def __repr__(self):
         return f"Philox(seed={self.seed}, offset={self.offset})"
+
+
+def _whole_counters(offset, owner):
+    """offset, a multiple of 8 (draws reserve whole counters; a graph replay moves its counters by offset / 8)."""
+    if offset % VALUES_PER_COUNTER:
+        raise ValueError(f"{owner}: offset must be a multiple of {VALUES_PER_COUNTER} (whole Philox counters), "
+                         f"got {offset}")
+    return offset
 
 
 _dropout = Philox()  # the dropout stream (dropout_stream()), seeded on first use

@@ -460,6 +460,8 @@ MALFORMED = [
     ("rng-name", lambda m: edit(m, "rng", "cpu", "bit_generator", value="seed"), r"metadata rng/cpu: bit_generator"),
     ("dropout-offset", lambda m: edit(m, "rng", "dropout", "offset", value=2**200),  # the first dropout overflowed
      r"metadata rng/dropout: Philox state: offset must be an integer in \[0, 18446744073709551615\]"),
+    ("dropout-offset-split", lambda m: edit(m, "rng", "dropout", "offset", value=3),  # a graph replay drew other bits
+     r"metadata rng/dropout: Philox state: offset must be a multiple of 8 \(whole Philox counters\), got 3"),
 ]
 
 
