@@ -108,6 +108,23 @@ def test_matches_torch_forward_and_backward(name, dtype, atol, rtol, torch):
         np.testing.assert_allclose(a.grad, b.grad.numpy(), atol=scaled(atol, upstream), rtol=rtol)
 
 
+TIES = np.array([[1.0, 3.0, 3.0, -2.0], [0.5, -1.0, 0.5, 0.2], [2.0, -1.0, 0.0, 1.0]])  # two-way ties
+
+
+@pytest.mark.parametrize("axis", [1, None])
+def test_max_shares_the_gradient_evenly_between_two_tied_entries_like_torch(axis, device, torch):
+    """Tied maxima share the gradient evenly, as in torch's amax and max(); at a two-way tie the
+    central difference (+eps moves the max by eps, -eps leaves it) and the random direction
+    ((u1 + u2) / 2) see that share too, so gradcheck judges it."""
+    assert gradcheck(lambda a: a.max(axis=axis), [Tensor(TIES, requires_grad=True, device=device)])
+    x, tx = Tensor(TIES, requires_grad=True, device=device), torch.tensor(TIES, requires_grad=True)
+    out = x.max(axis=axis)
+    upstream = np.random.default_rng(2).standard_normal(out.shape)
+    out.backward(backend.to_device(upstream, device))
+    (tx.amax(dim=1) if axis is not None else tx.max()).backward(torch.tensor(upstream))
+    np.testing.assert_array_equal(backend.as_numpy(x.grad), tx.grad.numpy())   # halves of one number: exact
+
+
 def test_diamond_graph_and_tensor_used_twice(torch):
     a, = make_inputs([(3,)], np.float64)
     b = a * 2.0
