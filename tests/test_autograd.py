@@ -12,6 +12,7 @@ from autograd import Function, GradcheckError, Tensor, backend, gradcheck, rando
 from helpers import WrongSoftmax
 from tolerances import scaled
 
+BOOL_KEY = np.array([[True, False, True, True], [False, False, True, False], [True, True, False, False]])
 # name -> (function of tensors, input shapes); inputs drawn standard normal, positive where needed
 OPS = {
     "add": (lambda a, b: a + b, [(3, 4), (3, 4)]),
@@ -52,6 +53,8 @@ OPS = {
     "getitem_slice": (lambda a: a[1:, ::2], [(3, 4)]),
     "getitem_int_array_repeats": (lambda a: a[np.array([0, 2, 0, 0])], [(3, 4)]),
     "getitem_mixed": (lambda a: a[:, np.array([1, 1, 3])], [(3, 4)]),
+    "getitem_bool_mask": (lambda a: a[BOOL_KEY], [(3, 4)]),
+    "getitem_negative_step_newaxis_ellipsis": (lambda a: a[::-1, None, ..., 1:3], [(3, 4)]),
     "where": (lambda a, b: autograd.where(a.data > 0, a, b), [(3, 4), (4,)]),
     "concatenate": (lambda a, b: autograd.concatenate([a, b, a], axis=1), [(2, 3), (2, 2)]),
     "stack": (lambda a, b: autograd.stack([a, b], axis=1), [(2, 3), (2, 3)]),
@@ -76,6 +79,8 @@ def torch_equivalent(torch, name):
         "swapaxes": lambda a: a.transpose(-1, -2), "expand": lambda a: a.expand(2, 3, 4),
         "getitem_int_array_repeats": lambda a: a[t.tensor([0, 2, 0, 0])],
         "getitem_mixed": lambda a: a[:, t.tensor([1, 1, 3])],
+        "getitem_bool_mask": lambda a: a[t.tensor(BOOL_KEY)],
+        "getitem_negative_step_newaxis_ellipsis": lambda a: a.flip(0)[:, None, ..., 1:3],
     }.get(name, OPS[name][0])  # arithmetic, matmul, slicing and reshape read the same in both
 
 

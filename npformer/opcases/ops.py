@@ -195,6 +195,8 @@ LAYER_NORM = [
     layer_norm_case(" ((4, 5), eps=1e-3)", (2, 3, 4, 5), (4, 5), 2, eps=1e-3),
     layer_norm_case(" ((4, 5), weight only)", (2, 3, 4, 5), (4, 5), 1, eps=1e-3),
     layer_norm_case(" ((4, 5), no affine)", (2, 3, 4, 5), (4, 5), 0, eps=1e-3),
+    OpCase("F.layer_norm (bias only)", "layer_norm", normal((2, 3, 5), (5,)), lambda x, b: F.layer_norm(x, 5, None, b),
+           lambda t, x, b: t.nn.functional.layer_norm(x, (5,), None, b)),
 ]
 
 
