@@ -12,6 +12,7 @@ from autograd import Function, GradcheckError, Tensor, backend, gradcheck, testd
 from helpers import WrongSoftmax
 from tolerances import scaled
 
+BOOL_KEY = np.array([[True, False, True, True], [False, False, True, False], [True, True, False, False]])
 # name -> (function of tensors, input shapes); inputs drawn standard normal, positive where needed
 OPS = {
     "add": (lambda a, b: a + b, [(3, 4), (3, 4)]),
@@ -52,6 +53,8 @@ OPS = {
     "getitem_slice": (lambda a: a[1:, ::2], [(3, 4)]),
     "getitem_int_array_repeats": (lambda a: a[np.array([0, 2, 0, 0])], [(3, 4)]),
     "getitem_mixed": (lambda a: a[:, np.array([1, 1, 3])], [(3, 4)]),
+    "getitem_bool_mask": (lambda a: a[BOOL_KEY], [(3, 4)]),
+    "getitem_negative_step_newaxis_ellipsis": (lambda a: a[::-1, None, ..., 1:3], [(3, 4)]),
     "where": (lambda a, b: autograd.where(a.data > 0, a, b), [(3, 4), (4,)]),
     "concatenate": (lambda a, b: autograd.concatenate([a, b, a], axis=1), [(2, 3), (2, 2)]),
     "stack": (lambda a, b: autograd.stack([a, b], axis=1), [(2, 3), (2, 3)]),
@@ -76,6 +79,8 @@ def torch_equivalent(torch, name):
         "swapaxes": lambda a: a.transpose(-1, -2), "expand": lambda a: a.expand(2, 3, 4),
         "getitem_int_array_repeats": lambda a: a[t.tensor([0, 2, 0, 0])],
         "getitem_mixed": lambda a: a[:, t.tensor([1, 1, 3])],
+        "getitem_bool_mask": lambda a: a[t.tensor(BOOL_KEY)],
+        "getitem_negative_step_newaxis_ellipsis": lambda a: a.flip(0)[:, None, ..., 1:3],
     }.get(name, OPS[name][0])  # arithmetic, matmul, slicing and reshape read the same in both
 
 
@@ -106,6 +111,23 @@ def test_matches_torch_forward_and_backward(name, dtype, atol, rtol, torch):
     for a, b in zip(ours, theirs):
         assert a.grad.dtype == dtype
         np.testing.assert_allclose(a.grad, b.grad.numpy(), atol=scaled(atol, upstream), rtol=rtol)
+
+
+TIES = np.array([[1.0, 3.0, 3.0, -2.0], [0.5, -1.0, 0.5, 0.2], [2.0, -1.0, 0.0, 1.0]])  # two-way ties
+
+
+@pytest.mark.parametrize("axis", [1, None])
+def test_max_shares_the_gradient_evenly_between_two_tied_entries_like_torch(axis, device, torch):
+    """Tied maxima share the gradient evenly, as in torch's amax and max(); at a two-way tie the
+    central difference (+eps moves the max by eps, -eps leaves it) and the random direction
+    ((u1 + u2) / 2) see that share too, so gradcheck judges it."""
+    assert gradcheck(lambda a: a.max(axis=axis), [Tensor(TIES, requires_grad=True, device=device)])
+    x, tx = Tensor(TIES, requires_grad=True, device=device), torch.tensor(TIES, requires_grad=True)
+    out = x.max(axis=axis)
+    upstream = np.random.default_rng(2).standard_normal(out.shape)
+    out.backward(backend.to_device(upstream, device))
+    (tx.amax(dim=1) if axis is not None else tx.max()).backward(torch.tensor(upstream))
+    np.testing.assert_array_equal(backend.as_numpy(x.grad), tx.grad.numpy())   # halves of one number: exact
 
 
 def test_diamond_graph_and_tensor_used_twice(torch):

@@ -1,6 +1,6 @@
 """F.scaled_dot_product_attention, naive and memory-efficient: the registry's cases (every mask
-kind, fully masked rows, returned weights, dropout: gradcheck, torch, composite twin on every
-device), fully masked rows, blockwise against naive in float32, large scores and additive -1e9
+kind, fully masked rows, float masks that require grad, k and v broadcast, returned weights,
+dropout: gradcheck, torch, composite twin on every device), fully masked rows, blockwise against naive in float32, large scores and additive -1e9
 masks against torch, dropout semantics, empty keys, property-based tests, and clear errors."""
 import math
 

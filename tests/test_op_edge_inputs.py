@@ -6,7 +6,9 @@ import pytest
 
 import npformer.functional as F
 from autograd import Tensor, backend
+from autograd.random import Philox
 from npformer.functional import composite
+from npformer.functional.activation import dropout_scale, keep_mask
 
 from tolerances import assert_close, rounding_tolerance
 
@@ -201,6 +203,16 @@ NON_CONTIGUOUS = {  # name: (ours(*leaves), torch's(torch, *leaves), shapes of t
     "split_heads": (lambda x: F.split_heads(x, 2),
                     lambda t, x: x.reshape(2, 3, 2, 3).transpose(1, 2), [(2, 3, 6)]),
     "dropout_add_eval": (lambda x, r: F.dropout_add(x, r, 0.3, training=False), lambda t, x, r: x + r, [(3, 4), (3, 4)]),
+    "dropout_add_seeded": (lambda x, r: F.dropout_add(x, r, 0.4, generator=Philox(7)),
+                           lambda t, x, r: r + x * t.as_tensor(keep_mask((3, 4), 0.4, 7, 0, "cpu") * dropout_scale(0.4)),
+                           [(3, 4), (3, 4)]),
+    "sdpa_causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    lambda t, q, k, v: t.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    [(2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 3)]),
+    "sdpa_memory_efficient_causal": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, memory_efficient=True, block_size=2),
+        lambda t, q, k, v: t.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        [(2, 2, 3, 4), (2, 2, 5, 4), (2, 2, 5, 3)]),
 }
 
 
@@ -255,6 +267,13 @@ SMALL = {  # name: (ours(*leaves), torch's(torch, *leaves), input arrays): empty
     "split_heads_0_batch": (lambda x: F.split_heads(x, 2), lambda t, x: x.reshape(0, 3, 2, 3).transpose(1, 2),
                             [np.zeros((0, 3, 6))]),
     "dropout_0d": (lambda x: F.dropout(x, 1.0), lambda t, x: t.nn.functional.dropout(x, 1.0), [np.array(2.0)]),
+    "sdpa_0_queries": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                       lambda t, q, k, v: t.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                       [np.zeros((2, 2, 0, 3)), np.ones((2, 2, 4, 3)), np.ones((2, 2, 4, 2))]),
+    "sdpa_memory_efficient_0_batch": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, memory_efficient=True, block_size=2),
+        lambda t, q, k, v: t.nn.functional.scaled_dot_product_attention(q, k, v),
+        [np.zeros((0, 2, 3, 3)), np.ones((0, 2, 4, 3)), np.ones((0, 2, 4, 2))]),
 }
 
 

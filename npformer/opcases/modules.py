@@ -100,11 +100,11 @@ CASES = [
     _embedding_case(-1),
     _module_case("nn.RotaryEmbedding", "rotary", lambda: nn.RotaryEmbedding(6), normal((2, 2, 5, 6)), _call,
                  lambda t, m, x: torch_rope(t, x), convert=False),
+    # key and value separate inputs: a gradient that lands on the other one shows
     _module_case("nn.MultiheadAttention", "multihead_attention", lambda: nn.MultiheadAttention(E, 2, batch_first=True),
-                 normal((B, T, E), (B, T, E)),
-                 lambda m, x, mem: m(x, mem, mem, key_padding_mask=PAD, attn_mask=CAUSAL),
-                 lambda t, m, x, mem: m(x, mem, mem, key_padding_mask=t.tensor(PAD),
-                                        attn_mask=t.tensor(CAUSAL))),
+                 normal((B, T, E), (B, T, E), (B, T, E)),
+                 lambda m, x, k, v: m(x, k, v, key_padding_mask=PAD, attn_mask=CAUSAL),
+                 lambda t, m, x, k, v: m(x, k, v, key_padding_mask=t.tensor(PAD), attn_mask=t.tensor(CAUSAL))),
 ] + [case for norm_first in (False, True) for case in _layer_cases(norm_first)] + [
     _module_case("nn.Transformer (1+1 layers, d=4)", "transformer", lambda: nn.Transformer(**_SMALL, dropout=0.0),
                  normal((B, 3, 4), (B, 2, 4)),

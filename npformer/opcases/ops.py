@@ -1,5 +1,6 @@
 """The cases of npformer.functional's ops: each op on ordinary inputs and on its edge cases
-(masks of every kind, fully masked rows, ignored targets, padding rows, extreme logits), with
+(masks of every kind, fully masked rows, masks that require grad, broadcast inputs, ignored
+targets, padding rows, extreme logits), with
 the PyTorch reference written once here."""
 import numpy as np
 
@@ -49,10 +50,14 @@ def torch_rope(t, x, cos=None, sin=None, base=10000.0):
 
 def torch_sdpa(t, q, k, v, attn_mask=None, is_causal=False, **kwargs):
     """torch's scaled_dot_product_attention with npformer's arguments: npformer combines a mask
-    with is_causal (torch refuses both), so the causal part is folded into the mask."""
+    with is_causal (torch refuses both), so the causal part is folded into the mask (a numpy
+    array, or a torch leaf: a float mask that is differentiated)."""
     if attn_mask is not None and is_causal:
         tril = np.tril(np.ones((q.shape[-2], k.shape[-2]), dtype=bool))
-        attn_mask = attn_mask & tril if attn_mask.dtype == bool else np.where(tril, attn_mask, -np.inf)
+        if not isinstance(attn_mask, np.ndarray):
+            attn_mask = attn_mask.masked_fill(t.tensor(~tril), -np.inf)
+        else:
+            attn_mask = attn_mask & tril if attn_mask.dtype == bool else np.where(tril, attn_mask, -np.inf)
         is_causal = False
     mask = {} if attn_mask is None else torch_args(t, {"attn_mask": attn_mask}, q)
     return t.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **mask, **kwargs)
@@ -64,6 +69,15 @@ def torch_causal_attention_with_weights(t, q, k, v):
     allowed = t.ones(q.shape[-2], k.shape[-2], dtype=t.bool).tril()
     weights = t.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return weights @ v, weights
+
+
+def torch_dropout_attention(t, q, k, v, p=0.3, seed=7):
+    """Causal attention whose weights are dropped by the dropout contract's mask of a fresh
+    Philox(seed) (every path draws it): (out, the dropped weights)."""
+    _, weights = torch_causal_attention_with_weights(t, q, k, v)
+    keep = keep_mask(tuple(weights.shape), p, seed, 0, "cpu")
+    dropped = weights * t.as_tensor(keep * dropout_scale(p)).to(weights.dtype)
+    return dropped @ v, dropped
 
 
 def mix_heads(q, k, v):
@@ -102,14 +116,19 @@ GELU = [
            lambda t, x: t.nn.functional.gelu(x, approximate="tanh")),
 ]
 
+def _dropout_torch(t, x):
+    """x * m with m the mask of a fresh Philox(7) stream (the dropout contract)."""
+    keep = keep_mask(tuple(x.shape), 0.4, 7, 0, "cpu")
+    return x * t.as_tensor(keep.astype(x.detach().numpy().dtype) * dropout_scale(0.4))
+
+
 DROPOUT = [OpCase("F.dropout (seeded)", "dropout", normal((4, 5)),
-                  lambda x: F.dropout(x, 0.4, generator=seeded(7, x)))]
+                  lambda x: F.dropout(x, 0.4, generator=seeded(7, x)), _dropout_torch)]
 
 
 def _dropout_add_torch(t, x, residual):
-    """residual + x * m with m the mask of a fresh Philox(7) stream (the dropout contract)."""
-    keep = keep_mask(tuple(x.shape), 0.4, 7, 0, "cpu")
-    return residual + x * t.as_tensor(keep.astype(x.detach().numpy().dtype) * dropout_scale(0.4))
+    """residual + dropout(x) with F.dropout's mask (_dropout_torch)."""
+    return residual + _dropout_torch(t, x)
 
 
 DROPOUT_ADD = [OpCase("F.dropout_add (seeded)", "dropout_add", normal((4, 5), (4, 5)),
@@ -176,6 +195,8 @@ LAYER_NORM = [
     layer_norm_case(" ((4, 5), eps=1e-3)", (2, 3, 4, 5), (4, 5), 2, eps=1e-3),
     layer_norm_case(" ((4, 5), weight only)", (2, 3, 4, 5), (4, 5), 1, eps=1e-3),
     layer_norm_case(" ((4, 5), no affine)", (2, 3, 4, 5), (4, 5), 0, eps=1e-3),
+    OpCase("F.layer_norm (bias only)", "layer_norm", normal((2, 3, 5), (5,)), lambda x, b: F.layer_norm(x, 5, None, b),
+           lambda t, x, b: t.nn.functional.layer_norm(x, (5,), None, b)),
 ]
 
 
@@ -238,6 +259,24 @@ def _dropout_attention(q, k, v, **kwargs):
     return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True, generator=seeded(7, q), **kwargs)
 
 
+def float_mask_inputs(mask_shape, hidden):
+    """inputs: q (2, 2, 3, 2), k, v (2, 2, 4, 2) and a float attn_mask of `mask_shape`, -inf at
+    `hidden` (an index), that is differentiated like them: d(mask) = dS summed over the axes
+    the mask is broadcast along, 0 where it is -inf."""
+    def inputs(rng):
+        mask = rng.standard_normal(mask_shape)
+        mask[hidden] = -np.inf
+        return normal((2, 2, 3, 2), (2, 2, 4, 2), (2, 2, 4, 2))(rng) + [mask]
+    return inputs
+
+
+def float_mask_case(shape, label, path, mask_shape, hidden, **kwargs):
+    return OpCase(f"F.sdpa {path}(float mask {shape} that requires grad, {label})", "attention",
+                  float_mask_inputs(mask_shape, hidden),
+                  lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, **kwargs, **PATHS[path]),
+                  lambda t, q, k, v, m: torch_sdpa(t, q, k, v, attn_mask=m, **kwargs))
+
+
 _SMALL = ((2, 2, 4, 3),) * 3
 ATTENTION = [attention_case(f"{path}({mask})", kwargs, PATHS[path])
              for mask, kwargs in attention_masks(_constants).items() for path in PATHS] + [
@@ -247,11 +286,20 @@ ATTENTION = [attention_case(f"{path}({mask})", kwargs, PATHS[path])
            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True),
            torch_causal_attention_with_weights),
     OpCase("F.sdpa (seeded dropout, return_weights)", "attention", normal(*_SMALL),
-           lambda q, k, v: _dropout_attention(q, k, v, return_weights=True)),
-    # the blockwise path draws its dropout masks per block: other masks than the twin's
+           lambda q, k, v: _dropout_attention(q, k, v, return_weights=True), torch_dropout_attention),
+    # the blockwise path draws each block's part of the contract's mask: the twin's mask
     OpCase("F.sdpa memory-efficient (seeded dropout)", "attention", normal(*_SMALL),
-           lambda q, k, v: _dropout_attention(q, k, v, memory_efficient=True, block_size=3), twin=False),
-]
+           lambda q, k, v: _dropout_attention(q, k, v, memory_efficient=True, block_size=3),
+           lambda t, q, k, v: torch_dropout_attention(t, q, k, v)[0]),
+] + [case for path in PATHS for case in [
+    # batch 1's last key hidden; broadcast over heads and queries (summed across query blocks)
+    float_mask_case("(B, 1, 1, Tk)", "causal", path, (2, 1, 1, 4), np.s_[1, ..., 3], is_causal=True),
+    # query row 1 sees no key; broadcast over batch and heads
+    float_mask_case("(Tq, Tk)", "a fully masked row", path, (3, 4), np.s_[1]),
+    # k shared by the heads, v by the batch: their gradients are summed over those axes
+    attention_case(f"{path}(k, v broadcast over heads / batch, causal)", {"is_causal": True}, PATHS[path],
+                   ((2, 2, 3, 2), (2, 1, 4, 2), (1, 2, 4, 2))),
+]]
 
 SPLIT_HEADS = [
     OpCase("F.split_heads (3 chunks)", "split_heads", normal((2, 4, 12)),
