@@ -77,14 +77,16 @@ def compare_with_torch(torch, ours_fn, torch_fn, arrays, rng, atol=1e-10, rtol=1
 
 def compare_runs(fn_a, fn_b, arrays, rng, device="cpu", atol=1e-12):
     """Run two implementations on separate float64 leaves holding `arrays`, backpropagate the same
-    random upstream gradients through both, and compare every output and input gradient."""
+    random upstream gradients through both, and compare every output and input gradient (atol,
+    rtol: set at unit scale, atol times the magnitudes of the inputs and upstream gradients)."""
     outs_a, upstream, grads_a = vjp(fn_a, [leaf(a, device) for a in arrays], seed=int(rng.integers(2**31)))
     outs_b, _, grads_b = vjp(fn_b, [leaf(a, device) for a in arrays], upstream)
+    atol, rtol = scaled(atol, *arrays, *upstream), atol
     for i, (a, b) in enumerate(zip(outs_a, outs_b)):
         assert a.device == device and a.dtype == np.float64
-        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=atol, rtol=atol, err_msg=f"output {i}")
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=atol, rtol=rtol, err_msg=f"output {i}")
     for i, (a, b) in enumerate(zip(grads_a, grads_b)):
-        np.testing.assert_allclose(backend.as_numpy(a), backend.as_numpy(b), atol=atol, rtol=atol,
+        np.testing.assert_allclose(backend.as_numpy(a), backend.as_numpy(b), atol=atol, rtol=rtol,
                                    err_msg=f"gradient of input {i}")
     return outs_a
 

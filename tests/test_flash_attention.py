@@ -22,6 +22,7 @@ from npformer.functional.cuda import flash_attention
 
 from cuda_emulator import build_or_skip
 from helpers import compare_runs, leaf
+from tolerances import scaled
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
@@ -264,7 +265,7 @@ def test_a_mask_that_needs_a_gradient_runs_the_reference_on_the_flash_path(flash
     t_ins = [torch.tensor(a, requires_grad=True) for a in arrays]
     t_mask = torch.tensor(mask.data, requires_grad=True)
     torch.nn.functional.scaled_dot_product_attention(*t_ins, attn_mask=t_mask).backward(torch.tensor(upstream))
-    np.testing.assert_allclose(mask.grad, t_mask.grad.numpy(), atol=1e-12)
+    np.testing.assert_allclose(mask.grad, t_mask.grad.numpy(), atol=scaled(1e-12, *arrays, mask.data, upstream))
 
 
 # -- the mask's gradient on every path ---------------------------------------------------------------
@@ -285,11 +286,12 @@ def test_a_float_mask_that_requires_grad_gets_ds_like_torch(path, shape, torch):
     causal = torch.ones(4, 5, dtype=torch.bool).tril()
     ref = torch.nn.functional.scaled_dot_product_attention(*t_ins, attn_mask=t_mask.masked_fill(~causal, -np.inf))
     ref.backward(torch.tensor(upstream))
-    np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=1e-12)
+    tolerance = scaled(1e-12, *arrays, mask_data, upstream)
+    np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), atol=tolerance)
     assert mask.grad.shape == shape
-    np.testing.assert_allclose(mask.grad, t_mask.grad.numpy(), atol=1e-12)
+    np.testing.assert_allclose(mask.grad, t_mask.grad.numpy(), atol=tolerance)
     for ours, theirs in zip(ins, t_ins):
-        np.testing.assert_allclose(ours.grad, theirs.grad.numpy(), atol=1e-12)
+        np.testing.assert_allclose(ours.grad, theirs.grad.numpy(), atol=tolerance)
 
 
 @pytest.mark.parametrize("path", [{"backend": "naive"}, {"backend": "memory_efficient", "block_size": 3}])
@@ -363,7 +365,7 @@ def test_multihead_attention_takes_a_backend(rng):
     naive.load_state_dict(mha.state_dict())
     out, _ = mha(x, x, x, need_weights=False)
     ref, _ = naive(x, x, x, need_weights=False)
-    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-12)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=scaled(1e-12, x, *(p.data for p in mha.parameters())))
     out, weights = mha(x, x, x)
     assert weights.shape == (2, 5, 5)
     with pytest.raises(ValueError, match="backend"):
@@ -418,7 +420,7 @@ def test_cuda_flash_gradcheck_naive_and_torch(cuda, mask, torch):
     out = F.scaled_dot_product_attention(*ins, backend="flash", **cuda_kwargs)
     theirs = {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
     ref = torch.nn.functional.scaled_dot_product_attention(*(torch.tensor(a) for a in arrays), **theirs)
-    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-12)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=scaled(1e-12, *arrays))
 
 
 def test_cuda_dropout_kernel_draws_the_contract_mask(cuda):
