@@ -433,8 +433,10 @@ def _run_nodes(tensor, grad, retain_graph):
                 xp = xp or backend.get_array_module(*[t.data for t in node.inputs if t is not None])
                 g = xp.zeros(shape, dtype)
             grads.append(g)
-        for j, t in node.retained.items():  # accumulate, as a leaf's (grads[j] may be shared: own a copy)
-            t.grad = grads[j].copy() if t.grad is None else t.grad + grads[j]
+        for j, ref in node.retained.items():  # accumulate, as a leaf's (grads[j] may be shared: own a copy)
+            t = ref()
+            if t is not None:
+                t.grad = grads[j].copy() if t.grad is None else t.grad + grads[j]
         input_grads = node.backward(node, *grads)
         if not isinstance(input_grads, tuple):
             input_grads = (input_grads,)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import math
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -160,8 +161,8 @@ class Tensor:
 
     def retain_grad(self) -> Tensor:
         """Keep `.grad` of this non-leaf after backward (leaves always keep theirs); returns self."""
-        if self.creator is not None:
-            self.creator.retained[self.output_index] = self
+        if self.creator is not None:  # a weak reference, as torch's: the node must not keep its output alive
+            self.creator.retained[self.output_index] = weakref.ref(self)
         return self
 
     def detach(self) -> Tensor:
