@@ -21,7 +21,8 @@ State is per thread (each thread's forward passes are its own, like grad mode). 
 (npformer.set_num_threads(1)) nothing is drawn ahead. NPFORMER_LOOKAHEAD=0 turns it off. A process
 forked in the middle of a pass (multiprocessing's "fork" start method) forgets the draws in flight:
 the parent's pool threads are not in the child, so they would never finish; the child draws those
-masks itself.
+masks itself. A module call that raises (npformer.nn.Module) abandons the pass: the masks drawn
+ahead for the rest of it are dropped.
 """
 import os
 import threading
@@ -96,6 +97,17 @@ def end_pass():
         state.recorded = state.current if len(state.current) < MAX_REQUESTS else []
         state.current = []
     _drop(state)
+
+
+def abandon_pass():
+    """A forward pass stopped by an exception: forget its requests and drop the masks drawn ahead
+    for the rest of it (held, they would stay in memory until this thread's next mask request or
+    backward(), for good if it only runs inference from then on). The last complete pass still
+    predicts the next one."""
+    state = getattr(_local, "state", None)
+    if state is not None:
+        state.current = []
+        _drop(state)
 
 
 def _forget_ahead():

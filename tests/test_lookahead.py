@@ -4,6 +4,7 @@ fails; autograd.threads.run_tasks runs a task the pool has not started in the ca
 forked while a mask is drawn ahead neither hangs nor draws another mask."""
 import os
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -215,3 +216,33 @@ def test_a_child_forked_while_a_mask_is_drawn_ahead_draws_it_itself(two_threads,
     np.testing.assert_array_equal(F.dropout(x, 0.5, generator=stream).numpy(), expected)
     code = child_exit_code(pid, WAIT, "the forked child hung on the parent's draw ahead")
     assert code == 0, "the child drew another mask or its pool failed"
+
+
+def test_a_forward_stopped_by_an_exception_keeps_no_mask_drawn_ahead(two_threads, monkeypatch):
+    """A forward pass that raises (here in its second layer, after the first layer's masks) leaves no
+    mask drawn ahead for the rest of it in memory: they would stay until the thread's next mask or
+    backward, for good in a thread that only runs inference afterwards."""
+    drawn_in_pool = []
+    for name in ("_at_least_now", "_at_least_in_runs_now"):
+        def recording(*args, draw=getattr(random, name)):
+            mask = draw(*args)
+            if threading.current_thread() is not threading.main_thread():
+                drawn_in_pool.append(weakref.ref(mask))
+            return mask
+        monkeypatch.setattr(random, name, recording)
+    npformer.manual_seed(0)
+    model = models.CausalLM(vocab_size=11, d_model=16, nhead=2, num_layers=2, dim_feedforward=32,
+                            dropout=0.3, max_len=12).train()
+    ids = np.random.default_rng(0).integers(0, 11, (4, 9))
+    model(ids).sum().backward()                     # a complete pass: the next one is predicted
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(model.encoder.layers[1], "forward_masked", interrupted)
+    try:
+        model(ids)
+    except KeyboardInterrupt:
+        pass
+    _threads.submit(lambda: None).result(timeout=WAIT)  # the pool's worker is done with the draws before it
+    assert drawn_in_pool
+    assert all(mask() is None for mask in drawn_in_pool)

@@ -11,7 +11,7 @@ from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from autograd import Tensor, backend
+from autograd import Tensor, backend, lookahead
 from autograd.backend import ArrayLike, DType
 from autograd.checks import check_bool
 
@@ -385,7 +385,11 @@ class Module:
 
     def __call__(self, *args, **kwargs) -> Any:
         """`module(...)` runs `forward(...)` with the same arguments (there are no hooks)."""
-        return self.forward(*args, **kwargs)
+        try:
+            return self.forward(*args, **kwargs)
+        except BaseException:  # the forward pass stops here: drop the dropout masks drawn ahead for it
+            lookahead.abandon_pass()
+            raise
 
     def extra_repr(self) -> str:
         """The module's own settings, shown in its repr (`in_features=4, out_features=8, bias=True`)."""
