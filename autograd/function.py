@@ -424,6 +424,16 @@ def _freed_graph_error():
 def _run_nodes(tensor, grad, retain_graph):
     nodes = _topological_nodes(tensor.creator)
     tensor.creator.output_grads[tensor.output_index] = grad
+    try:
+        _run_sorted_nodes(nodes, retain_graph)
+    except BaseException:  # a pass stopped midway: its partial sums must not stay in the graph
+        for node in nodes:  # (they held memory, and the next backward through it would add to them)
+            if node.inputs is not None:
+                node.output_grads = [None] * len(node.output_meta)
+        raise
+
+
+def _run_sorted_nodes(nodes, retain_graph):
     hooked_last_uses, hooked_with_grad = _last_uses_of_hooked_leaves(nodes), set()
     for i, node in enumerate(nodes):
         xp = None

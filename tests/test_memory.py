@@ -69,3 +69,35 @@ def test_a_retained_gradient_does_not_keep_the_graph_alive(torch, no_gc):
                 np.testing.assert_array_equal(np.asarray(y.grad), np.full(4, 2.0))
             del y, loss
             assert op.saved[-1]() is None, (op, backward)
+
+
+class _FailsOnce(Function):
+    """Identity whose first backward raises (a bug in an op, Ctrl-C, anomaly mode's error)."""
+    failed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.copy()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not _FailsOnce.failed:
+            _FailsOnce.failed = True
+            raise KeyboardInterrupt
+        return grad
+
+
+def test_a_backward_that_raises_leaves_no_partial_gradient_in_the_graph(no_gc):
+    """A backward(retain_graph=True) stopped by an exception keeps none of its partial sums in the
+    graph (torch's engine keeps them in the pass, not on the nodes): they held arrays as long as
+    the graph lived, and the next backward through the graph added them to its gradients."""
+    x = Tensor(np.ones(3), requires_grad=True)
+    a = _Saves.apply(x)                                   # a = 3x
+    loss = (_FailsOnce.apply(a) + a).sum()               # d loss / da = 2: 1 through each branch
+    _FailsOnce.failed = False
+    with pytest.raises(KeyboardInterrupt):
+        loss.backward(retain_graph=True)                  # a's node had 1 of its 2 when the pass stopped
+    assert a.creator.output_grads[0] is None
+    x.grad = None
+    loss.backward()
+    np.testing.assert_array_equal(x.grad, np.full(3, 6.0))
