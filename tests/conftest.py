@@ -2,6 +2,7 @@
 reference, and under CI (CI set) a missing torch fails the run instead of skipping. At the end,
 every numpy name the tests used on the "test" device must exist in CuPy, else the run fails."""
 import functools
+import gc
 import importlib
 import os
 import pathlib
@@ -74,6 +75,15 @@ def safetensors():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def no_gc():
+    """Only reference counting frees objects during the test (as torch frees a graph)."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 @pytest.fixture(autouse=True)

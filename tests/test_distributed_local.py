@@ -4,6 +4,7 @@ exact loss scaling, and sharded data (data.shard, SequenceTask.batch, RandomBatc
 The real multi-rank runs are in test_distributed.py."""
 import contextlib
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -121,6 +122,24 @@ def test_ddp_of_one_process_changes_no_gradient_and_grads_are_bucket_views():
     assert order == list(wrapped.parameters())[::-1]
     assert all(b.flat.nbytes <= 0.01 * 2 ** 20 + 8 * len(b.params) or len(b.params) == 1 for b in ddp.buckets)
     assert "ranks=1" in repr(ddp) and ddp.module is wrapped
+
+
+def test_a_ddp_wrapper_let_go_of_is_freed_and_leaves_the_model_as_it_was(no_gc):
+    """As torch's (whose reducer removes its hooks when it goes): the model's parameters' hooks do
+    not keep the wrapper and its buckets alive, and no longer run once it is gone."""
+    wrapped = model()
+    ddp = dist.DistributedDataParallel(wrapped, bucket_cap_mb=0.01)
+    loss_of(ddp).backward()
+    gone = weakref.ref(ddp)
+    del ddp
+    assert gone() is None                           # by reference counting alone
+    assert all(not p._post_accumulate_grad_hooks for p in wrapped.parameters())
+    wrapped.zero_grad()
+    loss_of(wrapped).backward()                     # the bare model's gradients are its own again
+    plain = model()
+    loss_of(plain).backward()
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        np.testing.assert_array_equal(p.grad, q.grad)
 
 
 class Mixed(nn.Module):

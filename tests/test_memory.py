@@ -1,7 +1,6 @@
 """Memory lifetime, against torch's: what a graph, a training step or a decoding call keeps alive
 after it is done. Checked with weak references to the arrays ops save (not with process memory),
 by reference counting alone where torch frees by reference counting (gc disabled)."""
-import gc
 import weakref
 
 import numpy as np
@@ -25,15 +24,6 @@ class _Saves(Function):
     def backward(ctx, grad):
         (kept,) = ctx.saved_tensors
         return grad * 3.0
-
-
-@pytest.fixture
-def no_gc():
-    """Only reference counting frees objects during the test (as torch frees a graph)."""
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
 
 
 def _torch_saves(torch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,6 +125,7 @@ class DistributedDataParallel(Module):
         if per_rank_random and group.size > 1:
             split_random_streams(group)
         self._bucket_cap_mb, self._hooks = bucket_cap_mb, []
+        weakref.finalize(self, _remove_hooks, self._hooks)  # a wrapper let go of leaves the model as it was
         self.buckets = self._make_buckets()
         self._sync, self._pass_open, self._next_bucket = True, False, 0
         self.timings = {"start": 0.0, "wait": 0.0, "passes": 0}  # seconds spent starting / finishing all-reduces
@@ -142,10 +144,11 @@ class DistributedDataParallel(Module):
             current[0].append(p)
             current[1] += p.data.nbytes
         buckets = [_Bucket(params, self.group.transport(params[0].device)) for params in members]
+        ddp = weakref.ref(self)  # the hooks hold the wrapper weakly (the model must not keep it and its buckets alive)
         for index, bucket in enumerate(buckets):
             for p in bucket.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda _p, index=index: self._gradient_final(index)))
+                    lambda _p, index=index: ddp()._gradient_final(index)))
         self._bucketed = {id(p) for bucket in buckets for p in bucket.params}
         return buckets
 
@@ -156,9 +159,7 @@ class DistributedDataParallel(Module):
         for p in self.module.parameters():
             if p.requires_grad and id(p) not in self._bucketed:
                 self.group.broadcast_(p.data)
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        _remove_hooks(self._hooks)
         self.buckets = self._make_buckets()
 
     def forward(self, *args, **kwargs) -> Any:
@@ -224,6 +225,13 @@ class DistributedDataParallel(Module):
 
     def extra_repr(self) -> str:
         return f"ranks={self.group.size}, buckets={len(self.buckets)}"
+
+
+def _remove_hooks(handles):
+    """Unregister the parameters' hooks of a wrapper (`handles`, emptied)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def split_random_streams(group: comm.ProcessGroup) -> None:
