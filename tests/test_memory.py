@@ -1,12 +1,13 @@
 """Memory lifetime, against torch's: what a graph, a training step or a decoding call keeps alive
 after it is done. Checked with weak references to the arrays ops save (not with process memory),
 by reference counting alone where torch frees by reference counting (gc disabled)."""
+import gc
 import weakref
 
 import numpy as np
 import pytest
 
-from autograd import Function, Tensor
+from autograd import Function, Tensor, no_grad
 
 
 class _Saves(Function):
@@ -24,6 +25,28 @@ class _Saves(Function):
     def backward(ctx, grad):
         (kept,) = ctx.saved_tensors
         return grad * 3.0
+
+
+def test_a_graph_lives_as_torchs_does(no_gc):
+    """backward() frees what the ops saved (a second backward raises), retain_graph=True keeps it
+    until the next, no_grad() keeps nothing, and dropping the loss frees an unused graph."""
+    x = Tensor(np.ones(4), requires_grad=True)
+    loss = _Saves.apply(x).sum()
+    loss.backward()
+    assert _Saves.saved[-1]() is None
+    with pytest.raises(RuntimeError, match="already freed.*retain_graph=True"):
+        loss.backward()
+    loss = _Saves.apply(x).sum()
+    loss.backward(retain_graph=True)
+    assert _Saves.saved[-1]() is not None
+    loss.backward()
+    assert _Saves.saved[-1]() is None
+    with no_grad():
+        y = _Saves.apply(x)
+    assert _Saves.saved[-1]() is None and y.creator is None
+    loss = (_Saves.apply(x) * 2.0).sum()
+    del loss
+    assert _Saves.saved[-1]() is None
 
 
 def _torch_saves(torch):
@@ -91,3 +114,43 @@ def test_a_backward_that_raises_leaves_no_partial_gradient_in_the_graph(no_gc):
     x.grad = None
     loss.backward()
     np.testing.assert_array_equal(x.grad, np.full(3, 6.0))
+
+
+def test_generate_frees_its_kv_cache_and_a_training_step_leaves_nothing_behind(no_gc, monkeypatch):
+    """generate's KV cache goes when it returns (reference counting alone); a training step of a
+    CausalLM with AdamW and dropout (masks drawn ahead on two threads) leaves no object behind:
+    after the first steps, more steps add none."""
+    import npformer
+    from npformer import functional as F
+    from npformer import optim
+    from npformer.decoding import generate
+    from npformer.models import CausalLM
+
+    npformer.manual_seed(0)
+    model = CausalLM(11, d_model=16, nhead=2, num_layers=2, dim_feedforward=32, dropout=0.2, max_len=12)
+    caches = []
+    init_cache = CausalLM.init_cache
+    monkeypatch.setattr(CausalLM, "init_cache", lambda self: caches.append(init_cache(self)) or caches[-1])
+    generate(model, np.array([[1, 2, 3]]), 4)
+    cache = weakref.ref(caches.pop())
+    assert cache() is None
+
+    saved = npformer.get_num_threads()
+    npformer.set_num_threads(2)
+    try:
+        opt = optim.AdamW(model.parameters(), lr=1e-3)
+        ids = np.random.default_rng(0).integers(0, 11, (4, 9))
+
+        def step():
+            loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, 11), ids[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        for _ in range(3):
+            step()
+        objects = len(gc.get_objects())
+        for _ in range(5):
+            step()
+        assert len(gc.get_objects()) <= objects
+    finally:
+        npformer.set_num_threads(saved)
