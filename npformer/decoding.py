@@ -282,8 +282,11 @@ def sample_logits(logits: Tensor | Array, rng: np.random.Generator, temperature:
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"{owner}: rng must be a numpy.random.Generator, got {type(rng).__name__}")
     scores = logits.data if isinstance(logits, Tensor) else logits
-    if len(scores.shape) != 2:
-        raise ValueError(f"{owner}: logits must be (batch, vocabulary), got shape {tuple(scores.shape)}")
+    if not backend.is_array(scores):
+        raise TypeError(f"{owner}: logits must be an autograd.Tensor or an array, got {type(logits).__name__}")
+    if scores.ndim != 2 or scores.shape[-1] == 0:
+        raise ValueError(f"{owner}: logits must be (batch, vocabulary) with a vocabulary of at least one entry, "
+                         f"got shape {tuple(scores.shape)}")
     xp = backend.get_array_module(scores)
     if temperature == 0:
         return backend.as_numpy(xp.argmax(scores, axis=-1)).astype(np.int64)

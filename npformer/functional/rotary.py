@@ -68,6 +68,8 @@ def rotary_tables(x, cos, sin):
             raise RuntimeError(f"{op}: {name} requires grad, but the rotary tables are constants and get no "
                                f"gradient; pass {name}.detach()")
         table = on_device_of(table, xd, name, op)
+        if table.dtype.kind != "f":
+            raise TypeError(f"{op}: {name} must be a floating array (e.g. from rotary_cos_sin), got dtype {table.dtype}")
         if not broadcasts_to(table.shape, half_shape):
             raise ValueError(f"{op}: {name} must broadcast to (..., T, head_dim/2) = {half_shape}, "
                              f"got shape {tuple(table.shape)}")

@@ -14,7 +14,8 @@ from .module import Module
 
 
 def _check_span(length, offset, max_len, owner):
-    if offset < 0 or offset + length > max_len:
+    offset = check_int(offset, "offset", owner, at_least=0)
+    if offset + length > max_len:
         raise ValueError(f"{owner}: positions [{offset}, {offset + length}) exceed max_len={max_len}; "
                          f"build the module with a larger max_len (sequence length {length}, offset {offset})")
 
@@ -137,6 +138,7 @@ class RotaryEmbedding(Module):
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (B, H, T, head_dim) rotated for positions offset .. offset + T - 1 (F.apply_rotary_emb)."""
+        offset = check_int(offset, "offset", "RotaryEmbedding", at_least=0)
         cos, sin = self.cos_sin(offset + x.shape[-2], x.data)
         return F.apply_rotary_emb(x, cos[offset:], sin[offset:])
 
