@@ -12,6 +12,8 @@ float32), or raises an error naming the owner, the argument, what was expected a
 import math
 import numbers
 
+import numpy
+
 
 def _bounds(at_least, above, at_most, below):
     """' in [0, 1)', ' >= 1', ... for the message; '' without bounds."""
@@ -117,3 +119,15 @@ def check_bool(value, name: str, owner: str) -> bool:
     if not _is_bool(value):
         raise TypeError(f"{owner}: {name} must be True or False, got {value!r} of type {type(value).__name__}")
     return bool(value)
+
+
+def check_float_dtype(value, name: str, owner: str):
+    """`value` (a dtype, a scalar type or a name such as "float32") as a floating numpy dtype, or
+    TypeError naming the owner and argument (numpy would read None as float64: refused too)."""
+    try:
+        dtype = None if value is None else numpy.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind != "f":
+        raise TypeError(f"{owner}: {name} must be a floating dtype or its name (e.g. 'float32'), got {value!r}")
+    return dtype

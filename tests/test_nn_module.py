@@ -329,3 +329,9 @@ def test_a_failed_load_changes_nothing_and_strict_false_reports_like_torch(torch
     t_result = theirs.load_state_dict({k: torch.from_numpy(v) for k, v in partial.items()}, strict=False)
     assert result == (t_result.missing_keys, t_result.unexpected_keys)   # a non-persistent buffer is unexpected
     assert not ours.first.weight.numpy().any()
+
+
+@pytest.mark.parametrize("dtype", ["x", "int32", {}])
+def test_to_refuses_a_dtype_that_is_not_floating(dtype):  # a name numpy does not know was its "not understood"
+    with pytest.raises(TypeError, match=r"Module.to: dtype must be a floating dtype or its name"):
+        nn.Linear(2, 3).to(dtype=dtype)

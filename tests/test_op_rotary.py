@@ -56,3 +56,9 @@ def test_rotary_scores_depend_only_on_relative_position(rng):
 ])
 def test_bad_input_raises_a_clear_error(call, error, words):
     assert_clear_error(call, error, words)
+
+
+@pytest.mark.parametrize("dtype", ["x", None, "int32", {}])
+def test_rotary_cos_sin_refuses_a_dtype_that_is_not_floating(dtype):  # was numpy's "data type 'x' not understood"
+    with pytest.raises(TypeError, match=r"rotary_cos_sin: dtype must be a floating dtype or its name"):
+        F.rotary_cos_sin(4, 4, dtype=dtype)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from autograd import Function, Tensor, backend, is_grad_enabled
 from autograd.backend import Array, DType
-from autograd.checks import check_int, check_real
+from autograd.checks import check_float_dtype, check_int, check_real
 
 from ._common import broadcasts_to, check_tensor, has_twin, on_device_of
 
@@ -86,6 +86,7 @@ def rotary_cos_sin(seq_len: int, head_dim: int, base: float = 10000.0, dtype: DT
         raise ValueError(f"rotary_cos_sin: head_dim must be a positive even number, got {head_dim}")
     seq_len = check_int(seq_len, "seq_len", "rotary_cos_sin", at_least=0)
     base = check_real(base, "base", "rotary_cos_sin", above=0)
+    dtype = check_float_dtype(dtype, "dtype", "rotary_cos_sin")
     xp = backend.module_for(device)
     inv_freq = base ** (-xp.arange(0, head_dim, 2, dtype="float64") / head_dim)   # (hd/2,)
     angles = xp.arange(seq_len, dtype="float64")[:, None] * inv_freq[None, :]            # (T, hd/2)

@@ -24,7 +24,7 @@ from typing import Any
 
 import npformer.functional as F
 from autograd import Tensor, backend
-from autograd.checks import check_bool, check_int, check_real, is_real
+from autograd.checks import check_bool, check_float_dtype, check_int, check_real, is_real
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # gelu: exact; gelu_tanh: GPT-2's "gelu_new"
 
@@ -244,10 +244,4 @@ def _checked(settings, owner, names):
 
 def _dtype_name(dtype, name, owner):
     """A floating dtype (a dtype, a scalar type or a name) as its name, e.g. "float32"."""
-    try:
-        parsed = backend.module_for("cpu").dtype(dtype)
-    except TypeError:
-        parsed = None
-    if parsed is None or parsed.kind != "f":
-        raise TypeError(f"{owner}: {name} must be a floating dtype or its name (e.g. 'float32'), got {dtype!r}")
-    return parsed.name
+    return check_float_dtype(dtype, name, owner).name

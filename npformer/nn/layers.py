@@ -7,7 +7,7 @@ from typing import Any
 import npformer.functional as F
 from autograd import Tensor, backend
 from autograd.backend import ArrayLike, DType
-from autograd.checks import as_array, check_int, check_optional_int, check_real, check_shape
+from autograd.checks import as_array, check_float_dtype, check_int, check_optional_int, check_real, check_shape
 
 from . import init
 from .module import Module, Parameter
@@ -16,9 +16,7 @@ from .module import Module, Parameter
 def new_parameter(shape, device=None, dtype=None):
     """An uninitialised (zero) Parameter of `shape` on `device` (default cpu) in `dtype` (default float32)."""
     xp = backend.module_for(device or "cpu")
-    dtype = xp.dtype(dtype or "float32")
-    if dtype.kind != "f":
-        raise TypeError(f"parameters need a floating dtype, got {dtype}")
+    dtype = check_float_dtype(dtype or "float32", "dtype", "parameters")
     return Parameter(xp.zeros(shape, dtype=dtype))
 
 

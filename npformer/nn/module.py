@@ -13,7 +13,7 @@ from typing import Any
 
 from autograd import Tensor, backend, lookahead
 from autograd.backend import ArrayLike, DType
-from autograd.checks import check_bool
+from autograd.checks import check_bool, check_float_dtype
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
@@ -345,9 +345,7 @@ class Module:
         if device is not None:
             backend.module_for(device)  # a clear error for an unknown or unavailable device
         if dtype is not None:
-            dtype = backend.module_for("cpu").dtype(dtype)
-            if dtype.kind != "f":
-                raise TypeError(f"Module.to(dtype): expected a floating dtype, got {dtype}")
+            dtype = check_float_dtype(dtype, "dtype", "Module.to")
         for m in self.modules():
             m._move(device, dtype)
         return self
