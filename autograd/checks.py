@@ -12,7 +12,7 @@ float32), or raises an error naming the owner, the argument, what was expected a
 import math
 import numbers
 
-import numpy
+from . import backend
 
 
 def _bounds(at_least, above, at_most, below):
@@ -125,7 +125,7 @@ def check_float_dtype(value, name: str, owner: str):
     """`value` (a dtype, a scalar type or a name such as "float32") as a floating numpy dtype, or
     TypeError naming the owner and argument (numpy would read None as float64: refused too)."""
     try:
-        dtype = None if value is None else numpy.dtype(value)
+        dtype = None if value is None else backend.module_for("cpu").dtype(value)
     except TypeError:
         dtype = None
     if dtype is None or dtype.kind != "f":

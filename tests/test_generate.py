@@ -408,8 +408,8 @@ def test_sampling_refuses_logits_without_a_distribution(logits):
     (lambda x, g: sample_logits(x, g, top_k=-1), ValueError, "sample_logits: top_k must be an integer >= 0, got -1"),
     (lambda x, g: sample_logits(x, g, top_p=1.5), ValueError, r"sample_logits: top_p must be a real number in "
                                                                r"\(0.0, 1.0\], got 1.5"),
-    (lambda x, g: sample_logits(x[0], g), ValueError, r"sample_logits: logits must be \(batch, vocabulary\), "
-                                                       r"got shape \(3,\)"),
+    (lambda x, g: sample_logits(x[0], g), ValueError, r"sample_logits: logits must be \(batch, vocabulary\) "
+                                                       r"with a vocabulary of at least one entry, got shape \(3,\)"),
     (lambda x, g: sample_logits(x, None), TypeError, "sample_logits: rng must be a numpy.random.Generator, "
                                                       "got NoneType"),
     (lambda x, g: top_k_filter(x, 0), ValueError, "top_k_filter: top_k must be an integer >= 1, got 0"),
