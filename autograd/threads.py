@@ -19,9 +19,9 @@ core this process may run on (len(os.sched_getaffinity(0)), os.cpu_count() where
 missing) when threadpoolctl is installed. Without threadpoolctl (numpy is npformer's only
 dependency) the default is 1, silently: each op runs in the caller and numpy's BLAS threads
 the GEMMs with its own threads, since npformer could not stop BLAS from competing with its
-pool. Results are the same for any number of threads, to the last bit except in the GEMMs,
-which BLAS may round differently (in the last bits) for a block of rows than for the whole product or on
-its own threads than on one (OpenBLAS does). The default is chosen at the first op
+pool. Results are the same for any number of threads, bit for bit, except the GEMMs' last
+bits: BLAS may round a block of rows differently from the whole product, and a product on its
+own threads differently from one on one thread (OpenBLAS does). The default is chosen at the first op
 (or get_num_threads()), not at import.
 """
 import contextlib

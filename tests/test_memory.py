@@ -10,21 +10,26 @@ import pytest
 from autograd import Function, Tensor, no_grad
 
 
-class _Saves(Function):
-    """x -> 3x, saving a fresh array for backward; `saved` holds weak references to those arrays."""
-    saved = []
+def _saving_function(base):
+    """x -> 3x, saving a fresh array for backward, as a subclass of `base` (npformer's Function or
+    torch.autograd.Function); its `saved` holds weak references to those arrays."""
+    class Saves(base):
+        saved = []
 
-    @staticmethod
-    def forward(ctx, x):
-        kept = x * 2.0
-        ctx.save_for_backward(kept)
-        _Saves.saved.append(weakref.ref(kept))
-        return x * 3.0
+        @staticmethod
+        def forward(ctx, x):
+            kept = x * 2.0
+            ctx.save_for_backward(kept)
+            Saves.saved.append(weakref.ref(kept))
+            return x * 3.0
 
-    @staticmethod
-    def backward(ctx, grad):
-        (kept,) = ctx.saved_tensors
-        return grad * 3.0
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 3.0
+    return Saves
+
+
+_Saves = _saving_function(Function)
 
 
 def test_a_graph_lives_as_torchs_does(no_gc):
@@ -49,30 +54,13 @@ def test_a_graph_lives_as_torchs_does(no_gc):
     assert _Saves.saved[-1]() is None
 
 
-def _torch_saves(torch):
-    """_Saves as a torch.autograd.Function, with its own list of weak references."""
-    class Saves(torch.autograd.Function):
-        saved = []
-
-        @staticmethod
-        def forward(ctx, x):
-            kept = x * 2.0
-            ctx.save_for_backward(kept)
-            Saves.saved.append(weakref.ref(kept))
-            return x * 3.0
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 3.0
-    return Saves
-
-
 def test_a_retained_gradient_does_not_keep_the_graph_alive(torch, no_gc):
     """retain_grad() on an intermediate: dropping the loss and the intermediate frees the graph by
     reference counting alone, as in torch (whose node holds the tensor weakly), with or without a
     backward with retain_graph=True; the gradient still reaches the intermediate while it lives."""
     for op, x in ((_Saves, Tensor(np.ones(4), requires_grad=True)),
-                  (_torch_saves(torch), torch.ones(4, dtype=torch.float64, requires_grad=True))):
+                  (_saving_function(torch.autograd.Function),
+                   torch.ones(4, dtype=torch.float64, requires_grad=True))):
         for backward in (False, True):
             y = op.apply(x)
             y.retain_grad()
