@@ -4,7 +4,7 @@
 
 `public_api()` walks what users import: every name in the `__all__` of the modules in
 `MODULES`, and every public method and property of the public classes (members starting with
-`_` are private, except `__call__`). tests/test_api_docs.py checks that each entry has a
+`_` are private, except `__call__`). tests/docs/test_api_docs.py checks that each entry has a
 docstring and type hints, and that docs/api.md equals `render()`, so the page cannot drift.
 """
 import dataclasses
@@ -21,7 +21,7 @@ PROJECT = ("autograd", "npformer")
 HEADER = """# API reference
 
 Generated from the signatures and docstrings by `python scripts/api_reference.py > docs/api.md`
-(tests/test_api_docs.py fails when this page differs from the code). Grouped by module, in the
+(tests/docs/test_api_docs.py fails when this page differs from the code). Grouped by module, in the
 order of the layers (`autograd` -> `npformer.functional` -> `npformer.nn` -> `npformer.models` -> the rest);
 a name exported by several modules is documented once, where it is defined.
 

@@ -2,8 +2,8 @@
 # The GPU check: one command that checks and measures everything on a machine with a GPU, in at most
 # 6 minutes, with no network. It uses the python3 already there (numpy, cupy, torch with CUDA,
 # pytest, hypothesis) and the project from this checkout (PYTHONPATH, no install), and writes one log:
-#   1. the test suite's cuda cases (the `device` fixture's cuda parameter, tests/test_kernels_cuda.py,
-#      tests/test_cuda_graphs.py: 20 replayed steps equal 20 eager ones, ...),
+#   1. the test suite's cuda cases (the `device` fixture's cuda parameter, tests/functional/cuda/test_kernels_cuda.py,
+#      tests/runtime/test_cuda_graphs.py: 20 replayed steps equal 20 eager ones, ...),
 #   2. parity of a float32 training step of Seq2SeqTransformer on cuda with torch on CUDA,
 #   3. ms/step of the base and paper configurations: ours eager, ours as a CUDA graph, torch CUDA eager,
 #   4. attention forward + backward at T = 1024, 4096, 16384 (benchmarks/attention.py --device cuda),
@@ -14,7 +14,7 @@
 # Usage: bash scripts/gpu_check.sh [--dry-run] [OUTDIR]
 #   OUTDIR (default runs/gpu_check) receives gpu_check.log and the demo's run directory.
 #   --dry-run prints the plan (each command with its cap) and checks that its scripts exist and
-#   parse their options, without a GPU; the test suite runs it (tests/test_gpu_scripts.py).
+#   parse their options, without a GPU; the test suite runs it (tests/scripts/test_gpu_scripts.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from autograd import backend, deferred, testdevice
+from autograd import threads as _parallel
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -70,6 +71,15 @@ def transformers(torch):
 def safetensors():
     """The safetensors package (npformer's optional extra, in the dev extra)."""
     return dev_package("safetensors")
+
+
+@pytest.fixture
+def threads(monkeypatch):
+    """use(n): n threads with GEMM splitting, every op big enough to split; restored afterwards."""
+    saved = _parallel.get_num_threads()
+    monkeypatch.setattr(_parallel, "MIN_PARALLEL_ENTRIES", 0)
+    yield _parallel.set_num_threads
+    _parallel.set_num_threads(saved)
 
 
 @pytest.fixture

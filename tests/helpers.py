@@ -3,6 +3,7 @@ comparisons with torch and between two implementations for tests written by hand
 helpers, the settings of the property-based tests, and a deliberately wrong backward.
 Example counts are bounded so that property tests run in seconds (set
 NPFORMER_HYPOTHESIS_EXAMPLES to search longer)."""
+import json
 import os
 
 import numpy as np
@@ -13,6 +14,8 @@ import autograd
 from autograd import Function, Tensor, backend
 from autograd.gradcheck import vjp
 from npformer import interop, opcases
+from npformer.models import huggingface
+from npformer.safetensors_file import write_safetensors
 
 from tolerances import scaled
 
@@ -205,3 +208,76 @@ def child_exit_code(pid, seconds, hung):
         os.waitpid(pid, 0)
         pytest.fail(hung)
     return os.waitstatus_to_exitcode(done[1])
+
+
+# -- shared by several test files ---------------------------------------------------------------
+def outputs_and_grads(fn, arrays):
+    """fn's outputs and the gradient of every input for a fixed random upstream gradient."""
+    outs, _, grads = vjp(fn, [Tensor(a.copy(), requires_grad=True) for a in arrays])
+    return [o.data for o in outs] + grads
+
+
+def assert_same_with_threads(threads, fn, arrays):
+    threads(1)
+    serial = outputs_and_grads(fn, arrays)
+    for n in (2, 3, 4):   # 4: linear's backward gives dx and dW two threads each
+        threads(n)
+        parallel = outputs_and_grads(fn, arrays)
+        for a, b in zip(serial, parallel):
+            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+
+
+def to_torch_kwargs(torch, kwargs):
+    return {k: torch.tensor(v) for k, v in kwargs.items()}
+
+
+PAD = 0
+
+
+def padded_batch(rng, vocab, lengths, width):
+    """(B, width) ids in [1, vocab) right-padded with PAD to the given lengths."""
+    ids = rng.integers(1, vocab, size=(len(lengths), width))
+    for row, n in enumerate(lengths):
+        ids[row, n:] = PAD
+    return ids
+
+
+def gpt2_config(transformers, **options):
+    settings = dict(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=4, bos_token_id=None,
+                    eos_token_id=None)
+    return transformers.GPT2Config(**{**settings, **options})
+
+
+def randomised(torch, model, dtype):
+    """`model` in `dtype` and eval mode with every parameter moved off its initial value (biases
+    are zero and LayerNorm weights one at init: a swapped or dropped one would go unnoticed)."""
+    torch.manual_seed(0)
+    model = model.to(getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+GPT2 = dict(activation="gelu_tanh", tie_weights=True, attention_dropout=0.1, activation_dropout=0.0)
+
+
+def gpt2_download(folder, ours):
+    """A folder laid out like a GPT-2 download: config.json as published, and model.safetensors
+    with unprefixed names, no lm_head (tied) and the causal-mask buffers h.{i}.attn.bias."""
+    c = ours.config
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+        "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+        "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": c["max_len"], "n_embd": c["d_model"],
+        "n_head": c["nhead"], "n_layer": c["num_layers"], "n_positions": c["max_len"], "resid_pdrop": 0.1,
+        "summary_activation": None, "summary_first_dropout": 0.1, "summary_proj_to_labels": True,
+        "summary_type": "cls_index", "summary_use_proj": True, "vocab_size": c["vocab_size"],
+        "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}}}))
+    tensors = huggingface.hf_state_dict(ours, prefixed=False)
+    n = c["max_len"]
+    for i in range(c["num_layers"]):
+        tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((n, n), dtype="float32"))[None, None]
+    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
+    return folder

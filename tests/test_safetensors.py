@@ -21,9 +21,10 @@ from npformer import interop, models, nn
 from npformer.models import huggingface, load_pretrained, load_safetensors, save_pretrained, save_safetensors
 from npformer.safetensors_file import SafetensorsError, read_header, read_safetensors, write_safetensors
 
+from helpers import GPT2, gpt2_download
+
 pytestmark = pytest.mark.usefixtures("safetensors")
 SMALL = dict(d_model=8, nhead=2, num_layers=2, dim_feedforward=16, max_len=12)
-GPT2 = dict(activation="gelu_tanh", tie_weights=True, attention_dropout=0.1, activation_dropout=0.0)
 BERT = dict(pooling="first", pooler=True, type_vocab_size=2, embed_norm=True, final_norm=False, layer_norm_eps=1e-12,
             attention_dropout=0.1, activation_dropout=0.0, pad_idx=0)
 MODELS = {
@@ -92,27 +93,6 @@ def test_npformer_to_safetensors_to_hf_to_npformer_keeps_every_number(tmp_path, 
             hf_model.save_pretrained(again)  # transformers' own file: prefixed names, no npformer metadata
             assert_same_weights(ours, load_pretrained(again))
             assert_same_weights(ours, load_safetensors(again / "model.safetensors", MODELS[name]().to(dtype=dtype)))
-
-
-def gpt2_download(folder, ours):
-    """A folder laid out like a GPT-2 download: config.json as published, and model.safetensors
-    with unprefixed names, no lm_head (tied) and the causal-mask buffers h.{i}.attn.bias."""
-    c = ours.config
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
-        "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
-        "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": c["max_len"], "n_embd": c["d_model"],
-        "n_head": c["nhead"], "n_layer": c["num_layers"], "n_positions": c["max_len"], "resid_pdrop": 0.1,
-        "summary_activation": None, "summary_first_dropout": 0.1, "summary_proj_to_labels": True,
-        "summary_type": "cls_index", "summary_use_proj": True, "vocab_size": c["vocab_size"],
-        "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}}}))
-    tensors = huggingface.hf_state_dict(ours, prefixed=False)
-    n = c["max_len"]
-    for i in range(c["num_layers"]):
-        tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((n, n), dtype="float32"))[None, None]
-    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
-    return folder
 
 
 def test_load_pretrained_reads_a_gpt2_download(tmp_path, rng):

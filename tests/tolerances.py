@@ -13,7 +13,7 @@ eps * terms * m1 * m2 * ...; an exactly 0 entry (a saturated softmax) may come b
                                                     of each array the compared values are made from
 
 and a chain of ops adds one rounding_tolerance per step, each error carried forward by the
-magnitudes it is multiplied with (tests/test_numerics.py writes attention's out). Never a bare
+magnitudes it is multiplied with (tests/models/test_numerics.py writes attention's out). Never a bare
 absolute tolerance fitted to one machine.
 """
 import math

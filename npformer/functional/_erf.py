@@ -43,7 +43,7 @@ SB = (1.0, 3.03380607434824582924e+01, 3.25792512996573918826e+02, 1.53672958608
 
 # float32 on the CPU: one odd rational function on [-4, 4] (beyond, erf = +-1 in float32), the fast
 # erf of Eigen and XLA: erf(x) = x ALPHA(x^2) / BETA(x^2); within 7.5 float32 ulps (4.5e-7 absolute)
-# of the float64 formulas above (tests/test_fast_paths.py) in about a third of their array passes
+# of the float64 formulas above (tests/functional/cpu/test_fast_paths.py) in about a third of their array passes
 ALPHA = (-1.60960333262415e-02, -2.95459980854025e-03, -7.34990630326855e-04, -5.69250639462346e-05,
          -2.10102402082508e-06, 2.77068142495902e-08, -2.72614225801306e-10)
 BETA = (-1.42647390514189e-02, -7.37332916720468e-03, -1.68282697438203e-03, -2.13374055278905e-04,

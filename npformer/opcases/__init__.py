@@ -1,7 +1,7 @@
 """The op-case registry: one description per op case (its inputs and edge cases, the PyTorch
 reference, the composite twin, the tolerances), which drives
 
-- the per-op test files (`tests/test_op_<family>.py`, through `tests/helpers.py::op_tests`),
+- the per-op test files (`tests/functional/test_op_<family>.py`, through `tests/helpers.py::op_tests`),
 - `python -m npformer.gradcheck` (one row per case),
 - the op table of docs/backprop.md (`markdown_table()`, checked by tests/test_docs.py).
 
@@ -35,7 +35,7 @@ class Family:
 
 
 def _op(name, ops_, source, functions, section):
-    return Family(name, ops_, f"npformer/functional/{source}", functions, section, f"tests/test_op_{name}.py")
+    return Family(name, ops_, f"npformer/functional/{source}", functions, section, f"tests/functional/test_op_{name}.py")
 
 
 FAMILIES = {f.name: f for f in [
@@ -55,9 +55,9 @@ FAMILIES = {f.name: f for f in [
     _op("rotary", ("F.apply_rotary_emb", "F.rotary_cos_sin", "nn.RotaryEmbedding"), "rotary.py",
         ("RotaryEmbeddingFunction",), "RoPE"),
     Family("multihead_attention", ("nn.MultiheadAttention",), "npformer/nn/attention.py", (), None,
-           "tests/test_nn_attention.py"),
+           "tests/nn/test_nn_attention.py"),
     Family("transformer", ("nn.TransformerEncoderLayer", "nn.TransformerDecoderLayer", "nn.Transformer"),
-           "npformer/nn/transformer.py", (), None, "tests/test_nn_transformer.py"),
+           "npformer/nn/transformer.py", (), None, "tests/nn/test_nn_transformer.py"),
 ]}
 
 CASES = ops.CASES + modules.CASES

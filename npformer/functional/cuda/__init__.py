@@ -8,7 +8,7 @@ a template instantiated for float and double (and, for the files in `TEMPLATE_AR
 value of a second template argument, e.g. the head dims of flash attention). Without a GPU
 nothing here runs on a GPU, but every source is compiled in the test suite (`nvrtc.py`), so a
 typo cannot land, and tests/cuda_emulator.py runs every kernel on the CPU through its launcher
-(tests/test_kernels_emulated.py, test_dropout.py, test_flash_attention.py).
+(tests/functional/cuda/test_kernels_emulated.py, test_dropout.py, test_flash_attention.py).
 
 The Python side of each family (`softmax.py`, ...) registers its launchers with the tables,
 e.g. `@softmax_forward.register("cuda", supports=...)`; arguments the kernels do not support

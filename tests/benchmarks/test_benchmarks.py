@@ -1,0 +1,209 @@
+"""The benchmarks against torch / Hugging Face measure the same work on both sides: the same
+model (parameters, loss and gradients on equal weights), dropout at the same sites, the same
+FLOPs as an independent count, the same threads, and counts (tokens, memory) that mean what
+they say. The scripts that set threads at import run in a subprocess."""
+import collections
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from autograd import Tensor
+from tests.tolerances import assert_close, host, scaled
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def train_step():
+    spec = importlib.util.spec_from_file_location("train_step", BENCHMARKS / "train_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def runners(train_step, name, dropout):
+    cfg = dict(train_step.CONFIGS[name], dropout=dropout)
+    return cfg, train_step.Ours(cfg, "cpu"), train_step.Torch(cfg, "cpu")
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("name", ["tiny", "gpt_char"])
+def test_train_step_twins_give_the_same_loss_and_gradients_on_equal_weights(torch, train_step, name):
+    """Ours and the torch side of train_step.py: the same parameters (names, shapes), and on ours'
+    weights without dropout the same loss and gradients (float64: only rounding may differ)."""
+    cfg, ours, twin = runners(train_step, name, dropout=0.0)
+    ours.model.to(dtype="float64")
+    state = {k: torch.from_numpy(np.array(v)) for k, v in ours.model.state_dict().items()}
+    assert {k: v.shape for k, v in twin.model.state_dict().items()} == {k: v.shape for k, v in state.items()}
+    twin.model.double().load_state_dict(state)
+    if not cfg.get("causal"):  # the sinusoidal table, a non-persistent buffer (float32-rounded on torch's side)
+        twin.model.pe = torch.from_numpy(host(dict(ours.model.named_buffers())["positional.pe"]))
+    src, tgt_in, tgt_out = ours.batch
+    logits = ours.model(tgt_in) if cfg.get("causal") else ours.model(src, tgt_in)
+    loss = ours.F.cross_entropy(logits.reshape(-1, cfg["vocab"]), tgt_out.reshape(-1))
+    loss.backward()
+    src, tgt_in, tgt_out = twin.batch
+    logits = twin.model(tgt_in) if cfg.get("causal") else twin.model(src, tgt_in)
+    torch_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]), tgt_out.reshape(-1))
+    torch_loss.backward()
+    assert loss.item() == pytest.approx(torch_loss.item(), rel=1e-12)
+    torch_parameters = dict(twin.model.named_parameters())
+    assert len(torch_parameters) == len(list(ours.model.parameters()))
+    for key, p in ours.model.named_parameters():
+        grad = p.grad.data if isinstance(p.grad, Tensor) else p.grad
+        expected = torch_parameters[key].grad
+        assert_close(grad, expected, atol=scaled(1e-10, expected), err_msg=key)
+
+
+def count_dropout(torch, train_step, name):
+    """{(site, p, shape...): calls} of one training step of each side, dropout 0.1."""
+    import npformer.functional as F
+    cfg, ours, twin = runners(train_step, name, dropout=0.1)
+    counts = {"ours": collections.Counter(), "torch": collections.Counter()}
+
+    def dropout_key(x, p=0.5, training=True, *rest, **kwargs):
+        return ("dropout", p, tuple(x.shape)) if training and p else None
+
+    def residual_key(x, residual, p=0.5, training=True, **kwargs):
+        return dropout_key(x, p, training)
+
+    def attention_key(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        return ("attention", dropout_p, tuple(q.shape[:-1]) + (k.shape[-2],), is_causal)
+
+    patches = [(F, "dropout", dropout_key, "ours"), (F, "dropout_add", residual_key, "ours"),
+               (F, "scaled_dot_product_attention", attention_key, "ours"),
+               (torch.nn.functional, "dropout", dropout_key, "torch"),
+               (torch.nn.functional, "scaled_dot_product_attention", attention_key, "torch")]
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _, _ in patches]
+
+    def counting(fn, key, side):
+        def wrapper(*args, **kwargs):
+            site = key(*args, **kwargs)
+            if site is not None:
+                counts[side][site] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    try:
+        for module, attr, key, side in patches:
+            setattr(module, attr, counting(getattr(module, attr), key, side))
+        ours.step()
+        twin.step()
+    finally:
+        for module, attr, fn in saved:
+            setattr(module, attr, fn)
+    return counts
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("name", ["tiny", "gpt_char"])
+def test_train_step_twins_drop_out_at_the_same_sites(torch, train_step, name):
+    """Every dropout site (embeddings, residuals, activations, attention probabilities) on both
+    sides with the same p and the same size, the same number of times."""
+    counts = count_dropout(torch, train_step, name)
+    assert counts["ours"] == counts["torch"]
+    assert sum(counts["ours"].values()) > 4
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("name", ["tiny", "gpt_char"])
+def test_train_step_flop_formula_equals_torchs_flop_counter(torch, train_step, name):
+    """training_flops: the matrix products of forward and backward, counted by torch's
+    FlopCounterMode on the torch side (its math attention: every product visible)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg, _, twin = runners(train_step, name, dropout=0.0)
+    src, tgt_in, tgt_out = twin.batch
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = twin.model(tgt_in) if cfg.get("causal") else twin.model(src, tgt_in)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]), tgt_out.reshape(-1)).backward()
+    assert train_step.training_flops(cfg) == counter.get_total_flops()
+
+
+def test_train_step_tokens_count_the_sequences_a_step_reads(train_step):
+    """tokens/s: source + target for the encoder-decoder, the one sequence of a causal LM."""
+    tiny, gpt = train_step.CONFIGS["tiny"], train_step.CONFIGS["gpt_char"]
+    assert train_step.tokens_per_step(tiny) == 2 * tiny["batch"] * tiny["seq"]
+    assert train_step.tokens_per_step(gpt) == gpt["batch"] * gpt["seq"]
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+def test_train_step_memory_runs_every_side_and_reports_memory_above_the_imports(torch):
+    """On the test device (ours eager and graphed beside torch) the memory runs measure all three
+    sides (the graphed side used to stop the script), each in all and above its imports."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "train_step.py"), "--config", "tiny", "--device", "test",
+                             "--steps", "1", "--threads", "1", "--dropout", "0"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("peak host memory"))
+    assert line.count("graphed") == 2 and "above the imported libraries" in line, line
+
+
+def run_python(code, threads_env=None):
+    """`code` in a fresh interpreter at the root with benchmarks/ on the path, BLAS and npformer
+    thread variables removed from the environment (then `threads_env` added); its last line as JSON."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NPFORMER_NUM_THREADS")}
+    env.update(threads_env or {}, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS)]))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_generate_threads_gives_numpys_blas_that_many_threads():
+    """generate.py --threads N: numpy's BLAS (which threads ours' decoding products) gets N threads
+    as torch does, not BLAS's default of every core (it was set for N = 1 only)."""
+    out = run_python("import sys, os, json; sys.argv = ['generate.py', '--threads', '3']; import generate; "
+                     "print(json.dumps({v: os.environ.get(v) for v in ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS')}))")
+    assert out == {"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "3"}
+
+
+def test_generate_header_reports_the_threads_of_ours_decoding_steps():
+    """The threads inside `generate`'s decoding steps: npformer's ops on one thread, BLAS's threads."""
+    out = run_python("import sys, json; sys.argv = ['generate.py', '--threads', '1']; import generate\n"
+                     "import numpy as np\n"
+                     "from npformer import models\n"
+                     "model = models.CausalLM(50, d_model=16, nhead=2, num_layers=1, dim_feedforward=32, max_len=8)\n"
+                     "print(json.dumps(generate.generation_threads(model, np.zeros((1, 2), dtype=np.int64))))",
+                     {"NPFORMER_NUM_THREADS": "2"})
+    assert out == [1, "1"]
+
+
+def test_decode_runs_ours_on_blas_threads_only():
+    """decode.py: ours on --threads BLAS threads and npformer's one, as torch on --threads threads
+    (npformer's default, one thread per core, gave ours more cores than torch)."""
+    out = run_python("import sys, json, decode, autograd\n"
+                     "seen = []\n"
+                     "greedy = decode.greedy_decode\n"
+                     "def probe(*args, **kwargs):\n"
+                     "    seen.append(autograd.threads.get_num_threads())\n"
+                     "    return greedy(*args, **kwargs)\n"
+                     "decode.greedy_decode = probe\n"
+                     "decode.main(['--config', 'tiny', '--batch', '2', '--src-len', '4', '--tgt-len', '2', "
+                     "'--repeat', '1', '--no-torch'])\n"
+                     "print(json.dumps(sorted(set(seen))))", {"NPFORMER_NUM_THREADS": "2"})
+    assert out == [1]
+
+
+def test_attention_runs_ours_on_blas_threads():
+    """attention.py's CPU worker: B = 1 gives npformer's threads nothing to split, so ours runs on
+    one npformer thread and BLAS's threads, as many as torch's (npformer's default held BLAS to
+    one thread while torch used every core)."""
+    out = run_python("import json, attention, autograd\n"
+                     "import npformer.functional as F\n"
+                     "seen = []\n"
+                     "sdpa = F.scaled_dot_product_attention\n"
+                     "def probe(*args, **kwargs):\n"
+                     "    seen.append(autograd.threads.get_num_threads())\n"
+                     "    return sdpa(*args, **kwargs)\n"
+                     "F.scaled_dot_product_attention = probe\n"
+                     "attention.cpu_worker('ours-naive', 16, 1, False, 512)\n"
+                     "print(json.dumps(sorted(set(seen))))", {"NPFORMER_NUM_THREADS": "2"})
+    assert out == [1]

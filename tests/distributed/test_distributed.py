@@ -1,0 +1,192 @@
+"""Data parallelism for real: 2-rank MPI jobs (`mpiexec -n 2`, started here as subprocesses
+with timeouts) run tests/distributed/distributed_worker.py. 2 ranks with B/2 each end with the float64
+parameters of one process with B, on every rank; through the Trainer with padding and
+ignore_index; ZeRO-1 equals unsharded; checkpoints move between 1 and 2 ranks; an exception or
+a SIGKILL on one rank ends the whole job, and the last checkpoint stays loadable.
+
+Skipped (with the reason) without mpi4py or mpiexec; under CI (CI set) their absence fails."""
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import npformer
+from autograd import threads
+from npformer.checkpoint import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("distributed_worker.py")
+IN_CI = bool(os.environ.get("CI"))
+TOLERANCE = 1e-10  # parameters of order 0.1-1 after 20 steps; every sum differs only in its order
+SCENARIOS = ["sgd", "adam", "test_device", "trainer_padding", "zero", "lm_trainer", "no_sync",
+             "unused_parameters", "resume_across_world_sizes", "collectives",
+             "failed_backward", "unfrozen_after_wrapping"]
+
+
+def find_mpiexec():
+    """mpiexec beside this Python (the `mpich` wheel puts it there) or on PATH; None if absent or
+    if mpi4py is missing."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    beside = Path(sys.executable).with_name("mpiexec")
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+@pytest.fixture(scope="module")
+def mpiexec():
+    found = find_mpiexec()
+    if found is None:
+        if IN_CI:
+            pytest.fail("mpi4py and mpiexec are required under CI: install the dev extra (`make test`)")
+        pytest.skip("mpi4py or mpiexec not installed: pip install -e '.[mpi]'")
+    return found
+
+
+def environment():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def launch(mpiexec, *args, ranks=2):
+    return [mpiexec, "-n", str(ranks), sys.executable, *map(str, args)]
+
+
+@pytest.fixture(scope="module")
+def results(mpiexec, tmp_path_factory):
+    """Every scenario in one 2-rank job: {rank: {scenario: results}}."""
+    out = tmp_path_factory.mktemp("ddp")
+    run = subprocess.run(launch(mpiexec, WORKER, out, *SCENARIOS), env=environment(), capture_output=True,
+                         text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)} | {"out": out}
+
+
+ENDS_LIKE_ONE_PROCESS = {  # scenario: 2 ranks with B/2 each against one process with B, float64
+    "sgd": "20 steps of SGD with momentum, the README's loop",
+    "adam": "20 steps of Adam",
+    "test_device": "Adam on the 'test' device: buckets staged through host buffers (CUDA without "
+                   "CUDA-aware MPI takes this path)",
+    "lm_trainer": "the generic Trainer: a causal LM on padded batches sharded by RandomBatches",
+    "no_sync": "the gradient after two micro-batches under no_sync and a third that synchronises",
+}
+
+
+@pytest.mark.parametrize("scenario", ENDS_LIKE_ONE_PROCESS)
+def test_two_ranks_with_half_batches_end_like_one_process(results, scenario):
+    for rank in (0, 1):
+        assert results[rank][scenario]["max_difference"] < TOLERANCE, (rank, results[rank][scenario])
+
+
+def test_trainer_with_padding_and_ignore_index_matches_one_process(results):
+    for rank in (0, 1):
+        r = results[rank]["trainer_padding"]
+        assert r["first_batch_tokens_per_rank"][0] != r["first_batch_tokens_per_rank"][1]  # unequal shards
+        assert r["max_difference"] < TOLERANCE and r["loss_difference"] < TOLERANCE
+        # the held-out set split across the ranks and gathered scores like one process
+        assert r["result"] == r["reference_result"]
+
+
+def test_zero1_equals_unsharded_and_keeps_half_the_state(results):
+    for rank in (0, 1):
+        r = results[rank]["zero"]
+        assert r["max_difference"] == 0.0  # the same arithmetic on the same gradients
+        assert r["state_numel"] < 0.6 * r["unsharded_state_numel"]
+    assert results[0]["zero"]["state_numel"] + results[1]["zero"]["state_numel"] == \
+        results[0]["zero"]["unsharded_state_numel"]
+
+
+def test_no_sync_accumulates_then_synchronises(results):
+    for rank in (0, 1):
+        assert results[rank]["no_sync"]["max_difference"] < TOLERANCE
+
+
+def test_parameters_unused_on_some_ranks(results):
+    for rank in (0, 1):
+        r = results[rank]["unused_parameters"]
+        assert r["max_difference"] == 0.0 and r["never_grad_is_none"]
+
+
+def test_a_backward_that_raised_on_every_rank_leaves_the_next_one_averaged(results):
+    for rank in (0, 1):
+        assert results[rank]["failed_backward"]["max_difference"] < TOLERANCE
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_averaged(results):
+    for rank in (0, 1):
+        r = results[rank]["unfrozen_after_wrapping"]
+        assert r["max_difference"] < TOLERANCE and not r["b_grad_none"]
+
+
+def test_collectives_on_views_0d_empty_and_integer_arrays(results):
+    for rank in (0, 1):
+        assert results[rank]["collectives"]["wrong"] == [], rank
+
+
+def test_checkpoints_move_between_one_and_two_ranks(results):
+    for rank in (0, 1):  # saved by one process, continued on 2 ranks (ZeRO-1)
+        assert results[rank]["resume_across_world_sizes"]["one_to_two_max_difference"] < TOLERANCE
+    # saved by 2 ranks at step 5 (sharded optimizer state, gathered on rank 0), continued here alone
+    import distributed_worker as worker
+    trainer = worker.seq2seq_trainer(worker.seq2seq(seed=9))
+    trainer.resume(results["out"] / "two_ranks.npz")
+    assert trainer.step == 5
+    trainer.fit(10)
+    expected = results[0]["resume_across_world_sizes"]["two_ranks_final"]
+    for name, p in trainer.module.named_parameters():
+        np.testing.assert_allclose(p.data, expected[name], rtol=0, atol=TOLERANCE, err_msg=name)
+
+
+def test_an_exception_on_one_rank_aborts_the_job(mpiexec, tmp_path):
+    start = time.monotonic()
+    run = subprocess.run(launch(mpiexec, WORKER, tmp_path, "raise"), env=environment(), capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode != 0 and time.monotonic() - start < 60
+    assert "rank 1 of 2: unhandled exception" in run.stderr and "a deliberate failure on rank 1" in run.stderr
+
+
+def test_a_rank_killed_with_sigkill_ends_the_job_and_the_checkpoint_loads(mpiexec, tmp_path):
+    job = subprocess.Popen(launch(mpiexec, WORKER, tmp_path, "train_with_checkpoints"), env=environment(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ((tmp_path / "checkpoint.npz").exists() and (tmp_path / "pid1").exists()):
+            assert job.poll() is None, job.stderr.read()
+            assert time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.05)
+        time.sleep(0.3)  # in the middle of training, perhaps of a save
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+        killed = time.monotonic()
+        job.wait(timeout=60)
+        assert job.returncode != 0 and time.monotonic() - killed < 60
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    ckpt = load_checkpoint(tmp_path / "checkpoint.npz", restore_rng=False)
+    assert ckpt["step"] > 0 and ckpt["step"] % 2 == 0
+    model, _ = npformer.load_model(tmp_path / "checkpoint.npz")
+    assert sum(p.size for p in model.parameters()) > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the demo's figures need matplotlib")
+def test_reverse_demo_distributed(mpiexec, tmp_path):
+    run = subprocess.run(launch(mpiexec, ROOT / "demos" / "reverse.py", "--distributed", "--preset", "seed",
+                                "--steps", "12", "--out", tmp_path, "--quiet"),
+                         env=environment(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["ranks"] == 2 and metrics["steps"] == 12 and metrics["heldout_sequences"] == 1000
+    if "NPFORMER_NUM_THREADS" not in os.environ:  # the two ranks share the cores
+        assert metrics["threads_per_rank"] == max(1, threads.available_cores() // 2)
+    assert {"checkpoint.npz", "curves.png", "grad_norms.png"} <= {p.name for p in tmp_path.iterdir()}
+    assert run.stdout.count("held-out (1000 unseen sequences)") == 1  # rank 0 alone reports (results on stdout)
+    assert load_checkpoint(tmp_path / "checkpoint.npz", restore_rng=False)["step"] == 12

@@ -1,0 +1,49 @@
+"""The op-case registry (npformer.opcases) is complete and consistent: every public op belongs to
+a family, every family has cases, its Function classes and its test file, which runs the
+registry's checks; case names are unique."""
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+import npformer.functional as F
+from npformer import nn, opcases
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_every_public_op_belongs_to_a_family():
+    covered = {op for family in opcases.FAMILIES.values() for op in family.ops}
+    assert {f"F.{name}" for name in F.__all__} <= covered
+    for family in opcases.FAMILIES.values():
+        for op in family.ops:
+            prefix, name = op.split(".", 1)
+            assert hasattr({"F": F, "nn": nn}[prefix], name), op
+
+
+def test_case_names_are_unique_and_every_case_names_a_family():
+    names = [c.name for c in opcases.CASES]
+    assert len(names) == len(set(names))
+    assert {c.family for c in opcases.CASES} == set(opcases.FAMILIES)
+
+
+@pytest.mark.parametrize("family", opcases.FAMILIES.values(), ids=lambda f: f.name)
+def test_each_family_has_its_code_and_a_test_file_that_runs_its_cases(family):
+    module = importlib.import_module(family.source[:-3].replace("/", "."))
+    for name in family.functions:
+        assert hasattr(module, name), f"{family.source} has no {name}"
+    tests = ROOT / family.tests
+    tree = ast.parse(tests.read_text())
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", None) == "op_tests"]
+    assert [ast.literal_eval(call.args[0]) for call in calls] == [family.name], tests
+
+
+def test_cases_can_be_selected_by_name_or_family():
+    assert [c.name for c in opcases.select("F.relu")] == ["F.relu"]
+    assert {c.family for c in opcases.select("layer_norm")} == {"layer_norm"}
+    assert all(c.module is None for c in opcases.select("", modules=False))
+    assert opcases.select("swish") == []
+    with pytest.raises(KeyError, match="no op family 'swish'"):
+        opcases.cases("swish")
