@@ -17,7 +17,7 @@ class Progress:
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self.total, self.enabled, self.bar = total, enabled, None
         self.stream = sys.stderr  # None once writing to it has failed (or when there is none)
-        self.tty = self._attempt(lambda: self.stream.isatty()) is True
+        self.tty = enabled and self._attempt(lambda: self.stream.isatty()) is True
         self.last_tenth = -1
         if enabled:
             try:

@@ -388,6 +388,24 @@ def test_progress_line_on_a_file(capsys, monkeypatch):
     assert capsys.readouterr().err == "step 3: gradient norm inf, update skipped\n"
 
 
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_rewrites_its_line_and_a_message_outside_a_run_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = Progress(2)
+    bar.update(1, "loss 1.0")
+    bar.write("a message")
+    bar.close()
+    assert sys.stderr.getvalue() == "\rstep 1/2 [##########..........] loss 1.0\033[K\na message\n\n"
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    Progress(0, enabled=False).write("step 3: gradient norm inf, update skipped")  # no bar to break
+    assert sys.stderr.getvalue() == "step 3: gradient norm inf, update skipped\n"
+
+
 def test_progress_gives_up_a_closed_stream_and_says_nothing_more(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     closed = io.StringIO()
@@ -401,8 +419,9 @@ def test_progress_gives_up_a_closed_stream_and_says_nothing_more(monkeypatch):
 
 
 # A training run whose progress line cannot be written, in a process of its own: 8 steps of a
-# linear model, the third of which overflows (its update is skipped, and said on stderr); the
-# callback waits at step 2 for a line on stdin, sent once the test has closed its end of stderr.
+# linear model in two calls of fit, the third and seventh of which overflow (their updates are
+# skipped, and said on stderr); the callback waits at step 2 for a line on stdin, sent once the
+# test has closed its end of stderr.
 TRAINING_RUN = """
 import sys
 if sys.argv[1] == "without tqdm":
@@ -422,7 +441,8 @@ def wait_for_the_reader(trainer, record):
 model = nn.Linear(1, 1)
 trainer = Trainer(model, optim.SGD(model.parameters(), lr=0.1), [1.0, 1.0, 1e300, 1.0], loss_fn, log_every=1,
                   callbacks=[wait_for_the_reader])
-trainer.fit(8)
+trainer.fit(4)
+trainer.fit(8)  # a second progress line, on the stream that already failed
 print("trained", trainer.step, "skipped", trainer.history["grad_norm"].count(float("inf")))
 """
 
