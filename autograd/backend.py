@@ -37,10 +37,6 @@ def cuda_available():
         return False
 
 
-def available_devices():
-    return ("cpu", "test") + (("cuda",) if cuda_available() else ())
-
-
 def _check_device(device):
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {DEVICES}, got {device!r}")

@@ -25,7 +25,7 @@ from autograd import backend  # noqa: E402
 from npformer import functional as F  # noqa: E402
 from npformer import load_model, nn, plots  # noqa: E402
 from npformer.data import PAD  # noqa: E402
-from npformer.training import Trainer  # noqa: E402
+from npformer.training import Seq2SeqTrainer  # noqa: E402
 
 DEFAULT_CHECKPOINT = os.path.join("runs", "reverse", f"checkpoint-step{reverse.SNAPSHOT_STEP}.npz")
 KINDS = {"cross": ("decoder", "multihead_attn", "cross-attention (decoder queries, encoder keys)"),
@@ -50,8 +50,8 @@ def snapshot_model():
     settings = reverse.PRESETS["default"]
     task = reverse.make_task(settings, 0)
     model, optimizer, scheduler = reverse.build(settings, 0, "cpu")
-    trainer = Trainer(model, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
-                      clip_norm=settings["clip_norm"], progress=True)
+    trainer = Seq2SeqTrainer(model, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
+                             clip_norm=settings["clip_norm"])
     for _ in range(reverse.SNAPSHOT_STEP):
         trainer.train_step()
     return model, task

@@ -257,10 +257,9 @@ def run_settings(args):
 
 
 @contextlib.contextmanager
-def stop_on_ctrl_c():
-    """While open, the first Ctrl-C (SIGINT) asks to stop (state["asked"]; the training loop
-    stops after the current step); a second one stops at once (KeyboardInterrupt)."""
-    state = {"asked": False}
+def stop_on_ctrl_c(state):
+    """While open, the first Ctrl-C (SIGINT) asks to stop (sets state["asked"]; the training
+    loop stops after the current step); a second one stops at once (KeyboardInterrupt)."""
 
     def ask(signum, frame):
         if state["asked"]:
@@ -272,23 +271,12 @@ def stop_on_ctrl_c():
     try:
         previous = signal.signal(signal.SIGINT, ask)
     except ValueError:  # not the main thread: leave Ctrl-C alone
-        yield state
+        yield
         return
     try:
-        yield state
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def after_each_step(trainer, hook):
-    """Call `hook()` after every `trainer.train_step` (between two steps the run is consistent)."""
-    train_step = trainer.train_step
-
-    def step_then_hook(*args, **kwargs):
-        record = train_step(*args, **kwargs)
-        hook()
-        return record
-    trainer.train_step = step_then_hook
 
 
 def train(args):
@@ -302,24 +290,27 @@ def train(args):
     task = make_task(settings, seed)
     model, optimizer, scheduler = build(settings, seed, args.device)
     trained = dist.DistributedDataParallel(model) if args.distributed else model
+    checkpoint_path = os.path.join(out, "checkpoint.npz")
+    snapshot_path = os.path.join(out, f"checkpoint-step{args.snapshot_step}.npz")
+    ctrl_c = {"asked": False}  # set by the first Ctrl-C while training (stop_on_ctrl_c)
+
+    def between_steps(trainer, record):
+        """The step callback (between two steps the run is consistent): keep the snapshot, stop on Ctrl-C."""
+        if trainer.step == args.snapshot_step:
+            trainer.save(snapshot_path)
+        if ctrl_c["asked"]:
+            raise Interrupted
+
     trainer = Seq2SeqTrainer(trained, optimizer, task, scheduler=scheduler, batch_size=settings["batch_size"],
                              label_smoothing=settings["label_smoothing"], clip_norm=settings["clip_norm"],
                              eval_every=settings["eval_every"], eval_size=200, progress=not args.quiet,
-                             extra_state={"demo": {"settings": settings, "seed": seed, "preset": preset}})
+                             extra_state={"demo": {"settings": settings, "seed": seed, "preset": preset}},
+                             callbacks=[between_steps])
     if resumed:
         trainer.resume(args.resume)
     parameters = sum(p.size for p in model.parameters())
-    checkpoint_path = os.path.join(out, "checkpoint.npz")
-    snapshot_path = os.path.join(out, f"checkpoint-step{args.snapshot_step}.npz")
 
-    with stop_on_ctrl_c() as ctrl_c:
-        def between_steps():
-            if trainer.step == args.snapshot_step:
-                trainer.save(snapshot_path)
-            if ctrl_c["asked"]:
-                raise Interrupted
-
-        after_each_step(trainer, between_steps)
+    with stop_on_ctrl_c(ctrl_c):
         if main_rank:
             print(f"reverse: preset {preset}" + (f" (resumed at step {trainer.step} from {args.resume})" if resumed
                                                  else "")

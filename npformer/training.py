@@ -1,9 +1,10 @@
 """Training loops: `Trainer` for any model, loss and data; `Seq2SeqTrainer` for a SequenceTask.
 
 One step: the next batch from `data`, `loss_fn(model, batch)`, backward, per-layer gradient
-norms (every `grad_norm_every` steps), gradient clipping, optimizer and scheduler steps; an
-update whose gradient norm is not finite is skipped. Every `eval_every` steps (and when `fit`
-ends) `evaluate` runs. A progress line shows the loss, metrics, lr and items/s.
+norms (every `grad_norm_every` steps), gradient clipping, optimizer and scheduler steps, then
+the `callbacks`; an update whose gradient norm is not finite is skipped. Every `eval_every`
+steps (and when `fit` ends) `evaluate` runs. A progress line shows the loss, metrics, lr and
+items/s (best-effort: a closed stderr or a broken pipe stops the line, never the training).
 
 Loss functions return a `Loss`: the loss summed over `count` items (target tokens,
 sequences, ...) and metric sums over the same items (e.g. correct tokens); the Trainer
@@ -37,7 +38,7 @@ import copy
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = ["Loss", "token_loss", "seq2seq_loss", "causal_lm_loss", "classificati
            "Seq2SeqTrainer", "layer_of"]
 
 LossFunction = Callable[[Module, Any], "Loss | Tensor"]  # (model, batch) -> Loss, or a scalar Tensor (a mean)
+StepCallback = Callable[["Trainer", dict], None]  # (trainer, the step's record), after every train_step
 
 
 def layer_of(name: str) -> str:
@@ -215,21 +217,21 @@ class Trainer:
     shard_optimizer: with a DistributedDataParallel model, split the optimizer's state across
         ranks (`distributed.ZeroRedundancyOptimizer`, ZeRO-1).
 
-    `Trainer(model, optimizer, sequence_task, batch_size=..., ...)` (a SequenceTask as data,
-    this class's earlier form) makes a `Seq2SeqTrainer`. Raises TypeError / ValueError naming a
-    bad argument (shard_optimizer=True without a DistributedDataParallel model: ValueError).
-    """
+    callbacks: functions `callback(trainer, record)`, called in order at the end of every
+        `train_step` with the step's record (the step is done and in `history`): Lightning's
+        `on_train_batch_end(trainer, ...)`, HF's `on_step_end`. One may save the trainer, or raise
+        to stop training between two steps (the exception leaves `fit`).
 
-    def __new__(cls, model=None, optimizer=None, data=None, *args, **kwargs):
-        if cls is Trainer and isinstance(data, SequenceTask):
-            return super().__new__(Seq2SeqTrainer)
-        return super().__new__(cls)
+    A SequenceTask is trained by `Seq2SeqTrainer` (it brings its own loss and evaluation).
+    Raises TypeError / ValueError naming a bad argument (shard_optimizer=True without a
+    DistributedDataParallel model: ValueError).
+    """
 
     def __init__(self, model: Module, optimizer: Optimizer, data: Iterable[Any] | Callable[[], Any],
                  loss_fn: Callable[[Module, Any], Loss | Tensor], *, evaluate: Callable[[Module], dict[str, Any]] | None = None,
                  scheduler: Any = None, clip_norm: float | None = 1.0, eval_every: int = 0, grad_norm_every: int = 10,
                  progress: bool = True, log_every: int = 10, extra_state: dict[str, Any] | None = None,
-                 shard_optimizer: bool = False):
+                 shard_optimizer: bool = False, callbacks: Sequence[StepCallback] = ()):
         if not isinstance(model, Module):
             raise TypeError(f"model: expected an npformer.nn.Module, got {type(model).__name__}")
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
@@ -241,8 +243,9 @@ class Trainer:
         elif hasattr(data, "__iter__"):
             self._next_batch = _epochs(data)
         else:
+            hint = "; train a SequenceTask with Seq2SeqTrainer" if isinstance(data, SequenceTask) else ""
             raise TypeError(f"data: expected an iterable, an iterator or a callable giving batches, "
-                            f"got {type(data).__name__}")
+                            f"got {type(data).__name__}{hint}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (model, batch) -> Loss or Tensor, got "
                             f"{type(loss_fn).__name__}")
@@ -250,6 +253,11 @@ class Trainer:
             raise TypeError(f"evaluate: expected a callable (model) -> dict or None, got {type(evaluate).__name__}")
         if extra_state is not None and not isinstance(extra_state, dict):
             raise TypeError(f"extra_state: expected a dict or None, got {type(extra_state).__name__}")
+        if not isinstance(callbacks, (list, tuple)):
+            raise TypeError(f"callbacks: expected a list of functions (trainer, record), got {type(callbacks).__name__}")
+        for i, callback in enumerate(callbacks):
+            if not callable(callback):
+                raise TypeError(f"callbacks[{i}]: expected a function (trainer, record), got {type(callback).__name__}")
         self.clip_norm = None if clip_norm is None else check_real(clip_norm, "clip_norm", "Trainer", at_least=0)
         self.eval_every = check_int(eval_every, "eval_every", "Trainer", at_least=0)
         self.grad_norm_every = check_int(grad_norm_every, "grad_norm_every", "Trainer", at_least=0)
@@ -266,6 +274,7 @@ class Trainer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data, self.loss_fn, self.evaluate_fn = data, loss_fn, evaluate
         self.extra_state = dict(extra_state or {})
+        self.callbacks = list(callbacks)
         self.layers = {}
         for name, p in self.module.named_parameters():
             self.layers.setdefault(layer_of(name), []).append(p)
@@ -281,7 +290,8 @@ class Trainer:
     def train_step(self, batch: Any = None) -> dict[str, Any]:
         """One optimisation step on `batch` (default: the next one from `data`). Returns the
         step's record: step, loss, lr, grad_norm, items, seconds and the loss's metrics (also
-        appended to `history`). ValueError when no rank's batch has an item to average over."""
+        appended to `history`, then given to each callback). ValueError when no rank's batch has
+        an item to average over."""
         start = time.perf_counter()
         batch = self._next_batch() if batch is None else batch
         self.model.train()
@@ -315,6 +325,8 @@ class Trainer:
         record.update({name: value / count for name, value in zip(out.metrics, totals[2:])})
         for key, value in record.items():
             self.history.setdefault(key, []).append(value)
+        for callback in self.callbacks:
+            callback(self, record)
         return record
 
     def _say(self, message):

@@ -24,7 +24,7 @@ import autograd  # noqa: E402
 from npformer import checkpoint, optim  # noqa: E402
 from npformer.data import PAD, SequenceTask  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
-from npformer.training import Trainer  # noqa: E402
+from npformer.training import Seq2SeqTrainer  # noqa: E402
 
 CHUNK, PAUSE = 16 * 1024, 0.2
 
@@ -64,8 +64,8 @@ def make_trainer(steps):
     task = SequenceTask("reverse", vocab_size=20, min_len=6, seed=0, heldout_size=100)
     optimizer = optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = optim.WarmupCosineLR(optimizer, warmup_steps=10, total_steps=steps)
-    return Trainer(model, optimizer, task, scheduler=scheduler, batch_size=16, clip_norm=1.0, grad_norm_every=5,
-                   progress=False)
+    return Seq2SeqTrainer(model, optimizer, task, scheduler=scheduler, batch_size=16, clip_norm=1.0,
+                          grad_norm_every=5, progress=False)
 
 
 def main():

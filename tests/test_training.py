@@ -1,8 +1,11 @@
 """Trainer: reproducibility, exact resumption from a checkpoint, learning (seq2seq, language
 modelling, classification), history, argument checks, skipped updates, progress, figures, and
 rebuilding a model from a checkpoint alone. Data parallelism: test_distributed*.py."""
+import io
 import math
+import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -17,6 +20,8 @@ from npformer.progress import Progress
 from npformer.training import (Loss, Seq2SeqTrainer, Trainer, causal_lm_loss, classification_loss, evaluate_loss,
                                layer_of)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _trainer(seed=0, steps=8, model_seed=None, **kwargs):
     manual_seed(seed if model_seed is None else model_seed)
@@ -25,8 +30,8 @@ def _trainer(seed=0, steps=8, model_seed=None, **kwargs):
     task = SequenceTask("reverse", vocab_size=12, min_len=2, max_len=6, seed=seed, heldout_size=50)
     opt = optim.AdamW(model.parameters(), lr=3e-3)
     sched = optim.WarmupCosineLR(opt, warmup_steps=3, total_steps=steps)
-    return Trainer(model, opt, task, scheduler=sched, batch_size=16, label_smoothing=0.1, progress=False,
-                   grad_norm_every=2, **kwargs)
+    return Seq2SeqTrainer(model, opt, task, scheduler=sched, batch_size=16, label_smoothing=0.1, progress=False,
+                          grad_norm_every=2, **kwargs)
 
 
 def test_same_seed_same_losses():
@@ -107,7 +112,7 @@ def test_a_short_run_learns_to_copy():
     model = Seq2SeqTransformer(10, 10, d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
                                dim_feedforward=64, dropout=0.0, pad_idx=PAD)
     task = SequenceTask("copy", vocab_size=10, min_len=3, max_len=3, seed=0, heldout_size=50)
-    trainer = Trainer(model, optim.Adam(model.parameters(), lr=1e-2), task, batch_size=32, progress=False)
+    trainer = Seq2SeqTrainer(model, optim.Adam(model.parameters(), lr=1e-2), task, batch_size=32, progress=False)
     result = trainer.fit(60)
     assert np.mean(trainer.history["loss"][-5:]) < 0.5 * np.mean(trainer.history["loss"][:5])
     assert result["token_accuracy"] > 0.5
@@ -217,9 +222,57 @@ def test_a_loss_function_may_return_a_mean_tensor_and_data_may_be_a_callable():
         empty.train_step()
 
 
-def test_trainer_with_a_sequence_task_is_the_seq2seq_trainer():
+def test_a_trainer_is_the_class_asked_for_and_a_sequence_task_needs_the_seq2seq_trainer():
+    """Trainer(model, optimizer, task, ...) silently made a Seq2SeqTrainer; now the caller names it."""
     trainer = _trainer()
     assert type(trainer) is Seq2SeqTrainer and trainer.batch_size == 16
+    with pytest.raises(TypeError, match="data: expected an iterable, an iterator or a callable giving batches, got "
+                                        "SequenceTask; train a SequenceTask with Seq2SeqTrainer"):
+        Trainer(trainer.module, trainer.optimizer, trainer.task, causal_lm_loss())
+
+
+# -- step callbacks ---------------------------------------------------------------------------------------
+def test_callbacks_run_in_order_after_every_step_with_the_trainer_and_the_record():
+    calls = []
+
+    def first(trainer, record):
+        assert trainer.history["loss"][-1] == record["loss"]  # the step is done and in the history
+        calls.append(("first", record["step"], trainer.step))
+
+    def second(trainer, record):
+        calls.append(("second", record["step"], trainer.step))
+    trainer, _ = _linear_trainer([_examples()], callbacks=[first, second])
+    trainer.fit(2)
+    trainer.train_step()  # a step outside fit calls them too
+    assert calls == [("first", 1, 1), ("second", 1, 1), ("first", 2, 2), ("second", 2, 2),
+                     ("first", 3, 3), ("second", 3, 3)]
+    seq2seq = _trainer(callbacks=(second,))  # Seq2SeqTrainer passes them on
+    seq2seq.train_step()
+    assert calls[-1] == ("second", 1, 1)
+
+
+def test_a_callback_that_raises_stops_fit_between_two_steps(tmp_path):
+    class Stop(Exception):
+        pass
+
+    def stop_at_3(trainer, record):
+        if trainer.step == 3:
+            trainer.save(tmp_path / "ck.npz")
+            raise Stop
+    trainer, _ = _linear_trainer([_examples()], callbacks=[stop_at_3])
+    with pytest.raises(Stop):
+        trainer.fit(10, checkpoint_path=tmp_path / "end.npz")
+    assert trainer.step == len(trainer.history["loss"]) == 3 and not (tmp_path / "end.npz").exists()
+    assert npformer.load_checkpoint(tmp_path / "ck.npz", restore_rng=False)["trainer"]["step"] == 3
+
+
+@pytest.mark.parametrize("callbacks, message", [
+    (print, "callbacks: expected a list of functions (trainer, record), got builtin_function_or_method"),
+    ([print, "save"], "callbacks[1]: expected a function (trainer, record), got str"),
+], ids=["a function, not a list", "not a function"])
+def test_bad_callbacks_fail_at_construction(callbacks, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        _linear_trainer([_examples()], callbacks=callbacks)
 
 
 # -- arguments are checked when the trainer is made --------------------------------------------------------
@@ -333,6 +386,90 @@ def test_progress_line_on_a_file(capsys, monkeypatch):
     assert capsys.readouterr().err == ""
     silent.write("step 3: gradient norm inf, update skipped")  # news, not progress: printed all the same
     assert capsys.readouterr().err == "step 3: gradient norm inf, update skipped\n"
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_rewrites_its_line_and_a_message_outside_a_run_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = Progress(2)
+    bar.update(1, "loss 1.0")
+    bar.write("a message")
+    bar.close()
+    assert sys.stderr.getvalue() == "\rstep 1/2 [##########..........] loss 1.0\033[K\na message\n\n"
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    Progress(0, enabled=False).write("step 3: gradient norm inf, update skipped")  # no bar to break
+    assert sys.stderr.getvalue() == "step 3: gradient norm inf, update skipped\n"
+
+
+def test_progress_gives_up_a_closed_stream_and_says_nothing_more(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    bar = Progress(3)
+    bar.update(1, "loss 1.0")  # ValueError: I/O operation on closed file, caught
+    bar.write("step 2: gradient norm inf, update skipped")
+    bar.close()
+    assert bar.stream is None
+
+
+# A training run whose progress line cannot be written, in a process of its own: 8 steps of a
+# linear model in two calls of fit, the third and seventh of which overflow (their updates are
+# skipped, and said on stderr); the callback waits at step 2 for a line on stdin, sent once the
+# test has closed its end of stderr.
+TRAINING_RUN = """
+import sys
+if sys.argv[1] == "without tqdm":
+    sys.modules["tqdm"] = None
+import numpy as np
+from autograd import Tensor
+from npformer import nn, optim
+from npformer.training import Loss, Trainer
+
+def loss_fn(model, scale):
+    return Loss(model(Tensor(np.ones((1, 1), np.float32))).sum() * scale, 1)
+
+def wait_for_the_reader(trainer, record):
+    if trainer.step == 2:
+        sys.stdin.readline()
+
+model = nn.Linear(1, 1)
+trainer = Trainer(model, optim.SGD(model.parameters(), lr=0.1), [1.0, 1.0, 1e300, 1.0], loss_fn, log_every=1,
+                  callbacks=[wait_for_the_reader])
+trainer.fit(4)
+trainer.fit(8)  # a second progress line, on the stream that already failed
+print("trained", trainer.step, "skipped", trainer.history["grad_norm"].count(float("inf")))
+"""
+
+
+@pytest.mark.parametrize("tqdm", ["with tqdm", "without tqdm"])
+@pytest.mark.parametrize("stderr", ["closed", "read by a reader that stops early"])
+def test_training_goes_on_when_its_progress_line_cannot_be_written(stderr, tqdm):
+    """A closed stderr (sys.stderr is None) raised AttributeError: 'NoneType' object has no
+    attribute 'isatty'; a reader that went away (`2>&1 | head -c 1`) raised BrokenPipeError.
+    Progress output is best-effort: the run trains every step and ends normally."""
+    if tqdm == "with tqdm":
+        pytest.importorskip("tqdm")
+    command = [sys.executable, "-c", TRAINING_RUN, tqdm]
+    if stderr == "closed":
+        run = subprocess.run(command, cwd=ROOT, input="\n", stdout=subprocess.PIPE, text=True, timeout=300,
+                             preexec_fn=lambda: os.close(2))
+        code, out = run.returncode, run.stdout
+    else:
+        child = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        assert child.stderr.read(1)  # the first character of the progress line, then the reader stops
+        child.stderr.close()
+        child.stdin.write("\n")
+        child.stdin.close()
+        out = child.stdout.read()
+        code = child.wait(timeout=300)
+    assert (code, out) == (0, "trained 8 skipped 2\n")
 
 
 def test_plot_curves_draws_the_documented_history_keys(tmp_path):

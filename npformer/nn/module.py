@@ -21,10 +21,18 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 class Parameter(Tensor):
     """A Tensor that a Module registers as a learnable parameter when assigned to one of its
     attributes (torch.nn.Parameter); requires_grad=True unless asked otherwise. data: an array
-    (its dtype kept) or anything `Tensor` accepts."""
+    (its dtype kept) or anything `Tensor` accepts.
+
+    As in torch, an array is not copied: the parameter and `data` share memory, and optimizers
+    update it in place. So a read-only array (`np.broadcast_to`'s view, whose elements share
+    memory, or one marked not writeable) is refused with a ValueError; give a copy."""
 
     def __init__(self, data: ArrayLike, requires_grad: bool = True):
         super().__init__(data, requires_grad=requires_grad)
+        if not getattr(self.data.flags, "writeable", True):  # cupy arrays are always writable
+            raise ValueError(f"Parameter: data must be a writable array (optimizers update it in place), got a "
+                             f"read-only {type(self.data).__name__} of shape {self.data.shape} (e.g. a view from "
+                             "np.broadcast_to); pass a copy, e.g. np.array(data)")
 
     def __repr__(self):
         return "Parameter containing:\n" + super().__repr__()

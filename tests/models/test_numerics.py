@@ -12,7 +12,7 @@ import npformer.functional as F
 from npformer import optim
 from npformer.data import PAD, SequenceTask
 from npformer.models import Seq2SeqTransformer
-from npformer.training import Trainer
+from npformer.training import Seq2SeqTrainer
 
 
 def small_model():
@@ -73,8 +73,8 @@ def test_two_thousand_steps_at_lr_1e3_with_clipping_never_make_a_nan():
     model = Seq2SeqTransformer(20, 20, d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
                                dim_feedforward=64, dropout=0.1, max_len=8, pad_idx=PAD)
     task = SequenceTask("reverse", vocab_size=20, min_len=6, seed=0, heldout_size=200)
-    trainer = Trainer(model, optim.Adam(model.parameters(), lr=1e-3), task, batch_size=8, clip_norm=1.0,
-                      grad_norm_every=0, progress=False)
+    trainer = Seq2SeqTrainer(model, optim.Adam(model.parameters(), lr=1e-3), task, batch_size=8, clip_norm=1.0,
+                             grad_norm_every=0, progress=False)
     result = trainer.fit(2000)
     losses, norms = np.array(trainer.history["loss"]), np.array(trainer.history["grad_norm"])
     assert len(losses) == len(norms) == 2000

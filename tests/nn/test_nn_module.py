@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from autograd import Tensor, backend
-from npformer import nn
+from npformer import nn, optim
 
 
 class Block(nn.Module):
@@ -156,6 +156,22 @@ def test_parameter_and_repr():
     assert "(0): Linear(in_features=2, out_features=3, bias=True)" in text and "(1): Dropout(p=0.1)" in text
     with pytest.raises(NotImplementedError, match="forward"):
         nn.Module()(1)
+
+
+def test_parameter_refuses_a_read_only_array_and_shares_a_writable_one_like_torch():
+    """A read-only array (np.broadcast_to's view) was accepted, and SGD.step() then failed with
+    numpy's "output array is read-only": it is refused when the parameter is made."""
+    read_only = np.zeros(3)
+    read_only.flags.writeable = False
+    for data in (np.broadcast_to(np.ones(3), (2, 3)), read_only, Tensor(read_only)):
+        with pytest.raises(ValueError, match=r"Parameter: data must be a writable array \(optimizers update it in "
+                                             r"place\), got a read-only ndarray of shape \((2, )?3,?\)"):
+            nn.Parameter(data)
+    data = np.ones((2, 3))
+    p = nn.Parameter(data)  # as torch.nn.Parameter: no copy, the optimizer's updates show in `data`
+    p.grad = np.ones((2, 3))
+    optim.SGD([p], lr=0.5).step()
+    np.testing.assert_array_equal(data, np.full((2, 3), 0.5))
 
 
 # -- side by side with torch.nn.Module ------------------------------------------------------------

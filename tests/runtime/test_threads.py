@@ -23,7 +23,7 @@ from npformer import optim
 from npformer.data import PAD, SequenceTask
 from npformer.functional import composite
 from npformer.models import Seq2SeqTransformer
-from npformer.training import Trainer
+from npformer.training import Seq2SeqTrainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WAIT = 30  # seconds before a missed event fails the test instead of hanging it
@@ -346,8 +346,8 @@ def trainer(seed):
     model = Seq2SeqTransformer(10, 10, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
                                dim_feedforward=32, dropout=0.0, max_len=8, pad_idx=PAD)
     task = SequenceTask("reverse", vocab_size=10, min_len=4, seed=seed, heldout_size=16)
-    return Trainer(model, optim.Adam(model.parameters(), lr=3e-3), task, batch_size=8, eval_every=4, eval_size=8,
-                   grad_norm_every=0, progress=False)
+    return Seq2SeqTrainer(model, optim.Adam(model.parameters(), lr=3e-3), task, batch_size=8, eval_every=4,
+                          eval_size=8, grad_norm_every=0, progress=False)
 
 
 def fit(trainer_, steps=24):
