@@ -148,7 +148,9 @@ def diagnose(exercise, inputs, output, mine, correct, specific):
             return words + shape_note
     if mine.shape != ref.shape:
         return f"shape {mine.shape} expected {ref.shape}"
+    if not mine.any():
+        return "zero everywhere: no gradient reached it"
     ratio = float((mine * ref).sum() / (ref * ref).sum()) if ref.any() else 0.0
-    if ref.any() and matches(mine, ratio * ref):
+    if ratio and matches(mine, ratio * ref):
         return f"off by a constant factor: yours is {ratio:.4g} times the correct gradient"
     return "none of the known mistakes"
