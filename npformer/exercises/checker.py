@@ -8,6 +8,7 @@ autograd) and with float64 central differences of the engine's forward:
 """
 import dataclasses
 import importlib.util
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -24,7 +25,9 @@ ORDER = ("exact", "close", "wrong", "error", "not written")   # a function's ver
 
 @dataclasses.dataclass
 class GradientResult:
-    """The verdict on one gradient a backward returns (e.g. dk of attention_backward)."""
+    """The verdict on one gradient a backward returns (e.g. dk of attention_backward): exact,
+    close or wrong; the largest differences from the engine and from finite differences (None
+    when the shape is wrong); for a wrong one, the worst entry and the diagnosis in plain words."""
 
     name: str
     verdict: str                 # exact, close or wrong
@@ -115,7 +118,9 @@ def check(name: str, mine: Callable, *inputs: object, stream: TextIO | None = No
 
     inputs: the arguments to call it with, in the exercise's order (e.g. q, k, v, mask, dout,
     scale); none: the checker's own, which give every axis a size of its own. mine gets copies,
-    so it may change them. Raises KeyError for an unknown name, naming the exercises."""
+    so it may change them. What mine raises or returns wrongly is reported in the Result. Raises
+    KeyError for an unknown name (naming the exercises), TypeError when mine is not callable or
+    the number of inputs is wrong, ValueError for inputs the engine cannot take."""
     if name not in EXERCISES:
         raise KeyError(f"check: no exercise {name!r}; the exercises are {', '.join(EXERCISES)}")
     exercise = EXERCISES[name]
@@ -180,7 +185,7 @@ def load_solutions(path):
     return module
 
 
-def check_file(path: str, stream: TextIO | None = None) -> list[Result]:
+def check_file(path: str | os.PathLike, stream: TextIO | None = None) -> list[Result]:
     """Check every backward the file at `path` defines (a function missing from it counts as not
     written), printing the table to `stream` (stdout). Returns the Results, one per exercise."""
     stream = stream or sys.stdout
