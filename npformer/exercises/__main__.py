@@ -4,11 +4,13 @@
     python -m npformer.exercises check PATH            check the backward functions PATH defines
 
 Exit status of `check`: 0 when every function is exact or close, 1 while one is wrong, raises,
-or is not written; 2 for a usage error (a missing file, a starter file that exists already).
+or is not written, or the file does not import; 2 for a usage error (a missing file, a starter
+file that exists already).
 """
 import argparse
 import pathlib
 import sys
+import traceback
 
 from .checker import check_file, summary
 from .starter import write_starter
@@ -23,7 +25,11 @@ def main(argv=None):
         args = parser.parse_args(argv[1:])
         if not pathlib.Path(args.path).is_file():
             parser.error(f"{args.path}: no such file; write the starter with python -m npformer.exercises")
-        results = check_file(args.path)
+        try:
+            results = check_file(args.path)
+        except Exception as error:  # the learner's file does not import: say why, as Python would
+            print(f"cannot import {args.path}:\n" + "".join(traceback.format_exception_only(error)).rstrip())
+            return 1
         print(summary(results))
         return 0 if all(r.passed for r in results) else 1
     parser = argparse.ArgumentParser(prog="python -m npformer.exercises", description=__doc__,

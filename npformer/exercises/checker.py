@@ -98,6 +98,8 @@ def _as_gradients(exercise, returned):
         if not isinstance(returned, (tuple, list)) or len(returned) != len(names):
             got = f"{len(returned)} values" if isinstance(returned, (tuple, list)) else type(returned).__name__
             return f"returned {got}, expected a tuple of {len(names)} ({', '.join(names)})"
+    elif isinstance(returned, tuple):
+        return f"returned a tuple of {len(returned)}, expected one array ({names[0]})"
     else:
         returned = [returned]
     arrays = {}
@@ -121,7 +123,7 @@ def check(name: str, mine: Callable, *inputs: object, stream: TextIO | None = No
     so it may change them. What mine raises or returns wrongly is reported in the Result. Raises
     KeyError for an unknown name (naming the exercises), TypeError when mine is not callable or
     the number of inputs is wrong, ValueError for inputs the engine cannot take."""
-    if name not in EXERCISES:
+    if not isinstance(name, str) or name not in EXERCISES:
         raise KeyError(f"check: no exercise {name!r}; the exercises are {', '.join(EXERCISES)}")
     exercise = EXERCISES[name]
     if not callable(mine):
@@ -178,16 +180,21 @@ def _where(mine, error):
 
 
 def load_solutions(path):
-    """The learner's file as a module (it is their own code: importing it runs it)."""
+    """The learner's file as a module (it is their own code: importing it runs it). Raises
+    FileNotFoundError when there is no such file; what the file raises comes through."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"check_file: no file {os.fspath(path)!r}")
     spec = importlib.util.spec_from_file_location("npformer_exercises_solution", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module       # dataclasses and pickling look their module up
     spec.loader.exec_module(module)
     return module
 
 
 def check_file(path: str | os.PathLike, stream: TextIO | None = None) -> list[Result]:
     """Check every backward the file at `path` defines (a function missing from it counts as not
-    written), printing the table to `stream` (stdout). Returns the Results, one per exercise."""
+    written), printing the table to `stream` (stdout). Returns the Results, one per exercise.
+    Raises FileNotFoundError for a missing file, and whatever importing the file raises."""
     stream = stream or sys.stdout
     module = load_solutions(path)
     stream.write(HEADER + "\n")

@@ -3,6 +3,7 @@ a docstring with the shapes and what to derive, and `raise NotImplementedError("
 import os
 import pathlib
 
+from autograd.checks import check_bool
 from npformer.files import atomic_write
 
 TEMPLATE = '''"""Backprop by hand: write each backward below, then check it against npformer's engine:
@@ -134,6 +135,9 @@ def attention_backward(q, k, v, mask, dout, scale):
 def write_starter(path: str | os.PathLike = "my_backprop.py", force: bool = False) -> pathlib.Path:
     """Write the starter file to `path` and return its path. Raises FileExistsError when the file
     is there already (your work would be lost), unless force=True."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"write_starter: path must be a str or os.PathLike, got {type(path).__name__}")
+    force = check_bool(force, "force", "write_starter")
     path = pathlib.Path(path)
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass --force (force=True) to overwrite it, or -o another path")

@@ -204,3 +204,28 @@ def test_default_inputs_give_every_axis_its_own_size():
         for a in arrays:
             assert len(set(a.shape)) == a.ndim, (exercise.name, a.shape)
         assert sizes
+
+
+def test_a_file_that_does_not_import_says_why_with_exit_status_1(tmp_path, capsys):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def softmax_backward(y, dy):\n    return y *\n")
+    assert main(["check", str(broken)]) == 1
+    out = capsys.readouterr().out
+    assert f"cannot import {broken}" in out and "SyntaxError" in out and "line 2" in out
+
+
+def test_a_single_gradient_returned_in_a_tuple_is_named():
+    result = check("gelu_backward", lambda x, dy: (solution_backprop.gelu_backward(x, dy),))
+    assert result.message == "returned a tuple of 1, expected one array (dx)"
+
+
+def test_write_starter_and_check_file_refuse_bad_arguments(tmp_path):
+    with pytest.raises(TypeError, match="write_starter: path must be a str or os.PathLike, got int"):
+        write_starter(3)
+    with pytest.raises(TypeError, match="force"):
+        write_starter(tmp_path / "s.py", force="yes")
+    assert not (tmp_path / "s.py").exists()
+    with pytest.raises(FileNotFoundError, match="check_file: no file"):
+        check_file(tmp_path / "nowhere.py")
+    with pytest.raises(KeyError, match="no exercise"):
+        check(["softmax_backward"], solution_backprop.softmax_backward)
