@@ -9,6 +9,7 @@ precise), then the ones that apply to any gradient.
 import numpy as np
 
 import npformer.functional as F
+from autograd import Tensor
 
 from .problems import EXERCISES, Graph, engine_gradients
 
@@ -109,6 +110,9 @@ def _attention(q, k, v, mask, dout, scale):
     ds = p * (dout @ v.swapaxes(-1, -2))                            # (B, H, T, S) dS without the row sum
     return [("gradient on masked positions: the mask is not applied in backward", gradients(np.ones_like(mask))),
             ("gradient on masked positions: the mask is inverted (True = takes part)", gradients(~mask)),
+            ("gradient on masked positions: masked scores set to 0 instead of -inf still take part",
+             dict(zip(("dq", "dk", "dv"), engine_gradients(Graph(
+                 (q, k, v), lambda q, k, v: F.softmax(q @ k.swapaxes(-1, -2) * Tensor(scale * mask)) @ v, dout))))),
             ("missing the row-sum term (softmax): dS = P * dP, without - P * sum(P * dP)",
              {"dq": ds @ k * scale, "dk": ds.swapaxes(-1, -2) @ q * scale})]
 

@@ -64,6 +64,14 @@ def _attention_without_row_sum(q, k, v, mask, dout, scale):
     return ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ dout
 
 
+def _attention_masked_by_zero_scores(q, k, v, mask, dout, scale):
+    """The forward masked by multiplying the scores by the mask: hidden keys get score 0, not -inf."""
+    p = _softmax(q @ k.swapaxes(-1, -2) * scale * mask)
+    dp = dout @ v.swapaxes(-1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * mask
+    return ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ dout
+
+
 def _swap(first, second, backward):
     def swapped(*args):
         grads = list(backward(*args))
@@ -125,9 +133,12 @@ CATALOGUE = [
           "transposed"),
     Wrong("attention_backward", _attention_no_scale, "dq", "off by the scale factor 1/sqrt(hd)"),
     Wrong("attention_backward", _swap(0, 1, right.attention_backward), "dq", "dq and dk swapped"),
-    Wrong("attention_backward", _attention_without_mask, "dk", "gradient on masked positions"),
+    Wrong("attention_backward", _attention_without_mask, "dk",
+          "gradient on masked positions: the mask is not applied"),
     Wrong("attention_backward", lambda q, k, v, mask, dout, scale: right.attention_backward(q, k, v, ~mask, dout, scale),
-          "dv", "gradient on masked positions"),
+          "dv", "gradient on masked positions: the mask is inverted"),
+    Wrong("attention_backward", _attention_masked_by_zero_scores, "dv",
+          "gradient on masked positions: masked scores set to 0"),
     Wrong("attention_backward", _attention_without_row_sum, "dk", "missing the row-sum term (softmax)"),
     Wrong("attention_backward", _change(2, lambda dv, *args: -dv, right.attention_backward), "dv", "sign flipped"),
     Wrong("attention_backward", lambda *args: (lambda dq, dk, dv: (dq, dv, dv))(*right.attention_backward(*args)),
