@@ -59,7 +59,10 @@ def _layer_norm(x, weight, dy, eps):
     g = dy * weight                                                 # (N, D) dxhat
 
     def dx(g, first=True, second=True):
-        return rstd * (g - first * g.mean(axis=-1, keepdims=True) - second * xhat * (g * xhat).mean(axis=-1, keepdims=True))
+        """rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), with or without each mean term."""
+        mean_term = g.mean(axis=-1, keepdims=True)                  # (N, 1)
+        xhat_term = xhat * (g * xhat).mean(axis=-1, keepdims=True)  # (N, D)
+        return rstd * (g - first * mean_term - second * xhat_term)
 
     return [("missing the mean terms: dx = rstd * dxhat, without - mean(dxhat) - xhat * mean(dxhat * xhat)",
              {"dx": dx(g, False, False)}),

@@ -1,6 +1,7 @@
 """A catalogue of deliberately wrong backward functions, each with the diagnosis the checker must
 give it: the mistakes learners make, written as they would write them."""
 import dataclasses
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -49,6 +50,22 @@ def _embedding_overwrites(ids, num_embeddings, dy):
     return dweight
 
 
+def _embedding_first_row_only(ids, num_embeddings, dy):
+    dweight = np.zeros((num_embeddings, dy.shape[-1]))
+    seen = set()
+    for i, row in zip(ids.reshape(-1), dy.reshape(-1, dy.shape[-1])):
+        if i not in seen:
+            dweight[i] = row
+            seen.add(i)
+    return dweight
+
+
+def _ln_without_weight_in_dx(x, weight, dy, eps):
+    _, dweight, dbias = right.layer_norm_backward(x, weight, dy, eps)
+    dx, _, _ = right.layer_norm_backward(x, np.ones_like(weight), dy, eps)   # dxhat = dy
+    return dx, dweight, dbias
+
+
 def _attention_no_scale(q, k, v, mask, dout, scale):
     dq, dk, dv = right.attention_backward(q, k, v, mask, dout, scale)
     return dq / scale, dk / scale, dv
@@ -95,19 +112,33 @@ CATALOGUE = [
     Wrong("softmax_backward", lambda y, dy: y * dy, "dx", "missing the row-sum term"),
     Wrong("softmax_backward", lambda y, dy: y * (1 - y) * dy, "dx", "missing the row-sum term"),
     Wrong("softmax_backward", _change(0, lambda dx, y, dy: -dx, right.softmax_backward), "dx", "sign flipped"),
+    Wrong("softmax_backward", lambda y, dy: y * (dy - (dy * y).sum(axis=0, keepdims=True)), "dx",
+          "the row sum runs over the wrong axis"),
     Wrong("log_softmax_backward", lambda y, dy: dy, "dx", "missing the row-sum term"),
     Wrong("log_softmax_backward", lambda y, dy: dy - y * dy.sum(axis=-1, keepdims=True), "dx",
           "used the log-probabilities y"),
+    Wrong("log_softmax_backward", lambda y, dy: dy - np.exp(y) * dy.sum(axis=0, keepdims=True), "dx",
+          "the row sum runs over the wrong axis"),
     Wrong("cross_entropy_backward", _change(0, lambda d, logits, t, dloss: d * logits.shape[0],
                                             right.cross_entropy_backward), "dlogits", "off by the scale factor N"),
     Wrong("cross_entropy_backward", _change(0, lambda d, logits, t, dloss: d / dloss, right.cross_entropy_backward),
           "dlogits", "not multiplied by the upstream gradient dloss"),
     Wrong("cross_entropy_backward", lambda logits, t, dloss: _softmax(logits) * dloss / len(t), "dlogits",
           "missing the one-hot term"),
+    Wrong("cross_entropy_backward", lambda logits, t, dloss: -np.eye(logits.shape[1])[t] * dloss / len(t), "dlogits",
+          "missing the softmax term"),
+    Wrong("cross_entropy_backward", _change(0, lambda d, logits, t, dloss: d * logits.shape[0] / logits.shape[1],
+                                            right.cross_entropy_backward), "dlogits",
+          "the mean divides by the number of classes C"),
     Wrong("cross_entropy_backward", _change(0, lambda d, *args: -d, right.cross_entropy_backward), "dlogits",
           "sign flipped"),
     Wrong("layer_norm_backward", _ln_dx_without_mean_terms, "dx", "missing the mean terms"),
     Wrong("layer_norm_backward", _ln_dx_without_one_mean_term, "dx", "missing the mean terms"),
+    Wrong("layer_norm_backward", _ln_without_weight_in_dx, "dx", "dx forgets the weight"),
+    Wrong("layer_norm_backward", _change(1, lambda dw, x, w, dy, eps: (dy * x).sum(axis=0), right.layer_norm_backward),
+          "dweight", "dweight uses x where xhat belongs"),
+    Wrong("layer_norm_backward", _change(1, lambda dw, x, w, dy, eps: dy * _xhat(x, eps)[0], right.layer_norm_backward),
+          "dweight", "weight gradient not summed over the batch"),
     Wrong("layer_norm_backward", _change(2, lambda db, x, w, dy, eps: dy, right.layer_norm_backward), "dbias",
           "bias gradient not summed over the batch"),
     Wrong("layer_norm_backward", _swap(1, 2, right.layer_norm_backward), "dweight",
@@ -125,22 +156,27 @@ CATALOGUE = [
           "not multiplied by the upstream gradient dy"),
     Wrong("gelu_backward", lambda x, dy: right.gelu_backward(x, dy) - dy * x * np.exp(-x * x / 2) / np.sqrt(2 * np.pi),
           "dx", "missing the x * pdf(x) term"),
+    Wrong("gelu_backward", lambda x, dy: dy * 0.5 * (1 + np.vectorize(math.erf)(x / np.sqrt(2))), "dx",
+          "missing the x * pdf(x) term"),
+    Wrong("gelu_backward", lambda x, dy: dy * x * np.exp(-x * x / 2) / np.sqrt(2 * np.pi), "dx",
+          "missing the Phi(x) term"),
     Wrong("gelu_backward", lambda x, dy: dy * 0.5 * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
           + dy * 0.5 * x * (1 - np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)) ** 2)
           * 0.7978845608 * (1 + 3 * 0.044715 * x ** 2), "dx", "the derivative of the tanh approximation"),
     Wrong("embedding_backward", _embedding_overwrites, "dweight", "repeated ids overwrite"),
+    Wrong("embedding_backward", _embedding_first_row_only, "dweight", "repeated ids keep only their first row"),
     Wrong("embedding_backward", _change(0, lambda dw, *args: dw.T, right.embedding_backward), "dweight",
           "transposed"),
     Wrong("attention_backward", _attention_no_scale, "dq", "off by the scale factor 1/sqrt(hd)"),
     Wrong("attention_backward", _swap(0, 1, right.attention_backward), "dq", "dq and dk swapped"),
     Wrong("attention_backward", _attention_without_mask, "dk",
           "gradient on masked positions: the mask is not applied"),
-    Wrong("attention_backward", lambda q, k, v, mask, dout, scale: right.attention_backward(q, k, v, ~mask, dout, scale),
-          "dv", "gradient on masked positions: the mask is inverted"),
+    Wrong("attention_backward", lambda q, k, v, mask, *rest: right.attention_backward(q, k, v, ~mask, *rest), "dv",
+          "gradient on masked positions: the mask is inverted"),
     Wrong("attention_backward", _attention_masked_by_zero_scores, "dv",
           "gradient on masked positions: masked scores set to 0"),
     Wrong("attention_backward", _attention_without_row_sum, "dk", "missing the row-sum term (softmax)"),
     Wrong("attention_backward", _change(2, lambda dv, *args: -dv, right.attention_backward), "dv", "sign flipped"),
-    Wrong("attention_backward", lambda *args: (lambda dq, dk, dv: (dq, dv, dv))(*right.attention_backward(*args)),
+    Wrong("attention_backward", _change(1, lambda dk, *args: right.attention_backward(*args)[2], right.attention_backward),
           "dk", "gradient of the wrong input: this is dv"),
 ]
