@@ -177,6 +177,6 @@ CATALOGUE = [
           "gradient on masked positions: masked scores set to 0"),
     Wrong("attention_backward", _attention_without_row_sum, "dk", "missing the row-sum term (softmax)"),
     Wrong("attention_backward", _change(2, lambda dv, *args: -dv, right.attention_backward), "dv", "sign flipped"),
-    Wrong("attention_backward", _change(1, lambda dk, *args: right.attention_backward(*args)[2], right.attention_backward),
-          "dk", "gradient of the wrong input: this is dv"),
+    Wrong("attention_backward", _change(1, lambda dk, *args: right.attention_backward(*args)[2],   # dv as dk
+                                        right.attention_backward), "dk", "gradient of the wrong input: this is dv"),
 ]
