@@ -198,12 +198,9 @@ def test_check_refuses_bad_arguments_with_clear_errors():
 def test_default_inputs_give_every_axis_its_own_size():
     """So that a transposed result has another shape and a named index names one axis."""
     for exercise in EXERCISES.values():
-        inputs = exercise.make_inputs(np.random.default_rng(0))
-        sizes = [n for a in inputs if isinstance(a, np.ndarray) and a.dtype.kind == "f" for n in a.shape]
-        arrays = [a for a in inputs if isinstance(a, np.ndarray)]
-        for a in arrays:
-            assert len(set(a.shape)) == a.ndim, (exercise.name, a.shape)
-        assert sizes
+        for a in exercise.make_inputs(np.random.default_rng(0)):
+            if isinstance(a, np.ndarray):
+                assert len(set(a.shape)) == a.ndim, (exercise.name, a.shape)
 
 
 def test_a_file_that_does_not_import_says_why_with_exit_status_1(tmp_path, capsys):
