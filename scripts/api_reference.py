@@ -16,7 +16,7 @@ import types
 
 MODULES = ("autograd", "npformer", "npformer.functional", "npformer.nn", "npformer.nn.init", "npformer.models",
            "npformer.optim", "npformer.data", "npformer.training", "npformer.decoding", "npformer.checkpoint",
-           "npformer.interop", "npformer.distributed", "npformer.plots", "npformer.cuda")
+           "npformer.interop", "npformer.distributed", "npformer.plots", "npformer.cuda", "npformer.exercises")
 PROJECT = ("autograd", "npformer")
 HEADER = """# API reference
 

@@ -16,7 +16,7 @@ LAYERS = [
     ("npformer.models",),
     ("npformer.optim", "npformer.data", "npformer.training", "npformer.decoding",
      "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.opcases", "npformer.gradcheck",
-     "npformer.progress", "npformer.distributed", "npformer.cuda"),
+     "npformer.progress", "npformer.distributed", "npformer.cuda", "npformer.exercises"),
 ]
 # op math lives here: only the backend switch and its CuPy stand-in may import numpy or cupy
 NO_ARRAY_LIBRARY = ("autograd", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim")

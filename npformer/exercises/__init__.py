@@ -1,0 +1,14 @@
+"""Backprop exercises: write eight backward passes by hand (softmax, log-softmax, cross-entropy,
+LayerNorm, linear, GELU, embedding, attention) and have a checker say where and how each is wrong.
+
+    python -m npformer.exercises                       # writes my_backprop.py: forwards given, backwards blank
+    python -m npformer.exercises check my_backprop.py  # one row per function; exit status 1 while one is wrong
+
+From a notebook: `check("attention_backward", my_attention_backward)` prints the same row and
+returns it as a `Result`. docs/exercises.md says what each verdict and diagnosis means.
+"""
+from .checker import GradientResult, Result, check, check_file
+from .problems import EXERCISES
+from .starter import write_starter
+
+__all__ = ["EXERCISES", "GradientResult", "Result", "check", "check_file", "write_starter"]

@@ -1,0 +1,49 @@
+"""The exercises as a command.
+
+    python -m npformer.exercises [-o PATH] [--force]   write the starter file (default my_backprop.py)
+    python -m npformer.exercises check PATH            check the backward functions PATH defines
+
+Exit status of `check`: 0 when every function is exact or close, 1 while one is wrong, raises,
+or is not written, or the file does not import; 2 for a usage error (a missing file, a starter
+file that exists already).
+"""
+import argparse
+import pathlib
+import sys
+import traceback
+
+from .checker import check_file, summary
+from .starter import write_starter
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check"]:
+        parser = argparse.ArgumentParser(prog="python -m npformer.exercises check",
+                                         description="Check your backward functions against the engine.")
+        parser.add_argument("path", help="your file, e.g. my_backprop.py")
+        args = parser.parse_args(argv[1:])
+        if not pathlib.Path(args.path).is_file():
+            parser.error(f"{args.path}: no such file; write the starter with python -m npformer.exercises")
+        try:
+            results = check_file(args.path)
+        except Exception as error:  # the learner's file does not import: say why, as Python would
+            print(f"cannot import {args.path}:\n" + "".join(traceback.format_exception_only(error)).rstrip())
+            return 1
+        print(summary(results))
+        return 0 if all(r.passed for r in results) else 1
+    parser = argparse.ArgumentParser(prog="python -m npformer.exercises", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-o", dest="path", default="my_backprop.py", help="where to write (default my_backprop.py)")
+    parser.add_argument("--force", action="store_true", help="overwrite the file if it exists")
+    args = parser.parse_args(argv)
+    try:
+        path = write_starter(args.path, force=args.force)
+    except FileExistsError as error:
+        parser.error(str(error))
+    print(f"wrote {path}: fill in the backward functions, then run python -m npformer.exercises check {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

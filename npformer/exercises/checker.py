@@ -1,0 +1,217 @@
+"""Run a learner's backward, judge each gradient it returns, and print one row per function.
+
+Each gradient is compared with the engine's (npformer.functional's hand-written backward, run by
+autograd) and with float64 central differences of the engine's forward:
+  exact  the largest difference from the engine is 0, or <= 1e-12 times the gradient's magnitude;
+  close  within gradcheck's float64 tolerance (1e-5 + 1e-3 |reference|) of both references;
+  wrong  otherwise, with the worst entry (its axes named) and a diagnosis (`diagnoses`).
+"""
+import dataclasses
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+import numpy as np
+
+from .diagnoses import SPECIFIC, diagnose, matches
+from .problems import EXERCISES, engine_gradients, finite_differences
+
+EXACT_RTOL = 1e-12
+ORDER = ("exact", "close", "wrong", "error", "not written")   # a function's verdict: its worst output's
+
+
+@dataclasses.dataclass
+class GradientResult:
+    """The verdict on one gradient a backward returns (e.g. dk of attention_backward): exact,
+    close or wrong; the largest differences from the engine and from finite differences (None
+    when the shape is wrong); for a wrong one, the worst entry and the diagnosis in plain words."""
+
+    name: str
+    verdict: str                 # exact, close or wrong
+    max_diff: float | None       # largest |yours - engine|; None when the shapes differ
+    fd_diff: float | None        # largest |yours - finite differences|
+    worst: str = ""              # the worst entry, e.g. "dk[b=1, h=0, j=3, d=2] yours 0.2, correct -0.2"
+    diagnosis: str = ""
+
+
+@dataclasses.dataclass
+class Result:
+    """The verdict on one backward function: exact, close, wrong, error or not written.
+
+    gradients: one GradientResult per returned gradient (empty when the function raised);
+    message: why there are none (the exception), or what is wrong with the returned values."""
+
+    name: str
+    verdict: str
+    gradients: list = dataclasses.field(default_factory=list)
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        """True when every gradient is exact or close."""
+        return self.verdict in ("exact", "close")
+
+    def row(self) -> str:
+        """The function's line of the table: name, verdict, largest differences, then what is wrong."""
+        wrong = [g for g in self.gradients if g.verdict == "wrong"]
+        notes = [self.message] if self.message else []
+        notes += [f"{g.worst or g.name}: {g.diagnosis}" for g in wrong]
+        columns = [None, None] if any(g.max_diff is None for g in wrong) else [
+            max((getattr(g, key) for g in self.gradients), default=None) for key in ("max_diff", "fd_diff")]
+        return (f"{self.name:<24} {self.verdict:<12} {_number(columns[0]):>9} {_number(columns[1]):>11}  "
+                f"{'; '.join(notes)}").rstrip()
+
+
+HEADER = f"{'function':<24} {'verdict':<12} {'max diff':>9} {'finite diff':>11}  worst entry: diagnosis"
+
+
+def _number(x):
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _entry(name, axes, index):
+    return f"{name}[" + ", ".join(f"{a}={i}" for a, i in zip(axes, index)) + "]"
+
+
+def _judge(name, axes, mine, correct, numeric):
+    """exact / close / wrong for one gradient of the right shape, and its worst entry."""
+    diff = np.abs(mine - correct[name])
+    max_diff = float(diff.max()) if diff.size else 0.0
+    fd_diff = float(np.abs(mine - numeric).max()) if diff.size else 0.0
+    scale = float(np.abs(correct[name]).max()) if diff.size else 0.0
+    if max_diff <= EXACT_RTOL * scale:
+        return GradientResult(name, "exact", max_diff, fd_diff)
+    if matches(mine, correct[name]) and matches(mine, numeric):
+        return GradientResult(name, "close", max_diff, fd_diff)
+    index = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    worst = f"{_entry(name, axes, index)} yours {mine[index]:.4g}, correct {correct[name][index]:.4g}"
+    return GradientResult(name, "wrong", max_diff, fd_diff, worst)
+
+
+def _as_gradients(exercise, returned):
+    """The returned value as {name: float64 array}, or the sentence saying why it is not one."""
+    names = list(exercise.outputs)
+    if len(names) > 1:
+        if not isinstance(returned, (tuple, list)) or len(returned) != len(names):
+            got = f"{len(returned)} values" if isinstance(returned, (tuple, list)) else type(returned).__name__
+            return f"returned {got}, expected a tuple of {len(names)} ({', '.join(names)})"
+    elif isinstance(returned, tuple):
+        return f"returned a tuple of {len(returned)}, expected one array ({names[0]})"
+    else:
+        returned = [returned]
+    arrays = {}
+    for name, value in zip(names, returned):
+        if value is None:
+            return f"{name} is None, expected an array"
+        try:
+            array = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            return f"{name} is {type(value).__name__}, expected an array"
+        arrays[name] = array
+    return arrays
+
+
+def check(name: str, mine: Callable, *inputs: object, stream: TextIO | None = None) -> Result:
+    """Check the backward `mine` of exercise `name` (e.g. "attention_backward"), print its row
+    to `stream` (stdout) and return the Result.
+
+    inputs: the arguments to call it with, in the exercise's order (e.g. q, k, v, mask, dout,
+    scale); none: the checker's own, which give every axis a size of its own. mine gets copies,
+    so it may change them. What mine raises or returns wrongly is reported in the Result. Raises
+    KeyError for an unknown name (naming the exercises), TypeError when mine is not callable or
+    the number of inputs is wrong, ValueError for inputs the engine cannot take."""
+    if not isinstance(name, str) or name not in EXERCISES:
+        raise KeyError(f"check: no exercise {name!r}; the exercises are {', '.join(EXERCISES)}")
+    exercise = EXERCISES[name]
+    if not callable(mine):
+        raise TypeError(f"check: mine must be your {name} function, got {type(mine).__name__}")
+    if not inputs:
+        inputs = exercise.make_inputs(np.random.default_rng(0))
+    if len(inputs) != len(exercise.arguments):
+        raise TypeError(f"check: {name} takes {len(exercise.arguments)} inputs ({', '.join(exercise.arguments)}), "
+                        f"got {len(inputs)}")
+    result = _run(exercise, mine, inputs)
+    (stream or sys.stdout).write(result.row() + "\n")
+    return result
+
+
+def _run(exercise, mine, inputs):
+    try:
+        graph = exercise.graph(*inputs)
+        correct = dict(zip(exercise.outputs, engine_gradients(graph)))
+    except (TypeError, ValueError, IndexError) as error:
+        raise ValueError(f"check: the engine cannot take these inputs for {exercise.name}"
+                         f"({', '.join(exercise.arguments)}): {error}") from error
+    try:
+        returned = mine(*[np.copy(a) if isinstance(a, np.ndarray) else a for a in inputs])
+    except NotImplementedError:
+        return Result(exercise.name, "not written")
+    except Exception as error:  # the learner's bug, reported on its row
+        return Result(exercise.name, "error", message=f"raised {type(error).__name__}: {error}{_where(mine, error)}")
+    gradients = _as_gradients(exercise, returned)
+    if isinstance(gradients, str):
+        return Result(exercise.name, "wrong", message=gradients)
+    numeric = dict(zip(exercise.outputs, finite_differences(graph)))
+    specific = None
+    results = []
+    for name, axes in exercise.outputs.items():
+        ours = gradients[name]
+        if not np.all(np.isfinite(ours)):
+            index = np.unravel_index(int(np.argmax(~np.isfinite(ours))), ours.shape)
+            results.append(GradientResult(name, "wrong", None, None, _entry(name, axes, index), "not a finite number"))
+            continue
+        verdict = _judge(name, axes, ours, correct, numeric[name]) if ours.shape == correct[name].shape else \
+            GradientResult(name, "wrong", None, None)
+        if verdict.verdict == "wrong":
+            specific = SPECIFIC[exercise.name](*inputs) if specific is None else specific
+            verdict.diagnosis = diagnose(exercise, inputs, name, ours, correct, specific)
+        results.append(verdict)
+    return Result(exercise.name, max((g.verdict for g in results), key=ORDER.index), results)
+
+
+def _where(mine, error):
+    """" (line N)" of the learner's file where `error` came from, when it did."""
+    own = getattr(getattr(mine, "__code__", None), "co_filename", None)
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == own]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def load_solutions(path):
+    """The learner's file as a module (it is their own code: importing it runs it). Raises
+    FileNotFoundError when there is no such file; what the file raises comes through."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"check_file: no file {os.fspath(path)!r}")
+    spec = importlib.util.spec_from_file_location("npformer_exercises_solution", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module       # dataclasses and pickling look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_file(path: str | os.PathLike, stream: TextIO | None = None) -> list[Result]:
+    """Check every backward the file at `path` defines (a function missing from it counts as not
+    written), printing the table to `stream` (stdout). Returns the Results, one per exercise.
+    Raises FileNotFoundError for a missing file, and whatever importing the file raises."""
+    stream = stream or sys.stdout
+    module = load_solutions(path)
+    stream.write(HEADER + "\n")
+    results = []
+    for name in EXERCISES:
+        mine = getattr(module, name, None)
+        if mine is None:
+            result = Result(name, "not written", message=f"{path} defines no {name}")
+            stream.write(result.row() + "\n")
+        else:
+            result = check(name, mine, stream=stream)
+        results.append(result)
+    return results
+
+
+def summary(results: Sequence[Result]) -> str:
+    """One line: how many functions pass, and which do not."""
+    failing = [r.name for r in results if not r.passed]
+    return (f"{len(results) - len(failing)} of {len(results)} backward functions pass"
+            + (f"; still to fix: {', '.join(failing)}" if failing else ""))
