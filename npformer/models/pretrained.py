@@ -66,11 +66,11 @@ def save_safetensors(model: Module, path: str | os.PathLike, hf_names: bool | No
     model's state_dict names. Returns path."""
     if hf_names is None:
         hf_names = _has_hf_counterpart(model)
-    return _save(model, path, hf_names)
+    return _save(model, path, hf_names, {})
 
 
-def _save(model, path, hf_names, **recorded):
-    """save_safetensors' work; `recorded` adds entries to the npformer metadata (save_pretrained's
+def _save(model, path, hf_names, recorded):
+    """save_safetensors' work; `recorded`: more entries of the npformer metadata (save_pretrained's
     config_sha256)."""
     arrays = hf_state_dict(model) if hf_names else model.state_dict()
     name = type(model).__name__
@@ -281,7 +281,7 @@ def save_pretrained(model: Module, folder: str | os.PathLike) -> str:
     config = hf_config(model)  # refuses a model without a Hugging Face counterpart before writing
     raw = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
     os.makedirs(folder, exist_ok=True)
-    _save(model, os.path.join(folder, WEIGHTS_FILE), hf_names=True, **{CONFIG_DIGEST: hashlib.sha256(raw).hexdigest()})
+    _save(model, os.path.join(folder, WEIGHTS_FILE), True, {CONFIG_DIGEST: hashlib.sha256(raw).hexdigest()})
 
     def write(tmp):
         with open(tmp, "wb") as f:
