@@ -48,6 +48,16 @@ def assert_same_weights(a, b):
         np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
 
 
+def hf_folder(model, folder):
+    """save_pretrained(model, folder) with model.safetensors rewritten as transformers writes it:
+    the same tensors, metadata {"format": "pt"} only, so no npformer record of the config.json
+    beside it: a folder whose config.json a test edits is untrusted input, not a torn save."""
+    save_pretrained(model, folder)
+    path = os.path.join(folder, "model.safetensors")
+    write_safetensors(path, read_safetensors(path)[0], {"format": "pt"})
+    return pathlib.Path(folder)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_round_trip_rebuilds_the_model_bit_for_bit(name, dtype, tmp_path):
@@ -127,11 +137,10 @@ def test_load_pretrained_skips_bert_pretraining_heads_with_a_warning(tmp_path):
 
 def test_load_pretrained_errors_name_the_file(tmp_path):
     ours = models.CausalLM(13, **SMALL, **GPT2)
-    folder = save_pretrained(ours, tmp_path / "ok")
+    folder = hf_folder(ours, tmp_path / "ok")
     with pytest.raises(NotADirectoryError, match="not a folder"):
         load_pretrained(tmp_path / "nowhere")
-    config = json.loads((folder / "config.json").read_text() if hasattr(folder, "read_text")
-                        else open(os.path.join(folder, "config.json")).read())
+    config = json.loads((folder / "config.json").read_text())
     bad = tmp_path / "bad_config"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps(dict(config, activation_function="silu")))
@@ -146,7 +155,8 @@ def test_load_pretrained_errors_name_the_file(tmp_path):
                                                r"appears twice in one JSON object\)"):
         load_pretrained(bad)
     (bad / "config.json").write_text(json.dumps(dict(config, n_layer=3)))
-    with pytest.raises(SafetensorsError, match=r"model\.safetensors: missing key 'transformer\.h\.2\.ln_1\.weight'"):
+    with pytest.raises(SafetensorsError, match=r"config\.json: the config implies a CausalLM of 2,016 entries but the "
+                                               r"weights hold 1,416 \(nothing was built\)"):
         load_pretrained(bad)
     (bad / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "n_embd"}))
     with pytest.raises(SafetensorsError, match=r"config\.json: missing 'n_embd'"):
@@ -409,8 +419,7 @@ def test_a_config_declaring_a_huge_model_fails_before_building(tmp_path, monkeyp
     with pytest.raises(SafetensorsError, match=r"implies a CausalLM of [\d,]+ entries but the weights hold [\d,]+"):
         load_safetensors(path)
     monkeypatch.undo()
-    folder = tmp_path / "gpt2"
-    save_pretrained(model, folder)
+    folder = hf_folder(model, tmp_path / "gpt2")
     hf = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(hf, vocab_size=3_000_000)))
     monkeypatch.setattr(nn.Embedding, "__init__", never)
@@ -425,16 +434,101 @@ def test_a_config_declaring_countless_layers_fails_before_listing_their_shapes(t
     info = {"format": "npformer-safetensors", "version": 1, "class": "CausalLM", "names": "npformer",
             "config": dict(model.config, num_layers=10**30)}
     path = write_safetensors(tmp_path / "m.safetensors", model.state_dict(), {"npformer": json.dumps(info)})
-    folder = pathlib.Path(save_pretrained(model, tmp_path / "gpt2"))
+    folder = hf_folder(model, tmp_path / "gpt2")
     hf = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(hf, n_layer=10**30)))
     monkeypatch.setattr(models.CausalLM, "state_shapes", classmethod(lambda *a, **k: pytest.fail("listed")))
-    message = r"cannot build CausalLM from the stored config \(num_layers=10{30} layers, but the file holds \d+ arrays"
+    message = (r"cannot build CausalLM from the stored config \(num_layers=10{30} layers, but the file holds \d+ "
+               r"non-empty arrays")
     message = message.replace("10{30}", str(10**30))
     with pytest.raises(SafetensorsError, match=r"m\.safetensors: " + message):
         load_safetensors(path)
     with pytest.raises(SafetensorsError, match=r"config\.json: " + message):
         load_pretrained(folder)
+
+
+def test_empty_tensors_do_not_inflate_the_declared_layer_count(tmp_path, monkeypatch):
+    """Issue 29.7: config.json with n_layer=60000, n_embd=2 beside 60,000 empty tensors (3.5 MB)
+    took 25.6 s and 1.3 GiB before failing: the layer cap counted arrays, empty ones too. Now
+    they do not count (refused before listing a layer's shapes), and the weights the config
+    implies must fit the entries the header declares (refused before building anything)."""
+    config = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=2, n_positions=2, n_embd=2,
+                  n_head=1)
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(config, n_layer=60000)))
+    empty = {f"e{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(60000)}
+    (folder / "model.safetensors").write_bytes(safetensors_bytes(empty))
+    monkeypatch.setattr(models.CausalLM, "state_shapes", classmethod(lambda *a, **k: pytest.fail("listed")))
+    with pytest.raises(SafetensorsError, match=r"gpt2/config\.json: cannot build CausalLM from the stored config "
+                                               r"\(num_layers=60000 layers, but the file holds 0 non-empty arrays"):
+        load_pretrained(folder)
+    monkeypatch.undo()
+    # one float each: as many arrays as layers, but 1,000 entries against the 74,012 the config implies
+    (folder / "config.json").write_text(json.dumps(dict(config, n_layer=1000)))
+    floats = {f"e{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(1000)}
+    (folder / "model.safetensors").write_bytes(safetensors_bytes(floats, bytes(4000)))
+    monkeypatch.setattr(nn.Embedding, "__init__", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(SafetensorsError, match=r"config\.json: the config implies a CausalLM of 74,012 entries but "
+                                               r"the weights hold 1,000 \(nothing was built\)"):
+        load_pretrained(folder)
+
+
+def interrupt(monkeypatch, name, file):
+    """Make `name` (a writer in npformer.models.pretrained) raise KeyboardInterrupt, as a killed
+    process stops, when it writes `file`, before writing anything."""
+    real = getattr(models.pretrained, name)
+
+    def killed(path, *args, **kwargs):
+        if os.path.basename(path) == file:
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(models.pretrained, name, killed)
+
+
+def test_a_torn_save_pretrained_folder_is_refused_naming_the_stale_config(tmp_path, monkeypatch):
+    """Issue 29.3: a second save's model.safetensors (relu, eps 1e-3), the writer killed before
+    its config.json (the first save's gelu, eps 1e-5, stays): load_pretrained loaded it with
+    logits 0.069 off. The weights record the sha256 of the config.json written after them, so
+    the folder is refused, naming config.json; killed before the weights, the folder keeps the
+    first save whole. The weights alone still load (their metadata holds their config), and
+    saving again mends the folder."""
+    first = models.CausalLM(13, **SMALL, **dict(GPT2, activation="gelu", layer_norm_eps=1e-5))
+    second = models.CausalLM(13, **SMALL, **dict(GPT2, activation="relu", layer_norm_eps=1e-3))
+    folder = tmp_path / "gpt2"
+    save_pretrained(first, folder)
+    saved = {name: (folder / name).read_bytes() for name in ("config.json", "model.safetensors")}
+    with monkeypatch.context() as patch:
+        interrupt(patch, "write_safetensors", "model.safetensors")
+        with pytest.raises(KeyboardInterrupt):
+            save_pretrained(second, folder)
+    assert {name: (folder / name).read_bytes() for name in saved} == saved
+    assert_same_weights(first, load_pretrained(folder))
+    with monkeypatch.context() as patch:
+        interrupt(patch, "atomic_write", "config.json")
+        with pytest.raises(KeyboardInterrupt):
+            save_pretrained(second, folder)
+    assert (folder / "config.json").read_bytes() == saved["config.json"]
+    with pytest.raises(SafetensorsError, match=r"gpt2/config\.json is stale: .*gpt2/model\.safetensors was saved "
+                                               r"beside a config\.json of sha256 [0-9a-f]{16}\.\.\., this one's is "
+                                               r"[0-9a-f]{16}\.\.\. \(save_pretrained writes config\.json last"):
+        load_pretrained(folder)
+    alone = load_safetensors(folder / "model.safetensors")
+    assert alone.config == second.config
+    assert_same_weights(second, alone)
+    save_pretrained(second, folder)
+    assert_same_weights(second, load_pretrained(folder))
+
+
+def test_the_config_digest_is_checked_as_metadata(tmp_path):
+    model = MODELS["gpt2"]()
+    for digest in ("abc", 5, "A" * 64):
+        info = {"format": "npformer-safetensors", "version": 1, "class": "CausalLM", "config": model.config,
+                "names": "npformer", "config_sha256": digest}
+        path = write_safetensors(tmp_path / "m.safetensors", model.state_dict(), {"npformer": json.dumps(info)})
+        with pytest.raises(SafetensorsError, match=rf"damaged npformer metadata \(config_sha256 {digest!r}, expected "
+                                                   r"64 lowercase hex digits\)"):
+            load_safetensors(path)
 
 
 def test_write_refuses_metadata_and_names_it_cannot_store(tmp_path):
@@ -456,7 +550,7 @@ def test_write_refuses_metadata_and_names_it_cannot_store(tmp_path):
     (dict(scale_attn_weights="false"), r"GPT-2 config: scale_attn_weights must be true or false, got 'false'"),
 ])
 def test_wrong_typed_gpt2_config_fields_are_named(changes, message, tmp_path):
-    folder = save_pretrained(models.CausalLM(13, **SMALL, **GPT2), tmp_path / "gpt2")
+    folder = hf_folder(models.CausalLM(13, **SMALL, **GPT2), tmp_path / "gpt2")
     config = json.loads(pathlib.Path(folder, "config.json").read_text())
     pathlib.Path(folder, "config.json").write_text(json.dumps({**config, **changes}))
     with pytest.raises(SafetensorsError, match=r"config\.json: .*" + message):
@@ -471,7 +565,7 @@ def test_wrong_typed_gpt2_config_fields_are_named(changes, message, tmp_path):
     (dict(is_decoder="false"), r"BERT config: is_decoder must be true or false, got 'false'"),
 ])
 def test_wrong_typed_bert_config_fields_are_named(changes, message, tmp_path):
-    folder = save_pretrained(MODELS["bert_classifier"](), tmp_path / "bert")
+    folder = hf_folder(MODELS["bert_classifier"](), tmp_path / "bert")
     config = json.loads(pathlib.Path(folder, "config.json").read_text())
     pathlib.Path(folder, "config.json").write_text(json.dumps({**config, **changes}))
     with pytest.raises(SafetensorsError, match=r"config\.json: .*" + message):

@@ -333,7 +333,7 @@ def load_model(path: str | os.PathLike, device: str | None = None) -> tuple[Modu
         raise CheckpointError(f"{path}: the config does not fit {name}({e})") from e
     bound.apply_defaults()
     try:
-        check_layer_counts(bound.arguments, len(arrays))
+        check_layer_counts(bound.arguments, sum(a.size > 0 for a in arrays.values()))
         expected = cls.state_shapes(bound.arguments)
         every_array = cls.state_shapes(bound.arguments, persistent=False)
     except (ValueError, TypeError) as e:

@@ -9,19 +9,24 @@
   rebuilds the model from the file alone.
 - `load_pretrained(folder)`: a Hugging Face folder (config.json + model.safetensors, e.g. a
   GPT-2 download) as an npformer model in eval mode; `save_pretrained(model, folder)` writes
-  one that transformers' from_pretrained and load_pretrained both read.
+  one that transformers' from_pretrained and load_pretrained both read. The weights' metadata
+  records the sha256 of the config.json saved beside them ("config_sha256"), so a torn folder
+  (a save interrupted between the two files) is refused instead of loading wrong numbers.
 
 Files are untrusted: the header is checked before anything is allocated
-(npformer.safetensors_file), the class comes from a fixed table (never a name looked up in a
+(npformer.safetensors_file), a config implying more weights than the header declares is
+refused before anything is built, the class comes from a fixed table (never a name looked up in a
 module), and a load either succeeds whole or leaves the model unchanged. Errors about a file's
 contents are SafetensorsError (a ValueError) naming the file.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import math
 import os
+import re
 import warnings
 
 from autograd.checks import is_integer
@@ -41,6 +46,8 @@ FORMAT, VERSION = "npformer-safetensors", 1
 MODEL_CLASSES = {cls.__name__: cls for cls in (Seq2SeqTransformer, CausalLM, BidirectionalEncoder, EncoderClassifier)}
 HF_NAMES, OUR_NAMES = "huggingface", "npformer"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+# the npformer metadata entry of save_pretrained's weights: the sha256 of the config.json saved beside them
+CONFIG_DIGEST = "config_sha256"
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
@@ -59,10 +66,16 @@ def save_safetensors(model: Module, path: str | os.PathLike, hf_names: bool | No
     model's state_dict names. Returns path."""
     if hf_names is None:
         hf_names = _has_hf_counterpart(model)
+    return _save(model, path, hf_names, {})
+
+
+def _save(model, path, hf_names, recorded):
+    """save_safetensors' work; `recorded`: more entries of the npformer metadata (save_pretrained's
+    config_sha256)."""
     arrays = hf_state_dict(model) if hf_names else model.state_dict()
     name = type(model).__name__
     info = {"format": FORMAT, "version": VERSION, "class": name if name in MODEL_CLASSES else None,
-            "config": stored_config(model), "names": HF_NAMES if hf_names else OUR_NAMES}
+            "config": stored_config(model), "names": HF_NAMES if hf_names else OUR_NAMES, **recorded}
     return write_safetensors(path, arrays, {"format": "pt", "npformer": json.dumps(info)})
 
 
@@ -85,6 +98,10 @@ def _npformer_info(path, metadata):
     if info.get("names") not in (HF_NAMES, OUR_NAMES) or not isinstance(info.get("config"), (dict, type(None))):
         raise SafetensorsError(f"{path}: damaged npformer metadata (names {info.get('names')!r}, "
                                f"config {type(info.get('config')).__name__})")
+    digest = info.get(CONFIG_DIGEST)
+    if digest is not None and not (isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)):
+        raise SafetensorsError(f"{path}: damaged npformer metadata ({CONFIG_DIGEST} {digest!r}, expected 64 "
+                               f"lowercase hex digits)")
     return info
 
 
@@ -99,35 +116,42 @@ LAYER_COUNTS = ("num_layers", "num_encoder_layers", "num_decoder_layers")
 
 def check_layer_counts(config: dict, arrays: int) -> None:
     """ValueError when a layer count of an (untrusted) `config` exceeds `arrays`, the number of
-    arrays in its file: every layer holds several, so the config cannot fit the file, and listing
-    the shapes of its layers (state_shapes) would take time and memory without bound."""
+    non-empty arrays in its file: every layer holds several, so the config cannot fit the file,
+    and listing the shapes of its layers (state_shapes) would take time and memory without
+    bound. Empty arrays do not count: a file can hold countless of them in a few bytes each."""
     for name in LAYER_COUNTS:
         value = config.get(name)
         if is_integer(value) and value > arrays:
-            raise ValueError(f"{name}={value} layers, but the file holds {arrays} arrays (each layer holds several)")
+            raise ValueError(f"{name}={value} layers, but the file holds {arrays} non-empty arrays (each layer "
+                             f"holds several)")
 
 
-# entries (64 MB of float32) a config may imply without fitting the file: such a model is
-# built and then refused key by key, with the first missing or mis-shaped key named
-MAX_UNCHECKED = 1 << 24
+# entries that buffers derived from the config (positional tables) may hold beyond the model's weights
+MAX_DERIVED = 1 << 24
 
 
 def _build(path, cls, config, header):
-    """cls(**config), unless the (untrusted) config implies more than MAX_UNCHECKED entries of
-    weights beyond what the file holds, or derived buffers (positional tables) larger than the
-    model: a config declaring a huge model beside small arrays fails before allocating."""
+    """cls(**config), unless the (untrusted) config implies more weight entries than the file's
+    header declares (and read_header checked the data against the file's size), or derived
+    buffers larger than the model: the work before the refusal is bounded by what the file
+    really holds, so a config declaring a huge model beside small or empty arrays fails
+    before anything is allocated or built. The file may hold more than the weights (Hugging
+    Face's causal-mask buffers, a tied lm_head.weight, BERT's pretraining heads)."""
+    stored = sum(math.prod(shape) for _, shape in header.values())
     try:
         bound = inspect.signature(cls).bind(**config)
         bound.apply_defaults()
-        check_layer_counts(bound.arguments, len(header))
+        check_layer_counts(bound.arguments, sum(1 for _, shape in header.values() if math.prod(shape)))
         weights = sum(math.prod(shape) for shape in cls.state_shapes(bound.arguments).values())
         everything = sum(math.prod(shape) for shape in cls.state_shapes(bound.arguments, persistent=False).values())
     except (TypeError, ValueError) as e:
         raise SafetensorsError(f"{path}: cannot build {cls.__name__} from the stored config ({e})") from e
-    stored = sum(math.prod(shape) for _, shape in header.values())
-    if weights > max(stored, MAX_UNCHECKED) or everything - weights > max(weights, MAX_UNCHECKED):
-        raise SafetensorsError(f"{path}: the config implies a {cls.__name__} of {everything:,} entries but the "
-                               f"weights hold {stored:,} (nothing was built)")
+    if weights > stored:
+        raise SafetensorsError(f"{path}: the config implies a {cls.__name__} of {weights:,} entries but the weights "
+                               f"hold {stored:,} (nothing was built)")
+    if everything - weights > max(weights, MAX_DERIVED):
+        raise SafetensorsError(f"{path}: the config implies buffers of {everything - weights:,} entries beside the "
+                               f"{weights:,} of the {cls.__name__}'s weights (nothing was built)")
     try:
         return cls(**config)
     except (TypeError, ValueError) as e:
@@ -175,17 +199,33 @@ def load_safetensors(path: str | os.PathLike, model: Module | None = None, devic
 
 
 def _read_config(path):
+    """(config dict, the file's bytes) of a config.json."""
     with open(path, "rb") as f:
-        text = f.read(MAX_CONFIG_BYTES + 1)  # a bounded read: the file may be a device (/dev/zero) or still growing
-    if len(text) > MAX_CONFIG_BYTES:
+        raw = f.read(MAX_CONFIG_BYTES + 1)  # a bounded read: the file may be a device (/dev/zero) or still growing
+    if len(raw) > MAX_CONFIG_BYTES:
         raise SafetensorsError(f"{path}: more than {MAX_CONFIG_BYTES} bytes, too large for a model config")
     try:
-        config = loads_json(text.decode("utf-8"))
+        config = loads_json(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a key twice, JSON nested too deep
         raise SafetensorsError(f"{path}: not a JSON model config ({type(e).__name__}: {e})") from e
     if not isinstance(config, dict):
         raise SafetensorsError(f"{path}: not a model config (a JSON object)")
-    return config
+    return config, raw
+
+
+def _check_same_save(config_path, weights_path, raw, info):
+    """SafetensorsError naming config.json as stale when the weights record the sha256 of another
+    config.json than `raw` (its bytes). save_pretrained writes the weights first and config.json
+    last, so a save interrupted between the two leaves the previous config.json beside the new
+    weights. Weights without the record (Hugging Face's, older npformer's) are not checked."""
+    recorded = None if info is None else info.get(CONFIG_DIGEST)
+    actual = hashlib.sha256(raw).hexdigest()
+    if recorded is not None and recorded != actual:
+        raise SafetensorsError(f"{config_path} is stale: {weights_path} was saved beside a config.json of sha256 "
+                               f"{recorded[:16]}..., this one's is {actual[:16]}... (save_pretrained writes "
+                               f"{CONFIG_FILE} last: an interrupted save leaves the previous one). Save the folder "
+                               f"again, or load the weights alone: load_safetensors rebuilds the model from their "
+                               f"own config")
 
 
 def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype: str | None = None) -> Module:
@@ -193,9 +233,10 @@ def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype:
     (GPT-2: CausalLM; BertForSequenceClassification: EncoderClassifier; other BERT models:
     BidirectionalEncoder, with the pooler when the file has one), in eval mode, on `device`
     (default cpu), in `dtype` (default: float64 if the file is, else float32).
-    BERT pretraining heads (cls.*) are skipped with a warning. Raises FileNotFoundError,
-    SafetensorsError naming the file, or ValueError for an unsupported config (and
-    NotADirectoryError when `folder` is not a folder)."""
+    BERT pretraining heads (cls.*) are skipped with a warning. A folder written by
+    save_pretrained whose config.json is not the one saved with its weights (a torn save) is
+    refused. Raises FileNotFoundError, SafetensorsError naming the file, or ValueError for an
+    unsupported config (and NotADirectoryError when `folder` is not a folder)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise NotADirectoryError(f"load_pretrained: {folder} is not a folder (expected one holding "
@@ -204,8 +245,9 @@ def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype:
     if not os.path.exists(weights_path) and os.path.exists(weights_path + ".index.json"):
         raise SafetensorsError(f"{folder}: sharded checkpoints ({WEIGHTS_FILE}.index.json) are not supported; "
                                f"merge the shards into one {WEIGHTS_FILE}")
-    hf = _read_config(config_path)
-    header, _ = read_header(weights_path)
+    hf, raw = _read_config(config_path)
+    header, metadata = read_header(weights_path)
+    _check_same_save(config_path, weights_path, raw, _npformer_info(weights_path, metadata))
     pooler = any(name.endswith("pooler.dense.weight") for name in header)
     try:
         class_name, config = config_from_hf(hf, pooler=pooler)
@@ -230,15 +272,19 @@ def save_pretrained(model: Module, folder: str | os.PathLike) -> str:
     """Write `folder`/config.json (the Hugging Face config) and `folder`/model.safetensors
     (Hugging Face names, npformer metadata) for a model with a GPT-2/BERT counterpart, so that
     transformers' from_pretrained(folder) and load_pretrained(folder) both read it. Returns folder.
-    ValueError (before writing anything) for a model without such a counterpart."""
+    ValueError (before writing anything) for a model without such a counterpart.
+
+    Each file is written atomically, the weights first, recording the sha256 of the config.json
+    bytes written next: a save interrupted between the two leaves the new weights beside the
+    previous config.json, which load_pretrained refuses (naming config.json as stale)."""
     folder = os.fspath(folder)
     config = hf_config(model)  # refuses a model without a Hugging Face counterpart before writing
+    raw = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
     os.makedirs(folder, exist_ok=True)
-    save_safetensors(model, os.path.join(folder, WEIGHTS_FILE), hf_names=True)
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    _save(model, os.path.join(folder, WEIGHTS_FILE), True, {CONFIG_DIGEST: hashlib.sha256(raw).hexdigest()})
 
     def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(raw)
     atomic_write(os.path.join(folder, CONFIG_FILE), write)
     return folder
