@@ -398,6 +398,14 @@ def scenario_thread_raises():
     sys.exit(0)
 
 
+def scenario_uneven_end():
+    """Rank 0 works alone for 2 s after the last collective; rank 1 reaches the end first."""
+    seq2seq_trainer(dist.DistributedDataParallel(seq2seq())).fit(3)
+    if dist.rank() == 0:
+        time.sleep(2)
+    return {}
+
+
 def scenario_different_models():
     """Rank 1's model has a wider feed-forward layer: wrapping it names the first difference."""
     autograd.manual_seed(0)
