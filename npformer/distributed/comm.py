@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -203,7 +204,7 @@ class ProcessGroup:
         self.rank, self.size = comm.rank, comm.size
         self.local_rank = comm.Split_type(mpi.COMM_TYPE_SHARED).rank  # rank among this machine's
         self.cuda_aware = cuda_aware
-        self.departures = Departures(comm, mpi)
+        self.departures = Departures(self)
         self._transports = {}
 
     def transport(self, device: str) -> Any:
@@ -269,7 +270,12 @@ class ProcessGroup:
         self.comm.Barrier()
 
     def abort(self, code: int = 1) -> None:
-        """End every rank of the job at once with exit status `code` (MPI_Abort)."""
+        """End every rank of the job at once with exit status `code` (MPI_Abort), a moment after
+        flushing this rank's output (mpiexec drops output it has not forwarded yet when it
+        tears the job down, the message saying why included)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(_OUTPUT_FORWARDING_SECONDS)
         self.comm.Abort(code)
 
 
@@ -318,6 +324,7 @@ class _LocalTransport:
 
 LOCAL = _LocalGroup()
 _world = None
+_OUTPUT_FORWARDING_SECONDS = 0.5  # before MPI_Abort: time for mpiexec to forward the last messages
 
 
 def _gpus_on_this_machine():

@@ -34,19 +34,19 @@ _POLL_SECONDS = 0.05  # how often the listener looks for a notice (a test costs 
 class Departures:
     """Counts this rank's collectives and hears of ranks that left the program.
 
-    comm: the world communicator (mpi4py), mpi: mpi4py's MPI module. Notices travel on a
-    communicator of their own (a duplicate of comm), so they never match a collective's
+    group: the ProcessGroup (its comm, mpi4py's MPI module, abort). Notices travel on a
+    communicator of their own (a duplicate of the group's), so they never match a collective's
     messages; a daemon thread listens for them, which needs MPI_THREAD_MULTIPLE (mpi4py's
     default). At exit (atexit, before mpi4py's MPI_Finalize) this rank sends its own notice and
     waits for everyone else's."""
 
-    def __init__(self, comm: Any, mpi: Any):
-        if mpi.Query_thread() != mpi.THREAD_MULTIPLE:
+    def __init__(self, group: Any):
+        if group.MPI.Query_thread() != group.MPI.THREAD_MULTIPLE:
             raise RuntimeError("npformer.distributed needs MPI_THREAD_MULTIPLE (mpi4py's default): do not lower "
                                "mpi4py.rc.thread_level, or use an MPI library that provides it")
-        self.world, self.MPI = comm, mpi
-        self.comm = comm.Dup()
-        self.rank, self.size = comm.rank, comm.size
+        self.group, self.MPI = group, group.MPI
+        self.comm = group.comm.Dup()
+        self.rank, self.size = group.rank, group.size
         self.started = 0  # collectives this rank has started
         self.left = {}  # rank -> collectives it had started when it left the program
         self._lock = threading.Lock()
@@ -67,7 +67,7 @@ class Departures:
                 _report(f"rank {self.rank} of {self.size}: rank {rank} left the program (its script ended, or "
                         f"sys.exit / SystemExit) after {joined} collectives, but this rank has started collective "
                         f"{joined + 1}, which rank {rank} will never join: aborting the MPI job")
-                self.world.Abort(1)
+                self.group.abort(1)
 
     def _listen(self):
         notice = np.zeros(1, dtype=np.int64)
