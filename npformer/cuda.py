@@ -28,8 +28,8 @@ keeps on the device for this purpose: the dropout stream's (seed, offset) advanc
 (each replay draws the masks an eager step would), Adam's step count and learning rate are
 rewritten before each replay (autograd.graphs.replayed: a scheduler stepped outside the graph
 applies), and the deferred id checks (autograd.deferred) report when the loss is read. Optimizers
-other than Adam/AdamW refuse to be captured. Model and optimizer state must exist before the capture: the first `warmup` calls
-run eagerly (default 1).
+other than Adam/AdamW refuse to be captured. Model and optimizer state must exist before the
+capture: the first `warmup` calls run eagerly (default 1).
 
 Where it runs: "cuda" (CuPy stream capture into a private memory pool, replayed with
 `Graph.launch`); "test", an emulation that records the step's operations and replays them on the
