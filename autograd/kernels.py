@@ -62,7 +62,7 @@ class KernelTable:
     def choose(self, *args, **kwargs):
         """(implementation, reason): the function that a call with these arguments runs and why,
         e.g. "cuda: supports(...) accepted" or "reference: no cpu implementation"."""
-        if getattr(_mode, "reference_only", False):
+        if is_reference_only():
             return self.reference, "reference: inside reference_only()"
         if not self.implementations:
             return self.reference, "reference: nothing else is registered"
