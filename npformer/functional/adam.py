@@ -9,7 +9,6 @@ from typing import NamedTuple
 
 from autograd import backend
 from autograd.kernels import kernel_table
-from autograd.threads import for_rows
 
 
 class AdamSettings(NamedTuple):
@@ -68,16 +67,3 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=No
     xp.divide(m, tmp, out=tmp)
     tmp *= step_size
     param -= tmp
-
-
-@adam_update.register("cpu", supports=lambda param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None:
-                      replayed is None and param.flags.c_contiguous)
-def adam_update_cpu(param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None):
-    """The reference on flat blocks of entries, on the threads of `autograd.threads` (bit-identical
-    for any thread count)."""
-    arrays = tuple(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq, scratch))
-
-    def update(start, stop):
-        adam_update.reference(*(a[start:stop] for a in arrays), settings)
-
-    for_rows(update, param.size, param.size, param)
