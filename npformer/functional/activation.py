@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, random
+from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.checks import check_bool, check_real
-from autograd.kernels import kernel_table
-from autograd.threads import for_rows
+from npformer.runtime import random
+from npformer.runtime.kernels import kernel_table
+from npformer.runtime.threads import for_rows
 
 from ._common import check_tensor, has_twin
 from ._erf import INV_SQRT_2PI, SQRT_2, erf, normal_cdf_float32
@@ -65,7 +66,7 @@ def _bias_rows(x, bias):
 
 @bias_activation_forward.register("cpu")
 def bias_activation_forward_cpu(x, bias, kind):
-    """ReLU, and GELU in cache-sized chunks, in flat blocks on the threads of `autograd.threads`
+    """ReLU, and GELU in cache-sized chunks, in flat blocks on the threads of `npformer.runtime.threads`
     (the bias added in place)."""
     if kind != "relu":
         return _gelu_forward_cpu(x, bias, kind)
@@ -147,7 +148,7 @@ def bias_activation_backward(dy, saved, kind):
 
 @bias_activation_backward.register("cpu")
 def bias_activation_backward_cpu(dy, saved, kind):
-    """ReLU's dh in flat blocks on the threads of `autograd.threads`: dy's bits ANDed with a mask of
+    """ReLU's dh in flat blocks on the threads of `npformer.runtime.threads`: dy's bits ANDed with a mask of
     all ones (kept) or zeros (dropped), the exact `where(keep, dy, 0)` at the cost of a multiply
     (numpy's where and copyto(where=) are ~8x slower). GELU's in blocks and cache-sized chunks."""
     if kind != "relu":
@@ -267,7 +268,7 @@ class DropoutFunction(Function):
 def dropout_forward(x, seed, offset, p, state=None):
     """(y, keep): y = x * keep / (1 - p) with the mask of `keep_mask`, which is returned for
     the backward (implementations that regenerate it return None instead). state: None, or under
-    graph capture the device (seed, base) of the draw (autograd.random.PhiloxDraw)."""
+    graph capture the device (seed, base) of the draw (npformer.runtime.random.PhiloxDraw)."""
     keep = keep_mask(x.shape, p, seed, offset, backend.device_of(x), state)
     return elementwise_product(x, keep, dropout_scale(p)), keep
 
@@ -331,7 +332,7 @@ def dropout_backward_cpu(dy, keep, seed, offset, p, state=None):
 
 def elementwise_product(a, b, scale=None):
     """a * b (* scale) into a new contiguous array, a and b of one shape, in flat blocks on
-    the threads of `autograd.threads`."""
+    the threads of `npformer.runtime.threads`."""
     xp = backend.get_array_module(a)
     out = xp.empty(a.shape, dtype=a.dtype)
     af, bf, of = a.reshape(-1), b.reshape(-1), out.reshape(-1)
@@ -363,7 +364,7 @@ def dropout_stream(generator, op):
     if generator is None:
         return random.dropout_stream()
     if not isinstance(generator, random.Philox):
-        raise TypeError(f"{op}: generator must be an autograd.random.Philox (a dropout stream, like a "
+        raise TypeError(f"{op}: generator must be an npformer.runtime.random.Philox (a dropout stream, like a "
                         f"torch.Generator) or None for the global one, got {type(generator).__name__}")
     return generator
 
@@ -380,7 +381,7 @@ def keep_mask(shape, p, seed, offset, device, state=None):
 
 def dropout_mask(shape, p, device, generator=None, op="dropout"):
     """Boolean mask of `shape`, True (keep) with probability 1 - p, on `device`: takes
-    prod(shape) values from `generator` (an autograd.random.Philox; None: the global dropout
+    prod(shape) values from `generator` (an npformer.runtime.random.Philox; None: the global dropout
     stream), so every dropout site, on every device, draws the same mask for the same stream
     state. Kept entries are those whose 16 random bits are >= dropout_threshold(p)."""
     draw = dropout_stream(generator, op).draw(math.prod(shape), device)
@@ -393,8 +394,8 @@ def dropout(input: Tensor | Array, p: float = 0.5, training: bool = True,
     """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
     scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros.
 
-    The mask comes from `generator`, an autograd.random.Philox (like a torch.Generator), or the
-    global stream `autograd.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
+    The mask comes from `generator`, an npformer.runtime.random.Philox (like a torch.Generator), or the
+    global stream `npformer.runtime.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
     over n entries takes the next n values of the stream, and the mask is the same on every
     device and for any number of threads. Raises ValueError unless 0 <= p <= 1, TypeError for a
     `training` that is not a bool.

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, is_grad_enabled, random, unbroadcast
+from autograd import Function, Tensor, backend, is_grad_enabled, unbroadcast
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
-from autograd.kernels import kernel_table
-from autograd.threads import for_rows, row_blocks, run_blocks
+from npformer.runtime import random
+from npformer.runtime.kernels import kernel_table
+from npformer.runtime.threads import for_rows, row_blocks, run_blocks
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
 from .activation import dropout_scale, dropout_stream, dropout_threshold, keep_mask
@@ -71,7 +72,7 @@ class AttentionFunction(Function):
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
     dQ = s dS K, dK = s dS^T Q, and d(additive mask) = dS summed over its broadcast axes.
     With set_num_threads(n > 1), blocks of a batch axis (the batch, or the heads) run in the threads of
-    `autograd.threads`.
+    `npformer.runtime.threads`.
     """
 
     @staticmethod
@@ -157,7 +158,7 @@ class AttentionFunction(Function):
 
 
 def _batch_blocks(lead, inputs, entries, like):
-    """(axis, blocks) for `autograd.threads`: blocks of one batch axis, one per thread, along the
+    """(axis, blocks) for `npformer.runtime.threads`: blocks of one batch axis, one per thread, along the
     longest axis that every input has in full (a broadcast input is shared by every block; B = 1
     with H heads splits the heads), else the single block of axis 0."""
     full = [i for i, n in enumerate(lead) if all(a.ndim == len(lead) + 2 and a.shape[i] == n for a in inputs)]
@@ -548,7 +549,7 @@ def _choose_path(call, return_weights, backend_name, memory_efficient, op):
     if attention_blockwise_forward.select(*args) in not_flash:
         flash, supports = attention_blockwise_forward.implementations.get(_device(call.q), (None, None))
         if flash not in (None, *not_flash) and (supports is None or supports(*args)):
-            reason = "autograd.kernels.reference_only() is active"
+            reason = "npformer.runtime.kernels.reference_only() is active"
         else:
             reason = flash_unsupported(call.q, call.k, call.v, _data(call.additive), call.mask_grad)
     if asked == "flash":
@@ -599,7 +600,7 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
     A float mask Tensor with requires_grad=True gets its gradient (dS, as torch gives it).
     scale defaults to 1/sqrt(hd). A query row with every key hidden gives 0 and zero gradients.
     dropout_p: dropout on the attention probabilities, drawn from `generator` (an
-    autograd.random.Philox; None: the global dropout stream): entry i of the flat (..., Tq, Tk)
+    npformer.runtime.random.Philox; None: the global dropout stream): entry i of the flat (..., Tq, Tk)
     index is kept iff value offset + i of the stream passes the keep test, on every path and device.
     return_weights=True returns (out, weights) where weights are the (dropped-out) probabilities.
 
@@ -608,7 +609,7 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
       "naive": keeps the (Tq, Tk) probabilities (the only one with return_weights);
       "memory_efficient" (or memory_efficient=True): blocks of `block_size` queries x keys with
         an online softmax, never a (Tq, Tk) matrix; on a GPU it runs the flash kernels where they
-        apply (inside autograd.kernels.reference_only(), the blockwise numpy/CuPy reference);
+        apply (inside npformer.runtime.kernels.reference_only(), the blockwise numpy/CuPy reference);
       "flash": the CUDA flash-attention kernels (head dims 32/64/128, float32/float64), else ValueError.
 
     Raises TypeError for a mask that is neither bool nor floating, ValueError for shapes that do

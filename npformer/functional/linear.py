@@ -5,7 +5,7 @@ import math
 
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
-from autograd.threads import for_rows, row_blocks, run_tasks, split_blocks
+from npformer.runtime.threads import for_rows, row_blocks, run_tasks, split_blocks
 
 from ._common import check_one_dtype, check_tensor, has_twin
 from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward
@@ -17,7 +17,7 @@ class LinearFunction(Function):
     h = x W^T + b,  y = act(h):  dh = dy act'(h),  dx = dh W,  dW = dh^T x,  db = sum of dh over all
     rows (with x, dy flattened to 2-D). With an activation, bias and activation run as one kernel
     after the GEMM (bias_activation_forward). With set_num_threads(n > 1) the GEMMs are split
-    across the threads of `autograd.threads`: y and dx by rows, dW and db by output features,
+    across the threads of `npformer.runtime.threads`: y and dx by rows, dW and db by output features,
     dx and dW side by side.
     """
 

@@ -1,11 +1,12 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
 from __future__ import annotations
 
-from autograd import Function, Tensor, backend, deferred, is_grad_enabled
+from autograd import Function, Tensor, backend, is_grad_enabled
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int, check_real
-from autograd.kernels import kernel_table
-from autograd.threads import for_rows
+from npformer.runtime import deferred
+from npformer.runtime.kernels import kernel_table
+from npformer.runtime.threads import for_rows
 
 from ._common import check_index_range, check_tensor, data_of, has_twin, on_device_of
 from .softmax import stable_row_max
@@ -40,7 +41,7 @@ def cross_entropy_forward(logits, target, valid, weight, label_smoothing):
 
 @cross_entropy_forward.register("cpu")
 def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, the softmax
+    """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, the softmax
     computed in the memory of probs."""
     xp = backend.get_array_module(logits)
     m, c = logits.shape
@@ -91,7 +92,7 @@ def cross_entropy_backward(probs, target, weight, label_smoothing, dloss):
 
 @cross_entropy_backward.register("cpu")
 def cross_entropy_backward_cpu(probs, target, weight, label_smoothing, dloss):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, the one-hot
+    """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, the one-hot
     part of a subtracted at the target entries only."""
     xp = backend.get_array_module(probs)
     m, c = probs.shape
@@ -170,7 +171,7 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
     Raises ValueError when reduction="mean" and every target is ignored (torch returns NaN there),
     TypeError for non-integer targets, IndexError for a class id outside [0, C).
     Targets that arrive as host arrays are checked at once; targets already on a GPU are checked
-    there, and a bad one raises when the result is first read (autograd.deferred).
+    there, and a bad one raises when the result is first read (npformer.runtime.deferred).
     The class weights are constants: a weight Tensor that requires grad is refused, as in torch.
     """
     logits = check_tensor("input", input, "cross_entropy")

@@ -6,8 +6,8 @@ import math
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.checks import check_real, check_shape
-from autograd.kernels import kernel_table
-from autograd.threads import for_rows
+from npformer.runtime.kernels import kernel_table
+from npformer.runtime.threads import for_rows
 
 from ._common import check_one_dtype, check_tensor, has_twin
 from .softmax import row_sum
@@ -40,7 +40,7 @@ CPU_MIN_ENTRIES = 1 << 14
 
 @layer_norm_forward.register("cpu", supports=lambda x, weight, bias, eps: x.size >= CPU_MIN_ENTRIES)
 def layer_norm_forward_cpu(x, weight, bias, eps):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, with einsum
+    """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, with einsum
     row sums (faster than numpy's reductions over rows of a few hundred entries)."""
     xp = backend.get_array_module(x)
     d = x.shape[1]
@@ -90,7 +90,7 @@ def layer_norm_backward(dy, xhat, rstd, weight, need_x, need_w, need_b):
 
 @layer_norm_backward.register("cpu")
 def layer_norm_backward_cpu(dy, xhat, rstd, weight, need_x, need_w, need_b):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads` (column sums:
+    """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads` (column sums:
     one partial per block), with einsum row sums."""
     xp = backend.get_array_module(dy)
     d = xhat.shape[1]

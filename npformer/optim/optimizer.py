@@ -15,10 +15,11 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from autograd import Tensor, backend, graphs
+from autograd import Tensor, backend
 from autograd.checks import check_bool, check_real, is_integer, is_real
-from autograd.kernels import kernel_table
-from autograd.threads import for_rows
+from npformer.runtime import graphs
+from npformer.runtime.kernels import kernel_table
+from npformer.runtime.threads import for_rows
 
 
 def _plain(value):
@@ -469,7 +470,7 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=None)
 
 @adam_update.register("cpu", supports=lambda param, *args, **kwargs: param.flags.c_contiguous)
 def adam_update_cpu(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=None):
-    """The reference's arithmetic on flat blocks on the threads of `autograd.threads` (bit-identical
+    """The reference's arithmetic on flat blocks on the threads of `npformer.runtime.threads` (bit-identical
     for any thread count)."""
     arrays = tuple(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq, scratch))
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import autograd
-from autograd import Function, GradcheckError, Tensor, backend, gradcheck, testdevice
+from autograd import Function, GradcheckError, Tensor, backend, gradcheck
+from npformer.runtime import testdevice
 
 from helpers import WrongSoftmax
 from tolerances import scaled

@@ -2,15 +2,16 @@
 replayed gives the numbers of the same steps run eagerly: new dropout masks at every replay (the
 Philox offset advances on the device; every dropout site draws with Philox.draw), the
 learning-rate schedule applied, the id checks reported.
-On the test device the capture is emulated (autograd.testdevice.Capture: the step's operations
+On the test device the capture is emulated (npformer.runtime.testdevice.Capture: the step's operations
 recorded, replayed on the same arrays, host transfers refused); on a GPU it is a CUDA graph."""
 import numpy as np
 import pytest
 
 import npformer
 import npformer.functional as F
-from autograd import backend, random, testdevice
+from autograd import backend
 from npformer import models, nn, optim
+from npformer.runtime import random, testdevice
 
 VOCAB, PAD = 23, 0
 
@@ -176,7 +177,7 @@ def test_replays_never_read_keep_one_replays_checks_pending():
 
 def test_a_host_offset_cannot_be_taken_while_capturing():
     """Philox.take inside a capture would bake one offset into the graph: refused, with the way out."""
-    from autograd import graphs
+    from npformer.runtime import graphs
     with graphs.capturing(graphs.Capture("test")):
         with pytest.raises(RuntimeError, match=r"Philox.take inside a graph capture.*Philox.draw\(n, device\)"):
             random.Philox(3).take(8)

@@ -5,8 +5,8 @@ A captured step is recorded once and replayed many times without running its Pyt
 so host values baked in at capture would repeat at every replay. Code whose host state advances
 from step to step keeps that state in device memory while capturing and asks to have it updated
 before each replay (`Capture.before_replay`): the dropout stream's (seed, offset)
-(autograd.random.Philox.draw) and Adam's step sizes (npformer.optim). Deferred device checks made
-while capturing (autograd.deferred) belong to the capture and are made pending again after each
+(npformer.runtime.random.Philox.draw) and Adam's step sizes (npformer.optim). Deferred device checks made
+while capturing (npformer.runtime.deferred) belong to the capture and are made pending again after each
 replay. Capture is per thread, like a CUDA stream capture.
 """
 import contextlib
