@@ -140,3 +140,16 @@ def test_importing_the_core_changes_nothing_in_the_process():
     keeps = platform.libc_ver()[0] == "glibc"  # host_memory opens the C library on glibc only
     assert result["runtime"] == dict(backward_started=True, host_read=True, devices=["cpu", "cuda", "test"],
                                      libc_opened=keeps), out.stdout
+
+
+RUNTIME_MODULES = sorted(module_name(p) for p in (ROOT / "npformer" / "runtime").glob("*.py"))
+
+
+def test_each_runtime_module_imports_first_without_a_cycle():
+    """Whichever runtime module a program imports first (npformer's __init__ then runs around it),
+    the import completes and the runtime is plugged in."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for name in RUNTIME_MODULES:
+        code = f"import {name}, autograd; assert autograd.hooks.host_read and 'test' in autograd.backend.DEVICES"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, f"import {name} first: {out.stderr}"
