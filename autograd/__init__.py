@@ -2,9 +2,9 @@
 modes, gradcheck, the backend switch and the argument checks (README.md, "Reading the core").
 
 This is npformer's own package, not the PyPI package named `autograd`. It imports nothing but
-itself, the standard library and numpy, and importing it changes nothing in the process: code
-that runs beside it (npformer's runtime) plugs in through `autograd.hooks` and
-`backend.register_device`.
+itself and the standard library (and numpy, CuPy where installed, in the backend switch), and
+importing it changes nothing in the process: code that runs beside it (npformer's runtime) plugs
+in through `autograd.hooks` and `backend.register_device`.
 """
 from . import backend, hooks
 from .backend import get_array_module

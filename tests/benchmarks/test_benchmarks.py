@@ -179,7 +179,7 @@ def test_generate_header_reports_the_threads_of_ours_decoding_steps():
 def test_decode_runs_ours_on_blas_threads_only():
     """decode.py: ours on --threads BLAS threads and npformer's one, as torch on --threads threads
     (npformer's default, one thread per core, gave ours more cores than torch)."""
-    out = run_python("import sys, json, decode, autograd\n"
+    out = run_python("import sys, json, decode, npformer\n"
                      "seen = []\n"
                      "greedy = decode.greedy_decode\n"
                      "def probe(*args, **kwargs):\n"
@@ -196,7 +196,7 @@ def test_attention_runs_ours_on_blas_threads():
     """attention.py's CPU worker: B = 1 gives npformer's threads nothing to split, so ours runs on
     one npformer thread and BLAS's threads, as many as torch's (npformer's default held BLAS to
     one thread while torch used every core)."""
-    out = run_python("import json, attention, autograd\n"
+    out = run_python("import json, attention, npformer\n"
                      "import npformer.functional as F\n"
                      "seen = []\n"
                      "sdpa = F.scaled_dot_product_attention\n"
