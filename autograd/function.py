@@ -10,6 +10,7 @@ Two hooks for code that must act during backward (data-parallel training starts 
 gradient's all-reduce as soon as that gradient is final): a leaf's
 `register_post_accumulate_grad_hook(fn)` runs `fn(leaf)` once its gradient for this pass is
 complete, and `queue_callback(fn)` runs `fn()` when the pass now running ends (torch's).
+(Code that acts at the start of every pass, not on one graph, registers in `autograd.hooks`.)
 """
 from __future__ import annotations
 
