@@ -136,9 +136,9 @@ class MultiheadAttention(Module):
     with is_causal; given one, it does the same).
 
     Extras (not in torch): `rotary=True` applies RoPE to q and k (positions from 0, or given
-    per row, or from the cache's length in the cached step); `backend` chooses the path of F.scaled_dot_product_attention
-    whenever no attention weights are asked for (need_weights=False, as inside the Transformer
-    layers): None (flash attention on a GPU where it applies, else naive), "naive",
+    per row, or from the cache's length in the cached step); `backend` chooses the path of
+    F.scaled_dot_product_attention whenever no attention weights are asked for (need_weights=False,
+    as inside the Transformer layers): None (flash attention on a GPU where it applies, else naive), "naive",
     "memory_efficient" (blocks of `block_size`; also `memory_efficient=True`) or "flash".
 
     `config=TransformerConfig(...)` instead of the settings (as the Transformer layers build it:
