@@ -7,6 +7,7 @@ import npformer.functional as F
 from autograd import Tensor, backend
 from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import check_int, check_real
+from npformer.functional.rotary import cos_sin_at
 
 from . import init
 from .layers import new_parameter
@@ -22,17 +23,17 @@ def _check_span(length, offset, max_len, owner):
 
 def check_position_ids(position_ids, batch_seq, like, max_len, owner):
     """position_ids (B, T) or (T,) integer array (or list/Tensor) for inputs of batch and length
-    `batch_seq` (B, T), in [0, max_len) (max_len None: no upper bound), as an array on the
-    device of the array `like`."""
+    `batch_seq` (B, T), in [0, max_len) (max_len None: any integers, read without a copy to the
+    host), as an array on the device of the array `like`."""
     ids = position_ids.data if isinstance(position_ids, Tensor) else position_ids
     device = backend.device_of(like)
     ids = backend.to_device(ids if backend.is_array(ids) else backend.get_array_module(like).asarray(ids), device)
     if ids.dtype.kind not in "iu" or ids.shape not in (batch_seq[1:], batch_seq):
         raise ValueError(f"{owner}: position_ids must be integers of shape (batch, seq) = {batch_seq} or "
                          f"(seq,), got {ids.dtype} {ids.shape}")
-    if ids.size and (int(ids.min()) < 0 or (max_len is not None and int(ids.max()) >= max_len)):
-        bound = ">= 0" if max_len is None else f"in [0, {max_len - 1}] (max_len={max_len})"
-        raise ValueError(f"{owner}: position_ids must be {bound}, got values in [{int(ids.min())}, {int(ids.max())}]")
+    if max_len is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= max_len):
+        raise ValueError(f"{owner}: position_ids must be in [0, {max_len - 1}] (max_len={max_len}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
     return ids
 
 
@@ -140,7 +141,8 @@ class RotaryEmbedding(Module):
     def forward(self, x: Tensor, offset: int = 0, position_ids: ArrayLike | None = None) -> Tensor:
         """x (B, H, T, head_dim) rotated for positions offset .. offset + T - 1, or for
         position_ids (B, T) (per row, e.g. packed sequences whose positions restart; as Hugging
-        Face's Llama) or (T,) ints >= 0 (F.apply_rotary_emb with the tables' rows at those positions)."""
+        Face's Llama) or (T,) ints (F.apply_rotary_emb with the tables computed at those positions;
+        no table bounds them, and they are never read on the host: no copy inside a GPU step)."""
         if position_ids is None:
             offset = check_int(offset, "offset", "RotaryEmbedding", at_least=0)
             cos, sin = self.cos_sin(offset + x.shape[-2], x.data)
@@ -149,10 +151,10 @@ class RotaryEmbedding(Module):
             raise ValueError(f"RotaryEmbedding: with position_ids, x must be a Tensor (B, H, T, head_dim), "
                              f"got {getattr(x, 'shape', type(x).__name__)}")
         ids = check_position_ids(position_ids, (x.shape[0], x.shape[2]), x.data, None, "RotaryEmbedding")
-        cos, sin = self.cos_sin(int(ids.max()) + 1 if ids.size else 0, x.data)
-        if ids.ndim == 2:                                      # (B, T) -> tables (B, 1, T, hd/2), over the heads
-            ids = ids[:, None]
-        return F.apply_rotary_emb(x, cos[ids], sin[ids])
+        cos, sin = cos_sin_at(ids, self.head_dim, self.base, x.dtype)                # (B, T, hd/2) or (T, hd/2)
+        if ids.ndim == 2:                                      # (B, 1, T, hd/2): the same over the heads
+            cos, sin = cos[:, None], sin[:, None]
+        return F.apply_rotary_emb(x, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
