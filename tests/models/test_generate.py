@@ -157,7 +157,7 @@ def test_decode_step_with_position_ids_continues_each_row_after_them(positional,
 @pytest.mark.parametrize("positional", POSITIONAL)
 def test_greedy_equals_the_uncached_argmax_loop(positional, device, rng):
     model = lm(positional, device=device)
-    model.train()  # generate switches to eval and back
+    model.train()  # generate runs without dropout (nn.inference_mode), the mode untouched
     prompt = rng.integers(0, 50, size=5)
     out = generate(model, prompt[None], max_new_tokens=12, temperature=0.0)
     assert out.dtype == np.int64 and out.shape == (1, 17) and model.training
