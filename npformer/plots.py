@@ -68,9 +68,9 @@ def _group_of(name):
 def attention_maps(model: Module, *inputs: ArrayLike) -> dict[str, list[np.ndarray]]:
     """Run `model(*inputs)` (e.g. `model(src, tgt_in)`, or `model(ids)` for a causal LM) once in
     nn.inference_mode() (no dropout, model.training untouched) and return the attention
-    probabilities of every MultiheadAttention, per head: {"encoder_self": [(B, H, S, S) per layer], "decoder_self": [(B, H, T, T)], "cross":
-    [(B, H, T, S)]} as numpy arrays (a causal LM's layers are its encoder stack: "encoder_self";
-    recorded with `npformer.nn.record_attention`)."""
+    probabilities of every MultiheadAttention, per head: {"encoder_self": [(B, H, S, S) per
+    layer], "decoder_self": [(B, H, T, T)], "cross": [(B, H, T, S)]} as numpy arrays (a causal
+    LM's layers are its encoder stack: "encoder_self"; recorded with `npformer.nn.record_attention`)."""
     maps = {group: [] for group in _GROUPS}
     with inference_mode(), record_attention(model) as recorder:
         model(*inputs)

@@ -143,9 +143,10 @@ def _as_loss(out):
 def evaluate_loss(loss_fn: LossFunction, batches: Iterable[Any]) -> Callable[[Module], dict[str, float]]:
     """An `evaluate` function for Trainer: the loss and metrics of `loss_fn` over fixed
     held-out batches, without dropout or a graph (nn.inference_mode(): model.training
-    untouched); batch i runs on rank i % world size and the sums are added over ranks. The function returns {"loss": ..., <metric>: ...}, divided by
-    the item count. ValueError for no batch (when made), fewer batches than ranks, or when no
-    batch has an item (e.g. every target equal to ignore_index: torch's mean would be NaN)."""
+    untouched); batch i runs on rank i % world size and the sums are added over ranks. The
+    function returns {"loss": ..., <metric>: ...}, divided by the item count. ValueError for no
+    batch (when made), fewer batches than ranks, or when no batch has an item (e.g. every target
+    equal to ignore_index: torch's mean would be NaN)."""
     batches = list(batches)
     if not batches:
         raise ValueError("evaluate_loss: expected at least one held-out batch, got none")

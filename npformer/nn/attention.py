@@ -284,13 +284,14 @@ class MultiheadAttention(Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask = AttentionMask(), *,
                need_weights: bool = False, average_attn_weights: bool = True) -> tuple[Tensor, Tensor | None]:
         """Heads q (B, H, T, hd), k, v (B, H, S, hd) through F.scaled_dot_product_attention (with
-        `mask`, dropout in training, the config's attention path) and out_proj -> (output (B, T, E),
+        `mask`, dropout when training_active, the config's attention path) and out_proj -> (output (B, T, E),
         weights (B, T, S), or (B, H, T, S) with average_attn_weights=False, or None)."""
         B, H, T, hd = q.shape
         # the memory-efficient and flash paths never form the weights: they run when none are asked for
         result = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.mask, dropout_p=self.dropout if self.training_active else 0.0, is_causal=mask.is_causal,
-            return_weights=need_weights, memory_efficient=self.config.memory_efficient and not need_weights,
+            q, k, v, attn_mask=mask.mask, dropout_p=self.dropout if self.training_active else 0.0,
+            is_causal=mask.is_causal, return_weights=need_weights,
+            memory_efficient=self.config.memory_efficient and not need_weights,
             block_size=self.config.block_size, backend=None if need_weights else self.backend)
         out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)

@@ -35,7 +35,8 @@ class inference_mode(contextlib.ContextDecorator):
     without its `training` flag changing. Unlike torch.inference_mode, dropout is off too, so
     a shared model can generate in one thread while another thread trains it in train mode:
     neither sees the other's mode (modes are per thread). Reentrant, and one object may be
-    shared between threads. `is_inference_mode_enabled()` says whether the calling thread is inside one."""
+    shared between threads; `is_inference_mode_enabled()` says whether the calling thread is
+    inside one. Modules read it through `Module.training_active`."""
 
     def __enter__(self):
         _no_grad.__enter__()

@@ -106,7 +106,8 @@ class LearnedPositionalEmbedding(Module):
             raise ValueError(f"{owner}: expected a Tensor (B, T, {self.d_model}), "
                              f"got {getattr(x, 'shape', type(x).__name__)}")
         if position_ids is not None:
-            return x + F.embedding(check_position_ids(position_ids, x.shape[:2], x.data, self.max_len, owner), self.weight)
+            positions = check_position_ids(position_ids, x.shape[:2], x.data, self.max_len, owner)
+            return x + F.embedding(positions, self.weight)
         _check_span(x.shape[1], offset, self.max_len, owner)
         return x + self.weight[offset: offset + x.shape[1]]
 
@@ -141,8 +142,8 @@ class RotaryEmbedding(Module):
     def forward(self, x: Tensor, offset: int = 0, position_ids: ArrayLike | None = None) -> Tensor:
         """x (B, H, T, head_dim) rotated for positions offset .. offset + T - 1, or for
         position_ids (B, T) (per row, e.g. packed sequences whose positions restart; as Hugging
-        Face's Llama) or (T,) ints (F.apply_rotary_emb with the tables computed at those positions;
-        no table bounds them, and they are never read on the host: no copy inside a GPU step)."""
+        Face's Llama) or (T,) ints (F.apply_rotary_emb with the tables computed at those positions:
+        no table bounds them, and positions on a GPU are never read on the host, so no sync)."""
         if position_ids is None:
             offset = check_int(offset, "offset", "RotaryEmbedding", at_least=0)
             cos, sin = self.cos_sin(offset + x.shape[-2], x.data)
