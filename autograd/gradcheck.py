@@ -57,7 +57,7 @@ def vjp(fn, inputs, upstream=None, *, seed=0):
     # one backward per output: a summed loss would compute inf - inf = NaN beside an infinite output
     for k, (o, g) in enumerate(differentiable):
         o.backward(g, retain_graph=k + 1 < len(differentiable))
-    grads = [None if not getattr(t, "requires_grad", False) else t.xp.zeros_like(t.data) if t.grad is None else t.grad
+    grads = [None if not getattr(t, "requires_grad", False) else t.xp.zeros_like(t.data) if t.grad is None else t.grad.data
              for t in inputs]
     return outs, upstream, grads
 

@@ -30,7 +30,7 @@ class Tensor:
     ("cpu", "cuda", "test"), when given, convert the array. requires_grad=True asks for `.grad`
     after backward and needs a floating dtype (TypeError otherwise).
 
-    Attributes: `data` (numpy/cupy array), `grad` (array or None), `requires_grad`,
+    Attributes: `data` (numpy/cupy array), `grad` (a Tensor or None), `requires_grad`,
     `creator` (the Function node that made it; None for leaves). Arithmetic (`+ - * / @ **`,
     unary `-`), indexing and the methods below are differentiable; comparisons (`<`, `eq`, ...)
     give boolean Tensors outside the graph.
@@ -54,7 +54,7 @@ class Tensor:
             if arr.dtype.kind != "f":
                 raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
         self.data = arr
-        self.grad = None
+        self._grad = None
         self.requires_grad = requires_grad
         self.creator = None
         self.output_index = 0
@@ -103,42 +103,59 @@ class Tensor:
         return f"Tensor({backend.as_numpy(self.data)!r}, device='{self.device}'{grad})"
 
     # -- autograd ----------------------------------------------------------------------
-    def backward(self, grad: ArrayLike | None = None, retain_graph: bool = False) -> None:
-        """Accumulate d(self)/d(leaf) * grad into `.grad` of every leaf that requires grad (torch's).
+    @property
+    def grad(self) -> Tensor | None:
+        """The gradient accumulated by `backward()`: a Tensor of this one's shape, dtype and device, or
+        None. After `backward(create_graph=True)` it is part of a graph and can be differentiated."""
+        return self._grad
 
-        grad: the upstream gradient, of this tensor's shape and on its device; may be omitted
-        for a scalar (one element) output, which then takes 1. retain_graph=False frees the graph
-        as it goes (a second backward through it raises), as in torch. Raises RuntimeError when
-        this tensor does not require grad, or grad is missing for a non-scalar or on another
-        device, and ValueError for a grad of another shape."""
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        if value is not None:
+            if not isinstance(value, Tensor):
+                raise TypeError(f"grad: expected a Tensor or None, got {type(value).__name__}; wrap an array: "
+                                "Tensor(array)")
+            if value.shape != self.shape or value.dtype != self.dtype or value.device != self.device:
+                raise ValueError(f"grad: expected a Tensor of shape {self.shape}, dtype {self.dtype} on "
+                                 f"'{self.device}', got shape {value.shape}, dtype {value.dtype} on '{value.device}'")
+        self._grad = value
+
+    def backward(self, gradient: ArrayLike | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False, inputs: Sequence[Tensor] | None = None) -> None:
+        """Accumulate d(self)/d(leaf) * gradient into `.grad` of every leaf that requires grad (torch's).
+
+        gradient: the upstream gradient, of this tensor's shape and on its device; may be omitted
+        for a scalar (one element) output, which then takes 1. retain_graph: keep the graph for
+        another backward (default: create_graph); without it the graph is freed as the pass goes
+        and a second backward through it raises, as in torch. create_graph: the gradients are
+        built as a graph of their own (Tensors that can be differentiated again: Hessian-vector
+        products, gradient penalties); see `autograd.grad`. inputs: accumulate only into these
+        Tensors' `.grad` (leaves, or non-leaf tensors); the rest of the graph is not run.
+        Raises RuntimeError when this tensor does not require grad, or the gradient is missing for
+        a non-scalar or on another device, and ValueError for one of another shape."""
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad "
                                "(no input had requires_grad=True, or it was made under no_grad())")
-        if grad is None:
-            if self.size != 1:
-                raise RuntimeError(f"backward() without a gradient needs a scalar output, got shape "
-                                   f"{self.shape}; pass grad= of that shape")
-            grad = self.xp.ones_like(self.data)
-        grad = grad.data if isinstance(grad, Tensor) else grad
-        if not backend.is_array(grad):  # torch: "gradients can be either Tensors or None"
-            if getattr(grad, "shape", None) == () and hasattr(grad, "dtype"):  # a numpy scalar: a 0-d array
-                grad = self.xp.asarray(grad)
-        if not backend.is_array(grad):
-            raise TypeError(f"backward(grad): expected an array or a Tensor of shape {self.shape}, got "
-                            f"{type(grad).__name__}; wrap numbers and lists: Tensor(values).to(...) or xp.asarray")
-        if tuple(grad.shape) != self.shape:
-            raise ValueError(f"backward(grad): expected shape {self.shape}, got {tuple(grad.shape)}")
-        if backend.device_of(grad) != self.device:  # as torch: no silent copy between devices
-            raise RuntimeError(f"backward(grad): expected a gradient on device '{self.device}', got one on "
-                               f"'{backend.device_of(grad)}'; move it with to_device(grad, '{self.device}')")
+        create_graph = check_bool(create_graph, "create_graph", "backward")
+        retain_graph = create_graph if retain_graph is None else check_bool(retain_graph, "retain_graph", "backward")
+        if inputs is not None:
+            inputs = _checked_inputs(inputs, "backward")
+        gradient = _upstream_gradient(self, gradient, create_graph, "backward(gradient)")
         lookahead.end_pass()  # the forward pass's dropout masks predict the next pass's
-        run_backward(self, grad.astype(self.dtype, copy=False), retain_graph)
+        run_backward([self], [gradient], retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
-    def _accumulate_leaf(self, grad):
-        if self.grad is None:
-            self.grad = grad.copy()  # own it: gradients of different leaves may alias
-        else:
-            self.grad += grad
+    def _accumulate_grad(self, grad, create_graph=False):
+        """Add one contribution to `.grad`: a raw array (first order) or, with create_graph, a
+        Tensor of the new graph, added out of place so that the sum stays differentiable."""
+        current = self._grad
+        if create_graph:
+            self._grad = grad if current is None else current + grad
+        elif current is None:
+            self._grad = Tensor(backend.get_array_module(grad).array(grad))  # a copy: gradients may alias
+        elif current.creator is None:
+            current.data += grad
+        else:  # a gradient made with create_graph earlier: not changed in place
+            self._grad = Tensor(current.data + grad)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], Any]) -> _HookHandle:
         """Call `hook(self)` each time a backward pass has finished adding to this leaf's `.grad`
@@ -196,6 +213,16 @@ class Tensor:
         reports pending deferred checks first, like `numpy()`."""
         deferred.raise_pending()
         return self.data.item()
+
+    def __array__(self, dtype: DType | None = None, copy: bool | None = None) -> Array:
+        """`np.asarray(tensor)` of a "cpu" tensor: its array (as torch's `__array__`); a tensor on
+        another device raises TypeError, since that would be a hidden copy to the host: use `.numpy()`."""
+        if self.device != "cpu":
+            raise TypeError(f"can't convert a '{self.device}' tensor to a numpy array implicitly; use .numpy(), "
+                            "which copies it to the host")
+        deferred.raise_pending()
+        data = self.data if dtype is None else self.data.astype(dtype, copy=False)
+        return data.copy() if copy else data
 
     def tolist(self) -> list | float | int | bool:
         """The values as nested Python lists (a number for a 0-d tensor), via `numpy()`."""
@@ -290,6 +317,16 @@ class Tensor:
 
     broadcast_to = expand
 
+    def sum_to(self, shape: Sequence[int]) -> Tensor:
+        """Summed over the axes that broadcasting `shape` to this tensor's shape added or stretched
+        (the backward of a broadcast, differentiable); `unbroadcast` does it on raw arrays."""
+        shape = tuple(shape)
+        if self.shape == shape:
+            return self
+        extra = self.ndim - len(shape)
+        stretched = tuple(range(extra)) + tuple(extra + i for i, n in enumerate(shape) if n == 1 and self.shape[extra + i] != 1)
+        return self.sum(axis=stretched, keepdims=True).reshape(shape)
+
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
         """The sum over `axis` (all axes by default), numpy's argument names."""
         return Sum.apply(self, axis=axis, keepdims=keepdims)
@@ -337,6 +374,94 @@ class _HookHandle:
     def remove(self):
         if self.hook in self.hooks:
             self.hooks.remove(self.hook)
+
+
+def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
+         grad_outputs: ArrayLike | Sequence[ArrayLike | None] | None = None, retain_graph: bool | None = None,
+         create_graph: bool = False, allow_unused: bool = False) -> tuple[Tensor | None, ...]:
+    """The gradients of `outputs` with respect to `inputs`, returned rather than accumulated into
+    `.grad` (torch.autograd.grad): sum_k grad_outputs[k] * d outputs[k] / d inputs[i] for each i.
+
+    outputs: a Tensor or a sequence of them. inputs: the Tensors (leaves or not) to differentiate
+    with respect to; only the part of the graph that leads to them is run. grad_outputs: one
+    upstream gradient per output (a Tensor or array of its shape; None: 1 for a one-element
+    output); with create_graph, Tensor grad_outputs that require grad are differentiated too.
+    retain_graph: keep the graph (default: create_graph). create_graph: the gradients are Tensors
+    of a new graph, so they can be differentiated again (Hessian-vector products, gradient
+    penalties). allow_unused: an input that the outputs do not depend on gets None; without it,
+    that is an error (as torch's). Returns a tuple with one entry per input.
+    """
+    outputs = _checked_inputs(outputs, "grad", "outputs")
+    inputs = _checked_inputs(inputs, "grad", "inputs")
+    create_graph = check_bool(create_graph, "create_graph", "grad")
+    allow_unused = check_bool(allow_unused, "allow_unused", "grad")
+    retain_graph = create_graph if retain_graph is None else check_bool(retain_graph, "retain_graph", "grad")
+    if grad_outputs is None or isinstance(grad_outputs, Tensor) or backend.is_array(grad_outputs):
+        grad_outputs = [grad_outputs] * len(outputs) if grad_outputs is None else [grad_outputs]
+    grad_outputs = list(grad_outputs)
+    if len(grad_outputs) != len(outputs):
+        raise ValueError(f"grad: grad_outputs has {len(grad_outputs)} entries, expected one per output "
+                         f"({len(outputs)})")
+    for i, t in enumerate(inputs):
+        if not t.requires_grad:
+            raise RuntimeError(f"grad: inputs[{i}] does not require grad: nothing can be differentiated with "
+                               "respect to it (make it with requires_grad=True)")
+    roots, upstream = [], []
+    for k, (out, g) in enumerate(zip(outputs, grad_outputs)):
+        if out.requires_grad:
+            roots.append(out)
+            upstream.append(_upstream_gradient(out, g, create_graph, f"grad(grad_outputs[{k}])"))
+    if not roots:
+        raise RuntimeError("grad: no output requires grad (no input had requires_grad=True, or they were made "
+                           "under no_grad())")
+    lookahead.end_pass()
+    found = run_backward(roots, upstream, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
+                         accumulate=False)
+    result = []
+    for i, t in enumerate(inputs):
+        g = found.get(id(t))
+        if g is None and not allow_unused:
+            raise RuntimeError(f"grad: inputs[{i}] (shape {t.shape}) was not used to compute the outputs; pass "
+                               "allow_unused=True to get None for it")
+        result.append(g if g is None or isinstance(g, Tensor) else Tensor(g))
+    return tuple(result)
+
+
+def _checked_inputs(tensors, where, name="inputs"):
+    """A Tensor or a sequence of Tensors as a list, or a TypeError naming what came."""
+    items = [tensors] if isinstance(tensors, Tensor) else list(tensors) if isinstance(tensors, (list, tuple)) else None
+    if not items or not all(isinstance(t, Tensor) for t in items):
+        raise TypeError(f"{where}: {name} must be a Tensor or a non-empty sequence of Tensors, got "
+                        f"{type(tensors).__name__}")
+    return items
+
+
+def _upstream_gradient(out, gradient, create_graph, where):
+    """The upstream gradient of `out` for the tape: a raw array of its dtype, or a Tensor with
+    create_graph (a Tensor that requires grad then stays in the graph). 1 for a scalar when None."""
+    if gradient is None:
+        if out.size != 1:
+            raise RuntimeError(f"{where}: a gradient is needed for a non-scalar output, got shape {out.shape}; "
+                               "pass one of that shape")
+        gradient = out.xp.ones_like(out.data)
+    tensor = gradient if isinstance(gradient, Tensor) else None
+    array = gradient.data if tensor is not None else gradient
+    if not backend.is_array(array):  # torch: "gradients can be either Tensors or None"
+        if getattr(array, "shape", None) == () and hasattr(array, "dtype"):  # a numpy scalar: a 0-d array
+            array = out.xp.asarray(array)
+    if not backend.is_array(array):
+        raise TypeError(f"{where}: expected an array or a Tensor of shape {out.shape}, got "
+                        f"{type(gradient).__name__}; wrap numbers and lists: Tensor(values).to(...) or xp.asarray")
+    if tuple(array.shape) != out.shape:
+        raise ValueError(f"{where}: expected shape {out.shape}, got {tuple(array.shape)}")
+    if backend.device_of(array) != out.device:  # as torch: no silent copy between devices
+        raise RuntimeError(f"{where}: expected a gradient on device '{out.device}', got one on "
+                           f"'{backend.device_of(array)}'; move it with to_device(gradient, '{out.device}')")
+    if not create_graph:
+        return array.astype(out.dtype, copy=False)
+    if tensor is not None and tensor.dtype == out.dtype:
+        return tensor
+    return tensor.to(dtype=out.dtype) if tensor is not None else Tensor(array.astype(out.dtype, copy=False))
 
 
 def _shape_arg(shape):
@@ -423,6 +548,10 @@ class To(Function):
     def backward(ctx, grad):
         return backend.to_device(grad, ctx.device).astype(ctx.dtype, copy=False)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad.to(device=ctx.device, dtype=ctx.dtype)
+
 
 class Add(Function):
     @staticmethod
@@ -435,6 +564,10 @@ class Add(Function):
         # out = a + b  ->  da = grad, db = grad (summed over broadcast axes)
         return tuple(unbroadcast(grad, s) if need else None
                      for s, need in zip(ctx.shapes, ctx.needs_input_grad))
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return tuple(grad.sum_to(s) if need else None for s, need in zip(ctx.shapes, ctx.needs_input_grad))
 
 
 class Sub(Function):
@@ -450,6 +583,12 @@ class Sub(Function):
         db = unbroadcast(-grad, ctx.shapes[1]) if ctx.needs_input_grad[1] else None
         return da, db
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        da = grad.sum_to(ctx.shapes[0]) if ctx.needs_input_grad[0] else None
+        db = (-grad).sum_to(ctx.shapes[1]) if ctx.needs_input_grad[1] else None
+        return da, db
+
 
 class Mul(Function):
     @staticmethod
@@ -463,6 +602,13 @@ class Mul(Function):
         # out = a * b  ->  da = grad * b, db = grad * a
         da = unbroadcast(grad * b, a.shape) if ctx.needs_input_grad[0] else None
         db = unbroadcast(grad * a, b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        a, b = _graph_operands(ctx)
+        da = (grad * b).sum_to(a.shape) if ctx.needs_input_grad[0] else None
+        db = (grad * a).sum_to(b.shape) if ctx.needs_input_grad[1] else None
         return da, db
 
 
@@ -481,6 +627,13 @@ class Div(Function):
         db = unbroadcast(-grad * (a / b / b), b.shape) if ctx.needs_input_grad[1] else None
         return da, db
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        a, b = _graph_operands(ctx)
+        da = (grad / b).sum_to(a.shape) if ctx.needs_input_grad[0] else None
+        db = (-grad * (a / b / b)).sum_to(b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
 
 class Neg(Function):
     @staticmethod
@@ -489,6 +642,10 @@ class Neg(Function):
 
     @staticmethod
     def backward(ctx, grad):
+        return -grad
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
         return -grad
 
 
@@ -518,6 +675,22 @@ class Pow(Function):
             db = unbroadcast(grad * xp.where((a == 0) & (b >= 0), 0, out * log_a), b.shape)
         return da, db
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        a, b = _graph_operands(ctx)
+        a_raw, b_raw, out = ctx.saved_tensors
+        da = db = None
+        if ctx.needs_input_grad[0]:  # the first-order rule's zero where b == 0, as a constant mask
+            da = (grad * b * a ** (b - 1)).sum_to(a_raw.shape)
+            if backend.is_array(b_raw) or b_raw == 0:
+                da = where(b_raw == 0, 0, da) if backend.is_array(b_raw) else da * 0
+        if ctx.needs_input_grad[1]:  # log(a) is taken of 1 where a == 0: where's other branch gets no NaN
+            zero = (a_raw == 0) & (b_raw >= 0)
+            log_a = (where(a_raw == 0, 1, a).log() if isinstance(a, Tensor) else
+                     math.log(a) if a > 0 else -math.inf if a == 0 else math.nan)
+            db = (grad * where(zero, 0, ctx.as_output(out) * log_a)).sum_to(b_raw.shape)
+        return da, db
+
 
 class MatMul(Function):
     @staticmethod
@@ -541,6 +714,17 @@ class MatMul(Function):
             db = unbroadcast(a2.swapaxes(-1, -2) @ g, b2.shape).reshape(b.shape)
         return da, db
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        a, b = _graph_operands(ctx)
+        a2 = a.reshape(1, -1) if a.ndim == 1 else a
+        b2 = b.reshape(-1, 1) if b.ndim == 1 else b
+        g = grad.reshape(grad.shape + (1,)) if b.ndim == 1 else grad
+        g = g.reshape(g.shape[:-1] + (1, g.shape[-1])) if a.ndim == 1 else g
+        da = (g @ b2.swapaxes(-1, -2)).sum_to(a2.shape).reshape(a.shape) if ctx.needs_input_grad[0] else None
+        db = (a2.swapaxes(-1, -2) @ g).sum_to(b2.shape).reshape(b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
 
 class Exp(Function):
     @staticmethod
@@ -554,6 +738,10 @@ class Exp(Function):
         (out,) = ctx.saved_tensors
         return grad * out  # d exp(x) = exp(x)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad * ctx.as_output(ctx.saved_tensors[0])
+
 
 class Log(Function):
     @staticmethod
@@ -565,6 +753,10 @@ class Log(Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         return grad / x  # d log(x) = 1/x
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad / ctx.inputs[0]
 
 
 class Sqrt(Function):
@@ -579,6 +771,10 @@ class Sqrt(Function):
         (out,) = ctx.saved_tensors
         return grad / (2 * out)  # d sqrt(x) = 1 / (2 sqrt(x))
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad / (2 * ctx.as_output(ctx.saved_tensors[0]))
+
 
 class Tanh(Function):
     @staticmethod
@@ -592,6 +788,11 @@ class Tanh(Function):
         (out,) = ctx.saved_tensors
         return grad * (1 - out * out)  # d tanh(x) = 1 - tanh(x)^2
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        out = ctx.as_output(ctx.saved_tensors[0])
+        return grad * (1 - out * out)
+
 
 class Relu(Function):
     @staticmethod
@@ -604,6 +805,11 @@ class Relu(Function):
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
         return grad * ~(out <= 0)  # d relu(x) = [x > 0], taken as [not x <= 0]: a NaN passes grad (torch's)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * ~(out <= 0)  # the step's derivative is 0: the mask is a constant
 
 
 class Where(Function):
@@ -619,6 +825,12 @@ class Where(Function):
         # out = where(c, x, y)  ->  dx = grad where c, dy = grad where not c
         dx = unbroadcast(xp.where(ctx.condition, grad, 0), ctx.shapes[0]) if ctx.needs_input_grad[0] else None
         dy = unbroadcast(xp.where(ctx.condition, 0, grad), ctx.shapes[1]) if ctx.needs_input_grad[1] else None
+        return dx, dy
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        dx = where(ctx.condition, grad, 0).sum_to(ctx.shapes[0]) if ctx.needs_input_grad[0] else None
+        dy = where(ctx.condition, 0, grad).sum_to(ctx.shapes[1]) if ctx.needs_input_grad[1] else None
         return dx, dy
 
 
@@ -644,6 +856,10 @@ class Sum(Function):
         # out = sum(x)  ->  dx = grad broadcast over the summed axes
         return xp.broadcast_to(_reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims), ctx.shape)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return _reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims).expand(ctx.shape)
+
 
 class Mean(Function):
     @staticmethod
@@ -658,6 +874,10 @@ class Mean(Function):
         # out = sum(x) / n  ->  dx = grad / n broadcast over the reduced axes
         g = _reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims) / ctx.count
         return xp.broadcast_to(g, ctx.shape)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return (_reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims) / ctx.count).expand(ctx.shape)
 
 
 class Max(Function):
@@ -676,6 +896,13 @@ class Max(Function):
         share = is_max / is_max.sum(axis=ctx.axis, keepdims=True)
         return share.astype(x.dtype) * _reduced_grad(grad, x.shape, ctx.axis, ctx.keepdims)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        is_max = x == out  # which entries are maxima is constant near x: the share is too
+        share = is_max / is_max.sum(axis=ctx.axis, keepdims=True)
+        return _reduced_grad(grad, x.shape, ctx.axis, ctx.keepdims) * share.astype(x.dtype)
+
 
 def _squeeze(x, axis):
     return x.reshape(()) if axis is None else x.squeeze(axis)
@@ -691,6 +918,10 @@ class Reshape(Function):
     def backward(ctx, grad):
         return grad.reshape(ctx.shape)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad.reshape(ctx.shape)
+
 
 class Permute(Function):
     @staticmethod
@@ -703,6 +934,10 @@ class Permute(Function):
         # out = x.transpose(axes)  ->  dx = grad.transpose(inverse of axes)
         return grad.transpose(sorted(range(len(ctx.axes)), key=ctx.axes.__getitem__))
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad.permute(sorted(range(len(ctx.axes)), key=ctx.axes.__getitem__))
+
 
 class BroadcastTo(Function):
     @staticmethod
@@ -713,6 +948,10 @@ class BroadcastTo(Function):
     @staticmethod
     def backward(ctx, grad):
         return unbroadcast(grad, ctx.shape)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad.sum_to(ctx.shape)
 
 
 class GetItem(Function):
@@ -728,14 +967,23 @@ class GetItem(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        xp = backend.get_array_module(grad)
-        dx = xp.zeros(ctx.shape, grad.dtype)
-        # out = x[key]  ->  dx[key] += grad; integer-array keys may repeat, so scatter-add
-        if ctx.scatter:
-            xp.add.at(dx, ctx.key, grad)
-        else:
-            dx[ctx.key] = grad
-        return dx
+        # out = x[key]  ->  dx = zeros with dx[key] += grad
+        return _index_added(grad, ctx.shape, ctx.key, ctx.scatter)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return IndexAdd.apply(grad, shape=ctx.shape, key=ctx.key, scatter=ctx.scatter)
+
+
+def _index_added(grad, shape, key, scatter):
+    """Zeros of `shape` with `grad` added at `key`; integer-array keys may repeat, so they scatter-add."""
+    xp = backend.get_array_module(grad)
+    dx = xp.zeros(shape, grad.dtype)
+    if scatter:
+        xp.add.at(dx, key, grad)
+    else:
+        dx[key] = grad
+    return dx
 
 
 def _copied_key(key):
@@ -757,3 +1005,34 @@ class Concatenate(Function):
         # out = [a, b, ...] along axis  ->  each input gets its slice of grad
         bounds = [sum(ctx.sizes[:i]) for i in range(1, len(ctx.sizes))]
         return tuple(xp.split(grad, bounds, axis=ctx.axis))
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        bounds = [0] + [sum(ctx.sizes[:i + 1]) for i in range(len(ctx.sizes))]
+        before = (slice(None),) * (ctx.axis % grad.ndim)
+        return tuple(grad[before + (slice(lo, hi),)] for lo, hi in zip(bounds, bounds[1:]))
+
+
+class IndexAdd(Function):
+    """Zeros of `shape` with `grad` added at `key` (repeated integer-array keys add up): GetItem's
+    backward as an op, so that it can be differentiated again (its backward is GetItem's forward)."""
+
+    @staticmethod
+    def forward(ctx, grad, shape, key, scatter):
+        ctx.key = key
+        return _index_added(grad, shape, key, scatter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.key]
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return GetItem.apply(grad, key=ctx.key)
+
+
+def _graph_operands(ctx):
+    """The two operands of a binary op for its differentiable backward: the input Tensors of the
+    graph, or, for an operand that was no Tensor, its raw value (a constant), as forward saved it."""
+    raw = ctx.saved_tensors
+    return tuple(t if t is not None else r for t, r in zip(ctx.inputs, raw))

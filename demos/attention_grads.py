@@ -91,7 +91,7 @@ def weights_and_grads(model, batch, name):
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.tgt_out.reshape(-1), ignore_index=PAD)
         loss.backward()
     record = recorder[name]
-    return record.weights.numpy()[0], backend.as_numpy(record.grad)[0], loss.item()
+    return record.weights.numpy()[0], record.grad.numpy()[0], loss.item()
 
 
 def run(args):

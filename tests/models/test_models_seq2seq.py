@@ -36,7 +36,7 @@ def assert_model_parity(torch, model, src, tgt, labels, *, atol, rtol=0.0, masks
     named = dict(theirs.named_parameters())
     assert set(named) == {n for n, _ in model.named_parameters()}
     for name, p in model.named_parameters():
-        np.testing.assert_allclose(backend.as_numpy(p.grad), named[name].grad.numpy(), atol=atol, rtol=rtol,
+        np.testing.assert_allclose(p.grad.numpy(), named[name].grad.numpy(), atol=atol, rtol=rtol,
                                    err_msg=f"gradient of {name}")
 
 
