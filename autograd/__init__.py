@@ -6,11 +6,12 @@ from . import backend, deferred, graphs, host_memory, random, testdevice, thread
 from .backend import get_array_module
 from .random import manual_seed
 from .function import Function, detect_anomaly, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from .gradcheck import GradcheckError, gradcheck
+from . import functional
+from .gradcheck import GradcheckError, gradcheck, gradgradcheck
 from .tensor import Tensor, concatenate, grad, stack, unbroadcast, where
 
 host_memory.keep_freed_memory()  # once, at import: freed arrays' pages are reused (see host_memory)
 
 __all__ = ["backend", "deferred", "graphs", "host_memory", "random", "testdevice", "threads", "get_array_module", "manual_seed", "Function", "detect_anomaly",
-           "enable_grad", "is_grad_enabled", "no_grad", "set_grad_enabled", "GradcheckError", "gradcheck",
+           "enable_grad", "is_grad_enabled", "no_grad", "set_grad_enabled", "GradcheckError", "gradcheck", "gradgradcheck", "functional",
            "Tensor", "concatenate", "grad", "stack", "unbroadcast", "where"]

@@ -7,7 +7,9 @@ central differences, then one random direction u over all inputs together (v^T J
 
 `vjp` (outputs and input gradients for an upstream gradient) is the one place that runs a
 function, backpropagates and collects the gradients; `check_formula` checks a gradient
-written on paper against an op's backward and against central differences.
+written on paper against an op's backward and against central differences; `gradgradcheck`
+checks second derivatives: `gradcheck` of the map from (inputs, upstream gradients) to the
+gradient, built with create_graph.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import backend
-from .function import no_grad
-from .tensor import Tensor
+from .function import enable_grad, no_grad
+from .tensor import Tensor, grad
 
 
 class GradcheckError(AssertionError):
@@ -186,3 +188,40 @@ def _compare(name, analytic, numeric, shape, atol, rtol, report=None):
             f"numeric {float(numeric[worst]):.10g}, abs error {float(err[worst]):.3g}, "
             f"rel error {float(err[worst] / max(abs(float(numeric[worst])), 1e-300)):.3g} "
             f"(atol {atol}, rtol {rtol}); max abs error over the input {float(err.max()):.3g}")
+
+
+def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any],
+                  grad_outputs: Sequence[Any] | None = None, *, eps: float = 1e-6, atol: float = 1e-5,
+                  rtol: float = 1e-3, seed: int = 0, report: list | None = None) -> bool:
+    """Check second derivatives (torch.autograd.gradgradcheck): `gradcheck` of the map
+
+        (inputs, grad_outputs) -> sum_k grad_outputs[k]^T d fn(inputs)[k] / d inputs
+
+    whose value is the first derivative built with `create_graph=True`, so that its own backward
+    is the op's double backward. grad_outputs: one float64 array or Tensor per output of fn that
+    requires grad; None: random ones drawn from `random_generator(seed, stream=2)`. They require
+    grad, so the derivative with respect to the upstream gradient is checked too. In messages,
+    inputs 0..n-1 are fn's inputs and n, n+1, ... are the grad_outputs. Returns True, or raises
+    GradcheckError (or the error of an op that is differentiable only once, naming it).
+    """
+    inputs = list(inputs)
+    checked = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
+    if not checked:
+        raise ValueError(_no_checked_input_message(inputs))
+    outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
+    if grad_outputs is None:
+        rng = random_generator(seed, stream=2)
+        grad_outputs = [backend.to_device(rng.standard_normal(o.shape), o.device) for o in outs]
+    if len(grad_outputs) != len(outs):
+        raise ValueError(f"gradgradcheck: grad_outputs has {len(grad_outputs)} entries, expected one per output "
+                         f"that requires grad ({len(outs)})")
+    upstream = [Tensor(g.data if isinstance(g, Tensor) else g, requires_grad=True) for g in grad_outputs]
+    n = len(inputs)
+
+    def first_derivative(*args):  # with grad mode on, also where gradcheck evaluates it under no_grad
+        xs, gs = list(args[:n]), list(args[n:])
+        with enable_grad():
+            outs = [o for o in _outputs(fn(*xs)) if o.requires_grad]
+            return grad(outs, [xs[i] for i in checked], gs, create_graph=True, allow_unused=True)
+
+    return gradcheck(first_derivative, inputs + upstream, eps=eps, atol=atol, rtol=rtol, seed=seed, report=report)
