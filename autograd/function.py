@@ -304,6 +304,8 @@ def _propagate_tangents(op, ctx, args, results):
     for i, (r, t) in enumerate(zip(results, out)):
         if t is None:
             continue
+        if not backend.is_array(t) and getattr(t, "shape", None) == () and hasattr(t, "dtype"):  # a numpy scalar
+            t = r.xp.asarray(t)
         if not backend.is_array(t) or tuple(t.shape) != r.shape or t.dtype != r.dtype:
             got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if backend.is_array(t) else type(t).__name__
             raise RuntimeError(f"{op_name(op)}.jvp returned an invalid tangent for output {i}: expected an array of "
