@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import backend
-from .modes import _state, no_grad  # the grad and anomaly modes of this thread
+from .modes import _state, enable_grad, no_grad  # the grad and anomaly modes of this thread
 
 if TYPE_CHECKING:
     from .tensor import Tensor
@@ -67,10 +67,35 @@ class Function:
     `ctx.needs_input_grad[i]` says whether input i needs one. What backward returns is checked
     like torch's engine does (count, shape, dtype, device; a gradient of a shape the input
     broadcasts to is summed back): a mistake raises an error naming the op and the input.
+
+    Higher order: `backward` works on raw arrays, so what it computes is outside any graph. An
+    op whose gradient can itself be differentiated (`backward(create_graph=True)`,
+    `autograd.grad`) also defines
+
+        @staticmethod
+        def differentiable_backward(ctx, *grad_outputs) -> one Tensor (or None) per positional input
+
+    the same gradient built from differentiable ops on Tensors: the grad_outputs are Tensors,
+    `ctx.inputs` are the input Tensors, and `ctx.as_output(array, i)` turns an output array that
+    forward saved into output i of this node, in the graph. Built from ops that are themselves
+    differentiable, it can be differentiated again, to any order. An op without it is
+    differentiable once: a second derivative that reaches it raises an error naming it (torch's
+    `once_differentiable`), never a silent zero.
     """
 
     saved_tensors = ()
     inputs = None
+
+    def as_output(self, array: Any, index: int = 0) -> Tensor:
+        """Output `index` of this node as a Tensor of the graph, holding `array` (the output's
+        values, saved by forward): for `differentiable_backward`, whose gradients must lead back to
+        the inputs through this node, as the op's real output does (torch's saved outputs)."""
+        out = _tensor_class()(array, requires_grad=True)
+        out.creator, out.output_index = self, index
+        level, tangents = getattr(self, "output_tangents", (None, ()))
+        if level in _forward.stack and tangents[index] is not None:  # the output's tangent too (forward mode)
+            out._set_tangent(level, tangents[index])
+        return out
 
     def save_for_backward(self, *arrays: Any) -> None:
         """Keep raw arrays (or anything) for backward, where `ctx.saved_tensors` gives them back
@@ -106,16 +131,61 @@ class Function:
             ctx.created_at = _where_created()
             _check_finite(outputs, ctx, "forward")
         if not record:  # outside the graph (no_grad, inference): nothing to keep for backward
-            return Tensor(outputs[0]) if single else tuple(Tensor(o) for o in outputs)
-        results = tuple(Tensor(o, requires_grad=True) for o in outputs)
-        ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
-        ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
-        ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
-        ctx.output_grads = [None] * len(outputs)
-        ctx.retained = {}
-        for i, r in enumerate(results):
-            r.creator, r.output_index = ctx, i
+            results = tuple(Tensor(o) for o in outputs)
+        else:
+            results = tuple(Tensor(o, requires_grad=True) for o in outputs)
+            ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
+            ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
+            ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
+            ctx.output_grads = [None] * len(outputs)
+            ctx.retained = {}
+            for i, r in enumerate(results):
+                r.creator, r.output_index = ctx, i
+        if _forward.stack:  # forward mode: the outputs' tangents, by the op's jvp rule
+            _propagate_tangents(cls, ctx, args, results)
         return results[0] if single else results
+
+
+class _ForwardLevels(threading.local):
+    """The dual levels of forward mode entered in this thread (autograd.forward_ad), innermost
+    last, and {level: tensors carrying a tangent at it}, whose tangents go when the level exits."""
+
+    def __init__(self):
+        self.stack = []
+        self.duals = {}
+
+
+_forward = _ForwardLevels()
+
+
+def _propagate_tangents(op, ctx, args, results):
+    """Give the outputs of `op` their tangents at the innermost level: `op.jvp(ctx, *tangents)`
+    with one tangent (raw array or None) per positional input. Nothing happens when no input
+    has one; an op without a jvp rule is an error naming it (never a silent zero tangent)."""
+    Tensor = _tensor_class()
+    level = _forward.stack[-1]
+    tangents = [a._tangents.get(level) if isinstance(a, Tensor) and a._tangents else None for a in args]
+    if all(t is None for t in tangents):
+        return
+    jvp = getattr(op, "jvp", None)
+    if jvp is None:
+        raise RuntimeError(f"{op_name(op)} has no forward-mode rule: give it a `jvp(ctx, *tangents)` staticmethod "
+                           "returning the tangent of each output (see docs/backprop.md, \"Forward mode\")")
+    out = jvp(ctx, *tangents)
+    out = out if isinstance(out, tuple) else (out,)
+    if len(out) != len(results):
+        raise RuntimeError(f"{op_name(op)}.jvp returned {len(out)} tangents, expected one per output ({len(results)})")
+    ctx.output_tangents = level, out  # for ctx.as_output: forward over reverse
+    for i, (r, t) in enumerate(zip(results, out)):
+        if t is None:
+            continue
+        if not backend.is_array(t) and getattr(t, "shape", None) == () and hasattr(t, "dtype"):  # a numpy scalar
+            t = r.xp.asarray(t)
+        if not backend.is_array(t) or tuple(t.shape) != r.shape or t.dtype != r.dtype:
+            got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if backend.is_array(t) else type(t).__name__
+            raise RuntimeError(f"{op_name(op)}.jvp returned an invalid tangent for output {i}: expected an array of "
+                               f"shape {r.shape} and dtype {r.dtype}, got {got}")
+        r._set_tangent(level, t)
 
 
 _Tensor = None  # autograd.tensor.Tensor once _tensor_class() has imported it
@@ -161,9 +231,9 @@ def _check_same_device_and_dtype(op, tensors):
                         "cast with .to(dtype=...) or .float()/.double() on modules")
 
 
-def _topological_nodes(root):
-    """Function nodes reachable from `root`, each after every node that consumes its output."""
-    order, expanded, stack = [], set(), [(root, False)]
+def _topological_nodes(roots):
+    """Function nodes reachable from the nodes `roots`, each after every node that consumes its output."""
+    order, expanded, stack = [], set(), [(root, False) for root in roots]
     while stack:
         node, children_done = stack.pop()
         if children_done:
@@ -273,23 +343,28 @@ def _accumulate(slot_owner, index, grad):
     slot_owner[index] = grad if current is None else current + grad
 
 
-def run_backward(tensor, grad, retain_graph=False):
-    """Propagate `grad` (d loss / d tensor) to every leaf that requires grad, then run the
-    callbacks queued during the pass. Like torch's engine without create_graph, the pass, its
-    hooks and its callbacks run with grad mode off (ops in a hook record no graph)."""
+def run_backward(roots, grads, *, retain_graph=False, create_graph=False, inputs=None, accumulate=True):
+    """Propagate each `grads[k]` (d loss / d roots[k]) back through the graph, then run the
+    callbacks queued during the pass. Returns {id(t): gradient} for `inputs` when not accumulating.
+
+    inputs: None (every leaf that requires grad) or the Tensors, leaves or not, whose gradients
+    are wanted; nodes that lead to none of them are not run. accumulate: add into `.grad`
+    (`Tensor.backward`), or return the gradients and leave `.grad` alone (`autograd.grad`).
+    create_graph: the gradients are Tensors of a new graph, made by each op's
+    `differentiable_backward`, so they can be differentiated again; the pass then runs with grad
+    mode on, as torch's. Without it the pass, its hooks and its callbacks run with grad mode off
+    (ops in a hook record no graph) on raw arrays, the fast first-order path.
+    """
     outer, _backward.callbacks = getattr(_backward, "callbacks", None), []
-    with no_grad():
+    with enable_grad() if create_graph else no_grad():
         try:
-            if tensor.creator is None:
-                tensor._accumulate_leaf(grad)
-                tensor._run_post_accumulate_grad_hooks()
-            else:
-                _run_nodes(tensor, grad, retain_graph)
+            found = _Pass(retain_graph, create_graph, inputs, accumulate).run(roots, grads)
             callbacks = _backward.callbacks
         finally:
             _backward.callbacks = outer
         for fn in callbacks:
             fn()
+    return found
 
 
 def _freed_graph_error():
@@ -297,52 +372,182 @@ def _freed_graph_error():
                         "the first time (an earlier backward through these ops freed what they saved)")
 
 
-def _run_nodes(tensor, grad, retain_graph):
-    nodes = _topological_nodes(tensor.creator)
-    tensor.creator.output_grads[tensor.output_index] = grad
-    try:
-        _run_sorted_nodes(nodes, retain_graph)
-    except BaseException:  # a pass stopped midway: its partial sums must not stay in the graph
-        for node in nodes:  # (they held memory, and the next backward through it would add to them)
-            if node.inputs is not None:
-                node.output_grads = [None] * len(node.output_meta)
-        raise
+class _Pass:
+    """One backward pass: where gradients go (`.grad`, or `found` for autograd.grad), and whether
+    they are raw arrays (first order) or Tensors of a new graph (create_graph)."""
 
+    def __init__(self, retain_graph, create_graph, inputs, accumulate):
+        self.retain_graph, self.create_graph, self.accumulate = retain_graph, create_graph, accumulate
+        self.tensors = tensor_gradients(create_graph)
+        self.targets = None if inputs is None else {id(t): t for t in inputs}
+        self.found = {}
 
-def _run_sorted_nodes(nodes, retain_graph):
-    hooked_last_uses, hooked_with_grad = _last_uses_of_hooked_leaves(nodes), set()
-    for i, node in enumerate(nodes):
-        xp = None
-        grads = []
-        for g, (shape, dtype) in zip(node.output_grads, node.output_meta):
-            if g is None:  # an output that did not reach the loss
-                xp = xp or backend.get_array_module(*[t.data for t in node.inputs if t is not None])
-                g = xp.zeros(shape, dtype)
-            grads.append(g)
-        for j, ref in node.retained.items():  # accumulate, as a leaf's (grads[j] may be shared: own a copy)
-            t = ref()
-            if t is not None:
-                t.grad = grads[j].copy() if t.grad is None else t.grad + grads[j]
-        input_grads = node.backward(node, *grads)
-        if not isinstance(input_grads, tuple):
-            input_grads = (input_grads,)
-        input_grads = _checked_gradients(node, input_grads)
-        if _state.anomaly:
-            _check_finite(input_grads, node, "backward")
-        for t, g in zip(node.inputs, input_grads):
-            if t is None or g is None or not t.requires_grad:
-                continue
+    def wanted(self, t):
+        return t.requires_grad if self.targets is None else id(t) in self.targets
+
+    def deliver(self, t, grad):
+        """`grad` (one contribution) of the leaf or wanted tensor `t`: into `.grad` or `found`."""
+        if not self.accumulate:
+            current = self.found.get(id(t))
+            self.found[id(t)] = grad if current is None else current + grad
+        else:
+            t._accumulate_grad(grad, self.tensors)
+
+    def run(self, roots, grads):
+        creators = []
+        for t, g in zip(roots, grads):
             if t.creator is None:
-                t._accumulate_leaf(g)
-                if t._post_accumulate_grad_hooks:
-                    hooked_with_grad.add(id(t))
+                if self.wanted(t):
+                    self.deliver(t, g)
+                    if self.accumulate:
+                        t._run_post_accumulate_grad_hooks()
+            elif t.creator.inputs is None:  # an earlier backward freed this graph
+                raise _freed_graph_error()
             else:
                 _accumulate(t.creator.output_grads, t.output_index, g)
-        for leaf in hooked_last_uses.get(i, ()):  # gradients that are now final
-            if id(leaf) in hooked_with_grad:
-                leaf._run_post_accumulate_grad_hooks()
-        if retain_graph:
-            node.output_grads = [None] * len(node.output_meta)
-        else:  # free the graph: everything the op saved, and the links to its inputs
-            node.__dict__.clear()
-            node.inputs = None
+                creators.append(t.creator)
+        if creators:
+            nodes = _topological_nodes(creators)
+            try:
+                self.run_nodes(nodes)
+            except BaseException:  # a pass stopped midway: its partial sums must not stay in the graph
+                for node in nodes:  # (they held memory, and the next backward through it would add to them)
+                    if node.inputs is not None:
+                        node.output_grads = [None] * len(node.output_meta)
+                raise
+        return self.found
+
+    def needed(self, nodes):
+        """The ids of the nodes whose backward leads to a wanted tensor (every node without `inputs`)."""
+        if self.targets is None:
+            return None
+        needed = set()
+        for node in reversed(nodes):  # inputs' creators first
+            if any(t is not None and (id(t) in self.targets or t.creator is not None and id(t.creator) in needed)
+                   for t in node.inputs):
+                needed.add(id(node))
+        return needed
+
+    def run_nodes(self, nodes):
+        hooked_last_uses, hooked_with_grad = _last_uses_of_hooked_leaves(nodes), set()
+        needed = self.needed(nodes)
+        wanted_outputs = {} if self.targets is None else {
+            (id(t.creator), t.output_index): t for t in self.targets.values() if t.creator is not None}
+        for i, node in enumerate(nodes):
+            grads = self.output_grads(node)
+            for j, ref in node.retained.items():  # accumulate, as a leaf's
+                t = ref()
+                if t is not None and self.accumulate and (self.targets is None or id(t) in self.targets):
+                    t._accumulate_grad(grads[j], self.tensors)
+            for j in range(len(grads)):
+                t = wanted_outputs.get((id(node), j))
+                if t is not None and not (self.accumulate and t.creator.retained.get(j)):
+                    self.deliver(t, grads[j])
+            if needed is None or id(node) in needed:
+                for t, g in zip(node.inputs, self.input_grads(node, grads)):
+                    if t is None or g is None or not t.requires_grad:
+                        continue
+                    if t.creator is None:
+                        if self.wanted(t):
+                            self.deliver(t, g)
+                            if t._post_accumulate_grad_hooks and self.accumulate:
+                                hooked_with_grad.add(id(t))
+                    else:
+                        _accumulate(t.creator.output_grads, t.output_index, g)
+            for leaf in hooked_last_uses.get(i, ()):  # gradients that are now final
+                if id(leaf) in hooked_with_grad:
+                    leaf._run_post_accumulate_grad_hooks()
+            if self.retain_graph:
+                node.output_grads = [None] * len(node.output_meta)
+            else:  # free the graph: everything the op saved, and the links to its inputs
+                node.__dict__.clear()
+                node.inputs = None
+
+    def output_grads(self, node):
+        """The gradients of the node's outputs; zeros for an output that did not reach the loss."""
+        grads = []
+        for g, (shape, dtype) in zip(node.output_grads, node.output_meta):
+            if g is None:
+                xp = backend.get_array_module(*[t.data for t in node.inputs if t is not None])
+                g = xp.zeros(shape, dtype)
+                if self.tensors:
+                    g = _tensor_class()(g)
+            grads.append(g)
+        return grads
+
+    def input_grads(self, node, grads):
+        """The node's backward, checked: raw arrays, or Tensors (of a new graph with create_graph,
+        carrying tangents in forward mode)."""
+        if not self.tensors:
+            input_grads = node.backward(node, *grads)
+            input_grads = _checked_gradients(node, input_grads if isinstance(input_grads, tuple) else (input_grads,))
+            if _state.anomaly:
+                _check_finite(input_grads, node, "backward")
+            return input_grads
+        differentiable = getattr(node, "differentiable_backward", None)
+        if differentiable is not None:
+            input_grads = differentiable(node, *grads)
+            input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
+        else:  # differentiable once: the raw gradients, behind a node that refuses to be differentiated
+            if not self.create_graph and _carries_tangents(grads, node.inputs):
+                raise RuntimeError(f"{op_name(type(node))} has no differentiable_backward, so forward mode cannot "
+                                   "run through its gradient (forward over reverse); give it one")
+            raw = node.backward(node, *[g.data for g in grads])
+            raw = raw if isinstance(raw, tuple) else (raw,)
+            input_grads = (_OnceDifferentiable.wrap(node, grads, raw) if self.create_graph else
+                           tuple(None if r is None else _tensor_class()(r) for r in raw))
+        input_grads = _checked_tensor_gradients(node, input_grads)
+        if _state.anomaly:
+            _check_finite([g.data if g is not None else None for g in input_grads], node, "backward")
+        return input_grads
+
+
+def tensor_gradients(create_graph):
+    """Whether a backward pass computes its gradients as Tensors (each op's differentiable_backward):
+    with create_graph, and in forward mode, where they carry tangents (forward over reverse)."""
+    return create_graph or bool(_forward.stack)
+
+
+def _carries_tangents(*groups):
+    level = _forward.stack[-1]
+    return any(t is not None and t._tangents and level in t._tangents for group in groups for t in group)
+
+
+def _checked_tensor_gradients(node, grads):
+    """`_checked_gradients` for a differentiable backward: Tensors (or None), one per input, each
+    of its input's shape (or one it broadcasts to, summed back in the graph), dtype and device."""
+    Tensor = _tensor_class()
+    checked = _checked_gradients(node, tuple(g.data if isinstance(g, Tensor) else g for g in grads))
+    result = []
+    for i, (g, data) in enumerate(zip(grads, checked)):
+        if g is not None and not isinstance(g, Tensor):
+            raise RuntimeError(f"Function {op_name(type(node))}.differentiable_backward returned "
+                               f"{type(g).__name__} at index {i}: it works on Tensors and must return Tensors "
+                               "(or None), built from differentiable ops")
+        if data is not None and data.shape != g.shape:
+            g = g.sum_to(data.shape)
+        result.append(g)
+    return tuple(result)
+
+
+class _OnceDifferentiable(Function):
+    """Stands behind the gradients of an op without `differentiable_backward` when create_graph
+    is on: its forward is the identity on the op's raw gradients, and differentiating through it
+    raises, naming the op (torch's once_differentiable)."""
+
+    @classmethod
+    def wrap(cls, node, grads, raw):
+        anchors = [g for g in grads if g.requires_grad] + [t for t in node.inputs if t is not None and t.requires_grad]
+        return tuple(None if r is None else cls.apply(r, *anchors, op=op_name(type(node))) for r in raw)
+
+    @staticmethod
+    def forward(ctx, gradient, *anchors, op):
+        ctx.op = op
+        return gradient
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(f"{ctx.op} is differentiable once: its backward works on raw arrays, so its gradient "
+                           "cannot be differentiated again (a second derivative through it would be a silent zero). "
+                           "Give the Function a `differentiable_backward` built from differentiable ops "
+                           "(see docs/backprop.md, \"Double backward\")")

@@ -7,7 +7,9 @@ central differences, then one random direction u over all inputs together (v^T J
 
 `vjp` (outputs and input gradients for an upstream gradient) is the one place that runs a
 function, backpropagates and collects the gradients; `check_formula` checks a gradient
-written on paper against an op's backward and against central differences.
+written on paper against an op's backward and against central differences; `gradgradcheck`
+checks second derivatives: `gradcheck` of the map from (inputs, upstream gradients) to the
+gradient, built with create_graph.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import backend
-from .modes import no_grad
-from .tensor import Tensor
+from .modes import enable_grad, no_grad
+from .tensor import Tensor, grad
 
 
 class GradcheckError(AssertionError):
@@ -57,13 +59,14 @@ def vjp(fn, inputs, upstream=None, *, seed=0):
     # one backward per output: a summed loss would compute inf - inf = NaN beside an infinite output
     for k, (o, g) in enumerate(differentiable):
         o.backward(g, retain_graph=k + 1 < len(differentiable))
-    grads = [None if not getattr(t, "requires_grad", False) else t.xp.zeros_like(t.data) if t.grad is None else t.grad
+    grads = [None if not getattr(t, "requires_grad", False) else t.xp.zeros_like(t.data) if t.grad is None else t.grad.data
              for t in inputs]
     return outs, upstream, grads
 
 
 def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, eps: float = 1e-6,
-              atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0, report: list | None = None) -> bool:
+              atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0, report: list | None = None,
+              check_forward_ad: bool = False) -> bool:
     """Check `fn`'s hand-written backward against central differences (torch.autograd.gradcheck).
 
     fn: callable taking `inputs` and returning a Tensor or a tuple of Tensors; it must be
@@ -72,7 +75,11 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
     Pass when |analytic - numeric| <= atol + rtol * |numeric| everywhere. Returns True, or
     raises GradcheckError. report: a list, or None; when given, one (what, max abs error,
     max |numeric|) tuple is appended per comparison (each input, then the random direction),
-    so a caller can show how close a check came. Raises ValueError when no input requires grad
+    so a caller can show how close a check came. check_forward_ad: also check forward mode (torch's
+    name): for each input alone and for all together, J u by the ops' jvp rules against central
+    differences along a random u, and the transpose identity <g, J u> = <J^T g, u> between the
+    jvp rules and the backward (a wrong rule in either mode cannot hide behind the other).
+    Raises ValueError when no input requires grad
     (raw arrays must be wrapped: `Tensor(a, requires_grad=True)`) and TypeError for a checked
     input that is not float64.
     """
@@ -109,7 +116,44 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
     numeric = (values[0] - values[1]) / (2 * eps)
     _compare("random direction over all inputs", xp.asarray([expected]), xp.asarray([numeric]), (1,), atol, rtol,
              report)
+    if check_forward_ad:
+        _check_forward_mode(fn, inputs, checked, upstream, analytic, eps, atol, rtol, seed, report)
     return True
+
+
+def _check_forward_mode(fn, inputs, checked, upstream, analytic, eps, atol, rtol, seed, report):
+    """gradcheck's forward-mode part (see check_forward_ad)."""
+    from .forward_ad import dual_level, make_dual, unpack_dual
+
+    rng = random_generator(seed, stream=3)
+    directions = {i: backend.to_device(rng.standard_normal(inputs[i].shape), inputs[i].device) for i in checked}
+    for chosen in [[i] for i in checked] + ([checked] if len(checked) > 1 else []):
+        what = f"input {chosen[0]}" if len(chosen) == 1 else "all inputs"
+        with dual_level():
+            duals = [make_dual(t, directions[i]) if i in chosen else t for i, t in enumerate(inputs)]
+            outs = _outputs(fn(*duals))
+            tangents = [unpack_dual(o).tangent for o in outs]
+        tangents = [o.xp.zeros_like(o.data) if t is None else t for o, t in zip(outs, tangents)]
+        originals = {i: inputs[i].data.copy() for i in chosen}
+        values = []
+        for sign in (1, -1):
+            for i in chosen:
+                inputs[i].data[...] = originals[i] + sign * eps * directions[i]
+            with no_grad():
+                values.append([o.data.copy() for o in _outputs(fn(*inputs))])
+        for i in chosen:
+            inputs[i].data[...] = originals[i]
+        for k, (t, plus, minus) in enumerate(zip(tangents, *values)):
+            numeric = (plus - minus) / (2 * eps)
+            _compare(f"forward mode, output {k} along {what}: J u", t.reshape(-1), numeric.reshape(-1), numeric.shape,
+                     atol, rtol, report)
+        if len(chosen) == len(checked):  # <g, J u> = <J^T g, u>: the jvp rules against the backward
+            forward = sum(float((g * t).sum()) for g, t in zip(upstream, tangents))
+            reverse = sum(float((analytic[i] * directions[i]).sum()) for i in chosen)
+            scale = sum(float(abs(g * t).sum()) for g, t in zip(upstream, tangents)) + 1.0
+            xp = inputs[chosen[0]].xp
+            _compare("the transpose identity <g, J u> = <J^T g, u>", xp.asarray([forward]), xp.asarray([reverse]), (1,),
+                     1e-10 * scale, 0.0, report)
 
 
 def _no_checked_input_message(inputs):
@@ -186,3 +230,40 @@ def _compare(name, analytic, numeric, shape, atol, rtol, report=None):
             f"numeric {float(numeric[worst]):.10g}, abs error {float(err[worst]):.3g}, "
             f"rel error {float(err[worst] / max(abs(float(numeric[worst])), 1e-300)):.3g} "
             f"(atol {atol}, rtol {rtol}); max abs error over the input {float(err.max()):.3g}")
+
+
+def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any],
+                  grad_outputs: Sequence[Any] | None = None, *, eps: float = 1e-6, atol: float = 1e-5,
+                  rtol: float = 1e-3, seed: int = 0, report: list | None = None) -> bool:
+    """Check second derivatives (torch.autograd.gradgradcheck): `gradcheck` of the map
+
+        (inputs, grad_outputs) -> sum_k grad_outputs[k]^T d fn(inputs)[k] / d inputs
+
+    whose value is the first derivative built with `create_graph=True`, so that its own backward
+    is the op's double backward. grad_outputs: one float64 array or Tensor per output of fn that
+    requires grad; None: random ones drawn from `random_generator(seed, stream=2)`. They require
+    grad, so the derivative with respect to the upstream gradient is checked too. In messages,
+    inputs 0..n-1 are fn's inputs and n, n+1, ... are the grad_outputs. Returns True, or raises
+    GradcheckError (or the error of an op that is differentiable only once, naming it).
+    """
+    inputs = list(inputs)
+    checked = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
+    if not checked:
+        raise ValueError(_no_checked_input_message(inputs))
+    outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
+    if grad_outputs is None:
+        rng = random_generator(seed, stream=2)
+        grad_outputs = [backend.to_device(rng.standard_normal(o.shape), o.device) for o in outs]
+    if len(grad_outputs) != len(outs):
+        raise ValueError(f"gradgradcheck: grad_outputs has {len(grad_outputs)} entries, expected one per output "
+                         f"that requires grad ({len(outs)})")
+    upstream = [Tensor(g.data if isinstance(g, Tensor) else g, requires_grad=True) for g in grad_outputs]
+    n = len(inputs)
+
+    def first_derivative(*args):  # with grad mode on, also where gradcheck evaluates it under no_grad
+        xs, gs = list(args[:n]), list(args[n:])
+        with enable_grad():
+            outs = [o for o in _outputs(fn(*xs)) if o.requires_grad]
+            return grad(outs, [xs[i] for i in checked], gs, create_graph=True, allow_unused=True)
+
+    return gradcheck(first_derivative, inputs + upstream, eps=eps, atol=atol, rtol=rtol, seed=seed, report=report)

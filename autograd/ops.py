@@ -1,9 +1,11 @@
-"""The primitive differentiable ops, each a small `Function` on raw arrays, and `unbroadcast`.
+"""The primitive differentiable ops, each a small `Function`, and `unbroadcast`.
 
 Every op here is forward and backward side by side: forward computes on the raw arrays of the
 active backend and keeps only what backward needs; backward turns the output's gradient into
-one gradient per input (None where an input needs none). `Tensor`'s operators and methods
-(autograd/tensor.py) call them; nothing here knows about Tensors.
+one gradient per input (None where an input needs none). Beside them, each op's two other rules:
+`differentiable_backward`, the same gradient built from Tensor ops (so that it can be
+differentiated again: create_graph), and `jvp`, forward mode's tangent of the output (raw arrays).
+`Tensor`'s operators and methods (autograd/tensor.py) call these ops.
 """
 from __future__ import annotations
 
@@ -37,12 +39,21 @@ def _shape(x):
 class To(Function):
     @staticmethod
     def forward(ctx, x, device, dtype):
-        ctx.device, ctx.dtype = backend.device_of(x), x.dtype
+        ctx.device, ctx.dtype, ctx.target = backend.device_of(x), x.dtype, (device, dtype)
         return backend.to_device(x, device).astype(dtype, copy=False)
 
     @staticmethod
     def backward(ctx, grad):
         return backend.to_device(grad, ctx.device).astype(ctx.dtype, copy=False)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad.to(device=ctx.device, dtype=ctx.dtype)
+
+    @staticmethod
+    def jvp(ctx, t):
+        device, dtype = ctx.target
+        return backend.to_device(t, device).astype(dtype, copy=False)
 
 
 class Add(Function):
@@ -56,6 +67,15 @@ class Add(Function):
         # out = a + b  ->  da = grad, db = grad (summed over broadcast axes)
         return tuple(unbroadcast(grad, s) if need else None
                      for s, need in zip(ctx.shapes, ctx.needs_input_grad))
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return tuple(grad.sum_to(s) if need else None for s, need in zip(ctx.shapes, ctx.needs_input_grad))
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        # out = a + b  ->  t_out = ta + tb
+        return _tangent_sum(ctx.shapes, ta, tb)
 
 
 class Sub(Function):
@@ -71,6 +91,17 @@ class Sub(Function):
         db = unbroadcast(-grad, ctx.shapes[1]) if ctx.needs_input_grad[1] else None
         return da, db
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        da = grad.sum_to(ctx.shapes[0]) if ctx.needs_input_grad[0] else None
+        db = (-grad).sum_to(ctx.shapes[1]) if ctx.needs_input_grad[1] else None
+        return da, db
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        # out = a - b  ->  t_out = ta - tb
+        return _tangent_sum(ctx.shapes, ta, None if tb is None else -tb)
+
 
 class Mul(Function):
     @staticmethod
@@ -85,6 +116,19 @@ class Mul(Function):
         da = unbroadcast(grad * b, a.shape) if ctx.needs_input_grad[0] else None
         db = unbroadcast(grad * a, b.shape) if ctx.needs_input_grad[1] else None
         return da, db
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        a, b = _graph_operands(ctx)
+        da = (grad * b).sum_to(a.shape) if ctx.needs_input_grad[0] else None
+        db = (grad * a).sum_to(b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        # out = a * b  ->  t_out = ta * b + a * tb
+        return _tangent_sum((_shape(a), _shape(b)), None if ta is None else ta * b, None if tb is None else a * tb)
 
 
 class Div(Function):
@@ -102,6 +146,19 @@ class Div(Function):
         db = unbroadcast(-grad * (a / b / b), b.shape) if ctx.needs_input_grad[1] else None
         return da, db
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        a, b = _graph_operands(ctx)
+        da = (grad / b).sum_to(a.shape) if ctx.needs_input_grad[0] else None
+        db = (-grad * (a / b / b)).sum_to(b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        # out = a / b  ->  t_out = ta / b - tb * a / b^2, as (a / b) / b like the backward
+        return _tangent_sum((_shape(a), _shape(b)), None if ta is None else ta / b, None if tb is None else -tb * (a / b / b))
+
 
 class Neg(Function):
     @staticmethod
@@ -111,6 +168,14 @@ class Neg(Function):
     @staticmethod
     def backward(ctx, grad):
         return -grad
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return -grad
+
+    @staticmethod
+    def jvp(ctx, t):
+        return -t
 
 
 class Pow(Function):
@@ -139,6 +204,35 @@ class Pow(Function):
             db = unbroadcast(grad * xp.where((a == 0) & (b >= 0), 0, out * log_a), b.shape)
         return da, db
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        a, b = _graph_operands(ctx)
+        a_raw, b_raw, out = ctx.saved_tensors
+        da = db = None
+        if ctx.needs_input_grad[0]:  # the first-order rule's zero where b == 0, as a constant mask
+            da = (grad * b * a ** (b - 1)).sum_to(a_raw.shape)
+            if backend.is_array(b_raw) or b_raw == 0:
+                da = Where.apply(0, da, condition=b_raw == 0) if backend.is_array(b_raw) else da * 0
+        if ctx.needs_input_grad[1]:  # log(a) is taken of 1 where a == 0: where's other branch gets no NaN
+            zero = (a_raw == 0) & (b_raw >= 0)
+            log_a = (Where.apply(1, a, condition=a_raw == 0).log() if ctx.inputs[0] is not None else
+                     math.log(a) if a > 0 else -math.inf if a == 0 else math.nan)
+            db = (grad * Where.apply(0, ctx.as_output(out) * log_a, condition=zero)).sum_to(b_raw.shape)
+        return da, db
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b, out = ctx.saved_tensors
+        xp = backend.get_array_module(out)
+        da = db = None
+        if ta is not None:  # out = a^b  ->  ta * b * a^(b-1), 0 where b == 0 (as the backward)
+            da = xp.where(b == 0, 0, ta * b * a ** (b - 1)) if backend.is_array(b) or b == 0 else ta * b * a ** (b - 1)
+        if tb is not None:  # out = a^b  ->  tb * out * log(a), 0 where a == 0 and b >= 0
+            log_a = xp.log(xp.where(a == 0, 1, a)) if hasattr(a, "dtype") else (math.log(a) if a > 0 else 0.0 if a == 0
+                                                                                 else math.nan)
+            db = tb * xp.where((a == 0) & (b >= 0), 0, out * log_a)
+        return _tangent_sum((_shape(a), _shape(b)), da, db).astype(out.dtype, copy=False)
+
 
 class MatMul(Function):
     @staticmethod
@@ -162,6 +256,24 @@ class MatMul(Function):
             db = unbroadcast(a2.swapaxes(-1, -2) @ g, b2.shape).reshape(b.shape)
         return da, db
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        a, b = _graph_operands(ctx)
+        a2 = a.reshape(1, -1) if a.ndim == 1 else a
+        b2 = b.reshape(-1, 1) if b.ndim == 1 else b
+        g = grad.reshape(grad.shape + (1,)) if b.ndim == 1 else grad
+        g = g.reshape(g.shape[:-1] + (1, g.shape[-1])) if a.ndim == 1 else g
+        da = (g @ b2.swapaxes(-1, -2)).sum_to(a2.shape).reshape(a.shape) if ctx.needs_input_grad[0] else None
+        db = (a2.swapaxes(-1, -2) @ g).sum_to(b2.shape).reshape(b.shape) if ctx.needs_input_grad[1] else None
+        return da, db
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        # out = a @ b  ->  t_out = ta @ b + a @ tb
+        parts = [p for p in (None if ta is None else ta @ b, None if tb is None else a @ tb) if p is not None]
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
 
 class Exp(Function):
     @staticmethod
@@ -175,6 +287,14 @@ class Exp(Function):
         (out,) = ctx.saved_tensors
         return grad * out  # d exp(x) = exp(x)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad * ctx.as_output(ctx.saved_tensors[0])
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * ctx.saved_tensors[0]  # d exp(x) = exp(x) dx
+
 
 class Log(Function):
     @staticmethod
@@ -186,6 +306,14 @@ class Log(Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         return grad / x  # d log(x) = 1/x
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad / ctx.inputs[0]
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t / ctx.saved_tensors[0]  # d log(x) = dx / x
 
 
 class Sqrt(Function):
@@ -200,6 +328,14 @@ class Sqrt(Function):
         (out,) = ctx.saved_tensors
         return grad / (2 * out)  # d sqrt(x) = 1 / (2 sqrt(x))
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad / (2 * ctx.as_output(ctx.saved_tensors[0]))
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t / (2 * ctx.saved_tensors[0])  # d sqrt(x) = dx / (2 sqrt(x))
+
 
 class Tanh(Function):
     @staticmethod
@@ -212,6 +348,16 @@ class Tanh(Function):
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
         return grad * (1 - out * out)  # d tanh(x) = 1 - tanh(x)^2
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        out = ctx.as_output(ctx.saved_tensors[0])
+        return grad * (1 - out * out)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (out,) = ctx.saved_tensors
+        return t * (1 - out * out)  # d tanh(x) = (1 - tanh(x)^2) dx
 
 
 class Relu(Function):
@@ -226,12 +372,23 @@ class Relu(Function):
         (out,) = ctx.saved_tensors
         return grad * ~(out <= 0)  # d relu(x) = [x > 0], taken as [not x <= 0]: a NaN passes grad (torch's)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * ~(out <= 0)  # the step's derivative is 0: the mask is a constant
+
+    @staticmethod
+    def jvp(ctx, t):
+        (out,) = ctx.saved_tensors
+        return t * ~(out <= 0)  # d relu(x) = [x > 0] dx
+
 
 class Where(Function):
     @staticmethod
     def forward(ctx, x, y, condition):
         xp = backend.get_array_module(x, y, condition)
         ctx.condition, ctx.shapes = condition, (_shape(x), _shape(y))
+        ctx.out_shape = _broadcast_shape(_shape(condition), _shape(x), _shape(y))
         return xp.where(condition, x, y)
 
     @staticmethod
@@ -241,6 +398,19 @@ class Where(Function):
         dx = unbroadcast(xp.where(ctx.condition, grad, 0), ctx.shapes[0]) if ctx.needs_input_grad[0] else None
         dy = unbroadcast(xp.where(ctx.condition, 0, grad), ctx.shapes[1]) if ctx.needs_input_grad[1] else None
         return dx, dy
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        dx = Where.apply(grad, 0, condition=ctx.condition).sum_to(ctx.shapes[0]) if ctx.needs_input_grad[0] else None
+        dy = Where.apply(0, grad, condition=ctx.condition).sum_to(ctx.shapes[1]) if ctx.needs_input_grad[1] else None
+        return dx, dy
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        xp = backend.get_array_module(*[t for t in (tx, ty) if t is not None])
+        # out = where(c, x, y)  ->  t_out = where(c, tx, ty)
+        out = xp.where(ctx.condition, 0 if tx is None else tx, 0 if ty is None else ty)
+        return out if out.shape == ctx.out_shape else xp.broadcast_to(out, ctx.out_shape)
 
 
 def _reduced_grad(grad, shape, axis, keepdims):
@@ -265,6 +435,14 @@ class Sum(Function):
         # out = sum(x)  ->  dx = grad broadcast over the summed axes
         return xp.broadcast_to(_reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims), ctx.shape)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return _reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims).expand(ctx.shape)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.sum(axis=ctx.axis, keepdims=ctx.keepdims)
+
 
 class Mean(Function):
     @staticmethod
@@ -279,6 +457,14 @@ class Mean(Function):
         # out = sum(x) / n  ->  dx = grad / n broadcast over the reduced axes
         g = _reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims) / ctx.count
         return xp.broadcast_to(g, ctx.shape)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return (_reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims) / ctx.count).expand(ctx.shape)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.mean(axis=ctx.axis, keepdims=ctx.keepdims)
 
 
 class Max(Function):
@@ -297,6 +483,21 @@ class Max(Function):
         share = is_max / is_max.sum(axis=ctx.axis, keepdims=True)
         return share.astype(x.dtype) * _reduced_grad(grad, x.shape, ctx.axis, ctx.keepdims)
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        is_max = x == out  # which entries are maxima is constant near x: the share is too
+        share = is_max / is_max.sum(axis=ctx.axis, keepdims=True)
+        return _reduced_grad(grad, x.shape, ctx.axis, ctx.keepdims) * share.astype(x.dtype)
+
+    @staticmethod
+    def jvp(ctx, t):
+        x, out = ctx.saved_tensors
+        # out = max(x)  ->  t_out = the mean of t over the maxima (ties share, as in the backward)
+        is_max = x == out
+        share = (is_max / is_max.sum(axis=ctx.axis, keepdims=True)).astype(t.dtype)
+        return (t * share).sum(axis=ctx.axis, keepdims=ctx.keepdims)
+
 
 def _squeeze(x, axis):
     return x.reshape(()) if axis is None else x.squeeze(axis)
@@ -305,12 +506,20 @@ def _squeeze(x, axis):
 class Reshape(Function):
     @staticmethod
     def forward(ctx, x, shape):
-        ctx.shape = x.shape
+        ctx.shape, ctx.target = x.shape, shape
         return x.reshape(shape)
 
     @staticmethod
     def backward(ctx, grad):
         return grad.reshape(ctx.shape)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad.reshape(ctx.shape)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.reshape(ctx.target)
 
 
 class Permute(Function):
@@ -324,16 +533,32 @@ class Permute(Function):
         # out = x.transpose(axes)  ->  dx = grad.transpose(inverse of axes)
         return grad.transpose(sorted(range(len(ctx.axes)), key=ctx.axes.__getitem__))
 
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad.permute(sorted(range(len(ctx.axes)), key=ctx.axes.__getitem__))
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.transpose(ctx.axes)
+
 
 class BroadcastTo(Function):
     @staticmethod
     def forward(ctx, x, shape):
-        ctx.shape = x.shape
+        ctx.shape, ctx.target = x.shape, shape
         return backend.get_array_module(x).broadcast_to(x, shape)
 
     @staticmethod
     def backward(ctx, grad):
         return unbroadcast(grad, ctx.shape)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return grad.sum_to(ctx.shape)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return backend.get_array_module(t).broadcast_to(t, ctx.target)
 
 
 class GetItem(Function):
@@ -349,14 +574,27 @@ class GetItem(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        xp = backend.get_array_module(grad)
-        dx = xp.zeros(ctx.shape, grad.dtype)
-        # out = x[key]  ->  dx[key] += grad; integer-array keys may repeat, so scatter-add
-        if ctx.scatter:
-            xp.add.at(dx, ctx.key, grad)
-        else:
-            dx[ctx.key] = grad
-        return dx
+        # out = x[key]  ->  dx = zeros with dx[key] += grad
+        return _index_added(grad, ctx.shape, ctx.key, ctx.scatter)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return IndexAdd.apply(grad, shape=ctx.shape, key=ctx.key, scatter=ctx.scatter)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t[ctx.key]
+
+
+def _index_added(grad, shape, key, scatter):
+    """Zeros of `shape` with `grad` added at `key`; integer-array keys may repeat, so they scatter-add."""
+    xp = backend.get_array_module(grad)
+    dx = xp.zeros(shape, grad.dtype)
+    if scatter:
+        xp.add.at(dx, key, grad)
+    else:
+        dx[key] = grad
+    return dx
 
 
 def _copied_key(key):
@@ -369,7 +607,7 @@ def _copied_key(key):
 class Concatenate(Function):
     @staticmethod
     def forward(ctx, *arrays, axis):
-        ctx.axis, ctx.sizes = axis, [a.shape[axis] for a in arrays]
+        ctx.axis, ctx.sizes, ctx.shapes = axis, [a.shape[axis] for a in arrays], [a.shape for a in arrays]
         return backend.get_array_module(*arrays).concatenate(arrays, axis=axis)
 
     @staticmethod
@@ -378,3 +616,66 @@ class Concatenate(Function):
         # out = [a, b, ...] along axis  ->  each input gets its slice of grad
         bounds = [sum(ctx.sizes[:i]) for i in range(1, len(ctx.sizes))]
         return tuple(xp.split(grad, bounds, axis=ctx.axis))
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        bounds = [0] + [sum(ctx.sizes[:i + 1]) for i in range(len(ctx.sizes))]
+        before = (slice(None),) * (ctx.axis % grad.ndim)
+        return tuple(grad[before + (slice(lo, hi),)] for lo, hi in zip(bounds, bounds[1:]))
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        like = next(t for t in tangents if t is not None)
+        xp = backend.get_array_module(like)
+        return xp.concatenate([xp.zeros(shape, like.dtype) if t is None else t for t, shape in zip(tangents, ctx.shapes)],
+                              axis=ctx.axis)
+
+
+class IndexAdd(Function):
+    """Zeros of `shape` with `grad` added at `key` (repeated integer-array keys add up): GetItem's
+    backward as an op, so that it can be differentiated again (its backward is GetItem's forward)."""
+
+    @staticmethod
+    def forward(ctx, grad, shape, key, scatter):
+        ctx.key, ctx.shape, ctx.scatter = key, shape, scatter
+        return _index_added(grad, shape, key, scatter)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.key]
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return GetItem.apply(grad, key=ctx.key)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return _index_added(t, ctx.shape, ctx.key, ctx.scatter)
+
+
+def _graph_operands(ctx):
+    """The two operands of a binary op for its differentiable backward: the input Tensors of the
+    graph, or, for an operand that was no Tensor, its raw value (a constant), as forward saved it."""
+    raw = ctx.saved_tensors
+    return tuple(t if t is not None else r for t, r in zip(ctx.inputs, raw))
+
+
+def _tangent_sum(shapes, ta, tb):
+    """ta + tb for a binary op's operands of `shapes`, where either may be None (no tangent): the
+    result has the broadcast shape of the output, as the op's output does."""
+    present = [t for t in (ta, tb) if t is not None]
+    xp = backend.get_array_module(*present)
+    shape = _broadcast_shape(*shapes)
+    total = present[0] if len(present) == 1 else present[0] + present[1]
+    return total if total.shape == shape else xp.broadcast_to(total, shape)
+
+
+def _broadcast_shape(*shapes):
+    """The shape that arrays of `shapes` broadcast to (None entries: Python numbers, shape ())."""
+    shapes = [s for s in shapes if s is not None]
+    ndim = max((len(s) for s in shapes), default=0)
+    out = []
+    for axis in range(-ndim, 0):
+        sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)

@@ -1,7 +1,8 @@
-"""`Tensor`: an array plus what reverse mode needs, and `where`, `concatenate`, `stack`.
+"""`Tensor`: an array plus what reverse mode needs; `where`, `concatenate`, `stack`; and `grad`
+(torch.autograd.grad), backward's twin that returns the gradients instead of accumulating them.
 
-Its operators and methods are the primitive ops of autograd/ops.py; `backward()` walks the tape
-of autograd/function.py.
+Its operators and methods are the primitive ops of autograd/ops.py; `backward()` and `grad()` walk
+the tape of autograd/function.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 from . import backend, hooks
 from .backend import Array, ArrayLike, DType
 from .checks import as_array, check_bool
-from .function import run_backward
+from .function import _forward, run_backward, tensor_gradients
 from .ops import (Add, BroadcastTo, Concatenate, Div, Exp, GetItem, Log, MatMul, Max, Mean, Mul, Neg, Permute,
                   Pow, Relu, Reshape, Sqrt, Sub, Sum, Tanh, To, Where)
 
@@ -34,7 +35,7 @@ class Tensor:
     ("cpu", "cuda", "test"), when given, convert the array. requires_grad=True asks for `.grad`
     after backward and needs a floating dtype (TypeError otherwise).
 
-    Attributes: `data` (numpy/cupy array), `grad` (array or None), `requires_grad`,
+    Attributes: `data` (numpy/cupy array), `grad` (a Tensor or None), `requires_grad`,
     `creator` (the Function node that made it; None for leaves). Arithmetic (`+ - * / @ **`,
     unary `-`), indexing and the methods below are differentiable; comparisons (`<`, `eq`, ...)
     give boolean Tensors outside the graph.
@@ -42,6 +43,7 @@ class Tensor:
 
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
     _post_accumulate_grad_hooks = ()  # a list once a hook is registered
+    _tangents = None  # {dual level: tangent array} once forward mode gives it one (autograd.forward_ad)
 
     def __init__(self, data: ArrayLike, requires_grad: bool = False, dtype: DType | None = None,
                  device: str | None = None):
@@ -58,7 +60,7 @@ class Tensor:
             if arr.dtype.kind != "f":
                 raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
         self.data = arr
-        self.grad = None
+        self._grad = None
         self.requires_grad = requires_grad
         self.creator = None
         self.output_index = 0
@@ -107,42 +109,71 @@ class Tensor:
         return f"Tensor({backend.as_numpy(self.data)!r}, device='{self.device}'{grad})"
 
     # -- autograd ----------------------------------------------------------------------
-    def backward(self, grad: ArrayLike | None = None, retain_graph: bool = False) -> None:
-        """Accumulate d(self)/d(leaf) * grad into `.grad` of every leaf that requires grad (torch's).
+    @property
+    def grad(self) -> Tensor | None:
+        """The gradient accumulated by `backward()`: a Tensor of this one's shape, dtype and device, or
+        None. After `backward(create_graph=True)` it is part of a graph and can be differentiated."""
+        return self._grad
 
-        grad: the upstream gradient, of this tensor's shape and on its device; may be omitted
-        for a scalar (one element) output, which then takes 1. retain_graph=False frees the graph
-        as it goes (a second backward through it raises), as in torch. Raises RuntimeError when
-        this tensor does not require grad, or grad is missing for a non-scalar or on another
-        device, and ValueError for a grad of another shape."""
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        if value is not None:
+            if not isinstance(value, Tensor):
+                raise TypeError(f"grad: expected a Tensor or None, got {type(value).__name__}; wrap an array: "
+                                "Tensor(array)")
+            if value.shape != self.shape or value.dtype != self.dtype or value.device != self.device:
+                raise ValueError(f"grad: expected a Tensor of shape {self.shape}, dtype {self.dtype} on "
+                                 f"'{self.device}', got shape {value.shape}, dtype {value.dtype} on '{value.device}'")
+        self._grad = value
+
+    def backward(self, gradient: ArrayLike | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False, inputs: Sequence[Tensor] | None = None) -> None:
+        """Accumulate d(self)/d(leaf) * gradient into `.grad` of every leaf that requires grad (torch's).
+
+        gradient: the upstream gradient, of this tensor's shape and on its device; may be omitted
+        for a scalar (one element) output, which then takes 1. retain_graph: keep the graph for
+        another backward (default: create_graph); without it the graph is freed as the pass goes
+        and a second backward through it raises, as in torch. create_graph: the gradients are
+        built as a graph of their own (Tensors that can be differentiated again: Hessian-vector
+        products, gradient penalties); see `autograd.grad`. inputs: accumulate only into these
+        Tensors' `.grad` (leaves, or non-leaf tensors); the rest of the graph is not run.
+        Raises RuntimeError when this tensor does not require grad, or the gradient is missing for
+        a non-scalar or on another device, and ValueError for one of another shape."""
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad "
                                "(no input had requires_grad=True, or it was made under no_grad())")
-        if grad is None:
-            if self.size != 1:
-                raise RuntimeError(f"backward() without a gradient needs a scalar output, got shape "
-                                   f"{self.shape}; pass grad= of that shape")
-            grad = self.xp.ones_like(self.data)
-        grad = grad.data if isinstance(grad, Tensor) else grad
-        if not backend.is_array(grad):  # torch: "gradients can be either Tensors or None"
-            if getattr(grad, "shape", None) == () and hasattr(grad, "dtype"):  # a numpy scalar: a 0-d array
-                grad = self.xp.asarray(grad)
-        if not backend.is_array(grad):
-            raise TypeError(f"backward(grad): expected an array or a Tensor of shape {self.shape}, got "
-                            f"{type(grad).__name__}; wrap numbers and lists: Tensor(values).to(...) or xp.asarray")
-        if tuple(grad.shape) != self.shape:
-            raise ValueError(f"backward(grad): expected shape {self.shape}, got {tuple(grad.shape)}")
-        if backend.device_of(grad) != self.device:  # as torch: no silent copy between devices
-            raise RuntimeError(f"backward(grad): expected a gradient on device '{self.device}', got one on "
-                               f"'{backend.device_of(grad)}'; move it with to_device(grad, '{self.device}')")
+        create_graph = check_bool(create_graph, "create_graph", "backward")
+        retain_graph = create_graph if retain_graph is None else check_bool(retain_graph, "retain_graph", "backward")
+        if inputs is not None:
+            inputs = _checked_inputs(inputs, "backward")
+        gradient = _upstream_gradient(self, gradient, tensor_gradients(create_graph), "backward(gradient)")
         hooks.run(hooks.backward_started)  # npformer's runtime: the forward pass's dropout masks predict the next's
-        run_backward(self, grad.astype(self.dtype, copy=False), retain_graph)
+        run_backward([self], [gradient], retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
-    def _accumulate_leaf(self, grad):
-        if self.grad is None:
-            self.grad = grad.copy()  # own it: gradients of different leaves may alias
-        else:
-            self.grad += grad
+    def _accumulate_grad(self, grad, tensors=False):
+        """Add one contribution to `.grad`: a raw array (first order) or a Tensor (create_graph,
+        forward mode: see function.tensor_gradients), added out of place so that the sum keeps its
+        graph and tangent."""
+        current = self._grad
+        if tensors:
+            self._grad = grad if current is None else current + grad
+        elif current is None:
+            self._grad = Tensor(backend.get_array_module(grad).array(grad))  # a copy: gradients may alias
+        elif current.creator is None:
+            current.data += grad
+        else:  # a gradient made with create_graph earlier: not changed in place
+            self._grad = Tensor(current.data + grad)
+
+    def _set_tangent(self, level, tangent):
+        """Carry `tangent` (an array, or None for none) at the dual `level` (autograd.forward_ad)."""
+        if tangent is None:
+            if self._tangents:
+                self._tangents.pop(level, None)
+            return
+        if self._tangents is None:
+            self._tangents = {}
+        self._tangents[level] = tangent
+        _forward.duals[level].add(self)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], Any]) -> _HookHandle:
         """Call `hook(self)` each time a backward pass has finished adding to this leaf's `.grad`
@@ -200,6 +231,16 @@ class Tensor:
         runs the `host_read` hooks first, like `numpy()`."""
         hooks.run(hooks.host_read)
         return self.data.item()
+
+    def __array__(self, dtype: DType | None = None, copy: bool | None = None) -> Array:
+        """`np.asarray(tensor)` of a "cpu" tensor: its array (as torch's `__array__`); a tensor on
+        another device raises TypeError, since that would be a hidden copy to the host: use `.numpy()`."""
+        if self.device != "cpu":
+            raise TypeError(f"can't convert a '{self.device}' tensor to a numpy array implicitly; use .numpy(), "
+                            "which copies it to the host")
+        hooks.run(hooks.host_read)
+        data = self.data if dtype is None else self.data.astype(dtype, copy=False)
+        return data.copy() if copy else data
 
     def tolist(self) -> list | float | int | bool:
         """The values as nested Python lists (a number for a 0-d tensor), via `numpy()`."""
@@ -294,6 +335,16 @@ class Tensor:
 
     broadcast_to = expand
 
+    def sum_to(self, shape: Sequence[int]) -> Tensor:
+        """Summed over the axes that broadcasting `shape` to this tensor's shape added or stretched
+        (the backward of a broadcast, differentiable); `unbroadcast` does it on raw arrays."""
+        shape = tuple(shape)
+        if self.shape == shape:
+            return self
+        extra = self.ndim - len(shape)
+        stretched = tuple(range(extra)) + tuple(extra + i for i, n in enumerate(shape) if n == 1 and self.shape[extra + i] != 1)
+        return self.sum(axis=stretched, keepdims=True).reshape(shape)
+
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
         """The sum over `axis` (all axes by default), numpy's argument names."""
         return Sum.apply(self, axis=axis, keepdims=keepdims)
@@ -341,6 +392,94 @@ class _HookHandle:
     def remove(self):
         if self.hook in self.hooks:
             self.hooks.remove(self.hook)
+
+
+def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
+         grad_outputs: ArrayLike | Sequence[ArrayLike | None] | None = None, retain_graph: bool | None = None,
+         create_graph: bool = False, allow_unused: bool = False) -> tuple[Tensor | None, ...]:
+    """The gradients of `outputs` with respect to `inputs`, returned rather than accumulated into
+    `.grad` (torch.autograd.grad): sum_k grad_outputs[k] * d outputs[k] / d inputs[i] for each i.
+
+    outputs: a Tensor or a sequence of them. inputs: the Tensors (leaves or not) to differentiate
+    with respect to; only the part of the graph that leads to them is run. grad_outputs: one
+    upstream gradient per output (a Tensor or array of its shape; None: 1 for a one-element
+    output); with create_graph, Tensor grad_outputs that require grad are differentiated too.
+    retain_graph: keep the graph (default: create_graph). create_graph: the gradients are Tensors
+    of a new graph, so they can be differentiated again (Hessian-vector products, gradient
+    penalties). allow_unused: an input that the outputs do not depend on gets None; without it,
+    that is an error (as torch's). Returns a tuple with one entry per input.
+    """
+    outputs = _checked_inputs(outputs, "grad", "outputs")
+    inputs = _checked_inputs(inputs, "grad", "inputs")
+    create_graph = check_bool(create_graph, "create_graph", "grad")
+    allow_unused = check_bool(allow_unused, "allow_unused", "grad")
+    retain_graph = create_graph if retain_graph is None else check_bool(retain_graph, "retain_graph", "grad")
+    if grad_outputs is None or isinstance(grad_outputs, Tensor) or backend.is_array(grad_outputs):
+        grad_outputs = [grad_outputs] * len(outputs) if grad_outputs is None else [grad_outputs]
+    grad_outputs = list(grad_outputs)
+    if len(grad_outputs) != len(outputs):
+        raise ValueError(f"grad: grad_outputs has {len(grad_outputs)} entries, expected one per output "
+                         f"({len(outputs)})")
+    for i, t in enumerate(inputs):
+        if not t.requires_grad:
+            raise RuntimeError(f"grad: inputs[{i}] does not require grad: nothing can be differentiated with "
+                               "respect to it (make it with requires_grad=True)")
+    roots, upstream = [], []
+    for k, (out, g) in enumerate(zip(outputs, grad_outputs)):
+        if out.requires_grad:
+            roots.append(out)
+            upstream.append(_upstream_gradient(out, g, tensor_gradients(create_graph), f"grad(grad_outputs[{k}])"))
+    if not roots:
+        raise RuntimeError("grad: no output requires grad (no input had requires_grad=True, or they were made "
+                           "under no_grad())")
+    hooks.run(hooks.backward_started)
+    found = run_backward(roots, upstream, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
+                         accumulate=False)
+    result = []
+    for i, t in enumerate(inputs):
+        g = found.get(id(t))
+        if g is None and not allow_unused:
+            raise RuntimeError(f"grad: inputs[{i}] (shape {t.shape}) was not used to compute the outputs; pass "
+                               "allow_unused=True to get None for it")
+        result.append(g if g is None or isinstance(g, Tensor) else Tensor(g))
+    return tuple(result)
+
+
+def _checked_inputs(tensors, where, name="inputs"):
+    """A Tensor or a sequence of Tensors as a list, or a TypeError naming what came."""
+    items = [tensors] if isinstance(tensors, Tensor) else list(tensors) if isinstance(tensors, (list, tuple)) else None
+    if not items or not all(isinstance(t, Tensor) for t in items):
+        raise TypeError(f"{where}: {name} must be a Tensor or a non-empty sequence of Tensors, got "
+                        f"{type(tensors).__name__}")
+    return items
+
+
+def _upstream_gradient(out, gradient, tensors, where):
+    """The upstream gradient of `out` for the tape: a raw array of its dtype, or a Tensor when the
+    pass works on Tensors (one that requires grad then stays in the graph). 1 for a scalar when None."""
+    if gradient is None:
+        if out.size != 1:
+            raise RuntimeError(f"{where}: a gradient is needed for a non-scalar output, got shape {out.shape}; "
+                               "pass one of that shape")
+        gradient = out.xp.ones_like(out.data)
+    tensor = gradient if isinstance(gradient, Tensor) else None
+    array = gradient.data if tensor is not None else gradient
+    if not backend.is_array(array):  # torch: "gradients can be either Tensors or None"
+        if getattr(array, "shape", None) == () and hasattr(array, "dtype"):  # a numpy scalar: a 0-d array
+            array = out.xp.asarray(array)
+    if not backend.is_array(array):
+        raise TypeError(f"{where}: expected an array or a Tensor of shape {out.shape}, got "
+                        f"{type(gradient).__name__}; wrap numbers and lists: Tensor(values).to(...) or xp.asarray")
+    if tuple(array.shape) != out.shape:
+        raise ValueError(f"{where}: expected shape {out.shape}, got {tuple(array.shape)}")
+    if backend.device_of(array) != out.device:  # as torch: no silent copy between devices
+        raise RuntimeError(f"{where}: expected a gradient on device '{out.device}', got one on "
+                           f"'{backend.device_of(array)}'; move it with to_device(gradient, '{out.device}')")
+    if not tensors:
+        return array.astype(out.dtype, copy=False)
+    if tensor is not None and tensor.dtype == out.dtype:
+        return tensor
+    return tensor.to(dtype=out.dtype) if tensor is not None else Tensor(array.astype(out.dtype, copy=False))
 
 
 def _shape_arg(shape):
@@ -396,4 +535,5 @@ def stack(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
     """The tensors (all of one shape) joined along a new `axis` (torch.stack); differentiable."""
     return concatenate([t.reshape(t.shape[:axis % (t.ndim + 1)] + (1,) + t.shape[axis % (t.ndim + 1):])
                         for t in tensors], axis=axis)
+
 

@@ -134,7 +134,7 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
     for i, (a, b) in enumerate(zip(ours_in, theirs_in)):  # an unused input has no gradient on either side
         assert (a.grad is None) == (b.grad is None), f"gradient of input {i}: present on one side only"
         if a.grad is not None:
-            np.testing.assert_allclose(backend.as_numpy(a.grad), b.grad.numpy(), atol=atol, rtol=rtol,
+            np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), atol=atol, rtol=rtol,
                                        err_msg=f"gradient of input {i}")
     named = dict(theirs.named_parameters())
     ours_named = dict(ours.named_parameters())
@@ -142,8 +142,8 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
     for name, p in ours_named.items():
         want = named[name].grad
         want = np.zeros(p.shape) if want is None else want.numpy()
-        got = np.zeros(p.shape) if p.grad is None else backend.as_numpy(p.grad)
-        assert p.grad is None or backend.device_of(p.grad) == device
+        got = np.zeros(p.shape) if p.grad is None else p.grad.numpy()
+        assert p.grad is None or p.grad.device == device
         np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=f"gradient of parameter {name}")
     return everything
 

@@ -311,7 +311,7 @@ def check_gradients(out, kwargs):
     for name, v in kwargs.items():
         if isinstance(v, Tensor) and v.requires_grad:
             assert v.grad is not None, f"no gradient for {name}"
-            grad = backend.as_numpy(v.grad)
+            grad = v.grad.numpy()
             assert grad.shape == v.shape and np.isfinite(grad).all(), f"gradient of {name}: {grad.shape}, {grad}"
 
 

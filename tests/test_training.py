@@ -348,7 +348,7 @@ class TwoScalars(nn.Module):
 def test_clip_grad_norm_returns_inf_when_the_sum_of_squares_overflows():
     m = TwoScalars()
     for p in m.parameters():
-        p.grad = np.full(1, 1.2e154)  # each norm is finite, the sum of their squares is not
+        p.grad = Tensor(np.full(1, 1.2e154))  # each norm is finite, the sum of their squares is not
     assert float(optim.clip_grad_norm_(m.parameters(), 1.0)) == math.inf  # a 0-d Tensor, as torch
     assert optim.grad_norm(m.parameters()) == math.inf
     np.testing.assert_array_equal(m.a.grad, [1.2e154])  # left as it was

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from autograd import backend
+from autograd import Tensor, backend
 from autograd.checks import check_bool, check_real
 from autograd.function import queue_callback
 from npformer.runtime import random
@@ -64,13 +64,13 @@ class _Bucket:
             if p.grad is None:  # no gradient on this rank: it adds zeros
                 view[...] = 0
                 used[i] = 0
-            elif p.grad is not view:
-                if p.grad.dtype != view.dtype or backend.device_of(p.grad) != self.device:
+            elif p.grad.data is not view:
+                if p.grad.dtype != view.dtype or p.grad.device != self.device:
                     raise RuntimeError(f"DistributedDataParallel: a parameter of shape {p.shape} is now {p.dtype} on "
                                        f"'{p.device}' but was {view.dtype} on '{self.device}' when wrapped (its "
                                        "gradient would be cast); cast or move the model first, then wrap it")
-                view[...] = p.grad
-                p.grad = view
+                view[...] = p.grad.data
+                p.grad = Tensor(view)
         self.used[...] = backend.to_device(used, backend.device_of(self.flat))
         self.request = self.transport.start_sum(self.flat, self.staging)
 
@@ -81,7 +81,7 @@ class _Bucket:
         self.flat /= world_size
         used = backend.as_numpy(self.used) > 0  # one small read per bucket
         for p, view, any_rank_used in zip(self.params, self.views, used):
-            p.grad = view if any_rank_used else None
+            p.grad = Tensor(view) if any_rank_used else None
         self.final = 0
 
 

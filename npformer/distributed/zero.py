@@ -84,7 +84,7 @@ class ZeroRedundancyOptimizer:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and self.owner[id(p)] == rank:
-                    self.optimizer._update(p, p.grad, group, state.setdefault(id(p), {}))
+                    self.optimizer._update(p, p.grad.data, group, state.setdefault(id(p), {}))
         for flat, counts, members, transport, staging in self._gathers:
             for p, view in members:
                 if self.owner[id(p)] == rank:

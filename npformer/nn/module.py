@@ -377,7 +377,7 @@ class Module:
                 if set_to_none:
                     p.grad = None
                 else:
-                    p.grad[...] = 0
+                    p.grad.data[...] = 0
 
     def requires_grad_(self, requires_grad: bool = True) -> Module:
         """Set `requires_grad` of every parameter (False freezes them); returns self. TypeError
@@ -408,7 +408,7 @@ class Module:
             cast = dtype if dtype is not None and t.dtype.kind == "f" else None
             t.data = _moved(t.data, device, cast)
             if t.grad is not None:
-                t.grad = _moved(t.grad, device, cast)
+                t.grad = Tensor(_moved(t.grad.data, device, cast))
 
     def double(self) -> Module:
         """Cast floating parameters and buffers to float64 (gradchecks); returns self."""

@@ -47,7 +47,8 @@ class AttentionRecord:
     @property
     def grad(self) -> Array | None:
         """dL/dP (B, H, Tq, Tk), an array, once a backward pass has reached P; else None."""
-        return self.weights.grad
+        grad = self.weights.grad
+        return None if grad is None else grad.data
 
     def __repr__(self):
         return f"AttentionRecord({self.name!r}, weights {self.weights.shape}, grad {'set' if self.grad is not None else None})"

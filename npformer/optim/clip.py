@@ -45,7 +45,7 @@ def grad_norm(parameters: Tensor | Iterable[Tensor], norm_type: float = 2.0) -> 
     read on the host): `(sum_p ||g_p||^q)^(1/q)`, or `max |g|` for norm_type=inf. 0.0 when no
     gradient exists; inf when the sum of powers overflows (as torch)."""
     norm_type = check_real(norm_type, "norm_type", "grad_norm", above=0, finite=False)
-    grads = [p.grad for p in _parameters_with_grad(parameters)]
+    grads = [p.grad.data for p in _parameters_with_grad(parameters)]
     if not grads:
         return 0.0
     by_device = {}
@@ -76,16 +76,16 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     params = _parameters_with_grad(parameters)
     if not params:
         return Tensor(backend.module_for("cpu").zeros((), dtype="float64"))
-    devices = {backend.device_of(p.grad) for p in params}
+    devices = {p.grad.device for p in params}
     if len(devices) > 1:
         raise RuntimeError(f"clip_grad_norm_: the gradients are on several devices {sorted(devices)}; clip each "
                            "device's parameters on their own")
-    xp = backend.get_array_module(params[0].grad)
-    total = total_norm([p.grad for p in params], norm_type)
+    xp = params[0].grad.xp
+    total = total_norm([p.grad.data for p in params], norm_type)
     if error_if_nonfinite and not bool(xp.isfinite(total)):
         raise RuntimeError(f"clip_grad_norm_: the total gradient norm of order {norm_type} is {float(total)}")
     # coef = min(1, max_norm / (total + 1e-6)); a non-finite total leaves the gradients as they are
     coef = xp.where(xp.isfinite(total), xp.minimum(max_norm / (total + 1e-6), 1.0), 1.0)
     for p in params:
-        p.grad *= coef.astype(p.grad.dtype)
+        p.grad.data *= coef.astype(p.grad.dtype)
     return Tensor(total)

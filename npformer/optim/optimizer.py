@@ -124,7 +124,7 @@ class Optimizer:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
-                p.grad[...] = 0
+                p.grad.data[...] = 0
 
     capturable = False  # its step can be captured in a CUDA graph (npformer.cuda.graphed) and replayed
 
@@ -137,7 +137,7 @@ class Optimizer:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, p.grad, group, self.state.setdefault(id(p), {}))
+                    self._update(p, p.grad.data, group, self.state.setdefault(id(p), {}))
 
     def _update(self, p, grad, group, state):
         raise NotImplementedError

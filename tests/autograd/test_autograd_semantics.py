@@ -96,7 +96,7 @@ def test_retained_gradients_do_not_alias_each_other_or_the_upstream():
 def test_a_gradient_that_is_not_an_array_is_a_clear_type_error_like_torch(grad, torch):
     with pytest.raises(TypeError):
         (torch.ones(2, requires_grad=True) * 2.0).backward(grad)
-    with pytest.raises(TypeError, match=r"backward\(grad\): expected an array or a Tensor of shape \(2,\), got "
+    with pytest.raises(TypeError, match=r"backward\(gradient\): expected an array or a Tensor of shape \(2,\), got "
                                          + type(grad).__name__):
         (leaf([1.0, 1.0]) * 2.0).backward(grad)
 

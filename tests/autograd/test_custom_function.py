@@ -80,7 +80,7 @@ def test_numbers_and_numpy_scalars_are_arrays():
     y = Halve.apply(x)
     assert y.shape == () and y.item() == 1.5
     y.backward()
-    assert isinstance(x.grad, np.ndarray) and x.grad.shape == () and x.grad == 0.5
+    assert isinstance(x.grad, Tensor) and isinstance(x.grad.data, np.ndarray) and x.grad.shape == () and x.grad.item() == 0.5
 
 
 def test_gradients_of_inputs_that_need_none_are_not_checked(rng):

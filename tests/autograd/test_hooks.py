@@ -34,7 +34,7 @@ def test_backward_started_runs_once_per_pass_before_any_gradient(calls):
 
 
 def test_backward_started_is_not_run_for_a_refused_backward(calls):
-    with pytest.raises(ValueError, match=r"backward\(grad\): expected shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"backward\(gradient\): expected shape \(3,\)"):
         (Tensor(np.ones(3), requires_grad=True) * 2).backward(np.ones(4))
     assert calls == []
 

@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import npformer
-from npformer.runtime import random
+from autograd import Tensor
 from npformer import optim
+from npformer.runtime import random
 from npformer.checkpoint import CheckpointError, archive, packing
 from npformer.models import MODEL_CLASSES, CausalLM, Seq2SeqTransformer
 
@@ -45,7 +46,7 @@ def trained(model=None, groups=1, lr=1.0):
     opt = optim.Adam(params if groups == 1 else [{"params": params[:3]}, {"params": params[3:]}], lr=lr)
     sched = optim.NoamLR(opt, d_model=8, warmup_steps=3)
     for p in params:
-        p.grad = np.full_like(p.data, lr)
+        p.grad = Tensor(np.full_like(p.data, lr))
     opt.step()
     sched.step()
     return model, opt, sched

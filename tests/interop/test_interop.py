@@ -190,4 +190,4 @@ def test_new_model_options_run_on_device(name, device, rng):
     outs = outs if isinstance(outs, tuple) else (outs,)
     assert all(o.device == device for o in outs)
     sum(o.sum() for o in outs).backward()
-    assert all(backend.device_of(p.grad) == device for p in model.parameters())
+    assert all(p.grad.device == device for p in model.parameters())

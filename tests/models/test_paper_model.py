@@ -109,7 +109,7 @@ def test_one_matrix_gets_all_three_gradients(torch, rng):
         loss = {"src": lambda: model.encode(src).sum(), "tgt": lambda: model.decode(tgt, hidden).sum(),
                 "generator": lambda: model.project(hidden).sum()}[part]()
         loss.backward()
-        each[part] = model.tgt_embed.weight.grad.copy()
+        each[part] = model.tgt_embed.weight.grad.numpy().copy()
     assert all(np.abs(g).max() > 0 for g in each.values())
 
 

@@ -83,7 +83,8 @@ def test_recording_changes_neither_outputs_nor_parameter_gradients(rng, device):
         (out * Tensor(g, device=device)).sum().backward()
         if record:
             assert backend.device_of(recorder[""].grad) == device
-        return [backend.as_numpy(a) for a in [out.data, weights.data, x.grad] + [p.grad for p in mha.parameters()]]
+        arrays = [out.data, weights.data, x.grad.data] + [p.grad.data for p in mha.parameters()]
+        return [backend.as_numpy(a) for a in arrays]
 
     for plain, recorded in zip(run(False), run(True)):
         np.testing.assert_allclose(recorded, plain, rtol=1e-12, atol=1e-13 * np.abs(plain).max())
@@ -135,7 +136,7 @@ def test_every_attention_of_a_model_in_training_mode(kind):
         else:
             loss = loss_of(model)
             loss.backward()
-        results.append([loss.item()] + [p.grad.copy() for p in model.parameters()])
+        results.append([loss.item()] + [p.grad.numpy().copy() for p in model.parameters()])
     for plain, recorded in zip(*results):
         np.testing.assert_allclose(recorded, plain, rtol=1e-5, atol=1e-6 * np.abs(plain).max())
     assert recorder.names() == list(shapes)

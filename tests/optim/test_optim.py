@@ -40,7 +40,7 @@ def test_matches_torch_for_20_steps(torch, device, rng, name, kwargs):
     theirs = getattr(torch.optim, name)(ref, **kwargs)
     for grads in _grad_stream(rng, 20):
         for p, r, g in zip(params, ref, grads):
-            p.grad = backend.to_device(g, device)
+            p.grad = Tensor(backend.to_device(g, device))
             r.grad = torch.from_numpy(g.copy())
         ours.step()
         theirs.step()
@@ -62,7 +62,7 @@ def test_fused_adam_kernel_equals_the_host_path_bit_for_bit(name, kwargs, dtype)
         opt = getattr(optim, name)(params, **kwargs)
         for grads in _grad_stream(np.random.default_rng(1), 12, dtype):
             for p, g in zip(params, grads):
-                p.grad = backend.to_device(g.reshape(p.shape), device)
+                p.grad = Tensor(backend.to_device(g.reshape(p.shape), device))
             opt.step()
         results[device] = [p.numpy() for p in params] + [backend.as_numpy(a) for st in opt.state.values()
                                                          for a in (st["exp_avg"], st["exp_avg_sq"])]
@@ -77,7 +77,7 @@ def test_float64_parameters_stay_float64(torch, rng):
     ours, theirs = optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
     for grads in _grad_stream(rng, 5, "float64"):
         for p, r, g in zip(params, ref, grads):
-            p.grad, r.grad = g, torch.from_numpy(g.copy())
+            p.grad, r.grad = Tensor(g), torch.from_numpy(g.copy())
         ours.step()
         theirs.step()
     for p, r in zip(params, ref):
@@ -90,7 +90,7 @@ def test_parameters_without_grad_are_skipped_and_groups_override(rng):
     before = b.data.copy()
     opt = optim.Adam([{"params": [a], "lr": 0.5}, {"params": [b]}], lr=1e-3)
     assert [g["lr"] for g in opt.param_groups] == [0.5, 1e-3]
-    a.grad = np.ones_like(a.data)
+    a.grad = Tensor(np.ones_like(a.data))
     opt.step()
     np.testing.assert_array_equal(b.data, before)
     # the first Adam step moves every entry by lr * sign(grad) (up to eps)
@@ -100,10 +100,10 @@ def test_parameters_without_grad_are_skipped_and_groups_override(rng):
 def test_zero_grad(rng):
     params = _params(rng, "cpu")
     for p in params:
-        p.grad = np.ones_like(p.data)
+        p.grad = Tensor(np.ones_like(p.data))
     opt = optim.SGD(params, lr=0.1)
     opt.zero_grad(set_to_none=False)
-    assert all(p.grad is not None and not p.grad.any() for p in params)
+    assert all(p.grad is not None and not p.grad.numpy().any() for p in params)
     opt.zero_grad()
     assert all(p.grad is None for p in params)
 
@@ -118,7 +118,7 @@ def test_state_dict_round_trip_continues_identically(device, rng, name):
     def run(optimizer, ps, grads):
         for gs in grads:
             for p, g in zip(ps, gs):
-                p.grad = backend.to_device(g, device)
+                p.grad = Tensor(backend.to_device(g, device))
             optimizer.step()
 
     run(opt, params, stream[:5])
@@ -140,7 +140,7 @@ def test_load_state_dict_rejects_mismatched_shapes(rng):
     params = _params(rng, "cpu")
     opt = optim.Adam(params)
     for p in params:
-        p.grad = np.ones_like(p.data)
+        p.grad = Tensor(np.ones_like(p.data))
     opt.step()
     other = optim.Adam(list(reversed(_params(rng, "cpu"))))
     with pytest.raises(ValueError, match="shape"):
@@ -171,19 +171,19 @@ def test_clip_grad_norm_matches_torch(torch, device, rng, max_norm, norm_type):
     ref = [torch.tensor(p.numpy(), requires_grad=True) for p in params]
     for p, r in zip(params, ref):
         g = rng.standard_normal(p.shape).astype("float32")
-        p.grad, r.grad = backend.to_device(g, device), torch.from_numpy(g.copy())
+        p.grad, r.grad = Tensor(backend.to_device(g, device)), torch.from_numpy(g.copy())
     total = optim.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     expected = torch.nn.utils.clip_grad_norm_(ref, max_norm, norm_type=norm_type)
     assert isinstance(total, Tensor) and total.shape == () and total.device == device  # like torch: on the device
     assert total.item() == pytest.approx(expected.item(), rel=1e-6)
     for p, r in zip(params, ref):
         assert p.grad.dtype == np.float32
-        np.testing.assert_allclose(backend.as_numpy(p.grad), r.grad.numpy(), rtol=1e-6, atol=scaled(1e-7, r.grad))
+        np.testing.assert_allclose(p.grad.numpy(), r.grad.numpy(), rtol=1e-6, atol=scaled(1e-7, r.grad))
 
 
 def test_clip_grad_norm_nonfinite(rng):
     p = _params(rng, "cpu")[0]
-    p.grad = np.full(p.shape, np.inf, dtype="float32")
+    p.grad = Tensor(np.full(p.shape, np.inf, dtype="float32"))
     assert float(optim.clip_grad_norm_([p], 1.0)) == math.inf
     with pytest.raises(RuntimeError, match="norm"):
         optim.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
@@ -308,7 +308,7 @@ def test_resumed_mid_run_with_lr_changes_and_a_skipped_parameter_matches_torch(t
                 mine["lr"] = their["lr"] = mine["lr"] * 0.5
         for i, (p, r, g) in enumerate(zip(params, ref, grads)):
             skipped = i == 1 and step in (2, 5)
-            p.grad = None if skipped else g
+            p.grad = None if skipped else Tensor(g)
             r.grad = None if skipped else torch.from_numpy(g.copy())
         ours.step()
         theirs.step()
@@ -322,7 +322,7 @@ def test_a_saved_state_with_numpy_numbers_loads_and_bools_are_refused(rng):
     params = _params(rng, "cpu")
     opt = optim.Adam(params, lr=1e-2)
     for p in params:
-        p.grad = np.ones_like(p.data)
+        p.grad = Tensor(np.ones_like(p.data))
     opt.step()
     saved = opt.state_dict()
     saved["param_groups"][0].update(lr=np.float32(0.5), eps=np.float64(1e-7), betas=(np.float32(0.8), 0.9))
@@ -402,8 +402,8 @@ def test_clip_grad_norm_skips_empty_gradients_and_counts_tied_parameters_once(to
     t_model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     t_model[1].weight = t_model[0].weight
     g = rng.standard_normal((5, 3)).astype("float32")
-    model[0].weight.grad, t_model[0].weight.grad = g.copy(), torch.from_numpy(g.copy())
-    model.empty.grad = np.zeros((0, 3), dtype="float32")
+    model[0].weight.grad, t_model[0].weight.grad = Tensor(g.copy()), torch.from_numpy(g.copy())
+    model.empty.grad = Tensor(np.zeros((0, 3), dtype="float32"))
     total = optim.clip_grad_norm_(model.parameters(), 0.5, norm_type=norm_type)
     expected = torch.nn.utils.clip_grad_norm_(t_model.parameters(), 0.5, norm_type=norm_type)
     assert total.item() == pytest.approx(expected.item(), rel=1e-6)

@@ -154,7 +154,7 @@ def test_adam_split_across_threads_matches_one_thread(threads, rng, name):
         optimizer = getattr(optim, name)(params, lr=0.1, weight_decay=0.1)
         for step in grads:
             for p, g in zip(params, step):
-                p.grad = g.copy()
+                p.grad = Tensor(g.copy())
             optimizer.step()
         results.append([p.data.copy() for p in params])
     for other in results[1:]:

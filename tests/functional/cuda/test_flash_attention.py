@@ -432,4 +432,4 @@ def test_cuda_dropout_kernel_draws_the_contract_mask(cuda):
     keep = random.bits16(9, 8, x.size) >= round(0.3 * 2**16)
     np.testing.assert_array_equal(y.numpy().reshape(-1) != 0, keep)
     y.backward(backend.to_device(np.full(x.shape, 2.0, dtype=np.float32), cuda))
-    np.testing.assert_allclose(backend.as_numpy(x.grad), 2 * y.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * y.numpy(), rtol=1e-6)
