@@ -6,7 +6,8 @@ from . import backend, deferred, graphs, host_memory, random, testdevice, thread
 from .backend import get_array_module
 from .random import manual_seed
 from .function import Function, detect_anomaly, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from .gradcheck import GradcheckError, gradcheck
+from . import gradcheck
+from .gradcheck import GradcheckError
 from .tensor import Tensor, concatenate, stack, unbroadcast, where
 
 host_memory.keep_freed_memory()  # once, at import: freed arrays' pages are reused (see host_memory)
