@@ -76,11 +76,12 @@ def run_case(case, torch=None, seed=0, device="cpu"):
 
 
 def _cell(result):
+    """A column's text, 20 characters: abs and rel, "!" after a failed one."""
     if result is None:
-        return f"{'-':>9} {'-':>9}"
+        return f"{'-':>9} {'-':>9} "
     if result == "ERROR":
-        return f"{'ERROR':>19}"
-    return f"{result[0]:9.1e} {result[1]:9.1e}" + ("" if result[2] else "!")
+        return f"{'ERROR':>19} "
+    return f"{result[0]:9.1e} {result[1]:9.1e}" + (" " if result[2] else "!")
 
 
 def run(cases, torch=None, stream=None, seed=0, device="cpu"):
@@ -88,13 +89,13 @@ def run(cases, torch=None, stream=None, seed=0, device="cpu"):
     it; returns True when every row passed."""
     stream = stream or sys.stdout
     width = max([len("case")] + [len(c.name) for c in cases])
-    stream.write(f"{'case':<{width}} | " + " | ".join(f"{title:^19}" for title in COLUMNS.values()) + " | result\n")
-    stream.write(f"{'':<{width}} | " + " | ".join(f"{'max abs':>9} {'max rel':>9}" for _ in COLUMNS) + " |\n")
+    stream.write(f"{'case':<{width}} | " + " | ".join(f"{title:^20}" for title in COLUMNS.values()) + " | result\n")
+    stream.write(f"{'':<{width}} | " + " | ".join(f"{'max abs':>9} {'max rel':>9} " for _ in COLUMNS) + " |\n")
     all_passed = True
     for case in cases:
         row = run_case(case, torch, seed, device)
         all_passed &= row["passed"]
-        cells = " | ".join(f"{_cell(row[c]):<19}" for c in COLUMNS)
+        cells = " | ".join(_cell(row[c]) for c in COLUMNS)
         stream.write(f"{row['name']:<{width}} | {cells} | {'PASS' if row['passed'] else 'FAIL'}\n")
         for message in row["messages"]:
             stream.write("".join(f"    {line}\n" for line in message.splitlines()))

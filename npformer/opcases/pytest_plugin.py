@@ -1,0 +1,66 @@
+"""The pytest plugin (installed with npformer, entry point `pytest11`): each case that your
+module registers becomes a test.
+
+    pytest --gradcheck-module mypkg.ops
+
+imports mypkg.ops (your Functions and the `npformer.opcases.register(OpCase(...))` calls
+next to them) and adds one test per case, named `gradcheck::<case name>`, which runs the
+row of `python -m npformer.gradcheck --module mypkg.ops` (finite differences, torch in float64
+and float32 when torch is installed and the case has a reference, the twin when it has one);
+a failing test shows that row and the messages under it. Without the option the plugin does
+nothing.
+"""
+import io
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.getgroup("npformer").addoption(
+        "--gradcheck-module", action="append", default=[], metavar="MODULE",
+        help="run every op case that this module registers with npformer.opcases.register (repeatable)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    from npformer import opcases
+
+    for name in config.getoption("gradcheck_module"):
+        try:
+            cases = opcases.from_module(name)
+        except Exception as e:  # noqa: BLE001  (the user's module: what importing it raised)
+            raise pytest.UsageError(f"--gradcheck-module {name}: importing it raised {type(e).__name__}: {e}") from e
+        if not cases:
+            raise pytest.UsageError(f"--gradcheck-module {name}: it registers no case "
+                                    "(call npformer.opcases.register(OpCase(...)) in it)")
+        items.extend(CaseItem.from_parent(session, name=f"gradcheck::{case.name}", case=case) for case in cases)
+
+
+class CaseFailed(Exception):
+    """A case's row failed; the message is the row and what failed, as the command prints it."""
+
+
+class CaseItem(pytest.Item):
+    """One registered op case as a test: its row of the gradient-check table."""
+
+    def __init__(self, *, case, **kwargs):
+        super().__init__(**kwargs)
+        self.case = case
+
+    def runtest(self):
+        from npformer import gradcheck, interop
+
+        try:
+            torch = interop._torch()
+        except ImportError:
+            torch = None
+        stream = io.StringIO()
+        if not gradcheck.run([self.case], torch, stream):
+            raise CaseFailed(stream.getvalue())
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, CaseFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"gradcheck: {self.case.name}"
