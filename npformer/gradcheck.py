@@ -23,11 +23,15 @@ a usage error: -k matches no case, --module cannot be imported or registers no c
 import argparse
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 import numpy as np
 
 from autograd import GradcheckError, backend
 from npformer import interop, opcases
+
+__all__ = ["COLUMNS", "main", "run", "run_case"]
 
 COLUMNS = {"fd": "finite differences", "torch": "torch float64", "torch32": "torch float32", "twin": "twin"}
 
@@ -48,7 +52,7 @@ def _compared(comparison):
     return (comparison.max_abs, comparison.max_rel, comparison.passed), "; ".join(comparison.failures) or None
 
 
-def run_case(case, torch=None, seed=0, device="cpu"):
+def run_case(case: opcases.OpCase, torch: Any = None, seed: int = 0, device: str = "cpu") -> dict:
     """One row: {"name", "fd", "torch", "torch32", "twin": (abs, rel, passed), "ERROR" or
     None (not run), "messages": what failed, by column, "passed"}. A column that raises is
     an ERROR cell and its exception a message: the row fails, the table goes on."""
@@ -84,7 +88,8 @@ def _cell(result):
     return f"{result[0]:9.1e} {result[1]:9.1e}" + (" " if result[2] else "!")
 
 
-def run(cases, torch=None, stream=None, seed=0, device="cpu"):
+def run(cases: Sequence[opcases.OpCase], torch: Any = None, stream: TextIO | None = None, seed: int = 0,
+        device: str = "cpu") -> bool:
     """Run `cases`, print the table to `stream` (stdout), the messages of a failing row under
     it; returns True when every row passed."""
     stream = stream or sys.stdout
@@ -103,7 +108,7 @@ def run(cases, torch=None, stream=None, seed=0, device="cpu"):
     return all_passed
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse `argv` (sys.argv[1:]), run the table; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m npformer.gradcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

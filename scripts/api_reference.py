@@ -14,9 +14,10 @@ import re
 import sys
 import types
 
-MODULES = ("autograd", "npformer", "npformer.functional", "npformer.nn", "npformer.nn.init", "npformer.models",
+MODULES = ("autograd", "autograd.gradcheck", "npformer", "npformer.functional", "npformer.nn", "npformer.nn.init", "npformer.models",
            "npformer.optim", "npformer.data", "npformer.training", "npformer.decoding", "npformer.checkpoint",
-           "npformer.interop", "npformer.distributed", "npformer.plots", "npformer.cuda", "npformer.exercises")
+           "npformer.interop", "npformer.distributed", "npformer.plots", "npformer.cuda", "npformer.exercises",
+           "npformer.opcases", "npformer.gradcheck")
 PROJECT = ("autograd", "npformer")
 HEADER = """# API reference
 

@@ -11,7 +11,8 @@ because the rounding of a correct result grows with the magnitude of the array i
 """
 import dataclasses
 import inspect
-from typing import Callable, Optional
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -89,16 +90,16 @@ class Instance:
     labels: list
     module: object = None
 
-    def __call__(self, *tensors):
+    def __call__(self, *tensors: Tensor) -> Any:
         return self.call(self.case.fn, *tensors)
 
-    def call(self, fn, *tensors):
+    def call(self, fn: Callable, *tensors: Tensor) -> Any:
         """fn (the case's fn, or its twin) on these tensors, with the module when there is one."""
         if self.module is None:
             return fn(*tensors)
         return fn(self.module, *tensors[:len(self.arrays)])
 
-    def torch_function(self, torch):
+    def torch_function(self, torch: Any) -> tuple[Callable, list]:
         """(function of torch leaves, torch leaves aligned with `tensors`): the case in PyTorch."""
         leaves = [torch.tensor(a, requires_grad=True) for a in self.arrays]
         if self.module is None:
@@ -109,7 +110,7 @@ class Instance:
         return (lambda *ls: self.case.torch(torch, torch_module, *ls[:len(self.arrays)])), leaves + params
 
 
-def instantiate(case, rng, device="cpu", dtype="float64"):
+def instantiate(case: OpCase, rng: np.random.Generator, device: str = "cpu", dtype: str = "float64") -> Instance:
     """The case's inputs drawn from `rng` (and its module built) on `device` in `dtype`."""
     drawn = case.inputs(rng)
     arrays = [np.asarray(a, dtype=dtype) for a in (drawn.values() if isinstance(drawn, dict) else drawn)]
@@ -129,7 +130,7 @@ def instantiate(case, rng, device="cpu", dtype="float64"):
     return Instance(case, arrays, tensors, labels, module)
 
 
-def torch_args(torch, kwargs, like):
+def torch_args(torch: Any, kwargs: dict, like: Any) -> dict:
     """kwargs with numpy arrays as torch tensors (floating ones in the dtype of the torch tensor
     `like`), for a torch call."""
     def convert(value):
@@ -148,14 +149,15 @@ class Comparison:
     failures: list
 
     @property
-    def passed(self):
+    def passed(self) -> bool:
+        """Whether every array was within tolerance."""
         return not self.failures
 
     def __str__(self):
         return "; ".join(self.failures) or f"max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
 
 
-def compare(ours, reference, labels, tolerance):
+def compare(ours: Sequence[Any], reference: Sequence[Any], labels: Sequence[str], tolerance: float) -> Comparison:
     """A Comparison of arrays `ours` against `reference` (pairs named by `labels`); equal
     infinities count as equal, NaN never does."""
     failures, max_abs, max_rel = [], 0.0, 0.0
@@ -190,14 +192,15 @@ def _checked(instance, outs, grads, device, dtype):
     return arrays, labels
 
 
-def gradcheck_case(case, rng, device="cpu", report=None):
+def gradcheck_case(case: OpCase, rng: np.random.Generator, device: str = "cpu", report: list | None = None) -> bool:
     """`autograd.gradcheck` (float64) of the case over every input and parameter, by name; True
     or raises autograd.GradcheckError. report: see autograd.gradcheck."""
     instance = instantiate(case, rng, device)
     return autograd.gradcheck(instance, instance.tensors, report=report, names=instance.labels)
 
 
-def compare_with_torch(case, torch, rng, device="cpu", dtype="float64"):
+def compare_with_torch(case: OpCase, torch: Any, rng: np.random.Generator, device: str = "cpu",
+                       dtype: str = "float64") -> Comparison:
     """The case's outputs and gradients (one random upstream gradient) against PyTorch's."""
     instance = instantiate(case, rng, device, dtype)
     outs, upstream, grads = vjp(instance, instance.tensors)
@@ -213,7 +216,7 @@ def compare_with_torch(case, torch, rng, device="cpu", dtype="float64"):
     return compare(ours, reference, labels, TOLERANCE["torch", dtype])
 
 
-def compare_with_twin(case, rng, device="cpu", dtype="float64"):
+def compare_with_twin(case: OpCase, rng: np.random.Generator, device: str = "cpu", dtype: str = "float64") -> Comparison:
     """The case's outputs and gradients against those of its twin (the same inputs and upstream
     gradient): `case.twin` itself, or for COMPOSITE the case run inside `composite.installed()`."""
     if case.twin is None:
