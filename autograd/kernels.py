@@ -17,6 +17,12 @@ the references, so the math of every op is checked on machines without a GPU.
 Calling `softmax_forward(x, 1)` runs the implementation registered for the device of the first
 array argument when its `supports(...)` accepts the arguments, else the reference. Inside
 `reference_only()` (per thread, like the grad mode) every table runs its reference.
+`softmax_forward.choose(x, 1)` says which one a call runs and why, without running it.
+
+An implementation registered with `splits_reference=True` runs the reference itself on blocks
+of the work (rows on threads): the same math, faster. `runs_reference(fn)` is True for it and
+for the reference, so a caller can ask whether a call runs the reference's math or another
+kernel (the attention path choice asks whether the flash kernels run).
 """
 import contextlib
 import threading
@@ -36,40 +42,80 @@ class KernelTable:
         self.__doc__ = reference.__doc__
         self.__wrapped__ = reference
         self.implementations = {}  # device -> (function, supports or None)
+        self.reference_splits = set()  # the implementations registered with splits_reference=True
         TABLES.append(self)
 
-    def register(self, device, supports=None):
+    def register(self, device, supports=None, splits_reference=False):
         """Decorator: `fn` implements this table on `device` for the arguments that
-        `supports(*args, **kwargs)` accepts (all, when None)."""
+        `supports(*args, **kwargs)` accepts (all, when None); splits_reference=True says that
+        `fn` runs the reference on blocks of the work (see runs_reference)."""
         if device not in backend.DEVICES:
             raise ValueError(f"register: device must be one of {backend.DEVICES}, got {device!r}")
 
         def add(fn):
             self.implementations[device] = (fn, supports)
+            if splits_reference:
+                self.reference_splits.add(fn)
             return fn
         return add
 
+    def choose(self, *args, **kwargs):
+        """(implementation, reason): the function that a call with these arguments runs and why,
+        e.g. "cuda: supports(...) accepted" or "reference: no cpu implementation"."""
+        if is_reference_only():
+            return self.reference, "reference: inside reference_only()"
+        if not self.implementations:
+            return self.reference, "reference: nothing else is registered"
+        for array in args:  # the first array argument decides
+            if backend.is_array(array):
+                break
+        else:
+            return self.reference, "reference: no array argument"
+        device = backend.device_of(array)
+        entry = self.implementations.get(device)
+        if entry is None:
+            return self.reference, _reasons(device)[0]
+        fn, supports = entry
+        if supports is None:
+            return fn, _reasons(device)[1]
+        if supports(*args, **kwargs):
+            return fn, _reasons(device)[2]
+        return self.reference, _reasons(device)[3]
+
     def select(self, *args, **kwargs):
-        """The function that a call with these arguments runs."""
-        if self.implementations and not getattr(_mode, "reference_only", False):
-            for array in args:  # the first array argument decides
-                if backend.is_array(array):
-                    entry = self.implementations.get(backend.device_of(array))
-                    if entry is not None and (entry[1] is None or entry[1](*args, **kwargs)):
-                        return entry[0]
-                    break
-        return self.reference
+        """The function that a call with these arguments runs (choose's implementation)."""
+        return self.choose(*args, **kwargs)[0]
+
+    def runs_reference(self, implementation):
+        """True for the reference and for implementations registered with splits_reference=True
+        (the reference's math on blocks); False for other kernels (e.g. CUDA's)."""
+        return implementation is self.reference or implementation in self.reference_splits
 
     def __call__(self, *args, **kwargs):
-        return self.select(*args, **kwargs)(*args, **kwargs)
+        return self.choose(*args, **kwargs)[0](*args, **kwargs)
 
     def __repr__(self):
         return f"<kernel table {self.__name__}: reference + {sorted(self.implementations) or 'nothing'}>"
 
 
+_REASONS = {}  # device -> the reasons `choose` gives, made once (it runs on every call of every table)
+
+
+def _reasons(device):
+    if device not in _REASONS:
+        _REASONS[device] = (f"reference: no {device} implementation", f"{device}: takes every argument",
+                            f"{device}: supports(...) accepted", f"reference: {device}'s supports(...) refused")
+    return _REASONS[device]
+
+
 def kernel_table(reference):
     """Decorator: make `reference` the reference implementation of a new KernelTable."""
     return KernelTable(reference)
+
+
+def is_reference_only():
+    """True inside reference_only() in the calling thread (like autograd.is_grad_enabled)."""
+    return getattr(_mode, "reference_only", False)
 
 
 @contextlib.contextmanager

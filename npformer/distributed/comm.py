@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
+import time
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,8 @@ import numpy as np
 from autograd import backend
 from autograd.backend import Array
 from autograd.checks import check_bool
+
+from .departures import Departures, install_excepthooks
 
 
 class _Done:
@@ -51,16 +53,18 @@ class _MpiRequest:
 
 
 class HostTransport:
-    """Host (numpy) arrays straight to MPI."""
+    """Host (numpy) arrays straight to MPI. departures: the group's `Departures` (every
+    collective is counted there)."""
 
     staged = False  # whether arrays go through a host buffer (`staging` arguments)
 
-    def __init__(self, comm, mpi):
-        self.comm, self.MPI = comm, mpi
+    def __init__(self, comm, mpi, departures):
+        self.comm, self.MPI, self.departures = comm, mpi, departures
 
     def start_sum(self, flat, staging=None):
         """Begin the in-place sum over ranks of a flat array; returns a request to wait on.
         staging: a host buffer like `flat` to reuse (transports with `staged` only)."""
+        self.departures.collective()
         return _MpiRequest(self.comm.Iallreduce(self.MPI.IN_PLACE, flat, op=self.MPI.SUM))
 
     def allgatherv(self, flat, counts, staging=None):
@@ -69,6 +73,7 @@ class HostTransport:
         from mpi4py.util import dtlib
 
         displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        self.departures.collective()
         self.comm.Allgatherv(self.MPI.IN_PLACE, [flat, list(counts), displacements, dtlib.from_numpy_dtype(flat.dtype)])
 
 
@@ -90,6 +95,7 @@ class StagedTransport(HostTransport):
     def start_sum(self, flat, staging=None):
         host = self.staging_buffer(flat) if staging is None else staging
         _copy_to_host(flat, host)
+        self.departures.collective()
         request = self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM)
         return _MpiRequest(request, after=lambda: _copy_from_host(host, flat))
 
@@ -118,11 +124,12 @@ class NcclTransport:
     ordered after the work queued so far on the current stream; waiting makes the current
     stream wait for NCCL's (no host synchronisation)."""
 
-    def __init__(self, comm, mpi):
+    def __init__(self, comm, mpi, departures):
         cupy = backend.module_for("cuda")
         from cupy.cuda import nccl
 
-        self.cupy, self.nccl = cupy, nccl
+        self.cupy, self.nccl, self.departures = cupy, nccl, departures
+        departures.collective()
         uid = comm.bcast(nccl.get_unique_id() if comm.rank == 0 else None, root=0)
         self.comm = nccl.NcclCommunicator(comm.size, uid, comm.rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -138,6 +145,7 @@ class NcclTransport:
 
     def start_sum(self, flat, staging=None):
         self._after_current_stream()
+        self.departures.collective()
         self.comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, self._dtype(flat.dtype),
                             self.nccl.NCCL_SUM, self.stream.ptr)
         return _NcclRequest(self)
@@ -146,6 +154,7 @@ class NcclTransport:
         """One broadcast per rank (NCCL's all-gather wants equal counts), grouped into one launch."""
         self._after_current_stream()
         offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        self.departures.collective()
         self.nccl.groupStart()
         for root, count in enumerate(counts):
             segment = flat[offsets[root]:offsets[root] + count]
@@ -185,33 +194,37 @@ class ProcessGroup:
 
     rank / size: this process's rank and the number of ranks; local_rank: its rank among the
     processes of this machine (which GPU it takes). Collectives must be called by every rank in
-    the same order. Made by `init()` (comm: an mpi4py communicator, mpi: mpi4py's MPI module).
-    Without `init()`, `group()` is a one-process stand-in with the same methods."""
+    the same order; each is counted by `departures`, which ends the job when a rank that left
+    the program will never join one (npformer.distributed.departures). Made by `init()` (comm:
+    an mpi4py communicator, mpi: mpi4py's MPI module). Without `init()`, `group()` is a
+    one-process stand-in with the same methods."""
 
     def __init__(self, comm: Any, mpi: Any, cuda_aware: bool = False):
         self.comm, self.MPI = comm, mpi
         self.rank, self.size = comm.rank, comm.size
         self.local_rank = comm.Split_type(mpi.COMM_TYPE_SHARED).rank  # rank among this machine's
         self.cuda_aware = cuda_aware
+        self.departures = Departures(self)
         self._transports = {}
 
     def transport(self, device: str) -> Any:
         """How arrays of `device` reach the other ranks (see the module docstring)."""
         if device not in self._transports:
             if device == "cpu":
-                made = HostTransport(self.comm, self.MPI)
+                made = HostTransport(self.comm, self.MPI, self.departures)
             elif device == "cuda" and _nccl_available() and _gpus_on_this_machine() > 1:
-                made = NcclTransport(self.comm, self.MPI)
+                made = NcclTransport(self.comm, self.MPI, self.departures)
             elif device == "cuda" and self.cuda_aware:
-                made = CudaAwareTransport(self.comm, self.MPI)
+                made = CudaAwareTransport(self.comm, self.MPI, self.departures)
             else:
-                made = StagedTransport(self.comm, self.MPI)
+                made = StagedTransport(self.comm, self.MPI, self.departures)
             self._transports[device] = made
         return self._transports[device]
 
     def sum(self, values: list[float]) -> list[float]:
         """[sum over ranks of values[i]] for a list of numbers (float64, one message)."""
         buffer = np.array(values, dtype=np.float64)
+        self.departures.collective()
         self.comm.Allreduce(self.MPI.IN_PLACE, buffer, op=self.MPI.SUM)
         return buffer.tolist()
 
@@ -228,6 +241,7 @@ class ProcessGroup:
         device = backend.device_of(array)
         host = backend.as_numpy(array) if device != "cpu" else array
         host = np.ascontiguousarray(host)
+        self.departures.collective()
         self.comm.Bcast(host, root=root)
         if device != "cpu":
             array[...] = backend.to_device(host, device)
@@ -237,18 +251,31 @@ class ProcessGroup:
 
     def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         """[obj of rank 0, obj of rank 1, ...] on root (pickled), None elsewhere."""
+        self.departures.collective()
         return self.comm.gather(obj, root=root)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """[obj of rank 0, obj of rank 1, ...] (pickled) on every rank."""
+        self.departures.collective()
+        return self.comm.allgather(obj)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """root's `obj` (pickled) on every rank; the others' `obj` is ignored."""
+        self.departures.collective()
         return self.comm.bcast(obj, root=root)
 
     def barrier(self) -> None:
         """Wait until every rank has reached its barrier."""
+        self.departures.collective()
         self.comm.Barrier()
 
     def abort(self, code: int = 1) -> None:
-        """End every rank of the job at once with exit status `code` (MPI_Abort)."""
+        """End every rank of the job at once with exit status `code` (MPI_Abort), a moment after
+        flushing this rank's output (mpiexec drops output it has not forwarded yet when it
+        tears the job down, the message saying why included)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(_OUTPUT_FORWARDING_SECONDS)
         self.comm.Abort(code)
 
 
@@ -270,6 +297,9 @@ class _LocalGroup:
         return array
 
     def gather_object(self, obj, root=0):
+        return [obj]
+
+    def all_gather_object(self, obj):
         return [obj]
 
     def broadcast_object(self, obj, root=0):
@@ -294,6 +324,7 @@ class _LocalTransport:
 
 LOCAL = _LocalGroup()
 _world = None
+_OUTPUT_FORWARDING_SECONDS = 0.5  # before MPI_Abort: time for mpiexec to forward the last messages
 
 
 def _gpus_on_this_machine():
@@ -313,8 +344,10 @@ def init(cuda_aware: bool = False) -> ProcessGroup:
     started alone is rank 0 of 1, with MPI or, when mpi4py is not installed, without) and return
     the world group; later calls return the same group.
 
-    Also: an exception that reaches the top of any rank aborts the whole job (MPI_Abort), so
-    that the other ranks never wait forever in a collective; with CuPy and GPUs present, each
+    Also: a rank that leaves before the others (an exception reaching the top of any thread,
+    its script ending or sys.exit while others still run collectives) ends the whole job with a
+    message naming it (npformer.distributed.departures), so that no rank waits forever in a
+    collective; with CuPy and GPUs present, each
     rank takes the GPU `local_rank % number of GPUs` (one rank per GPU); cuda_aware=True hands
     CuPy arrays to MPI directly (only with an MPI built CUDA-aware; TypeError unless a bool)."""
     global _world
@@ -331,20 +364,10 @@ def init(cuda_aware: bool = False) -> ProcessGroup:
         return _world
     _world = ProcessGroup(MPI.COMM_WORLD, MPI, cuda_aware=cuda_aware)
     if _world.size > 1:
-        sys.excepthook = _aborting_excepthook(sys.excepthook, _world)
+        install_excepthooks(_world)
     if backend.cuda_available():
         backend.module_for("cuda").cuda.Device(_world.local_rank % _gpus_on_this_machine()).use()
     return _world
-
-
-def _aborting_excepthook(previous, group):
-    def excepthook(kind, value, tb):
-        sys.stderr.write(f"rank {group.rank} of {group.size}: unhandled exception, aborting the MPI job\n"
-                         + "".join(traceback.format_exception(kind, value, tb)))
-        sys.stderr.flush()
-        group.abort(1)
-        previous(kind, value, tb)  # only reached if Abort returned
-    return excepthook
 
 
 def launched_by_mpi() -> bool:
@@ -383,8 +406,8 @@ def barrier() -> None:
 
 def abort(message: str = "", code: int = 1) -> None:
     """End every rank of the job now (MPI_Abort), after printing `message` on this one's stderr.
-    For errors seen on one rank only (e.g. a bad file), where `sys.exit` would leave the other
-    ranks waiting in their next collective."""
+    For errors seen on one rank only (e.g. a bad file): `sys.exit` there would end the job only
+    when another rank starts a collective that this one never joins, and without the message."""
     if message:
         print(f"rank {rank()}: {message}", file=sys.stderr, flush=True)
     group().abort(code)

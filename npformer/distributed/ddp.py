@@ -14,6 +14,7 @@ mean over ranks. See docs/distributed.md.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 import weakref
 from collections.abc import Iterator
@@ -104,7 +105,8 @@ class DistributedDataParallel(Module):
     all-reduces are completed, its gradients are partial (zero_grad before the next backward).
     Raises TypeError for a module that is not an npformer Module, a bucket_cap_mb that is not a
     number or a per_rank_random that is not a bool, ValueError for bucket_cap_mb <= 0 (inf: one
-    bucket per device and dtype), RuntimeError in an MPI job whose `init()` was not called.
+    bucket per device and dtype) and, on every rank, for ranks whose models differ (the first
+    difference: `check_same_model`), RuntimeError in an MPI job whose `init()` was not called.
     """
 
     def __init__(self, module: Module, bucket_cap_mb: float = 25.0, group: comm.ProcessGroup | None = None,
@@ -120,6 +122,7 @@ class DistributedDataParallel(Module):
                                "npformer.distributed.init() was not called; call it first")
         self.module = module
         self.group = group
+        check_same_model(module, group)
         for t in list(module.parameters()) + list(module.buffers()):
             group.broadcast_(t.data)
         if per_rank_random and group.size > 1:
@@ -232,6 +235,46 @@ def _remove_hooks(handles):
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+def model_signature(module: Module) -> list[tuple]:
+    """What must be the same on every rank: (kind, name, shape, dtype, requires_grad) of each
+    parameter and buffer, in registration order (the order of the broadcasts and the buckets)."""
+    return ([("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
+            + [("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in module.named_buffers()])
+
+
+def check_same_model(module: Module, group: comm.ProcessGroup) -> None:
+    """Raise ValueError on every rank unless every rank's `module` has the same parameters and
+    buffers (names, shapes, dtypes, requires_grad); the message names the first difference and
+    the ranks. Collective: one all-gather of a 16-byte digest, and of the signatures when they differ."""
+    signature = model_signature(module)
+    digests = group.all_gather_object(hashlib.sha256(repr(signature).encode()).hexdigest()[:32])
+    if len(set(digests)) > 1:
+        raise ValueError("DistributedDataParallel expects the same model on every rank: "
+                         + first_difference(group.all_gather_object(signature)))
+
+
+def first_difference(signatures: list[list[tuple]]) -> str:
+    """The first difference between rank 0's `model_signature` and another rank's, in words
+    ('' when all are the same)."""
+    fields = ("shape", "dtype", "requires_grad")  # after (kind, name)
+    reference = signatures[0]
+    for rank, signature in enumerate(signatures[1:], start=1):
+        for i, (mine, theirs) in enumerate(zip(reference, signature)):
+            if mine[:2] != theirs[:2]:
+                return (f"their parameters and buffers part at number {i}: {mine[0]} {mine[1]!r} on rank 0, "
+                        f"{theirs[0]} {theirs[1]!r} on rank {rank}")
+            if mine != theirs:
+                at = next(k for k in range(len(fields)) if mine[2 + k] != theirs[2 + k])
+                return (f"{mine[0]} {mine[1]!r}: {fields[at]} {mine[2 + at]!r} on rank 0, "
+                        f"{theirs[2 + at]!r} on rank {rank}")
+        if len(reference) != len(signature):
+            longer, shorter = (0, rank) if len(reference) > len(signature) else (rank, 0)
+            kind, name = signatures[longer][min(len(reference), len(signature))][:2]
+            return (f"rank {shorter} has {min(len(reference), len(signature))} parameters and buffers, rank {longer} "
+                    f"{max(len(reference), len(signature))}; the first one missing on rank {shorter}: {kind} {name!r}")
+    return ""
 
 
 def split_random_streams(group: comm.ProcessGroup) -> None:

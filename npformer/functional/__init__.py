@@ -2,7 +2,7 @@
 torch.nn.functional. `npformer.functional.composite` holds slow twins built from autograd
 primitives, used as test references. Fused computations run from kernel tables
 (`autograd.kernels`): a plain reference, and faster implementations per device (row blocks on
-the CPU threads, hand-written CUDA kernels in `npformer.functional.cuda`)."""
+the CPU threads in `npformer.functional.cpu`, hand-written CUDA kernels in `npformer.functional.cuda`)."""
 from .activation import dropout, gelu, relu
 from .attention import attention_backend, scaled_dot_product_attention, split_heads
 from .embedding import embedding
@@ -13,6 +13,7 @@ from .residual import dropout_add
 from .rotary import apply_rotary_emb, rotary_cos_sin
 from .softmax import log_softmax, softmax
 
+from . import cpu  # noqa: E402,F401  (registers the CPU implementations in the kernel tables)
 from . import cuda  # noqa: E402,F401  (registers the CUDA kernels in the kernel tables; runs only on a GPU)
 
 __all__ = ["apply_rotary_emb", "attention_backend", "cross_entropy", "dropout", "dropout_add", "embedding", "gelu",

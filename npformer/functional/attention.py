@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, is_grad_enabled, random, unbroadcast
+from autograd import Function, Tensor, backend, is_grad_enabled, kernels, random, unbroadcast
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
 from autograd.kernels import kernel_table
-from autograd.threads import for_rows, row_blocks, run_blocks
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
 from .activation import dropout_scale, dropout_stream, dropout_threshold, keep_mask
@@ -63,6 +62,64 @@ def _at_least_2d(mask):
     return None if mask is None else mask.reshape((1,) * max(0, 2 - mask.ndim) + tuple(mask.shape))
 
 
+@kernel_table
+def attention_forward(q, k, v, mask, blocked, causal, scale, keep, dropout_scale, probs, out, weights):
+    """The naive path's forward: q (..., Tq, hd), k (..., Tk, hd), v (..., Tk, hdv), a float mask
+    and a bool `blocked` (True = hidden), each broadcastable to (..., Tq, Tk) or None, keep the
+    dropout mask or None. Writes P into probs (..., Tq, Tk), O into out (..., Tq, hdv) and, with
+    dropout, Pd into weights (None: a temporary)."""
+    xp = backend.get_array_module(q)
+    # S = s Q K^T + mask, -inf where blocked or causally hidden
+    scores = masked_scores(q * scale, k, blocked, mask, causal, 0, 0, out=probs)   # (..., Tq, Tk)
+    # P = softmax(S), in place
+    softmax_forward(scores, -1, out=scores)
+    dropped = scores
+    if keep is not None:                                                       # Pd = P * keep / (1 - p)
+        dropped = xp.multiply(scores, keep, out=weights)
+        dropped *= dropout_scale
+    # O = Pd V
+    xp.matmul(dropped, v, out=out)
+
+
+@kernel_table
+def attention_backward(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, dq, dk, dv, dmask):
+    """The naive path's backward from what attention_forward saved (P in probs, the mask keep or
+    None) and dout (..., Tq, hdv) plus dweights (..., Tq, Tk) reaching the returned weights, or
+    None. Writes dQ into dq, dK into dk, dV into dv (each (..., T, hd) over the broadcast leading
+    shape) and dS into dmask (..., Tq, Tk), those that are not None."""
+    xp = backend.get_array_module(dout)
+    dropped = probs
+    if keep is not None:
+        dropped = probs * keep
+        dropped *= dropout_scale
+    # O = Pd V  ->  dV = Pd^T dO
+    if dv is not None:
+        xp.matmul(dropped.swapaxes(-1, -2), dout, out=dv)
+    if dq is None and dk is None and dmask is None:
+        return
+    # O = Pd V  ->  dPd = dO V^T (plus the gradient reaching the returned weights Pd)
+    dprobs = dout @ v.swapaxes(-1, -2)                                        # (..., Tq, Tk)
+    if dweights is not None:
+        dprobs += dweights
+    # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
+    if keep is not None:
+        dprobs *= keep
+        dprobs *= dropout_scale
+    # P = softmax(S)  ->  dS = P (dP - rowsum(dP P)); masked entries have P = 0, so dS = 0
+    dscores = softmax_backward(probs, dprobs, -1, out=dprobs)                 # (..., Tq, Tk)
+    # S = s Q K^T + mask  ->  d(mask) = dS
+    if dmask is not None:
+        dmask[...] = dscores
+    # S = s Q K^T  ->  dQ = s dS K
+    if dq is not None:
+        xp.matmul(dscores, k, out=dq)
+        dq *= scale
+    # S = s Q K^T  ->  dK = s dS^T Q
+    if dk is not None:
+        xp.matmul(dscores.swapaxes(-1, -2), q, out=dk)
+        dk *= scale
+
+
 class AttentionFunction(Function):
     """q (..., Tq, hd), k (..., Tk, hd), v (..., Tk, hdv) [, additive mask] -> out (..., Tq, hdv)
     [, P (..., Tq, Tk)].
@@ -70,33 +127,19 @@ class AttentionFunction(Function):
     S = s Q K^T + mask, P = softmax(S) (dropout: Pd = P * keep / (1 - p)), O = Pd V;
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
     dQ = s dS K, dK = s dS^T Q, and d(additive mask) = dS summed over its broadcast axes.
-    With set_num_threads(n > 1), blocks of a batch axis (the batch, or the heads) run in the threads of
-    `autograd.threads`.
+    The kernel tables attention_forward / attention_backward run it (cpu: blocks of a batch axis
+    on the threads of `autograd.threads`, see npformer/functional/cpu/attention.py).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, additive, blocked, causal, scale, keep, dropout_scale, return_weights):
         xp = backend.get_array_module(q)
         lead = _lead_shape(q, k, v)
-        mask = _at_least_2d(additive)
         probs = xp.empty(lead + (q.shape[-2], k.shape[-2]), dtype=q.dtype)   # (..., Tq, Tk)
         out = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)     # (..., Tq, hdv)
         weights = xp.empty_like(probs) if keep is not None and return_weights else None
-
-        axis, blocks = _batch_blocks(lead, (q, k, v), probs.size, q)
-
-        def forward_block(start, stop):
-            part = _batch_block(lead, axis, start, stop)
-            s = masked_scores(part(q) * scale, part(k), part(blocked), part(mask), causal, 0, 0,
-                              out=part(probs))                                # S
-            softmax_forward(s, -1, out=s)                                     # P
-            dropped = s
-            if keep is not None:                                              # Pd = P * keep / (1 - p)
-                dropped = xp.multiply(s, part(keep), out=part(weights))
-                dropped *= dropout_scale
-            xp.matmul(dropped, part(v), out=part(out))                        # O = Pd V
-
-        run_blocks(forward_block, blocks)
+        attention_forward(q, k, v, _at_least_2d(additive), blocked, causal, scale, keep, dropout_scale,
+                          probs, out, weights)
         ctx.save_for_backward(q, k, v, probs, keep)
         ctx.scale, ctx.dropout_scale = scale, dropout_scale
         ctx.mask_shape = None if additive is None else additive.shape
@@ -112,72 +155,11 @@ class AttentionFunction(Function):
         dk = xp.empty(lead + k.shape[-2:], dtype=q.dtype) if need_k else None
         dv = xp.empty(lead + v.shape[-2:], dtype=q.dtype) if need_v else None
         dmask = xp.empty_like(probs) if need_mask else None                  # (..., Tq, Tk) dS
-
-        axis, blocks = _batch_blocks(lead, (q, k, v), probs.size, probs)
-
-        def backward_block(start, stop):
-            part = _batch_block(lead, axis, start, stop)
-            p, do = part(probs), part(dout)
-            dropped = p
-            if keep is not None:
-                dropped = p * part(keep)
-                dropped *= ctx.dropout_scale
-            # O = Pd V  ->  dV = Pd^T dO
-            if need_v:
-                xp.matmul(dropped.swapaxes(-1, -2), do, out=part(dv))
-            if not (need_q or need_k or need_mask):
-                return
-            # O = Pd V  ->  dPd = dO V^T (plus the gradient reaching the returned weights Pd)
-            dprobs = do @ part(v).swapaxes(-1, -2)                            # (..., Tq, Tk)
-            if dweights is not None:
-                dprobs += part(dweights)
-            # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
-            if keep is not None:
-                dprobs *= part(keep)
-                dprobs *= ctx.dropout_scale
-            # P = softmax(S)  ->  dS = P (dP - rowsum(dP P)); masked entries have P = 0, so dS = 0
-            dscores = softmax_backward(p, dprobs, -1, out=dprobs)             # (..., Tq, Tk)
-            # S = s Q K^T + mask  ->  d(mask) = dS
-            if need_mask:
-                part(dmask)[...] = dscores
-            # S = s Q K^T  ->  dQ = s dS K
-            if need_q:
-                dq_block = xp.matmul(dscores, part(k), out=part(dq))
-                dq_block *= ctx.scale
-            # S = s Q K^T  ->  dK = s dS^T Q
-            if need_k:
-                dk_block = xp.matmul(dscores.swapaxes(-1, -2), part(q), out=part(dk))
-                dk_block *= ctx.scale
-
-        run_blocks(backward_block, blocks)
+        attention_backward(q, k, v, probs, keep, dout, dweights, ctx.scale, ctx.dropout_scale, dq, dk, dv, dmask)
         return (unbroadcast(dq, q.shape) if need_q else None,
                 unbroadcast(dk, k.shape) if need_k else None,
                 unbroadcast(dv, v.shape) if need_v else None,
                 unbroadcast(dmask, ctx.mask_shape) if need_mask else None)
-
-
-def _batch_blocks(lead, inputs, entries, like):
-    """(axis, blocks) for `autograd.threads`: blocks of one batch axis, one per thread, along the
-    longest axis that every input has in full (a broadcast input is shared by every block; B = 1
-    with H heads splits the heads), else the single block of axis 0."""
-    full = [i for i, n in enumerate(lead) if all(a.ndim == len(lead) + 2 and a.shape[i] == n for a in inputs)]
-    if not full:
-        return 0, [(0, lead[0] if lead else 1)]
-    axis = max(full, key=lambda i: lead[i])  # the first of the longest
-    return axis, row_blocks(lead[axis], entries, like)
-
-
-def _batch_block(lead, axis, start, stop):
-    """part(a): entries [start, stop) of batch axis `axis` of `a` (its axes aligned to the right
-    of (*lead, rows, cols)); an array that broadcasts along that axis, or None, passes whole."""
-    def part(a):
-        if a is None or not lead:
-            return a
-        at = axis - (len(lead) + 2 - a.ndim)
-        if at < 0 or a.shape[at] != lead[axis]:
-            return a
-        return a[(slice(None),) * at + (slice(start, stop),)]
-    return part
 
 
 class MemoryEfficientAttentionFunction(Function):
@@ -312,58 +294,6 @@ def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, cau
     return dq, dk, dv, dmask
 
 
-def _blockwise_split(q, k, v):
-    """(lead, axis, blocks): the batch axis (batch or heads) and its blocks on which the CPU runs the
-    blockwise references in threads, as the naive path splits (see _batch_blocks)."""
-    lead = _lead_shape(q, k, v)
-    return (lead, *_batch_blocks(lead, (q, k, v), math.prod(lead) * q.shape[-2] * k.shape[-2], q))
-
-
-@attention_blockwise_forward.register("cpu", supports=lambda q, k, v, blocked, additive, causal, scale, block_size,
-                                      dropout, mask_grad: dropout is None)
-def attention_blockwise_forward_cpu(q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
-    """The reference on blocks of a batch axis in the threads (each block's rows are independent);
-    with dropout, whose mask is numbered over the whole leading shape, the reference whole."""
-    lead, axis, blocks = _blockwise_split(q, k, v)
-    if len(blocks) == 1:
-        return attention_blockwise_forward.reference(q, k, v, blocked, additive, causal, scale, block_size,
-                                                     None, mask_grad)
-    xp = backend.get_array_module(q)
-    out = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)   # (..., Tq, hdv)
-    lse = xp.empty(lead + (q.shape[-2], 1), dtype=q.dtype)             # (..., Tq, 1) L
-
-    def block(start, stop):
-        part = _batch_block(lead, axis, start, stop)
-        part(out)[...], part(lse)[..., 0] = attention_blockwise_forward.reference(
-            part(q), part(k), part(v), part(blocked), part(additive), causal, scale, block_size, None, mask_grad)
-
-    run_blocks(block, blocks)
-    return out, lse[..., 0]
-
-
-@attention_blockwise_backward.register("cpu", supports=lambda q, k, v, out, lse, dout, blocked, additive, causal,
-                                       scale, block_size, dropout, need_mask: dropout is None and not need_mask)
-def attention_blockwise_backward_cpu(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
-                                     need_mask):
-    """The reference on blocks of a batch axis in the threads: a block's dQ, dK, dV come from its
-    own rows only (not d(mask), which sums over the mask's broadcast axes: then the reference whole)."""
-    lead, axis, blocks = _blockwise_split(q, k, v)
-    if len(blocks) == 1:
-        return attention_blockwise_backward.reference(q, k, v, out, lse, dout, blocked, additive, causal, scale,
-                                                      block_size, None, False)
-    xp = backend.get_array_module(dout)
-    dq, dk, dv = (xp.empty(lead + a.shape[-2:], dtype=q.dtype) for a in (q, k, v))
-
-    def block(start, stop):
-        part = _batch_block(lead, axis, start, stop)
-        part(dq)[...], part(dk)[...], part(dv)[...], _ = attention_blockwise_backward.reference(
-            part(q), part(k), part(v), part(out), part(lse[..., None])[..., 0], part(dout), part(blocked),
-            part(additive), causal, scale, block_size, None, False)
-
-    run_blocks(block, blocks)
-    return dq, dk, dv, None
-
-
 def attention_keep_block(dropout, lead, tq, tk, q_start, q_stop, k_start, k_stop, like):
     """The dropout contract's keep-mask of the attention block (..., q rows, k cols), drawn alone:
     entry (b, i, j) of the (..., Tq, Tk) probabilities (b the flat index of the leading axes) is
@@ -389,20 +319,6 @@ def attention_keep_mask(like, shape, p, seed, offset, causal, state=None):
     return keep_mask(shape, p, seed, offset, backend.device_of(like), state)
 
 
-@attention_keep_mask.register("cpu", supports=lambda like, shape, p, seed, offset, causal, state=None:
-                              causal and p < 1.0 and state is None)
-def attention_keep_mask_cpu(like, shape, p, seed, offset, causal, state=None):
-    """Draws only the counters under the causal diagonal: row i of every (Tq, Tk) block needs its
-    first min(i + 1, Tk) entries (~56% of the values at T = 64, ~50% for long sequences); an entry
-    to their right is False, or its own test where it shares a counter with them."""
-    xp = backend.get_array_module(like)
-    tq, tk = shape[-2], shape[-1]
-    rows = xp.arange(math.prod(shape[:-1]), dtype="int64")                          # flat (b, i) = b Tq + i
-    lengths = xp.minimum(rows % tq + 1, tk)                                          # keys j <= i
-    keep = random.bits16_at_least_in_runs(seed, offset, math.prod(shape), dropout_threshold(p), rows * tk, lengths)
-    return keep.reshape(shape)
-
-
 def _lead_shape(q, k, v):
     return broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
 
@@ -411,6 +327,13 @@ def _key_starts(q_start, q_stop, tk, block_size, causal):
     """Key block starts; with a causal mask, blocks entirely right of the diagonal are skipped."""
     stop = min(tk, q_stop) if causal else tk
     return range(0, stop, block_size)
+
+
+@kernel_table
+def split_heads_backward(dx, grads):
+    """dx (B, T, n, H, hd) <- the n head gradients (B, H, T, hd): dx[:, :, i] = grads[i] as (B, T, H, hd)."""
+    for i, g in enumerate(grads):
+        dx[:, :, i] = g.transpose(0, 2, 1, 3)
 
 
 class SplitHeadsFunction(Function):
@@ -431,12 +354,7 @@ class SplitHeadsFunction(Function):
         B, T, width = ctx.shape
         # out_i = x[:, :, i E:(i + 1) E] as heads  ->  dx[:, :, i E:(i + 1) E] = dout_i as (B, T, H, hd)
         dx = xp.empty((B, T, len(grads)) + grads[0].shape[1:2] + grads[0].shape[3:], dtype=grads[0].dtype)
-
-        def rows(start, stop):
-            for i, g in enumerate(grads):
-                dx[start:stop, :, i] = g[start:stop].transpose(0, 2, 1, 3)
-
-        for_rows(rows, B, dx.size, dx)
+        split_heads_backward(dx, grads)
         return dx.reshape(ctx.shape)
 
 
@@ -542,15 +460,15 @@ def _choose_path(call, return_weights, backend_name, memory_efficient, op):
         return "naive", "return_weights=True needs the (Tq, Tk) weights"
     if asked == "naive":
         return "naive", "backend='naive' was asked for"
+    # the memory-efficient path's table says whether its flash kernels take the call
     args = (call.q, call.k, call.v, None, _data(call.additive), call.causal, call.scale, 1, None, call.mask_grad)
+    implementation, why = attention_blockwise_forward.choose(*args)
     reason = None
-    not_flash = (attention_blockwise_forward.reference, attention_blockwise_forward_cpu)  # (the reference on threads)
-    if attention_blockwise_forward.select(*args) in not_flash:
-        flash, supports = attention_blockwise_forward.implementations.get(_device(call.q), (None, None))
-        if flash not in (None, *not_flash) and (supports is None or supports(*args)):
+    if attention_blockwise_forward.runs_reference(implementation):   # the reference, or it on threads
+        if kernels.is_reference_only():
             reason = "autograd.kernels.reference_only() is active"
         else:
-            reason = flash_unsupported(call.q, call.k, call.v, _data(call.additive), call.mask_grad)
+            reason = flash_unsupported(call.q, call.k, call.v, _data(call.additive), call.mask_grad) or why
     if asked == "flash":
         if reason:
             raise ValueError(f"{op}: backend='flash' cannot run this call: {reason}")

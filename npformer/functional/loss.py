@@ -5,7 +5,6 @@ from autograd import Function, Tensor, backend, deferred, is_grad_enabled
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int, check_real
 from autograd.kernels import kernel_table
-from autograd.threads import for_rows
 
 from ._common import check_index_range, check_tensor, data_of, has_twin, on_device_of
 from .softmax import stable_row_max
@@ -38,40 +37,6 @@ def cross_entropy_forward(logits, target, valid, weight, label_smoothing):
     return xp.where(valid, loss, 0), probs                      # ignored rows add nothing
 
 
-@cross_entropy_forward.register("cpu")
-def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, the softmax
-    computed in the memory of probs."""
-    xp = backend.get_array_module(logits)
-    m, c = logits.shape
-    e = label_smoothing
-    probs = xp.empty((m, c), dtype=logits.dtype)                # (M, C)
-    loss = xp.empty(m, dtype=logits.dtype)                      # (M,)
-    w_sum = weight.sum() if weight is not None else c
-
-    def rows(start, stop):
-        x, t = logits[start:stop], target[start:stop]
-        z = xp.subtract(x, stable_row_max(x, 1), out=probs[start:stop])   # (n, C) shifted, max 0
-        z_target = z[xp.arange(stop - start), t]               # (n,)
-        z_smooth = (xp.einsum("mc,c->m", z, weight) if weight is not None else z.sum(axis=1)) if e else None
-        xp.exp(z, out=z)
-        total = z.sum(axis=1, keepdims=True)                   # (n, 1)
-        xp.copyto(total, 1.0, where=total == 0)
-        z /= total                                             # softmax
-        log_total = xp.log(total[:, 0])                        # (n,)
-        row_loss = z_target - log_total
-        if weight is not None:
-            row_loss *= weight[t]
-        row_loss *= -(1.0 - e)
-        if e:
-            z_smooth -= log_total * w_sum
-            row_loss -= (e / c) * z_smooth
-        loss[start:stop] = row_loss
-
-    for_rows(rows, m, logits.size, logits)
-    return xp.where(valid, loss, 0), probs
-
-
 @kernel_table
 def cross_entropy_backward(probs, target, weight, label_smoothing, dloss):
     """probs (M, C) softmax, target (M,), weight (C,) or None, dloss (M,) the upstream gradient of each
@@ -89,31 +54,6 @@ def cross_entropy_backward(probs, target, weight, label_smoothing, dloss):
     return (probs * a_sum - a) * dloss[:, None]
 
 
-@cross_entropy_backward.register("cpu")
-def cross_entropy_backward_cpu(probs, target, weight, label_smoothing, dloss):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, the one-hot
-    part of a subtracted at the target entries only."""
-    xp = backend.get_array_module(probs)
-    m, c = probs.shape
-    e = label_smoothing
-    dloss = dloss[:, None]                                     # (M, 1)
-    w_target = weight[target][:, None] if weight is not None else 1.0
-    a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
-    softmax_coef = a_sum * dloss                               # (M, 1)
-    target_coef = ((1.0 - e) * w_target * dloss)[:, 0]         # (M,)  the one-hot part of a, times dloss
-    dlogits = xp.empty_like(probs)                             # (M, C)
-
-    def rows(start, stop):
-        d = xp.multiply(probs[start:stop], softmax_coef[start:stop], out=dlogits[start:stop])
-        if e:                                                  # the e / C part of a
-            smooth = (e / c) * dloss[start:stop]               # (n, 1)
-            d -= smooth * weight if weight is not None else smooth
-        d[xp.arange(stop - start), target[start:stop]] -= target_coef[start:stop]
-
-    for_rows(rows, m, probs.size, probs)
-    return dlogits
-
-
 class CrossEntropyFunction(Function):
     """logits (M, C), target (M,) class ids -> per-row loss (M,) or its sum/mean.
 
@@ -121,8 +61,8 @@ class CrossEntropyFunction(Function):
     loss_i = -sum_c a_ic logp_ic on valid rows (target != ignore_index), 0 elsewhere;
     "mean" divides by sum of w[target] over valid rows (n_valid without weights).
     dlogits_i = (softmax_i * sum_c a_ic - a_i) * valid_i * dloss_i (/ the mean's divisor).
-    The kernel table cross_entropy_forward / cross_entropy_backward runs it (CPU: row blocks on
-    threads; cuda: hand-written kernels); the softmax is saved for backward.
+    The kernel table cross_entropy_forward / cross_entropy_backward runs it (cpu: row blocks on
+    threads, npformer/functional/cpu/loss.py; cuda: hand-written kernels); the softmax is saved for backward.
     """
 
     @staticmethod

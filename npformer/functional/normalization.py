@@ -7,10 +7,8 @@ from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.checks import check_real, check_shape
 from autograd.kernels import kernel_table
-from autograd.threads import for_rows
 
 from ._common import check_one_dtype, check_tensor, has_twin
-from .softmax import row_sum
 
 
 @kernel_table
@@ -32,45 +30,6 @@ def layer_norm_forward(x, weight, bias, eps):
     return y, xhat, rstd
 
 
-# below this many entries the reference's whole-array steps are faster than the blocks' extra
-# calls (2 cores: 1 x 768 entries 13 vs 25 us, 8 x 768 27 vs 34 us; 32 x 768 73 vs 68 us): a
-# decoding step normalizes a few rows
-CPU_MIN_ENTRIES = 1 << 14
-
-
-@layer_norm_forward.register("cpu", supports=lambda x, weight, bias, eps: x.size >= CPU_MIN_ENTRIES)
-def layer_norm_forward_cpu(x, weight, bias, eps):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, with einsum
-    row sums (faster than numpy's reductions over rows of a few hundred entries)."""
-    xp = backend.get_array_module(x)
-    d = x.shape[1]
-    xhat = xp.empty(x.shape, dtype=x.dtype)                       # (N, D)
-    rstd = xp.empty((x.shape[0], 1), dtype=x.dtype)               # (N, 1)
-    y = xp.empty_like(xhat)
-
-    def rows(start, stop):
-        xb, xh = x[start:stop], xhat[start:stop]
-        mean = row_sum(xb, 1) / d                                 # (n, 1)
-        xp.subtract(xb, mean, out=xh)                             # x - mean
-        xh -= row_sum(xh, 1) / d                                  # the refinement step
-        var = xp.einsum("nd,nd->n", xh, xh)[:, None]              # (n, 1)  two-pass sum (x - mean)^2
-        var /= d
-        var += eps
-        xp.sqrt(var, out=var)
-        xp.divide(1.0, var, out=rstd[start:stop])                 # rstd = 1 / sqrt(var + eps)
-        xh *= rstd[start:stop]                                    # (n, D)  xhat
-        yb = y[start:stop]                                        # y = xhat * weight + bias
-        if weight is not None:
-            xp.multiply(xh, weight, out=yb)
-        else:
-            yb[...] = xh
-        if bias is not None:
-            yb += bias
-
-    for_rows(rows, x.shape[0], x.size, x)
-    return y, xhat, rstd
-
-
 @kernel_table
 def layer_norm_backward(dy, xhat, rstd, weight, need_x, need_w, need_b):
     """dy, xhat (N, D), rstd (N, 1), weight (D,) or None -> (dx (N, D), dweight (D,), dbias (D,)),
@@ -88,43 +47,14 @@ def layer_norm_backward(dy, xhat, rstd, weight, need_x, need_w, need_b):
     return dx, dweight, dbias
 
 
-@layer_norm_backward.register("cpu")
-def layer_norm_backward_cpu(dy, xhat, rstd, weight, need_x, need_w, need_b):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads` (column sums:
-    one partial per block), with einsum row sums."""
-    xp = backend.get_array_module(dy)
-    d = xhat.shape[1]
-    dx = xp.empty_like(xhat) if need_x else None                  # (N, D)
-
-    def rows(start, stop):
-        dyb, xh = dy[start:stop], xhat[start:stop]
-        dweight = xp.einsum("nd,nd->d", dyb, xh) if need_w else None
-        dbias = dyb.sum(axis=0) if need_b else None
-        if need_x:
-            g = dyb * weight if weight is not None else dyb                     # (n, D)
-            mean_g = row_sum(g, 1) / d                                          # (n, 1)
-            mean_gx = xp.einsum("nd,nd->n", g, xh)[:, None]                     # (n, 1)
-            mean_gx /= d
-            dxb = xp.multiply(xh, mean_gx, out=dx[start:stop])                  # (n, D)
-            xp.subtract(g, dxb, out=dxb)
-            dxb -= mean_g
-            dxb *= rstd[start:stop]
-        return dweight, dbias
-
-    partial = for_rows(rows, dy.shape[0], dy.size, dy)            # per block: column sums
-    dweight = sum(p[0] for p in partial) if need_w else None
-    dbias = sum(p[1] for p in partial) if need_b else None
-    return dx, dweight, dbias
-
-
 class LayerNormFunction(Function):
     """x (..., *S) -> y = (x - mean) * rstd * weight + bias over the trailing dims S
     (biased variance, eps inside the sqrt); weight, bias (*S,) or None.
 
     With xhat = (x - mean) rstd, g = weight * dy (per row of D = prod(S) entries):
     dx = rstd (g - mean(g) - xhat mean(g xhat)),  dweight = sum(dy xhat),  dbias = sum(dy).
-    The kernel table layer_norm_forward / layer_norm_backward runs it (CPU: row blocks on
-    threads; cuda: hand-written kernels); xhat and rstd are saved for backward.
+    The kernel table layer_norm_forward / layer_norm_backward runs it (cpu: row blocks on
+    threads, npformer/functional/cpu/normalization.py; cuda: hand-written kernels); xhat and rstd are saved for backward.
     """
 
     @staticmethod

@@ -10,7 +10,7 @@ from autograd.kernels import kernel_table
 from autograd.random import Philox
 
 from ._common import check_one_dtype, check_tensor, has_twin
-from .activation import DropoutFunction, dropout_apply_cpu, dropout_forward, dropout_stream
+from .activation import DropoutFunction, dropout_forward, dropout_stream
 
 
 @kernel_table
@@ -20,12 +20,6 @@ def dropout_add_forward(x, residual, seed, offset, p, state=None):
     y, keep = dropout_forward(x, seed, offset, p, state)
     y += residual
     return y, keep
-
-
-@dropout_add_forward.register("cpu", supports=lambda x, residual, seed, offset, p, state=None: state is None and p < 1.0)
-def dropout_add_forward_cpu(x, residual, seed, offset, p, state=None):
-    """Mask, multiply and add chunk by chunk in the cache (activation.dropout_apply_cpu)."""
-    return dropout_apply_cpu(x, seed, offset, p, residual)
 
 
 class DropoutAddFunction(Function):

@@ -7,7 +7,5 @@ from .clip import clip_grad_norm_, grad_norm
 from .lr_scheduler import LambdaLR, NoamLR, WarmupCosineLR, noam_factor, warmup_cosine_factor
 from .optimizer import SGD, Adam, AdamW, Optimizer
 
-from . import cuda  # noqa: E402,F401  (registers Adam's CUDA kernel; runs only on a GPU)
-
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm_", "grad_norm",
            "LambdaLR", "NoamLR", "WarmupCosineLR", "noam_factor", "warmup_cosine_factor"]

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 from autograd import Tensor, backend, graphs
 from autograd.checks import check_bool, check_real, is_integer, is_real
-from autograd.kernels import kernel_table
-from autograd.threads import for_rows
+from npformer.functional.adam import AdamSettings, adam_update
 
 
 def _plain(value):
@@ -338,18 +337,18 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
-    """Adam (Kingma & Ba), step for step the same arithmetic as torch.optim.Adam:
+    """Adam (Kingma & Ba, Algorithm 1), step for step the same arithmetic as torch.optim.Adam:
 
-        g = grad + weight_decay * p                  (L2 penalty, coupled: Adam only)
-        m = m + (1 - beta1) * (g - m);  v = beta2 * v + (1 - beta2) * g * g
-        p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+        t = t + 1;  g = grad + weight_decay * p      (L2 penalty, coupled: Adam only)
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
+        m_hat = m / (1 - beta1^t);  v_hat = v / (1 - beta2^t);  p -= lr * m_hat / (sqrt(v_hat) + eps)
 
     params: parameters or parameter groups (see Optimizer); betas: (beta1, beta2), each in
     [0, 1). Its step can be captured in a CUDA graph (npformer.cuda.graphed).
     """
 
     decoupled = False
-    capturable = True  # under graph capture the step-dependent scalars live in device memory
+    capturable = True  # under graph capture the step-dependent scalars are replayed (autograd.graphs.replayed)
     state_kinds = {"step": "count", "exp_avg": "array", "exp_avg_sq": "array"}
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
@@ -369,115 +368,34 @@ class Adam(Optimizer):
         group["weight_decay"] = check_real(group["weight_decay"], "weight_decay", owner, at_least=0)
 
     def _update(self, p, grad, group, state):
-        if not state:
+        """One step of the algorithm for p: t = t + 1, the bias corrections of step t, then m, v and
+        p entry by entry (the kernel table adam_update). A captured step reads the step-dependent
+        scalars from the device, where each replay finds those of the step it performs."""
+        if not state:  # t = 0, m = 0, v = 0
             if graphs.current(p.device) is not None:
                 raise RuntimeError("Adam: a parameter without optimizer state inside a graph capture: run one "
                                    "step eagerly first (npformer.cuda.graphed does: warmup >= 1)")
-            state["step"] = 0
-            state["exp_avg"] = p.xp.zeros_like(p.data)  # m
-            state["exp_avg_sq"] = p.xp.zeros_like(p.data)  # v
+            state.update(step=0, exp_avg=p.xp.zeros_like(p.data), exp_avg_sq=p.xp.zeros_like(p.data))
         state["step"] += 1
-        hyper = self._captured_hyperparameters(p, group, state)
-        adam_update(p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p),
-                    self._settings(group, state["step"]), hyper)
+        settings = self._settings(group, state["step"])
+        replayed = graphs.replayed(p.device, settings.step_scalars, lambda: self._next_step_scalars(group, state))
+        adam_update(p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p), settings, replayed)
 
-    def _settings(self, group, step):
-        """The AdamSettings of a step of `group` (step: the 1-based count of the parameter's steps)."""
+    def _settings(self, group, t):
+        """The AdamSettings of step t of `group`: its hyperparameters, and the bias corrections
+        1 - beta1^t of m and 1 - beta2^t of v folded into step_size = lr / (1 - beta1^t) and the
+        denominator's sqrt(1 - beta2^t), as torch does."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         return AdamSettings(1.0 - beta1, beta2, 1.0 - beta2, eps, wd,
                             "decoupled" if wd != 0 and self.decoupled else "l2" if wd != 0 else "plain",
-                            lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), 1.0 - lr * wd)
+                            lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t), 1.0 - lr * wd)
 
-    def _captured_hyperparameters(self, p, group, state):
-        """Under graph capture: the device row (step_size, bias_correction2_sqrt, decay) of parameter
-        p, rewritten before each replay from its step count and its group's lr then; else None."""
-        capture = graphs.current(p.device)
-        if capture is None:
-            return None
-        rows = capture.slot(("adam", id(self), p.device, "rows"), list)   # [(param state, group)] captured
-        if not rows:
-            table = capture.slot(("adam", id(self), p.device), lambda: p.xp.empty((len(self.parameters()), 3)))
-
-            def before_replay(replay):  # replay 0 performs the captured step, whose counts are already in
-                host = backend.module_for("cpu").zeros(table.shape)
-                for i, (st, g) in enumerate(rows):
-                    st["step"] += replay > 0
-                    s = self._settings(g, st["step"])
-                    host[i] = (s.step_size, s.bias_correction2_sqrt, s.decay)
-                backend.copy_from_host(table, host)
-            capture.before_replay(before_replay)
-        table = capture.slots[("adam", id(self), p.device)]
-        rows.append((state, group))
-        return table[len(rows) - 1]
-
-
-class AdamSettings(NamedTuple):
-    """The scalars of one Adam step: hyperparameters, the variant ("plain", "l2": Adam's coupled
-    weight decay, "decoupled": AdamW's) and the step-dependent step_size = lr / (1 - beta1^t),
-    bias_correction2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr * weight_decay."""
-    one_minus_beta1: float
-    beta2: float
-    one_minus_beta2: float
-    eps: float
-    weight_decay: float
-    variant: str
-    step_size: float
-    bias_correction2_sqrt: float
-    decay: float
-
-
-def _adam_entries(param, g, m, v, tmp, s, step_size, bias_correction2_sqrt, decay):
-    """Adam's update of the entries of (flat blocks of) arrays, in place; the step-dependent
-    scalars are floats or (1,) device arrays of the parameter's dtype."""
-    xp = backend.get_array_module(param)
-    if s.variant == "decoupled":
-        # AdamW: p = p * (1 - lr * weight_decay), before the Adam step
-        param *= decay
-    elif s.variant == "l2":
-        # Adam: g = grad + weight_decay * p (a new array: grad itself is not touched)
-        g = g + s.weight_decay * param
-    # m = lerp(m, g, 1 - beta1) = m + (1 - beta1) * (g - m)
-    xp.subtract(g, m, out=tmp)
-    tmp *= s.one_minus_beta1
-    m += tmp
-    # v = beta2 * v + (1 - beta2) * g * g
-    v *= s.beta2
-    xp.multiply(g, s.one_minus_beta2, out=tmp)
-    tmp *= g
-    v += tmp
-    # denom = sqrt(v) / sqrt(1 - beta2^t) + eps
-    xp.sqrt(v, out=tmp)
-    tmp /= bias_correction2_sqrt
-    tmp += s.eps
-    # p -= lr / (1 - beta1^t) * m / denom
-    xp.divide(m, tmp, out=tmp)
-    tmp *= step_size
-    param -= tmp
-
-
-@kernel_table
-def adam_update(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=None):
-    """One Adam/AdamW step of one parameter in place (param, exp_avg, exp_avg_sq; scratch: a temporary
-    of the parameter's shape), the arithmetic of torch.optim.Adam. hyper: None, or (under graph
-    capture) a device array (3,) float64 holding (step_size, bias_correction2_sqrt, decay), which
-    then replace those of `settings`."""
-    scalars = (settings.step_size, settings.bias_correction2_sqrt, settings.decay)
-    if hyper is not None:  # read on the device, in the parameter's dtype (as a float argument would be)
-        scalars = tuple(hyper[i:i + 1].astype(param.dtype) for i in range(3))
-    _adam_entries(param, grad, exp_avg, exp_avg_sq, scratch, settings, *scalars)
-
-
-@adam_update.register("cpu", supports=lambda param, *args, **kwargs: param.flags.c_contiguous)
-def adam_update_cpu(param, grad, exp_avg, exp_avg_sq, scratch, settings, hyper=None):
-    """The reference's arithmetic on flat blocks on the threads of `autograd.threads` (bit-identical
-    for any thread count)."""
-    arrays = tuple(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq, scratch))
-
-    def update(start, stop):
-        _adam_entries(*(a[start:stop] for a in arrays), settings, settings.step_size,
-                      settings.bias_correction2_sqrt, settings.decay)
-
-    for_rows(update, param.size, param.size, param)
+    def _next_step_scalars(self, group, state):
+        """What a replay of a captured step needs, computed just before it: the parameter's next
+        step count and the step scalars of the group's lr then (a scheduler stepped outside the
+        graph applies)."""
+        state["step"] += 1
+        return self._settings(group, state["step"]).step_scalars
 
 
 class AdamW(Adam):

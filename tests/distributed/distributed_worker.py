@@ -6,11 +6,13 @@ test_distributed.py (this is not a test module itself):
 Each scenario trains in float64 with DistributedDataParallel on this rank's share of every
 batch and, in the same process, a reference in one process (no DDP) on the whole batches,
 and reports how far apart they end. Every rank writes OUT/rank<r>.json: {scenario: {...}}.
-The fault scenarios ("raise", "train_with_checkpoints") do not return normally.
+The fault scenarios ("raise", "sys_exit", "sys_exit_zero", "os_exit", "thread_raises",
+"different_models", "train_with_checkpoints") end the job early.
 """
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -363,6 +365,53 @@ def scenario_raise():
     if group.rank == 1:
         raise ValueError("a deliberate failure on rank 1")
     trainer.fit(1000)
+
+
+def leave_after_three_steps(leave):
+    """Rank 1 calls `leave()` after 3 training steps while rank 0 trains on for 1000."""
+    trainer = seq2seq_trainer(dist.DistributedDataParallel(seq2seq()))
+    trainer.fit(3)
+    if dist.rank() == 1:
+        leave()
+    trainer.fit(1000)
+
+
+def scenario_sys_exit():
+    leave_after_three_steps(lambda: sys.exit(3))
+
+
+def scenario_sys_exit_zero():
+    leave_after_three_steps(lambda: sys.exit(0))
+
+
+def scenario_os_exit():
+    leave_after_three_steps(lambda: os._exit(0))
+
+
+def scenario_thread_raises():
+    """Every rank trains in a thread; rank 1's raises after 3 steps and its main thread ends normally."""
+    def fail():
+        raise ValueError("a deliberate failure in a thread")
+    thread = threading.Thread(target=leave_after_three_steps, args=(fail,), name="trainer")
+    thread.start()
+    thread.join()
+    sys.exit(0)
+
+
+def scenario_uneven_end():
+    """Rank 0 works alone for 2 s after the last collective; rank 1 reaches the end first."""
+    seq2seq_trainer(dist.DistributedDataParallel(seq2seq())).fit(3)
+    if dist.rank() == 0:
+        time.sleep(2)
+    return {}
+
+
+def scenario_different_models():
+    """Rank 1's model has a wider feed-forward layer: wrapping it names the first difference."""
+    autograd.manual_seed(0)
+    model = Seq2SeqTransformer(VOCAB, VOCAB, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                               dim_feedforward=32 if dist.rank() == 0 else 48, dropout=0.0, max_len=16, pad_idx=PAD)
+    dist.DistributedDataParallel(model)
 
 
 def scenario_train_with_checkpoints():

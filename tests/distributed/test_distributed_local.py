@@ -295,6 +295,35 @@ def test_ddp_refuses_a_rank_of_an_mpi_job_without_init(monkeypatch):
         dist.DistributedDataParallel(model(), bucket_cap_mb=0)
 
 
+def test_the_first_difference_between_ranks_models_is_named():
+    """What DistributedDataParallel says when ranks' models differ (the 2-rank job is in
+    test_distributed.py): the first differing entry of the first rank that differs from rank 0."""
+    from npformer.distributed.ddp import first_difference, model_signature
+    reference = model_signature(model())
+    assert reference[0] == ("parameter", "src_embed.weight", (12, 16), "float64", True)
+    assert reference[-1] == ("buffer", "positional.pe", (5000, 16), "float64", False)
+
+    def changed(i, **fields):
+        kind, name, shape, dtype, grad = reference[i]
+        entry = dict(kind=kind, name=name, shape=shape, dtype=dtype, requires_grad=grad) | fields
+        return reference[:i] + [tuple(entry.values())] + reference[i + 1:]
+    name = repr(reference[2][1])
+    assert first_difference([reference, reference]) == ""
+    assert first_difference([reference, reference, changed(2, shape=(7,))]) == \
+        f"parameter {name}: shape {reference[2][2]!r} on rank 0, (7,) on rank 2"
+    assert first_difference([reference, changed(2, dtype="float32")]) == \
+        f"parameter {name}: dtype 'float64' on rank 0, 'float32' on rank 1"
+    assert first_difference([reference, changed(2, requires_grad=False)]) == \
+        f"parameter {name}: requires_grad True on rank 0, False on rank 1"
+    assert first_difference([reference, changed(2, name="other")]) == \
+        f"their parameters and buffers part at number 2: parameter {name} on rank 0, parameter 'other' on rank 1"
+    assert first_difference([reference, reference[:-1]]) == \
+        (f"rank 1 has {len(reference) - 1} parameters and buffers, rank 0 {len(reference)}; the first one missing "
+         "on rank 1: buffer 'positional.pe'")
+    assert first_difference([reference[:-1], reference]).startswith(f"rank 0 has {len(reference) - 1} parameters")
+    dist.DistributedDataParallel(model())  # a world of one has one model: nothing to compare
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda: dist.DistributedDataParallel(model(), bucket_cap_mb="25"), TypeError,
      "bucket_cap_mb must be a real number > 0, got '25' of type str"),

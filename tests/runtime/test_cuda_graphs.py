@@ -9,7 +9,7 @@ import pytest
 
 import npformer
 import npformer.functional as F
-from autograd import backend, random, testdevice
+from autograd import Tensor, backend, graphs, random, testdevice
 from npformer import models, nn, optim
 
 VOCAB, PAD = 23, 0
@@ -76,6 +76,70 @@ def test_graphed_steps_equal_eager_steps_on_the_test_device(attention):
     for a, b in zip(weights, eager_weights):
         np.testing.assert_array_equal(a, b)
     assert len(set(eager_losses)) == len(eager_losses)          # the steps learn: nothing repeats
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "AdamW"])
+def test_each_replay_performs_the_next_adam_step_with_the_lr_set_before_it(optimizer):
+    """A replay runs no Python: the step count and the learning rate that Adam's update reads come
+    from the device, rewritten before each replay (autograd.graphs.replayed). Set by hand before
+    every call (bias corrections of the early steps, an lr that changes every step, two groups),
+    the graphed steps give the eager steps' weights exactly and count the same steps."""
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(4) for _ in range(6)]
+    lrs = [0.1, 0.05, 0.3, 0.01, 0.2, 0.07]
+
+    def steps(graph):
+        w = Tensor(np.ones(4), requires_grad=True, device="test")
+        b = Tensor(np.zeros(1), requires_grad=True, device="test")
+        opt = getattr(optim, optimizer)([{"params": [w]}, {"params": [b]}], weight_decay=0.01)
+
+        def step(x):
+            loss = ((w * x).sum() + b * b).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+        run_step = npformer.cuda.graphed(step, device="test") if graph else step
+        for x, lr in zip(inputs, lrs):
+            opt.param_groups[0]["lr"] = lr
+            opt.param_groups[1]["lr"] = 2 * lr
+            run_step(backend.to_device(x, "test"))
+        return [w.numpy(), b.numpy()], [state["step"] for state in opt.state.values()]
+    (eager_w, eager_b), eager_counts = steps(graph=False)
+    (w, b), counts = steps(graph=True)
+    assert counts == eager_counts == [6, 6]
+    np.testing.assert_array_equal(w, eager_w)
+    np.testing.assert_array_equal(b, eager_b)
+
+
+def test_replayed_numbers_are_the_captured_ones_then_the_next_ones_before_each_replay():
+    """graphs.replayed: None outside a capture; while capturing, device float64 arrays, several per
+    block and more than a block's worth in all, holding the captured values at the first replay and
+    next_values() (called in the order of the step) before each later one."""
+    assert graphs.replayed("test", (1.0, 2.0), lambda: (3.0, 4.0)) is None
+    calls = []
+
+    def counter(k):
+        def next_values():
+            calls.append(k)
+            return (10.0 * len(calls), k)
+        return next_values
+    capture = graphs.Capture("test")
+    with graphs.capturing(capture):
+        assert graphs.replayed("cuda", (1.0,), counter(-1)) is None          # a capture on another device
+        arrays = [graphs.replayed("test", (float(k), -float(k)), counter(k)) for k in range(graphs.SCALARS_PER_BLOCK)]
+    assert len(capture.scalar_blocks) == 2 and all(a.dtype == np.float64 and a.shape == (2,) for a in arrays)
+    for replay in range(3):
+        for hook in capture.hooks:
+            hook(replay)
+        values = [backend.as_numpy(a).tolist() for a in arrays]
+        if replay == 0:
+            assert values == [[k, -k] for k in range(len(arrays))] and not calls
+        else:
+            assert calls[-len(arrays):] == list(range(len(arrays)))
+            assert values == [[10.0 * (len(calls) - len(arrays) + k + 1), k] for k in range(len(arrays))]
+    with pytest.raises(ValueError, match=r"replayed: expected 1 to 1024 numbers, got 0"):
+        capture.replayed_scalars((), lambda: ())
 
 
 def test_a_capture_that_raised_is_captured_again_at_the_next_call():
@@ -176,7 +240,6 @@ def test_replays_never_read_keep_one_replays_checks_pending():
 
 def test_a_host_offset_cannot_be_taken_while_capturing():
     """Philox.take inside a capture would bake one offset into the graph: refused, with the way out."""
-    from autograd import graphs
     with graphs.capturing(graphs.Capture("test")):
         with pytest.raises(RuntimeError, match=r"Philox.take inside a graph capture.*Philox.draw\(n, device\)"):
             random.Philox(3).take(8)

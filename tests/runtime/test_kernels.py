@@ -48,6 +48,40 @@ def test_reference_only_is_per_thread():
     assert seen["other"] == "cpu" and double(np.ones(3))[0] == "cpu"
 
 
+def test_choose_says_which_implementation_runs_and_why():
+    """choose(*args) -> (implementation, reason), without running it; select and a call follow it."""
+    double = make_table()
+    cpu = double.implementations["cpu"][0]
+    on_test = backend.to_device(np.ones(3), "test")
+    assert double.choose(np.ones(3)) == (cpu, "cpu: supports(...) accepted")
+    assert double.choose(np.ones((2, 2))) == (double.reference, "reference: cpu's supports(...) refused")
+    assert double.choose(on_test) == (double.reference, "reference: no test implementation")
+    assert double.choose(3.0, scale=np.ones(3)) == (double.reference, "reference: no array argument")
+    with kernels.reference_only():
+        assert kernels.is_reference_only()
+        assert double.choose(np.ones(3)) == (double.reference, "reference: inside reference_only()")
+    assert not kernels.is_reference_only()
+    for args in [(np.ones(3),), (np.ones((2, 2)),), (on_test,)]:
+        assert double.select(*args) is double.choose(*args)[0]
+
+    @kernels.kernel_table
+    def plain(x):
+        return x
+    assert plain.choose(np.ones(3)) == (plain.reference, "reference: nothing else is registered")
+    plain.register("cpu")(lambda x: -x)
+    assert plain.choose(np.ones(3))[1] == "cpu: takes every argument" and plain(np.ones(3))[0] == -1
+
+
+def test_runs_reference_is_true_for_the_reference_and_its_splits_only():
+    double = make_table()
+    assert double.runs_reference(double.reference) and not double.runs_reference(double.implementations["cpu"][0])
+
+    @double.register("cpu", splits_reference=True)
+    def double_in_blocks(x, scale=1.0):
+        return double.reference(x, scale)
+    assert double.runs_reference(double.choose(np.ones(3))[0]) and double.reference_splits == {double_in_blocks}
+
+
 ROW_LENGTHS = [1, 7, 64, 1000, 3000]
 
 
@@ -102,12 +136,13 @@ def test_row_max_cpu_equals_max_on_large_rows_in_any_layout(rng, monkeypatch):
     """From ROW_MAX_MIN_ENTRIES entries the CPU runs the argmax path: the same values as max,
     for a non-contiguous array too (a transposed view)."""
     softmax = importlib.import_module("npformer.functional.softmax")   # (F.softmax is the function)
+    from npformer.functional.cpu import softmax as softmax_cpu
     x = rng.standard_normal((4, 64, 64)).astype(np.float32)
     x[1, 2, 3] = np.nan
-    assert x.size >= softmax.ROW_MAX_MIN_ENTRIES and softmax.row_max.select(x, -1) is softmax.row_max_cpu
+    assert x.size >= softmax_cpu.ROW_MAX_MIN_ENTRIES and softmax.row_max.select(x, -1) is softmax_cpu.row_max_cpu
     for a in (x, x.swapaxes(-1, -2), x[:, ::2]):
         np.testing.assert_array_equal(softmax.row_max(a, -1), a.max(axis=-1, keepdims=True))
-    monkeypatch.setattr(softmax, "ROW_MAX_MIN_ENTRIES", 0)                  # the small shapes of the test above
+    monkeypatch.setattr(softmax_cpu, "ROW_MAX_MIN_ENTRIES", 0)                  # the small shapes of the test above
     for shape in [(1,), (3, 1), (2, 3, 5)]:
         a = rng.standard_normal(shape)
         np.testing.assert_array_equal(softmax.row_max(a, -1), a.max(axis=-1, keepdims=True))
@@ -133,15 +168,16 @@ def test_layer_norm_cpu_blocks_equal_the_reference_and_run_from_cpu_min_entries(
     """The CPU's row-block layer norm gives the reference's y, xhat and rstd to rounding; the table
     runs it from CPU_MIN_ENTRIES entries on (below, the reference's fewer calls are faster)."""
     from npformer.functional import normalization
+    from npformer.functional.cpu import normalization as normalization_cpu
     d = 768
     x = rng.standard_normal((rows, d)) * 3 + 5
     w, b = rng.standard_normal(d), rng.standard_normal(d)
-    ours = normalization.layer_norm_forward_cpu(x, w, b, 1e-5)
+    ours = normalization_cpu.layer_norm_forward_cpu(x, w, b, 1e-5)
     ref = normalization.layer_norm_forward.reference(x, w, b, 1e-5)
     tol = 16 * np.finfo(np.float64).eps * np.sqrt(d)     # rounding of row sums of d terms, relative
     for got, want in zip(ours, ref):
         np.testing.assert_allclose(got, want, rtol=0, atol=tol * (1 + np.abs(want).max()))
     chosen = normalization.layer_norm_forward.select(x, w, b, 1e-5)
-    expected = normalization.layer_norm_forward_cpu if x.size >= normalization.CPU_MIN_ENTRIES else \
+    expected = normalization_cpu.layer_norm_forward_cpu if x.size >= normalization_cpu.CPU_MIN_ENTRIES else \
         normalization.layer_norm_forward.reference
     assert chosen is expected

@@ -1,4 +1,12 @@
-"""Hand-written CUDA kernels, plugged into the kernel tables of npformer.functional.
+"""Hand-written CUDA kernels, plugged into the kernel tables of npformer.functional: the one home
+of npformer's CUDA code.
+
+Every kernel source and its launcher live here, Adam's too (adam.cu, adam.py: the table
+npformer.functional.adam.adam_update). Here, and not beside the user's `npformer.cuda`, because a
+launcher registers with the kernel table of its op, and the tables are in npformer.functional:
+from a layer further right the kernels could not be imported by the ops that dispatch to them.
+`npformer.cuda` keeps only the public API of CUDA graphs (`graphed`), and what a captured step
+rewrites before each replay is graph capture's (autograd.graphs).
 
 One `.cu` file per op family in this folder, read like the reference it is tested against
 (the derivation of each gradient in comments), plus shared headers (`reduce.cuh`: block
@@ -27,7 +35,7 @@ SOURCES = {  # file (without .cu) -> its kernels
     "activation": ("bias_relu_forward", "relu_backward", "bias_gelu_forward", "gelu_backward"),
     "dropout": ("dropout_apply", "dropout_add_forward"),
     "embedding": ("embedding_backward",),
-    "adam": ("adam_step",),  # launched by npformer/optim/cuda.py (the optimizer's layer)
+    "adam": ("adam_step",),
     "flash_attention": ("flash_attention_forward", "flash_attention_backward_dq", "flash_attention_backward_dkdv"),
 }
 TEMPLATE_ARGS = {  # file -> the values of each kernel's second template argument, if it has one
@@ -125,4 +133,4 @@ def entry_grid(size, threads):
     return max(1, min(-(-size // threads), MAX_ENTRY_BLOCKS))
 
 
-from . import activation, cross_entropy, dropout, embedding, flash_attention, layer_norm, softmax  # noqa: E402,F401
+from . import activation, adam, cross_entropy, dropout, embedding, flash_attention, layer_norm, softmax  # noqa: E402,F401

@@ -1,5 +1,5 @@
 // One Adam / AdamW step of one parameter, one thread per entry (the optimizer's whole update in one
-// kernel instead of ~13). The CUDA twin of adam_update in npformer/optim/optimizer.py, operation
+// kernel instead of ~13). The CUDA twin of adam_update in npformer/functional/adam.py, operation
 // for operation (a GPU may contract a * b + c into one FMA, as torch's CUDA Adam does).
 //
 //   AdamW (variant 2): p = p * (1 - lr * weight_decay)               (decay, before the step)
@@ -9,7 +9,7 @@
 // with step_size = lr / (1 - beta1^t) and bias_correction2_sqrt = sqrt(1 - beta2^t).
 //
 // The step-dependent scalars (step_size, bias_correction2_sqrt, decay) come by value, or, under
-// graph capture, from the device array `hyper` (3 doubles), which the host rewrites before each
+// graph capture, from the device array `replayed` (3 doubles), which the host rewrites before each
 // replay: the learning-rate schedule and the step count go on without a new capture.
 #define ADAM_PLAIN 0
 #define ADAM_L2 1
@@ -17,10 +17,10 @@
 
 template <typename T>
 __global__ void adam_step(T* __restrict__ param, const T* __restrict__ grad, T* __restrict__ exp_avg,
-                          T* __restrict__ exp_avg_sq, const double* __restrict__ hyper, double step_size,
+                          T* __restrict__ exp_avg_sq, const double* __restrict__ replayed, double step_size,
                           double bias_correction2_sqrt, double decay, double one_minus_beta1, double beta2,
                           double one_minus_beta2, double eps, double weight_decay, int variant, long long size) {
-    if (hyper) { step_size = hyper[0]; bias_correction2_sqrt = hyper[1]; decay = hyper[2]; }
+    if (replayed) { step_size = replayed[0]; bias_correction2_sqrt = replayed[1]; decay = replayed[2]; }
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < size;
          i += (long long)gridDim.x * blockDim.x) {
         T p = param[i], g = grad[i];

@@ -12,13 +12,13 @@ import pytest
 import cuda_emulator
 from npformer.functional.activation import (bias_activation_backward, bias_activation_forward, dropout_backward,
                                             dropout_forward)
+from npformer.functional.adam import AdamSettings, adam_update
 from npformer.functional.embedding import scatter_add_rows
 from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
 from npformer.functional.normalization import layer_norm_backward, layer_norm_forward
 from npformer.functional.residual import dropout_add_forward
 from npformer.functional.softmax import (log_softmax_backward, log_softmax_forward, softmax_backward,
                                          softmax_forward)
-from npformer.optim.optimizer import AdamSettings, adam_update
 
 pytestmark = pytest.mark.skipif(cuda_emulator.compiler() is None, reason="no C++ compiler (g++) on this machine")
 
@@ -205,8 +205,8 @@ def test_adam_kernel_equals_the_host_arithmetic_bit_for_bit(variant, wd, dtype, 
     lr, beta1, beta2, step = 1e-3, 0.9, 0.98, 7
     settings = AdamSettings(1 - beta1, beta2, 1 - beta2, 1e-8, wd, variant, lr / (1 - beta1 ** step),
                             math.sqrt(1 - beta2 ** step), 1 - lr * wd)   # Python floats, as Adam makes them
-    hyper = np.array([settings.step_size, settings.bias_correction2_sqrt, settings.decay])
-    for row in (None, hyper):
+    replayed = np.array(settings.step_scalars)
+    for row in (None, replayed):
         arrays = [rng.standard_normal(1003).astype(dtype) for _ in range(3)] + [rng.uniform(0, 1, 1003).astype(dtype)]
         ours = [a.copy() for a in arrays]
         cuda(adam_update, ours[0], ours[1], ours[2], ours[3], np.empty_like(ours[0]), settings, row)

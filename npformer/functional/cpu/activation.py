@@ -1,0 +1,205 @@
+"""Activations and dropout on the CPU (the "cpu" implementations of activation.py's kernel
+tables): ReLU in flat blocks on the threads of `autograd.threads` (its backward a bitwise AND),
+GELU in blocks and cache-sized chunks, the dropout mask drawn and applied chunk by chunk while it
+is in the cache."""
+from autograd import backend, random, threads
+from autograd.threads import for_rows
+
+from .._erf import INV_SQRT_2PI, SQRT_2, erf, normal_cdf_float32
+from ..activation import (TANH_C, TANH_K, bias_activation_backward, bias_activation_forward, dropout_backward,
+                          dropout_forward, dropout_scale, dropout_threshold, elementwise_product)
+
+
+# entries per pass of GELU's many-pass CPU blocks (512 KiB of float32): erf's ~25 array passes
+# stay in the core's cache (2-3x faster than whole-array passes), and each numpy call is long
+# enough that two threads do not wait on each other for the GIL
+CACHE_CHUNK = 1 << 17
+
+
+def in_cache_chunks(kernel, row_length=1):
+    """kernel(start, stop) run on consecutive chunks of rows of `row_length` entries, at most
+    CACHE_CHUNK entries (or one row) a chunk."""
+    rows = max(CACHE_CHUNK // max(row_length, 1), 1)   # rows of 0 entries: one chunk
+
+    def chunked(start, stop):
+        for lo in range(start, stop, rows):
+            kernel(lo, min(lo + rows, stop))
+    return chunked
+
+
+def _bias_rows(x, bias):
+    """(rows, n): the 2-D shape of x as rows of the bias's length (n = x.shape[-1]) or, without a
+    bias, of single entries (rows counted, not -1 in reshape: n may be 0)."""
+    n = x.shape[-1] if bias is not None else 1
+    return (x.size // n if n else 0, n)
+
+
+@bias_activation_forward.register("cpu")
+def bias_activation_forward_cpu(x, bias, kind):
+    """ReLU, and GELU in cache-sized chunks, in flat blocks on the threads of `autograd.threads`
+    (the bias added in place)."""
+    if kind != "relu":
+        return _gelu_forward_cpu(x, bias, kind)
+    xp = backend.get_array_module(x)
+    keep = xp.empty(x.shape, dtype=bool)                    # (...) bool: 1 byte per entry saved
+    y = xp.empty(x.shape, dtype=x.dtype)
+    rows = _bias_rows(x, bias)                               # (rows, n)
+    xf, kf, yf = x.reshape(rows), keep.reshape(rows), y.reshape(rows)
+
+    def block(start, stop):
+        h = xf[start:stop]
+        if bias is not None:
+            h = xp.add(h, bias, out=yf[start:stop])
+        xp.less_equal(h, 0, out=kf[start:stop])
+        xp.logical_not(kf[start:stop], out=kf[start:stop])
+        xp.maximum(h, 0, out=yf[start:stop])
+
+    for_rows(block, xf.shape[0], x.size, x)
+    return y, (keep,)
+
+
+def _gelu_forward_cpu(x, bias, kind):
+    """The reference's GELU (exact or tanh form) on blocks of rows and cache-sized chunks, the bias
+    added chunk by chunk: (y, (h, aux)). float32's exact form takes Phi from normal_cdf_float32."""
+    xp = backend.get_array_module(x)
+    xf = x.reshape(_bias_rows(x, bias))
+    n = xf.shape[1]
+    hf = xp.empty_like(xf) if bias is not None else xf         # h = x + bias, saved for the backward
+    y, aux = xp.empty_like(xf), xp.empty_like(xf)              # aux: tanh(u), or Phi(h)
+
+    def block(start, stop):
+        hb, ab, yb = hf[start:stop], aux[start:stop], y[start:stop]
+        if bias is not None:
+            xp.add(xf[start:stop], bias, out=hb)
+        if kind == "gelu_tanh":
+            xp.tanh(TANH_C * (hb + TANH_K * hb * hb * hb), out=ab)   # t = tanh(u)
+            xp.add(ab, 1.0, out=yb)
+            yb *= hb
+            yb *= 0.5                                               # y = 0.5 h (1 + t)
+            return
+        if hb.dtype == xp.float32:
+            normal_cdf_float32(hb, out=ab)                          # Phi(h)
+        else:
+            ab[...] = erf(hb / SQRT_2)                              # Phi(h) = (1 + erf(h / sqrt 2)) / 2
+            ab += 1.0
+            ab *= 0.5
+        xp.multiply(hb, ab, out=yb)                                 # y = h Phi(h)
+
+    for_rows(in_cache_chunks(block, n), xf.shape[0], x.size, x)
+    shape = x.shape
+    return y.reshape(shape), (hf.reshape(shape), aux.reshape(shape))
+
+
+@bias_activation_backward.register("cpu")
+def bias_activation_backward_cpu(dy, saved, kind):
+    """ReLU's dh in flat blocks on the threads of `autograd.threads`: dy's bits ANDed with a mask of
+    all ones (kept) or zeros (dropped), the exact `where(keep, dy, 0)` at the cost of a multiply
+    (numpy's where and copyto(where=) are ~8x slower). GELU's in blocks and cache-sized chunks."""
+    if kind != "relu":
+        return _gelu_backward_cpu(dy, saved, kind)
+    xp = backend.get_array_module(dy)
+    (keep,) = saved
+    dh = xp.empty(dy.shape, dtype=dy.dtype)
+    bits = f"int{8 * dy.itemsize}"                              # an integer of the float's width
+    df, kf, hf = dy.reshape(-1).view(bits), keep.reshape(-1).view("int8"), dh.reshape(-1).view(bits)
+
+    def block(start, stop):
+        xp.bitwise_and(df[start:stop], xp.negative(kf[start:stop], dtype=bits), out=hf[start:stop])  # -1: all ones
+
+    for_rows(block, dy.size, dy.size, dy)
+    return dh
+
+
+def _gelu_backward_cpu(dy, saved, kind):
+    """The reference's GELU backward on flat blocks and cache-sized chunks."""
+    xp = backend.get_array_module(dy)
+    h, aux = (a.reshape(-1) for a in saved)
+    dyf = dy.reshape(-1)
+    dh = xp.empty_like(dyf)
+
+    @in_cache_chunks
+    def block(start, stop):
+        hb, ab, g = h[start:stop], aux[start:stop], dh[start:stop]
+        if kind == "gelu_tanh":
+            # u = TANH_C (h + k h^3)  ->  du/dh = TANH_C (1 + 3 k h^2)
+            du = TANH_C * (1.0 + 3.0 * TANH_K * hb * hb)
+            # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
+            xp.multiply(dyf[start:stop], 0.5 * (1.0 + ab) + 0.5 * hb * (1.0 - ab * ab) * du, out=g)
+            return
+        xp.multiply(hb, hb, out=g)                                  # phi(h) = exp(-h^2/2) / sqrt(2 pi)
+        g *= -0.5
+        xp.exp(g, out=g)
+        g *= INV_SQRT_2PI
+        # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
+        g *= hb
+        g += ab
+        g *= dyf[start:stop]
+
+    for_rows(block, dyf.size, dyf.size, dy)
+    return dh.reshape(dy.shape)
+
+
+@dropout_forward.register("cpu", supports=lambda x, seed, offset, p, state=None: state is None and p < 1.0)
+def dropout_forward_cpu(x, seed, offset, p, state=None):
+    """The mask drawn and applied chunk by chunk while it is in the cache, in blocks on the threads
+    (random.for_keep_chunks)."""
+    return dropout_apply_cpu(x, seed, offset, p)
+
+
+def dropout_apply_cpu(x, seed, offset, p, residual=None):
+    """(x * keep / (1 - p) (+ residual), keep) on the CPU in cache-sized chunks: each chunk's mask
+    is copied out for the backward and applied as the multiplier m = keep / (1 - p) (a chunk-sized
+    buffer): x * m has the bits of (x * keep) / (1 - p), a kept entry being x / (1 - p) and a
+    dropped one x * 0 either way."""
+    xp = backend.get_array_module(x)
+    xf = x.reshape(-1)
+    rf = None if residual is None else residual.reshape(-1)
+    y, keep = xp.empty_like(xf), xp.empty(x.size, dtype=bool)
+    scale = dropout_scale(p)
+
+    def apply(start, stop, piece):
+        keep[start:stop] = piece
+        out = y[start:stop]
+        xp.multiply(piece, scale, out=out, dtype=out.dtype)        # m = keep / (1 - p)
+        out *= xf[start:stop]
+        if rf is not None:
+            out += rf[start:stop]
+
+    random.for_keep_chunks(seed, offset, x.size, dropout_threshold(p), apply)
+    return y.reshape(x.shape), keep.reshape(x.shape)
+
+
+@dropout_backward.register("cpu", supports=lambda dy, keep, seed, offset, p, state=None: keep is not None)
+def dropout_backward_cpu(dy, keep, seed, offset, p, state=None):
+    """dy * m, m = keep / (1 - p) made chunk by chunk in the cache (the bits of (dy * keep) / (1 - p)),
+    in flat blocks on the threads."""
+    xp = backend.get_array_module(dy)
+    df, kf = dy.reshape(-1), keep.reshape(-1)
+    dx = xp.empty_like(df)
+    scale = dropout_scale(p)
+
+    @in_cache_chunks
+    def block(start, stop):
+        out = dx[start:stop]
+        xp.multiply(kf[start:stop], scale, out=out, dtype=out.dtype)
+        out *= df[start:stop]
+
+    for_rows(block, df.size, df.size, dy)
+    return dx.reshape(dy.shape)
+
+
+@elementwise_product.register("cpu", splits_reference=True, supports=lambda a, b, scale=None:
+                              a.size >= threads.MIN_PARALLEL_ENTRIES)
+def elementwise_product_cpu(a, b, scale=None):
+    """The reference in flat blocks (into a new contiguous array)."""
+    xp = backend.get_array_module(a)
+    out = xp.empty(a.shape, dtype=a.dtype)
+    af, bf, of = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+
+    def block(start, stop):
+        xp.multiply(af[start:stop], bf[start:stop], out=of[start:stop])
+        if scale is not None:
+            of[start:stop] *= scale
+
+    for_rows(block, a.size, a.size, a)
+    return out

@@ -1,0 +1,20 @@
+"""The embedding backward's scatter-add on the CPU (the "cpu" implementation of embedding.py's
+kernel table): sorted segments instead of numpy's slow add.at."""
+from autograd import backend
+
+from ..embedding import scatter_add_rows
+
+
+@scatter_add_rows.register("cpu")
+def scatter_add_rows_cpu(ids, rows, num_rows):
+    """Sort the ids once, sum each run of equal ids with add.reduceat, write each sum once
+    (numpy's add.at is >10x slower)."""
+    xp = backend.get_array_module(rows)
+    out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
+    if ids.size == 0:
+        return out
+    order = xp.argsort(ids, kind="stable")                # (N,)
+    sorted_ids = ids[order]                               # (N,)
+    starts = xp.flatnonzero(xp.concatenate([xp.ones(1, dtype=bool), sorted_ids[1:] != sorted_ids[:-1]]))
+    out[sorted_ids[starts]] = xp.add.reduceat(rows[order], starts, axis=0)
+    return out

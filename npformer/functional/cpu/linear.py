@@ -1,0 +1,61 @@
+"""linear's GEMMs split across the threads of `autograd.threads` (the "cpu" implementation of
+the kernel tables linear_forward / linear_backward): y and dx by blocks of rows, dW and db by
+blocks of output features, dx and dW side by side."""
+from autograd import backend, threads
+from autograd.threads import for_rows, row_blocks, run_tasks, split_blocks
+
+from ..linear import linear_backward, linear_forward
+
+
+@linear_forward.register("cpu", splits_reference=True, supports=lambda x, weight, bias:
+                         x.shape[0] * weight.shape[0] >= threads.MIN_PARALLEL_ENTRIES)
+def linear_forward_cpu(x, weight, bias):
+    """The reference on blocks of rows of x and y."""
+    xp = backend.get_array_module(x)
+    y = xp.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
+
+    def rows(start, stop):
+        # y = x W^T + b
+        xp.matmul(x[start:stop], weight.T, out=y[start:stop])
+        if bias is not None:
+            y[start:stop] += bias
+
+    for_rows(rows, x.shape[0], y.size, x)
+    return y
+
+
+@linear_backward.register("cpu", splits_reference=True, supports=lambda dy, x, weight, *needs:
+                          dy.size + x.size >= threads.MIN_PARALLEL_ENTRIES)
+def linear_backward_cpu(dy, x, weight, need_x, need_w, need_b):
+    """The reference's dx on blocks of rows, dW and db on blocks of output features."""
+    xp = backend.get_array_module(dy)
+    dx = xp.empty_like(x) if need_x else None                                # (N, in)
+    dweight = xp.empty_like(weight) if need_w else None                      # (out, in)
+    dbias = xp.empty(weight.shape[0], dtype=dy.dtype) if need_b else None    # (out,)
+    ones = xp.ones(dy.shape[0], dtype=dy.dtype) if need_b else None          # (N,)
+
+    def rows(start, stop):
+        # y = x W^T  ->  dx = dy W
+        xp.matmul(dy[start:stop], weight, out=dx[start:stop])
+
+    def features(start, stop):
+        # y = x W^T  ->  dW = dy^T x
+        if need_w:
+            xp.matmul(dy[:, start:stop].T, x, out=dweight[start:stop])
+        # y = x W^T + b  ->  db = 1^T dy
+        if need_b:
+            xp.matmul(ones, dy[:, start:stop], out=dbias[start:stop])
+
+    blocks = row_blocks(dy.shape[0], dy.size + x.size, dy)
+    if len(blocks) > 1 and need_x and (need_w or need_b):
+        # dx and dW cost the same FLOPs and need not wait for each other: half of the threads
+        # each (on 2 threads two whole GEMMs, where blocks of each, one product after the
+        # other, would join twice and run four smaller GEMMs)
+        x_blocks, w_blocks = split_blocks(len(blocks), (dy.shape[0], weight.shape[0]))
+        run_tasks([(rows, *block) for block in x_blocks] + [(features, *block) for block in w_blocks])
+    else:
+        if need_x:
+            for_rows(rows, dy.shape[0], dx.size, dy)
+        if need_w or need_b:
+            for_rows(features, weight.shape[0], dy.size, dy)
+    return dx, dweight, dbias

@@ -1,0 +1,133 @@
+"""Every "cpu" implementation of npformer.functional's kernel tables (npformer/functional/cpu/)
+equals its reference on arguments it is chosen for, on 1 and 3 threads with every op split
+(the `threads` fixture): the same outputs, and the same writes into the arrays it is given."""
+import copy
+import importlib
+
+import numpy as np
+import pytest
+
+from autograd import kernels
+
+# the modules (npformer.functional's attributes of these names are the ops)
+_erf, activation, adam, attention, embedding, linear, loss, normalization, residual, softmax = (
+    importlib.import_module(f"npformer.functional.{name}") for name in
+    ("_erf", "activation", "adam", "attention", "embedding", "linear", "loss", "normalization", "residual", "softmax"))
+
+
+def _softmax_rows(rng, shape):
+    x = np.exp(rng.standard_normal(shape))
+    return x / x.sum(axis=-1, keepdims=True)
+
+
+def cases(rng):
+    """(table, args) pairs: each table's arguments, for every variant its cpu implementation has."""
+    x, dy = rng.standard_normal((6, 5)) * 3, rng.standard_normal((6, 5))
+    bias = rng.standard_normal(5)
+    keep = rng.random((6, 5)) > 0.3
+    big = rng.standard_normal((4, 64, 64))                            # row_max and layer_norm: from 2^14 entries
+    q, k, v = rng.standard_normal((2, 3, 4, 5)), rng.standard_normal((2, 3, 6, 5)), rng.standard_normal((2, 3, 6, 4))
+    k_shared = rng.standard_normal((1, 3, 6, 5))                      # broadcast along the batch
+    additive = rng.standard_normal((4, 6))
+    blocked = rng.random((2, 1, 4, 6)) < 0.3
+    attn_keep = rng.random((2, 3, 4, 6)) > 0.3
+    probs = _softmax_rows(rng, (2, 3, 4, 6))
+    zeros = lambda *shape: np.zeros(shape)  # noqa: E731  (outputs the implementations write)
+    out, lse = attention.attention_blockwise_forward.reference(q, k, v, None, additive, True, 0.4, 2, None, False)
+    logits, target = rng.standard_normal((6, 5)), rng.integers(0, 5, 6)
+    valid = np.array([True, True, False, True, True, True])
+    ln_x = big.reshape(-1, 256)
+    ln_w, ln_b = rng.standard_normal(256), rng.standard_normal(256)
+    _, ln_xhat, ln_rstd = normalization.layer_norm_forward.reference(ln_x, ln_w, ln_b, 1e-5)
+    w = rng.standard_normal((3, 5))
+    yield _erf.erf, (rng.standard_normal(300) * 3,)
+    yield _erf.erf, ((rng.standard_normal(300) * 3).astype(np.float32),)
+    for kind in activation.ACTIVATIONS:
+        yield activation.bias_activation_forward, (x, bias, kind)
+        yield activation.bias_activation_forward, (x, None, kind)
+        _, saved = activation.bias_activation_forward.reference(x, bias, kind)
+        yield activation.bias_activation_backward, (dy, saved, kind)
+    yield activation.dropout_forward, (x, 7, 11, 0.3)
+    yield activation.dropout_backward, (dy, keep, 7, 11, 0.3)
+    yield activation.elementwise_product, (x, dy, 1.5)
+    yield residual.dropout_add_forward, (x, dy, 7, 11, 0.3)
+    for variant in ("plain", "l2", "decoupled"):  # param, grad, m, v >= 0, scratch; a step at t = 3
+        settings = adam.AdamSettings(0.1, 0.999, 0.001, 1e-8, 0.01, variant, 1e-3 / (1 - 0.9 ** 3),
+                                     (1 - 0.999 ** 3) ** 0.5, 1 - 1e-3 * 0.01)
+        yield adam.adam_update, (rng.standard_normal(300), rng.standard_normal(300), rng.standard_normal(300),
+                                 rng.random(300), zeros(300), settings)
+    yield softmax.row_max, (big, -1)
+    yield softmax.row_sum, (big, -1)
+    yield softmax.row_dot, (big, big[::-1].copy())
+    for mask, hidden, causal, dropped in [(None, None, False, None), (additive, None, True, attn_keep),
+                                          (None, blocked, False, attn_keep)]:
+        weights = None if dropped is None else zeros(2, 3, 4, 6)
+        yield attention.attention_forward, (q, k, v, mask, hidden, causal, 0.4, dropped, 1 / 0.7, zeros(2, 3, 4, 6),
+                                            zeros(2, 3, 4, 4), weights)
+        yield attention.attention_forward, (q, k_shared, v, mask, hidden, causal, 0.4, dropped, 1 / 0.7,
+                                            zeros(2, 3, 4, 6), zeros(2, 3, 4, 4), weights)
+        yield attention.attention_backward, (q, k, v, probs, dropped, rng.standard_normal((2, 3, 4, 4)), weights, 0.4,
+                                             1 / 0.7, zeros(2, 3, 4, 5), zeros(2, 3, 6, 5), zeros(2, 3, 6, 4),
+                                             zeros(2, 3, 4, 6))
+    yield attention.attention_backward, (q, k, v, probs, None, rng.standard_normal((2, 3, 4, 4)), None, 0.4, 1.0,
+                                         None, None, zeros(2, 3, 6, 4), None)
+    yield attention.attention_blockwise_forward, (q, k, v, None, additive, True, 0.4, 2, None, False)
+    yield attention.attention_blockwise_forward, (q, k_shared, v, blocked, None, False, 0.4, 3, None, False)
+    yield attention.attention_blockwise_backward, (q, k, v, out, lse, rng.standard_normal(out.shape), None, additive,
+                                                   True, 0.4, 2, None, False)
+    yield attention.attention_keep_mask, (q, (2, 3, 4, 6), 0.3, 7, 11, True)
+    yield attention.split_heads_backward, (zeros(2, 3, 2, 2, 4), [rng.standard_normal((2, 2, 3, 4)) for _ in range(2)])
+    yield embedding.scatter_add_rows, (rng.integers(0, 4, 10), rng.standard_normal((10, 3)), 4)
+    yield linear.linear_forward, (x, w, rng.standard_normal(3))
+    yield linear.linear_forward, (x, w, None)
+    for needs in [(True, True, True), (True, False, False), (False, True, True), (False, False, True)]:
+        yield linear.linear_backward, (rng.standard_normal((6, 3)), x, w, *needs)
+    for weight in (None, rng.random(5)):
+        yield loss.cross_entropy_forward, (logits, target, valid, weight, 0.1)
+        yield loss.cross_entropy_backward, (_softmax_rows(rng, (6, 5)), target, weight, 0.1, rng.standard_normal(6))
+    yield normalization.layer_norm_forward, (ln_x, ln_w, ln_b, 1e-5)
+    yield normalization.layer_norm_forward, (ln_x, None, None, 1e-5)
+    yield normalization.layer_norm_backward, (rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, ln_w, True, True, True)
+    yield normalization.layer_norm_backward, (rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, None, True, False, False)
+
+
+def arrays_of(value):
+    """The arrays in a result or argument list (nested tuples and lists; None and scalars skipped)."""
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [a for item in value for a in arrays_of(item)]
+    return []
+
+
+def assert_same(got, want, table):
+    assert len(got) == len(want), table.__name__
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, table.__name__
+        if a.dtype.kind in "biu":
+            np.testing.assert_array_equal(a, b, err_msg=table.__name__)
+        else:  # the GEMMs' and the sums' last bits (blocks, einsum); float32 erf: its rational function
+            tol = 1e-6 if a.dtype == np.float32 else 1e-13
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, np.abs(b).max(initial=0)),
+                                       err_msg=table.__name__)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_every_cpu_implementation_equals_its_reference(n, threads, rng):
+    threads(n)
+    covered = set()
+    for table, args in cases(rng):
+        implementation, reason = table.choose(*args)
+        assert reason.startswith("cpu:"), (table.__name__, reason)
+        ours, theirs = copy.deepcopy(args), copy.deepcopy(args)
+        got = implementation(*ours)
+        with kernels.reference_only():   # the reference's own inner tables too
+            want = table.reference(*theirs)
+        if table is attention.attention_keep_mask:   # may leave the entries right of the diagonal False
+            want = want & np.tri(*want.shape[-2:], dtype=bool)
+            got = got & np.tri(*got.shape[-2:], dtype=bool)
+        assert_same(arrays_of(got) + arrays_of(ours), arrays_of(want) + arrays_of(theirs), table)
+        covered.add(table)
+    tables = {t for t in kernels.TABLES if t.reference.__module__.startswith("npformer.functional")
+              and "cpu" in t.implementations}
+    assert tables <= covered, sorted(t.__name__ for t in tables - covered)
