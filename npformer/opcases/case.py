@@ -1,5 +1,6 @@
-"""`OpCase`: one op (or module) on one set of inputs, and the three checks every case gets:
-central finite differences (by calling `autograd.gradcheck`), PyTorch, and the composite twin.
+"""`OpCase`: one op (or module) on one set of inputs, and its checks: central finite
+differences (by calling `autograd.gradcheck`), PyTorch where the case has a reference, and the
+twin where it has one (for npformer's own ops the composite twin).
 
 Every check contracts the outputs with a random upstream gradient (`autograd.gradcheck.vjp`).
 Against torch and the twin, an array (an output or a gradient) passes when
