@@ -21,6 +21,7 @@ def pytest_addoption(parser):
         help="run every op case that this module registers with npformer.opcases.register (repeatable)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k and -m deselect items, so that they select these too
 def pytest_collection_modifyitems(session, config, items):
     names = config.getoption("gradcheck_module")
     if not names:

@@ -49,6 +49,10 @@ def test_the_pytest_plugin_runs_each_case_as_a_test(user_project, torch):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "1 failed, 1 passed" in result.stdout
     assert "gradcheck: forgetful swish" in result.stdout and "x: wrong, max diff" in result.stdout
+    selected = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gradcheck-module",
+                               "mypkg.ops", "-k", "not forgetful"], cwd=folder, env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert selected.returncode == 0 and "1 passed, 1 deselected" in selected.stdout, selected.stdout
 
 
 def test_a_module_without_cases_or_that_cannot_be_imported_is_a_usage_error(user_project):
