@@ -215,7 +215,8 @@ def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
                        float(xp.abs(reference).max()) if reference.size else 0.0))
     if not err.size:
         return True, f"{name}: exact (empty)"
-    excess = err / (atol + rtol * xp.abs(reference))
+    bound = atol + rtol * xp.abs(reference)
+    excess = err / xp.maximum(bound, xp.finfo(bound.dtype).tiny)   # a zero tolerance divides by no zero
     worst = int(xp.argmax(xp.where(xp.isnan(excess), xp.inf, excess)))
     index = tuple(int(k) for k in xp.unravel_index(worst, reference.shape))
     passed = bool((excess <= 1).all())
@@ -228,7 +229,8 @@ def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
         relative = f"rel {abs(mine - theirs) / abs(theirs):.3g}" if theirs else "the reference is 0 there"
         line += f", worst at index {index}: yours {mine:.10g}, reference {theirs:.10g} ({relative})"
     if not passed:
-        line += f"; {int((~(excess <= 1)).sum())} of {err.size} entries beyond atol {atol:.3g} + rtol {rtol:.3g} * |reference|"
+        tolerance = f"atol {atol:.3g}" + (f" + rtol {rtol:.3g} * |reference|" if rtol else "")
+        line += f"; {int((~(excess <= 1)).sum())} of {err.size} entries beyond {tolerance}"
     return passed, line
 
 

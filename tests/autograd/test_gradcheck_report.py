@@ -110,3 +110,12 @@ def test_autograd_gradcheck_is_the_module_and_calls_the_function():
     x = Tensor(np.random.default_rng(2).standard_normal(3), requires_grad=True)
     assert autograd.gradcheck(lambda a: a * a, [x]) is True
     assert module.gradcheck(lambda a: a * a, [x]) is True
+
+
+def test_a_zero_tolerance_judges_without_dividing_by_zero():
+    """check_formula(rtol=0) asks for the backward exactly: 0 / 0 would be a RuntimeWarning
+    (an error in this suite) and a NaN verdict."""
+    x, dy = np.random.default_rng(3).standard_normal((2, 3)), np.ones((2, 3))
+    assert autograd.gradcheck.check_formula(lambda a: a * 2.0, [x], dy, [2 * dy], rtol=0.0)
+    with pytest.raises(GradcheckError, match=r"input 0 \(reference: the op's backward\): wrong, .* beyond atol 0\n"):
+        autograd.gradcheck.check_formula(lambda a: a * 2.0, [x], dy, [2 * dy + 1e-9], rtol=0.0)
