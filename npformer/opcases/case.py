@@ -217,7 +217,8 @@ def compare_with_torch(case: OpCase, torch: Any, rng: np.random.Generator, devic
     return compare(ours, reference, labels, TOLERANCE["torch", dtype])
 
 
-def compare_with_twin(case: OpCase, rng: np.random.Generator, device: str = "cpu", dtype: str = "float64") -> Comparison:
+def compare_with_twin(case: OpCase, rng: np.random.Generator, device: str = "cpu",
+                      dtype: str = "float64") -> Comparison:
     """The case's outputs and gradients against those of its twin (the same inputs and upstream
     gradient): `case.twin` itself, or for COMPOSITE the case run inside `composite.installed()`."""
     if case.twin is None:

@@ -79,8 +79,9 @@ _IDS = np.array([[1, 5, 1], [0, 1, 2]])  # repeated ids accumulate
 def _embedding_case(padding_idx):
     label = "" if padding_idx is None else f" (padding_idx={padding_idx})"
     return op_case(f"nn.Embedding{label}", "embedding", normal((2, 3, 3)), lambda m, x: m(_IDS) * x,
-                  lambda t, m, x: m(t.tensor(_IDS)) * x, module=lambda rng: nn.Embedding(6, 3, padding_idx=padding_idx),
-                  finite_differences=padding_idx is None)
+                   lambda t, m, x: m(t.tensor(_IDS)) * x,
+                   module=lambda rng: nn.Embedding(6, 3, padding_idx=padding_idx),
+                   finite_differences=padding_idx is None)
 
 
 CASES = [

@@ -42,7 +42,8 @@ def seeded(seed, like):
 
 # -- the op families (docs/backprop.md's op table) ----------------------------------------------------
 def _op(name, ops_, source, functions, section):
-    return Family(name, ops_, f"npformer/functional/{source}", functions, section, f"tests/functional/test_op_{name}.py")
+    return Family(name, ops_, f"npformer/functional/{source}", functions, section,
+                  f"tests/functional/test_op_{name}.py")
 
 
 FAMILIES = [
@@ -132,9 +133,9 @@ LINEAR = [
     op_case("F.linear (no bias)", "linear", normal((2, 7, 5), (6, 5)), F.linear, _linear_torch),
 ] + [  # the bias and the activation fused after the GEMM; ReLU's inputs kept away from its kink
     op_case(f"F.linear (activation={kind})", "linear",
-           (lambda rng: [rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)), 0.5 + rng.random(5)])
-           if kind == "relu" else normal((2, 3, 4), (5, 4), (5,)),
-           lambda x, w, b, kind=kind: F.linear(x, w, b, activation=kind), _linear_activation_torch(kind))
+            (lambda rng: [rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)), 0.5 + rng.random(5)])
+            if kind == "relu" else normal((2, 3, 4), (5, 4), (5,)),
+            lambda x, w, b, kind=kind: F.linear(x, w, b, activation=kind), _linear_activation_torch(kind))
     for kind in ("relu", "gelu", "gelu_tanh")
 ]
 
@@ -143,7 +144,7 @@ RELU = [op_case("F.relu", "relu", away_from_zero((3, 5)), F.relu, lambda t, x: t
 GELU = [
     op_case("F.gelu", "gelu", normal((3, 5), scale=3.0), F.gelu, lambda t, x: t.nn.functional.gelu(x)),
     op_case("F.gelu (tanh)", "gelu", normal((3, 5), scale=3.0), lambda x: F.gelu(x, approximate="tanh"),
-           lambda t, x: t.nn.functional.gelu(x, approximate="tanh")),
+            lambda t, x: t.nn.functional.gelu(x, approximate="tanh")),
 ]
 
 def _dropout_torch(t, x):
@@ -153,7 +154,7 @@ def _dropout_torch(t, x):
 
 
 DROPOUT = [op_case("F.dropout (seeded)", "dropout", normal((4, 5)),
-                  lambda x: F.dropout(x, 0.4, generator=seeded(7, x)), _dropout_torch)]
+                   lambda x: F.dropout(x, 0.4, generator=seeded(7, x)), _dropout_torch)]
 
 
 def _dropout_add_torch(t, x, residual):
@@ -162,17 +163,17 @@ def _dropout_add_torch(t, x, residual):
 
 
 DROPOUT_ADD = [op_case("F.dropout_add (seeded)", "dropout_add", normal((4, 5), (4, 5)),
-                      lambda x, r: F.dropout_add(x, r, 0.4, generator=autograd.random.Philox(7)), _dropout_add_torch)]
+                       lambda x, r: F.dropout_add(x, r, 0.4, generator=autograd.random.Philox(7)), _dropout_add_torch)]
 
 # -- softmax, cross-entropy ----------------------------------------------------------------------------
 SOFTMAX = [
     op_case("F.softmax", "softmax", normal((3, 5)), F.softmax, lambda t, x: t.softmax(x, dim=-1)),
     op_case("F.softmax (dim=0)", "softmax", normal((4, 5)), lambda x: F.softmax(x, dim=0),
-           lambda t, x: t.softmax(x, dim=0)),
+            lambda t, x: t.softmax(x, dim=0)),
     op_case("F.softmax [[-1000, 1]]", "softmax", fixed([[-1000.0, 1.0]]), F.softmax, lambda t, x: t.softmax(x, dim=-1)),
     op_case("F.log_softmax", "softmax", normal((4, 5)), F.log_softmax, lambda t, x: t.log_softmax(x, dim=-1)),
     op_case("F.log_softmax (dim=0)", "softmax", normal((4, 5)), lambda x: F.log_softmax(x, dim=0),
-           lambda t, x: t.log_softmax(x, dim=0)),
+            lambda t, x: t.log_softmax(x, dim=0)),
 ]
 
 
@@ -180,9 +181,9 @@ def cross_entropy_case(label, inputs, target, finite_differences=True, **kwargs)
     """F.cross_entropy(x, target, **kwargs) against torch's (class weights become torch tensors)."""
     target = np.asarray(target)
     return op_case(f"F.cross_entropy ({label})", "cross_entropy", inputs,
-                  lambda x: F.cross_entropy(x, target, **kwargs),
-                  lambda t, x: t.nn.functional.cross_entropy(x, t.tensor(target), **torch_args(t, kwargs, x)),
-                  finite_differences=finite_differences)
+                   lambda x: F.cross_entropy(x, target, **kwargs),
+                   lambda t, x: t.nn.functional.cross_entropy(x, t.tensor(target), **torch_args(t, kwargs, x)),
+                   finite_differences=finite_differences)
 
 
 _CLASS_WEIGHT = np.array([0.5, 1.0, 2.0, 0.1, 3.0])
@@ -216,8 +217,8 @@ def layer_norm_case(label, shape, normalized_shape, affine, **kwargs):
         params = [1 + rng.standard_normal(normalized_shape), rng.standard_normal(normalized_shape)]
         return [rng.standard_normal(shape)] + params[:affine]
     return op_case(f"F.layer_norm{label}", "layer_norm", inputs,
-                  lambda x, *p: F.layer_norm(x, normalized_shape, *p, **kwargs),
-                  lambda t, x, *p: t.nn.functional.layer_norm(x, normalized_shape, *p, **kwargs),
+                   lambda x, *p: F.layer_norm(x, normalized_shape, *p, **kwargs),
+                   lambda t, x, *p: t.nn.functional.layer_norm(x, normalized_shape, *p, **kwargs),
                    input_names=("x", "weight", "bias")[:1 + affine])
 
 
@@ -227,7 +228,7 @@ LAYER_NORM = [
     layer_norm_case(" ((4, 5), weight only)", (2, 3, 4, 5), (4, 5), 1, eps=1e-3),
     layer_norm_case(" ((4, 5), no affine)", (2, 3, 4, 5), (4, 5), 0, eps=1e-3),
     op_case("F.layer_norm (bias only)", "layer_norm", normal((2, 3, 5), (5,)), lambda x, b: F.layer_norm(x, 5, None, b),
-           lambda t, x, b: t.nn.functional.layer_norm(x, (5,), None, b)),
+            lambda t, x, b: t.nn.functional.layer_norm(x, (5,), None, b)),
 ]
 
 
@@ -236,9 +237,9 @@ def embedding_case(label, ids, vocab, dim, padding_idx=None):
     finite differences would see the row: no gradcheck there."""
     ids = np.asarray(ids)
     return op_case(f"F.embedding{label}", "embedding", normal((vocab, dim)),
-                  lambda w: F.embedding(ids, w, padding_idx=padding_idx),
-                  lambda t, w: t.nn.functional.embedding(t.tensor(ids), w, padding_idx=padding_idx),
-                  finite_differences=padding_idx is None)
+                   lambda w: F.embedding(ids, w, padding_idx=padding_idx),
+                   lambda t, w: t.nn.functional.embedding(t.tensor(ids), w, padding_idx=padding_idx),
+                   finite_differences=padding_idx is None)
 
 
 _REPEATED_IDS = [[2, 2, 2, 5], [0, 5, 2, 6], [6, 6, 1, 1]]
@@ -282,8 +283,8 @@ def attention_case(label, kwargs, path=None, shapes=((B, H, TQ, HD), (B, H, TK, 
     """F.scaled_dot_product_attention(q, k, v, **kwargs) on one path against torch's."""
     path = path or {}
     return op_case(f"F.sdpa {label}", "attention", normal(*shapes),
-                  lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs, **path),
-                  lambda t, q, k, v: torch_sdpa(t, q, k, v, **kwargs), **options)
+                   lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs, **path),
+                   lambda t, q, k, v: torch_sdpa(t, q, k, v, **kwargs), **options)
 
 
 def _dropout_attention(q, k, v, **kwargs):
@@ -303,9 +304,9 @@ def float_mask_inputs(mask_shape, hidden):
 
 def float_mask_case(shape, label, path, mask_shape, hidden, **kwargs):
     return op_case(f"F.sdpa {path}(float mask {shape} that requires grad, {label})", "attention",
-                  float_mask_inputs(mask_shape, hidden),
-                  lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, **kwargs, **PATHS[path]),
-                  lambda t, q, k, v, m: torch_sdpa(t, q, k, v, attn_mask=m, **kwargs))
+                   float_mask_inputs(mask_shape, hidden),
+                   lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, **kwargs, **PATHS[path]),
+                   lambda t, q, k, v, m: torch_sdpa(t, q, k, v, attn_mask=m, **kwargs))
 
 
 _SMALL = ((2, 2, 4, 3),) * 3
@@ -314,14 +315,14 @@ ATTENTION = [attention_case(f"{path}({mask})", kwargs, PATHS[path])
     attention_case("memory-efficient (is_causal, Tq != Tk, hdv != hd)", {"is_causal": True},
                    {"memory_efficient": True, "block_size": 2}, ((1, 2, 5, 3), (1, 2, 3, 3), (1, 2, 3, 2))),
     op_case("F.sdpa (return_weights, causal)", "attention", normal(*_SMALL),
-           lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True),
-           torch_causal_attention_with_weights),
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True),
+            torch_causal_attention_with_weights),
     op_case("F.sdpa (seeded dropout, return_weights)", "attention", normal(*_SMALL),
-           lambda q, k, v: _dropout_attention(q, k, v, return_weights=True), torch_dropout_attention),
+            lambda q, k, v: _dropout_attention(q, k, v, return_weights=True), torch_dropout_attention),
     # the blockwise path draws each block's part of the contract's mask: the twin's mask
     op_case("F.sdpa memory-efficient (seeded dropout)", "attention", normal(*_SMALL),
-           lambda q, k, v: _dropout_attention(q, k, v, memory_efficient=True, block_size=3),
-           lambda t, q, k, v: torch_dropout_attention(t, q, k, v)[0]),
+            lambda q, k, v: _dropout_attention(q, k, v, memory_efficient=True, block_size=3),
+            lambda t, q, k, v: torch_dropout_attention(t, q, k, v)[0]),
 ] + [case for path in PATHS for case in [
     # batch 1's last key hidden; broadcast over heads and queries (summed across query blocks)
     float_mask_case("(B, 1, 1, Tk)", "causal", path, (2, 1, 1, 4), np.s_[1, ..., 3], is_causal=True),
@@ -334,15 +335,15 @@ ATTENTION = [attention_case(f"{path}({mask})", kwargs, PATHS[path])
 
 SPLIT_HEADS = [
     op_case("F.split_heads (3 chunks)", "split_heads", normal((2, 4, 12)),
-           lambda x: mix_heads(*F.split_heads(x, 2, chunks=3)),
-           lambda t, x: mix_heads(*x.reshape(2, 4, 3, 2, 2).permute(2, 0, 3, 1, 4))),
+            lambda x: mix_heads(*F.split_heads(x, 2, chunks=3)),
+            lambda t, x: mix_heads(*x.reshape(2, 4, 3, 2, 2).permute(2, 0, 3, 1, 4))),
     op_case("F.split_heads (1 chunk)", "split_heads", normal((2, 4, 6)), lambda x: F.split_heads(x, 3) * 2.0,
-           lambda t, x: x.reshape(2, 4, 3, 2).transpose(1, 2) * 2.0),
+            lambda t, x: x.reshape(2, 4, 3, 2).transpose(1, 2) * 2.0),
 ]
 
 _COS, _SIN = F.rotary_cos_sin(4, 6, dtype="float64")
 ROTARY = [op_case("F.apply_rotary_emb", "rotary", normal((2, 4, 6)), lambda x: F.apply_rotary_emb(x, _COS, _SIN),
-                 lambda t, x: torch_rope(t, x, _COS, _SIN))]
+                  lambda t, x: torch_rope(t, x, _COS, _SIN))]
 
 CASES = LINEAR + RELU + GELU + DROPOUT + DROPOUT_ADD + SOFTMAX + CROSS_ENTROPY + LAYER_NORM + EMBEDDING + ATTENTION + SPLIT_HEADS \
     + ROTARY
