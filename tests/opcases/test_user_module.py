@@ -42,7 +42,8 @@ def test_the_command_shows_pass_and_fail_for_the_users_cases_only(user_project, 
 
 
 def test_the_pytest_plugin_runs_each_case_as_a_test(user_project, torch):
-    assert "npformer.opcases.pytest_plugin" in [e.value for e in importlib.metadata.entry_points(group="pytest11")]
+    assert "npformer.opcases.pytest_plugin" in [e.value for e in importlib.metadata.entry_points(group="pytest11")], \
+        "the plugin's entry point (setup.cfg) is not installed: pip install -e . (make .venv/.stamp-dev does)"
     folder, env = user_project
     result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gradcheck-module", "mypkg.ops"],
                             cwd=folder, env=env, capture_output=True, text=True, timeout=300)
