@@ -4,7 +4,7 @@ module registers becomes a test.
     pytest --gradcheck-module mypkg.ops
 
 imports mypkg.ops (your Functions and the `npformer.opcases.register(OpCase(...))` calls
-next to them) and adds one test per case, named `gradcheck::<case name>`, which runs the
+next to them) and adds one test per case, named `<module>::<case name>`, which runs the
 row of `python -m npformer.gradcheck --module mypkg.ops` (finite differences, torch in float64
 and float32 when torch is installed and the case has a reference, the twin when it has one);
 a failing test shows that row and the messages under it. Without the option the plugin does
@@ -36,7 +36,21 @@ def pytest_collection_modifyitems(session, config, items):
         if not cases:
             raise pytest.UsageError(f"--gradcheck-module {name}: it registers no case "
                                     "(call npformer.opcases.register(OpCase(...)) in it)")
-        items.extend(CaseItem.from_parent(session, name=f"gradcheck::{case.name}", case=case) for case in cases)
+        module = CaseModule.from_parent(session, name=name, nodeid=name, cases=cases)
+        found = list(module.collect())
+        config.hook.pytest_collectreport(report=pytest.CollectReport(module.nodeid, "passed", None, found))
+        items.extend(found)   # the report counts them in "collected N items"
+
+
+class CaseModule(pytest.Collector):
+    """The cases one module registered: its tests, `<module>::<case name>`."""
+
+    def __init__(self, *, cases, **kwargs):
+        super().__init__(**kwargs)
+        self.cases = cases
+
+    def collect(self):
+        return [CaseItem.from_parent(self, name=case.name, case=case) for case in self.cases]
 
 
 class CaseFailed(Exception):

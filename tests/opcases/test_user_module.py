@@ -48,7 +48,8 @@ def test_the_pytest_plugin_runs_each_case_as_a_test(user_project, torch):
     result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gradcheck-module", "mypkg.ops"],
                             cwd=folder, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "1 failed, 1 passed" in result.stdout
+    assert "collected 2 items" in result.stdout and "1 failed, 1 passed" in result.stdout
+    assert "FAILED mypkg.ops::forgetful swish" in result.stdout
     assert "gradcheck: forgetful swish" in result.stdout and "x: wrong, max diff" in result.stdout
     selected = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gradcheck-module",
                                "mypkg.ops", "-k", "not forgetful"], cwd=folder, env=env, capture_output=True, text=True,
