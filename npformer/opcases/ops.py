@@ -15,7 +15,8 @@ _constants = np.random.default_rng(1234)  # masks and class weights: drawn once,
 
 
 def op_case(name, family, inputs, fn, torch=None, **options):
-    """A case of one of npformer's own ops: in `family`, checked against its composite twin."""
+    """A case of one of npformer's own ops: in `family`, checked against its composite twin
+    (twin=None for an op that has none in npformer/functional/composite.py)."""
     return OpCase(name, inputs, fn, torch, family=family, **{"twin": COMPOSITE, **options})
 
 

@@ -24,10 +24,10 @@ def test_every_public_op_belongs_to_a_family():
             assert hasattr({"F": F, "nn": nn}[prefix], name), op
 
 
-def test_case_names_are_unique_and_every_case_names_a_family():
+def test_case_names_are_unique_and_every_family_has_cases():
     names = [c.name for c in opcases.CASES]
     assert len(names) == len(set(names))
-    assert {c.family for c in opcases.CASES} == set(opcases.FAMILIES)
+    assert {c.family for c in opcases.CASES if c.family is not None} == set(opcases.FAMILIES)
 
 
 def test_every_library_case_names_its_inputs():
