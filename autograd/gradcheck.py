@@ -85,7 +85,8 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
     deterministic (seed any dropout inside it). inputs: Tensors (or other arguments passed
     through); each Tensor with requires_grad=True must be float64 and is checked.
     names: what to call each input in messages ("q", "k", ...; default "input 0", ...).
-    Pass when |analytic - numeric| <= atol + rtol * |numeric| everywhere. Returns True, or
+    Pass when |yours - reference| <= atol + rtol * |reference| everywhere (yours: the
+    backward's gradient; reference: the central differences). Returns True, or
     raises GradcheckError after judging every input (one line each: see `judge`).
     report: a list, or None; when given, one (what, max abs error, max |numeric|) tuple is
     appended per comparison (each input, then the random direction), so a caller can show how

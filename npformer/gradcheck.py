@@ -5,8 +5,8 @@ your own module.
     python -m npformer.gradcheck [-k SUBSTRING] [--module MODULE] [--no-torch] [--no-modules] [--device DEVICE]
 
 One row per case: `autograd.gradcheck` in float64 (every input and parameter against central
-finite differences, eps 1e-6, pass when |analytic - numeric| <= 1e-5 + 1e-3 |numeric|
-everywhere, then one random direction over all inputs together), then outputs and gradients
+finite differences, eps 1e-6, pass when |yours - reference| <= 1e-5 + 1e-3 |reference|
+everywhere, yours the backward's gradient and the reference the differences; then one random direction over all inputs together), then outputs and gradients
 against torch in float64 and float32 (when torch is installed and the case has a torch
 reference) and against the case's twin (for npformer's own ops the composite twin: the same
 code run with npformer.functional's ops swapped for the slow versions built from autograd
