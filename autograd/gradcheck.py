@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import backend
-from .function import no_grad
+from .modes import no_grad
 from .tensor import Tensor
 
 __all__ = ["GradcheckError", "check_formula", "gradcheck", "judge", "numeric_gradient", "random_generator", "vjp"]

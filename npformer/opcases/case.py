@@ -22,6 +22,7 @@ from autograd import Tensor, backend
 from autograd.gradcheck import vjp
 from npformer import interop
 from npformer.functional import composite
+from npformer.runtime import random
 
 # (reference, dtype) -> relative tolerance (see the module docstring)
 TOLERANCE = {("torch", "float64"): 1e-10, ("torch", "float32"): 1e-5,
@@ -48,7 +49,7 @@ class OpCase:
     twin: None; or a function with fn's signature computing the same thing another way (its
         outputs and gradients are compared with fn's); or COMPOSITE: fn run inside
         `composite.installed()`, where npformer.functional's ops are built from autograd primitives.
-    module: rng -> an npformer module (built after `autograd.manual_seed(0)`) whose parameters
+    module: rng -> an npformer module (built after `manual_seed(0)`) whose parameters
         are differentiated after the inputs. convert: the torch side gets
         `interop.to_torch(module)` (else None: the module has no parameters).
     finite_differences: run gradcheck (False where the function deliberately is not smooth,
@@ -123,7 +124,7 @@ def instantiate(case: OpCase, rng: np.random.Generator, device: str = "cpu", dty
     tensors = [Tensor(a, requires_grad=True, device=device) for a in arrays]
     module = None
     if case.module is not None:
-        autograd.manual_seed(0)
+        random.manual_seed(0)
         module = case.module(rng).to(device=device, dtype=dtype)
         for name, p in module.named_parameters():
             tensors.append(p)
