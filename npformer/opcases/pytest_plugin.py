@@ -16,6 +16,7 @@ import pytest
 
 
 def pytest_addoption(parser):
+    """--gradcheck-module MODULE (repeatable)."""
     parser.getgroup("npformer").addoption(
         "--gradcheck-module", action="append", default=[], metavar="MODULE",
         help="run every op case that this module registers with npformer.opcases.register (repeatable)")
@@ -23,6 +24,7 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect items, so that they select these too
 def pytest_collection_modifyitems(session, config, items):
+    """Each --gradcheck-module's cases, added to the collected tests (and counted)."""
     names = config.getoption("gradcheck_module")
     if not names:
         return
@@ -50,6 +52,7 @@ class CaseModule(pytest.Collector):
         self.cases = cases
 
     def collect(self):
+        """One CaseItem per case."""
         return [CaseItem.from_parent(self, name=case.name, case=case) for case in self.cases]
 
 
@@ -65,6 +68,7 @@ class CaseItem(pytest.Item):
         self.case = case
 
     def runtest(self):
+        """The case's row (torch columns when torch is installed); CaseFailed when it fails."""
         from npformer import gradcheck, interop
 
         try:
@@ -76,9 +80,11 @@ class CaseItem(pytest.Item):
             raise CaseFailed(stream.getvalue())
 
     def repr_failure(self, excinfo):
+        """A failed row as the command prints it, not a traceback into the plugin."""
         if isinstance(excinfo.value, CaseFailed):
             return str(excinfo.value)
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
+        """The test's heading in pytest's report."""
         return self.path, None, f"gradcheck: {self.case.name}"
