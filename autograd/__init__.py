@@ -10,7 +10,8 @@ from . import backend, hooks
 from .backend import get_array_module
 from . import forward_ad, functional
 from .function import Function
-from .gradcheck import GradcheckError, gradcheck, gradgradcheck
+from . import gradcheck  # the module, callable as the function (autograd.gradcheck(fn, inputs))
+from .gradcheck import GradcheckError, gradgradcheck
 from .modes import detect_anomaly, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .ops import unbroadcast
 from .tensor import Tensor, concatenate, grad, stack, where

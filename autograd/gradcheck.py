@@ -5,14 +5,26 @@ a plain sum (softmax rows and LayerNorm outputs have a zero gradient of sum(), w
 hide a wrong backward). Every entry of every input that requires grad is checked with float64
 central differences, then one random direction u over all inputs together (v^T J u).
 
+Every input is judged, not only the first wrong one: a failure lists each input as exact,
+close or wrong, with its largest difference and worst index, "yours" (the gradient being
+checked) beside the "reference" (finite differences, or the op's backward).
+
 `vjp` (outputs and input gradients for an upstream gradient) is the one place that runs a
 function, backpropagates and collects the gradients; `check_formula` checks a gradient
-written on paper against an op's backward and against central differences; `gradgradcheck`
-checks second derivatives: `gradcheck` of the map from (inputs, upstream gradients) to the
-gradient, built with create_graph.
+written on paper against an op's backward and against central differences. With
+`check_forward_ad=True`, gradcheck also checks forward mode: each jvp rule against central
+differences and against the backward (the transpose identity). `gradgradcheck` checks second
+derivatives: `gradcheck` of the map from (inputs, upstream gradients) to the gradient, built
+with create_graph.
+
+`autograd.gradcheck` is this module, and calling it calls `gradcheck` (as one calls
+`torch.autograd.gradcheck(...)`): `autograd.gradcheck(fn, inputs)` and
+`autograd.gradcheck.check_formula(...)` both work.
 """
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,9 +32,13 @@ from . import backend
 from .modes import enable_grad, no_grad
 from .tensor import Tensor, grad
 
+__all__ = ["GradcheckError", "check_formula", "gradcheck", "gradgradcheck", "judge", "numeric_gradient",
+           "random_generator", "vjp"]
+
 
 class GradcheckError(AssertionError):
-    """Raised by `gradcheck` with the input, worst index, analytic and numeric values."""
+    """Raised by `gradcheck` and `check_formula`: one line per input (exact, close or wrong,
+    the largest difference, the worst index with yours and the reference's values)."""
 
 
 def _outputs(result):
@@ -31,14 +47,15 @@ def _outputs(result):
     return [o for o in items if o is not None]
 
 
-def random_generator(seed, stream=0):
+def random_generator(seed: int, stream: int = 0) -> Any:
     """The host Generator of gradcheck's random draws (upstream gradients: stream 0, directions:
     stream 1): independent of `default_rng(seed)`, from which the inputs are often drawn (an
     upstream gradient equal to the input would make LayerNorm's input gradient zero)."""
     return backend.module_for("cpu").random.default_rng([seed, stream, 0x67726164])
 
 
-def vjp(fn, inputs, upstream=None, *, seed=0):
+def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = None, *,
+        seed: int = 0) -> tuple[list, list, list]:
     """Run fn(*inputs) and backpropagate L = sum_k sum(out_k * g_k): (outputs, upstream, gradients).
 
     outputs: the output Tensors (None entries dropped). upstream: one array g_k per output;
@@ -66,30 +83,33 @@ def vjp(fn, inputs, upstream=None, *, seed=0):
 
 def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, eps: float = 1e-6,
               atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0, report: list | None = None,
-              check_forward_ad: bool = False) -> bool:
+              names: Sequence[str] | None = None, check_forward_ad: bool = False) -> bool:
     """Check `fn`'s hand-written backward against central differences (torch.autograd.gradcheck).
 
     fn: callable taking `inputs` and returning a Tensor or a tuple of Tensors; it must be
     deterministic (seed any dropout inside it). inputs: Tensors (or other arguments passed
     through); each Tensor with requires_grad=True must be float64 and is checked.
-    Pass when |analytic - numeric| <= atol + rtol * |numeric| everywhere. Returns True, or
-    raises GradcheckError. report: a list, or None; when given, one (what, max abs error,
-    max |numeric|) tuple is appended per comparison (each input, then the random direction),
-    so a caller can show how close a check came. check_forward_ad: also check forward mode (torch's
-    name): for each input alone and for all together, J u by the ops' jvp rules against central
-    differences along a random u, and the transpose identity <g, J u> = <J^T g, u> between the
-    jvp rules and the backward (a wrong rule in either mode cannot hide behind the other).
-    Raises ValueError when no input requires grad
-    (raw arrays must be wrapped: `Tensor(a, requires_grad=True)`) and TypeError for a checked
-    input that is not float64.
+    names: what to call each input in messages ("q", "k", ...; default "input 0", ...).
+    Pass when |yours - reference| <= atol + rtol * |reference| everywhere (yours: the
+    backward's gradient; reference: the central differences). Returns True, or
+    raises GradcheckError after judging every input (one line each: see `judge`).
+    report: a list, or None; when given, one (what, max abs error, max |numeric|) tuple is
+    appended per comparison (each input, then the random direction), so a caller can show how
+    close a check came. check_forward_ad: also check forward mode (torch's name): for each input
+    alone and for all together, J u by the ops' jvp rules against central differences along a
+    random u, and the transpose identity <g, J u> = <J^T g, u> between the jvp rules and the
+    backward (a wrong rule in either mode cannot hide behind the other). Raises ValueError when no
+    input requires grad (raw arrays must be wrapped: `Tensor(a, requires_grad=True)`) and
+    TypeError for a checked input that is not float64.
     """
     inputs = list(inputs)
+    names = _names(names, len(inputs))
     checked = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
     if not checked:
         raise ValueError(_no_checked_input_message(inputs))
     for i in checked:
         if str(inputs[i].dtype) != "float64":
-            raise TypeError(f"gradcheck: input {i} must be float64 for finite differences, got {inputs[i].dtype}")
+            raise TypeError(f"gradcheck: {names[i]} must be float64 for finite differences, got {inputs[i].dtype}")
     xp = inputs[checked[0]].xp
     outs, upstream, analytic = vjp(fn, inputs, seed=seed)
 
@@ -97,9 +117,8 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
         with no_grad():
             return sum(float((o.data * g).sum()) for o, g in zip(_outputs(fn(*inputs)), upstream))
 
-    for i in checked:
-        numeric = numeric_gradient(loss, inputs[i], eps)
-        _compare(f"input {i}", analytic[i].reshape(-1), numeric.reshape(-1), inputs[i].shape, atol, rtol, report)
+    verdicts = [judge(names[i], analytic[i], numeric_gradient(loss, inputs[i], eps), atol, rtol, report)
+                for i in checked]
 
     # one random direction over all inputs together: v^T J u against the difference along u
     rng = random_generator(seed, stream=1)
@@ -114,21 +133,26 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
     for i in checked:
         inputs[i].data[...] = originals[i]
     numeric = (values[0] - values[1]) / (2 * eps)
-    _compare("random direction over all inputs", xp.asarray([expected]), xp.asarray([numeric]), (1,), atol, rtol,
-             report)
+    verdicts.append(judge("random direction over all inputs", xp.asarray([expected]), xp.asarray([numeric]),
+                          atol, rtol, report))
+    _raise_if_wrong("gradcheck: your backward (yours) against central finite differences (reference)", verdicts)
     if check_forward_ad:
-        _check_forward_mode(fn, inputs, checked, upstream, analytic, eps, atol, rtol, seed, report)
+        _raise_if_wrong("gradcheck: your jvp rules (yours) against central finite differences and the backward "
+                        "(reference)", _forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps,
+                                                               atol, rtol, seed, report))
     return True
 
 
-def _check_forward_mode(fn, inputs, checked, upstream, analytic, eps, atol, rtol, seed, report):
-    """gradcheck's forward-mode part (see check_forward_ad)."""
+def _forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, atol, rtol, seed, report):
+    """gradcheck's forward-mode part (see check_forward_ad): one verdict per output and direction,
+    and the transpose identity."""
     from .forward_ad import dual_level, make_dual, unpack_dual
 
     rng = random_generator(seed, stream=3)
     directions = {i: backend.to_device(rng.standard_normal(inputs[i].shape), inputs[i].device) for i in checked}
+    verdicts = []
     for chosen in [[i] for i in checked] + ([checked] if len(checked) > 1 else []):
-        what = f"input {chosen[0]}" if len(chosen) == 1 else "all inputs"
+        along = names[chosen[0]] if len(chosen) == 1 else "all inputs"
         with dual_level():
             duals = [make_dual(t, directions[i]) if i in chosen else t for i, t in enumerate(inputs)]
             outs = _outputs(fn(*duals))
@@ -144,97 +168,22 @@ def _check_forward_mode(fn, inputs, checked, upstream, analytic, eps, atol, rtol
         for i in chosen:
             inputs[i].data[...] = originals[i]
         for k, (t, plus, minus) in enumerate(zip(tangents, *values)):
-            numeric = (plus - minus) / (2 * eps)
-            _compare(f"forward mode, output {k} along {what}: J u", t.reshape(-1), numeric.reshape(-1), numeric.shape,
-                     atol, rtol, report)
+            verdicts.append(judge(f"forward mode, output {k} along {along}: J u", t, (plus - minus) / (2 * eps),
+                                  atol, rtol, report))
         if len(chosen) == len(checked):  # <g, J u> = <J^T g, u>: the jvp rules against the backward
+            xp = inputs[chosen[0]].xp
             forward = sum(float((g * t).sum()) for g, t in zip(upstream, tangents))
             reverse = sum(float((analytic[i] * directions[i]).sum()) for i in chosen)
             scale = sum(float(abs(g * t).sum()) for g, t in zip(upstream, tangents)) + 1.0
-            xp = inputs[chosen[0]].xp
-            _compare("the transpose identity <g, J u> = <J^T g, u>", xp.asarray([forward]), xp.asarray([reverse]), (1,),
-                     1e-10 * scale, 0.0, report)
-
-
-def _no_checked_input_message(inputs):
-    """Why gradcheck has nothing to check, and what to do."""
-    raw = [i for i, x in enumerate(inputs) if backend.is_array(x)]
-    if raw:
-        return (f"gradcheck: no input has requires_grad=True; input(s) {raw} are raw arrays, which get no "
-                "gradient: wrap them: Tensor(x, requires_grad=True) (float64)")
-    return ("gradcheck: no input has requires_grad=True; create the inputs to check with "
-            "Tensor(x, requires_grad=True) (float64)")
-
-
-def numeric_gradient(loss, tensor, eps=1e-6):
-    """d loss / d tensor by central differences, one entry at a time: (L(x+eps) - L(x-eps)) / 2eps.
-
-    loss: a function of no arguments returning a float; tensor: a float64 Tensor it reads.
-    """
-    xp = tensor.xp
-    tensor.data = xp.ascontiguousarray(tensor.data)
-    flat = tensor.data.reshape(-1)  # a view: perturbing it perturbs the tensor
-    numeric = xp.zeros(flat.size)
-    for j in range(flat.size):
-        original = float(flat[j])
-        flat[j] = original + eps
-        plus = loss()
-        flat[j] = original - eps
-        minus = loss()
-        flat[j] = original
-        numeric[j] = (plus - minus) / (2 * eps)
-    return numeric.reshape(tensor.shape)
-
-
-def check_formula(fn, arrays, upstream, expected, *, rtol=1e-10, eps=1e-6):
-    """Check gradients written on paper: `expected[i]` (an array, the formula's dL/d arrays[i]
-    for L = sum(fn(*arrays) * upstream)) must equal the op's backward to rounding
-    (rtol * the largest |expected|) and central differences to gradcheck's tolerance.
-
-    fn: a function of float64 Tensors returning one Tensor; arrays, upstream: float64 arrays
-    (host or device). Returns True, or raises GradcheckError naming the input and the worst entry.
-    """
-    inputs = [Tensor(backend.get_array_module(a).asarray(a, dtype="float64"), requires_grad=True,
-                     device=backend.device_of(a)) for a in arrays]
-    _, (g,), backward = vjp(fn, inputs, [upstream])
-    for i, (t, formula) in enumerate(zip(inputs, expected)):
-        formula = t.xp.asarray(formula, dtype="float64")
-        scale = max(1.0, float(abs(formula).max())) if formula.size else 1.0
-        _compare(f"input {i}: backward vs the formula", backward[i].reshape(-1), formula.reshape(-1), t.shape,
-                 rtol * scale, 0.0)
-
-        def loss():
-            with no_grad():
-                return float((fn(*inputs).data * g).sum())
-
-        numeric = numeric_gradient(loss, t, eps)
-        _compare(f"input {i}: the formula vs finite differences", formula.reshape(-1), numeric.reshape(-1), t.shape,
-                 1e-5, 1e-3)
-    return True
-
-
-def _compare(name, analytic, numeric, shape, atol, rtol, report=None):
-    xp = backend.get_array_module(numeric)
-    err = xp.abs(analytic - numeric)
-    if report is not None:
-        report.append((name, float(err.max()) if err.size else 0.0,
-                       float(xp.abs(numeric).max()) if numeric.size else 0.0))
-    if not err.size:
-        return
-    excess = err / (atol + rtol * xp.abs(numeric))
-    worst = int(xp.argmax(excess))
-    if not bool(excess[worst] <= 1):
-        index = tuple(int(k) for k in xp.unravel_index(worst, shape))
-        raise GradcheckError(
-            f"gradcheck failed for {name} at index {index}: analytic {float(analytic[worst]):.10g}, "
-            f"numeric {float(numeric[worst]):.10g}, abs error {float(err[worst]):.3g}, "
-            f"rel error {float(err[worst] / max(abs(float(numeric[worst])), 1e-300)):.3g} "
-            f"(atol {atol}, rtol {rtol}); max abs error over the input {float(err.max()):.3g}")
+            verdicts.append(judge("the transpose identity <g, J u> = <J^T g, u>", xp.asarray([forward]),
+                                  xp.asarray([reverse]), 1e-10 * scale, 0.0, report))
+    return verdicts
 
 
 def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any],
                   grad_outputs: Sequence[Any] | None = None, *, eps: float = 1e-6, atol: float = 1e-5,
-                  rtol: float = 1e-3, seed: int = 0, report: list | None = None) -> bool:
+                  rtol: float = 1e-3, seed: int = 0, report: list | None = None,
+                  names: Sequence[str] | None = None) -> bool:
     """Check second derivatives (torch.autograd.gradgradcheck): `gradcheck` of the map
 
         (inputs, grad_outputs) -> sum_k grad_outputs[k]^T d fn(inputs)[k] / d inputs
@@ -242,11 +191,12 @@ def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence
     whose value is the first derivative built with `create_graph=True`, so that its own backward
     is the op's double backward. grad_outputs: one float64 array or Tensor per output of fn that
     requires grad; None: random ones drawn from `random_generator(seed, stream=2)`. They require
-    grad, so the derivative with respect to the upstream gradient is checked too. In messages,
-    inputs 0..n-1 are fn's inputs and n, n+1, ... are the grad_outputs. Returns True, or raises
+    grad, so the derivative with respect to the upstream gradient is checked too. names: the
+    inputs' names; the upstream gradients are "grad_outputs[k]". Returns True, or raises
     GradcheckError (or the error of an op that is differentiable only once, naming it).
     """
     inputs = list(inputs)
+    names = _names(names, len(inputs))
     checked = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
     if not checked:
         raise ValueError(_no_checked_input_message(inputs))
@@ -266,4 +216,127 @@ def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence
             outs = [o for o in _outputs(fn(*xs)) if o.requires_grad]
             return grad(outs, [xs[i] for i in checked], gs, create_graph=True, allow_unused=True)
 
-    return gradcheck(first_derivative, inputs + upstream, eps=eps, atol=atol, rtol=rtol, seed=seed, report=report)
+    return gradcheck(first_derivative, inputs + upstream, eps=eps, atol=atol, rtol=rtol, seed=seed, report=report,
+                     names=names + [f"grad_outputs[{k}]" for k in range(len(upstream))])
+
+
+def _names(names, count):
+    """The inputs' names: `names`, or "input 0", "input 1", ..."""
+    if names is None:
+        return [f"input {i}" for i in range(count)]
+    if len(names) != count:
+        raise ValueError(f"names: one name per input expected ({count}), got {len(names)}: {list(names)}")
+    return list(names)
+
+
+def _no_checked_input_message(inputs):
+    """Why gradcheck has nothing to check, and what to do."""
+    raw = [i for i, x in enumerate(inputs) if backend.is_array(x)]
+    if raw:
+        return (f"gradcheck: no input has requires_grad=True; input(s) {raw} are raw arrays, which get no "
+                "gradient: wrap them: Tensor(x, requires_grad=True) (float64)")
+    return ("gradcheck: no input has requires_grad=True; create the inputs to check with "
+            "Tensor(x, requires_grad=True) (float64)")
+
+
+def numeric_gradient(loss: Callable[[], float], tensor: Tensor, eps: float = 1e-6) -> Any:
+    """d loss / d tensor by central differences, one entry at a time: (L(x+eps) - L(x-eps)) / 2eps.
+
+    loss: a function of no arguments returning a float; tensor: a float64 Tensor it reads.
+    """
+    xp = tensor.xp
+    tensor.data = xp.ascontiguousarray(tensor.data)
+    flat = tensor.data.reshape(-1)  # a view: perturbing it perturbs the tensor
+    numeric = xp.zeros(flat.size)
+    for j in range(flat.size):
+        original = float(flat[j])
+        flat[j] = original + eps
+        plus = loss()
+        flat[j] = original - eps
+        minus = loss()
+        flat[j] = original
+        numeric[j] = (plus - minus) / (2 * eps)
+    return numeric.reshape(tensor.shape)
+
+
+def check_formula(fn: Callable[..., Tensor], arrays: Sequence[Any], upstream: Any, expected: Sequence[Any], *,
+                  rtol: float = 1e-10, eps: float = 1e-6, names: Sequence[str] | None = None) -> bool:
+    """Check gradients written on paper: `expected[i]` (yours: an array, the formula's dL/d
+    arrays[i] for L = sum(fn(*arrays) * upstream)) must equal the op's backward to rounding
+    (rtol * the largest |expected|) and central differences to gradcheck's tolerance.
+
+    fn: a function of float64 Tensors returning one Tensor; arrays, upstream: float64 arrays
+    (host or device); names: what to call each input ("q", "k", ...). Every input is judged
+    against both references; returns True, or raises GradcheckError with one line per input
+    and reference (see `judge`).
+    """
+    names = _names(names, len(arrays))
+    inputs = [Tensor(backend.get_array_module(a).asarray(a, dtype="float64"), requires_grad=True,
+                     device=backend.device_of(a)) for a in arrays]
+    _, (g,), backward = vjp(fn, inputs, [upstream])
+
+    def loss():
+        with no_grad():
+            return float((fn(*inputs).data * g).sum())
+
+    verdicts = []
+    for name, t, formula, theirs in zip(names, inputs, expected, backward):
+        formula = t.xp.asarray(formula, dtype="float64")
+        if formula.shape != t.shape:
+            verdicts.append((False, f"{name}: wrong: your formula has shape {formula.shape}, the input {t.shape}"))
+            continue
+        scale = max(1.0, float(abs(formula).max())) if formula.size else 1.0
+        verdicts.append(judge(f"{name} (reference: the op's backward)", formula, theirs, rtol * scale, 0.0))
+        verdicts.append(judge(f"{name} (reference: finite differences)", formula, numeric_gradient(loss, t, eps),
+                              1e-5, 1e-3))
+    _raise_if_wrong("check_formula: your formula (yours) against the op's backward and finite differences", verdicts)
+    return True
+
+
+def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
+          report: list | None = None) -> tuple[bool, str]:
+    """(passed, line): one tensor's verdict, exact, close (|yours - reference| <= atol + rtol
+    |reference| everywhere) or wrong, with the largest difference and the worst entry (the
+    one furthest out of tolerance): its index, both values, and the relative error where the
+    reference is not 0 there. report: see `gradcheck`."""
+    xp = backend.get_array_module(reference)
+    err = xp.abs(yours - reference)
+    if report is not None:
+        report.append((name, float(err.max()) if err.size else 0.0,
+                       float(xp.abs(reference).max()) if reference.size else 0.0))
+    if not err.size:
+        return True, f"{name}: exact (empty)"
+    bound = atol + rtol * xp.abs(reference)
+    excess = err / xp.maximum(bound, xp.finfo(bound.dtype).tiny)   # a zero tolerance divides by no zero
+    worst = int(xp.argmax(xp.where(xp.isnan(excess), xp.inf, excess)))
+    index = tuple(int(k) for k in xp.unravel_index(worst, reference.shape))
+    passed = bool((excess <= 1).all())
+    mine, theirs, diff = float(yours.reshape(-1)[worst]), float(reference.reshape(-1)[worst]), float(err.max())
+    verdict = "exact" if diff == 0 else "close" if passed else "wrong"
+    line = f"{name}: {verdict}, max diff {diff:.3g}"
+    if verdict == "close":
+        line += f", worst at index {index}"
+    if verdict == "wrong":
+        relative = f"rel {abs(mine - theirs) / abs(theirs):.3g}" if theirs else "the reference is 0 there"
+        line += f", worst at index {index}: yours {mine:.10g}, reference {theirs:.10g} ({relative})"
+    if not passed:
+        tolerance = f"atol {atol:.3g}" + (f" + rtol {rtol:.3g} * |reference|" if rtol else "")
+        line += f"; {int((~(excess <= 1)).sum())} of {err.size} entries beyond {tolerance}"
+    return passed, line
+
+
+def _raise_if_wrong(what, verdicts):
+    """Raise GradcheckError listing every verdict when any is wrong."""
+    if not all(passed for passed, _ in verdicts):
+        raise GradcheckError(f"{what}:\n" + "\n".join(f"  {line}" for _, line in verdicts))
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as `gradcheck`: `autograd.gradcheck` must be both the module
+    (`autograd.gradcheck.check_formula`) and the function torch users call."""
+
+    def __call__(self, *args, **kwargs):
+        return gradcheck(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

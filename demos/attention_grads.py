@@ -7,7 +7,10 @@
 For one held-out example of the reversal task, `npformer.nn.record_attention` records the
 probabilities P = softmax(Q K^T / sqrt(hd) + mask) of every attention module and, after the
 teacher-forced cross-entropy's backward pass, dL/dP. Positive dL/dP (red): attending more to
-that key would raise the loss; negative (blue): lower it. The default model is the snapshot
+that key would raise the loss; negative (blue): lower it. Cells where P = 0 (masked keys: the
+decoder's future positions, padding) are grey: dL/dP is not 0 there, but nothing flows through
+them. The bottom row is dL/dS = P * (dL/dP - rowsum), the gradient that reaches the scores
+S = Q K^T / sqrt(hd) (the softmax's backward; it sums to 0 over each query's keys). The default model is the snapshot
 demos/reverse.py keeps after 150 steps: partly trained, so dL/dP is still large and shows
 which keys would help; in a fully trained model the loss is nearly 0 and so is dL/dP
 (about 1e-4). Without that file, the same 150 steps are trained first (~20 s).
@@ -107,13 +110,15 @@ def run(args):
         "encoder": ((src, "source"), (src, "source")), "decoder": ((tgt_in, "decoder input"), (tgt_in, "decoder input")),
         "cross": ((tgt_in, "decoder input"), (src, "source"))}[args.attention]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    title = (f"{KINDS[args.attention][2]}, {where}: P and dL/dP for the input {' '.join(src)} "
+    title = (f"{KINDS[args.attention][2]}, {where}: P, dL/dP and dL/dS for the input {' '.join(src)} "
              f"(loss {loss:.3g}, after {step} training steps)")
     plots.plot_attention_and_grads(weights, grads, args.out, title, query, key,
                                    query_axis=f"query: {query_side}", key_axis=f"key: {key_side}")
     print(f"{name}: loss {loss:.4g}")
+    panels = plots.attention_panels(weights, grads)
     for h in range(weights.shape[0]):
-        print(f"head {h}: max P {weights[h].max():.3f}, max |dL/dP| {abs(grads[h]).max():.3g}")
+        print(f"head {h}: max P {weights[h].max():.3f}, max |dL/dP| {abs(panels['dL/dP'][h]).max():.3g} "
+              f"(where P > 0), max |dL/dS| {abs(panels['dL/dS'][h]).max():.3g}")
     print(f"wrote {args.out}", file=sys.stderr)
     return args.out
 

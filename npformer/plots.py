@@ -22,7 +22,7 @@ from autograd.backend import ArrayLike
 from .files import atomic_write
 from .nn import Module, inference_mode, record_attention
 
-__all__ = ["attention_maps", "plot_curves", "plot_grad_norms", "plot_attention", "plot_attention_and_grads", "TITLES"]
+__all__ = ["attention_maps", "attention_panels", "plot_curves", "plot_grad_norms", "plot_attention", "plot_attention_and_grads", "TITLES"]
 
 
 _GROUPS = ("encoder_self", "decoder_self", "cross")
@@ -258,32 +258,59 @@ def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title:
     return _save(fig, path)
 
 
+def attention_panels(weights: np.ndarray, grads: np.ndarray) -> dict:
+    """What `plot_attention_and_grads` draws, per head: {"P", "dL/dP", "dL/dS"}, (H, Tq, Tk)
+    numpy masked arrays. Cells where P = 0 (a masked key, or a probability that underflowed)
+    are masked in all three: nothing flows through them, whatever dL/dP says there.
+    dL/dS = P * (dL/dP - rowsum), rowsum = sum_k P dL/dP over each query's keys, is the
+    softmax's backward: the gradient that actually reaches the scores S = Q K^T / sqrt(hd)."""
+    weights, grads = np.asarray(weights, dtype=float), np.asarray(grads, dtype=float)
+    blocked = weights == 0                                             # (H, Tq, Tk)
+    rowsum = np.where(blocked, 0.0, weights * grads).sum(-1, keepdims=True)   # (H, Tq, 1)
+    score_grads = weights * (grads - rowsum)                            # (H, Tq, Tk)
+    return {name: np.ma.masked_where(blocked | ~np.isfinite(array), array)
+            for name, array in (("P", weights), ("dL/dP", grads), ("dL/dS", score_grads))}
+
+
+def _symmetric_limit(array):
+    """The colour scale's half width: the largest |value| not masked, 1 where there is none."""
+    return float(np.abs(array).max(fill_value=0.0)) or 1.0
+
+
 def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str | os.PathLike, title: str,
                              query_labels: Sequence[str], key_labels: Sequence[str], query_axis: str = "query",
                              key_axis: str = "key") -> str | os.PathLike:
-    """Per head: the attention probabilities P (top row) next to dL/dP (bottom row,
-    a diverging scale centred on 0). weights, grads: (H, Tq, Tk); the ticks are labelled
-    with the query and key tokens, the axes with query_axis and key_axis. Writes a PNG to
-    `path` and returns path. ValueError for arrays or labels that do not fit."""
+    """Per head (one column each): the attention probabilities P (top row), dL/dP (middle)
+    and dL/dS, the gradient that reaches the scores (bottom), the gradients on diverging
+    scales centred on 0; cells where P = 0 (masked keys) are grey in every row (see
+    `attention_panels`). weights, grads: (H, Tq, Tk); the ticks are labelled with the query
+    and key tokens, the axes with query_axis and key_axis. Writes a PNG to `path` and returns
+    path. ValueError for arrays or labels that do not fit."""
     weights, grads = _heatmaps([weights, grads], "weights, grads", query_labels, key_labels,
                                "plot_attention_and_grads")
+    panels = attention_panels(weights, grads)
     n_heads, tq, tk = weights.shape
-    cell = _cell(max(tq, tk), 0.3, n_heads, 2, 1.5)
-    fig = _figure(figsize=(cell * n_heads + 1.5, 2 * cell + 1.2), layout="constrained")
-    axes = np.asarray(fig.subplots(2, n_heads, squeeze=False))
-    limit = float(np.abs(grads[np.isfinite(grads)]).max(initial=0.0)) or 1.0
-    top = bottom = None
+    cell = _cell(max(tq, tk), 0.3, n_heads, 3, 1.5)
+    fig = _figure(figsize=(cell * n_heads + 1.5, 3 * cell + 1.2), layout="constrained")
+    axes = np.asarray(fig.subplots(3, n_heads, squeeze=False))
+    colormaps = _matplotlib().colormaps
+    rows = [("P", dict(vmin=0.0, vmax=1.0, cmap=colormaps["viridis"].with_extremes(bad="lightgrey")),
+             "P (grey: masked, P = 0)"),
+            ("dL/dP", None, "dL/dP (red: attending more raises the loss)"),
+            ("dL/dS", None, "dL/dS = P (dL/dP - rowsum): what reaches the scores")]
+    for r, (name, style, label) in enumerate(rows):
+        if style is None:
+            limit = _symmetric_limit(panels[name])
+            style = dict(vmin=-limit, vmax=limit, cmap=colormaps["RdBu_r"].with_extremes(bad="lightgrey"))
+        image = None
+        for h in range(n_heads):
+            image = axes[r, h].imshow(panels[name][h], **style)
+            axes[r, h].set_title(f"head {h}: {name}", fontsize=9)
+            _ticks(axes[r, h], cell, query_labels, key_labels)
+        fig.colorbar(image, ax=axes[r].tolist(), shrink=0.8, label=label)
     for h in range(n_heads):
-        top = axes[0, h].imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis")
-        bottom = axes[1, h].imshow(grads[h], vmin=-limit, vmax=limit, cmap="RdBu_r")
-        axes[0, h].set_title(f"head {h}: P", fontsize=9)
-        axes[1, h].set_title(f"head {h}: dL/dP", fontsize=9)
-        for ax in axes[:, h]:
-            _ticks(ax, cell, query_labels, key_labels)
-        axes[1, h].set_xlabel(key_axis, fontsize=8)
+        axes[-1, h].set_xlabel(key_axis, fontsize=8)
     for ax in axes[:, 0]:
         ax.set_ylabel(query_axis, fontsize=8)
-    fig.colorbar(top, ax=axes[0].tolist(), shrink=0.8, label="P")
-    fig.colorbar(bottom, ax=axes[1].tolist(), shrink=0.8, label="dL/dP (red: attending more raises the loss)")
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)

@@ -14,10 +14,10 @@ import re
 import sys
 import types
 
-MODULES = ("autograd", "npformer.runtime", "npformer", "npformer.functional", "npformer.nn", "npformer.nn.init",
-           "npformer.models", "npformer.optim", "npformer.data", "npformer.training", "npformer.decoding",
-           "npformer.checkpoint", "npformer.interop", "npformer.distributed", "npformer.plots", "npformer.cuda",
-           "npformer.exercises")
+MODULES = ("autograd", "autograd.gradcheck", "npformer.runtime", "npformer", "npformer.functional", "npformer.nn",
+           "npformer.nn.init", "npformer.models", "npformer.optim", "npformer.data", "npformer.training",
+           "npformer.decoding", "npformer.checkpoint", "npformer.interop", "npformer.distributed", "npformer.plots",
+           "npformer.cuda", "npformer.exercises", "npformer.opcases", "npformer.gradcheck")
 PROJECT = ("autograd", "npformer")
 HEADER = """# API reference
 

@@ -24,10 +24,11 @@ F32 = dict(atol=1e-5, rtol=1e-4)
 
 
 def op_tests(family):
-    """The registry's tests of one op family (npformer.opcases): gradcheck on every device,
-    torch in float64 (and float32 where the case allows) on every device, and the composite
-    twin on every device. A test file binds them: `test_gradcheck, ... = op_tests("softmax")`."""
-    cases = opcases.cases(family)
+    """The registry's tests of one op family (npformer.opcases; or of a list of cases):
+    gradcheck on every device, torch in float64 (and float32 where the case allows) on every
+    device, and the twin on every device. A test file binds them:
+    `test_gradcheck, ... = op_tests("softmax")`."""
+    cases = opcases.cases(family) if isinstance(family, str) else list(family)
 
     def parametrize(selected, ids=None):
         return pytest.mark.parametrize("case", selected, ids=ids or [c.name for c in selected])

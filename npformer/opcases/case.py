@@ -1,5 +1,6 @@
-"""`OpCase`: one op (or module) on one set of inputs, and the three checks every case gets:
-central finite differences (by calling `autograd.gradcheck`), PyTorch, and the composite twin.
+"""`OpCase`: one op (or module) on one set of inputs, and its checks: central finite
+differences (by calling `autograd.gradcheck`), PyTorch where the case has a reference, and the
+twin where it has one (for npformer's own ops the composite twin).
 
 Every check contracts the outputs with a random upstream gradient (`autograd.gradcheck.vjp`).
 Against torch and the twin, an array (an output or a gradient) passes when
@@ -10,7 +11,9 @@ because the rounding of a correct result grows with the magnitude of the array i
 (sums of products of inputs and upstream gradients), not with one machine's BLAS.
 """
 import dataclasses
-from typing import Callable, Optional
+import inspect
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -26,54 +29,79 @@ TOLERANCE = {("torch", "float64"): 1e-10, ("torch", "float32"): 1e-5,
              ("twin", "float64"): 1e-12, ("twin", "float32"): 1e-5}
 
 
+COMPOSITE = "composite"  # OpCase.twin: npformer's composite twin (npformer/functional/composite.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class OpCase:
-    """One op or module on one set of inputs.
+    """One op or module on one set of inputs: what `register` takes.
 
     name: unique; the row of `python -m npformer.gradcheck` and the test id ("F.softmax (dim=0)").
-    family: the op family (a key of `opcases.FAMILIES`): its test file, its row in docs/backprop.md.
-    inputs: rng -> list of float arrays; each becomes an input Tensor that is differentiated.
-    fn: fn(*inputs) -> Tensor or tuple of Tensors (None entries ignored), written with
-        npformer.functional / npformer.nn, so that inside `composite.installed()` it runs the
-        composite twin; with `module`, fn(module, *inputs).
+    inputs: rng -> list of float arrays, or a dict {name: array}; each becomes an input Tensor
+        that is differentiated.
+    fn: fn(*inputs) -> Tensor or tuple of Tensors (None entries ignored); with `module`,
+        fn(module, *inputs).
     torch: torch(t, *leaves), the same computation written with PyTorch (t is the torch module),
         or None; with `module`, torch(t, torch_module, *leaves).
+    family: None, or the name of a registered `Family` (its test file, its docs section).
+    input_names: the inputs' names in messages and tables ("q", "k", "v"); by default the keys
+        of a dict from `inputs`, else fn's parameter names, else "input 0", "input 1", ...
+    twin: None; or a function with fn's signature computing the same thing another way (its
+        outputs and gradients are compared with fn's); or COMPOSITE: fn run inside
+        `composite.installed()`, where npformer.functional's ops are built from autograd primitives.
     module: rng -> an npformer module (built after `manual_seed(0)`) whose parameters
         are differentiated after the inputs. convert: the torch side gets
         `interop.to_torch(module)` (else None: the module has no parameters).
-    twin: compare with the composite twin (False where the twin draws other random numbers).
     finite_differences: run gradcheck (False where the function deliberately is not smooth,
         such as an embedding's frozen padding row).
     float32: also compare with torch in float32.
     """
     name: str
-    family: str
     inputs: Callable
     fn: Callable
     torch: Optional[Callable] = None
+    _: dataclasses.KW_ONLY
+    family: Optional[str] = None
+    input_names: Optional[tuple] = None
+    twin: Optional[object] = None
     module: Optional[Callable] = None
     convert: bool = True
-    twin: bool = True
     finite_differences: bool = True
     float32: bool = True
+
+
+def _parameter_names(fn, count, skip):
+    """The first `count` positional parameter names of fn after `skip` of them, or None where
+    fn takes *args (a Function's apply) or has fewer."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())[skip:]
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in parameters[:count] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names if len(names) == count else None
 
 
 @dataclasses.dataclass
 class Instance:
     """An OpCase made concrete on a device and dtype: the input arrays (host), `tensors` (the
-    input leaves, then the module's parameters) and their `labels`. Calling it runs the case."""
+    input leaves, then the module's parameters) and their `labels` (the inputs' names, then
+    "parameter <name>"). Calling it runs the case."""
     case: OpCase
     arrays: list
     tensors: list
     labels: list
     module: object = None
 
-    def __call__(self, *tensors):
-        if self.module is None:
-            return self.case.fn(*tensors)
-        return self.case.fn(self.module, *tensors[:len(self.arrays)])
+    def __call__(self, *tensors: Tensor) -> Any:
+        return self.call(self.case.fn, *tensors)
 
-    def torch_function(self, torch):
+    def call(self, fn: Callable, *tensors: Tensor) -> Any:
+        """fn (the case's fn, or its twin) on these tensors, with the module when there is one."""
+        if self.module is None:
+            return fn(*tensors)
+        return fn(self.module, *tensors[:len(self.arrays)])
+
+    def torch_function(self, torch: Any) -> tuple[Callable, list]:
         """(function of torch leaves, torch leaves aligned with `tensors`): the case in PyTorch."""
         leaves = [torch.tensor(a, requires_grad=True) for a in self.arrays]
         if self.module is None:
@@ -84,11 +112,16 @@ class Instance:
         return (lambda *ls: self.case.torch(torch, torch_module, *ls[:len(self.arrays)])), leaves + params
 
 
-def instantiate(case, rng, device="cpu", dtype="float64"):
+def instantiate(case: OpCase, rng: np.random.Generator, device: str = "cpu", dtype: str = "float64") -> Instance:
     """The case's inputs drawn from `rng` (and its module built) on `device` in `dtype`."""
-    arrays = [np.asarray(a, dtype=dtype) for a in case.inputs(rng)]
+    drawn = case.inputs(rng)
+    arrays = [np.asarray(a, dtype=dtype) for a in (drawn.values() if isinstance(drawn, dict) else drawn)]
+    labels = list(case.input_names or (drawn if isinstance(drawn, dict) else None)
+                  or _parameter_names(case.fn, len(arrays), skip=case.module is not None)
+                  or [f"input {i}" for i in range(len(arrays))])
+    if len(labels) != len(arrays):
+        raise ValueError(f"{case.name}: input_names: one name per input expected ({len(arrays)}), got {labels}")
     tensors = [Tensor(a, requires_grad=True, device=device) for a in arrays]
-    labels = [f"input {i}" for i in range(len(arrays))]
     module = None
     if case.module is not None:
         random.manual_seed(0)
@@ -99,7 +132,7 @@ def instantiate(case, rng, device="cpu", dtype="float64"):
     return Instance(case, arrays, tensors, labels, module)
 
 
-def torch_args(torch, kwargs, like):
+def torch_args(torch: Any, kwargs: dict, like: Any) -> dict:
     """kwargs with numpy arrays as torch tensors (floating ones in the dtype of the torch tensor
     `like`), for a torch call."""
     def convert(value):
@@ -118,14 +151,15 @@ class Comparison:
     failures: list
 
     @property
-    def passed(self):
+    def passed(self) -> bool:
+        """Whether every array was within tolerance."""
         return not self.failures
 
     def __str__(self):
         return "; ".join(self.failures) or f"max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
 
 
-def compare(ours, reference, labels, tolerance):
+def compare(ours: Sequence[Any], reference: Sequence[Any], labels: Sequence[str], tolerance: float) -> Comparison:
     """A Comparison of arrays `ours` against `reference` (pairs named by `labels`); equal
     infinities count as equal, NaN never does."""
     failures, max_abs, max_rel = [], 0.0, 0.0
@@ -160,14 +194,15 @@ def _checked(instance, outs, grads, device, dtype):
     return arrays, labels
 
 
-def gradcheck_case(case, rng, device="cpu", report=None):
-    """`autograd.gradcheck` (float64) of the case over every input and parameter; True or raises
-    autograd.GradcheckError. report: see autograd.gradcheck."""
+def gradcheck_case(case: OpCase, rng: np.random.Generator, device: str = "cpu", report: list | None = None) -> bool:
+    """`autograd.gradcheck` (float64) of the case over every input and parameter, by name; True
+    or raises autograd.GradcheckError. report: see autograd.gradcheck."""
     instance = instantiate(case, rng, device)
-    return autograd.gradcheck(instance, instance.tensors, report=report)
+    return autograd.gradcheck(instance, instance.tensors, report=report, names=instance.labels)
 
 
-def compare_with_torch(case, torch, rng, device="cpu", dtype="float64"):
+def compare_with_torch(case: OpCase, torch: Any, rng: np.random.Generator, device: str = "cpu",
+                       dtype: str = "float64") -> Comparison:
     """The case's outputs and gradients (one random upstream gradient) against PyTorch's."""
     instance = instantiate(case, rng, device, dtype)
     outs, upstream, grads = vjp(instance, instance.tensors)
@@ -183,13 +218,19 @@ def compare_with_torch(case, torch, rng, device="cpu", dtype="float64"):
     return compare(ours, reference, labels, TOLERANCE["torch", dtype])
 
 
-def compare_with_twin(case, rng, device="cpu", dtype="float64"):
-    """The case's outputs and gradients against those of its composite twin (the same inputs
-    and upstream gradient, run inside `composite.installed()`)."""
+def compare_with_twin(case: OpCase, rng: np.random.Generator, device: str = "cpu",
+                      dtype: str = "float64") -> Comparison:
+    """The case's outputs and gradients against those of its twin (the same inputs and upstream
+    gradient): `case.twin` itself, or for COMPOSITE the case run inside `composite.installed()`."""
+    if case.twin is None:
+        raise ValueError(f"{case.name}: the case has no twin")
     instance = instantiate(case, rng, device, dtype)
     outs, upstream, grads = vjp(instance, instance.tensors)
     ours, labels = _checked(instance, outs, grads, device, dtype)
-    with composite.installed():
-        twin_outs, _, twin_grads = vjp(instance, instance.tensors, upstream)
+    if case.twin == COMPOSITE:
+        with composite.installed():
+            twin_outs, _, twin_grads = vjp(instance, instance.tensors, upstream)
+    else:
+        twin_outs, _, twin_grads = vjp(lambda *ts: instance.call(case.twin, *ts), instance.tensors, upstream)
     twin, _ = _checked(instance, twin_outs, twin_grads, device, dtype)
     return compare(ours, twin, labels, TOLERANCE["twin", dtype])

@@ -5,12 +5,19 @@ import numpy as np
 from npformer import nn
 from npformer.runtime import random
 
-from .case import OpCase
-from .ops import ROTARY_POSITIONS, normal, torch_rope
+from .ops import ROTARY_POSITIONS, normal, op_case, torch_rope
+from .registry import Family, register
 
 B, T, E = 2, 4, 8
 PAD = np.array([[False, False, False, True], [False, False, False, False]])      # True = padding
 CAUSAL = np.triu(np.ones((T, T), dtype=bool), 1)                                    # True = may not attend
+
+FAMILIES = [
+    Family("multihead_attention", ("nn.MultiheadAttention",), "npformer/nn/attention.py",
+           tests="tests/nn/test_nn_attention.py"),
+    Family("transformer", ("nn.TransformerEncoderLayer", "nn.TransformerDecoderLayer", "nn.Transformer"),
+           "npformer/nn/transformer.py", tests="tests/nn/test_nn_transformer.py"),
+]
 
 
 def randomize_vectors(module, rng):
@@ -23,15 +30,15 @@ def randomize_vectors(module, rng):
 
 
 def _module_case(name, family, module, inputs, fn, torch=None, **options):
-    return OpCase(name, family, inputs, fn, torch, module=lambda rng: randomize_vectors(module(), rng), **options)
+    return op_case(name, family, inputs, fn, torch, module=lambda rng: randomize_vectors(module(), rng), **options)
 
 
-def _call(m, *inputs):
-    return m(*inputs)
+def _call(m, x):
+    return m(x)
 
 
-def _torch_call(t, m, *inputs):
-    return m(*inputs)
+def _torch_call(t, m, x):
+    return m(x)
 
 
 def _seeded_call(m, x):
@@ -71,9 +78,10 @@ _IDS = np.array([[1, 5, 1], [0, 1, 2]])  # repeated ids accumulate
 
 def _embedding_case(padding_idx):
     label = "" if padding_idx is None else f" (padding_idx={padding_idx})"
-    return OpCase(f"nn.Embedding{label}", "embedding", normal((2, 3, 3)), lambda m, x: m(_IDS) * x,
-                  lambda t, m, x: m(t.tensor(_IDS)) * x, module=lambda rng: nn.Embedding(6, 3, padding_idx=padding_idx),
-                  finite_differences=padding_idx is None)
+    return op_case(f"nn.Embedding{label}", "embedding", normal((2, 3, 3)), lambda m, x: m(_IDS) * x,
+                   lambda t, m, x: m(t.tensor(_IDS)) * x,
+                   module=lambda rng: nn.Embedding(6, 3, padding_idx=padding_idx),
+                   finite_differences=padding_idx is None)
 
 
 CASES = [
@@ -115,3 +123,5 @@ CASES = [
                  lambda t, m, s, x: m(s, x, tgt_mask=t.tensor(CAUSAL[:2, :2]), tgt_is_causal=True,
                                       src_key_padding_mask=t.tensor(PAD[:, 1:]))),
 ]
+
+register(*FAMILIES, *CASES)

@@ -8,9 +8,16 @@ import npformer.functional as F
 from npformer.functional.activation import dropout_scale, keep_mask
 from npformer.runtime import random
 
-from .case import OpCase, torch_args
+from .case import COMPOSITE, OpCase, torch_args
+from .registry import Family, register
 
 _constants = np.random.default_rng(1234)  # masks and class weights: drawn once, at import
+
+
+def op_case(name, family, inputs, fn, torch=None, **options):
+    """A case of one of npformer's own ops: in `family`, checked against its composite twin
+    (twin=None for an op that has none in npformer/functional/composite.py)."""
+    return OpCase(name, inputs, fn, torch, family=family, **{"twin": COMPOSITE, **options})
 
 
 def normal(*shapes, scale=1.0, offset=0.0):
@@ -32,6 +39,31 @@ def seeded(seed, like):
     """A fresh dropout stream for a dropout inside a case: every evaluation, on every device
     (`like`'s included), draws the same mask."""
     return random.Philox(seed)
+
+
+# -- the op families (docs/backprop.md's op table) ----------------------------------------------------
+def _op(name, ops_, source, functions, section):
+    return Family(name, ops_, f"npformer/functional/{source}", functions, section,
+                  f"tests/functional/test_op_{name}.py")
+
+
+FAMILIES = [
+    _op("linear", ("F.linear", "nn.Linear"), "linear.py", ("LinearFunction",), "Linear"),
+    _op("relu", ("F.relu", "nn.ReLU"), "activation.py", ("ReLUFunction",), "ReLU"),
+    _op("gelu", ("F.gelu", "nn.GELU"), "activation.py", ("GELUFunction",), "GELU"),
+    _op("dropout", ("F.dropout", "nn.Dropout"), "activation.py", ("DropoutFunction",), "Dropout"),
+    _op("dropout_add", ("F.dropout_add",), "residual.py", ("DropoutAddFunction",), "Dropout + residual"),
+    _op("softmax", ("F.softmax", "F.log_softmax"), "softmax.py", ("SoftmaxFunction", "LogSoftmaxFunction"),
+        "Softmax"),
+    _op("cross_entropy", ("F.cross_entropy",), "loss.py", ("CrossEntropyFunction",), "Cross-entropy"),
+    _op("layer_norm", ("F.layer_norm", "nn.LayerNorm"), "normalization.py", ("LayerNormFunction",), "LayerNorm"),
+    _op("embedding", ("F.embedding", "nn.Embedding"), "embedding.py", ("EmbeddingFunction",), "Embedding"),
+    _op("attention", ("F.scaled_dot_product_attention", "F.attention_backend"), "attention.py",
+        ("AttentionFunction", "MemoryEfficientAttentionFunction"), "Scaled dot-product attention"),
+    _op("split_heads", ("F.split_heads",), "attention.py", ("SplitHeadsFunction",), "Splitting heads"),
+    _op("rotary", ("F.apply_rotary_emb", "F.rotary_cos_sin", "nn.RotaryEmbedding"), "rotary.py",
+        ("RotaryEmbeddingFunction",), "RoPE"),
+]
 
 
 # -- the PyTorch references -------------------------------------------------------------------------
@@ -102,22 +134,22 @@ def _linear_activation_torch(kind):
 
 
 LINEAR = [
-    OpCase("F.linear", "linear", normal((2, 3, 4), (5, 4), (5,)), F.linear, _linear_torch),
-    OpCase("F.linear (no bias)", "linear", normal((2, 7, 5), (6, 5)), F.linear, _linear_torch),
+    op_case("F.linear", "linear", normal((2, 3, 4), (5, 4), (5,)), F.linear, _linear_torch),
+    op_case("F.linear (no bias)", "linear", normal((2, 7, 5), (6, 5)), F.linear, _linear_torch),
 ] + [  # the bias and the activation fused after the GEMM; ReLU's inputs kept away from its kink
-    OpCase(f"F.linear (activation={kind})", "linear",
-           (lambda rng: [rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)), 0.5 + rng.random(5)])
-           if kind == "relu" else normal((2, 3, 4), (5, 4), (5,)),
-           lambda x, w, b, kind=kind: F.linear(x, w, b, activation=kind), _linear_activation_torch(kind))
+    op_case(f"F.linear (activation={kind})", "linear",
+            (lambda rng: [rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)), 0.5 + rng.random(5)])
+            if kind == "relu" else normal((2, 3, 4), (5, 4), (5,)),
+            lambda x, w, b, kind=kind: F.linear(x, w, b, activation=kind), _linear_activation_torch(kind))
     for kind in ("relu", "gelu", "gelu_tanh")
 ]
 
-RELU = [OpCase("F.relu", "relu", away_from_zero((3, 5)), F.relu, lambda t, x: t.relu(x))]
+RELU = [op_case("F.relu", "relu", away_from_zero((3, 5)), F.relu, lambda t, x: t.relu(x))]
 
 GELU = [
-    OpCase("F.gelu", "gelu", normal((3, 5), scale=3.0), F.gelu, lambda t, x: t.nn.functional.gelu(x)),
-    OpCase("F.gelu (tanh)", "gelu", normal((3, 5), scale=3.0), lambda x: F.gelu(x, approximate="tanh"),
-           lambda t, x: t.nn.functional.gelu(x, approximate="tanh")),
+    op_case("F.gelu", "gelu", normal((3, 5), scale=3.0), F.gelu, lambda t, x: t.nn.functional.gelu(x)),
+    op_case("F.gelu (tanh)", "gelu", normal((3, 5), scale=3.0), lambda x: F.gelu(x, approximate="tanh"),
+            lambda t, x: t.nn.functional.gelu(x, approximate="tanh")),
 ]
 
 def _dropout_torch(t, x):
@@ -126,8 +158,8 @@ def _dropout_torch(t, x):
     return x * t.as_tensor(keep.astype(x.detach().numpy().dtype) * dropout_scale(0.4))
 
 
-DROPOUT = [OpCase("F.dropout (seeded)", "dropout", normal((4, 5)),
-                  lambda x: F.dropout(x, 0.4, generator=seeded(7, x)), _dropout_torch)]
+DROPOUT = [op_case("F.dropout (seeded)", "dropout", normal((4, 5)),
+                   lambda x: F.dropout(x, 0.4, generator=seeded(7, x)), _dropout_torch)]
 
 
 def _dropout_add_torch(t, x, residual):
@@ -135,28 +167,28 @@ def _dropout_add_torch(t, x, residual):
     return residual + _dropout_torch(t, x)
 
 
-DROPOUT_ADD = [OpCase("F.dropout_add (seeded)", "dropout_add", normal((4, 5), (4, 5)),
-                      lambda x, r: F.dropout_add(x, r, 0.4, generator=random.Philox(7)), _dropout_add_torch)]
+DROPOUT_ADD = [op_case("F.dropout_add (seeded)", "dropout_add", normal((4, 5), (4, 5)),
+                       lambda x, r: F.dropout_add(x, r, 0.4, generator=random.Philox(7)), _dropout_add_torch)]
 
 # -- softmax, cross-entropy ----------------------------------------------------------------------------
 SOFTMAX = [
-    OpCase("F.softmax", "softmax", normal((3, 5)), F.softmax, lambda t, x: t.softmax(x, dim=-1)),
-    OpCase("F.softmax (dim=0)", "softmax", normal((4, 5)), lambda x: F.softmax(x, dim=0),
-           lambda t, x: t.softmax(x, dim=0)),
-    OpCase("F.softmax [[-1000, 1]]", "softmax", fixed([[-1000.0, 1.0]]), F.softmax, lambda t, x: t.softmax(x, dim=-1)),
-    OpCase("F.log_softmax", "softmax", normal((4, 5)), F.log_softmax, lambda t, x: t.log_softmax(x, dim=-1)),
-    OpCase("F.log_softmax (dim=0)", "softmax", normal((4, 5)), lambda x: F.log_softmax(x, dim=0),
-           lambda t, x: t.log_softmax(x, dim=0)),
+    op_case("F.softmax", "softmax", normal((3, 5)), F.softmax, lambda t, x: t.softmax(x, dim=-1)),
+    op_case("F.softmax (dim=0)", "softmax", normal((4, 5)), lambda x: F.softmax(x, dim=0),
+            lambda t, x: t.softmax(x, dim=0)),
+    op_case("F.softmax [[-1000, 1]]", "softmax", fixed([[-1000.0, 1.0]]), F.softmax, lambda t, x: t.softmax(x, dim=-1)),
+    op_case("F.log_softmax", "softmax", normal((4, 5)), F.log_softmax, lambda t, x: t.log_softmax(x, dim=-1)),
+    op_case("F.log_softmax (dim=0)", "softmax", normal((4, 5)), lambda x: F.log_softmax(x, dim=0),
+            lambda t, x: t.log_softmax(x, dim=0)),
 ]
 
 
 def cross_entropy_case(label, inputs, target, finite_differences=True, **kwargs):
     """F.cross_entropy(x, target, **kwargs) against torch's (class weights become torch tensors)."""
     target = np.asarray(target)
-    return OpCase(f"F.cross_entropy ({label})", "cross_entropy", inputs,
-                  lambda x: F.cross_entropy(x, target, **kwargs),
-                  lambda t, x: t.nn.functional.cross_entropy(x, t.tensor(target), **torch_args(t, kwargs, x)),
-                  finite_differences=finite_differences)
+    return op_case(f"F.cross_entropy ({label})", "cross_entropy", inputs,
+                   lambda x: F.cross_entropy(x, target, **kwargs),
+                   lambda t, x: t.nn.functional.cross_entropy(x, t.tensor(target), **torch_args(t, kwargs, x)),
+                   finite_differences=finite_differences)
 
 
 _CLASS_WEIGHT = np.array([0.5, 1.0, 2.0, 0.1, 3.0])
@@ -189,9 +221,10 @@ def layer_norm_case(label, shape, normalized_shape, affine, **kwargs):
     def inputs(rng):
         params = [1 + rng.standard_normal(normalized_shape), rng.standard_normal(normalized_shape)]
         return [rng.standard_normal(shape)] + params[:affine]
-    return OpCase(f"F.layer_norm{label}", "layer_norm", inputs,
-                  lambda x, *p: F.layer_norm(x, normalized_shape, *p, **kwargs),
-                  lambda t, x, *p: t.nn.functional.layer_norm(x, normalized_shape, *p, **kwargs))
+    return op_case(f"F.layer_norm{label}", "layer_norm", inputs,
+                   lambda x, *p: F.layer_norm(x, normalized_shape, *p, **kwargs),
+                   lambda t, x, *p: t.nn.functional.layer_norm(x, normalized_shape, *p, **kwargs),
+                   input_names=("x", "weight", "bias")[:1 + affine])
 
 
 LAYER_NORM = [
@@ -199,8 +232,8 @@ LAYER_NORM = [
     layer_norm_case(" ((4, 5), eps=1e-3)", (2, 3, 4, 5), (4, 5), 2, eps=1e-3),
     layer_norm_case(" ((4, 5), weight only)", (2, 3, 4, 5), (4, 5), 1, eps=1e-3),
     layer_norm_case(" ((4, 5), no affine)", (2, 3, 4, 5), (4, 5), 0, eps=1e-3),
-    OpCase("F.layer_norm (bias only)", "layer_norm", normal((2, 3, 5), (5,)), lambda x, b: F.layer_norm(x, 5, None, b),
-           lambda t, x, b: t.nn.functional.layer_norm(x, (5,), None, b)),
+    op_case("F.layer_norm (bias only)", "layer_norm", normal((2, 3, 5), (5,)), lambda x, b: F.layer_norm(x, 5, None, b),
+            lambda t, x, b: t.nn.functional.layer_norm(x, (5,), None, b)),
 ]
 
 
@@ -208,10 +241,10 @@ def embedding_case(label, ids, vocab, dim, padding_idx=None):
     """F.embedding(ids, weight); with a padding row, whose gradient is held at zero on purpose,
     finite differences would see the row: no gradcheck there."""
     ids = np.asarray(ids)
-    return OpCase(f"F.embedding{label}", "embedding", normal((vocab, dim)),
-                  lambda w: F.embedding(ids, w, padding_idx=padding_idx),
-                  lambda t, w: t.nn.functional.embedding(t.tensor(ids), w, padding_idx=padding_idx),
-                  finite_differences=padding_idx is None)
+    return op_case(f"F.embedding{label}", "embedding", normal((vocab, dim)),
+                   lambda w: F.embedding(ids, w, padding_idx=padding_idx),
+                   lambda t, w: t.nn.functional.embedding(t.tensor(ids), w, padding_idx=padding_idx),
+                   finite_differences=padding_idx is None)
 
 
 _REPEATED_IDS = [[2, 2, 2, 5], [0, 5, 2, 6], [6, 6, 1, 1]]
@@ -254,9 +287,9 @@ def attention_masks(rng, tq=TQ, tk=TK):
 def attention_case(label, kwargs, path=None, shapes=((B, H, TQ, HD), (B, H, TK, HD), (B, H, TK, HD)), **options):
     """F.scaled_dot_product_attention(q, k, v, **kwargs) on one path against torch's."""
     path = path or {}
-    return OpCase(f"F.sdpa {label}", "attention", normal(*shapes),
-                  lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs, **path),
-                  lambda t, q, k, v: torch_sdpa(t, q, k, v, **kwargs), **options)
+    return op_case(f"F.sdpa {label}", "attention", normal(*shapes),
+                   lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs, **path),
+                   lambda t, q, k, v: torch_sdpa(t, q, k, v, **kwargs), **options)
 
 
 def _dropout_attention(q, k, v, **kwargs):
@@ -275,10 +308,10 @@ def float_mask_inputs(mask_shape, hidden):
 
 
 def float_mask_case(shape, label, path, mask_shape, hidden, **kwargs):
-    return OpCase(f"F.sdpa {path}(float mask {shape} that requires grad, {label})", "attention",
-                  float_mask_inputs(mask_shape, hidden),
-                  lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, **kwargs, **PATHS[path]),
-                  lambda t, q, k, v, m: torch_sdpa(t, q, k, v, attn_mask=m, **kwargs))
+    return op_case(f"F.sdpa {path}(float mask {shape} that requires grad, {label})", "attention",
+                   float_mask_inputs(mask_shape, hidden),
+                   lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, **kwargs, **PATHS[path]),
+                   lambda t, q, k, v, m: torch_sdpa(t, q, k, v, attn_mask=m, **kwargs))
 
 
 _SMALL = ((2, 2, 4, 3),) * 3
@@ -286,15 +319,15 @@ ATTENTION = [attention_case(f"{path}({mask})", kwargs, PATHS[path])
              for mask, kwargs in attention_masks(_constants).items() for path in PATHS] + [
     attention_case("memory-efficient (is_causal, Tq != Tk, hdv != hd)", {"is_causal": True},
                    {"memory_efficient": True, "block_size": 2}, ((1, 2, 5, 3), (1, 2, 3, 3), (1, 2, 3, 2))),
-    OpCase("F.sdpa (return_weights, causal)", "attention", normal(*_SMALL),
-           lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True),
-           torch_causal_attention_with_weights),
-    OpCase("F.sdpa (seeded dropout, return_weights)", "attention", normal(*_SMALL),
-           lambda q, k, v: _dropout_attention(q, k, v, return_weights=True), torch_dropout_attention),
+    op_case("F.sdpa (return_weights, causal)", "attention", normal(*_SMALL),
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True),
+            torch_causal_attention_with_weights),
+    op_case("F.sdpa (seeded dropout, return_weights)", "attention", normal(*_SMALL),
+            lambda q, k, v: _dropout_attention(q, k, v, return_weights=True), torch_dropout_attention),
     # the blockwise path draws each block's part of the contract's mask: the twin's mask
-    OpCase("F.sdpa memory-efficient (seeded dropout)", "attention", normal(*_SMALL),
-           lambda q, k, v: _dropout_attention(q, k, v, memory_efficient=True, block_size=3),
-           lambda t, q, k, v: torch_dropout_attention(t, q, k, v)[0]),
+    op_case("F.sdpa memory-efficient (seeded dropout)", "attention", normal(*_SMALL),
+            lambda q, k, v: _dropout_attention(q, k, v, memory_efficient=True, block_size=3),
+            lambda t, q, k, v: torch_dropout_attention(t, q, k, v)[0]),
 ] + [case for path in PATHS for case in [
     # batch 1's last key hidden; broadcast over heads and queries (summed across query blocks)
     float_mask_case("(B, 1, 1, Tk)", "causal", path, (2, 1, 1, 4), np.s_[1, ..., 3], is_causal=True),
@@ -306,21 +339,23 @@ ATTENTION = [attention_case(f"{path}({mask})", kwargs, PATHS[path])
 ]]
 
 SPLIT_HEADS = [
-    OpCase("F.split_heads (3 chunks)", "split_heads", normal((2, 4, 12)),
-           lambda x: mix_heads(*F.split_heads(x, 2, chunks=3)),
-           lambda t, x: mix_heads(*x.reshape(2, 4, 3, 2, 2).permute(2, 0, 3, 1, 4))),
-    OpCase("F.split_heads (1 chunk)", "split_heads", normal((2, 4, 6)), lambda x: F.split_heads(x, 3) * 2.0,
-           lambda t, x: x.reshape(2, 4, 3, 2).transpose(1, 2) * 2.0),
+    op_case("F.split_heads (3 chunks)", "split_heads", normal((2, 4, 12)),
+            lambda x: mix_heads(*F.split_heads(x, 2, chunks=3)),
+            lambda t, x: mix_heads(*x.reshape(2, 4, 3, 2, 2).permute(2, 0, 3, 1, 4))),
+    op_case("F.split_heads (1 chunk)", "split_heads", normal((2, 4, 6)), lambda x: F.split_heads(x, 3) * 2.0,
+            lambda t, x: x.reshape(2, 4, 3, 2).transpose(1, 2) * 2.0),
 ]
 
 _COS, _SIN = F.rotary_cos_sin(4, 6, dtype="float64")
 ROTARY_POSITIONS = np.array([[0, 1, 2, 0], [3, 1, 1, 2]])  # per row (B, T): packed sequences restart, repeats
-ROTARY = [OpCase("F.apply_rotary_emb", "rotary", normal((2, 4, 6)), lambda x: F.apply_rotary_emb(x, _COS, _SIN),
-                 lambda t, x: torch_rope(t, x, _COS, _SIN)),
+ROTARY = [op_case("F.apply_rotary_emb", "rotary", normal((2, 4, 6)), lambda x: F.apply_rotary_emb(x, _COS, _SIN),
+                  lambda t, x: torch_rope(t, x, _COS, _SIN)),
           # tables gathered per row (B, 1, T, hd/2), broadcast over the heads: RoPE with position_ids
-          OpCase("F.apply_rotary_emb (per-row tables)", "rotary", normal((2, 3, 4, 6)),
-                 lambda x: F.apply_rotary_emb(x, _COS[ROTARY_POSITIONS][:, None], _SIN[ROTARY_POSITIONS][:, None]),
-                 lambda t, x: torch_rope(t, x, positions=ROTARY_POSITIONS))]
+          op_case("F.apply_rotary_emb (per-row tables)", "rotary", normal((2, 3, 4, 6)),
+                  lambda x: F.apply_rotary_emb(x, _COS[ROTARY_POSITIONS][:, None], _SIN[ROTARY_POSITIONS][:, None]),
+                  lambda t, x: torch_rope(t, x, positions=ROTARY_POSITIONS))]
 
 CASES = LINEAR + RELU + GELU + DROPOUT + DROPOUT_ADD + SOFTMAX + CROSS_ENTROPY + LAYER_NORM + EMBEDDING + ATTENTION + SPLIT_HEADS \
     + ROTARY
+
+register(*FAMILIES, *CASES)

@@ -11,8 +11,10 @@ import sys
 import numpy as np
 import pytest
 
+import autograd
 import npformer
 from npformer import functional as F
+from npformer import plots
 from npformer.data import SequenceTask
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -155,6 +157,27 @@ def test_attention_grads_demo(seed_run, tmp_path, capsys):
     assert weights.shape == grads.shape == (4, 6, 6) and np.allclose(weights.sum(axis=-1), 1, atol=1e-6)
     assert np.abs(grads).max() > 0
     assert demo.module_name(model, "encoder", -2) == ("transformer.encoder.layers.0.self_attn", "encoder layer 0 of 2")
+
+
+def test_attention_grads_greys_the_masked_keys_and_shows_the_gradient_that_reaches_the_scores(seed_run):
+    """In the decoder's causal self-attention dL/dP is not 0 at the masked future keys (P = 0
+    there, nothing flows): the figure masks them, and its dL/dS row is the softmax's backward,
+    checked against autograd's."""
+    demo = _demo("attention_grads")
+    model, ckpt = npformer.load_model(seed_run / "checkpoint.npz")
+    task = SequenceTask(**ckpt["trainer"]["task"]["config"])
+    weights, grads, _ = demo.weights_and_grads(model, task.collate(task.heldout[:1]),
+                                                "transformer.decoder.layers.0.self_attn")
+    future = np.triu(np.ones(weights.shape[1:], dtype=bool), 1)                  # (Tq, Tk)
+    assert (weights[:, future] == 0).all() and np.abs(grads[:, future]).max() > 1e-3   # what was drawn before
+    panels = plots.attention_panels(weights, grads)
+    for name in ("P", "dL/dP", "dL/dS"):
+        assert (panels[name].mask == np.broadcast_to(future, weights.shape)).all(), name
+    scores = autograd.Tensor(np.log(np.where(weights > 0, weights, 1.0)) + np.where(weights > 0, 0.0, -np.inf),
+                             requires_grad=True)                                # softmax(scores) = P
+    F.softmax(scores, dim=-1).backward(grads)
+    np.testing.assert_allclose(panels["dL/dS"].filled(0.0), scores.grad, atol=1e-5 * np.abs(grads).max())
+    np.testing.assert_allclose(panels["dL/dS"].sum(-1), 0.0, atol=1e-5 * np.abs(grads).max())
 
 
 def test_attention_grads_trains_the_snapshot_when_there_is_none(tmp_path, monkeypatch, capsys):
