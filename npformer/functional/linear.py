@@ -8,7 +8,7 @@ from autograd.backend import Array
 from autograd.threads import for_rows, row_blocks, run_tasks, split_blocks
 
 from ._common import check_one_dtype, check_tensor, has_twin
-from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward
+from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward, bias_activation_grad
 
 
 class LinearFunction(Function):
@@ -39,6 +39,7 @@ class LinearFunction(Function):
             y2d, ctx.activation_saved = bias_activation_forward(y2d, bias, activation)
         ctx.save_for_backward(x2d, weight)
         ctx.x_shape, ctx.activation = x.shape, activation
+        ctx.bias = bias  # for the differentiable backward, which forms h again in the graph
         return y2d.reshape(x.shape[:-1] + (weight.shape[0],))
 
     @staticmethod
@@ -81,6 +82,26 @@ class LinearFunction(Function):
             if need_w or need_b:
                 for_rows(features, weight.shape[0], dy2d.size, dy)
         return (dx2d.reshape(ctx.x_shape) if need_x else None), dweight, dbias
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        x2d_saved, weight_saved = ctx.saved_tensors
+        x, weight, bias = (t if t is not None else None if raw is None else Tensor(raw)
+                           for t, raw in zip(ctx.inputs, (x2d_saved, weight_saved, ctx.bias)))
+        x2d = x.reshape(x2d_saved.shape)                                  # (N, in)
+        dh = dy.reshape(x2d_saved.shape[0], weight_saved.shape[0])        # (N, out)
+        if ctx.activation is not None:
+            # y = act(h)  ->  dh = dy act'(h), with h = x W^T + b formed again in the graph (ReLU's mask
+            # needs no h): its second derivative dy act''(h) reaches x, W and b through h
+            h = None if ctx.activation == "relu" else LinearFunction.apply(x2d, weight, bias, activation=None)
+            dh = bias_activation_grad(dh, h, ctx.activation_saved, ctx.activation)
+        need_x, need_w, need_b = ctx.needs_input_grad
+        # dx = dh W, dW = dh^T x, db = sum of dh over rows: bilinear in (dh, W) and (dh, x), so
+        #   d/d(dh) <(dx, dW, db), (u, U, c)> = u W^T + x U^T + c,  d/dW <dx, u> = dh^T u,  d/dx <dW, U> = dh U
+        dx = (dh @ weight).reshape(ctx.x_shape) if need_x else None
+        dweight = dh.T @ x2d if need_w else None
+        dbias = dh.sum(axis=0) if need_b else None
+        return dx, dweight, dbias
 
 
 @has_twin
