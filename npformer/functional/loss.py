@@ -8,7 +8,7 @@ from autograd.kernels import kernel_table
 from autograd.threads import for_rows
 
 from ._common import check_index_range, check_tensor, data_of, has_twin, on_device_of
-from .softmax import stable_row_max
+from .softmax import SoftmaxFunction, stable_row_max
 
 
 @kernel_table
@@ -72,19 +72,25 @@ def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
     return xp.where(valid, loss, 0), probs
 
 
+def smoothed_weighted_targets(target, weight, label_smoothing, c, dtype):
+    """target (M,) class ids, weight (C,) or None -> (a (M, C), sum_c a (M, 1)): a_ic = q_ic w_c with
+    q_ic = (1 - e) [c = t_i] + e / C, the coefficients of logp in each row's loss."""
+    xp = backend.get_array_module(target)
+    m, e = target.shape[0], label_smoothing
+    w_target = weight[target][:, None] if weight is not None else 1.0               # (M, 1)
+    # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
+    a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
+    a = xp.zeros((m, c), dtype=dtype)                                               # (M, C)
+    a[xp.arange(m), target] = ((1.0 - e) * w_target * xp.ones((m, 1), dtype=dtype))[:, 0]
+    a += (e / c) * (weight if weight is not None else 1.0)
+    return a, xp.asarray(a_sum, dtype=dtype)
+
+
 @kernel_table
 def cross_entropy_backward(probs, target, weight, label_smoothing, dloss):
     """probs (M, C) softmax, target (M,), weight (C,) or None, dloss (M,) the upstream gradient of each
     row's loss (0 on ignored rows) -> dlogits (M, C) = (probs * sum_c a_ic - a_i) * dloss_i."""
-    m, c = probs.shape
-    e = label_smoothing
-    xp = backend.get_array_module(probs)
-    w_target = weight[target][:, None] if weight is not None else 1.0               # (M, 1)
-    # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
-    a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
-    a = xp.zeros_like(probs)                                                        # (M, C)
-    a[xp.arange(m), target] = ((1.0 - e) * w_target * xp.ones((m, 1), dtype=probs.dtype))[:, 0]
-    a += (e / c) * (weight if weight is not None else 1.0)
+    a, a_sum = smoothed_weighted_targets(target, weight, label_smoothing, probs.shape[1], probs.dtype)
     # loss_i = -sum_c a_ic logp_ic, logp = log_softmax(logits)  ->  dlogits = (softmax * sum(a) - a) dloss
     return (probs * a_sum - a) * dloss[:, None]
 
@@ -142,6 +148,24 @@ class CrossEntropyFunction(Function):
         dloss = dout / divisor if divisor is not None else dout
         dloss = xp.where(valid, dloss, 0).astype(probs.dtype, copy=False)   # (M,)
         return cross_entropy_backward(probs, target, weight, ctx.label_smoothing, dloss), None
+
+    @staticmethod
+    def differentiable_backward(ctx, dout):
+        probs_saved, weight, target, valid, divisor = ctx.saved_tensors
+        logits = ctx.inputs[0]
+        if logits is None:
+            return None, None
+        xp = backend.get_array_module(probs_saved)
+        # dloss_i = dout (/ divisor), 0 on ignored rows: dout times a constant per row
+        per_row = xp.where(valid, 1.0 if divisor is None else 1.0 / divisor, 0.0).astype(probs_saved.dtype)
+        dloss = (dout * Tensor(per_row)).reshape(-1, 1)                                  # (M, 1)
+        a, a_sum = smoothed_weighted_targets(target, weight, ctx.label_smoothing, probs_saved.shape[1],
+                                             probs_saved.dtype)
+        # dlogits = (softmax * sum(a) - a) dloss, the softmax formed again in the graph:
+        #   d/d(dout) <dlogits, u> = sum_c u_ic (softmax_ic sum(a_i) - a_ic) per row, times the constant;
+        #   d/dlogits <dlogits, u> = softmax's backward of u * sum(a_i) dloss_i (softmax's Jacobian)
+        probs = SoftmaxFunction.apply(logits, dim=1)
+        return (probs * Tensor(a_sum) - Tensor(a)) * dloss, None
 
 
 def _every_target_ignored(ignore_index):
