@@ -111,7 +111,7 @@ def check_embedding_options(max_norm, norm_type, scale_grad_by_freq, op="embeddi
     real > 0 (inf: the largest |entry|), scale_grad_by_freq a bool."""
     if max_norm is not None:
         max_norm = check_real(max_norm, "max_norm", op, at_least=0)
-    norm_type = check_real(norm_type, "norm_type", op, above=0)
+    norm_type = check_real(norm_type, "norm_type", op, above=0, finite=False)
     return max_norm, norm_type, check_bool(scale_grad_by_freq, "scale_grad_by_freq", op)
 
 
