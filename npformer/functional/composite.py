@@ -128,7 +128,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if is_probability_target(target):
         tgt = classes_last(probability_target(target, logits.data))
         loss = probability_cross_entropy(log_softmax(x, dim=1), tgt, w, label_smoothing, reduction)
-        return loss.reshape(logits.shape[:1] + logits.shape[2:] if logits.ndim > 1 else ()) if reduction == "none" else loss
+        rows = logits.shape[:1] + logits.shape[2:] if logits.ndim > 1 else ()
+        return loss.reshape(rows) if reduction == "none" else loss
     c = x.shape[1]
     tgt = on_device_of(target, x.data, "target", "cross_entropy")
     flat = tgt.reshape(-1)

@@ -203,7 +203,8 @@ def probability_target(target, logits):
     dtype (a Tensor that requires grad stays in the graph: the loss is differentiated in it too)."""
     if tuple(target.shape) != tuple(logits.shape):
         raise ValueError(f"cross_entropy: a floating target holds class probabilities and must have the input's "
-                         f"shape {tuple(logits.shape)}, got shape {tuple(target.shape)} (class indices must be integers)")
+                         f"shape {tuple(logits.shape)}, got shape {tuple(target.shape)} (class indices must be "
+                         "integers)")
     check_one_dtype("cross_entropy", logits, data_of(target))
     if isinstance(target, Tensor):
         on_device_of(target, logits, "target", "cross_entropy")   # checks the device

@@ -10,10 +10,11 @@ import autograd
 from autograd import Tensor
 import npformer.functional as F
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, leaf, op_tests, tolerance
+from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests, tolerance
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("cross_entropy")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("cross_entropy")
 
 
 def test_cross_entropy_every_target_ignored():

@@ -7,9 +7,10 @@ import npformer.functional as F
 from autograd import Tensor, backend, random
 from npformer.functional.activation import dropout_threshold
 
-from helpers import assert_clear_error, leaf, op_tests
+from helpers import assert_clear_error, double_backward_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout_add")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("dropout_add")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -40,7 +41,7 @@ def test_identity_cases_and_p_one(rng):
     y.backward(np.ones((2, 3)))
     np.testing.assert_array_equal(y.numpy(), r.numpy())
     assert not x.grad.any() and (r.grad == 1).all()
-
+    assert not x.grad.numpy().any() and (r.grad.numpy() == 1).all()
 
 @pytest.mark.parametrize("call, error, words", [
     (lambda x: F.dropout_add(x, Tensor(np.zeros(3)), 0.1), ValueError, ["input and residual", "(2, 3)", "(3,)"]),
