@@ -40,7 +40,6 @@ def test_identity_cases_and_p_one(rng):
     y = F.dropout_add(x, r, 1.0)
     y.backward(np.ones((2, 3)))
     np.testing.assert_array_equal(y.numpy(), r.numpy())
-    assert not x.grad.any() and (r.grad == 1).all()
     assert not x.grad.numpy().any() and (r.grad.numpy() == 1).all()
 
 @pytest.mark.parametrize("call, error, words", [
