@@ -42,6 +42,7 @@ def test_identity_cases_and_p_one(rng):
     np.testing.assert_array_equal(y.numpy(), r.numpy())
     assert not x.grad.numpy().any() and (r.grad.numpy() == 1).all()
 
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda x: F.dropout_add(x, Tensor(np.zeros(3)), 0.1), ValueError, ["input and residual", "(2, 3)", "(3,)"]),
     (lambda x: F.dropout_add(x, x, 1.5), ValueError, ["dropout_add: p must be", "[0, 1]", "1.5"]),
