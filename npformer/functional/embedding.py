@@ -87,10 +87,12 @@ def renormalize_rows(weight, ids, max_norm, norm_type):
     """torch's embedding_renorm_: in place, each row of the raw array `weight` that `ids` refers to
     and whose p-norm (p = norm_type) exceeds max_norm is scaled to norm max_norm / (norm + 1e-7) * norm."""
     xp = backend.get_array_module(weight)
+    if ids.size == 0 or weight.shape[1] == 0:            # no row to rescale
+        return
     rows = xp.unique(ids.reshape(-1))                    # (K,) each referenced row once
     picked = weight[rows]                                # (K, D)
     if math.isinf(norm_type):
-        norms = xp.abs(picked).max(axis=1, initial=0)
+        norms = xp.abs(picked).max(axis=1)
     else:
         norms = (xp.abs(picked) ** norm_type).sum(axis=1) ** (1.0 / norm_type)   # (K,)
     scale = xp.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0).astype(weight.dtype)

@@ -1,5 +1,6 @@
 """F.cross_entropy: the registry's cases (smoothing, class weights, ignore_index, reductions,
-spatial and unbatched targets, logits of 1e4: gradcheck, torch, composite twin on every device),
+spatial and unbatched targets, logits of 1e4, class-probability targets: gradcheck, torch,
+composite twin on every device; second derivatives: gradgradcheck, torch's double backward),
 every target ignored, float32, logits of +/-1e4 with smoothing, weights and padding against
 torch, property-based tests, and clear errors."""
 import numpy as np
@@ -99,6 +100,8 @@ X = Tensor(np.zeros((3, 4)))
     (lambda: F.cross_entropy(X, np.array([0, 4, 1])), IndexError, ["[0, 3]", "max 4"]),
     (lambda: F.cross_entropy(X, np.array([0.0, 1.0, 1.0])), ValueError, ["probabilities", "(3, 4)", "(3,)", "integer"]),
     (lambda: F.cross_entropy(X, np.array([0, 1])), ValueError, ["target shape", "(3,)", "(2,)"]),
+    (lambda: F.cross_entropy(X, np.full((3, 5), 0.2)), ValueError, ["probabilities", "(3, 4)", "(3, 5)"]),
+    (lambda: F.cross_entropy(X, np.full((3, 4), 0.25, dtype=np.float32)), TypeError, ["float32", "float64"]),
     (lambda: F.cross_entropy(X, np.array([0, 1, 1]), reduction="avg"), ValueError, ["reduction", "'avg'"]),
     (lambda: F.cross_entropy(X, np.array([0, 1, 1]), weight=Tensor(np.ones(3))), ValueError,
      ["weight", "(4,)", "(3,)"]),

@@ -1,5 +1,5 @@
 """F.dropout_add (residual + dropout, one op): the registry's cases (gradcheck, torch, composite twin
-on every device), the dropout contract, p = 0 / 1 / eval, and clear errors."""
+on every device; second derivatives: gradgradcheck, torch's double backward), the dropout contract, p = 0 / 1 / eval, and clear errors."""
 import numpy as np
 import pytest
 

@@ -1,5 +1,6 @@
 """F.layer_norm and nn.LayerNorm: the registry's cases (normalized shapes of one and two axes,
-optional affine, eps, module options: gradcheck, torch, composite twin on every device),
+optional affine, eps, module options: gradcheck, torch, composite twin on every device; second
+derivatives: gradgradcheck, torch's double backward),
 accuracy at mean 1e4 and std 1e-2 (against torch and 80-bit arithmetic), property-based tests,
 and clear errors."""
 import numpy as np

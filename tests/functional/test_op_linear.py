@@ -1,5 +1,6 @@
 """F.linear and nn.Linear: the registry's cases (gradcheck, torch, composite twin on every
-device), torch's initialisation, and clear errors."""
+device; second derivatives: gradgradcheck, torch's double backward), torch's initialisation, and
+clear errors."""
 import math
 
 import numpy as np

@@ -1,5 +1,5 @@
-"""F.relu and nn.ReLU: the registry's cases (gradcheck, torch, composite twin on every device)
-and clear errors."""
+"""F.relu and nn.ReLU: the registry's cases (gradcheck, torch, composite twin on every device;
+second derivatives: gradgradcheck, torch's double backward) and clear errors."""
 import numpy as np
 
 from autograd import Tensor

@@ -1,5 +1,5 @@
 """F.softmax and F.log_softmax: the registry's cases (gradcheck, torch, composite twin on every
-device), extreme rows (-1000, -1e9, -inf, +/-1e4) against torch, rows entirely -inf, empty
+device; second derivatives: gradgradcheck, torch's double backward), extreme rows (-1000, -1e9, -inf, +/-1e4) against torch, rows entirely -inf, empty
 rows, any dim, property-based tests, and clear errors."""
 import warnings
 
