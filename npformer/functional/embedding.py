@@ -1,13 +1,14 @@
-"""Embedding lookup; its backward is a scatter-add of rows (a kernel table)."""
+"""Embedding lookup; its backward is a scatter-add of rows (a kernel table). torch's options:
+max_norm / norm_type (the referenced rows renormalised in place first) and scale_grad_by_freq."""
 from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, no_grad, where
+from autograd import Function, Tensor, backend, where
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_bool, check_int, check_real
-from autograd.tensor import IndexAdd
 from autograd.kernels import kernel_table
+from autograd.tensor import IndexAdd
 
 from ._common import check_index_range, check_tensor, has_twin, on_device_of
 
@@ -85,7 +86,7 @@ def id_counts(ids, num_embeddings, dtype):
 
 def renormalize_rows(weight, ids, max_norm, norm_type):
     """torch's embedding_renorm_: in place, each row of the raw array `weight` that `ids` refers to
-    and whose p-norm (p = norm_type) exceeds max_norm is scaled to norm max_norm / (norm + 1e-7) * norm."""
+    and whose p-norm (p = norm_type) exceeds max_norm is multiplied by max_norm / (norm + 1e-7)."""
     xp = backend.get_array_module(weight)
     if ids.size == 0 or weight.shape[1] == 0:            # no row to rescale
         return
@@ -141,7 +142,6 @@ def embedding(input: Tensor | ArrayLike, weight: Tensor | Array, padding_idx: in
     if padding_idx is not None:
         padding_idx = check_int(padding_idx, "padding_idx", "embedding", at_least=-num, at_most=num - 1) % num
     max_norm, norm_type, scale_grad_by_freq = check_embedding_options(max_norm, norm_type, scale_grad_by_freq)
-    if max_norm is not None:
-        with no_grad():
-            renormalize_rows(w, ids, max_norm, norm_type)
+    if max_norm is not None:  # on the raw array: outside the graph
+        renormalize_rows(w, ids, max_norm, norm_type)
     return EmbeddingFunction.apply(weight, ids=ids, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)

@@ -1,4 +1,5 @@
-"""Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
+"""Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index;
+with class-probability targets (soft labels) composed of log_softmax and primitives."""
 from __future__ import annotations
 
 import math
