@@ -3,6 +3,7 @@ comparisons with torch and between two implementations for tests written by hand
 helpers, the settings of the property-based tests, and a deliberately wrong backward.
 Example counts are bounded so that property tests run in seconds (set
 NPFORMER_HYPOTHESIS_EXAMPLES to search longer)."""
+import functools
 import json
 import os
 
@@ -90,7 +91,8 @@ def _hvp(fn, xs, upstream, directions, grad):
     return [as_array(f, x) for f, x in zip(first, xs)], [as_array(s, x) for s, x in zip(second, xs)]
 
 
-def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays=None):
+def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays=None,
+                                         tolerance=opcases.TOLERANCE["torch", "float64"]):
     """The second derivative of `ours` against torch's double backward, in float64: the HVP
     d/dx <d/dx <f(x), g>, u> (and the first derivative d/dx <f(x), g>) for random upstream
     gradients g and directions u, over every input (and every parameter of a module case).
@@ -98,7 +100,8 @@ def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays
     ours: an OpCase (its inputs drawn from `rng` by opcases.instantiate, its torch reference and
     converted module as the registry's compare_with_torch takes them), or a function of Tensors
     with `torch_fn(torch, *leaves)` the same function in torch and `arrays` its float64 inputs.
-    Compared as the registry compares: max |ours - torch| <= 1e-10 * max(1, max |torch|) per array.
+    Compared as the registry compares: max |ours - torch| <= tolerance * max(1, max |torch|) per array
+    (the registry's float64 tolerance by default).
     For attention call it inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH) (the twice
     differentiable backend)."""
     if isinstance(ours, opcases.OpCase):
@@ -109,7 +112,7 @@ def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays
     else:
         fn, xs = ours, [leaf(a) for a in arrays]
         leaves = [torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True) for a in arrays]
-        torch_fn = (lambda t_fn: lambda *ls: t_fn(torch, *ls))(torch_fn)
+        torch_fn = functools.partial(torch_fn, torch)
         labels = [f"input {i}" for i in range(len(arrays))]
     with autograd.no_grad():
         result = fn(*xs)
@@ -121,7 +124,7 @@ def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays
                              [torch.tensor(u) for u in directions], torch.autograd.grad)
     comparison = opcases.compare(first + second, first_t + second_t,
                                  [f"d/d {label}" for label in labels] + [f"HVP at {label}" for label in labels],
-                                 opcases.TOLERANCE["torch", "float64"])
+                                 tolerance)
     assert comparison.passed, comparison
 
 

@@ -11,7 +11,9 @@ import autograd
 from autograd import Tensor
 import npformer.functional as F
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests, tolerance
+from helpers import (
+    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests,
+    tolerance)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("cross_entropy")

@@ -12,7 +12,9 @@ import npformer.functional as F
 from npformer import nn
 from npformer.functional.embedding import scatter_add_rows
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests, tolerance
+from helpers import (
+    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests,
+    tolerance)
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("embedding")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("embedding")
