@@ -217,6 +217,9 @@ class Function:
         the inputs through this node, as the op's real output does (torch's saved outputs)."""
         out = _tensor_class()(array, requires_grad=True)
         out.creator, out.output_index = self, index
+        level, tangents = getattr(self, "output_tangents", (None, ()))
+        if level in _forward.stack and tangents[index] is not None:  # the output's tangent too (forward mode)
+            out._set_tangent(level, tangents[index])
         return out
 
     def save_for_backward(self, *arrays: Any) -> None:
@@ -253,16 +256,61 @@ class Function:
             ctx.created_at = _where_created()
             _check_finite(outputs, ctx, "forward")
         if not record:  # outside the graph (no_grad, inference): nothing to keep for backward
-            return Tensor(outputs[0]) if single else tuple(Tensor(o) for o in outputs)
-        results = tuple(Tensor(o, requires_grad=True) for o in outputs)
-        ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
-        ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
-        ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
-        ctx.output_grads = [None] * len(outputs)
-        ctx.retained = {}
-        for i, r in enumerate(results):
-            r.creator, r.output_index = ctx, i
+            results = tuple(Tensor(o) for o in outputs)
+        else:
+            results = tuple(Tensor(o, requires_grad=True) for o in outputs)
+            ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
+            ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
+            ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
+            ctx.output_grads = [None] * len(outputs)
+            ctx.retained = {}
+            for i, r in enumerate(results):
+                r.creator, r.output_index = ctx, i
+        if _forward.stack:  # forward mode: the outputs' tangents, by the op's jvp rule
+            _propagate_tangents(cls, ctx, args, results)
         return results[0] if single else results
+
+
+class _ForwardLevels(threading.local):
+    """The dual levels of forward mode entered in this thread (autograd.forward_ad), innermost
+    last, and {level: tensors carrying a tangent at it}, whose tangents go when the level exits."""
+
+    def __init__(self):
+        self.stack = []
+        self.duals = {}
+
+
+_forward = _ForwardLevels()
+
+
+def _propagate_tangents(op, ctx, args, results):
+    """Give the outputs of `op` their tangents at the innermost level: `op.jvp(ctx, *tangents)`
+    with one tangent (raw array or None) per positional input. Nothing happens when no input
+    has one; an op without a jvp rule is an error naming it (never a silent zero tangent)."""
+    Tensor = _tensor_class()
+    level = _forward.stack[-1]
+    tangents = [a._tangents.get(level) if isinstance(a, Tensor) and a._tangents else None for a in args]
+    if all(t is None for t in tangents):
+        return
+    jvp = getattr(op, "jvp", None)
+    if jvp is None:
+        raise RuntimeError(f"{op_name(op)} has no forward-mode rule: give it a `jvp(ctx, *tangents)` staticmethod "
+                           "returning the tangent of each output (see docs/backprop.md, \"Forward mode\")")
+    out = jvp(ctx, *tangents)
+    out = out if isinstance(out, tuple) else (out,)
+    if len(out) != len(results):
+        raise RuntimeError(f"{op_name(op)}.jvp returned {len(out)} tangents, expected one per output ({len(results)})")
+    ctx.output_tangents = level, out  # for ctx.as_output: forward over reverse
+    for i, (r, t) in enumerate(zip(results, out)):
+        if t is None:
+            continue
+        if not backend.is_array(t) and getattr(t, "shape", None) == () and hasattr(t, "dtype"):  # a numpy scalar
+            t = r.xp.asarray(t)
+        if not backend.is_array(t) or tuple(t.shape) != r.shape or t.dtype != r.dtype:
+            got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if backend.is_array(t) else type(t).__name__
+            raise RuntimeError(f"{op_name(op)}.jvp returned an invalid tangent for output {i}: expected an array of "
+                               f"shape {r.shape} and dtype {r.dtype}, got {got}")
+        r._set_tangent(level, t)
 
 
 _Tensor = None  # autograd.tensor.Tensor once _tensor_class() has imported it
@@ -454,6 +502,7 @@ class _Pass:
 
     def __init__(self, retain_graph, create_graph, inputs, accumulate):
         self.retain_graph, self.create_graph, self.accumulate = retain_graph, create_graph, accumulate
+        self.tensors = tensor_gradients(create_graph)
         self.targets = None if inputs is None else {id(t): t for t in inputs}
         self.found = {}
 
@@ -466,7 +515,7 @@ class _Pass:
             current = self.found.get(id(t))
             self.found[id(t)] = grad if current is None else current + grad
         else:
-            t._accumulate_grad(grad, self.create_graph)
+            t._accumulate_grad(grad, self.tensors)
 
     def run(self, roots, grads):
         creators = []
@@ -513,7 +562,7 @@ class _Pass:
             for j, ref in node.retained.items():  # accumulate, as a leaf's
                 t = ref()
                 if t is not None and self.accumulate and (self.targets is None or id(t) in self.targets):
-                    t._accumulate_grad(grads[j], self.create_graph)
+                    t._accumulate_grad(grads[j], self.tensors)
             for j in range(len(grads)):
                 t = wanted_outputs.get((id(node), j))
                 if t is not None and not (self.accumulate and t.creator.retained.get(j)):
@@ -545,14 +594,15 @@ class _Pass:
             if g is None:
                 xp = backend.get_array_module(*[t.data for t in node.inputs if t is not None])
                 g = xp.zeros(shape, dtype)
-                if self.create_graph:
+                if self.tensors:
                     g = _tensor_class()(g)
             grads.append(g)
         return grads
 
     def input_grads(self, node, grads):
-        """The node's backward, checked: raw arrays, or Tensors of the new graph with create_graph."""
-        if not self.create_graph:
+        """The node's backward, checked: raw arrays, or Tensors (of a new graph with create_graph,
+        carrying tangents in forward mode)."""
+        if not self.tensors:
             input_grads = node.backward(node, *grads)
             input_grads = _checked_gradients(node, input_grads if isinstance(input_grads, tuple) else (input_grads,))
             if _state.anomaly:
@@ -563,12 +613,28 @@ class _Pass:
             input_grads = differentiable(node, *grads)
             input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
         else:  # differentiable once: the raw gradients, behind a node that refuses to be differentiated
+            if not self.create_graph and _carries_tangents(grads, node.inputs):
+                raise RuntimeError(f"{op_name(type(node))} has no differentiable_backward, so forward mode cannot "
+                                   "run through its gradient (forward over reverse); give it one")
             raw = node.backward(node, *[g.data for g in grads])
-            input_grads = _OnceDifferentiable.wrap(node, grads, raw if isinstance(raw, tuple) else (raw,))
+            raw = raw if isinstance(raw, tuple) else (raw,)
+            input_grads = (_OnceDifferentiable.wrap(node, grads, raw) if self.create_graph else
+                           tuple(None if r is None else _tensor_class()(r) for r in raw))
         input_grads = _checked_tensor_gradients(node, input_grads)
         if _state.anomaly:
             _check_finite([g.data if g is not None else None for g in input_grads], node, "backward")
         return input_grads
+
+
+def tensor_gradients(create_graph):
+    """Whether a backward pass computes its gradients as Tensors (each op's differentiable_backward):
+    with create_graph, and in forward mode, where they carry tangents (forward over reverse)."""
+    return create_graph or bool(_forward.stack)
+
+
+def _carries_tangents(*groups):
+    level = _forward.stack[-1]
+    return any(t is not None and t._tangents and level in t._tangents for group in groups for t in group)
 
 
 def _checked_tensor_gradients(node, grads):

@@ -1,5 +1,6 @@
 """Derivatives of whole functions, with torch.autograd.functional's signatures and results:
-`vjp`, `jacobian`, `hvp`, `vhp` and `hessian`, built on `autograd.grad`.
+`vjp`, `jvp`, `jacobian`, `hvp`, `vhp` and `hessian`, built on `autograd.grad` (reverse mode)
+and `autograd.forward_ad` (forward mode).
 
 Each takes `func` (Tensors in, a Tensor or a tuple of Tensors out) and `inputs` (a Tensor or a
 tuple of Tensors, or arrays); a result has the structure of the inputs (a Tensor, or a tuple of
@@ -11,12 +12,18 @@ never changed. `create_graph=True` keeps the results in the graph (to differenti
     from autograd.functional import hvp
     f = lambda x: (x * x * x).sum()
     value, hv = hvp(f, x, v)        # H v = 6 x * v, without forming H
+
+`jvp` runs forward mode (one pass carrying tangents: J v for about two forwards, never a
+backward); `hvp` is forward over reverse (the tangent of the gradient along v: one forward and one
+backward, each carrying tangents), the cheaper way to H v (the JAX autodiff cookbook's choice);
+`vhp` is reverse over reverse (the gradient of <g(x), v>), the same numbers for a symmetric H.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from . import forward_ad
 from .tensor import Tensor, grad, stack
 
 
@@ -32,13 +39,14 @@ def _as_tuple(value, what, fn_name):
     return items, is_tuple
 
 
-def _leaves(inputs, fn_name):
-    """Fresh leaves requiring grad with the inputs' values (the inputs themselves stay untouched)."""
+def _leaves(inputs, fn_name, requires_grad=True):
+    """Fresh leaves with the inputs' values (the inputs themselves stay untouched), requiring grad
+    (reverse mode), or as the inputs do (forward mode records no graph unless asked)."""
     items, is_tuple = _as_tuple(inputs, "inputs", fn_name)
     for i, t in enumerate(items):
         if t.dtype.kind != "f":
             raise TypeError(f"{fn_name}: inputs[{i}] must be floating to be differentiated, got {t.dtype}")
-    return tuple(Tensor(t.data, requires_grad=True) for t in items), is_tuple
+    return tuple(Tensor(t.data, requires_grad=requires_grad or t.requires_grad) for t in items), is_tuple
 
 
 def _checked_vectors(v, like, what, fn_name):
@@ -68,7 +76,7 @@ def _grads(outputs, inputs, grad_outputs, create_graph, strict, fn_name):
                 raise RuntimeError(f"{fn_name}: the output does not depend on inputs[{i}] (strict=True); "
                                    "with strict=False its derivative is zeros")
             g = Tensor(x.xp.zeros_like(x.data))
-        result.append(g if create_graph else g.detach())
+        result.append(g if create_graph or forward_ad.current_level() is not None else g.detach())  # keep tangents
     return tuple(result)
 
 
@@ -105,10 +113,14 @@ def jacobian(func: Callable, inputs: Any, create_graph: bool = False, strict: bo
              vectorize: bool = False, strategy: str = "reverse-mode"):
     """The Jacobian d func / d inputs: for one output and one input, a Tensor of shape
     output.shape + input.shape; for tuples, nested tuples [output][input] (torch's layout).
-    Reverse mode: one VJP per output entry (`vectorize` is accepted for torch's signature; the
-    rows are computed one after another). torch.autograd.functional.jacobian."""
-    if strategy != "reverse-mode":
-        raise ValueError(f"jacobian: strategy must be 'reverse-mode', got {strategy!r}")
+    strategy "reverse-mode": one VJP per output entry (jacrev, best for few outputs);
+    "forward-mode": one JVP per input entry (jacfwd, best for few inputs). `vectorize` is
+    accepted for torch's signature; the rows are computed one after another.
+    torch.autograd.functional.jacobian."""
+    if strategy not in ("reverse-mode", "forward-mode"):
+        raise ValueError(f"jacobian: strategy must be 'reverse-mode' or 'forward-mode', got {strategy!r}")
+    if strategy == "forward-mode":
+        return _forward_jacobian(func, inputs, create_graph, strict)
     xs, inputs_tuple = _leaves(inputs, "jacobian")
     outs, outputs_tuple = _as_tuple(func(*xs), "the output of func", "jacobian")
     rows = []
@@ -130,17 +142,22 @@ def jacobian(func: Callable, inputs: Any, create_graph: bool = False, strict: bo
 def hessian(func: Callable, inputs: Any, create_graph: bool = False, strict: bool = False,
             vectorize: bool = False, outer_jacobian_strategy: str = "reverse-mode"):
     """The Hessian of a function with one one-element output: shape input.shape + input.shape,
-    or nested tuples [input i][input j] for several inputs. The Jacobian of the gradient,
-    reverse over reverse (`vectorize`: as in `jacobian`). torch.autograd.functional.hessian."""
-    if outer_jacobian_strategy != "reverse-mode":
-        raise ValueError(f"hessian: outer_jacobian_strategy must be 'reverse-mode', got {outer_jacobian_strategy!r}")
+    or nested tuples [input i][input j] for several inputs. The Jacobian of the gradient:
+    outer_jacobian_strategy "reverse-mode" (reverse over reverse) or "forward-mode" (forward over
+    reverse, one JVP of the gradient per input entry). `vectorize`: as in `jacobian`.
+    torch.autograd.functional.hessian."""
+    if outer_jacobian_strategy not in ("reverse-mode", "forward-mode"):
+        raise ValueError(f"hessian: outer_jacobian_strategy must be 'reverse-mode' or 'forward-mode', got "
+                         f"{outer_jacobian_strategy!r}")
     _, inputs_tuple = _as_tuple(inputs, "inputs", "hessian")
+    forward = outer_jacobian_strategy == "forward-mode"
 
-    def gradient(*xs):
+    def gradient(*xs):  # forward mode differentiates the gradient without recording it: no create_graph
         out = _scalar_output(func(*xs), "hessian")
-        return _grads([out], xs, [Tensor(out.xp.ones_like(out.data))], True, strict, "hessian")
+        return _grads([out], xs, [Tensor(out.xp.ones_like(out.data))], not forward, strict, "hessian")
 
-    rows = jacobian(gradient, inputs if inputs_tuple else (inputs,), create_graph=create_graph, strict=strict)
+    rows = jacobian(gradient, inputs if inputs_tuple else (inputs,), create_graph=create_graph, strict=strict,
+                    strategy=outer_jacobian_strategy)
     return rows if inputs_tuple else rows[0][0]
 
 
@@ -152,19 +169,78 @@ def vhp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, 
 
 def hvp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, strict: bool = False):
     """(func(inputs), H v) for a function with one one-element output, without forming H:
-    the gradient g(x) with create_graph, then the gradient of <g(x), v> (reverse over reverse).
-    torch.autograd.functional.hvp."""
-    return _second_order_product(func, inputs, v, create_graph, strict, "hvp")
+    forward over reverse, the tangent along v of the gradient g(x) (one forward and one backward,
+    each carrying tangents). With create_graph=True, reverse over reverse instead (the gradient of
+    <g(x), v>), whose result stays in the graph. torch.autograd.functional.hvp."""
+    if create_graph:
+        return _second_order_product(func, inputs, v, create_graph, strict, "hvp")
+    xs, vs, inputs_tuple = _inputs_and_vectors(inputs, v, "hvp")
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(x, u.data) for x, u in zip(xs, vs)]
+        out = _scalar_output(func(*duals), "hvp")
+        gs = _grads([out], duals, [Tensor(out.xp.ones_like(out.data))], False, strict, "hvp")
+        products = tuple(_tangent_or_zeros(g) for g in gs)
+        value = forward_ad.unpack_dual(out).primal.detach()
+    return value, _result(products, inputs_tuple)
 
 
-def _second_order_product(func, inputs, v, create_graph, strict, fn_name):
-    xs, inputs_tuple = _leaves(inputs, fn_name)
+def jvp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, strict: bool = False):
+    """(func(inputs), J v): the Jacobian-vector product by forward mode, one pass carrying the
+    tangent v (one Tensor per input; None for a single one-element input: 1), never a backward.
+    An output that does not depend on the inputs gets a zero tangent (strict=True: an error).
+    create_graph is accepted for torch's signature; the tangents are outside any graph.
+    torch.autograd.functional.jvp (which computes it with two backward passes)."""
+    xs, vs, inputs_tuple = _inputs_and_vectors(inputs, v, "jvp", requires_grad=False)
+    with forward_ad.dual_level():
+        outputs = func(*[forward_ad.make_dual(x, u.data) for x, u in zip(xs, vs)])
+        outs, outputs_tuple = _as_tuple(outputs, "the output of func", "jvp")
+        unpacked = [forward_ad.unpack_dual(o) for o in outs]
+    tangents = []
+    for i, (o, (primal, tangent)) in enumerate(zip(outs, unpacked)):
+        if tangent is None and strict:
+            raise RuntimeError(f"jvp: output {i} does not depend on the inputs (strict=True)")
+        tangents.append(Tensor(o.xp.zeros_like(o.data) if tangent is None else tangent))
+    return _result([p.detach() for p, _ in unpacked], outputs_tuple), _result(tangents, outputs_tuple)
+
+
+def _forward_jacobian(func, inputs, create_graph, strict):
+    """jacobian(strategy="forward-mode"): column by column, one JVP per input entry."""
+    xs, inputs_tuple = _leaves(inputs, "jacobian")
+    columns = []  # per input: the JVPs of its unit vectors, each a tuple over outputs
+    for i, x in enumerate(xs):
+        per_entry = []
+        for j in range(x.size):
+            e = [Tensor(t.xp.zeros_like(t.data)) for t in xs]
+            e[i].data.reshape(-1)[j] = 1
+            outs, tangents = jvp(func, tuple(xs), tuple(e), strict=strict)
+            per_entry.append(tangents if isinstance(tangents, tuple) else (tangents,))
+        columns.append(per_entry)
+    outs = func(*xs)
+    outs, outputs_tuple = _as_tuple(outs, "the output of func", "jacobian")
+    rows = []
+    for k, out in enumerate(outs):
+        blocks = tuple(stack([entry[k] for entry in per_entry], axis=-1).reshape(out.shape + x.shape) if per_entry
+                       else Tensor(out.xp.zeros(out.shape + x.shape, out.dtype)) for per_entry, x in zip(columns, xs))
+        rows.append(_result(blocks, inputs_tuple))
+    return _result(rows, outputs_tuple)
+
+
+def _inputs_and_vectors(inputs, v, fn_name, requires_grad=True):
+    xs, inputs_tuple = _leaves(inputs, fn_name, requires_grad)
     if v is None:
         if len(xs) != 1 or xs[0].size != 1:
             raise RuntimeError(f"{fn_name}: v can be omitted only for a single one-element input")
-        vs = (Tensor(xs[0].xp.ones_like(xs[0].data)),)
-    else:
-        vs = _checked_vectors(v, xs, "v", fn_name)
+        return xs, (Tensor(xs[0].xp.ones_like(xs[0].data)),), inputs_tuple
+    return xs, _checked_vectors(v, xs, "v", fn_name), inputs_tuple
+
+
+def _tangent_or_zeros(g):
+    tangent = forward_ad.unpack_dual(g).tangent
+    return Tensor(g.xp.zeros_like(g.data) if tangent is None else tangent)
+
+
+def _second_order_product(func, inputs, v, create_graph, strict, fn_name):
+    xs, vs, inputs_tuple = _inputs_and_vectors(inputs, v, fn_name)
     out = _scalar_output(func(*xs), fn_name)
     gs = _grads([out], xs, [Tensor(out.xp.ones_like(out.data))], True, strict, fn_name)
     products = _grads([g for g in gs], xs, list(vs), create_graph, strict, fn_name)

@@ -65,7 +65,8 @@ def vjp(fn, inputs, upstream=None, *, seed=0):
 
 
 def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, eps: float = 1e-6,
-              atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0, report: list | None = None) -> bool:
+              atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0, report: list | None = None,
+              check_forward_ad: bool = False) -> bool:
     """Check `fn`'s hand-written backward against central differences (torch.autograd.gradcheck).
 
     fn: callable taking `inputs` and returning a Tensor or a tuple of Tensors; it must be
@@ -74,7 +75,11 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
     Pass when |analytic - numeric| <= atol + rtol * |numeric| everywhere. Returns True, or
     raises GradcheckError. report: a list, or None; when given, one (what, max abs error,
     max |numeric|) tuple is appended per comparison (each input, then the random direction),
-    so a caller can show how close a check came. Raises ValueError when no input requires grad
+    so a caller can show how close a check came. check_forward_ad: also check forward mode (torch's
+    name): for each input alone and for all together, J u by the ops' jvp rules against central
+    differences along a random u, and the transpose identity <g, J u> = <J^T g, u> between the
+    jvp rules and the backward (a wrong rule in either mode cannot hide behind the other).
+    Raises ValueError when no input requires grad
     (raw arrays must be wrapped: `Tensor(a, requires_grad=True)`) and TypeError for a checked
     input that is not float64.
     """
@@ -111,7 +116,44 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
     numeric = (values[0] - values[1]) / (2 * eps)
     _compare("random direction over all inputs", xp.asarray([expected]), xp.asarray([numeric]), (1,), atol, rtol,
              report)
+    if check_forward_ad:
+        _check_forward_mode(fn, inputs, checked, upstream, analytic, eps, atol, rtol, seed, report)
     return True
+
+
+def _check_forward_mode(fn, inputs, checked, upstream, analytic, eps, atol, rtol, seed, report):
+    """gradcheck's forward-mode part (see check_forward_ad)."""
+    from .forward_ad import dual_level, make_dual, unpack_dual
+
+    rng = random_generator(seed, stream=3)
+    directions = {i: backend.to_device(rng.standard_normal(inputs[i].shape), inputs[i].device) for i in checked}
+    for chosen in [[i] for i in checked] + ([checked] if len(checked) > 1 else []):
+        what = f"input {chosen[0]}" if len(chosen) == 1 else "all inputs"
+        with dual_level():
+            duals = [make_dual(t, directions[i]) if i in chosen else t for i, t in enumerate(inputs)]
+            outs = _outputs(fn(*duals))
+            tangents = [unpack_dual(o).tangent for o in outs]
+        tangents = [o.xp.zeros_like(o.data) if t is None else t for o, t in zip(outs, tangents)]
+        originals = {i: inputs[i].data.copy() for i in chosen}
+        values = []
+        for sign in (1, -1):
+            for i in chosen:
+                inputs[i].data[...] = originals[i] + sign * eps * directions[i]
+            with no_grad():
+                values.append([o.data.copy() for o in _outputs(fn(*inputs))])
+        for i in chosen:
+            inputs[i].data[...] = originals[i]
+        for k, (t, plus, minus) in enumerate(zip(tangents, *values)):
+            numeric = (plus - minus) / (2 * eps)
+            _compare(f"forward mode, output {k} along {what}: J u", t.reshape(-1), numeric.reshape(-1), numeric.shape,
+                     atol, rtol, report)
+        if len(chosen) == len(checked):  # <g, J u> = <J^T g, u>: the jvp rules against the backward
+            forward = sum(float((g * t).sum()) for g, t in zip(upstream, tangents))
+            reverse = sum(float((analytic[i] * directions[i]).sum()) for i in chosen)
+            scale = sum(float(abs(g * t).sum()) for g, t in zip(upstream, tangents)) + 1.0
+            xp = inputs[chosen[0]].xp
+            _compare("the transpose identity <g, J u> = <J^T g, u>", xp.asarray([forward]), xp.asarray([reverse]), (1,),
+                     1e-10 * scale, 0.0, report)
 
 
 def _no_checked_input_message(inputs):

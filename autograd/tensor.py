@@ -11,7 +11,7 @@ from typing import Any
 from . import backend, deferred, lookahead
 from .backend import Array, ArrayLike, DType
 from .checks import as_array, check_bool
-from .function import Function, run_backward
+from .function import Function, _forward, run_backward, tensor_gradients
 
 
 def _as_array(data):
@@ -38,6 +38,7 @@ class Tensor:
 
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
     _post_accumulate_grad_hooks = ()  # a list once a hook is registered
+    _tangents = None  # {dual level: tangent array} once forward mode gives it one (autograd.forward_ad)
 
     def __init__(self, data: ArrayLike, requires_grad: bool = False, dtype: DType | None = None,
                  device: str | None = None):
@@ -140,15 +141,16 @@ class Tensor:
         retain_graph = create_graph if retain_graph is None else check_bool(retain_graph, "retain_graph", "backward")
         if inputs is not None:
             inputs = _checked_inputs(inputs, "backward")
-        gradient = _upstream_gradient(self, gradient, create_graph, "backward(gradient)")
+        gradient = _upstream_gradient(self, gradient, tensor_gradients(create_graph), "backward(gradient)")
         lookahead.end_pass()  # the forward pass's dropout masks predict the next pass's
         run_backward([self], [gradient], retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
-    def _accumulate_grad(self, grad, create_graph=False):
-        """Add one contribution to `.grad`: a raw array (first order) or, with create_graph, a
-        Tensor of the new graph, added out of place so that the sum stays differentiable."""
+    def _accumulate_grad(self, grad, tensors=False):
+        """Add one contribution to `.grad`: a raw array (first order) or a Tensor (create_graph,
+        forward mode: see function.tensor_gradients), added out of place so that the sum keeps its
+        graph and tangent."""
         current = self._grad
-        if create_graph:
+        if tensors:
             self._grad = grad if current is None else current + grad
         elif current is None:
             self._grad = Tensor(backend.get_array_module(grad).array(grad))  # a copy: gradients may alias
@@ -156,6 +158,17 @@ class Tensor:
             current.data += grad
         else:  # a gradient made with create_graph earlier: not changed in place
             self._grad = Tensor(current.data + grad)
+
+    def _set_tangent(self, level, tangent):
+        """Carry `tangent` (an array, or None for none) at the dual `level` (autograd.forward_ad)."""
+        if tangent is None:
+            if self._tangents:
+                self._tangents.pop(level, None)
+            return
+        if self._tangents is None:
+            self._tangents = {}
+        self._tangents[level] = tangent
+        _forward.duals[level].add(self)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], Any]) -> _HookHandle:
         """Call `hook(self)` each time a backward pass has finished adding to this leaf's `.grad`
@@ -410,7 +423,7 @@ def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
     for k, (out, g) in enumerate(zip(outputs, grad_outputs)):
         if out.requires_grad:
             roots.append(out)
-            upstream.append(_upstream_gradient(out, g, create_graph, f"grad(grad_outputs[{k}])"))
+            upstream.append(_upstream_gradient(out, g, tensor_gradients(create_graph), f"grad(grad_outputs[{k}])"))
     if not roots:
         raise RuntimeError("grad: no output requires grad (no input had requires_grad=True, or they were made "
                            "under no_grad())")
@@ -436,9 +449,9 @@ def _checked_inputs(tensors, where, name="inputs"):
     return items
 
 
-def _upstream_gradient(out, gradient, create_graph, where):
-    """The upstream gradient of `out` for the tape: a raw array of its dtype, or a Tensor with
-    create_graph (a Tensor that requires grad then stays in the graph). 1 for a scalar when None."""
+def _upstream_gradient(out, gradient, tensors, where):
+    """The upstream gradient of `out` for the tape: a raw array of its dtype, or a Tensor when the
+    pass works on Tensors (one that requires grad then stays in the graph). 1 for a scalar when None."""
     if gradient is None:
         if out.size != 1:
             raise RuntimeError(f"{where}: a gradient is needed for a non-scalar output, got shape {out.shape}; "
@@ -457,7 +470,7 @@ def _upstream_gradient(out, gradient, create_graph, where):
     if backend.device_of(array) != out.device:  # as torch: no silent copy between devices
         raise RuntimeError(f"{where}: expected a gradient on device '{out.device}', got one on "
                            f"'{backend.device_of(array)}'; move it with to_device(gradient, '{out.device}')")
-    if not create_graph:
+    if not tensors:
         return array.astype(out.dtype, copy=False)
     if tensor is not None and tensor.dtype == out.dtype:
         return tensor
@@ -541,7 +554,7 @@ def _shape(x):
 class To(Function):
     @staticmethod
     def forward(ctx, x, device, dtype):
-        ctx.device, ctx.dtype = backend.device_of(x), x.dtype
+        ctx.device, ctx.dtype, ctx.target = backend.device_of(x), x.dtype, (device, dtype)
         return backend.to_device(x, device).astype(dtype, copy=False)
 
     @staticmethod
@@ -551,6 +564,11 @@ class To(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return grad.to(device=ctx.device, dtype=ctx.dtype)
+
+    @staticmethod
+    def jvp(ctx, t):
+        device, dtype = ctx.target
+        return backend.to_device(t, device).astype(dtype, copy=False)
 
 
 class Add(Function):
@@ -568,6 +586,11 @@ class Add(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return tuple(grad.sum_to(s) if need else None for s, need in zip(ctx.shapes, ctx.needs_input_grad))
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        # out = a + b  ->  t_out = ta + tb
+        return _tangent_sum(ctx.shapes, ta, tb)
 
 
 class Sub(Function):
@@ -588,6 +611,11 @@ class Sub(Function):
         da = grad.sum_to(ctx.shapes[0]) if ctx.needs_input_grad[0] else None
         db = (-grad).sum_to(ctx.shapes[1]) if ctx.needs_input_grad[1] else None
         return da, db
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        # out = a - b  ->  t_out = ta - tb
+        return _tangent_sum(ctx.shapes, ta, None if tb is None else -tb)
 
 
 class Mul(Function):
@@ -610,6 +638,12 @@ class Mul(Function):
         da = (grad * b).sum_to(a.shape) if ctx.needs_input_grad[0] else None
         db = (grad * a).sum_to(b.shape) if ctx.needs_input_grad[1] else None
         return da, db
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        # out = a * b  ->  t_out = ta * b + a * tb
+        return _tangent_sum((_shape(a), _shape(b)), None if ta is None else ta * b, None if tb is None else a * tb)
 
 
 class Div(Function):
@@ -634,6 +668,12 @@ class Div(Function):
         db = (-grad * (a / b / b)).sum_to(b.shape) if ctx.needs_input_grad[1] else None
         return da, db
 
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        # out = a / b  ->  t_out = ta / b - tb * a / b^2, as (a / b) / b like the backward
+        return _tangent_sum((_shape(a), _shape(b)), None if ta is None else ta / b, None if tb is None else -tb * (a / b / b))
+
 
 class Neg(Function):
     @staticmethod
@@ -647,6 +687,10 @@ class Neg(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return -grad
+
+    @staticmethod
+    def jvp(ctx, t):
+        return -t
 
 
 class Pow(Function):
@@ -691,6 +735,19 @@ class Pow(Function):
             db = (grad * where(zero, 0, ctx.as_output(out) * log_a)).sum_to(b_raw.shape)
         return da, db
 
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b, out = ctx.saved_tensors
+        xp = backend.get_array_module(out)
+        da = db = None
+        if ta is not None:  # out = a^b  ->  ta * b * a^(b-1), 0 where b == 0 (as the backward)
+            da = xp.where(b == 0, 0, ta * b * a ** (b - 1)) if backend.is_array(b) or b == 0 else ta * b * a ** (b - 1)
+        if tb is not None:  # out = a^b  ->  tb * out * log(a), 0 where a == 0 and b >= 0
+            log_a = xp.log(xp.where(a == 0, 1, a)) if hasattr(a, "dtype") else (math.log(a) if a > 0 else 0.0 if a == 0
+                                                                                 else math.nan)
+            db = tb * xp.where((a == 0) & (b >= 0), 0, out * log_a)
+        return _tangent_sum((_shape(a), _shape(b)), da, db).astype(out.dtype, copy=False)
+
 
 class MatMul(Function):
     @staticmethod
@@ -725,6 +782,13 @@ class MatMul(Function):
         db = (a2.swapaxes(-1, -2) @ g).sum_to(b2.shape).reshape(b.shape) if ctx.needs_input_grad[1] else None
         return da, db
 
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        # out = a @ b  ->  t_out = ta @ b + a @ tb
+        parts = [p for p in (None if ta is None else ta @ b, None if tb is None else a @ tb) if p is not None]
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
 
 class Exp(Function):
     @staticmethod
@@ -742,6 +806,10 @@ class Exp(Function):
     def differentiable_backward(ctx, grad):
         return grad * ctx.as_output(ctx.saved_tensors[0])
 
+    @staticmethod
+    def jvp(ctx, t):
+        return t * ctx.saved_tensors[0]  # d exp(x) = exp(x) dx
+
 
 class Log(Function):
     @staticmethod
@@ -757,6 +825,10 @@ class Log(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return grad / ctx.inputs[0]
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t / ctx.saved_tensors[0]  # d log(x) = dx / x
 
 
 class Sqrt(Function):
@@ -774,6 +846,10 @@ class Sqrt(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return grad / (2 * ctx.as_output(ctx.saved_tensors[0]))
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t / (2 * ctx.saved_tensors[0])  # d sqrt(x) = dx / (2 sqrt(x))
 
 
 class Tanh(Function):
@@ -793,6 +869,11 @@ class Tanh(Function):
         out = ctx.as_output(ctx.saved_tensors[0])
         return grad * (1 - out * out)
 
+    @staticmethod
+    def jvp(ctx, t):
+        (out,) = ctx.saved_tensors
+        return t * (1 - out * out)  # d tanh(x) = (1 - tanh(x)^2) dx
+
 
 class Relu(Function):
     @staticmethod
@@ -811,12 +892,18 @@ class Relu(Function):
         (out,) = ctx.saved_tensors
         return grad * ~(out <= 0)  # the step's derivative is 0: the mask is a constant
 
+    @staticmethod
+    def jvp(ctx, t):
+        (out,) = ctx.saved_tensors
+        return t * ~(out <= 0)  # d relu(x) = [x > 0] dx
+
 
 class Where(Function):
     @staticmethod
     def forward(ctx, x, y, condition):
         xp = backend.get_array_module(x, y, condition)
         ctx.condition, ctx.shapes = condition, (_shape(x), _shape(y))
+        ctx.out_shape = _broadcast_shape(_shape(condition), _shape(x), _shape(y))
         return xp.where(condition, x, y)
 
     @staticmethod
@@ -832,6 +919,13 @@ class Where(Function):
         dx = where(ctx.condition, grad, 0).sum_to(ctx.shapes[0]) if ctx.needs_input_grad[0] else None
         dy = where(ctx.condition, 0, grad).sum_to(ctx.shapes[1]) if ctx.needs_input_grad[1] else None
         return dx, dy
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        xp = backend.get_array_module(*[t for t in (tx, ty) if t is not None])
+        # out = where(c, x, y)  ->  t_out = where(c, tx, ty)
+        out = xp.where(ctx.condition, 0 if tx is None else tx, 0 if ty is None else ty)
+        return out if out.shape == ctx.out_shape else xp.broadcast_to(out, ctx.out_shape)
 
 
 def _reduced_grad(grad, shape, axis, keepdims):
@@ -860,6 +954,10 @@ class Sum(Function):
     def differentiable_backward(ctx, grad):
         return _reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims).expand(ctx.shape)
 
+    @staticmethod
+    def jvp(ctx, t):
+        return t.sum(axis=ctx.axis, keepdims=ctx.keepdims)
+
 
 class Mean(Function):
     @staticmethod
@@ -878,6 +976,10 @@ class Mean(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return (_reduced_grad(grad, ctx.shape, ctx.axis, ctx.keepdims) / ctx.count).expand(ctx.shape)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.mean(axis=ctx.axis, keepdims=ctx.keepdims)
 
 
 class Max(Function):
@@ -903,6 +1005,14 @@ class Max(Function):
         share = is_max / is_max.sum(axis=ctx.axis, keepdims=True)
         return _reduced_grad(grad, x.shape, ctx.axis, ctx.keepdims) * share.astype(x.dtype)
 
+    @staticmethod
+    def jvp(ctx, t):
+        x, out = ctx.saved_tensors
+        # out = max(x)  ->  t_out = the mean of t over the maxima (ties share, as in the backward)
+        is_max = x == out
+        share = (is_max / is_max.sum(axis=ctx.axis, keepdims=True)).astype(t.dtype)
+        return (t * share).sum(axis=ctx.axis, keepdims=ctx.keepdims)
+
 
 def _squeeze(x, axis):
     return x.reshape(()) if axis is None else x.squeeze(axis)
@@ -911,7 +1021,7 @@ def _squeeze(x, axis):
 class Reshape(Function):
     @staticmethod
     def forward(ctx, x, shape):
-        ctx.shape = x.shape
+        ctx.shape, ctx.target = x.shape, shape
         return x.reshape(shape)
 
     @staticmethod
@@ -921,6 +1031,10 @@ class Reshape(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return grad.reshape(ctx.shape)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t.reshape(ctx.target)
 
 
 class Permute(Function):
@@ -938,11 +1052,15 @@ class Permute(Function):
     def differentiable_backward(ctx, grad):
         return grad.permute(sorted(range(len(ctx.axes)), key=ctx.axes.__getitem__))
 
+    @staticmethod
+    def jvp(ctx, t):
+        return t.transpose(ctx.axes)
+
 
 class BroadcastTo(Function):
     @staticmethod
     def forward(ctx, x, shape):
-        ctx.shape = x.shape
+        ctx.shape, ctx.target = x.shape, shape
         return backend.get_array_module(x).broadcast_to(x, shape)
 
     @staticmethod
@@ -952,6 +1070,10 @@ class BroadcastTo(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return grad.sum_to(ctx.shape)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return backend.get_array_module(t).broadcast_to(t, ctx.target)
 
 
 class GetItem(Function):
@@ -973,6 +1095,10 @@ class GetItem(Function):
     @staticmethod
     def differentiable_backward(ctx, grad):
         return IndexAdd.apply(grad, shape=ctx.shape, key=ctx.key, scatter=ctx.scatter)
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t[ctx.key]
 
 
 def _index_added(grad, shape, key, scatter):
@@ -996,7 +1122,7 @@ def _copied_key(key):
 class Concatenate(Function):
     @staticmethod
     def forward(ctx, *arrays, axis):
-        ctx.axis, ctx.sizes = axis, [a.shape[axis] for a in arrays]
+        ctx.axis, ctx.sizes, ctx.shapes = axis, [a.shape[axis] for a in arrays], [a.shape for a in arrays]
         return backend.get_array_module(*arrays).concatenate(arrays, axis=axis)
 
     @staticmethod
@@ -1012,6 +1138,13 @@ class Concatenate(Function):
         before = (slice(None),) * (ctx.axis % grad.ndim)
         return tuple(grad[before + (slice(lo, hi),)] for lo, hi in zip(bounds, bounds[1:]))
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        like = next(t for t in tangents if t is not None)
+        xp = backend.get_array_module(like)
+        return xp.concatenate([xp.zeros(shape, like.dtype) if t is None else t for t, shape in zip(tangents, ctx.shapes)],
+                              axis=ctx.axis)
+
 
 class IndexAdd(Function):
     """Zeros of `shape` with `grad` added at `key` (repeated integer-array keys add up): GetItem's
@@ -1019,7 +1152,7 @@ class IndexAdd(Function):
 
     @staticmethod
     def forward(ctx, grad, shape, key, scatter):
-        ctx.key = key
+        ctx.key, ctx.shape, ctx.scatter = key, shape, scatter
         return _index_added(grad, shape, key, scatter)
 
     @staticmethod
@@ -1030,9 +1163,34 @@ class IndexAdd(Function):
     def differentiable_backward(ctx, grad):
         return GetItem.apply(grad, key=ctx.key)
 
+    @staticmethod
+    def jvp(ctx, t):
+        return _index_added(t, ctx.shape, ctx.key, ctx.scatter)
+
 
 def _graph_operands(ctx):
     """The two operands of a binary op for its differentiable backward: the input Tensors of the
     graph, or, for an operand that was no Tensor, its raw value (a constant), as forward saved it."""
     raw = ctx.saved_tensors
     return tuple(t if t is not None else r for t, r in zip(ctx.inputs, raw))
+
+
+def _tangent_sum(shapes, ta, tb):
+    """ta + tb for a binary op's operands of `shapes`, where either may be None (no tangent): the
+    result has the broadcast shape of the output, as the op's output does."""
+    present = [t for t in (ta, tb) if t is not None]
+    xp = backend.get_array_module(*present)
+    shape = _broadcast_shape(*shapes)
+    total = present[0] if len(present) == 1 else present[0] + present[1]
+    return total if total.shape == shape else xp.broadcast_to(total, shape)
+
+
+def _broadcast_shape(*shapes):
+    """The shape that arrays of `shapes` broadcast to (None entries: Python numbers, shape ())."""
+    shapes = [s for s in shapes if s is not None]
+    ndim = max((len(s) for s in shapes), default=0)
+    out = []
+    for axis in range(-ndim, 0):
+        sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)

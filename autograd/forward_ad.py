@@ -1,0 +1,98 @@
+"""Forward mode: dual tensors, torch.autograd.forward_ad's API.
+
+Reverse mode answers "how does the loss depend on every input"; forward mode answers "how does
+every output move when the input moves along u". A *dual* tensor carries, beside its values x, a
+tangent u (the dual number x + u eps, eps^2 = 0). Every op then also computes its output's
+tangent J u by its hand-written rule `Function.jvp(ctx, *tangents)`, in the same pass as its
+forward: one pass gives f(x) and J u, for about the cost of two forwards, and nothing is stored
+for later.
+
+    from autograd import forward_ad as fwAD
+    with fwAD.dual_level():
+        x = fwAD.make_dual(primal, tangent)
+        y = f(x)
+        value, jvp = fwAD.unpack_dual(y)      # f(primal), J tangent
+
+Levels are per thread (the grad mode is too); tangents belong to the innermost level and are
+dropped when it exits. Tangents are raw arrays: forward mode is first order here, and forward
+over reverse (an HVP: the tangent of a gradient) works because the gradient's ops, run by their
+`differentiable_backward`, carry tangents like any other op.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, NamedTuple
+
+from . import backend
+from .function import _forward
+from .tensor import Tensor
+
+_level_ids = itertools.count(1)  # unique across threads: a tensor's tangents never mix two levels
+
+
+def current_level() -> int | None:
+    """The innermost dual level of the calling thread, or None outside `dual_level()`."""
+    return _forward.stack[-1] if _forward.stack else None
+
+
+class dual_level:
+    """Context manager: a level of dual tensors in the calling thread (torch's). The tangents made
+    inside it belong to it and are dropped on exit. Levels nest; the innermost one is active."""
+
+    def __enter__(self):
+        self.level = next(_level_ids)
+        _forward.stack.append(self.level)
+        _forward.duals[self.level] = weakref.WeakSet()
+        return self.level
+
+    def __exit__(self, *exc_info):
+        _forward.stack.remove(self.level)
+        for t in _forward.duals.pop(self.level):
+            t._set_tangent(self.level, None)
+
+
+def _level(level, where):
+    level = current_level() if level is None else level
+    if level is None or level not in _forward.stack:
+        raise RuntimeError(f"{where}: no dual level is active in this thread; use `with forward_ad.dual_level():`")
+    return level
+
+
+def make_dual(tensor: Tensor, tangent: Any, *, level: int | None = None) -> Tensor:
+    """A new Tensor with `tensor`'s values (shared) and graph, carrying `tangent` (an array or
+    Tensor of the same shape, dtype and device) at the innermost dual level. torch's make_dual."""
+    level = _level(level, "make_dual")
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"make_dual: tensor must be a Tensor, got {type(tensor).__name__}")
+    if tensor.dtype.kind != "f":
+        raise TypeError(f"make_dual: tensor must be floating to carry a tangent, got {tensor.dtype}")
+    array = tangent.data if isinstance(tangent, Tensor) else tangent
+    if not backend.is_array(array):
+        raise TypeError(f"make_dual: tangent must be an array or a Tensor, got {type(tangent).__name__}")
+    if tuple(array.shape) != tensor.shape or array.dtype != tensor.dtype or backend.device_of(array) != tensor.device:
+        raise ValueError(f"make_dual: tangent must have shape {tensor.shape}, dtype {tensor.dtype} on "
+                         f"'{tensor.device}', got shape {tuple(array.shape)}, dtype {array.dtype} on "
+                         f"'{backend.device_of(array)}'")
+    dual = tensor.view(tensor.shape) if tensor.requires_grad else Tensor(tensor.data)
+    dual._set_tangent(level, array)
+    return dual
+
+
+class UnpackedDualTensor(NamedTuple):
+    """What `unpack_dual` returns: the primal Tensor and its tangent (an array, or None)."""
+    primal: Tensor
+    tangent: Any
+
+
+def unpack_dual(tensor: Tensor, *, level: int | None = None) -> UnpackedDualTensor:
+    """(primal, tangent): the values as a Tensor without tangent (sharing the graph), and the
+    tangent at the innermost level as an array (None when there is none). torch's unpack_dual."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"unpack_dual: tensor must be a Tensor, got {type(tensor).__name__}")
+    level = current_level() if level is None else level
+    tangent = tensor._tangents.get(level) if level is not None and tensor._tangents else None
+    primal = tensor if tangent is None else (tensor.view(tensor.shape) if tensor.requires_grad else Tensor(tensor.data))
+    if primal is not tensor:
+        primal._set_tangent(level, None)
+    return UnpackedDualTensor(primal, tangent)
