@@ -219,6 +219,10 @@ class NormalCDF(Function):
     def differentiable_backward(ctx, dcdf):
         return dcdf * normal_pdf(ctx.inputs[0])
 
+    @staticmethod
+    def jvp(ctx, t):
+        return NormalCDF.backward(ctx, t)  # elementwise: the same factor phi(x) forward and backward
+
 
 def bias_activation_grad(dy, h, saved, kind):
     """dh = dy * act'(h) on Tensors, differentiable (bias_activation_backward's formulas for the

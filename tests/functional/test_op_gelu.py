@@ -50,3 +50,18 @@ def test_third_derivative_of_exact_gelu():
     phi = np.exp(-a * a / 2) / np.sqrt(2 * np.pi)
     np.testing.assert_allclose(d2.numpy(), phi * (2 - a * a), rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(d3.numpy(), a * phi * (a * a - 4), rtol=1e-12, atol=1e-15)
+
+
+def test_normal_cdf_node_has_the_density_as_its_derivative_in_both_modes():
+    """NormalCDF (Phi with the forward's values, for GELU's double backward): backward and jvp are phi(x)."""
+    from autograd import forward_ad
+    from npformer.functional.activation import NormalCDF
+    a = np.linspace(-3.0, 3.0, 7)
+    values = np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) for v in a])
+    phi = np.exp(-a * a / 2) / np.sqrt(2 * np.pi)
+    x = leaf(a)
+    NormalCDF.apply(x, values=values).backward(np.ones(7))
+    np.testing.assert_allclose(x.grad.numpy(), phi, rtol=1e-15)
+    with forward_ad.dual_level():
+        y = NormalCDF.apply(forward_ad.make_dual(Tensor(a), Tensor(np.ones(7))), values=values)
+        np.testing.assert_allclose(np.asarray(forward_ad.unpack_dual(y).tangent), phi, rtol=1e-15)
