@@ -155,6 +155,7 @@ class LayerNormFunction(Function):
         else:  # formed again in the graph, so that the second derivative reaches x through them
             x2d = x.reshape(xhat_saved.shape)                                      # (N, D)
             centered = x2d - x2d.mean(axis=1, keepdims=True)
+            centered = centered - centered.mean(axis=1, keepdims=True)               # the forward's refinement step
             rstd = 1.0 / ((centered * centered).mean(axis=1, keepdims=True) + ctx.eps).sqrt()   # (N, 1)
             xhat = centered * rstd
         w = None if w_saved is None else (weight.reshape(-1) if weight is not None else Tensor(w_saved))
@@ -166,7 +167,7 @@ class LayerNormFunction(Function):
             #   (the Jacobian of xhat is symmetric);  d/dw <dx, u>: dy times it;  d/dx through rstd and
             #   xhat = (x - mean) rstd: the tape's product rule on this line (torch's layer_norm_double_backward)
             g = dy2d * w if w is not None else dy2d
-            dx = (rstd * (g - g.mean(axis=1, keepdims=True) - xhat * (g * xhat).mean(axis=1, keepdims=True)))
+            dx = rstd * (g - g.mean(axis=1, keepdims=True) - xhat * (g * xhat).mean(axis=1, keepdims=True))
             dx = dx.reshape(ctx.shape)
         # dweight = sum over rows of dy xhat, dbias = sum of dy:  d/dx <dweight, U> = xhat's backward of dy U
         dweight = (dy2d * xhat).sum(axis=0).reshape(ctx.normalized_shape) if need_w else None
