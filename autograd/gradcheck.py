@@ -245,7 +245,7 @@ def numeric_gradient(loss: Callable[[], float], tensor: Tensor, eps: float = 1e-
     loss: a function of no arguments returning a float; tensor: a float64 Tensor it reads.
     """
     xp = tensor.xp
-    tensor.data = xp.ascontiguousarray(tensor.data)
+    tensor.data = xp.ascontiguousarray(tensor.data).reshape(tensor.shape)  # (ascontiguousarray makes 0-d 1-d)
     flat = tensor.data.reshape(-1)  # a view: perturbing it perturbs the tensor
     numeric = xp.zeros(flat.size)
     for j in range(flat.size):

@@ -3,6 +3,7 @@ comparisons with torch and between two implementations for tests written by hand
 helpers, the settings of the property-based tests, and a deliberately wrong backward.
 Example counts are bounded so that property tests run in seconds (set
 NPFORMER_HYPOTHESIS_EXAMPLES to search longer)."""
+import functools
 import json
 import os
 
@@ -52,6 +53,80 @@ def op_tests(family):
         assert comparison.passed, comparison
 
     return test_gradcheck, test_matches_torch, test_matches_composite_twin
+
+
+def double_backward_tests(family):
+    """The second derivatives of one op family's registry cases: `autograd.gradgradcheck` (float64,
+    random grad_outputs, every input and parameter) on every device where the case allows finite
+    differences, and the HVP against torch's double backward for every case with a torch reference.
+    A test file binds them:
+    `test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("softmax")`."""
+    cases = opcases.cases(family)
+    checked = [c for c in cases if c.finite_differences]
+
+    @pytest.mark.parametrize("case", checked, ids=[c.name for c in checked])
+    def test_gradgradcheck(case, device):
+        instance = opcases.instantiate(case, np.random.default_rng(5), device)
+        assert autograd.gradgradcheck(instance, instance.tensors)
+
+    with_torch = [c for c in cases if c.torch]
+
+    @pytest.mark.parametrize("case", with_torch, ids=[c.name for c in with_torch])
+    def test_double_backward_matches_torch(case, torch):
+        assert_double_backward_matches_torch(case, torch, np.random.default_rng(6))
+
+    return test_gradgradcheck, test_double_backward_matches_torch
+
+
+def _hvp(fn, xs, upstream, directions, grad):
+    """(first derivatives, HVP) of fn at xs by `grad` (autograd.grad or torch.autograd.grad): d/dx <fn(x), g>
+    built with create_graph (g: one upstream gradient per output that is not None), then d/dx <that, u>;
+    zeros where nothing depends on x."""
+    result = fn(*xs)
+    outs = [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
+    pairs = [(o, g) for o, g in zip(outs, upstream) if o.requires_grad]
+    first = grad([o for o, _ in pairs], xs, [g for _, g in pairs], create_graph=True, allow_unused=True)
+    pairs = [(f, u) for f, u in zip(first, directions) if f is not None and f.requires_grad]
+    second = grad([f for f, _ in pairs], xs, [u for _, u in pairs], allow_unused=True) if pairs else [None] * len(xs)
+    as_array = lambda t, x: np.zeros(x.shape) if t is None else np.array(t.detach().numpy())  # noqa: E731
+    return [as_array(f, x) for f, x in zip(first, xs)], [as_array(s, x) for s, x in zip(second, xs)]
+
+
+def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays=None,
+                                         tolerance=opcases.TOLERANCE["torch", "float64"]):
+    """The second derivative of `ours` against torch's double backward, in float64: the HVP
+    d/dx <d/dx <f(x), g>, u> (and the first derivative d/dx <f(x), g>) for random upstream
+    gradients g and directions u, over every input (and every parameter of a module case).
+
+    ours: an OpCase (its inputs drawn from `rng` by opcases.instantiate, its torch reference and
+    converted module as the registry's compare_with_torch takes them), or a function of Tensors
+    with `torch_fn(torch, *leaves)` the same function in torch and `arrays` its float64 inputs.
+    Compared as the registry compares: max |ours - torch| <= tolerance * max(1, max |torch|) per array
+    (the registry's float64 tolerance by default).
+    For attention call it inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH) (the twice
+    differentiable backend)."""
+    if isinstance(ours, opcases.OpCase):
+        instance = opcases.instantiate(ours, rng)
+        fn, xs = instance, instance.tensors
+        torch_fn, leaves = instance.torch_function(torch)
+        labels = instance.labels
+    else:
+        fn, xs = ours, [leaf(a) for a in arrays]
+        leaves = [torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True) for a in arrays]
+        torch_fn = functools.partial(torch_fn, torch)
+        labels = [f"input {i}" for i in range(len(arrays))]
+    with autograd.no_grad():
+        result = fn(*xs)
+    outs = [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
+    upstream = [rng.standard_normal(o.shape) for o in outs]
+    directions = [rng.standard_normal(x.shape) for x in xs]
+    first, second = _hvp(fn, xs, [Tensor(g) for g in upstream], [Tensor(u) for u in directions], autograd.grad)
+    first_t, second_t = _hvp(torch_fn, leaves, [torch.tensor(g) for g in upstream],
+                             [torch.tensor(u) for u in directions], torch.autograd.grad)
+    comparison = opcases.compare(first + second, first_t + second_t,
+                                 [f"d/d {label}" for label in labels] + [f"HVP at {label}" for label in labels],
+                                 tolerance)
+    assert comparison.passed, comparison
 
 
 def leaf(array, device="cpu", dtype=np.float64):

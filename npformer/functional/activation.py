@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend
+from autograd import Function, Tensor, backend, where
 from autograd.backend import Array
 from autograd.checks import check_bool, check_real
 from npformer.runtime import random
@@ -65,6 +65,55 @@ def bias_activation_backward(dy, saved, kind):
     return density
 
 
+def normal_pdf(x):
+    """phi(x) = exp(-x^2 / 2) / sqrt(2 pi) of a Tensor (differentiable): the derivative of Phi."""
+    return (x * x * -0.5).exp() * INV_SQRT_2PI
+
+
+class NormalCDF(Function):
+    """Phi(x), the standard normal CDF, as a node of the graph whose values are given (GELU's
+    forward computed them): dx = dPhi * phi(x). GELU's differentiable backward uses it for Phi."""
+
+    @staticmethod
+    def forward(ctx, x, values):
+        ctx.save_for_backward(x)
+        return values
+
+    @staticmethod
+    def backward(ctx, dcdf):
+        (x,) = ctx.saved_tensors
+        xp = backend.get_array_module(x)
+        # Phi' = phi  ->  dx = dPhi * exp(-x^2 / 2) / sqrt(2 pi)
+        return dcdf * xp.exp(-0.5 * x * x) * INV_SQRT_2PI
+
+    @staticmethod
+    def differentiable_backward(ctx, dcdf):
+        return dcdf * normal_pdf(ctx.inputs[0])
+
+    @staticmethod
+    def jvp(ctx, t):
+        return NormalCDF.backward(ctx, t)  # elementwise: the same factor phi(x) forward and backward
+
+
+def bias_activation_grad(dy, h, saved, kind):
+    """dh = dy * act'(h) on Tensors, differentiable (bias_activation_backward's formulas for the
+    double backward): h the pre-activation Tensor in the graph (unused by relu), saved what
+    bias_activation_forward saved."""
+    if kind == "relu":
+        # dh = dy where keep, else 0: the mask is a constant (the step's derivative is 0), so
+        #   d/d(dy) <dh, u> = u where keep, and no second derivative through h
+        return where(saved[0], dy, 0)
+    if kind == "gelu_tanh":
+        # u = c (h + k h^3), t = tanh(u), du = c (1 + 3 k h^2)  ->  dh = dy * (0.5 (1 + t) + 0.5 h (1 - t^2) du);
+        #   d/d(dy): that factor;  d/dh: dy * (1 - t^2) (du (1 - h t du) + 3 c k h^2)  (t' = (1 - t^2) du)
+        t = (TANH_C * (h + TANH_K * h * h * h)).tanh()
+        du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
+        return dy * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
+    # y = h Phi(h)  ->  dh = dy * (Phi(h) + h phi(h));  d/d(dy): Phi + h phi;
+    #   d/dh: dy * (phi + phi + h phi') = dy * phi(h) (2 - h^2), since phi' = -h phi
+    return dy * (NormalCDF.apply(h, values=saved[1]) + h * normal_pdf(h))
+
+
 class ReLUFunction(Function):
     """y = max(x, 0), any shape (relu(NaN) = NaN).  dx = dy where not (x <= 0), else 0."""
 
@@ -76,6 +125,10 @@ class ReLUFunction(Function):
     @staticmethod
     def backward(ctx, dy):
         return bias_activation_backward(dy, ctx.activation_saved, "relu")
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        return bias_activation_grad(dy, None, ctx.activation_saved, "relu")
 
 
 @has_twin
@@ -101,6 +154,10 @@ class GELUFunction(Function):
     @staticmethod
     def backward(ctx, dy):
         return bias_activation_backward(dy, ctx.activation_saved, ctx.kind)
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        return bias_activation_grad(dy, ctx.inputs[0], ctx.activation_saved, ctx.kind)
 
 
 @has_twin
@@ -132,6 +189,13 @@ class DropoutFunction(Function):
         (keep,) = ctx.saved_tensors
         # y = x * keep / (1 - p)  ->  dx = dy * keep / (1 - p)
         return dropout_backward(dy, keep, *ctx.stream)
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        # dx = dy * keep / (1 - p): linear in dy with the forward's mask, i.e. the dropout of dy by the
+        # same draw of the stream (its own backward the same again):  d/d(dy) <dx, u> = u * keep / (1 - p)
+        seed, offset, p, state = ctx.stream
+        return DropoutFunction.apply(dy, seed=seed, offset=offset, p=p, state=state)
 
 
 @kernel_table

@@ -11,6 +11,8 @@ from autograd.checks import check_bool, check_real, check_shape
 from . import _erf as formulas
 from .activation import TANH_C, TANH_K, dropout_mask, dropout_scale
 from .attention import _lead_shape, _prepare_mask, causal_blocked
+from .embedding import check_embedding_options, id_counts, renormalize_rows
+from .loss import classes_last, is_probability_target, probability_cross_entropy, probability_target
 from ._common import _twins, on_device_of
 from .residual import check_dropout_add
 from .rotary import rotary_tables
@@ -103,9 +105,14 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return y + bias if bias is not None else y
 
 
-def embedding(input, weight, padding_idx=None):
+def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
     w = _tensor(weight)
     ids = on_device_of(input, w.data, "input", "embedding")
+    max_norm, norm_type, scale_grad_by_freq = check_embedding_options(max_norm, norm_type, scale_grad_by_freq)
+    if max_norm is not None:  # in place, outside the graph, as F.embedding
+        renormalize_rows(w.data, ids, max_norm, norm_type)
+    if scale_grad_by_freq:  # the value of w, the gradient of w times 1 / count(id): w0 + (w - w0) s, w0 constant
+        w = w.detach() + (w - w.detach()) * Tensor(id_counts(ids.reshape(-1), w.shape[0], w.dtype) ** -1.0)
     if padding_idx is not None:  # the padding row enters as a constant: zero gradient
         is_pad = w.xp.arange(w.shape[0])[:, None] == padding_idx % w.shape[0]
         w = where(is_pad, w.detach(), w)
@@ -113,19 +120,22 @@ def embedding(input, weight, padding_idx=None):
 
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
-    x = _tensor(input)
-    c = x.shape[0 if x.ndim == 1 else 1]
+    logits = _tensor(input)
+    x = classes_last(logits)                                  # (M, C)
+    w = weight
+    if weight is not None and not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
+        w = Tensor(on_device_of(weight, x.data, "weight", "cross_entropy").astype(x.dtype, copy=False))
+    if is_probability_target(target):
+        tgt = classes_last(probability_target(target, logits.data))
+        loss = probability_cross_entropy(log_softmax(x, dim=1), tgt, w, label_smoothing, reduction)
+        rows = logits.shape[:1] + logits.shape[2:] if logits.ndim > 1 else ()
+        return loss.reshape(rows) if reduction == "none" else loss
+    c = x.shape[1]
     tgt = on_device_of(target, x.data, "target", "cross_entropy")
-    if x.ndim > 2:
-        x = x.permute(0, *range(2, x.ndim), 1)
-    x = x.reshape(-1, c)
     flat = tgt.reshape(-1)
     valid = flat != ignore_index
     safe = x.xp.where(valid, flat, 0)
     logp = log_softmax(x, dim=1)
-    w = weight
-    if weight is not None and not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
-        w = Tensor(on_device_of(weight, x.data, "weight", "cross_entropy").astype(x.dtype, copy=False))
     picked = logp[x.xp.arange(x.shape[0]), safe]
     w_target = w[safe] if w is not None else None
     nll = -(picked * w_target if w is not None else picked)

@@ -1,9 +1,13 @@
-"""Embedding lookup; its backward is a scatter-add of rows (a kernel table)."""
+"""Embedding lookup; its backward is a scatter-add of rows (a kernel table). torch's options:
+max_norm / norm_type (the referenced rows renormalised in place first) and scale_grad_by_freq."""
 from __future__ import annotations
 
-from autograd import Function, Tensor, backend
+import math
+
+from autograd import Function, Tensor, backend, where
 from autograd.backend import Array, ArrayLike
-from autograd.checks import check_int
+from autograd.checks import check_bool, check_int, check_real
+from autograd.ops import IndexAdd
 from npformer.runtime.kernels import kernel_table
 
 from ._common import check_index_range, check_tensor, has_twin, on_device_of
@@ -21,12 +25,14 @@ def scatter_add_rows(ids, rows, num_rows):
 class EmbeddingFunction(Function):
     """ids (...) integers, weight (V, D) -> out (...,  D) = weight[ids].
 
-    dweight[v] = sum of dout over the positions where ids == v; dweight[padding_idx] = 0.
+    dweight[v] = sum of dout over the positions where ids == v; dweight[padding_idx] = 0; with
+    scale_grad_by_freq each row divided by the number of times its id occurs in ids.
     """
 
     @staticmethod
-    def forward(ctx, weight, ids, padding_idx):
+    def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq=False):
         ctx.ids, ctx.padding_idx, ctx.num_embeddings = ids, padding_idx, weight.shape[0]
+        ctx.scale_grad_by_freq = scale_grad_by_freq
         return weight[ids]                                # (..., D)
 
     @staticmethod
@@ -34,10 +40,49 @@ class EmbeddingFunction(Function):
         ids = ctx.ids.reshape(-1)                         # (N,)
         # out[n] = weight[ids[n]]  ->  dweight[v] = sum_{n: ids[n] = v} dout[n]
         dweight = scatter_add_rows(ids, dout.reshape(ids.shape[0], dout.shape[-1]), ctx.num_embeddings)
+        if ctx.scale_grad_by_freq:  # dweight[v] /= count(v), the ids of this batch
+            dweight /= id_counts(ids, ctx.num_embeddings, dweight.dtype)
         # the padding row takes no part in learning
         if ctx.padding_idx is not None:
             dweight[ctx.padding_idx] = 0
         return dweight
+
+    @staticmethod
+    def differentiable_backward(ctx, dout):
+        ids = ctx.ids.reshape(-1)                         # (N,)
+        # dweight = the scatter-add of dout's rows at ids: linear in dout, and no function of weight, so
+        #   d/d(dout) <dweight, U> = U[ids] (the lookup again), and no second derivative in weight
+        rows = dout.reshape(ids.shape[0], dout.shape[-1])
+        dweight = IndexAdd.apply(rows, shape=(ctx.num_embeddings, rows.shape[1]), key=ids, scatter=True)
+        if ctx.scale_grad_by_freq:  # dweight[v] / count(v): a constant factor per row
+            dweight = dweight / Tensor(id_counts(ids, ctx.num_embeddings, rows.dtype))
+        if ctx.padding_idx is not None:
+            is_padding = backend.get_array_module(ids).arange(ctx.num_embeddings)[:, None] == ctx.padding_idx
+            dweight = where(is_padding, 0, dweight)
+        return dweight
+
+
+def id_counts(ids, num_embeddings, dtype):
+    """(V, 1): how often each id occurs in `ids` (at least 1, so ids that never occur divide by 1)."""
+    xp = backend.get_array_module(ids)
+    counts = xp.bincount(ids, minlength=num_embeddings)[:, None]
+    return xp.maximum(counts, 1).astype(dtype)
+
+
+def renormalize_rows(weight, ids, max_norm, norm_type):
+    """torch's embedding_renorm_: in place, each row of the raw array `weight` that `ids` refers to
+    and whose p-norm (p = norm_type) exceeds max_norm is multiplied by max_norm / (norm + 1e-7)."""
+    xp = backend.get_array_module(weight)
+    if ids.size == 0 or weight.shape[1] == 0:            # no row to rescale
+        return
+    rows = xp.unique(ids.reshape(-1))                    # (K,) each referenced row once
+    picked = weight[rows]                                # (K, D)
+    if math.isinf(norm_type):
+        norms = xp.abs(picked).max(axis=1)
+    else:
+        norms = (xp.abs(picked) ** norm_type).sum(axis=1) ** (1.0 / norm_type)   # (K,)
+    scale = xp.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0).astype(weight.dtype)
+    weight[rows] = picked * scale[:, None]
 
 
 def check_token_ids(ids, num, op, name="input"):
@@ -49,14 +94,31 @@ def check_token_ids(ids, num, op, name="input"):
         f"{op}: token ids must be in [0, {num - 1}] (num_embeddings={num}), got min {lo} and max {hi}"))
 
 
+def check_embedding_options(max_norm, norm_type, scale_grad_by_freq, op="embedding"):
+    """(max_norm, norm_type, scale_grad_by_freq) checked: max_norm None or a real >= 0, norm_type a
+    real > 0 (inf: the largest |entry|), scale_grad_by_freq a bool."""
+    if max_norm is not None:
+        max_norm = check_real(max_norm, "max_norm", op, at_least=0)
+    norm_type = check_real(norm_type, "norm_type", op, above=0, finite=False)
+    return max_norm, norm_type, check_bool(scale_grad_by_freq, "scale_grad_by_freq", op)
+
+
 @has_twin
-def embedding(input: Tensor | ArrayLike, weight: Tensor | Array, padding_idx: int | None = None) -> Tensor:
+def embedding(input: Tensor | ArrayLike, weight: Tensor | Array, padding_idx: int | None = None,
+              max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> Tensor:
     """weight[input] like torch.nn.functional.embedding: input integer ids of any shape,
     weight (num_embeddings, embedding_dim) -> (*input.shape, embedding_dim). The
     `padding_idx` row (negative counts from the end) gets exactly zero gradient. Ids that arrive as
     host arrays are checked at once; ids already on a GPU are checked there, and a bad one raises
-    when the result is first read (npformer.runtime.deferred). Raises TypeError for non-integer ids,
-    IndexError for ids outside [0, num_embeddings), ValueError for a weight that is not 2-D."""
+    when the result is first read (npformer.runtime.deferred).
+
+    max_norm: each row that `input` refers to whose `norm_type`-norm exceeds max_norm is scaled
+    to norm max_norm first, **in place in weight** (as torch's: an update outside the graph, like
+    an optimizer step; a weight that an earlier op of the graph saved must not be renormalised
+    before that op's backward). scale_grad_by_freq: each row's gradient is divided by how often
+    its id occurs in `input`.
+    Raises TypeError for non-integer ids, IndexError for ids outside [0, num_embeddings),
+    ValueError for a weight that is not 2-D, a negative max_norm or a norm_type <= 0."""
     w = check_tensor("weight", weight, "embedding")
     if w.ndim != 2:
         raise ValueError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {tuple(w.shape)}")
@@ -64,4 +126,7 @@ def embedding(input: Tensor | ArrayLike, weight: Tensor | Array, padding_idx: in
     ids = on_device_of(input, w, "input", "embedding", check=lambda ids: check_token_ids(ids, num, "embedding"))
     if padding_idx is not None:
         padding_idx = check_int(padding_idx, "padding_idx", "embedding", at_least=-num, at_most=num - 1) % num
-    return EmbeddingFunction.apply(weight, ids=ids, padding_idx=padding_idx)
+    max_norm, norm_type, scale_grad_by_freq = check_embedding_options(max_norm, norm_type, scale_grad_by_freq)
+    if max_norm is not None:  # on the raw array: outside the graph
+        renormalize_rows(w, ids, max_norm, norm_type)
+    return EmbeddingFunction.apply(weight, ids=ids, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)

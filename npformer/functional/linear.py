@@ -8,7 +8,7 @@ from autograd.backend import Array
 from npformer.runtime.kernels import kernel_table
 
 from ._common import check_one_dtype, check_tensor, has_twin
-from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward
+from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward, bias_activation_grad
 
 
 @kernel_table
@@ -54,6 +54,7 @@ class LinearFunction(Function):
             y2d, ctx.activation_saved = bias_activation_forward(linear_forward(x2d, weight, None), bias, activation)
         ctx.save_for_backward(x2d, weight)
         ctx.x_shape, ctx.activation = x.shape, activation
+        ctx.bias = bias  # for the differentiable backward, which forms h again in the graph
         return y2d.reshape(x.shape[:-1] + (weight.shape[0],))
 
     @staticmethod
@@ -65,6 +66,26 @@ class LinearFunction(Function):
             dy2d = bias_activation_backward(dy2d, ctx.activation_saved, ctx.activation)
         dx2d, dweight, dbias = linear_backward(dy2d, x2d, weight, *ctx.needs_input_grad)
         return (dx2d.reshape(ctx.x_shape) if dx2d is not None else None), dweight, dbias
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        x2d_saved, weight_saved = ctx.saved_tensors
+        x, weight, bias = (t if t is not None else None if raw is None else Tensor(raw)
+                           for t, raw in zip(ctx.inputs, (x2d_saved, weight_saved, ctx.bias)))
+        x2d = x.reshape(x2d_saved.shape)                                  # (N, in)
+        dh = dy.reshape(x2d_saved.shape[0], weight_saved.shape[0])        # (N, out)
+        if ctx.activation is not None:
+            # y = act(h)  ->  dh = dy act'(h), with h = x W^T + b formed again in the graph (ReLU's mask
+            # needs no h): its second derivative dy act''(h) reaches x, W and b through h
+            h = None if ctx.activation == "relu" else LinearFunction.apply(x2d, weight, bias, activation=None)
+            dh = bias_activation_grad(dh, h, ctx.activation_saved, ctx.activation)
+        need_x, need_w, need_b = ctx.needs_input_grad
+        # dx = dh W, dW = dh^T x, db = sum of dh over rows: bilinear in (dh, W) and (dh, x), so
+        #   d/d(dh) <(dx, dW, db), (u, U, c)> = u W^T + x U^T + c,  d/dW <dx, u> = dh^T u,  d/dx <dW, U> = dh U
+        dx = (dh @ weight).reshape(ctx.x_shape) if need_x else None
+        dweight = dh.T @ x2d if need_w else None
+        dbias = dh.sum(axis=0) if need_b else None
+        return dx, dweight, dbias
 
 
 @has_twin

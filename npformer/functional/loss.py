@@ -1,5 +1,8 @@
-"""Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
+"""Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index;
+with class-probability targets (soft labels) composed of log_softmax and primitives."""
 from __future__ import annotations
+
+import math
 
 from autograd import Function, Tensor, backend, is_grad_enabled
 from autograd.backend import Array, ArrayLike
@@ -7,8 +10,8 @@ from autograd.checks import check_int, check_real
 from npformer.runtime import deferred
 from npformer.runtime.kernels import kernel_table
 
-from ._common import check_index_range, check_tensor, data_of, has_twin, on_device_of
-from .softmax import stable_row_max
+from ._common import check_index_range, check_one_dtype, check_tensor, data_of, has_twin, on_device_of
+from .softmax import SoftmaxFunction, log_softmax, stable_row_max
 
 
 @kernel_table
@@ -38,19 +41,25 @@ def cross_entropy_forward(logits, target, valid, weight, label_smoothing):
     return xp.where(valid, loss, 0), probs                      # ignored rows add nothing
 
 
+def smoothed_weighted_targets(target, weight, label_smoothing, c, dtype):
+    """target (M,) class ids, weight (C,) or None -> (a (M, C), sum_c a (M, 1)): a_ic = q_ic w_c with
+    q_ic = (1 - e) [c = t_i] + e / C, the coefficients of logp in each row's loss."""
+    xp = backend.get_array_module(target)
+    m, e = target.shape[0], label_smoothing
+    w_target = weight[target][:, None] if weight is not None else 1.0               # (M, 1)
+    # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
+    a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
+    a = xp.zeros((m, c), dtype=dtype)                                               # (M, C)
+    a[xp.arange(m), target] = ((1.0 - e) * w_target * xp.ones((m, 1), dtype=dtype))[:, 0]
+    a += (e / c) * (weight if weight is not None else 1.0)
+    return a, xp.asarray(a_sum, dtype=dtype)
+
+
 @kernel_table
 def cross_entropy_backward(probs, target, weight, label_smoothing, dloss):
     """probs (M, C) softmax, target (M,), weight (C,) or None, dloss (M,) the upstream gradient of each
     row's loss (0 on ignored rows) -> dlogits (M, C) = (probs * sum_c a_ic - a_i) * dloss_i."""
-    m, c = probs.shape
-    e = label_smoothing
-    xp = backend.get_array_module(probs)
-    w_target = weight[target][:, None] if weight is not None else 1.0               # (M, 1)
-    # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
-    a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
-    a = xp.zeros_like(probs)                                                        # (M, C)
-    a[xp.arange(m), target] = ((1.0 - e) * w_target * xp.ones((m, 1), dtype=probs.dtype))[:, 0]
-    a += (e / c) * (weight if weight is not None else 1.0)
+    a, a_sum = smoothed_weighted_targets(target, weight, label_smoothing, probs.shape[1], probs.dtype)
     # loss_i = -sum_c a_ic logp_ic, logp = log_softmax(logits)  ->  dlogits = (softmax * sum(a) - a) dloss
     return (probs * a_sum - a) * dloss[:, None]
 
@@ -84,6 +93,24 @@ class CrossEntropyFunction(Function):
         dloss = xp.where(valid, dloss, 0).astype(probs.dtype, copy=False)   # (M,)
         return cross_entropy_backward(probs, target, weight, ctx.label_smoothing, dloss), None
 
+    @staticmethod
+    def differentiable_backward(ctx, dout):
+        probs_saved, weight, target, valid, divisor = ctx.saved_tensors
+        logits = ctx.inputs[0]
+        if logits is None:
+            return None, None
+        xp = backend.get_array_module(probs_saved)
+        # dloss_i = dout (/ divisor), 0 on ignored rows: dout times a constant per row
+        per_row = xp.where(valid, 1.0 if divisor is None else 1.0 / divisor, 0.0).astype(probs_saved.dtype)
+        dloss = (dout * Tensor(per_row)).reshape(-1, 1)                                  # (M, 1)
+        a, a_sum = smoothed_weighted_targets(target, weight, ctx.label_smoothing, probs_saved.shape[1],
+                                             probs_saved.dtype)
+        # dlogits = (softmax * sum(a) - a) dloss, the softmax formed again in the graph:
+        #   d/d(dout) <dlogits, u> = sum_c u_ic (softmax_ic sum(a_i) - a_ic) per row, times the constant;
+        #   d/dlogits <dlogits, u> = softmax's backward of u * sum(a_i) dloss_i (softmax's Jacobian)
+        probs = SoftmaxFunction.apply(logits, dim=1)
+        return (probs * Tensor(a_sum) - Tensor(a)) * dloss, None
+
 
 def _every_target_ignored(ignore_index):
     """The verdict on the number of valid targets of a "mean" cross-entropy."""
@@ -99,15 +126,60 @@ def _zero_weighted_mean(divisor):
         "(torch returns NaN); use reduction='sum' or check weight")
 
 
+def classes_last(x):
+    """A Tensor of logits (or class probabilities) (N, C, d1, ...), (N, C) or (C,) as rows of
+    classes (N d1 ..., C)."""
+    if x.ndim > 2:  # (N, C, d1, ...) -> (N, d1, ..., C)
+        x = x.permute(0, *range(2, x.ndim), 1)
+    return x if x.ndim == 2 else x.reshape(-1, x.shape[-1])
+
+
+def is_probability_target(target):
+    """Whether a cross-entropy target holds class probabilities (a floating array or Tensor)."""
+    raw = data_of(target)
+    return backend.is_array(raw) and raw.dtype.kind == "f"
+
+
+def probability_target(target, logits):
+    """A class-probability target as a Tensor on the device of the array `logits`, of its shape and
+    dtype (a Tensor that requires grad stays in the graph: the loss is differentiated in it too)."""
+    if tuple(target.shape) != tuple(logits.shape):
+        raise ValueError(f"cross_entropy: a floating target holds class probabilities and must have the input's "
+                         f"shape {tuple(logits.shape)}, got shape {tuple(target.shape)} (class indices must be "
+                         "integers)")
+    check_one_dtype("cross_entropy", logits, data_of(target))
+    if isinstance(target, Tensor):
+        on_device_of(target, logits, "target", "cross_entropy")   # checks the device
+        return target
+    return Tensor(on_device_of(target, logits, "target", "cross_entropy"))
+
+
+def probability_cross_entropy(logp, target, weight, label_smoothing, reduction):
+    """The cross-entropy of class-probability targets (soft labels: distillation, mixup), written
+    with differentiable ops, so its every derivative comes from theirs: logp (M, C) log-probabilities,
+    target (M, C) probabilities (Tensors), weight (C,) or None ->
+    loss_i = -sum_c w_c q_ic logp_ic with q = (1 - e) target + e / C (torch's smoothing of
+    probabilities); "mean" divides by M, not by the weights (as torch)."""
+    e, c = label_smoothing, logp.shape[1]
+    q = target * (1.0 - e) + e / c if e else target
+    loss = -(logp * (q * weight if weight is not None else q)).sum(axis=1)     # (M,)
+    if reduction == "none":
+        return loss
+    return loss.sum() if reduction == "sum" else loss.mean()
+
+
 @has_twin
 def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Tensor | Array | None = None,
                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
-    """Like torch.nn.functional.cross_entropy with class-index targets.
+    """Like torch.nn.functional.cross_entropy, with class-index or class-probability targets.
 
-    input: logits (N, C), (N, C, d1, ...) or (C,); target: integer ids (N,), (N, d1, ...) or ();
-    weight: class weights (C,) or None. Targets equal to `ignore_index` add nothing.
-    reduction: "mean" (over the targets that count, weighted; default), "sum" or "none" (the
-    target's shape). label_smoothing in [0, 1] mixes in the uniform distribution, as torch's.
+    input: logits (N, C), (N, C, d1, ...) or (C,); target: integer ids (N,), (N, d1, ...) or (),
+    or class probabilities (soft labels) of the input's shape and dtype (a Tensor of them may
+    require grad); weight: class weights (C,) or None. Targets equal to `ignore_index` add nothing
+    (ids only; probabilities have none, as in torch).
+    reduction: "mean" (over the targets that count, weighted; for probabilities over the N d1 ...
+    rows, unweighted, as torch's; default), "sum" or "none" (the shape without the class axis).
+    label_smoothing in [0, 1] mixes in the uniform distribution, as torch's.
     Raises ValueError when reduction="mean" and every target is ignored (torch returns NaN there),
     TypeError for non-integer targets, IndexError for a class id outside [0, C).
     Targets that arrive as host arrays are checked at once; targets already on a GPU are checked
@@ -126,18 +198,23 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
 
     def check_classes(ids):  # where the targets are: on the host before their copy, else on the device
         if ids.dtype.kind not in "iu":
-            raise TypeError(f"cross_entropy: target must hold integer class indices, got dtype {ids.dtype}")
+            raise TypeError(f"cross_entropy: target must hold integer class indices (or be a floating array of "
+                            f"class probabilities of the input's shape), got dtype {ids.dtype}")
         check_index_range(ids, c, lambda lo, hi: IndexError(
             f"cross_entropy: target class indices must be in [0, {c - 1}] (C={c}) or ignore_index={ignore_index}, "
             f"got min {lo} and max {hi}"), skip=ignore_index)
         if reduction == "mean" and ids.size:
             deferred.defer(_every_target_ignored(ignore_index), (ids != ignore_index).sum())
 
-    tgt = on_device_of(target, logits, "target", "cross_entropy", check=check_classes)
     expected = logits.shape[:class_dim] + logits.shape[class_dim + 1:]
-    if tuple(tgt.shape) != tuple(expected):
-        raise ValueError(f"cross_entropy: target shape must be {tuple(expected)} for input shape "
-                         f"{tuple(logits.shape)}, got {tuple(tgt.shape)}")
+    probabilities = is_probability_target(target)
+    if probabilities:
+        tgt = probability_target(target, logits)
+    else:
+        tgt = on_device_of(target, logits, "target", "cross_entropy", check=check_classes)
+        if tuple(tgt.shape) != tuple(expected):
+            raise ValueError(f"cross_entropy: target shape must be {tuple(expected)} for input shape "
+                             f"{tuple(logits.shape)}, got {tuple(tgt.shape)}")
     if weight is not None:
         if tuple(check_tensor("weight", weight, "cross_entropy").shape) != (c,):
             raise ValueError(f"cross_entropy: weight must have shape ({c},), got {tuple(weight.shape)}")
@@ -146,9 +223,13 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
                              "no gradient (torch refuses them too); pass weight.detach()")
         if not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
             weight = on_device_of(weight, logits, "weight", "cross_entropy").astype(logits.dtype, copy=False)
-    if reduction == "mean" and tgt.size == 0:
+    if reduction == "mean" and math.prod(expected) == 0:
         raise ValueError(f"cross_entropy: no targets (input shape {tuple(logits.shape)}), so the mean is "
                          "undefined; skip empty batches or use reduction='sum'")
+    x = classes_last(input if isinstance(input, Tensor) else Tensor(input))       # (M, C)
+    if probabilities:
+        loss = probability_cross_entropy(log_softmax(x, dim=1), classes_last(tgt), weight, label_smoothing, reduction)
+        return loss.reshape(expected) if reduction == "none" else loss
     flat_target = tgt.reshape(-1)
     valid = flat_target != ignore_index
     safe_target = backend.get_array_module(logits).where(valid, flat_target, 0)
@@ -160,11 +241,6 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
         divisor = valid.sum().astype(logits.dtype)
     if divisor is not None:  # a 0 divisor is reported by the checks; meanwhile the loss is 0, not NaN
         divisor = backend.get_array_module(divisor).where(divisor == 0, 1, divisor).astype(logits.dtype, copy=False)
-    x = input if isinstance(input, Tensor) else Tensor(input)
-    if logits.ndim > 2:  # (N, C, d1, ...) -> (N, d1, ..., C): classes last
-        x = x.permute(0, *range(2, logits.ndim), 1)
-    if logits.ndim != 2:
-        x = x.reshape(-1, c)
     loss = CrossEntropyFunction.apply(x, weight, safe_target=safe_target, valid=valid, divisor=divisor,
                                       reduction=reduction, label_smoothing=label_smoothing)
     return loss.reshape(tgt.shape) if reduction == "none" else loss

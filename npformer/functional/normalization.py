@@ -65,6 +65,7 @@ class LayerNormFunction(Function):
         y, xhat, rstd = layer_norm_forward(x.reshape(-1, d), w, b, eps)   # (N, D), (N, D), (N, 1)
         ctx.save_for_backward(xhat, w, rstd)
         ctx.shape, ctx.normalized_shape = x.shape, normalized_shape
+        ctx.eps = eps  # for the differentiable backward, which forms xhat and rstd again in the graph
         return y.reshape(x.shape)
 
     @staticmethod
@@ -74,6 +75,34 @@ class LayerNormFunction(Function):
         return (dx.reshape(ctx.shape) if dx is not None else None,
                 dweight.reshape(ctx.normalized_shape) if dweight is not None else None,
                 dbias.reshape(ctx.normalized_shape) if dbias is not None else None)
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        xhat_saved, w_saved, rstd_saved = ctx.saved_tensors
+        x, weight, _ = ctx.inputs
+        if x is None:  # x is a constant: so are xhat and rstd
+            xhat, rstd = Tensor(xhat_saved), Tensor(rstd_saved)
+        else:  # formed again in the graph, so that the second derivative reaches x through them
+            x2d = x.reshape(xhat_saved.shape)                                      # (N, D)
+            centered = x2d - x2d.mean(axis=1, keepdims=True)
+            centered = centered - centered.mean(axis=1, keepdims=True)               # the forward's refinement step
+            rstd = 1.0 / ((centered * centered).mean(axis=1, keepdims=True) + ctx.eps).sqrt()   # (N, 1)
+            xhat = centered * rstd
+        w = None if w_saved is None else (weight.reshape(-1) if weight is not None else Tensor(w_saved))
+        dy2d = dy.reshape(xhat_saved.shape)
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dx = None
+        if need_x:
+            # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w:  d/d(dy) <dx, u>: the same map of u w
+            #   (the Jacobian of xhat is symmetric);  d/dw <dx, u>: dy times it;  d/dx through rstd and
+            #   xhat = (x - mean) rstd: the tape's product rule on this line (torch's layer_norm_double_backward)
+            g = dy2d * w if w is not None else dy2d
+            dx = rstd * (g - g.mean(axis=1, keepdims=True) - xhat * (g * xhat).mean(axis=1, keepdims=True))
+            dx = dx.reshape(ctx.shape)
+        # dweight = sum over rows of dy xhat, dbias = sum of dy:  d/dx <dweight, U> = xhat's backward of dy U
+        dweight = (dy2d * xhat).sum(axis=0).reshape(ctx.normalized_shape) if need_w else None
+        dbias = dy2d.sum(axis=0).reshape(ctx.normalized_shape) if need_b else None
+        return dx, dweight, dbias
 
 
 @has_twin

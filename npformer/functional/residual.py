@@ -37,6 +37,11 @@ class DropoutAddFunction(Function):
         # y = residual + x * m  ->  dx = dy * m (F.dropout's backward),  dresidual = dy
         return DropoutFunction.backward(ctx, dy), dy
 
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        # linear in dy:  d/d(dy) <(dx, dresidual), (u, v)> = u * keep / (1 - p) + v
+        return DropoutFunction.differentiable_backward(ctx, dy), dy
+
 
 def check_dropout_add(input, residual, p, training, op):
     """(input's array, p, training) checked: one shape for input and residual, 0 <= p <= 1, a bool training."""

@@ -79,6 +79,14 @@ class SoftmaxFunction(Function):
         # y_i = exp(x_i) / sum_j exp(x_j)  ->  dx_i = y_i (dy_i - sum_j dy_j y_j)
         return softmax_backward(y, dy, ctx.dim)
 
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        # dx = y * (dy - s), s = sum(dy * y), y this node's output (in the graph: back to x through it)
+        #   d/d(dy) <dx, u> = y * (u - sum(u * y))                    (softmax's Jacobian again: symmetric)
+        #   d/dy <dx, u> = r = u * (dy - s) - dy * sum(u * y), then to x as softmax's backward: y * (r - sum(r * y))
+        y = ctx.as_output(ctx.saved_tensors[0])
+        return y * (dy - (dy * y).sum(axis=ctx.dim, keepdims=True))
+
 
 @kernel_table
 def log_softmax_forward(x, axis):
@@ -116,6 +124,14 @@ class LogSoftmaxFunction(Function):
     def backward(ctx, dy):
         (logp,) = ctx.saved_tensors
         return log_softmax_backward(logp, dy, ctx.dim)
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        # dx = dy - p * sum(dy), p = exp(logp), logp this node's output
+        #   d/d(dy) <dx, u> = u - sum(u * p)                          (broadcast along the row)
+        #   d/dlogp <dx, u> = r = -p * u * sum(dy), then to x as log_softmax's backward: r - p * sum(r)
+        p = ctx.as_output(ctx.saved_tensors[0]).exp()
+        return dy - p * dy.sum(axis=ctx.dim, keepdims=True)
 
 
 def _along(function, op, input, dim):

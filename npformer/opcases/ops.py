@@ -215,6 +215,38 @@ CROSS_ENTROPY = [
                        label_smoothing=0.3, reduction="sum"),
 ]
 
+
+
+def probabilities(rng, shape, axis):
+    """Class probabilities (soft labels) of `shape`, normalised along the class `axis`."""
+    q = rng.random(shape) + 0.05
+    return q / q.sum(axis=axis, keepdims=True)
+
+
+def probability_case(label, shape, differentiate_target=False, **kwargs):
+    """F.cross_entropy(x, target probabilities, **kwargs) against torch's; the target is a constant
+    drawn once, or, with differentiate_target, an input that is differentiated like the logits."""
+    axis = 0 if len(shape) == 1 else 1
+    torch_ce = lambda t, x, q: t.nn.functional.cross_entropy(x, q, **torch_args(t, kwargs, x))  # noqa: E731
+    if differentiate_target:
+        return op_case(f"F.cross_entropy (probabilities, {label})", "cross_entropy",
+                       lambda rng: [rng.standard_normal(shape), probabilities(rng, shape, axis)],
+                       lambda x, q: F.cross_entropy(x, q, **kwargs), torch_ce)
+    target = probabilities(_constants, shape, axis)
+    return op_case(f"F.cross_entropy (probabilities, {label})", "cross_entropy", normal(shape),
+                   lambda x: F.cross_entropy(x, target.astype(x.dtype), **kwargs),
+                   lambda t, x: torch_ce(t, x, t.tensor(target).to(x.dtype)))
+
+
+CROSS_ENTROPY += [
+    probability_case("mean", (4, 5)),
+    probability_case("smoothing, weights", (4, 5), weight=_CLASS_WEIGHT, label_smoothing=0.2),
+    probability_case("sum, weights", (4, 5), weight=_CLASS_WEIGHT, reduction="sum"),
+    probability_case("spatial (N, C, d1), none, smoothing", (2, 5, 3), reduction="none", label_smoothing=0.1),
+    probability_case("unbatched", (5,)),
+    probability_case("target differentiated, smoothing", (3, 5), differentiate_target=True, label_smoothing=0.1),
+]
+
 # -- layer norm, embedding -----------------------------------------------------------------------------
 def layer_norm_case(label, shape, normalized_shape, affine, **kwargs):
     """F.layer_norm over the trailing `normalized_shape` with `affine` of (weight, bias)."""
@@ -232,19 +264,22 @@ LAYER_NORM = [
     layer_norm_case(" ((4, 5), eps=1e-3)", (2, 3, 4, 5), (4, 5), 2, eps=1e-3),
     layer_norm_case(" ((4, 5), weight only)", (2, 3, 4, 5), (4, 5), 1, eps=1e-3),
     layer_norm_case(" ((4, 5), no affine)", (2, 3, 4, 5), (4, 5), 0, eps=1e-3),
+    # the bias added after torch's layer_norm: the same function, but torch's double backward of
+    # layer_norm(x, shape, None, bias) fails ("Expected a proper Tensor but got None", torch 2.x)
     op_case("F.layer_norm (bias only)", "layer_norm", normal((2, 3, 5), (5,)), lambda x, b: F.layer_norm(x, 5, None, b),
-            lambda t, x, b: t.nn.functional.layer_norm(x, (5,), None, b)),
+            lambda t, x, b: t.nn.functional.layer_norm(x, (5,)) + b),
 ]
 
 
-def embedding_case(label, ids, vocab, dim, padding_idx=None):
-    """F.embedding(ids, weight); with a padding row, whose gradient is held at zero on purpose,
-    finite differences would see the row: no gradcheck there."""
+def embedding_case(label, ids, vocab, dim, padding_idx=None, **options):
+    """F.embedding(ids, weight, padding_idx, **options); with a padding row, whose gradient is held at
+    zero on purpose, or scale_grad_by_freq, which scales it on purpose, finite differences would see
+    the difference: no gradcheck there, nor with max_norm (which renormalises the weight in place)."""
     ids = np.asarray(ids)
     return op_case(f"F.embedding{label}", "embedding", normal((vocab, dim)),
-                   lambda w: F.embedding(ids, w, padding_idx=padding_idx),
-                   lambda t, w: t.nn.functional.embedding(t.tensor(ids), w, padding_idx=padding_idx),
-                   finite_differences=padding_idx is None)
+                   lambda w: F.embedding(ids, w, padding_idx=padding_idx, **options),
+                   lambda t, w: t.nn.functional.embedding(t.tensor(ids), w, padding_idx=padding_idx, **options),
+                   finite_differences=padding_idx is None and not options)
 
 
 _REPEATED_IDS = [[2, 2, 2, 5], [0, 5, 2, 6], [6, 6, 1, 1]]
@@ -254,6 +289,11 @@ EMBEDDING = [
     embedding_case(" (repeated ids)", _REPEATED_IDS, 7, 4),
     embedding_case(" (repeated ids, padding_idx=2)", _REPEATED_IDS, 7, 4, padding_idx=2),
     embedding_case(" (repeated ids, padding_idx=-1)", _REPEATED_IDS, 7, 4, padding_idx=-1),
+    embedding_case(" (scale_grad_by_freq)", _REPEATED_IDS, 7, 4, scale_grad_by_freq=True),
+    embedding_case(" (scale_grad_by_freq, padding_idx=2)", _REPEATED_IDS, 7, 4, padding_idx=2, scale_grad_by_freq=True),
+    embedding_case(" (max_norm=1)", _REPEATED_IDS, 7, 4, max_norm=1.0),
+    embedding_case(" (max_norm=1.5, norm_type=1)", _REPEATED_IDS, 7, 4, max_norm=1.5, norm_type=1.0),
+    embedding_case(" (max_norm=0.8, norm_type=inf)", _REPEATED_IDS, 7, 4, max_norm=0.8, norm_type=float("inf")),
 ]
 
 # -- attention -------------------------------------------------------------------------------------------

@@ -258,3 +258,9 @@ def test_functional_leaves_the_callers_tensors_alone_and_checks_v():
         AF.hvp(lambda x: (x ** 3).sum(), x, Tensor(np.ones(3)))
     with pytest.raises(RuntimeError, match="one element"):
         AF.hvp(lambda x: x ** 3, x, Tensor(np.ones(2)))
+
+
+def test_gradgradcheck_of_a_scalar_output():
+    """The upstream gradient of a 0-d output is a 0-d input of the first derivative: finite
+    differences must keep it 0-d (numpy's ascontiguousarray would make it (1,))."""
+    assert gradgradcheck(lambda a: (a * a * a).sum(), [leaf([0.5, -1.5, 2.0])])

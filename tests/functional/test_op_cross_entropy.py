@@ -1,5 +1,6 @@
 """F.cross_entropy: the registry's cases (smoothing, class weights, ignore_index, reductions,
-spatial and unbatched targets, logits of 1e4: gradcheck, torch, composite twin on every device),
+spatial and unbatched targets, logits of 1e4, class-probability targets: gradcheck, torch,
+composite twin on every device; second derivatives: gradgradcheck, torch's double backward),
 every target ignored, float32, logits of +/-1e4 with smoothing, weights and padding against
 torch, property-based tests, and clear errors."""
 import numpy as np
@@ -10,10 +11,13 @@ import autograd
 from autograd import Tensor
 import npformer.functional as F
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, leaf, op_tests, tolerance
+from helpers import (
+    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests,
+    tolerance)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("cross_entropy")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("cross_entropy")
 
 
 def test_cross_entropy_every_target_ignored():
@@ -96,8 +100,10 @@ X = Tensor(np.zeros((3, 4)))
 
 @pytest.mark.parametrize("call, error, words", [
     (lambda: F.cross_entropy(X, np.array([0, 4, 1])), IndexError, ["[0, 3]", "max 4"]),
-    (lambda: F.cross_entropy(X, np.array([0.0, 1.0, 1.0])), TypeError, ["integer", "float64"]),
+    (lambda: F.cross_entropy(X, np.array([0.0, 1.0, 1.0])), ValueError, ["probabilities", "(3, 4)", "(3,)", "integer"]),
     (lambda: F.cross_entropy(X, np.array([0, 1])), ValueError, ["target shape", "(3,)", "(2,)"]),
+    (lambda: F.cross_entropy(X, np.full((3, 5), 0.2)), ValueError, ["probabilities", "(3, 4)", "(3, 5)"]),
+    (lambda: F.cross_entropy(X, np.full((3, 4), 0.25, dtype=np.float32)), TypeError, ["float32", "float64"]),
     (lambda: F.cross_entropy(X, np.array([0, 1, 1]), reduction="avg"), ValueError, ["reduction", "'avg'"]),
     (lambda: F.cross_entropy(X, np.array([0, 1, 1]), weight=Tensor(np.ones(3))), ValueError,
      ["weight", "(4,)", "(3,)"]),

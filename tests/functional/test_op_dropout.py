@@ -1,5 +1,6 @@
 """F.dropout and nn.Dropout: the registry's cases (seeded: gradcheck, torch with the
-contract's mask and composite twin on every device; eval against torch), the identity cases, rate, scale, mask reuse and seeding, and
+contract's mask and composite twin on every device; eval against torch; second derivatives:
+gradgradcheck, torch's double backward), the identity cases, rate, scale, mask reuse and seeding, and
 clear errors."""
 import numpy as np
 import pytest
@@ -11,9 +12,10 @@ import npformer.functional as F
 from npformer import nn
 from npformer.functional import composite
 
-from helpers import assert_clear_error, leaf, op_tests
+from helpers import assert_clear_error, double_backward_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("dropout")
 
 
 def test_dropout_identity_cases_and_p_one():

@@ -1,5 +1,5 @@
 """F.dropout_add (residual + dropout, one op): the registry's cases (gradcheck, torch, composite twin
-on every device), the dropout contract, p = 0 / 1 / eval, and clear errors."""
+on every device; second derivatives: gradgradcheck, torch's double backward), the dropout contract, p = 0 / 1 / eval, and clear errors."""
 import numpy as np
 import pytest
 
@@ -8,9 +8,10 @@ from autograd import Tensor, backend
 from npformer.functional.activation import dropout_threshold
 from npformer.runtime import random
 
-from helpers import assert_clear_error, leaf, op_tests
+from helpers import assert_clear_error, double_backward_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout_add")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("dropout_add")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -1,6 +1,7 @@
-"""F.embedding and nn.Embedding: the registry's cases (repeated ids, padding rows: gradcheck,
-torch, composite twin on every device), the padding row's zero gradient, the scatter-add of the
-backward, torch's initialisation, property-based tests, and clear errors."""
+"""F.embedding and nn.Embedding: the registry's cases (repeated ids, padding rows, max_norm,
+scale_grad_by_freq: gradcheck, torch, composite twin on every device; second derivatives:
+gradgradcheck, torch's double backward), the padding row's zero gradient, max_norm's in-place
+renormalisation and scale_grad_by_freq against torch, the scatter-add of the backward, torch's initialisation, property-based tests, and clear errors."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -12,9 +13,12 @@ import npformer.functional as F
 from npformer import nn
 from npformer.functional.embedding import scatter_add_rows
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, leaf, op_tests, tolerance
+from helpers import (
+    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests,
+    tolerance)
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("embedding")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("embedding")
 
 
 def test_embedding_padding_row_gets_exactly_zero_gradient():
@@ -23,6 +27,32 @@ def test_embedding_padding_row_gets_exactly_zero_gradient():
     out.backward(np.ones((4, 3)))
     assert np.all(weight.grad.numpy()[0] == 0) and np.all(weight.grad.numpy()[3] == 1)
     np.testing.assert_array_equal(out.numpy()[0], weight.numpy()[0])   # the forward still looks it up
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.5, float("inf")])
+def test_max_norm_renormalises_the_referenced_rows_in_place_like_torch(norm_type, device, torch):
+    """Only the rows that the ids refer to and whose norm exceeds max_norm change, in the weight
+    itself (torch's embedding_renorm_), before the lookup; the other rows keep their bits."""
+    rng = np.random.default_rng(12)
+    weight = rng.standard_normal((6, 4)) * 2.0
+    weight[1] *= 0.05                                            # referenced, under max_norm: kept
+    ids = np.array([[1, 3, 3], [0, 3, 1]])
+    ours = Tensor(weight.copy(), requires_grad=True, device=device)
+    out = F.embedding(ids, ours, max_norm=1.0, norm_type=norm_type)
+    theirs = torch.tensor(weight.copy(), requires_grad=True)
+    expected = torch.nn.functional.embedding(torch.tensor(ids), theirs, max_norm=1.0, norm_type=norm_type)
+    np.testing.assert_allclose(ours.numpy(), theirs.detach().numpy(), rtol=1e-14, atol=0)
+    np.testing.assert_allclose(out.numpy(), expected.detach().numpy(), rtol=1e-14, atol=0)
+    untouched = [1, 2, 4, 5]
+    np.testing.assert_array_equal(ours.numpy()[untouched], weight[untouched])
+    assert np.all(np.linalg.norm(ours.numpy()[[0, 3]], ord=norm_type, axis=1) <= 1.0)
+
+
+def test_scale_grad_by_freq_divides_each_row_by_its_count(device):
+    weight = leaf(np.random.default_rng(13).standard_normal((5, 3)), device)
+    out = F.embedding(np.array([0, 0, 3, 0, 2]), weight, padding_idx=2, scale_grad_by_freq=True)
+    out.backward(backend.to_device(np.ones((5, 3)), device))
+    np.testing.assert_array_equal(weight.grad.numpy(), np.array([[1.0] * 3, [0] * 3, [0] * 3, [1] * 3, [0] * 3]))
 
 
 def test_scatter_add_rows_equals_add_at():
@@ -79,6 +109,10 @@ W = np.zeros((5, 4))
     (lambda: F.embedding(np.array([0.0, 1.0]), Tensor(W)), TypeError, ["integer", "float64"]),
     (lambda: F.embedding(np.array([0, 1]), Tensor(W), padding_idx=5), ValueError, ["padding_idx", "5"]),
     (lambda: F.embedding(Tensor(np.array([0, 1]), device="test"), Tensor(W)), RuntimeError, ["device", "test"]),
+    (lambda: F.embedding(np.array([0, 1]), Tensor(W), max_norm=-1.0), ValueError, ["max_norm", ">= 0", "-1.0"]),
+    (lambda: F.embedding(np.array([0, 1]), Tensor(W), max_norm=1.0, norm_type=0), ValueError, ["norm_type", "> 0"]),
+    (lambda: F.embedding(np.array([0, 1]), Tensor(W), max_norm="1"), TypeError, ["max_norm", "str"]),
+    (lambda: F.embedding(np.array([0, 1]), Tensor(W), scale_grad_by_freq=1), TypeError, ["scale_grad_by_freq"]),
 ])
 def test_bad_input_raises_a_clear_error(call, error, words):
     assert_clear_error(call, error, words)

@@ -1,5 +1,6 @@
 """F.layer_norm and nn.LayerNorm: the registry's cases (normalized shapes of one and two axes,
-optional affine, eps, module options: gradcheck, torch, composite twin on every device),
+optional affine, eps, module options: gradcheck, torch, composite twin on every device; second
+derivatives: gradgradcheck, torch's double backward),
 accuracy at mean 1e4 and std 1e-2 (against torch and 80-bit arithmetic), property-based tests,
 and clear errors."""
 import numpy as np
@@ -11,10 +12,13 @@ from autograd import Tensor
 import npformer.functional as F
 from npformer import nn
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, leaf, op_tests, tolerance
+from helpers import (
+    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests,
+    tolerance)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("layer_norm")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("layer_norm")
 
 
 def test_layer_norm_mean_1e4_std_1e2_matches_torch(torch, device):
@@ -90,3 +94,32 @@ def test_layer_norm_module_errors():
 ])
 def test_bad_input_raises_a_clear_error(call, error, words):
     assert_clear_error(call, error, words)
+
+
+def test_third_derivative_matches_torch_written_with_primitives(torch):
+    """Every order works: the double backward is built from differentiable ops. The reference is
+    layer norm written with torch's primitives: the third derivative of torch's own layer_norm
+    differs in x (by ~1 here, torch 2.13), while that of its primitives agrees with ours."""
+    rng = np.random.default_rng(14)
+    arrays = [rng.standard_normal((3, 5)), 1 + rng.standard_normal(5), rng.standard_normal(5)]
+    g = rng.standard_normal((3, 5))
+    u, v = ([rng.standard_normal(a.shape) for a in arrays] for _ in range(2))
+
+    def third(fn, make, grad):   # d/dx <d/dx <d/dx <fn, g>, u>, v>; the bias enters linearly: None is 0
+        xs = [make(a) for a in arrays]
+        first = grad([fn(*xs)], xs, [make(g, False)], create_graph=True)
+        second = grad([sum((d * make(w, False)).sum() for d, w in zip(first, u))], xs, create_graph=True,
+                      allow_unused=True)
+        third = grad([sum((d * make(w, False)).sum() for d, w in zip(second, v) if d is not None)], xs,
+                     allow_unused=True)
+        return [np.zeros(a.shape) if d is None else d.detach().numpy() for d, a in zip(third, arrays)]
+
+    def torch_layer_norm(x, w, b):
+        centered = x - x.mean(-1, keepdim=True)
+        return centered / ((centered * centered).mean(-1, keepdim=True) + 1e-5).sqrt() * w + b
+
+    ours = third(lambda x, w, b: F.layer_norm(x, 5, w, b), lambda a, grad=True: Tensor(a, requires_grad=grad),
+                 autograd.grad)
+    theirs = third(torch_layer_norm, lambda a, grad=True: torch.tensor(a, requires_grad=grad), torch.autograd.grad)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12 * max(1.0, np.abs(b).max()))

@@ -1,5 +1,6 @@
 """F.linear and nn.Linear: the registry's cases (gradcheck, torch, composite twin on every
-device), torch's initialisation, and clear errors."""
+device; second derivatives: gradgradcheck, torch's double backward), torch's initialisation, and
+clear errors."""
 import math
 
 import numpy as np
@@ -10,9 +11,10 @@ from autograd import Tensor
 import npformer.functional as F
 from npformer import nn
 
-from helpers import assert_clear_error, op_tests
+from helpers import assert_clear_error, double_backward_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("linear")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("linear")
 
 
 def test_linear_init_like_torch():

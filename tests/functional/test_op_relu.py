@@ -1,13 +1,14 @@
-"""F.relu and nn.ReLU: the registry's cases (gradcheck, torch, composite twin on every device)
-and clear errors."""
+"""F.relu and nn.ReLU: the registry's cases (gradcheck, torch, composite twin on every device;
+second derivatives: gradgradcheck, torch's double backward) and clear errors."""
 import numpy as np
 
 from autograd import Tensor
 import npformer.functional as F
 
-from helpers import assert_clear_error, op_tests
+from helpers import assert_clear_error, double_backward_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("relu")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("relu")
 
 
 def test_integer_input_raises_a_clear_error():

@@ -1,5 +1,5 @@
 """F.softmax and F.log_softmax: the registry's cases (gradcheck, torch, composite twin on every
-device), extreme rows (-1000, -1e9, -inf, +/-1e4) against torch, rows entirely -inf, empty
+device; second derivatives: gradgradcheck, torch's double backward), extreme rows (-1000, -1e9, -inf, +/-1e4) against torch, rows entirely -inf, empty
 rows, any dim, property-based tests, and clear errors."""
 import warnings
 
@@ -11,10 +11,20 @@ import autograd
 from autograd import Tensor
 import npformer.functional as F
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, leaf, op_tests, tolerance
+from helpers import (
+    DTYPES, HYPOTHESIS, assert_clear_error, assert_double_backward_matches_torch, compare_with_torch,
+    double_backward_tests, leaf, op_tests, tolerance)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("softmax")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("softmax")
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_double_backward_along_a_middle_axis_matches_torch(op, torch):
+    assert_double_backward_matches_torch(lambda x: getattr(F, op)(x, dim=1), torch, np.random.default_rng(7),
+                                         torch_fn=lambda t, x: getattr(t, op)(x, dim=1),
+                                         arrays=[np.random.default_rng(8).standard_normal((2, 4, 3))])
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
