@@ -17,7 +17,7 @@ from npformer import interop, opcases
 from npformer.models import huggingface
 from npformer.safetensors_file import write_safetensors
 
-from tolerances import scaled
+from tolerances import host, scaled
 
 F64 = dict(atol=1e-10, rtol=0.0)
 F32 = dict(atol=1e-5, rtol=1e-4)
@@ -51,6 +51,64 @@ def op_tests(family):
         assert comparison.passed, comparison
 
     return test_gradcheck, test_matches_torch, test_matches_composite_twin
+
+
+def double_backward_tests(family):
+    """The registry's second-derivative tests of one op family: `autograd.gradgradcheck` (float64,
+    random upstream gradients, every input) of every case on every device, and the case's
+    Hessian-vector product against torch's double backward (`assert_case_hvp_matches_torch`).
+    A test file binds them: `test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("rotary")`."""
+    cases = opcases.cases(family)
+
+    @pytest.mark.parametrize("case", [c for c in cases if c.finite_differences], ids=lambda c: c.name)
+    def test_gradgradcheck(case, device):
+        instance = opcases.instantiate(case, np.random.default_rng(1), device)
+        assert autograd.gradgradcheck(instance, instance.tensors)
+
+    @pytest.mark.parametrize("case", [c for c in cases if c.torch], ids=lambda c: c.name)
+    def test_double_backward_matches_torch(case, device, torch):
+        assert_case_hvp_matches_torch(case, torch, np.random.default_rng(3), device)
+
+    return test_gradgradcheck, test_double_backward_matches_torch
+
+
+def case_hvp(instance, upstream, directions, torch=None):
+    """d/dx <d/dx <f(x), g>, u> of a registry case's instance, for every input and parameter x:
+    the second derivative contracted with the upstream gradients g (one per output) and the
+    directions u (one per x), by npformer's grad with create_graph, or by torch's where `torch`
+    is given (attention on its math backend: its flash and memory-efficient kernels have no
+    double backward). Host float64 arrays, zeros where a gradient does not depend on x."""
+    if torch is None:
+        xs, grad, wrap = instance.tensors, autograd.grad, lambda a, like: Tensor(backend.to_device(a, like.device))
+        outs = [o for o in _outputs(instance(*xs)) if o.requires_grad]
+    else:
+        fn, xs = instance.torch_function(torch)
+        grad, wrap = torch.autograd.grad, lambda a, like: torch.tensor(a, dtype=like.dtype)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            outs = [o for o in _outputs(fn(*xs)) if o.requires_grad]
+    first = grad(outs, xs, [wrap(g, o) for g, o in zip(upstream, outs)], create_graph=True, allow_unused=True)
+    pairs = [(f, wrap(u, f)) for f, u in zip(first, directions) if f is not None and f.requires_grad]
+    second = grad([f for f, _ in pairs], xs, [u for _, u in pairs], allow_unused=True) if pairs else [None] * len(xs)
+    return [np.zeros(x.shape) if s is None else host(s) for s, x in zip(second, xs)]
+
+
+def _outputs(result):
+    """The output tensors of a case's function (a tensor, or a tuple with None entries dropped)."""
+    return [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
+
+
+def assert_case_hvp_matches_torch(case, torch, rng, device="cpu"):
+    """A registry case's Hessian-vector product (`case_hvp`, float64, random g and u) equals
+    torch's double backward up to TOLERANCE["torch", "float64"] * max(1, max |torch's|), per input."""
+    instance = opcases.instantiate(case, rng, device)
+    outs = _outputs(instance(*instance.tensors))
+    upstream = [rng.standard_normal(o.shape) for o in outs if o.requires_grad]
+    directions = [rng.standard_normal(t.shape) for t in instance.tensors]
+    ours = case_hvp(instance, upstream, directions)
+    theirs = case_hvp(instance, upstream, directions, torch)
+    comparison = opcases.compare(ours, theirs, [f"d/d {label}" for label in instance.labels],
+                                 opcases.TOLERANCE["torch", "float64"])
+    assert comparison.passed, f"{case.name}: the second derivative against torch's: {comparison}"
 
 
 def leaf(array, device="cpu", dtype=np.float64):

@@ -13,10 +13,11 @@ import npformer.functional as F
 from autograd import Tensor
 from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks
 
-from helpers import DTYPES, HYPOTHESIS, compare_runs, compare_with_torch, leaf, op_tests, tolerance
+from helpers import DTYPES, HYPOTHESIS, compare_runs, compare_with_torch, double_backward_tests, leaf, op_tests, tolerance
 from tolerances import Rounded, assert_close, attention_chain, rounding_tolerance, scaled, spread
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("attention")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("attention")
 
 PATHS = {"naive": {}, "memory_efficient": {"memory_efficient": True, "block_size": 2}}
 
