@@ -169,7 +169,7 @@ class AttentionFunction(Function):
         scores = (q * ctx.scale) @ k.swapaxes(-1, -2)                         # (..., Tq, Tk)
         if additive is not None:
             scores = scores + additive
-        hidden = _hidden(probs, blocked, causal)
+        hidden = _hidden(backend.get_array_module(probs), *probs.shape[-2:], blocked, causal)
         if hidden is not None:
             scores = where(hidden, -math.inf, scores)
         p = graph_softmax(scores)
@@ -195,13 +195,12 @@ class AttentionFunction(Function):
         return dq, dk, dv, dscores if need_mask else None
 
 
-def _hidden(like, blocked, causal):
-    """The bool mask (broadcastable to like's (..., Tq, Tk)) of the scores set to -inf: the bool
-    mask's hidden entries and, with causal, the keys right of the diagonal; None if none is."""
+def _hidden(xp, tq, tk, blocked, causal):
+    """The bool mask (broadcastable to (..., Tq, Tk)) of the scores set to -inf: the bool mask's
+    hidden entries and, with causal, the keys right of the diagonal; None if none is."""
     if not causal:
         return blocked
-    tq, tk = like.shape[-2:]
-    above = causal_blocked(backend.get_array_module(like), 0, tq, 0, tk)  # (Tq, Tk)
+    above = causal_blocked(xp, 0, tq, 0, tk)                               # (Tq, Tk)
     return above if blocked is None else blocked | above
 
 
@@ -284,8 +283,8 @@ class MemoryEfficientAttentionBackward(Function):
     as an op (its forward runs `attention_blockwise_backward`, the flash kernels included), so that
     a gradient of attention can be differentiated again. O and L, the forward's saved output and
     logsumexp, come as constants: the backward below differentiates through them by hand.
-    Its backward is `attention_blockwise_double_backward`, block by block, never a (Tq, Tk) matrix.
-    Differentiable twice in all: a third derivative through it raises, naming it."""
+    Its backward is `attention_blockwise_double_backward`, block by block, never a (Tq, Tk) matrix;
+    its differentiable_backward the same formulas on whole matrices (third order and above)."""
 
     @staticmethod
     def forward(ctx, q, k, v, additive, dout, out, lse, blocked, options, need_mask):
@@ -294,7 +293,7 @@ class MemoryEfficientAttentionBackward(Function):
         ctx.save_for_backward(q, k, v, out, lse, dout, blocked, mask)
         ctx.options, ctx.mask_shape = options, None if additive is None else additive.shape
         grads = (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape))
-        return grads + (dmask.reshape(ctx.mask_shape),) if need_mask else grads
+        return (grads + (dmask.reshape(ctx.mask_shape),)) if need_mask else grads
 
     @staticmethod
     def backward(ctx, gq, gk, gv, gmask=None):
@@ -306,6 +305,52 @@ class MemoryEfficientAttentionBackward(Function):
             q, k, v, out, lse, dout, blocked, mask, *ctx.options, gq, gk, gv, gmask, need_mask)
         return (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape),
                 dmask.reshape(ctx.mask_shape) if need_mask else None, ddout)
+
+    @staticmethod
+    def differentiable_backward(ctx, gq, gk, gv, gmask=None):
+        """The double backward's formulas (attention_blockwise_double_backward's) on whole (Tq, Tk)
+        matrices of Tensors, P recomputed in the graph: a third derivative, and every order above.
+        Its memory is the naive path's, not bounded like the second derivative's."""
+        q, k, v, out, lse, dout, blocked, mask = ctx.saved_tensors
+        causal, scale, _, dropout = ctx.options
+        lead, (tq, tk) = out.shape[:-2], (q.shape[-2], k.shape[-2])
+        q, k, v, dout = (t if t is not None else Tensor(raw)
+                         for t, raw in zip(ctx.inputs[:3] + ctx.inputs[4:], (q, k, v, dout)))
+        additive = ctx.inputs[3] if ctx.inputs[3] is not None else mask
+        # S = s Q K^T + mask, -inf where hidden;  P = softmax(S);  Z = keep / (1 - p), a constant
+        scores = (q * scale) @ k.swapaxes(-1, -2)                                 # (..., Tq, Tk)
+        if additive is not None:
+            scores = scores + additive
+        hidden = _hidden(backend.get_array_module(out), tq, tk, blocked, causal)
+        if hidden is not None:
+            scores = where(hidden, -math.inf, scores)
+        p = graph_softmax(scores)
+        z = None
+        if dropout is not None:
+            z = attention_keep_block(dropout, lead, tq, tk, 0, tq, 0, tk, out) * dropout_scale(dropout[0])
+        dropped = p if z is None else p * z
+        # dP = (dO V^T) Z, D = rowsum(dP P), dS = P (dP - D)
+        dp = dout @ v.swapaxes(-1, -2)
+        if z is not None:
+            dp = dp * z
+        d = (dp * p).sum(axis=-1, keepdims=True)
+        ds = p * (dp - d)
+        # W = s (gq K^T + Q gk^T) + gmask reaches dS, Y = dO gv^T reaches Pd;  r = rowsum(W P)
+        w = (gq @ k.swapaxes(-1, -2) + q @ gk.swapaxes(-1, -2)) * scale
+        if gmask is not None:
+            w = w + gmask.reshape(mask.shape)
+        y = dout @ gv.swapaxes(-1, -2)
+        r = (w * p).sum(axis=-1, keepdims=True)
+        # Pbar = W (dP - D) - r dP + Y Z,  Sbar = P (Pbar - rowsum(Pbar P)),  C = P (W - r) Z
+        p_bar = w * (dp - d) - r * dp + (y if z is None else y * z)
+        s_bar = p * (p_bar - (p_bar * p).sum(axis=-1, keepdims=True))
+        c = p * (w - r) if z is None else p * (w - r) * z
+        # dQ = s (Sbar K + dS gk), dK = s (Sbar^T Q + dS^T gq), dV = C^T dO, d dO = C V + Pd gv, dMask = Sbar
+        dq = (s_bar @ k + ds @ gk) * scale
+        dk = (s_bar.swapaxes(-1, -2) @ q + ds.swapaxes(-1, -2) @ gq) * scale
+        dv = c.swapaxes(-1, -2) @ dout
+        ddout = c @ v + dropped @ gv
+        return dq, dk, dv, s_bar if ctx.needs_input_grad[3] else None, ddout
 
 
 def attention_blockwise_double_backward(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size,

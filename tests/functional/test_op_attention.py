@@ -4,8 +4,8 @@ dropout: gradcheck, torch, composite twin on every device; their second derivati
 and torch's double backward), fully masked rows, blockwise against naive in float32, large scores and additive -1e9
 masks against torch, dropout semantics, empty keys, property-based tests, and clear errors.
 Double backward: the memory-efficient path's blockwise second derivative against the naive path's
-(blocks that do not divide T, every mask kind, dropout), its memory (no (Tq, Tk) matrix), a third
-derivative through the naive path against torch, and the memory-efficient path refusing one."""
+(blocks that do not divide T, every mask kind, dropout), its memory (no (Tq, Tk) matrix), third
+derivatives on both paths against torch and gradgradcheck of the double backward itself."""
 import math
 import tracemalloc
 
@@ -374,11 +374,12 @@ def test_memory_efficient_second_derivative_holds_no_score_matrix():
     assert peak_bytes(hvp()) > 3 * matrix
 
 
-def third_derivative(library, arrays, g, u, w):
-    """d/dq <d/dx <d/dx <sdpa(x), g>, u>, w> (causal, naive path / torch's math backend) for x = (q, k, v)."""
+def third_derivative(library, arrays, g, u, w, **options):
+    """d/dq <d/dx <d/dx <sdpa(x), g>, u>, w> (causal) for x = (q, k, v): npformer's with `options`
+    (a path), or torch's (library: the torch module, math backend)."""
     if library is None:
         xs, grad, wrap = [leaf(a) for a in arrays], autograd.grad, Tensor
-        sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
     else:
         torch = library
         xs, grad, wrap = [torch.tensor(a, requires_grad=True) for a in arrays], torch.autograd.grad, torch.tensor
@@ -389,24 +390,44 @@ def third_derivative(library, arrays, g, u, w):
     return third
 
 
-def test_third_derivative_through_the_naive_path_matches_torch(torch):
+@pytest.mark.parametrize("path", PATHS)
+def test_third_derivative_matches_torch(path, torch):
+    """Third order: through the naive path's composition, and through the memory-efficient
+    path's double backward, whose differentiable_backward writes its formulas with Tensors."""
     rng = np.random.default_rng(25)
-    arrays = qkv(rng, 4, 4, 3, lead=(1, 2))
+    arrays = qkv(rng, 5, 5, 3, lead=(1, 2))
     g = rng.standard_normal(arrays[0].shape)
     u, w = ([rng.standard_normal(a.shape) for a in arrays] for _ in range(2))
-    ours = third_derivative(None, arrays, g, u, w).numpy()
+    ours = third_derivative(None, arrays, g, u, w, **PATHS[path]).numpy()
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         theirs = third_derivative(torch, arrays, g, u, w).numpy()
     comparison = compare([ours], [theirs], ["d/dq"], TOLERANCE["torch", "float64"])
     assert comparison.passed, comparison
 
 
-def test_third_derivative_through_the_memory_efficient_path_raises_naming_its_backward():
-    """The blockwise double backward is differentiable once (a third derivative would need
-    the composition of its formulas): it says so, never a silent zero."""
-    q, k, v = (leaf(a) for a in qkv(np.random.default_rng(26), 4, 4, 3))
-    out = F.scaled_dot_product_attention(q, k, v, memory_efficient=True, block_size=2)
-    first = autograd.grad(out, [q, k, v], Tensor(np.ones(out.shape)), create_graph=True)
-    second = autograd.grad(first, [q], [Tensor(np.ones(f.shape)) for f in first], create_graph=True)
-    with pytest.raises(RuntimeError, match="MemoryEfficientAttentionBackward is differentiable once"):
-        autograd.grad(second, [q], [Tensor(np.ones(q.shape))])
+@pytest.mark.parametrize("mask", ["float mask that requires grad", "fully masked row"])
+def test_memory_efficient_double_backward_is_differentiable_itself(mask):
+    """The double backward's own differentiable_backward (dropout, a fully masked row, blocks of 2):
+    the second derivative it builds equals the blockwise one, and gradgradcheck of the first
+    derivative (q, k, v, mask) -> dQ, dK, dV, dMask checks the third derivative against it."""
+    rng = np.random.default_rng(27)
+    arrays = qkv(rng, 3, 4, 2, lead=(1, 2))
+    kwargs = {"dropout_p": 0.3, "memory_efficient": True, "block_size": 2}
+    if mask == "fully masked row":
+        keep = np.ones((3, 4), dtype=bool)
+        keep[1] = False
+        kwargs["attn_mask"] = keep
+    else:
+        arrays.append(rng.standard_normal((3, 4)))
+    g = leaf(rng.standard_normal((1, 2, 3, 2)))
+
+    def first_derivative(q, k, v, *m):
+        out = F.scaled_dot_product_attention(q, k, v, *m, generator=autograd.random.Philox(2), **kwargs)
+        return autograd.grad(out, [q, k, v, *m], g, create_graph=True)
+    xs = [leaf(a) for a in arrays]
+    directions = [Tensor(rng.standard_normal(a.shape)) for a in arrays]
+    second = {graph: autograd.grad(first_derivative(*xs), xs, directions, create_graph=graph) for graph in (False, True)}
+    for blockwise, composed in zip(second[False], second[True]):
+        np.testing.assert_allclose(composed.numpy(), blockwise.numpy(), rtol=0,
+                                   atol=1e-12 * max(1.0, np.abs(blockwise.numpy()).max()))
+    assert autograd.gradgradcheck(first_derivative, xs)
