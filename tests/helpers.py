@@ -201,7 +201,7 @@ def assert_torch_parity(torch, ours, ours_fn, torch_fn, arrays, *, atol, rtol=0.
         want = named[name].grad
         want = np.zeros(p.shape) if want is None else want.numpy()
         got = np.zeros(p.shape) if p.grad is None else p.grad.numpy()
-        assert p.grad is None or backend.device_of(p.grad) == device
+        assert p.grad is None or p.grad.device == device
         np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=f"gradient of parameter {name}")
     return everything
 

@@ -8,6 +8,10 @@
   flash-attention kernels of npformer/functional/cuda/flash_attention.cu where they apply;
 - flash: that CUDA implementation, chosen by default on a GPU where it applies.
 
+Every path is differentiable twice and more (create_graph): the naive backward is a composition of
+differentiable ops; the memory-efficient (and flash) backward is the op `MemoryEfficientAttentionBackward`,
+whose backward is the blockwise double backward, again without a (Tq, Tk) matrix.
+
 Every dropout mask over the probabilities is the one of the dropout contract (activation.py):
 entry i of the flat (..., Tq, Tk) index is kept iff bits16(seed, offset + i) >= threshold, so
 all paths, on every device, drop the same entries for the same generator state."""
