@@ -169,14 +169,7 @@ class AttentionFunction(Function):
         mask, blocked, causal = ctx.masks
         q, k, v = (t if t is not None else Tensor(raw) for t, raw in zip(ctx.inputs, (q, k, v)))
         additive = ctx.inputs[3] if ctx.inputs[3] is not None else mask
-        # S = s Q K^T + mask, -inf where hidden;  P = softmax(S) (shifted by the row max, a constant)
-        scores = (q * ctx.scale) @ k.swapaxes(-1, -2)                         # (..., Tq, Tk)
-        if additive is not None:
-            scores = scores + additive
-        hidden = _hidden(backend.get_array_module(probs), *probs.shape[-2:], blocked, causal)
-        if hidden is not None:
-            scores = where(hidden, -math.inf, scores)
-        p = graph_softmax(scores)
+        p = graph_probabilities(q, k, additive, blocked, causal, ctx.scale)  # P = softmax(s Q K^T + mask)
         # Pd = P * keep / (1 - p)
         keep_scale = None if keep is None else keep * ctx.dropout_scale      # (..., Tq, Tk) constant
         dropped = p if keep_scale is None else p * keep_scale
@@ -199,19 +192,20 @@ class AttentionFunction(Function):
         return dq, dk, dv, dscores if need_mask else None
 
 
-def _hidden(xp, tq, tk, blocked, causal):
-    """The bool mask (broadcastable to (..., Tq, Tk)) of the scores set to -inf: the bool mask's
-    hidden entries and, with causal, the keys right of the diagonal; None if none is."""
-    if not causal:
-        return blocked
-    above = causal_blocked(xp, 0, tq, 0, tk)                               # (Tq, Tk)
-    return above if blocked is None else blocked | above
-
-
-def graph_softmax(scores):
-    """softmax along the last axis of the Tensor `scores`, built from differentiable primitives:
-    exp(S - m) / rowsum, with the row max m taken as a constant (the softmax does not depend on it)
-    and 0 for a fully -inf row (its sum is replaced by 1: 0 / 1 = 0, never NaN)."""
+def graph_probabilities(q, k, additive, blocked, causal, scale):
+    """P = softmax(s Q K^T + mask) of the Tensors q, k (and a float mask Tensor or array), built
+    from differentiable primitives for the differentiable backwards: S is -inf where the bool mask
+    or causality hides a key; exp(S - m) / rowsum with the row max m taken as a constant (the
+    softmax does not depend on it), and 0 for a fully hidden row (its sum replaced by 1, never NaN)."""
+    scores = (q * scale) @ k.swapaxes(-1, -2)                                 # (..., Tq, Tk)
+    if additive is not None:
+        scores = scores + additive
+    hidden = blocked
+    if causal:
+        above = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2])          # (Tq, Tk) key j > query i
+        hidden = above if blocked is None else blocked | above
+    if hidden is not None:
+        scores = where(hidden, -math.inf, scores)
     shifted = (scores - stable_row_max(scores.data, -1)).exp()               # (..., Tq, Tk)
     total = shifted.sum(axis=-1, keepdims=True)                               # (..., Tq, 1)
     return shifted / where(total.data == 0, 1.0, total)
@@ -321,14 +315,8 @@ class MemoryEfficientAttentionBackward(Function):
         q, k, v, dout = (t if t is not None else Tensor(raw)
                          for t, raw in zip(ctx.inputs[:3] + ctx.inputs[4:], (q, k, v, dout)))
         additive = ctx.inputs[3] if ctx.inputs[3] is not None else mask
-        # S = s Q K^T + mask, -inf where hidden;  P = softmax(S);  Z = keep / (1 - p), a constant
-        scores = (q * scale) @ k.swapaxes(-1, -2)                                 # (..., Tq, Tk)
-        if additive is not None:
-            scores = scores + additive
-        hidden = _hidden(backend.get_array_module(out), tq, tk, blocked, causal)
-        if hidden is not None:
-            scores = where(hidden, -math.inf, scores)
-        p = graph_softmax(scores)
+        p = graph_probabilities(q, k, additive, blocked, causal, scale)            # P = softmax(s Q K^T + mask)
+        # Z = keep / (1 - p): the forward's dropout mask, a constant
         z = None
         if dropout is not None:
             z = attention_keep_block(dropout, lead, tq, tk, 0, tq, 0, tk, out) * dropout_scale(dropout[0])
