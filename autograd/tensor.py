@@ -158,7 +158,8 @@ class Tensor:
         if tensors:
             self._grad = grad if current is None else current + grad
         elif current is None:
-            self._grad = Tensor(backend.get_array_module(grad).array(grad))  # a copy: gradients may alias
+            # a copy (gradients of different tensors may alias); a numpy scalar (0-d results) becomes an array
+            self._grad = Tensor(grad.copy() if backend.is_array(grad) else backend.get_array_module(grad).asarray(grad))
         elif current.creator is None:
             current.data += grad
         else:  # a gradient made with create_graph earlier: not changed in place

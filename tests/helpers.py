@@ -18,7 +18,7 @@ from npformer import interop, opcases
 from npformer.models import huggingface
 from npformer.safetensors_file import write_safetensors
 
-from tolerances import scaled
+from tolerances import host, scaled
 
 F64 = dict(atol=1e-10, rtol=0.0)
 F32 = dict(atol=1e-5, rtol=1e-4)
@@ -103,8 +103,8 @@ def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays
     with `torch_fn(torch, *leaves)` the same function in torch and `arrays` its float64 inputs.
     Compared as the registry compares: max |ours - torch| <= tolerance * max(1, max |torch|) per array
     (the registry's float64 tolerance by default).
-    For attention call it inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH) (the twice
-    differentiable backend)."""
+    torch's attention runs on its math backend (its flash and memory-efficient kernels have no
+    double backward)."""
     if isinstance(ours, opcases.OpCase):
         instance = opcases.instantiate(ours, rng)
         fn, xs = instance, instance.tensors
@@ -121,12 +121,25 @@ def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays
     upstream = [rng.standard_normal(o.shape) for o in outs]
     directions = [rng.standard_normal(x.shape) for x in xs]
     first, second = _hvp(fn, xs, [Tensor(g) for g in upstream], [Tensor(u) for u in directions], autograd.grad)
-    first_t, second_t = _hvp(torch_fn, leaves, [torch.tensor(g) for g in upstream],
-                             [torch.tensor(u) for u in directions], torch.autograd.grad)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # torch's twice differentiable attention
+        first_t, second_t = _hvp(torch_fn, leaves, [torch.tensor(g) for g in upstream],
+                                 [torch.tensor(u) for u in directions], torch.autograd.grad)
     comparison = opcases.compare(first + second, first_t + second_t,
                                  [f"d/d {label}" for label in labels] + [f"HVP at {label}" for label in labels],
                                  tolerance)
     assert comparison.passed, comparison
+
+
+def case_hvp(instance, upstream, directions):
+    """d/dx <d/dx <f(x), g>, u> of a registry case's instance, for every input and parameter x:
+    the second derivative contracted with the upstream gradients g (one per output) and the
+    directions u (one per x), host float64 arrays (zeros where a gradient does not depend on x)."""
+    xs = instance.tensors
+    on_device = lambda a, like: Tensor(backend.to_device(a, like.device))  # noqa: E731
+    result = instance(*xs)
+    outs = [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
+    return _hvp(instance, xs, [on_device(g, o) for g, o in zip(upstream, outs)],
+                [on_device(u, x) for u, x in zip(directions, xs)], autograd.grad)[1]
 
 
 def leaf(array, device="cpu", dtype=np.float64):

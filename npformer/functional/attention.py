@@ -8,6 +8,10 @@
   flash-attention kernels of npformer/functional/cuda/flash_attention.cu where they apply;
 - flash: that CUDA implementation, chosen by default on a GPU where it applies.
 
+Every path is differentiable twice and more (create_graph): the naive backward is a composition of
+differentiable ops; the memory-efficient (and flash) backward is the op `MemoryEfficientAttentionBackward`,
+whose backward is the blockwise double backward, again without a (Tq, Tk) matrix.
+
 Every dropout mask over the probabilities is the one of the dropout contract (activation.py):
 entry i of the flat (..., Tq, Tk) index is kept iff bits16(seed, offset + i) >= threshold, so
 all paths, on every device, drop the same entries for the same generator state."""
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, is_grad_enabled, unbroadcast
+from autograd import Function, Tensor, backend, is_grad_enabled, stack, unbroadcast, where
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
 from npformer.runtime import kernels, random
@@ -23,7 +27,7 @@ from npformer.runtime.kernels import kernel_table
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
 from .activation import dropout_scale, dropout_stream, dropout_threshold, keep_mask
-from .softmax import softmax_backward, softmax_forward
+from .softmax import softmax_backward, softmax_forward, stable_row_max
 
 BACKENDS = ("naive", "memory_efficient", "flash")
 FLASH_HEAD_DIMS = (32, 64, 128)       # head dims the flash kernels are compiled for
@@ -143,6 +147,7 @@ class AttentionFunction(Function):
                           probs, out, weights)
         ctx.save_for_backward(q, k, v, probs, keep)
         ctx.scale, ctx.dropout_scale = scale, dropout_scale
+        ctx.masks = (additive, blocked, causal)                               # for differentiable_backward
         ctx.mask_shape = None if additive is None else additive.shape
         return (out, probs if weights is None else weights) if return_weights else out
 
@@ -161,6 +166,56 @@ class AttentionFunction(Function):
                 unbroadcast(dk, k.shape) if need_k else None,
                 unbroadcast(dv, v.shape) if need_v else None,
                 unbroadcast(dmask, ctx.mask_shape) if need_mask else None)
+
+    @staticmethod
+    def differentiable_backward(ctx, dout, dweights=None):
+        """The backward above built from differentiable ops on Tensors (so it can be differentiated
+        again, to any order): P is recomputed in the graph from q, k and the mask, since its
+        derivative is part of the second derivative; the (Tq, Tk) matrices exist on this path anyway."""
+        q, k, v, probs, keep = ctx.saved_tensors
+        mask, blocked, causal = ctx.masks
+        q, k, v = (t if t is not None else Tensor(raw) for t, raw in zip(ctx.inputs, (q, k, v)))
+        additive = ctx.inputs[3] if ctx.inputs[3] is not None else mask
+        p = graph_probabilities(q, k, additive, blocked, causal, ctx.scale)  # P = softmax(s Q K^T + mask)
+        # Pd = P * keep / (1 - p)
+        keep_scale = None if keep is None else keep * ctx.dropout_scale      # (..., Tq, Tk) constant
+        dropped = p if keep_scale is None else p * keep_scale
+        need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
+        # O = Pd V  ->  dV = Pd^T dO
+        dv = dropped.swapaxes(-1, -2) @ dout if need_v else None
+        if not (need_q or need_k or need_mask):
+            return None, None, dv, None
+        # O = Pd V  ->  dPd = dO V^T (+ the gradient of the returned weights);  dP = dPd * keep / (1 - p)
+        dprobs = dout @ v.swapaxes(-1, -2)
+        if dweights is not None:
+            dprobs = dprobs + dweights
+        if keep_scale is not None:
+            dprobs = dprobs * keep_scale
+        # P = softmax(S)  ->  dS = P (dP - rowsum(dP P))
+        dscores = p * (dprobs - (dprobs * p).sum(axis=-1, keepdims=True))
+        # S = s Q K^T + mask  ->  dQ = s dS K, dK = s dS^T Q, d(mask) = dS (summed to the mask's shape)
+        dq = (dscores @ k) * ctx.scale if need_q else None
+        dk = (dscores.swapaxes(-1, -2) @ q) * ctx.scale if need_k else None
+        return dq, dk, dv, dscores if need_mask else None
+
+
+def graph_probabilities(q, k, additive, blocked, causal, scale):
+    """P = softmax(s Q K^T + mask) of the Tensors q, k (and a float mask Tensor or array), built
+    from differentiable primitives for the differentiable backwards: S is -inf where the bool mask
+    or causality hides a key; exp(S - m) / rowsum with the row max m taken as a constant (the
+    softmax does not depend on it), and 0 for a fully hidden row (its sum replaced by 1, never NaN)."""
+    scores = (q * scale) @ k.swapaxes(-1, -2)                                 # (..., Tq, Tk)
+    if additive is not None:
+        scores = scores + additive
+    hidden = blocked
+    if causal:
+        above = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2])          # (Tq, Tk) key j > query i
+        hidden = above if blocked is None else blocked | above
+    if hidden is not None:
+        scores = where(hidden, -math.inf, scores)
+    shifted = (scores - stable_row_max(scores.data, -1)).exp()               # (..., Tq, Tk)
+    total = shifted.sum(axis=-1, keepdims=True)                               # (..., Tq, 1)
+    return shifted / where(total.data == 0, 1.0, total)
 
 
 class MemoryEfficientAttentionFunction(Function):
@@ -190,6 +245,186 @@ class MemoryEfficientAttentionFunction(Function):
                 unbroadcast(dk, k.shape) if need_k else None,
                 unbroadcast(dv, v.shape) if need_v else None,
                 dmask.reshape(ctx.mask_shape) if need_mask else None)
+
+    @staticmethod
+    def differentiable_backward(ctx, dout):
+        """The backward as the op `MemoryEfficientAttentionBackward`, whose own backward is the
+        blockwise double backward: a second derivative without a (Tq, Tk) matrix."""
+        q, k, v, out, lse, blocked, mask = ctx.saved_tensors
+        operands = [t if t is not None else raw for t, raw in zip(ctx.inputs, (q, k, v, mask))]
+        need = ctx.needs_input_grad[:4]
+        grads = MemoryEfficientAttentionBackward.apply(*operands, dout, out=out, lse=lse, blocked=blocked,
+                                                       options=ctx.options, need_mask=need[3])
+        grads = grads + (None,) * (4 - len(grads))                             # no dMask without need_mask
+        return tuple(g if wanted else None for g, wanted in zip(grads, need))
+
+
+class MemoryEfficientAttentionBackward(Function):
+    """(q, k, v, additive mask, dO) -> (dQ, dK, dV[, dMask]): the memory-efficient path's backward
+    as an op (its forward runs `attention_blockwise_backward`, the flash kernels included), so that
+    a gradient of attention can be differentiated again. O and L, the forward's saved output and
+    logsumexp, come as constants: the backward below differentiates through them by hand.
+    Its backward is `attention_blockwise_double_backward`, block by block, never a (Tq, Tk) matrix;
+    its differentiable_backward the same formulas on whole matrices (third order and above)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, additive, dout, out, lse, blocked, options, need_mask):
+        mask = _at_least_2d(additive)
+        dq, dk, dv, dmask = attention_blockwise_backward(q, k, v, out, lse, dout, blocked, mask, *options, need_mask)
+        ctx.save_for_backward(q, k, v, out, lse, dout, blocked, mask)
+        ctx.options, ctx.mask_shape = options, None if additive is None else additive.shape
+        grads = (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape))
+        return (grads + (dmask.reshape(ctx.mask_shape),)) if need_mask else grads
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv, gmask=None):
+        q, k, v, out, lse, dout, blocked, mask = ctx.saved_tensors
+        if gmask is not None:
+            gmask = gmask.reshape(mask.shape)
+        need_mask = ctx.needs_input_grad[3]
+        dq, dk, dv, dmask, ddout = attention_blockwise_double_backward(
+            q, k, v, out, lse, dout, blocked, mask, *ctx.options, gq, gk, gv, gmask, need_mask)
+        return (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape),
+                dmask.reshape(ctx.mask_shape) if need_mask else None, ddout)
+
+    @staticmethod
+    def differentiable_backward(ctx, gq, gk, gv, gmask=None):
+        """The double backward's formulas (attention_blockwise_double_backward's) on whole (Tq, Tk)
+        matrices of Tensors, P recomputed in the graph: a third derivative, and every order above.
+        Its memory is the naive path's, not bounded like the second derivative's."""
+        q, k, v, out, lse, dout, blocked, mask = ctx.saved_tensors
+        causal, scale, _, dropout = ctx.options
+        lead, (tq, tk) = out.shape[:-2], (q.shape[-2], k.shape[-2])
+        q, k, v, dout = (t if t is not None else Tensor(raw)
+                         for t, raw in zip(ctx.inputs[:3] + ctx.inputs[4:], (q, k, v, dout)))
+        additive = ctx.inputs[3] if ctx.inputs[3] is not None else mask
+        p = graph_probabilities(q, k, additive, blocked, causal, scale)            # P = softmax(s Q K^T + mask)
+        # Z = keep / (1 - p): the forward's dropout mask, a constant
+        z = None
+        if dropout is not None:
+            z = attention_keep_block(dropout, lead, tq, tk, 0, tq, 0, tk, out) * dropout_scale(dropout[0])
+        dropped = p if z is None else p * z
+        # dP = (dO V^T) Z, D = rowsum(dP P), dS = P (dP - D)
+        dp = dout @ v.swapaxes(-1, -2)
+        if z is not None:
+            dp = dp * z
+        d = (dp * p).sum(axis=-1, keepdims=True)
+        ds = p * (dp - d)
+        # W = s (gq K^T + Q gk^T) + gmask reaches dS, Y = dO gv^T reaches Pd;  r = rowsum(W P)
+        w = (gq @ k.swapaxes(-1, -2) + q @ gk.swapaxes(-1, -2)) * scale
+        if gmask is not None:
+            w = w + gmask.reshape(mask.shape)
+        y = dout @ gv.swapaxes(-1, -2)
+        r = (w * p).sum(axis=-1, keepdims=True)
+        # Pbar = W (dP - D) - r dP + Y Z,  Sbar = P (Pbar - rowsum(Pbar P)),  C = P (W - r) Z
+        p_bar = w * (dp - d) - r * dp + (y if z is None else y * z)
+        s_bar = p * (p_bar - (p_bar * p).sum(axis=-1, keepdims=True))
+        c = p * (w - r) if z is None else p * (w - r) * z
+        # dQ = s (Sbar K + dS gk), dK = s (Sbar^T Q + dS^T gq), dV = C^T dO, d dO = C V + Pd gv, dMask = Sbar
+        dq = (s_bar @ k + ds @ gk) * scale
+        dk = (s_bar.swapaxes(-1, -2) @ q + ds.swapaxes(-1, -2) @ gq) * scale
+        dv = c.swapaxes(-1, -2) @ dout
+        ddout = c @ v + dropped @ gv
+        return dq, dk, dv, s_bar if ctx.needs_input_grad[3] else None, ddout
+
+
+def attention_blockwise_double_backward(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size,
+                                        dropout, gq, gk, gv, gmask, need_mask):
+    """(dQ, dK, dV, dMask, d dO) of L = <gq, dQ> + <gk, dK> + <gv, dV> + <gmask, dMask>, where
+    (dQ, dK, dV, dMask) is `attention_blockwise_backward` of (q, k, v, mask, dO): its backward,
+    block by block, recomputing P = exp(S - L) and never holding a (Tq, Tk) matrix. gq, gk, gv, gmask:
+    the gradients reaching dQ, dK, dV (shapes of q, k, v) and dMask (additive's), each may be None.
+    dQ, dK, dV, d dO have the broadcast leading shape; dMask additive's shape (None unless need_mask).
+
+    Per tile, with Z = keep / (1 - p) (1 without dropout), dP = (dO V^T) Z, D = rowsum(dO O),
+    dS = P (dP - D), W = s (gq K^T + Q gk^T) + gmask (what reaches dS) and Y = dO gv^T (what
+    reaches Pd):  Pbar = W (dP - D) - r dP + Y Z,  Sbar = P (Pbar - e),  C = P (W - r) Z, with
+    the row sums r = rowsum(W P) and e = rowsum(Pbar P) = rowsum(W dS) - r D + rowsum(Pd Y),
+    taken in a first pass over the key blocks of each query block (docs/backprop.md derives it)."""
+    xp = backend.get_array_module(dout)
+    tq, tk = q.shape[-2], k.shape[-2]
+    lead = out.shape[:-2]
+    lse = xp.where(xp.isfinite(lse), lse, math.inf)[..., None]         # (..., Tq, 1): P = 0 on hidden rows
+    delta = xp.einsum("...ij,...ij->...i", dout, out)[..., None]        # (..., Tq, 1) D
+    dq = xp.zeros(lead + q.shape[-2:], dtype=q.dtype)
+    dk = xp.zeros(lead + k.shape[-2:], dtype=q.dtype)
+    dv = xp.zeros(lead + v.shape[-2:], dtype=q.dtype)
+    ddout = xp.zeros(lead + dout.shape[-2:], dtype=q.dtype)
+    dmask = xp.zeros(additive.shape, dtype=q.dtype) if need_mask else None
+    for qs in range(0, tq, block_size):
+        qe = min(qs + block_size, tq)
+        q_block, do_block, d_block = q[..., qs:qe, :], dout[..., qs:qe, :], delta[..., qs:qe, :]
+        q_scaled = q_block * scale
+        gq_block = None if gq is None else gq[..., qs:qe, :]
+
+        def tile(ks):
+            """P, Z (None without dropout), dP, dS, W, Y of the tile (query block, key block at ks)."""
+            ke = min(ks + block_size, tk)
+            p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+            p -= lse[..., qs:qe, :]
+            xp.exp(p, out=p)                                             # P = exp(S - L)  (..., bq, bk)
+            z = None
+            if dropout is not None:                                      # Z = keep / (1 - p), the forward's mask
+                z = attention_keep_block(dropout, lead, tq, tk, qs, qe, ks, ke, q) * dropout_scale(dropout[0])
+            dp = do_block @ v[..., ks:ke, :].swapaxes(-1, -2)            # dP = (dO V^T) Z
+            if z is not None:
+                dp *= z
+            ds = p * (dp - d_block)                                      # dS = P (dP - D)
+            # W = s (gq K^T + Q gk^T) + gmask: the gradient reaching dS through dQ, dK, dMask
+            w = xp.zeros_like(p)
+            if gq_block is not None:
+                w += gq_block @ k[..., ks:ke, :].swapaxes(-1, -2)
+            if gk is not None:
+                w += q_block @ gk[..., ks:ke, :].swapaxes(-1, -2)
+            w *= scale
+            if gmask is not None:
+                w += mask_block(gmask, qs, qe, ks, ke)
+            # Y = dO gv^T: the gradient reaching Pd through dV = Pd^T dO
+            y = None if gv is None else do_block @ gv[..., ks:ke, :].swapaxes(-1, -2)
+            return ke, p, z, dp, ds, w, y
+
+        # first pass: the row sums r = rowsum(W P) and e = rowsum(W dS) - r D + rowsum(Pd Y)
+        r = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)
+        e = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)
+        for ks in _key_starts(qs, qe, tk, block_size, causal):
+            _, p, z, dp, ds, w, y = tile(ks)
+            r += (w * p).sum(axis=-1, keepdims=True)
+            e += (w * ds).sum(axis=-1, keepdims=True)
+            if y is not None:
+                e += (p * y if z is None else p * z * y).sum(axis=-1, keepdims=True)
+        e -= r * d_block
+        # second pass: the gradients
+        for ks in _key_starts(qs, qe, tk, block_size, causal):
+            ke, p, z, dp, ds, w, y = tile(ks)
+            # P enters dS = P (dP - D) (with D = rowsum(dP P)) and Pd = P Z:  Pbar = W (dP - D) - r dP + Y Z
+            p_bar = w * (dp - d_block) - r * dp
+            if y is not None:
+                p_bar += y if z is None else y * z
+            # P = softmax(S)  ->  Sbar = P (Pbar - rowsum(Pbar P)) = P (Pbar - e)
+            s_bar = p * (p_bar - e)
+            # dP = (dO V^T) Z enters dS and D:  C = P (W - r) Z reaches dO V^T
+            c = p * (w - r)
+            if z is not None:
+                c *= z
+            # S = s Q K^T + mask, and dQ = s dS K, dK = s dS^T Q:  dQ += s (Sbar K + dS gk), dK += s (Sbar^T Q + dS^T gq)
+            dq[..., qs:qe, :] += s_bar @ k[..., ks:ke, :]
+            if gk is not None:
+                dq[..., qs:qe, :] += ds @ gk[..., ks:ke, :]
+            dk[..., ks:ke, :] += s_bar.swapaxes(-1, -2) @ q_block
+            if gq_block is not None:
+                dk[..., ks:ke, :] += ds.swapaxes(-1, -2) @ gq_block
+            # dO V^T  ->  dV += C^T dO, d dO += C V;  dV = Pd^T dO  ->  d dO += Pd gv
+            dv[..., ks:ke, :] += c.swapaxes(-1, -2) @ do_block
+            ddout[..., qs:qe, :] += c @ v[..., ks:ke, :]
+            if gv is not None:
+                ddout[..., qs:qe, :] += (p if z is None else p * z) @ gv[..., ks:ke, :]
+            # S = s Q K^T + mask  ->  d(mask) += Sbar, summed over the mask's broadcast axes
+            if need_mask:
+                target = mask_block(dmask, qs, qe, ks, ke)
+                target += unbroadcast(s_bar, target.shape)
+    dq *= scale
+    dk *= scale
+    return dq, dk, dv, dmask, ddout
 
 
 @kernel_table
@@ -357,6 +592,11 @@ class SplitHeadsFunction(Function):
         dx = xp.empty((B, T, len(grads)) + grads[0].shape[1:2] + grads[0].shape[3:], dtype=grads[0].dtype)
         split_heads_backward(dx, grads)
         return dx.reshape(ctx.shape)
+
+    @staticmethod
+    def differentiable_backward(ctx, *grads):
+        # out_i = x's chunk i as (B, H, T, hd)  ->  dx = the chunks' (B, T, H, hd) side by side: (B, T, n, H, hd)
+        return stack([g.swapaxes(1, 2) for g in grads], axis=2).reshape(ctx.shape)
 
 
 @has_twin

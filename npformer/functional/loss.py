@@ -52,7 +52,7 @@ def smoothed_weighted_targets(target, weight, label_smoothing, c, dtype):
     a = xp.zeros((m, c), dtype=dtype)                                               # (M, C)
     a[xp.arange(m), target] = ((1.0 - e) * w_target * xp.ones((m, 1), dtype=dtype))[:, 0]
     a += (e / c) * (weight if weight is not None else 1.0)
-    return a, xp.asarray(a_sum, dtype=dtype)
+    return a, a_sum.astype(dtype, copy=False) if weight is not None else a_sum  # a number: no host-to-device copy
 
 
 @kernel_table
@@ -109,7 +109,7 @@ class CrossEntropyFunction(Function):
         #   d/d(dout) <dlogits, u> = sum_c u_ic (softmax_ic sum(a_i) - a_ic) per row, times the constant;
         #   d/dlogits <dlogits, u> = softmax's backward of u * sum(a_i) dloss_i (softmax's Jacobian)
         probs = SoftmaxFunction.apply(logits, dim=1)
-        return (probs * Tensor(a_sum) - Tensor(a)) * dloss, None
+        return (probs * a_sum - Tensor(a)) * dloss, None
 
 
 def _every_target_ignored(ignore_index):

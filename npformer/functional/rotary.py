@@ -1,7 +1,7 @@
 """Rotary position embedding (RoPE), half-split layout."""
 from __future__ import annotations
 
-from autograd import Function, Tensor, backend, is_grad_enabled
+from autograd import Function, Tensor, backend, concatenate, is_grad_enabled
 from autograd.backend import Array, DType
 from autograd.checks import check_float_dtype, check_int, check_real
 
@@ -38,6 +38,14 @@ class RotaryEmbeddingFunction(Function):
         # ... and dx2 = dy2 cos - dy1 sin (the transpose of the rotation)
         dx[..., half:] = dy2 * cos - dy1 * sin
         return dx
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        half = dy.shape[-1] // 2
+        dy1, dy2 = dy[..., :half], dy[..., half:]
+        # dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin: linear in dy (the tables are constants)
+        return concatenate([dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin], axis=-1)
 
 
 @has_twin

@@ -207,3 +207,17 @@ def test_attention_runs_ours_on_blas_threads():
                      "attention.cpu_worker('ours-naive', 16, 1, False, 512)\n"
                      "print(json.dumps(sorted(set(seen))))", {"NPFORMER_NUM_THREADS": "2"})
     assert out == [1]
+
+
+def test_hvp_attention_memory_runs_both_paths_and_the_memory_efficient_one_holds_no_score_matrix():
+    """hvp.py --attention-memory at tiny settings: both paths run in their own process and report
+    the memory their HVP adds; the memory-efficient one stays well below the naive one's
+    (T = 512: one (T, T) float64 matrix is 2 MB, the naive path holds several)."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "hvp.py"), "--attention-memory", "--seq", "512",
+                             "--head-dim", "4", "--block-size", "64"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "memory-efficient / naive" in result.stdout, result.stdout
+    memory = json.loads(result.stdout.strip().splitlines()[-1])
+    assert memory["naive"]["traced_mb"] > 3 * 2.0
+    assert memory["memory_efficient"]["traced_mb"] < memory["naive"]["traced_mb"] / 4

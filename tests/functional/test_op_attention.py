@@ -1,8 +1,13 @@
 """F.scaled_dot_product_attention, naive and memory-efficient: the registry's cases (every mask
 kind, fully masked rows, float masks that require grad, k and v broadcast, returned weights,
-dropout: gradcheck, torch, composite twin on every device), fully masked rows, blockwise against naive in float32, large scores and additive -1e9
-masks against torch, dropout semantics, empty keys, property-based tests, and clear errors."""
+dropout: gradcheck, torch, composite twin on every device; their second derivatives: gradgradcheck
+and torch's double backward), fully masked rows, blockwise against naive in float32, large scores and additive -1e9
+masks against torch, dropout semantics, empty keys, property-based tests, and clear errors.
+Double backward: the memory-efficient path's blockwise second derivative against the naive path's
+(blocks that do not divide T, every mask kind, dropout), its memory (no (Tq, Tk) matrix), third
+derivatives on both paths against torch and gradgradcheck of the double backward itself."""
 import math
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -12,12 +17,15 @@ import autograd
 import npformer
 import npformer.functional as F
 from autograd import Tensor
-from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks
+from npformer.opcases import OpCase, TOLERANCE, compare, instantiate
+from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks, normal
 
-from helpers import DTYPES, HYPOTHESIS, compare_runs, compare_with_torch, leaf, op_tests, tolerance
+from helpers import (DTYPES, HYPOTHESIS, case_hvp, compare_runs, compare_with_torch, double_backward_tests, leaf, op_tests,
+                     tolerance)
 from tolerances import Rounded, assert_close, attention_chain, rounding_tolerance, scaled, spread
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("attention")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("attention")
 
 PATHS = {"naive": {}, "memory_efficient": {"memory_efficient": True, "block_size": 2}}
 
@@ -304,3 +312,123 @@ def test_mixed_devices_raise():
         F.scaled_dot_product_attention(q, k, k)
     with pytest.raises(RuntimeError, match="attn_mask"):
         F.scaled_dot_product_attention(q, q, q, attn_mask=Tensor(np.ones((2, 2), dtype=bool)))
+
+
+def sdpa_hvp(arrays, rng, **kwargs):
+    """The Hessian-vector product (case_hvp: float64, random upstream g and directions u drawn from
+    `rng`) of F.scaled_dot_product_attention(*arrays, **kwargs); a 4th array is a float attn_mask
+    that is differentiated too."""
+    def fn(q, k, v, *mask):
+        return F.scaled_dot_product_attention(q, k, v, *mask, **kwargs)
+    instance = instantiate(OpCase("sdpa", lambda _: arrays, fn, family="attention"), rng)
+    out = instance(*instance.tensors)
+    upstream, directions = [rng.standard_normal(out.shape)], [rng.standard_normal(a.shape) for a in arrays]
+    return case_hvp(instance, upstream, directions)
+
+
+@pytest.mark.parametrize("mask", list(attention_masks(np.random.default_rng(0), 13, 11)) + ["float mask that requires grad"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_memory_efficient_second_derivative_equals_the_naive_paths(mask, dropout):
+    """Blocks of 4 over Tq = 13 and Tk = 11 (neither divisible), every mask kind, dropout (the same
+    generator: the same mask): the blockwise double backward equals the naive path's composition
+    up to float64 rounding relative to the largest entry."""
+    rng = np.random.default_rng(21)
+    kwargs = dict(attention_masks(rng, 13, 11).get(mask, {}))
+    arrays = qkv(rng, 13, 11, 4)
+    if mask == "float mask that requires grad":
+        arrays.append(rng.standard_normal((B, 1, 13, 11)))
+        kwargs["is_causal"] = True
+    results = {}
+    for path in ("naive", "memory_efficient"):
+        generator = npformer.runtime.random.Philox(5, offset=64)
+        options = {"memory_efficient": True, "block_size": 4} if path == "memory_efficient" else {}
+        results[path] = sdpa_hvp(arrays, np.random.default_rng(22), dropout_p=dropout, generator=generator,
+                                 **kwargs, **options)
+    comparison = compare(results["memory_efficient"], results["naive"], ["q", "k", "v", "mask"][:len(arrays)],
+                         TOLERANCE["twin", "float64"])
+    assert comparison.passed, comparison
+
+
+def peak_bytes(run):
+    """The peak of the host memory that `run()` allocates (tracemalloc; numpy reports its arrays)."""
+    tracemalloc.start()
+    try:
+        run()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_memory_efficient_second_derivative_holds_no_score_matrix():
+    """An HVP through the memory-efficient path at T = 512 never allocates a (T, T) matrix: its peak
+    (the (T, hd) arrays and a few (block, block) tiles) stays under a quarter of one; through the
+    naive path it takes several."""
+    rng = np.random.default_rng(23)
+    t = 512
+    arrays = qkv(rng, t, t, 4, lead=(1, 1))
+    matrix = t * t * 8                                            # one (T, T) float64 matrix
+
+    def hvp(**options):
+        return lambda: sdpa_hvp(arrays, np.random.default_rng(24), is_causal=True, **options)
+    hvp(memory_efficient=True, block_size=16)()                  # the first call's one-off allocations aside
+    assert peak_bytes(hvp(memory_efficient=True, block_size=16)) < matrix / 4
+    assert peak_bytes(hvp()) > 3 * matrix
+
+
+def third_derivative(library, arrays, g, u, w, **options):
+    """d/dq <d/dx <d/dx <sdpa(x), g>, u>, w> (causal) for x = (q, k, v): npformer's with `options`
+    (a path), or torch's (library: the torch module, math backend)."""
+    if library is None:
+        xs, grad, wrap = [leaf(a) for a in arrays], autograd.grad, Tensor
+        sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
+    else:
+        torch = library
+        xs, grad, wrap = [torch.tensor(a, requires_grad=True) for a in arrays], torch.autograd.grad, torch.tensor
+        sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    first = grad(sdpa(*xs), xs, wrap(g), create_graph=True)
+    second = grad(first, xs, [wrap(a) for a in u], create_graph=True)
+    (third,) = grad(second, xs[:1], [wrap(a) for a in w])
+    return third
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_third_derivative_matches_torch(path, torch):
+    """Third order: through the naive path's composition, and through the memory-efficient
+    path's double backward, whose differentiable_backward writes its formulas with Tensors."""
+    rng = np.random.default_rng(25)
+    arrays = qkv(rng, 5, 5, 3, lead=(1, 2))
+    g = rng.standard_normal(arrays[0].shape)
+    u, w = ([rng.standard_normal(a.shape) for a in arrays] for _ in range(2))
+    ours = third_derivative(None, arrays, g, u, w, **PATHS[path]).numpy()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        theirs = third_derivative(torch, arrays, g, u, w).numpy()
+    comparison = compare([ours], [theirs], ["d/dq"], TOLERANCE["torch", "float64"])
+    assert comparison.passed, comparison
+
+
+@pytest.mark.parametrize("mask", ["float mask that requires grad", "fully masked row"])
+def test_memory_efficient_double_backward_is_differentiable_itself(mask):
+    """The double backward's own differentiable_backward (dropout, a fully masked row, blocks of 2):
+    the second derivative it builds equals the blockwise one, and gradgradcheck of the first
+    derivative (q, k, v, mask) -> dQ, dK, dV, dMask checks the third derivative against it."""
+    rng = np.random.default_rng(27)
+    arrays = qkv(rng, 3, 4, 2, lead=(1, 2))
+    kwargs = {"dropout_p": 0.3, "memory_efficient": True, "block_size": 2}
+    if mask == "fully masked row":
+        keep = np.ones((3, 4), dtype=bool)
+        keep[1] = False
+        kwargs["attn_mask"] = keep
+    else:
+        arrays.append(rng.standard_normal((3, 4)))
+    g = leaf(rng.standard_normal((1, 2, 3, 2)))
+
+    def first_derivative(q, k, v, *m):
+        out = F.scaled_dot_product_attention(q, k, v, *m, generator=npformer.runtime.random.Philox(2), **kwargs)
+        return autograd.grad(out, [q, k, v, *m], g, create_graph=True)
+    xs = [leaf(a) for a in arrays]
+    directions = [Tensor(rng.standard_normal(a.shape)) for a in arrays]
+    second = {graph: autograd.grad(first_derivative(*xs), xs, directions, create_graph=graph) for graph in (False, True)}
+    for blockwise, composed in zip(second[False], second[True]):
+        np.testing.assert_allclose(composed.numpy(), blockwise.numpy(), rtol=0,
+                                   atol=1e-12 * max(1.0, np.abs(blockwise.numpy()).max()))
+    assert autograd.gradgradcheck(first_derivative, xs)

@@ -9,9 +9,10 @@ import npformer.functional as F
 from autograd import Tensor
 from npformer import nn
 
-from helpers import F64, assert_clear_error, op_tests
+from helpers import F64, assert_clear_error, double_backward_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("rotary")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("rotary")
 
 
 def test_rotary_tables_and_rotation_properties():

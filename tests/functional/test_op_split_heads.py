@@ -6,9 +6,10 @@ import pytest
 import npformer.functional as F
 from autograd import Tensor
 
-from helpers import op_tests
+from helpers import double_backward_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("split_heads")
+test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("split_heads")
 
 
 @pytest.mark.parametrize("shape, num_heads, chunks, match", [

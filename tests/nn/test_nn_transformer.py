@@ -1,15 +1,17 @@
 """Transformer layers, stacks and nn.Transformer: the registry's cases (gradcheck, torch, composite
 twin on every device), exact torch.nn.Transformer state_dict keys
 and shapes, forward/backward parity with masks (post-LN and pre-LN, relu and gelu, float64
-and float32), gradcheck, init, devices and argument errors."""
+and float32), gradcheck, init, devices and argument errors; a gradient penalty (a second
+derivative) through an encoder layer against torch."""
 import math
 
 import numpy as np
 import pytest
 
+import autograd
 import npformer
 from autograd import Tensor
-from npformer import nn
+from npformer import interop, nn, opcases
 
 from npformer.opcases.modules import randomize_vectors
 
@@ -106,6 +108,39 @@ def test_encoder_layer_and_stack_match_torch(stack, norm_first, torch, rng):
     assert_torch_parity(torch, m.double(), lambda m, x: m(x, **{mask_name: mask}, src_key_padding_mask=pad),
                         lambda t, x: t(x, **{mask_name: torch.tensor(mask)}, src_key_padding_mask=torch.tensor(pad)),
                         [rng.standard_normal((B, S, D))], **F64)
+
+
+def gradient_penalty(library, module, x, g, mask, pad):
+    """The gradient penalty sum((d <layer(x), g> / dx)^2) of an encoder layer (causal and padding
+    masks) and its gradients with respect to x and every parameter (a second derivative through
+    attention, the layer norms, the linear layers and the activation), as host arrays (zeros for
+    a parameter the penalty does not depend on): (x grad, {name: grad})."""
+    grad = autograd.grad if library is None else library.autograd.grad
+    out = module(x, src_mask=mask, src_key_padding_mask=pad)
+    (dx,) = grad(out, [x], g, create_graph=True)
+    params = dict(module.named_parameters())
+    penalty = (dx * dx).sum()
+    grads = grad(penalty, [x] + list(params.values()), allow_unused=True)   # dx does not depend on the last bias
+    grads = [np.zeros(p.shape) if d is None else d.detach().numpy() for d, p in zip(grads, [x] + list(params.values()))]
+    return grads[0], dict(zip(params, grads[1:]))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_gradient_penalty_through_an_encoder_layer_matches_torch(norm_first, torch, rng):
+    """Modules are twice differentiable because their ops are: a gradient penalty through
+    nn.TransformerEncoderLayer (float64, dropout 0) against torch's (math attention backend)."""
+    ours = randomize_vectors(layer("encoder", norm_first, "gelu"), rng).double()
+    theirs = interop.to_torch(ours)
+    x, g = rng.standard_normal((B, S, D)), rng.standard_normal((B, S, D))
+    mask, pad = np.triu(np.ones((S, S), dtype=bool), 1), transformer_masks(rng)["padding"]["src_key_padding_mask"]
+    dx, grads = gradient_penalty(None, ours, Tensor(x, requires_grad=True), Tensor(g), mask, pad)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        tdx, tgrads = gradient_penalty(torch, theirs, torch.tensor(x, requires_grad=True), torch.tensor(g),
+                                       torch.tensor(mask), torch.tensor(pad))
+    names = ["x"] + list(grads)
+    comparison = opcases.compare([dx] + [grads[n] for n in grads], [tdx] + [tgrads[n] for n in grads], names,
+                                 opcases.TOLERANCE["torch", "float64"])
+    assert comparison.passed, comparison
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

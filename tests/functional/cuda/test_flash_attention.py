@@ -231,6 +231,39 @@ def test_sdpa_dropout_through_the_kernels_passes_gradcheck(flash_on_cpu):
         q, k, v, dropout_p=0.4, is_causal=True, backend="flash", generator=random.Philox(3)), ins)
 
 
+@pytest.mark.parametrize("mask", ["causal", "float"])
+def test_a_second_derivative_through_the_kernels_passes_gradgradcheck(flash_on_cpu, mask):
+    """With create_graph the first backward still runs the kernels, and its own backward is the
+    blockwise double backward (on the arrays' device): a second derivative through the flash path."""
+    rng = np.random.default_rng(15)
+    kwargs = sdpa_masks(rng, 2, 3)[mask]
+    ins = [leaf(a) for a in qkv(rng, 1, 1, 2, 3, 32)]
+    assert autograd.gradgradcheck(lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, dropout_p=0.3, backend="flash", generator=random.Philox(4), **kwargs), ins)
+    assert "flash_attention_backward_dq" in {name.split("_float")[0].split("_double")[0]
+                                             for name, _, _ in flash_on_cpu.launches}
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "padding_and_causal", "float"])
+def test_a_second_derivative_through_the_kernels_equals_the_naive_paths(flash_on_cpu, mask):
+    """The Hessian-vector product through the flash kernels (dropout, every mask kind) equals the
+    naive path's (the same generator) up to float64 rounding."""
+    rng = np.random.default_rng(16)
+    kwargs = sdpa_masks(rng, 9, 11)[mask]
+    arrays = qkv(rng, 2, 2, 9, 11, 32)
+    g, u = rng.standard_normal((2, 2, 9, 32)), [rng.standard_normal(a.shape) for a in arrays]
+
+    def hvp(path):
+        xs = [leaf(a) for a in arrays]
+        out = F.scaled_dot_product_attention(*xs, dropout_p=0.2, backend=path, generator=random.Philox(8), **kwargs)
+        first = autograd.grad(out, xs, Tensor(g), create_graph=True)
+        return [s.numpy() for s in autograd.grad(first, xs, [Tensor(a) for a in u])]
+    flash, naive = hvp("flash"), hvp("naive")
+    assert flash_on_cpu.launches
+    for ours, reference in zip(flash, naive):
+        np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-12 * max(1.0, np.abs(reference).max()))
+
+
 @pytest.mark.parametrize("mask", ["causal", "bool", "padding_and_causal", "float"])
 def test_sdpa_through_the_kernels_equals_the_naive_path_with_the_same_dropout(flash_on_cpu, mask):
     rng = np.random.default_rng(7)
