@@ -12,7 +12,8 @@ from hypothesis import settings, strategies as st
 
 import autograd
 from autograd import Function, Tensor, backend
-from autograd.gradcheck import vjp
+from autograd import forward_ad as fwAD
+from autograd.gradcheck import _outputs, vjp
 from npformer import interop, opcases
 from npformer.models import huggingface
 from npformer.safetensors_file import write_safetensors
@@ -51,6 +52,63 @@ def op_tests(family):
         assert comparison.passed, comparison
 
     return test_gradcheck, test_matches_torch, test_matches_composite_twin
+
+
+def forward_mode_tests(family, tangents=None):
+    """Forward mode on the registry's cases of one op family: `autograd.gradcheck` with
+    check_forward_ad=True (float64, every device) on each case finite differences can check, and
+    `assert_jvp_matches_torch` on each case with a torch reference; both move every input of an op
+    case, and a module case's inputs (its parameters stay constants: the op cases move them).
+    tangents: None, or case -> what `assert_jvp_matches_torch` takes as tangents (None for that
+    case). A test file binds them: `test_forward_mode_gradcheck, test_jvp_matches_torch =
+    forward_mode_tests("relu")`."""
+    cases = opcases.cases(family)
+    checked = [c for c in cases if c.finite_differences]
+    with_torch = [c for c in cases if c.torch]
+
+    @pytest.mark.parametrize("case", checked, ids=[c.name for c in checked])
+    def test_forward_mode_gradcheck(case, device):
+        instance = opcases.instantiate(case, np.random.default_rng(1), device)
+        assert autograd.gradcheck(instance, instance.tensors[:len(instance.arrays)], check_forward_ad=True)
+
+    @pytest.mark.parametrize("case", with_torch, ids=[c.name for c in with_torch])
+    def test_jvp_matches_torch(case, torch):
+        assert_jvp_matches_torch(case, torch, np.random.default_rng(2), None if tangents is None else tangents(case))
+
+    return test_forward_mode_gradcheck, test_jvp_matches_torch
+
+
+def assert_jvp_matches_torch(case, torch, rng, tangents=None):
+    """Forward mode of an op case (npformer.opcases) against `torch.func.jvp` of its torch
+    reference, in float64: the case's inputs (drawn as `opcases.instantiate` draws them) and a
+    random standard normal tangent for every input, through the case's fn as dual tensors and
+    through `case.torch` (attention on torch's math backend: its flash kernels have no forward
+    AD); every primal output and every tangent must agree to the registry's float64 tolerance
+    (opcases.compare). An output without a tangent counts as a zero tangent. tangents: None, or a
+    function of the drawn tangents (a list of arrays, one per input) returning the ones to use.
+    A module case moves its inputs only; its parameters (converted to torch) stay constants."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    instance = opcases.instantiate(case, rng)
+    arrays = instance.arrays
+    directions = [rng.standard_normal(a.shape) for a in arrays]
+    if tangents is not None:
+        directions = tangents(directions)
+    with fwAD.dual_level():
+        outs = _outputs(instance(*[fwAD.make_dual(Tensor(a), u) for a, u in zip(arrays, directions)]))
+        ours = [fwAD.unpack_dual(o) for o in outs]
+    primals = [o.primal.data for o in ours]
+    ours_tangents = [np.zeros(o.shape) if t is None else t for o, t in ours]
+    torch_fn, _ = instance.torch_function(torch)
+    with sdpa_kernel(SDPBackend.MATH):
+        theirs, theirs_tangents = torch.func.jvp(lambda *xs: tuple(_outputs(torch_fn(*xs))),
+                                                 tuple(torch.tensor(a) for a in arrays),
+                                                 tuple(torch.tensor(u) for u in directions))
+    labels = [f"output {i}" for i in range(len(outs))] + [f"tangent of output {i}" for i in range(len(outs))]
+    comparison = opcases.compare(primals + ours_tangents,
+                                 [t.detach().numpy() for t in (*theirs, *theirs_tangents)], labels,
+                                 opcases.TOLERANCE["torch", "float64"])
+    assert comparison.passed, f"{case.name}: {comparison}"
 
 
 def leaf(array, device="cpu", dtype=np.float64):

@@ -206,6 +206,11 @@ class ReLUFunction(Function):
     def backward(ctx, dy):
         return bias_activation_backward(dy, ctx.activation_saved, "relu")
 
+    @staticmethod
+    def jvp(ctx, t):
+        # y = max(x, 0)  ->  t_y = t_x * [not x <= 0]: elementwise, so the backward's kernel applies
+        return bias_activation_backward(t, ctx.activation_saved, "relu")
+
 
 @has_twin
 def relu(input: Tensor | Array) -> Tensor:
@@ -230,6 +235,11 @@ class GELUFunction(Function):
     @staticmethod
     def backward(ctx, dy):
         return bias_activation_backward(dy, ctx.activation_saved, ctx.kind)
+
+    @staticmethod
+    def jvp(ctx, t):
+        # y = gelu(x)  ->  t_y = gelu'(x) * t_x: elementwise, so the backward's kernel applies
+        return bias_activation_backward(t, ctx.activation_saved, ctx.kind)
 
 
 @has_twin
@@ -261,6 +271,12 @@ class DropoutFunction(Function):
         (keep,) = ctx.saved_tensors
         # y = x * keep / (1 - p)  ->  dx = dy * keep / (1 - p)
         return dropout_backward(dy, keep, *ctx.stream)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (keep,) = ctx.saved_tensors
+        # y = x * keep / (1 - p)  ->  t_y = t_x * keep / (1 - p), the forward's mask (kept, or drawn again)
+        return dropout_backward(t, keep, *ctx.stream)
 
 
 @kernel_table

@@ -54,6 +54,15 @@ class EmbeddingFunction(Function):
             dweight[ctx.padding_idx] = 0
         return dweight
 
+    @staticmethod
+    def jvp(ctx, t_weight):
+        # out[n] = weight[ids[n]]  ->  t_out[n] = t_weight[ids[n]]
+        t_out = t_weight[ctx.ids]                        # (..., D)
+        # the padding row is held still, as the backward holds its gradient at 0 (so <g, J u> = <J^T g, u>)
+        if ctx.padding_idx is not None:
+            backend.get_array_module(t_out).copyto(t_out, 0, where=(ctx.ids == ctx.padding_idx)[..., None])
+        return t_out
+
 
 def check_token_ids(ids, num, op, name="input"):
     """Integer token ids in [0, num): host ids now, device ids on the device (read with the next

@@ -82,6 +82,26 @@ class LinearFunction(Function):
                 for_rows(features, weight.shape[0], dy2d.size, dy)
         return (dx2d.reshape(ctx.x_shape) if need_x else None), dweight, dbias
 
+    @staticmethod
+    def jvp(ctx, t_x, t_weight, t_bias):
+        x2d, weight = ctx.saved_tensors
+        # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b   (N, out)
+        parts = []
+        if t_x is not None:
+            parts.append(t_x.reshape(x2d.shape) @ weight.T)
+        if t_weight is not None:
+            parts.append(x2d @ t_weight.T)
+        t_h = parts[0] if parts else backend.get_array_module(t_bias).zeros(
+            (x2d.shape[0], weight.shape[0]), dtype=t_bias.dtype)
+        if len(parts) == 2:
+            t_h += parts[1]
+        if t_bias is not None:
+            t_h += t_bias
+        if ctx.activation is not None:
+            # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
+            t_h = bias_activation_backward(t_h, ctx.activation_saved, ctx.activation)
+        return t_h.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
+
 
 @has_twin
 def linear(input: Tensor | Array, weight: Tensor | Array, bias: Tensor | Array | None = None,

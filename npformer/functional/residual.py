@@ -43,6 +43,15 @@ class DropoutAddFunction(Function):
         # y = residual + x * m  ->  dx = dy * m (F.dropout's backward),  dresidual = dy
         return DropoutFunction.backward(ctx, dy), dy
 
+    @staticmethod
+    def jvp(ctx, t_x, t_residual):
+        # y = residual + x * m  ->  t_y = t_residual + t_x * m (F.dropout's jvp: the forward's mask)
+        dropped = DropoutFunction.jvp(ctx, t_x) if t_x is not None else None
+        if dropped is None or t_residual is None:
+            return t_residual if dropped is None else dropped
+        dropped += t_residual
+        return dropped
+
 
 def check_dropout_add(input, residual, p, training, op):
     """(input's array, p, training) checked: one shape for input and residual, 0 <= p <= 1, a bool training."""

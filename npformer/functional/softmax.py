@@ -107,6 +107,13 @@ class SoftmaxFunction(Function):
         # y_i = exp(x_i) / sum_j exp(x_j)  ->  dx_i = y_i (dy_i - sum_j dy_j y_j)
         return softmax_backward(y, dy, ctx.dim)
 
+    @staticmethod
+    def jvp(ctx, t):
+        (y,) = ctx.saved_tensors
+        # y_i = exp(x_i) / sum_j exp(x_j)  ->  t_y_i = y_i (t_i - sum_j y_j t_j): the Jacobian
+        # diag(y) - y y^T is symmetric, so the backward's kernel applies as is
+        return softmax_backward(y, t, ctx.dim)
+
 
 @kernel_table
 def log_softmax_forward(x, axis):
@@ -144,6 +151,15 @@ class LogSoftmaxFunction(Function):
     def backward(ctx, dy):
         (logp,) = ctx.saved_tensors
         return log_softmax_backward(logp, dy, ctx.dim)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (logp,) = ctx.saved_tensors
+        xp = backend.get_array_module(t)
+        # logp_i = x_i - log sum_j exp(x_j)  ->  t_logp_i = t_i - sum_j softmax_j t_j
+        inner = xp.exp(logp)
+        inner *= t
+        return t - inner.sum(axis=ctx.dim, keepdims=True)
 
 
 def _along(function, op, input, dim):

@@ -10,9 +10,10 @@ import npformer.functional as F
 from npformer import nn
 from npformer.functional import composite
 
-from helpers import assert_clear_error, leaf, op_tests
+from helpers import assert_clear_error, forward_mode_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout")
+test_forward_mode_gradcheck, test_jvp_matches_torch = forward_mode_tests("dropout")
 
 
 def test_dropout_identity_cases_and_p_one():
@@ -20,7 +21,7 @@ def test_dropout_identity_cases_and_p_one():
     assert F.dropout(x, 0.0) is x and F.dropout(x, 0.5, training=False) is x
     y = F.dropout(x, 1.0)
     y.backward(np.ones((4, 5)))
-    assert not y.numpy().any() and not x.grad.any()
+    assert not y.numpy().any() and not x.grad.numpy().any()
 
 
 def test_dropout_rate_scale_mask_reuse_and_seeding(device):

@@ -7,9 +7,10 @@ import npformer.functional as F
 from autograd import Tensor, backend, random
 from npformer.functional.activation import dropout_threshold
 
-from helpers import assert_clear_error, leaf, op_tests
+from helpers import assert_clear_error, forward_mode_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout_add")
+test_forward_mode_gradcheck, test_jvp_matches_torch = forward_mode_tests("dropout_add")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -39,7 +40,7 @@ def test_identity_cases_and_p_one(rng):
     y = F.dropout_add(x, r, 1.0)
     y.backward(np.ones((2, 3)))
     np.testing.assert_array_equal(y.numpy(), r.numpy())
-    assert not x.grad.any() and (r.grad == 1).all()
+    assert not x.grad.numpy().any() and (r.grad.numpy() == 1).all()
 
 
 @pytest.mark.parametrize("call, error, words", [

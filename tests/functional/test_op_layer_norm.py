@@ -11,10 +11,12 @@ from autograd import Tensor
 import npformer.functional as F
 from npformer import nn
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, leaf, op_tests, tolerance
+from helpers import (DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, forward_mode_tests, leaf, op_tests,
+                     tolerance)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("layer_norm")
+test_forward_mode_gradcheck, test_jvp_matches_torch = forward_mode_tests("layer_norm")
 
 
 def test_layer_norm_mean_1e4_std_1e2_matches_torch(torch, device):

@@ -10,9 +10,10 @@ from autograd import Tensor
 import npformer.functional as F
 from npformer import nn
 
-from helpers import assert_clear_error, op_tests
+from helpers import assert_clear_error, forward_mode_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("linear")
+test_forward_mode_gradcheck, test_jvp_matches_torch = forward_mode_tests("linear")
 
 
 def test_linear_init_like_torch():

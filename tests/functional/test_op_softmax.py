@@ -11,10 +11,12 @@ import autograd
 from autograd import Tensor
 import npformer.functional as F
 
-from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, leaf, op_tests, tolerance
+from helpers import (DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, forward_mode_tests, leaf, op_tests, tolerance
+)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("softmax")
+test_forward_mode_gradcheck, test_jvp_matches_torch = forward_mode_tests("softmax")
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
