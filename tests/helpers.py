@@ -56,26 +56,57 @@ def op_tests(family):
 
 def forward_mode_tests(family, tangents=None):
     """Forward mode on the registry's cases of one op family: `autograd.gradcheck` with
-    check_forward_ad=True (float64, every device) on each case finite differences can check, and
-    `assert_jvp_matches_torch` on each case with a torch reference; both move every input of an op
-    case, and a module case's inputs (its parameters stay constants: the op cases move them).
-    tangents: None, or case -> what `assert_jvp_matches_torch` takes as tangents (None for that
-    case). A test file binds them: `test_forward_mode_gradcheck, test_jvp_matches_torch =
+    check_forward_ad=True (float64, every device) on each case finite differences can check,
+    `assert_jvp_matches_torch` on each case with a torch reference, and float32 tangents against
+    float64 ones (every device). Each moves every input of an op case, and a module case's inputs
+    (its parameters stay constants: the op cases move them). tangents: None, or case -> what
+    `assert_jvp_matches_torch` takes as tangents (None for that case). A test file binds them:
+    `test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 =
     forward_mode_tests("relu")`."""
     cases = opcases.cases(family)
     checked = [c for c in cases if c.finite_differences]
     with_torch = [c for c in cases if c.torch]
 
-    @pytest.mark.parametrize("case", checked, ids=[c.name for c in checked])
+    def parametrize(selected):
+        return pytest.mark.parametrize("case", selected, ids=[c.name for c in selected])
+
+    @parametrize(checked)
     def test_forward_mode_gradcheck(case, device):
         instance = opcases.instantiate(case, np.random.default_rng(1), device)
         assert autograd.gradcheck(instance, instance.tensors[:len(instance.arrays)], check_forward_ad=True)
 
-    @pytest.mark.parametrize("case", with_torch, ids=[c.name for c in with_torch])
+    @parametrize(with_torch)
     def test_jvp_matches_torch(case, torch):
         assert_jvp_matches_torch(case, torch, np.random.default_rng(2), None if tangents is None else tangents(case))
 
-    return test_forward_mode_gradcheck, test_jvp_matches_torch
+    @parametrize(cases)
+    def test_forward_mode_in_float32(case, device):
+        """The rules keep float32 (the engine refuses a tangent of another dtype) and round like it."""
+        runs = []
+        for dtype in ("float64", "float32"):
+            rng = np.random.default_rng(5)
+            instance = opcases.instantiate(case, rng, device, dtype)
+            directions = [rng.standard_normal(a.shape).astype(dtype) for a in instance.arrays]
+            runs.append(case_jvp(instance, [backend.to_device(u, device) for u in directions]))
+        (_, exact), (outs, rounded) = runs
+        assert all(str(o.dtype) == "float32" for o in outs)
+        labels = [f"tangent of output {i}" for i in range(len(outs))]
+        comparison = opcases.compare(rounded, [backend.as_numpy(t) for t in exact], labels,
+                                     opcases.TOLERANCE["torch", "float32"])
+        assert comparison.passed, comparison
+
+    return test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32
+
+
+def case_jvp(instance, directions):
+    """(outputs, tangents): an instantiated op case (npformer.opcases) run on dual tensors of its
+    input arrays (on its device) with `directions` as their tangents; a tangent is zeros for an
+    output that got none."""
+    with fwAD.dual_level():
+        inputs = [fwAD.make_dual(Tensor(t.data), u) for t, u in zip(instance.tensors, directions)]
+        outs = [fwAD.unpack_dual(o) for o in _outputs(instance(*inputs))]
+    return [o.primal for o in outs], [o.primal.xp.zeros_like(o.primal.data) if o.tangent is None else o.tangent
+                                      for o in outs]
 
 
 def assert_jvp_matches_torch(case, torch, rng, tangents=None):
@@ -90,22 +121,17 @@ def assert_jvp_matches_torch(case, torch, rng, tangents=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     instance = opcases.instantiate(case, rng)
-    arrays = instance.arrays
-    directions = [rng.standard_normal(a.shape) for a in arrays]
+    directions = [rng.standard_normal(a.shape) for a in instance.arrays]
     if tangents is not None:
         directions = tangents(directions)
-    with fwAD.dual_level():
-        outs = _outputs(instance(*[fwAD.make_dual(Tensor(a), u) for a, u in zip(arrays, directions)]))
-        ours = [fwAD.unpack_dual(o) for o in outs]
-    primals = [o.primal.data for o in ours]
-    ours_tangents = [np.zeros(o.shape) if t is None else t for o, t in ours]
+    outs, ours = case_jvp(instance, directions)
     torch_fn, _ = instance.torch_function(torch)
     with sdpa_kernel(SDPBackend.MATH):
         theirs, theirs_tangents = torch.func.jvp(lambda *xs: tuple(_outputs(torch_fn(*xs))),
-                                                 tuple(torch.tensor(a) for a in arrays),
+                                                 tuple(torch.tensor(a) for a in instance.arrays),
                                                  tuple(torch.tensor(u) for u in directions))
     labels = [f"output {i}" for i in range(len(outs))] + [f"tangent of output {i}" for i in range(len(outs))]
-    comparison = opcases.compare(primals + ours_tangents,
+    comparison = opcases.compare([o.data for o in outs] + ours,
                                  [t.detach().numpy() for t in (*theirs, *theirs_tangents)], labels,
                                  opcases.TOLERANCE["torch", "float64"])
     assert comparison.passed, f"{case.name}: {comparison}"

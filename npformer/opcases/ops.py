@@ -119,7 +119,7 @@ GELU = [
 def _dropout_torch(t, x):
     """x * m with m the mask of a fresh Philox(7) stream (the dropout contract)."""
     keep = keep_mask(tuple(x.shape), 0.4, 7, 0, "cpu")
-    return x * t.as_tensor(keep * dropout_scale(0.4)).to(x.dtype)   # x.dtype, not numpy's: torch.func.jvp has no storage
+    return x * t.as_tensor(keep * dropout_scale(0.4)).to(x.dtype)   # not via numpy: torch.func's x has no storage
 
 
 DROPOUT = [OpCase("F.dropout (seeded)", "dropout", normal((4, 5)),

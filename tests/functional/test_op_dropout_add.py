@@ -10,7 +10,7 @@ from npformer.functional.activation import dropout_threshold
 from helpers import assert_clear_error, forward_mode_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout_add")
-test_forward_mode_gradcheck, test_jvp_matches_torch = forward_mode_tests("dropout_add")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("dropout_add")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -13,7 +13,7 @@ from npformer import nn
 from helpers import assert_clear_error, forward_mode_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("linear")
-test_forward_mode_gradcheck, test_jvp_matches_torch = forward_mode_tests("linear")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("linear")
 
 
 def test_linear_init_like_torch():

@@ -16,7 +16,7 @@ from helpers import (DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch,
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("softmax")
-test_forward_mode_gradcheck, test_jvp_matches_torch = forward_mode_tests("softmax")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("softmax")
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
@@ -94,7 +94,7 @@ def test_softmax_and_log_softmax_properties(shape, dim_index, log, minus_inf, dt
     fn = lambda a: getattr(F, op)(a, dim=dim)   # noqa: E731
     compare_with_torch(torch, fn, lambda a: getattr(torch, op)(a, dim=dim), [x], rng, dtype=dtype, **tolerance(dtype))
     if dtype == np.float64 and not (log and minus_inf):  # finite differences of -inf outputs are NaN
-        assert autograd.gradcheck(fn, [leaf(x)])
+        assert autograd.gradcheck(fn, [leaf(x)], check_forward_ad=True)
 
 
 def test_dim_out_of_range_raises_a_clear_error():
