@@ -85,18 +85,23 @@ class LinearFunction(Function):
     @staticmethod
     def jvp(ctx, t_x, t_weight, t_bias):
         x2d, weight = ctx.saved_tensors
-        # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b   (N, out)
-        parts = []
-        if t_x is not None:
-            parts.append(t_x.reshape(x2d.shape) @ weight.T)
-        if t_weight is not None:
-            parts.append(x2d @ t_weight.T)
-        t_h = parts[0] if parts else backend.get_array_module(t_bias).zeros(
-            (x2d.shape[0], weight.shape[0]), dtype=t_bias.dtype)
-        if len(parts) == 2:
-            t_h += parts[1]
-        if t_bias is not None:
-            t_h += t_bias
+        xp = backend.get_array_module(x2d)
+        t_x2d = t_x.reshape(x2d.shape) if t_x is not None else None      # (N, in)
+        t_h = xp.empty((x2d.shape[0], weight.shape[0]), dtype=x2d.dtype)  # (N, out)
+
+        def rows(start, stop):
+            # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b
+            out = t_h[start:stop]
+            if t_x2d is not None:
+                xp.matmul(t_x2d[start:stop], weight.T, out=out)
+            else:
+                out[...] = 0
+            if t_weight is not None:
+                out += x2d[start:stop] @ t_weight.T
+            if t_bias is not None:
+                out += t_bias
+
+        for_rows(rows, x2d.shape[0], t_h.size, x2d)
         if ctx.activation is not None:
             # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
             t_h = bias_activation_backward(t_h, ctx.activation_saved, ctx.activation)

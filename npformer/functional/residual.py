@@ -46,11 +46,12 @@ class DropoutAddFunction(Function):
     @staticmethod
     def jvp(ctx, t_x, t_residual):
         # y = residual + x * m  ->  t_y = t_residual + t_x * m (F.dropout's jvp: the forward's mask)
-        dropped = DropoutFunction.jvp(ctx, t_x) if t_x is not None else None
-        if dropped is None or t_residual is None:
-            return t_residual if dropped is None else dropped
-        dropped += t_residual
-        return dropped
+        if t_x is None:
+            return t_residual
+        t_y = DropoutFunction.jvp(ctx, t_x)
+        if t_residual is not None:
+            t_y += t_residual
+        return t_y
 
 
 def check_dropout_add(input, residual, p, training, op):
