@@ -151,15 +151,16 @@ class CrossEntropyFunction(Function):
         m, c = probs.shape
         e = ctx.label_smoothing
         w_target = weight[target] if weight is not None else 1.0                  # (M,)
-        # logp = log_softmax(x)  ->  t_logp_ic = t_ic - sum_j softmax_ij t_ij
-        t_mean = xp.einsum("mc,mc->m", probs, t_logits)                           # (M,)
-        # loss_i = -sum_c a_ic logp_ic  ->  t_loss_i = sum_c a_ic (t_mean_i - t_ic) = A_i t_mean_i - a_i . t_i
-        # with a_ic = (1 - e) w_t [c == t] + (e / C) w_c and A_i = sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
-        a_t = (1.0 - e) * w_target * t_logits[xp.arange(m), target]               # (M,) the one-hot part
-        if e:                                                                     # the e / C part
+        # logp = x - lse(x)  ->  t_logp_ic = t_x_ic - t_lse_i,  t_lse_i = sum_j softmax_ij t_x_ij
+        t_lse = xp.einsum("mc,mc->m", probs, t_logits)                            # (M,)
+        # a_ic = (1 - e) w_target [c == target] + (e / C) w_c  ->  a_i . t_x_i, the one-hot part ...
+        a_t = (1.0 - e) * w_target * t_logits[xp.arange(m), target]               # (M,)
+        if e:                                                                     # ... and the e / C part
             a_t += (e / c) * (xp.einsum("mc,c->m", t_logits, weight) if weight is not None else t_logits.sum(axis=1))
+        # A_i = sum_c a_ic = (1 - e) w_target + (e / C) sum(w)
         a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
-        t_loss = xp.where(valid, a_sum * t_mean - a_t, 0)                         # ignored rows add nothing
+        # loss_i = -sum_c a_ic logp_ic  ->  t_loss_i = -sum_c a_ic (t_x_ic - t_lse_i) = A_i t_lse_i - a_i . t_x_i
+        t_loss = xp.where(valid, a_sum * t_lse - a_t, 0)                          # ignored rows add nothing
         # out = loss, sum(loss) or sum(loss) / divisor  ->  the same of t_loss
         if ctx.reduction == "none":
             return t_loss
