@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 
 import autograd
 from autograd import Tensor
+from autograd import forward_ad as fwAD
 import npformer.functional as F
 
 from helpers import (DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, forward_mode_tests, leaf, op_tests, tolerance
@@ -99,3 +100,22 @@ def test_softmax_and_log_softmax_properties(shape, dim_index, log, minus_inf, dt
 
 def test_dim_out_of_range_raises_a_clear_error():
     assert_clear_error(lambda: F.softmax(Tensor(np.zeros((2, 3))), dim=2), IndexError, ["dim", "[-2, 1]", "2"])
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_forward_mode_through_minus_inf_entries_and_rows(op, torch):
+    """-inf entries (masked keys) get a finite tangent that matches torch's; a row that is entirely
+    -inf (torch: NaN) gets softmax's tangent 0 and log_softmax's t_x, the transposes of what the
+    backward gives it (0 and dy): no NaN in either mode."""
+    rng = np.random.default_rng(8)
+    x = np.array([[-np.inf, 0.5, 2.0, -np.inf], [3.0, -np.inf, 1.0, -1.0], [-np.inf] * 4])
+    u, g = rng.standard_normal(x.shape), rng.standard_normal(x.shape)
+    fn = getattr(F, op)
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(fn(fwAD.make_dual(Tensor(x), u))).tangent
+    _, theirs = torch.func.jvp(lambda a: getattr(torch, op)(a, dim=-1), (torch.tensor(x[:2]),), (torch.tensor(u[:2]),))
+    np.testing.assert_allclose(tangent[:2], theirs.numpy(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(tangent[2], 0 if op == "softmax" else u[2])
+    x_leaf = leaf(x)
+    fn(x_leaf).backward(g)
+    np.testing.assert_allclose((g * tangent).sum(), (x_leaf.grad.numpy() * u).sum(), rtol=1e-12)
