@@ -1,7 +1,8 @@
-"""F.cross_entropy: the registry's cases (smoothing, class weights, ignore_index, reductions,
-spatial and unbatched targets, logits of 1e4: gradcheck, torch, composite twin on every device),
-every target ignored, float32, logits of +/-1e4 with smoothing, weights and padding against
-torch, property-based tests, and clear errors."""
+"""F.cross_entropy: the registry's cases (smoothing, class weights, ignore_index, reductions, spatial
+and unbatched targets, logits of 1e4: gradcheck, torch, composite twin on every device), every
+target ignored, float32, logits of +/-1e4 with smoothing, weights and padding against torch, forward
+mode (the registry's cases with check_forward_ad, torch.func.jvp, float32; dual class weights
+refused), property-based tests, and clear errors."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st

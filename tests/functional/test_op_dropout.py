@@ -1,5 +1,6 @@
-"""F.dropout and nn.Dropout: the registry's cases (seeded: gradcheck, torch with the
-contract's mask and composite twin on every device; eval against torch), the identity cases, rate, scale, mask reuse and seeding, and
+"""F.dropout and nn.Dropout: the registry's cases (seeded: gradcheck, torch with the contract's mask
+and composite twin on every device; eval against torch), the identity cases, rate, scale, mask reuse
+and seeding, forward mode (the registry's cases with check_forward_ad, torch.func.jvp, float32), and
 clear errors."""
 import numpy as np
 import pytest

@@ -1,5 +1,6 @@
 """F.dropout_add (residual + dropout, one op): the registry's cases (gradcheck, torch, composite twin
-on every device), the dropout contract, p = 0 / 1 / eval, and clear errors."""
+on every device), the dropout contract, p = 0 / 1 / eval, forward mode (the registry's cases with
+check_forward_ad, torch.func.jvp, float32), and clear errors."""
 import numpy as np
 import pytest
 

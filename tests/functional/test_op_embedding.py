@@ -1,6 +1,7 @@
-"""F.embedding and nn.Embedding: the registry's cases (repeated ids, padding rows: gradcheck,
-torch, composite twin on every device), the padding row's zero gradient, the scatter-add of the
-backward, torch's initialisation, property-based tests, and clear errors."""
+"""F.embedding and nn.Embedding: the registry's cases (repeated ids, padding rows: gradcheck, torch,
+composite twin on every device), forward mode (the registry's cases with check_forward_ad,
+torch.func.jvp, float32; the padding row held still), the padding row's zero gradient, the
+scatter-add of the backward, torch's initialisation, property-based tests, and clear errors."""
 import re
 
 import numpy as np

@@ -1,5 +1,6 @@
-"""F.gelu and nn.GELU (exact and tanh): the registry's cases (gradcheck, torch, composite twin on
-every device), extreme inputs against torch, erf to float64 rounding, and clear errors."""
+"""F.gelu and nn.GELU (exact and tanh): the registry's cases (gradcheck, torch, composite twin on every
+device), extreme inputs against torch, erf to float64 rounding, forward mode (the registry's cases
+with check_forward_ad, torch.func.jvp, float32), and clear errors."""
 import math
 
 import numpy as np

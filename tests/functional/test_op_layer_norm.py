@@ -1,7 +1,7 @@
-"""F.layer_norm and nn.LayerNorm: the registry's cases (normalized shapes of one and two axes,
-optional affine, eps, module options: gradcheck, torch, composite twin on every device),
-accuracy at mean 1e4 and std 1e-2 (against torch and 80-bit arithmetic), property-based tests,
-and clear errors."""
+"""F.layer_norm and nn.LayerNorm: the registry's cases (normalized shapes of one and two axes, optional
+affine, eps, module options: gradcheck, torch, composite twin on every device), accuracy at mean 1e4
+and std 1e-2 (against torch and 80-bit arithmetic), forward mode (the registry's cases with
+check_forward_ad, torch.func.jvp, float32), property-based tests, and clear errors."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st

@@ -1,5 +1,6 @@
-"""F.linear and nn.Linear: the registry's cases (gradcheck, torch, composite twin on every
-device), torch's initialisation, and clear errors."""
+"""F.linear and nn.Linear: the registry's cases (gradcheck, torch, composite twin on every device),
+forward mode (the registry's cases with check_forward_ad, torch.func.jvp, float32; the same for any
+number of threads), torch's initialisation, and clear errors."""
 import math
 
 import numpy as np

@@ -1,5 +1,5 @@
-"""F.relu and nn.ReLU: the registry's cases (gradcheck, torch, composite twin on every device)
-and clear errors."""
+"""F.relu and nn.ReLU: the registry's cases (gradcheck, torch, composite twin on every device), forward
+mode (the registry's cases with check_forward_ad, torch.func.jvp, float32) and clear errors."""
 import numpy as np
 
 from autograd import Tensor

@@ -1,6 +1,7 @@
 """F.softmax and F.log_softmax: the registry's cases (gradcheck, torch, composite twin on every
-device), extreme rows (-1000, -1e9, -inf, +/-1e4) against torch, rows entirely -inf, empty
-rows, any dim, property-based tests, and clear errors."""
+device), extreme rows (-1000, -1e9, -inf, +/-1e4) against torch, rows entirely -inf, empty rows, any
+dim, forward mode (the registry's cases with check_forward_ad, torch.func.jvp, float32; through -inf
+entries and rows), property-based tests, and clear errors."""
 import warnings
 
 import numpy as np
