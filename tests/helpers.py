@@ -13,7 +13,8 @@ from hypothesis import settings, strategies as st
 
 import autograd
 from autograd import Function, Tensor, backend
-from autograd.gradcheck import vjp
+from autograd import forward_ad as fwAD
+from autograd.gradcheck import _outputs, vjp
 from npformer import interop, opcases
 from npformer.models import huggingface
 from npformer.safetensors_file import write_safetensors
@@ -140,6 +141,89 @@ def case_hvp(instance, upstream, directions):
     outs = [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
     return _hvp(instance, xs, [on_device(g, o) for g, o in zip(upstream, outs)],
                 [on_device(u, x) for u, x in zip(directions, xs)], autograd.grad)[1]
+
+
+def forward_mode_tests(family, tangents=None):
+    """Forward mode on the registry's cases of one op family: `autograd.gradcheck` with
+    check_forward_ad=True (float64, every device) on each case finite differences can check,
+    `assert_jvp_matches_torch` on each case with a torch reference, and float32 tangents against
+    float64 ones (every device). Each moves every input of an op case, and a module case's inputs
+    (its parameters stay constants: the op cases move them). tangents: None, or case -> what
+    `assert_jvp_matches_torch` takes as tangents (None for that case). A test file binds them:
+    `test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 =
+    forward_mode_tests("relu")`."""
+    cases = opcases.cases(family)
+    checked = [c for c in cases if c.finite_differences]
+    with_torch = [c for c in cases if c.torch]
+
+    def parametrize(selected):
+        return pytest.mark.parametrize("case", selected, ids=[c.name for c in selected])
+
+    @parametrize(checked)
+    def test_forward_mode_gradcheck(case, device):
+        instance = opcases.instantiate(case, np.random.default_rng(1), device)
+        assert autograd.gradcheck(instance, instance.tensors[:len(instance.arrays)], check_forward_ad=True)
+
+    @parametrize(with_torch)
+    def test_jvp_matches_torch(case, torch):
+        assert_jvp_matches_torch(case, torch, np.random.default_rng(2), None if tangents is None else tangents(case))
+
+    @parametrize(cases)
+    def test_forward_mode_in_float32(case, device):
+        """The rules keep float32 (the engine refuses a tangent of another dtype) and round like it."""
+        runs = []
+        for dtype in ("float64", "float32"):
+            rng = np.random.default_rng(5)
+            instance = opcases.instantiate(case, rng, device, dtype)
+            directions = [rng.standard_normal(a.shape).astype(dtype) for a in instance.arrays]
+            runs.append(case_jvp(instance, [backend.to_device(u, device) for u in directions]))
+        (_, exact), (outs, rounded) = runs
+        assert all(str(o.dtype) == "float32" for o in outs)
+        labels = [f"tangent of output {i}" for i in range(len(outs))]
+        comparison = opcases.compare(rounded, [backend.as_numpy(t) for t in exact], labels,
+                                     opcases.TOLERANCE["torch", "float32"])
+        assert comparison.passed, comparison
+
+    return test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32
+
+
+def case_jvp(instance, directions):
+    """(outputs, tangents): an instantiated op case (npformer.opcases) run on dual tensors of its
+    input arrays (on its device) with `directions` as their tangents; a tangent is zeros for an
+    output that got none."""
+    with fwAD.dual_level():
+        inputs = [fwAD.make_dual(Tensor(t.data), u) for t, u in zip(instance.tensors, directions)]
+        outs = [fwAD.unpack_dual(o) for o in _outputs(instance(*inputs))]
+    return [o.primal for o in outs], [o.primal.xp.zeros_like(o.primal.data) if o.tangent is None else o.tangent
+                                      for o in outs]
+
+
+def assert_jvp_matches_torch(case, torch, rng, tangents=None):
+    """Forward mode of an op case (npformer.opcases) against `torch.func.jvp` of its torch
+    reference, in float64: the case's inputs (drawn as `opcases.instantiate` draws them) and a
+    random standard normal tangent for every input, through the case's fn as dual tensors and
+    through `case.torch` (attention on torch's math backend: its flash kernels have no forward
+    AD); every primal output and every tangent must agree to the registry's float64 tolerance
+    (opcases.compare). An output without a tangent counts as a zero tangent. tangents: None, or a
+    function of the drawn tangents (a list of arrays, one per input) returning the ones to use.
+    A module case moves its inputs only; its parameters (converted to torch) stay constants."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    instance = opcases.instantiate(case, rng)
+    directions = [rng.standard_normal(a.shape) for a in instance.arrays]
+    if tangents is not None:
+        directions = tangents(directions)
+    outs, ours = case_jvp(instance, directions)
+    torch_fn, _ = instance.torch_function(torch)
+    with sdpa_kernel(SDPBackend.MATH):
+        theirs, theirs_tangents = torch.func.jvp(lambda *xs: tuple(_outputs(torch_fn(*xs))),
+                                                 tuple(torch.tensor(a) for a in instance.arrays),
+                                                 tuple(torch.tensor(u) for u in directions))
+    labels = [f"output {i}" for i in range(len(outs))] + [f"tangent of output {i}" for i in range(len(outs))]
+    comparison = opcases.compare([o.data for o in outs] + ours,
+                                 [t.detach().numpy() for t in (*theirs, *theirs_tangents)], labels,
+                                 opcases.TOLERANCE["torch", "float64"])
+    assert comparison.passed, f"{case.name}: {comparison}"
 
 
 def leaf(array, device="cpu", dtype=np.float64):

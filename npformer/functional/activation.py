@@ -130,6 +130,11 @@ class ReLUFunction(Function):
     def differentiable_backward(ctx, dy):
         return bias_activation_grad(dy, None, ctx.activation_saved, "relu")
 
+    @staticmethod
+    def jvp(ctx, t):
+        # y = max(x, 0)  ->  t_y = t_x * [not x <= 0]: elementwise, so the backward's kernel applies
+        return bias_activation_backward(t, ctx.activation_saved, "relu")
+
 
 @has_twin
 def relu(input: Tensor | Array) -> Tensor:
@@ -158,6 +163,11 @@ class GELUFunction(Function):
     @staticmethod
     def differentiable_backward(ctx, dy):
         return bias_activation_grad(dy, ctx.inputs[0], ctx.activation_saved, ctx.kind)
+
+    @staticmethod
+    def jvp(ctx, t):
+        # y = gelu(x)  ->  t_y = gelu'(x) * t_x: elementwise, so the backward's kernel applies
+        return bias_activation_backward(t, ctx.activation_saved, ctx.kind)
 
 
 @has_twin
@@ -196,6 +206,12 @@ class DropoutFunction(Function):
         # same draw of the stream (its own backward the same again):  d/d(dy) <dx, u> = u * keep / (1 - p)
         seed, offset, p, state = ctx.stream
         return DropoutFunction.apply(dy, seed=seed, offset=offset, p=p, state=state)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (keep,) = ctx.saved_tensors
+        # y = x * keep / (1 - p)  ->  t_y = t_x * keep / (1 - p), the forward's mask (kept, or drawn again)
+        return dropout_backward(t, keep, *ctx.stream)
 
 
 @kernel_table

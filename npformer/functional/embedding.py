@@ -61,6 +61,15 @@ class EmbeddingFunction(Function):
             dweight = where(is_padding, 0, dweight)
         return dweight
 
+    @staticmethod
+    def jvp(ctx, t_weight):
+        # out[n] = weight[ids[n]]  ->  t_out[n] = t_weight[ids[n]]
+        t_out = t_weight[ctx.ids]                        # (..., D)
+        # the padding row is held still, as the backward holds its gradient at 0 (so <g, J u> = <J^T g, u>)
+        if ctx.padding_idx is not None:
+            backend.get_array_module(t_out).copyto(t_out, 0, where=(ctx.ids == ctx.padding_idx)[..., None])
+        return t_out
+
 
 def id_counts(ids, num_embeddings, dtype):
     """(V, 1): how often each id occurs in `ids` (at least 1, so ids that never occur divide by 1)."""
@@ -83,6 +92,7 @@ def renormalize_rows(weight, ids, max_norm, norm_type):
         norms = (xp.abs(picked) ** norm_type).sum(axis=1) ** (1.0 / norm_type)   # (K,)
     scale = xp.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0).astype(weight.dtype)
     weight[rows] = picked * scale[:, None]
+
 
 
 def check_token_ids(ids, num, op, name="input"):

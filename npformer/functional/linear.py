@@ -87,6 +87,25 @@ class LinearFunction(Function):
         dbias = dh.sum(axis=0) if need_b else None
         return dx, dweight, dbias
 
+    @staticmethod
+    def jvp(ctx, t_x, t_weight, t_bias):
+        x2d, weight = ctx.saved_tensors                                   # (N, in), (out, in)
+        # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b: the forward's GEMM (its table: threads on the
+        # CPU) once per tangent, the bias tangent added with the first
+        parts = []
+        if t_x is not None:
+            parts.append(linear_forward(t_x.reshape(x2d.shape), weight, t_bias))
+        if t_weight is not None:
+            parts.append(linear_forward(x2d, t_weight, None if parts else t_bias))
+        if parts:
+            t_h = parts[0] if len(parts) == 1 else parts[0] + parts[1]    # (N, out)
+        else:
+            t_h = backend.get_array_module(x2d).broadcast_to(t_bias, (x2d.shape[0], weight.shape[0])).copy()
+        if ctx.activation is not None:
+            # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
+            t_h = bias_activation_backward(t_h, ctx.activation_saved, ctx.activation)
+        return t_h.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
+
 
 @has_twin
 def linear(input: Tensor | Array, weight: Tensor | Array, bias: Tensor | Array | None = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, is_grad_enabled
+from autograd import Function, Tensor, backend, forward_ad, is_grad_enabled
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int, check_real
 from npformer.runtime import deferred
@@ -81,7 +81,7 @@ class CrossEntropyFunction(Function):
         loss, probs = cross_entropy_forward(logits, safe_target, valid, weight, label_smoothing)
         out = loss if reduction == "none" else loss.sum() if divisor is None else loss.sum() / divisor
         ctx.save_for_backward(probs, weight, safe_target, valid, divisor)
-        ctx.label_smoothing = label_smoothing
+        ctx.label_smoothing, ctx.reduction = label_smoothing, reduction
         return out
 
     @staticmethod
@@ -110,6 +110,29 @@ class CrossEntropyFunction(Function):
         #   d/dlogits <dlogits, u> = softmax's backward of u * sum(a_i) dloss_i (softmax's Jacobian)
         probs = SoftmaxFunction.apply(logits, dim=1)
         return (probs * a_sum - Tensor(a)) * dloss, None
+
+    @staticmethod
+    def jvp(ctx, t_logits, t_weight):
+        # t_weight is None: cross_entropy refuses class weights that carry a tangent
+        probs, weight, target, valid, divisor = ctx.saved_tensors
+        xp = backend.get_array_module(probs)
+        m, c = probs.shape
+        e = ctx.label_smoothing
+        w_target = weight[target] if weight is not None else 1.0                  # (M,)
+        # logp = x - lse(x)  ->  t_logp_ic = t_x_ic - t_lse_i,  t_lse_i = sum_j softmax_ij t_x_ij
+        t_lse = xp.einsum("mc,mc->m", probs, t_logits)                            # (M,)
+        # a_ic = (1 - e) w_target [c == target] + (e / C) w_c  ->  a_i . t_x_i, the one-hot part ...
+        a_t = (1.0 - e) * w_target * t_logits[xp.arange(m), target]               # (M,)
+        if e:                                                                     # ... and the e / C part
+            a_t += (e / c) * (xp.einsum("mc,c->m", t_logits, weight) if weight is not None else t_logits.sum(axis=1))
+        # A_i = sum_c a_ic = (1 - e) w_target + (e / C) sum(w)
+        a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
+        # loss_i = -sum_c a_ic logp_ic  ->  t_loss_i = -sum_c a_ic (t_x_ic - t_lse_i) = A_i t_lse_i - a_i . t_x_i
+        t_loss = xp.where(valid, a_sum * t_lse - a_t, 0)                          # ignored rows add nothing
+        # out = loss, sum(loss) or sum(loss) / divisor  ->  the same of t_loss
+        if ctx.reduction == "none":
+            return t_loss
+        return t_loss.sum() if divisor is None else t_loss.sum() / divisor
 
 
 def _every_target_ignored(ignore_index):
@@ -221,6 +244,9 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
         if isinstance(weight, Tensor) and weight.requires_grad and is_grad_enabled():
             raise RuntimeError("cross_entropy: weight requires grad, but the class weights are constants and get "
                              "no gradient (torch refuses them too); pass weight.detach()")
+        if isinstance(weight, Tensor) and forward_ad.unpack_dual(weight).tangent is not None:
+            raise RuntimeError("cross_entropy: weight carries a tangent (forward mode), but the class weights are "
+                               "constants and get none; pass forward_ad.unpack_dual(weight).primal")
         if not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
             weight = on_device_of(weight, logits, "weight", "cross_entropy").astype(logits.dtype, copy=False)
     if reduction == "mean" and math.prod(expected) == 0:

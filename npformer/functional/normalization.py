@@ -104,6 +104,24 @@ class LayerNormFunction(Function):
         dbias = dy2d.sum(axis=0).reshape(ctx.normalized_shape) if need_b else None
         return dx, dweight, dbias
 
+    @staticmethod
+    def jvp(ctx, t_x, t_weight, t_bias):
+        xhat, w, rstd = ctx.saved_tensors
+        if t_x is None:
+            t_y = backend.get_array_module(xhat).zeros_like(xhat)          # (N, D)
+        else:
+            # xhat = (x - mean) rstd  ->  t_xhat = rstd (t_x - mean(t_x) - xhat mean(xhat t_x)): the
+            # Jacobian rstd (I - 1/D - xhat xhat^T / D) is symmetric, so the backward's dx (without a
+            # weight) applies as is
+            t_y, _, _ = layer_norm_backward(t_x.reshape(xhat.shape), xhat, rstd, None, True, False, False)
+            if w is not None:
+                t_y *= w                                                   # y = xhat w  ->  t_y = t_xhat w
+        if t_weight is not None:
+            t_y += xhat * t_weight.reshape(-1)                             # y = xhat w  ->  + xhat t_w
+        if t_bias is not None:
+            t_y += t_bias.reshape(-1)                                      # y = ... + b  ->  + t_b
+        return t_y.reshape(ctx.shape)
+
 
 @has_twin
 def layer_norm(input: Tensor | Array, normalized_shape: int | tuple[int, ...], weight: Tensor | Array | None = None,

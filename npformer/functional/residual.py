@@ -42,6 +42,16 @@ class DropoutAddFunction(Function):
         # linear in dy:  d/d(dy) <(dx, dresidual), (u, v)> = u * keep / (1 - p) + v
         return DropoutFunction.differentiable_backward(ctx, dy), dy
 
+    @staticmethod
+    def jvp(ctx, t_x, t_residual):
+        # y = residual + x * m  ->  t_y = t_residual + t_x * m (F.dropout's jvp: the forward's mask)
+        if t_x is None:
+            return t_residual
+        t_y = DropoutFunction.jvp(ctx, t_x)
+        if t_residual is not None:
+            t_y += t_residual
+        return t_y
+
 
 def check_dropout_add(input, residual, p, training, op):
     """(input's array, p, training) checked: one shape for input and residual, 0 <= p <= 1, a bool training."""

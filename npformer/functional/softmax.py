@@ -87,6 +87,13 @@ class SoftmaxFunction(Function):
         y = ctx.as_output(ctx.saved_tensors[0])
         return y * (dy - (dy * y).sum(axis=ctx.dim, keepdims=True))
 
+    @staticmethod
+    def jvp(ctx, t):
+        (y,) = ctx.saved_tensors
+        # y_i = exp(x_i) / sum_j exp(x_j)  ->  t_y_i = y_i (t_i - sum_j y_j t_j): the Jacobian
+        # diag(y) - y y^T is symmetric, so the backward's kernel applies as is
+        return softmax_backward(y, t, ctx.dim)
+
 
 @kernel_table
 def log_softmax_forward(x, axis):
@@ -132,6 +139,15 @@ class LogSoftmaxFunction(Function):
         #   d/dlogp <dx, u> = r = -p * u * sum(dy), then to x as log_softmax's backward: r - p * sum(r)
         p = ctx.as_output(ctx.saved_tensors[0]).exp()
         return dy - p * dy.sum(axis=ctx.dim, keepdims=True)
+
+    @staticmethod
+    def jvp(ctx, t):
+        (logp,) = ctx.saved_tensors
+        xp = backend.get_array_module(t)
+        # logp_i = x_i - log sum_j exp(x_j)  ->  t_logp_i = t_i - sum_j softmax_j t_j
+        inner = xp.exp(logp)
+        inner *= t
+        return t - inner.sum(axis=ctx.dim, keepdims=True)
 
 
 def _along(function, op, input, dim):

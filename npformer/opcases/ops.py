@@ -155,7 +155,7 @@ GELU = [
 def _dropout_torch(t, x):
     """x * m with m the mask of a fresh Philox(7) stream (the dropout contract)."""
     keep = keep_mask(tuple(x.shape), 0.4, 7, 0, "cpu")
-    return x * t.as_tensor(keep.astype(x.detach().numpy().dtype) * dropout_scale(0.4))
+    return x * t.as_tensor(keep * dropout_scale(0.4)).to(x.dtype)   # not via numpy: torch.func's x has no storage
 
 
 DROPOUT = [op_case("F.dropout (seeded)", "dropout", normal((4, 5)),

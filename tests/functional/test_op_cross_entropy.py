@@ -9,15 +9,17 @@ from hypothesis import given, strategies as st
 
 import autograd
 from autograd import Tensor
+from autograd import forward_ad as fwAD
 import npformer.functional as F
 
 from helpers import (
-    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests,
+    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, forward_mode_tests, leaf, op_tests,
     tolerance)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("cross_entropy")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("cross_entropy")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("cross_entropy")
 
 
 def test_cross_entropy_every_target_ignored():
@@ -92,7 +94,7 @@ def test_cross_entropy_properties(n, c, spatial, reduction, smoothing, weighted,
     compare_with_torch(torch, fn, lambda a: torch.nn.functional.cross_entropy(a, torch.tensor(target), **t_kwargs),
                        [logits], rng, dtype=dtype, **tolerance(dtype))
     if dtype == np.float64:
-        assert autograd.gradcheck(fn, [leaf(logits)])
+        assert autograd.gradcheck(fn, [leaf(logits)], check_forward_ad=True)
 
 
 X = Tensor(np.zeros((3, 4)))
@@ -110,3 +112,17 @@ X = Tensor(np.zeros((3, 4)))
 ])
 def test_bad_input_raises_a_clear_error(call, error, words):
     assert_clear_error(call, error, words)
+
+
+def test_class_weights_that_carry_a_tangent_are_refused():
+    """The class weights are constants in forward mode too: a dual weight is an error naming it,
+    never a tangent silently dropped; with plain weights the logits' tangent goes through."""
+    rng = np.random.default_rng(6)
+    logits, target, w = rng.standard_normal((3, 4)), np.array([0, 3, 1]), rng.random(4) + 0.5
+    with fwAD.dual_level():
+        dual_weight = fwAD.make_dual(Tensor(w), np.ones(4))
+        assert_clear_error(lambda: F.cross_entropy(Tensor(logits), target, weight=dual_weight), RuntimeError,
+                           ["weight carries a tangent", "class weights are constants"])
+        x = fwAD.make_dual(Tensor(logits), np.ones((3, 4)))
+        tangent = fwAD.unpack_dual(F.cross_entropy(x, target, weight=Tensor(w))).tangent
+        assert abs(float(tangent)) < 1e-14                             # logits + c (each row): no change

@@ -12,10 +12,11 @@ import npformer.functional as F
 from npformer import nn
 from npformer.functional import composite
 
-from helpers import assert_clear_error, double_backward_tests, leaf, op_tests
+from helpers import assert_clear_error, double_backward_tests, forward_mode_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("dropout")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("dropout")
 
 
 def test_dropout_identity_cases_and_p_one():

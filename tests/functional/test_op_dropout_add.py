@@ -8,10 +8,11 @@ from autograd import Tensor, backend
 from npformer.functional.activation import dropout_threshold
 from npformer.runtime import random
 
-from helpers import assert_clear_error, double_backward_tests, leaf, op_tests
+from helpers import assert_clear_error, double_backward_tests, forward_mode_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("dropout_add")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("dropout_add")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("dropout_add")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

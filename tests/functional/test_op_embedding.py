@@ -1,7 +1,11 @@
 """F.embedding and nn.Embedding: the registry's cases (repeated ids, padding rows, max_norm,
 scale_grad_by_freq: gradcheck, torch, composite twin on every device; second derivatives:
 gradgradcheck, torch's double backward), the padding row's zero gradient, max_norm's in-place
-renormalisation and scale_grad_by_freq against torch, the scatter-add of the backward, torch's initialisation, property-based tests, and clear errors."""
+renormalisation and scale_grad_by_freq against torch, the scatter-add of the backward, torch's
+initialisation, forward mode (the registry's cases with check_forward_ad, torch.func.jvp, float32;
+the padding row held still), property-based tests, and clear errors."""
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -9,16 +13,66 @@ from hypothesis import given, strategies as st
 import autograd
 import npformer
 from autograd import Tensor, backend
+from autograd import forward_ad as fwAD
+from autograd.gradcheck import vjp
 import npformer.functional as F
-from npformer import nn
+from npformer import nn, opcases
 from npformer.functional.embedding import scatter_add_rows
 
 from helpers import (
-    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests,
-    tolerance)
+    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, forward_mode_tests, leaf,
+    op_tests, tolerance)
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("embedding")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("embedding")
+
+
+def padding_row(case):
+    """The padding row of an F.embedding case (its weight is input 0), from its name; None without one."""
+    found = re.search(r"padding_idx=(-?\d+)", case.name)
+    return None if found is None or case.module is not None else int(found.group(1))
+
+
+def padding_row_held_still(case):
+    """For torch.func.jvp: the padding row's tangent set to 0. Ours holds that row still, as the
+    backward holds its gradient at 0; torch's forward AD moves it (its backward does not). A
+    module case moves its input only: nothing to hold."""
+    row = padding_row(case)
+    if row is None:
+        return None
+
+    def hold(tangents):
+        tangents[0][row] = 0
+        return tangents
+    return hold
+
+
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests(
+    "embedding", padding_row_held_still)
+# (scale_grad_by_freq's backward is not a transpose of the lookup: torch's gradient scaling, not a derivative)
+PADDED = [c for c in opcases.cases("embedding") if padding_row(c) is not None and "scale_grad_by_freq" not in c.name]
+
+
+@pytest.mark.parametrize("case", PADDED, ids=[c.name for c in PADDED])
+def test_forward_mode_holds_the_padding_row_still(case):
+    """J u is 0 at the padding positions and W's tangent gathered elsewhere (central differences
+    along a u that leaves the padding row alone), and <g, J u> = <J^T g, u> with the backward for
+    any u (gradcheck cannot run: its finite differences see the padding row)."""
+    rng = np.random.default_rng(3)
+    (weight,) = opcases.instantiate(case, rng).arrays
+    row, u = padding_row(case), rng.standard_normal(weight.shape)
+    with fwAD.dual_level():
+        out, tangent = fwAD.unpack_dual(case.fn(fwAD.make_dual(Tensor(weight), u)))
+    at_padding = (out.numpy() == weight[row]).all(axis=-1)            # the positions that look the row up
+    assert at_padding.any() and not tangent[at_padding].any()
+    still, eps = u.copy(), 1e-6
+    still[row] = 0
+    plus, minus = (case.fn(Tensor(weight + sign * eps * still)).numpy() for sign in (1, -1))
+    numeric = (plus - minus) / (2 * eps)
+    np.testing.assert_allclose(tangent, numeric, rtol=1e-7, atol=1e-9)
+    g = rng.standard_normal(tangent.shape)
+    _, _, (dweight,) = vjp(case.fn, [Tensor(weight, requires_grad=True)], [g])
+    np.testing.assert_allclose((g * tangent).sum(), (dweight * u).sum(), rtol=1e-12)
 
 
 def test_embedding_padding_row_gets_exactly_zero_gradient():
@@ -97,7 +151,7 @@ def test_embedding_properties(vocab, dim, ids_shape, padding, dtype, seed, torch
     compare_with_torch(torch, fn, lambda w: torch.nn.functional.embedding(torch.tensor(ids), w, padding_idx=padding_idx),
                        [weight], rng, dtype=dtype, **tolerance(dtype))
     if dtype == np.float64 and not padding and ids.size:
-        assert autograd.gradcheck(lambda w: F.embedding(ids, w), [leaf(weight)])
+        assert autograd.gradcheck(lambda w: F.embedding(ids, w), [leaf(weight)], check_forward_ad=True)
 
 
 W = np.zeros((5, 4))

@@ -11,10 +11,11 @@ from autograd import Tensor
 import npformer.functional as F
 from npformer import nn
 
-from helpers import assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests
+from helpers import assert_clear_error, compare_with_torch, double_backward_tests, forward_mode_tests, leaf, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("gelu")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("gelu")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("gelu")
 
 
 def test_erf_is_accurate_to_float64_rounding():

@@ -13,12 +13,13 @@ import npformer.functional as F
 from npformer import nn
 
 from helpers import (
-    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, leaf, op_tests,
+    DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, forward_mode_tests, leaf, op_tests,
     tolerance)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("layer_norm")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("layer_norm")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("layer_norm")
 
 
 def test_layer_norm_mean_1e4_std_1e2_matches_torch(torch, device):
@@ -78,7 +79,7 @@ def test_layer_norm_properties(shape, trailing, affine, offset, spread, dtype, s
     compare_with_torch(torch, fn, lambda a, *p: torch.nn.functional.layer_norm(a, norm_shape, *p),
                        [x] + params, rng, dtype=dtype, torch_dtype=np.float64, **tol)
     if dtype == np.float64 and spread >= 1:
-        assert autograd.gradcheck(fn, [leaf(a) for a in [x] + params])
+        assert autograd.gradcheck(fn, [leaf(a) for a in [x] + params], check_forward_ad=True)
 
 
 def test_layer_norm_module_errors():

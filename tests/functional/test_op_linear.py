@@ -8,13 +8,15 @@ import pytest
 
 import npformer
 from autograd import Tensor
+from autograd.functional import jvp
 import npformer.functional as F
 from npformer import nn
 
-from helpers import assert_clear_error, double_backward_tests, op_tests
+from helpers import assert_clear_error, double_backward_tests, forward_mode_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("linear")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("linear")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("linear")
 
 
 def test_linear_init_like_torch():
@@ -50,3 +52,17 @@ W = np.zeros((5, 4))
 ])
 def test_bad_input_raises_a_clear_error(call, error, words):
     assert_clear_error(call, error, words)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_forward_mode_is_the_same_for_any_number_of_threads(activation, threads):
+    """The jvp splits its GEMMs by rows like the forward: every block's rows, and only those, written."""
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal(shape) for shape in ((6, 5, 4), (3, 4), (3,))]
+    tangents = tuple(Tensor(rng.standard_normal(a.shape)) for a in arrays)
+    results = []
+    for n in (1, 2, 3, 4):
+        threads(n)
+        results.append(jvp(lambda *a: F.linear(*a, activation=activation), tuple(map(Tensor, arrays)), tangents)[1])
+    for t in results[1:]:
+        np.testing.assert_allclose(t.numpy(), results[0].numpy(), rtol=1e-12, atol=1e-12)

@@ -9,15 +9,17 @@ from hypothesis import given, strategies as st
 
 import autograd
 from autograd import Tensor
+from autograd import forward_ad as fwAD
 import npformer.functional as F
 
 from helpers import (
     DTYPES, HYPOTHESIS, assert_clear_error, assert_double_backward_matches_torch, compare_with_torch,
-    double_backward_tests, leaf, op_tests, tolerance)
+    double_backward_tests, forward_mode_tests, leaf, op_tests, tolerance)
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("softmax")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("softmax")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("softmax")
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
@@ -102,8 +104,27 @@ def test_softmax_and_log_softmax_properties(shape, dim_index, log, minus_inf, dt
     fn = lambda a: getattr(F, op)(a, dim=dim)   # noqa: E731
     compare_with_torch(torch, fn, lambda a: getattr(torch, op)(a, dim=dim), [x], rng, dtype=dtype, **tolerance(dtype))
     if dtype == np.float64 and not (log and minus_inf):  # finite differences of -inf outputs are NaN
-        assert autograd.gradcheck(fn, [leaf(x)])
+        assert autograd.gradcheck(fn, [leaf(x)], check_forward_ad=True)
 
 
 def test_dim_out_of_range_raises_a_clear_error():
     assert_clear_error(lambda: F.softmax(Tensor(np.zeros((2, 3))), dim=2), IndexError, ["dim", "[-2, 1]", "2"])
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_forward_mode_through_minus_inf_entries_and_rows(op, torch):
+    """-inf entries (masked keys) get a finite tangent that matches torch's; a row that is entirely
+    -inf (torch: NaN) gets softmax's tangent 0 and log_softmax's t_x, the transposes of what the
+    backward gives it (0 and dy): no NaN in either mode."""
+    rng = np.random.default_rng(8)
+    x = np.array([[-np.inf, 0.5, 2.0, -np.inf], [3.0, -np.inf, 1.0, -1.0], [-np.inf] * 4])
+    u, g = rng.standard_normal(x.shape), rng.standard_normal(x.shape)
+    fn = getattr(F, op)
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(fn(fwAD.make_dual(Tensor(x), u))).tangent
+    _, theirs = torch.func.jvp(lambda a: getattr(torch, op)(a, dim=-1), (torch.tensor(x[:2]),), (torch.tensor(u[:2]),))
+    np.testing.assert_allclose(tangent[:2], theirs.numpy(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(tangent[2], 0 if op == "softmax" else u[2])
+    x_leaf = leaf(x)
+    fn(x_leaf).backward(g)
+    np.testing.assert_allclose((g * tangent).sum(), (x_leaf.grad.numpy() * u).sum(), rtol=1e-12)
