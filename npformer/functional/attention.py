@@ -18,6 +18,7 @@ import math
 from autograd import Function, Tensor, backend, is_grad_enabled, random, unbroadcast
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
+from autograd.forward_ad import unpack_dual
 from autograd.kernels import kernel_table
 from autograd.threads import for_rows, row_blocks, run_blocks
 
@@ -98,7 +99,7 @@ class AttentionFunction(Function):
 
         run_blocks(forward_block, blocks)
         ctx.save_for_backward(q, k, v, probs, keep)
-        ctx.scale, ctx.dropout_scale = scale, dropout_scale
+        ctx.scale, ctx.dropout_scale, ctx.return_weights = scale, dropout_scale, return_weights
         ctx.mask_shape = None if additive is None else additive.shape
         return (out, probs if weights is None else weights) if return_weights else out
 
@@ -155,6 +156,68 @@ class AttentionFunction(Function):
                 unbroadcast(dv, v.shape) if need_v else None,
                 unbroadcast(dmask, ctx.mask_shape) if need_mask else None)
 
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tmask):
+        """(t_O [, t_Pd]) from the saved P, by (batch, head) blocks in the threads like forward."""
+        q, k, v, probs, keep = ctx.saved_tensors
+        xp = backend.get_array_module(probs)
+        lead = probs.shape[:-2]
+        tout = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)      # (..., Tq, hdv)
+        tweights = xp.empty_like(probs) if ctx.return_weights else None       # (..., Tq, Tk)
+        tmask = _at_least_2d(tmask)
+        axis, blocks = _batch_blocks(lead, (q, k, v), probs.size, probs)
+
+        def jvp_block(start, stop):
+            part = _batch_block(lead, axis, start, stop)
+            p = part(probs)
+            dropped = p if keep is None else p * part(keep) * ctx.dropout_scale   # Pd
+            # O = Pd V  ->  t_O = Pd t_V + t_Pd V
+            t_out = xp.matmul(dropped, part(tv), out=part(tout)) if tv is not None else None
+            tscores = _score_tangent(part(q) * ctx.scale, part(k), part(tq), part(tk), part(tmask), ctx.scale)
+            if tscores is None:  # only V moves: the probabilities stay
+                if tweights is not None:
+                    part(tweights)[...] = 0
+                return
+            # P = softmax(S)  ->  t_P = P (t_S - rowsum(P t_S))
+            tprobs = p * tscores
+            tprobs -= p * tprobs.sum(axis=-1, keepdims=True)
+            # Pd = P * keep / (1 - p)  ->  t_Pd = t_P * keep / (1 - p)
+            if keep is not None:
+                tprobs *= part(keep)
+                tprobs *= ctx.dropout_scale
+            if tweights is not None:
+                part(tweights)[...] = tprobs
+            if t_out is None:
+                xp.matmul(tprobs, part(v), out=part(tout))
+            else:
+                t_out += tprobs @ part(v)
+
+        if tv is None and tq is None and tk is None and tmask is None:
+            return None
+        run_blocks(jvp_block, blocks)
+        return (tout, tweights) if ctx.return_weights else tout
+
+
+def _score_tangent(q_scaled, k, tq, tk, tmask, scale):
+    """t_S of S = (s Q) K^T + mask: s t_Q K^T + (s Q) t_K^T + t_mask (a block of it, given the
+    blocks), or None when none of them moves."""
+    xp = backend.get_array_module(q_scaled)
+    parts = []
+    # S = s Q K^T  ->  t_S = s t_Q K^T + s Q t_K^T
+    if tq is not None:
+        parts.append(xp.matmul(tq * scale, k.swapaxes(-1, -2)))
+    if tk is not None:
+        parts.append(xp.matmul(q_scaled, tk.swapaxes(-1, -2)))
+    # S = ... + mask  ->  t_S += t_mask
+    if tmask is not None:
+        parts.append(tmask)
+    if not parts:
+        return None
+    total = parts[0]
+    for more in parts[1:]:
+        total = total + more
+    return total
+
 
 def _batch_blocks(lead, inputs, entries, like):
     """(axis, blocks) for `autograd.threads`: blocks of one batch axis, one per thread, along the
@@ -207,6 +270,13 @@ class MemoryEfficientAttentionFunction(Function):
                 unbroadcast(dk, k.shape) if need_k else None,
                 unbroadcast(dv, v.shape) if need_v else None,
                 dmask.reshape(ctx.mask_shape) if need_mask else None)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tmask):
+        """t_O block by block from the saved O and L (`attention_blockwise_jvp`), never a (Tq, Tk) matrix."""
+        q, k, v, out, lse, blocked, mask = ctx.saved_tensors
+        return attention_blockwise_jvp(q, k, v, out, lse, tq, tk, tv, _at_least_2d(tmask), blocked, mask,
+                                       *ctx.options)
 
 
 @kernel_table
@@ -310,6 +380,63 @@ def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, cau
     dq *= scale
     dk *= scale
     return dq, dk, dv, dmask
+
+
+@kernel_table
+def attention_blockwise_jvp(q, k, v, out, lse, tq, tk, tv, tmask, blocked, additive, causal, scale, block_size,
+                            dropout):
+    """t_O (..., Tq, hdv) of `attention_blockwise_forward` along the tangents tq, tk, tv, tmask (each
+    None when that input does not move), recomputing P = exp(S - L) block by block (on "cuda" too,
+    after the flash kernels' forward: their O and L are the reference's):
+
+        t_O = Pd t_V + (Pd * t_S) V - rowsum(P * t_S) O,   t_S = s (t_Q K^T + Q t_K^T) + t_mask
+
+    accumulated over key blocks as the forward accumulates O (FlashAttention-JVP): the row sums
+    r = rowsum(P * t_S) and acc = sum_j (Pd t_V + (Pd * t_S) V). L is the forward's final
+    logsumexp, so no running max or rescaling is needed. Dropout: the forward's mask, regenerated."""
+    xp = backend.get_array_module(out)
+    tq_len, tk_len = q.shape[-2], k.shape[-2]
+    lead = out.shape[:-2]
+    # a fully masked row has L = -inf: use +inf so exp(S - L) = 0 there, never -inf - (-inf)
+    lse = xp.where(xp.isfinite(lse), lse, math.inf)[..., None]         # (..., Tq, 1)
+    tout = xp.zeros_like(out)                                           # (..., Tq, hdv)
+    moves_scores = tq is not None or tk is not None or tmask is not None
+    for qs in range(0, tq_len, block_size):
+        qe = min(qs + block_size, tq_len)
+        q_scaled = q[..., qs:qe, :] * scale                             # (..., bq, hd)
+        acc = tout[..., qs:qe, :]                                       # (..., bq, hdv) view
+        row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)         # r = rowsum(P t_S)
+        for ks in _key_starts(qs, qe, tk_len, block_size, causal):
+            ke = min(ks + block_size, tk_len)
+            # forward: P = exp(S - L), recomputed block by block
+            p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+            p -= lse[..., qs:qe, :]
+            xp.exp(p, out=p)                                            # (..., bq, bk)
+            dropped, keep = p, None
+            if dropout is not None:                                     # Pd = P * keep / (1 - p)
+                keep = attention_keep_block(dropout, lead, tq_len, tk_len, qs, qe, ks, ke, q)
+                dropped = p * keep
+                dropped *= dropout_scale(dropout[0])
+            # O = Pd V  ->  t_O += Pd t_V
+            if tv is not None:
+                acc += dropped @ tv[..., ks:ke, :]
+            if not moves_scores:
+                continue
+            tscores = _score_tangent(q_scaled, k[..., ks:ke, :], None if tq is None else tq[..., qs:qe, :],
+                                     None if tk is None else tk[..., ks:ke, :],
+                                     None if tmask is None else mask_block(tmask, qs, qe, ks, ke), scale)
+            # P = softmax(S)  ->  t_P = P (t_S - r), r = rowsum(P t_S) over every key block
+            tscores = p * tscores                                       # (..., bq, bk) P t_S
+            row_sum += tscores.sum(axis=-1, keepdims=True)
+            # Pd = P * keep / (1 - p)  ->  the dropped P t_S
+            if keep is not None:
+                tscores *= keep
+                tscores *= dropout_scale(dropout[0])
+            # O = Pd V  ->  t_O += (P t_S)d V  (and - r O once the row is complete)
+            acc += tscores @ v[..., ks:ke, :]
+        # ... t_O -= r O: the softmax's row sum, known once every key block is seen
+        acc -= row_sum * out[..., qs:qe, :]
+    return tout
 
 
 def _blockwise_split(q, k, v):
@@ -421,9 +548,14 @@ class SplitHeadsFunction(Function):
     @staticmethod
     def forward(ctx, x, chunks, num_heads):
         B, T, width = x.shape
-        ctx.shape = x.shape
+        ctx.shape, ctx.layout = x.shape, (chunks, num_heads)
         heads = x.reshape(B, T, chunks, num_heads, width // (chunks * num_heads))   # (B, T, n, H, hd)
         return tuple(heads[:, :, i].transpose(0, 2, 1, 3) for i in range(chunks))  # n x (B, H, T, hd)
+
+    @staticmethod
+    def jvp(ctx, t):
+        # out_i = the heads of x[:, :, i E:(i + 1) E], a linear map  ->  t_out_i = the heads of t_x's columns
+        return SplitHeadsFunction.forward(ctx, t, *ctx.layout)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -500,9 +632,12 @@ class _Call:
         # a float mask that requires grad enters the Function as a Tensor input: its gradient is dS
         self.mask_grad = (self.additive is not None and isinstance(attn_mask, Tensor) and attn_mask.requires_grad
                           and is_grad_enabled())
-        if self.mask_grad:
+        # ... and so does one that carries a tangent (forward mode): t_S gets t_mask
+        moves = self.additive is not None and isinstance(attn_mask, Tensor) and unpack_dual(attn_mask).tangent is not None
+        if self.mask_grad or moves:
             if attn_mask.dtype != q.dtype:
-                raise TypeError(f"{op}: a float attn_mask that requires grad must have the dtype of the query "
+                why = "requires grad" if self.mask_grad else "carries a tangent"
+                raise TypeError(f"{op}: a float attn_mask that {why} must have the dtype of the query "
                                 f"({q.dtype}), got {attn_mask.dtype}")
             self.additive = attn_mask
 
