@@ -1,7 +1,10 @@
 """F.scaled_dot_product_attention, naive and memory-efficient: the registry's cases (every mask
 kind, fully masked rows, float masks that require grad, k and v broadcast, returned weights,
-dropout: gradcheck, torch, composite twin on every device), fully masked rows, blockwise against naive in float32, large scores and additive -1e9
-masks against torch, dropout semantics, empty keys, property-based tests, and clear errors."""
+dropout: gradcheck, torch, composite twin on every device), forward mode (each case's J u by
+gradcheck(check_forward_ad=True) and against torch.func.jvp; a float mask's tangent; blockwise
+against naive with one dropout generator; no (Tq, Tk) matrix on the blockwise path), fully masked
+rows, blockwise against naive in float32, large scores and additive -1e9 masks against torch,
+dropout semantics, empty keys, property-based tests, and clear errors."""
 import math
 
 import numpy as np
@@ -11,18 +14,155 @@ from hypothesis import given, strategies as st
 import autograd
 import npformer.functional as F
 from autograd import Tensor
+from autograd import forward_ad as fwAD
+from npformer import opcases
+from npformer.opcases.case import TOLERANCE, instantiate
 from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks
 
-from helpers import DTYPES, HYPOTHESIS, compare_runs, compare_with_torch, leaf, op_tests, tolerance
+from helpers import DTYPES, HYPOTHESIS, assert_clear_error, compare_runs, compare_with_torch, leaf, op_tests, tolerance
 from tolerances import Rounded, assert_close, attention_chain, rounding_tolerance, scaled, spread
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("attention")
+
 
 PATHS = {"naive": {}, "memory_efficient": {"memory_efficient": True, "block_size": 2}}
 
 
 def qkv(rng, tq=TQ, tk=TK, hd=HD, lead=(B, H)):
     return [rng.standard_normal(lead + (t, hd)) for t in (tq, tk, tk)]
+
+
+def jvp_matches_torch_func(case, torch, rng):
+    """The case's J u (every input moving along one random u; a module's parameters stay) against
+    torch.func.jvp of its torch reference, float64, attention on torch's math backend (its flash
+    kernel has no forward AD): outputs and tangents within TOLERANCE * max(1, max |reference|).
+    (To fold into tests/helpers.py's shared assert_jvp_matches_torch.)"""
+    instance = instantiate(case, rng)
+    tangents = [rng.standard_normal(a.shape) for a in instance.arrays]
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(t, u) for t, u in zip(instance.tensors, tangents)]
+        outs = [fwAD.unpack_dual(o) for o in _as_tuple(instance(*duals, *instance.tensors[len(duals):]))]
+    fn, leaves = instance.torch_function(torch)
+    primals = tuple(leaf.detach() for leaf in leaves)
+    directions = tuple(torch.tensor(u) for u in tangents) + tuple(torch.zeros_like(p) for p in primals[len(tangents):])
+    theirs, their_tangents = torch_jvp(torch, lambda *xs: _as_tuple(fn(*xs)), primals, directions)
+    for i, (ours, value, tangent) in enumerate(zip(outs, theirs, their_tangents)):
+        for what, a, b in (("output", ours.primal.numpy(), value), ("tangent", ours.tangent, tangent)):
+            b = b.detach().numpy()
+            a = np.zeros_like(b) if a is None else autograd.backend.as_numpy(a)
+            assert_close(a, b, TOLERANCE["torch", "float64"] * max(1.0, float(np.abs(b).max(initial=0))),
+                         err_msg=f"{case.name}: {what} {i}")
+
+
+def torch_jvp(torch, fn, primals, tangents):
+    """torch.func.jvp(fn, primals, tangents) with attention on torch's math backend."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return torch.func.jvp(fn, tuple(primals), tuple(tangents))
+
+
+def _as_tuple(result):
+    return tuple(o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None)
+
+
+def jvp_tests(family):
+    """Forward mode on the registry's cases of one family: gradcheck(check_forward_ad=True) in
+    float64 with every input on every device (J u against central differences, and the transpose
+    identity against the backward), and `jvp_matches_torch_func`. A test file binds them:
+    `test_forward_mode_gradcheck, test_forward_mode_matches_torch = jvp_tests("rotary")`."""
+    cases = opcases.cases(family)
+
+    @pytest.mark.parametrize("case", [c for c in cases if c.finite_differences], ids=lambda c: c.name)
+    def test_forward_mode_gradcheck(case, device):
+        instance = instantiate(case, np.random.default_rng(1), device)
+        assert autograd.gradcheck(instance, instance.tensors, check_forward_ad=True)
+
+    @pytest.mark.parametrize("case", [c for c in cases if c.torch], ids=lambda c: c.name)
+    def test_forward_mode_matches_torch(case, torch):
+        jvp_matches_torch_func(case, torch, np.random.default_rng(3))
+
+    return test_forward_mode_gradcheck, test_forward_mode_matches_torch
+
+
+test_forward_mode_gradcheck, test_forward_mode_matches_torch = jvp_tests("attention")
+
+
+def jvp_of_attention(arrays, tangents, device="cpu", dtype=np.float64, mask=None, mask_tangent=None, **kwargs):
+    """(out, t_out) of F.scaled_dot_product_attention(q, k, v, **kwargs) along the tangents, on
+    inputs that do not require grad (forward mode alone: no graph is recorded); a float mask and
+    its tangent when given."""
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(Tensor(a, device=device, dtype=dtype), autograd.backend.to_device(u.astype(dtype), device))
+                 for a, u in zip(arrays, tangents)]
+        if mask_tangent is not None:
+            mask = fwAD.make_dual(Tensor(mask, device=device, dtype=dtype), autograd.backend.to_device(
+                mask_tangent.astype(dtype), device))
+        out = F.scaled_dot_product_attention(*duals, attn_mask=mask, **kwargs)
+        assert out.creator is None
+        primal, tangent = fwAD.unpack_dual(out)
+        return primal.numpy(), autograd.backend.as_numpy(tangent)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_float_mask_that_carries_a_tangent_but_no_grad_moves_the_output(path, torch):
+    """Its tangent was dropped (the mask entered the op as a constant array): J u missed t_mask."""
+    rng = np.random.default_rng(21)
+    arrays, tangents = qkv(rng), qkv(rng)
+    mask, mask_tangent = rng.standard_normal((TQ, TK)), rng.standard_normal((TQ, TK))
+    mask[2, 1:] = -np.inf
+    _, ours = jvp_of_attention(arrays, tangents, mask=mask, mask_tangent=mask_tangent, is_causal=True, **PATHS[path])
+    tril = torch.tensor(np.tril(np.ones((TQ, TK), dtype=bool)))
+    _, theirs = torch_jvp(torch, lambda q, k, v, m: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=m.masked_fill(~tril, -np.inf)), map(torch.tensor, arrays + [mask]),
+        map(torch.tensor, tangents + [mask_tangent]))
+    assert_close(ours, theirs.numpy(), scaled(1e-12, *arrays, *tangents, mask_tangent))
+    only_mask = jvp_of_attention(arrays, [np.zeros_like(a) for a in arrays], mask=mask, mask_tangent=mask_tangent,
+                                 **PATHS[path])[1]
+    assert np.abs(only_mask).max() > 0.01
+
+
+def test_a_float_mask_with_a_tangent_in_another_dtype_is_a_clear_error():
+    rng = np.random.default_rng(22)
+    q, k, v = (Tensor(a) for a in qkv(rng))
+    with fwAD.dual_level():
+        mask = fwAD.make_dual(Tensor(np.zeros((TQ, TK), np.float32)), np.ones((TQ, TK), np.float32))
+        assert_clear_error(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), TypeError,
+                           ["attn_mask", "carries a tangent", "float64", "float32"])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 67, 70, 16), (2, 3, 33, 17, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_efficient_jvp_equals_naive_float32_with_the_same_dropout(shape, causal, device):
+    """Block sizes that do not divide T, Tq != Tk, a padding mask, dropout from one generator
+    (each key block regenerates the forward's part of the mask): the blockwise J u equals the
+    naive path's up to float32 rounding over the longest sum, scaled by the magnitudes."""
+    b, h, tq, tk, hd = shape
+    rng = np.random.default_rng(23)
+    arrays, tangents = qkv(rng, tq, tk, hd, (b, h)), qkv(rng, tq, tk, hd, (b, h))
+    keep = rng.random((b, 1, 1, tk)) > 0.2
+    results = [jvp_of_attention(arrays, tangents, device, np.float32, mask=keep, is_causal=causal, dropout_p=0.2,
+                                generator=autograd.random.Philox(5, offset=8), **kwargs)
+               for kwargs in ({}, {"memory_efficient": True, "block_size": 16})]
+    unit = rounding_tolerance(np.float32, terms=max(tq, tk, hd))
+    for name, ours, ref in zip(["out", "t_out"], *results):
+        assert ours.dtype == np.float32
+        assert_close(ours, ref, scaled(unit, *arrays, *tangents), rtol=unit, err_msg=name)
+
+
+def test_memory_efficient_jvp_keeps_no_query_by_key_matrix():
+    """The memory bound: numpy's allocations (tracemalloc) during the blockwise J u stay under a
+    quarter of one (Tq, Tk) matrix, where the naive path's hold several."""
+    import tracemalloc
+    rng = np.random.default_rng(24)
+    t, hd, block = 512, 8, 64
+    arrays, tangents = qkv(rng, t, t, hd, (1, 1)), qkv(rng, t, t, hd, (1, 1))
+    matrix = t * t * 8                                                   # bytes of one float64 (Tq, Tk) matrix
+    peaks = {}
+    for name, kwargs in {"naive": {}, "memory_efficient": {"memory_efficient": True, "block_size": block}}.items():
+        tracemalloc.start()
+        jvp_of_attention(arrays, tangents, is_causal=True, **kwargs)
+        peaks[name] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks["memory_efficient"] < matrix / 4 < peaks["naive"] / 8, peaks
 
 
 
