@@ -1,5 +1,6 @@
 """F.split_heads: the registry's cases (one and three chunks: gradcheck, torch, composite twin on
-every device) and clear errors for bad shapes."""
+every device; forward mode: gradcheck(check_forward_ad=True) and torch.func.jvp) and clear errors
+for bad shapes."""
 import numpy as np
 import pytest
 
@@ -7,8 +8,10 @@ import npformer.functional as F
 from autograd import Tensor
 
 from helpers import op_tests
+from test_op_attention import jvp_tests  # (to fold into tests/helpers.py)
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("split_heads")
+test_forward_mode_gradcheck, test_forward_mode_matches_torch = jvp_tests("split_heads")
 
 
 @pytest.mark.parametrize("shape, num_heads, chunks, match", [
