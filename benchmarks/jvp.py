@@ -111,9 +111,10 @@ def model_jvp(args, cfg):
     for name in median:
         print(f"{name:>7}: {median[name]:9.1f} ms")
     print(f"ratio ours/torch: {median['ours'] / median['torch']:.2f}x")
-    scale = float(np.abs(their_tangent).max())
-    print(f"max |ours - torch| / max |torch|: logits {np.abs(logits - their_logits).max() / np.abs(their_logits).max():.1e}"
-          f", tangent {np.abs(tangent - their_tangent).max() / scale:.1e}")
+    def apart(ours, theirs):
+        return np.abs(ours - theirs).max() / np.abs(theirs).max()
+    print(f"max |ours - torch| / max |torch|: logits {apart(logits, their_logits):.1e}, "
+          f"tangent {apart(tangent, their_tangent):.1e}")
 
 
 def attention_jvp(path, t, block_size):

@@ -162,61 +162,55 @@ class AttentionFunction(Function):
         q, k, v, probs, keep = ctx.saved_tensors
         xp = backend.get_array_module(probs)
         lead = probs.shape[:-2]
+        moves_scores = tq is not None or tk is not None or tmask is not None
         tout = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)      # (..., Tq, hdv)
-        tweights = xp.empty_like(probs) if ctx.return_weights else None       # (..., Tq, Tk)
+        tweights = xp.empty_like(probs) if ctx.return_weights and moves_scores else None   # (..., Tq, Tk)
         tmask = _at_least_2d(tmask)
         axis, blocks = _batch_blocks(lead, (q, k, v), probs.size, probs)
 
         def jvp_block(start, stop):
             part = _batch_block(lead, axis, start, stop)
-            p = part(probs)
-            dropped = p if keep is None else p * part(keep) * ctx.dropout_scale   # Pd
-            # O = Pd V  ->  t_O = Pd t_V + t_Pd V
-            t_out = xp.matmul(dropped, part(tv), out=part(tout)) if tv is not None else None
-            tscores = _score_tangent(part(q) * ctx.scale, part(k), part(tq), part(tk), part(tmask), ctx.scale)
-            if tscores is None:  # only V moves: the probabilities stay
+            p, t_out = part(probs), part(tout)
+            if moves_scores:
+                tscores = _score_tangent(part(q) * ctx.scale, part(k), None if tq is None else part(tq) * ctx.scale,
+                                         part(tk), part(tmask))
+                # P = softmax(S)  ->  t_P = P (t_S - rowsum(P t_S))
+                tprobs = p * tscores
+                tprobs -= p * tprobs.sum(axis=-1, keepdims=True)
+                # Pd = P * keep / (1 - p)  ->  t_Pd = t_P * keep / (1 - p)
+                if keep is not None:
+                    tprobs *= part(keep)
+                    tprobs *= ctx.dropout_scale
                 if tweights is not None:
-                    part(tweights)[...] = 0
-                return
-            # P = softmax(S)  ->  t_P = P (t_S - rowsum(P t_S))
-            tprobs = p * tscores
-            tprobs -= p * tprobs.sum(axis=-1, keepdims=True)
-            # Pd = P * keep / (1 - p)  ->  t_Pd = t_P * keep / (1 - p)
-            if keep is not None:
-                tprobs *= part(keep)
-                tprobs *= ctx.dropout_scale
-            if tweights is not None:
-                part(tweights)[...] = tprobs
-            if t_out is None:
-                xp.matmul(tprobs, part(v), out=part(tout))
-            else:
-                t_out += tprobs @ part(v)
+                    part(tweights)[...] = tprobs
+                # O = Pd V  ->  t_O = t_Pd V (+ Pd t_V)
+                xp.matmul(tprobs, part(v), out=t_out)
+            if tv is not None:
+                dropped = p if keep is None else p * part(keep) * ctx.dropout_scale   # Pd
+                # O = Pd V  ->  t_O += Pd t_V
+                if moves_scores:
+                    t_out += dropped @ part(tv)
+                else:
+                    xp.matmul(dropped, part(tv), out=t_out)
 
-        if tv is None and tq is None and tk is None and tmask is None:
-            return None
         run_blocks(jvp_block, blocks)
         return (tout, tweights) if ctx.return_weights else tout
 
 
-def _score_tangent(q_scaled, k, tq, tk, tmask, scale):
-    """t_S of S = (s Q) K^T + mask: s t_Q K^T + (s Q) t_K^T + t_mask (a block of it, given the
-    blocks), or None when none of them moves."""
+def _score_tangent(q_scaled, k, tq_scaled, tk, tmask):
+    """t_S of S = (s Q) K^T + mask, given s Q and s t_Q: (s t_Q) K^T + (s Q) t_K^T + t_mask (each
+    term where its tangent is not None; one block of it when given blocks)."""
     xp = backend.get_array_module(q_scaled)
     parts = []
     # S = s Q K^T  ->  t_S = s t_Q K^T + s Q t_K^T
-    if tq is not None:
-        parts.append(xp.matmul(tq * scale, k.swapaxes(-1, -2)))
+    if tq_scaled is not None:
+        parts.append(xp.matmul(tq_scaled, k.swapaxes(-1, -2)))
     if tk is not None:
         parts.append(xp.matmul(q_scaled, tk.swapaxes(-1, -2)))
     # S = ... + mask  ->  t_S += t_mask
     if tmask is not None:
         parts.append(tmask)
-    if not parts:
-        return None
-    total = parts[0]
-    for more in parts[1:]:
-        total = total + more
-    return total
+    return sum(parts[1:], parts[0])                                     # out of place: never into t_mask
 
 
 def _batch_blocks(lead, inputs, entries, like):
@@ -404,6 +398,7 @@ def attention_blockwise_jvp(q, k, v, out, lse, tq, tk, tv, tmask, blocked, addit
     for qs in range(0, tq_len, block_size):
         qe = min(qs + block_size, tq_len)
         q_scaled = q[..., qs:qe, :] * scale                             # (..., bq, hd)
+        tq_scaled = None if tq is None else tq[..., qs:qe, :] * scale   # (..., bq, hd)
         acc = tout[..., qs:qe, :]                                       # (..., bq, hdv) view
         row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)         # r = rowsum(P t_S)
         for ks in _key_starts(qs, qe, tk_len, block_size, causal):
@@ -422,9 +417,8 @@ def attention_blockwise_jvp(q, k, v, out, lse, tq, tk, tv, tmask, blocked, addit
                 acc += dropped @ tv[..., ks:ke, :]
             if not moves_scores:
                 continue
-            tscores = _score_tangent(q_scaled, k[..., ks:ke, :], None if tq is None else tq[..., qs:qe, :],
-                                     None if tk is None else tk[..., ks:ke, :],
-                                     None if tmask is None else mask_block(tmask, qs, qe, ks, ke), scale)
+            tscores = _score_tangent(q_scaled, k[..., ks:ke, :], tq_scaled, None if tk is None else tk[..., ks:ke, :],
+                                     None if tmask is None else mask_block(tmask, qs, qe, ks, ke))
             # P = softmax(S)  ->  t_P = P (t_S - r), r = rowsum(P t_S) over every key block
             tscores = p * tscores                                       # (..., bq, bk) P t_S
             row_sum += tscores.sum(axis=-1, keepdims=True)
@@ -633,7 +627,8 @@ class _Call:
         self.mask_grad = (self.additive is not None and isinstance(attn_mask, Tensor) and attn_mask.requires_grad
                           and is_grad_enabled())
         # ... and so does one that carries a tangent (forward mode): t_S gets t_mask
-        moves = self.additive is not None and isinstance(attn_mask, Tensor) and unpack_dual(attn_mask).tangent is not None
+        moves = (self.additive is not None and isinstance(attn_mask, Tensor)
+                 and unpack_dual(attn_mask).tangent is not None)
         if self.mask_grad or moves:
             if attn_mask.dtype != q.dtype:
                 why = "requires grad" if self.mask_grad else "carries a tangent"

@@ -90,12 +90,14 @@ def jvp_of_attention(arrays, tangents, device="cpu", dtype=np.float64, mask=None
     """(out, t_out) of F.scaled_dot_product_attention(q, k, v, **kwargs) along the tangents, on
     inputs that do not require grad (forward mode alone: no graph is recorded); a float mask and
     its tangent when given."""
+    def dual(array, tangent):
+        return fwAD.make_dual(Tensor(array, device=device, dtype=dtype),
+                              autograd.backend.to_device(tangent.astype(dtype), device))
+
     with fwAD.dual_level():
-        duals = [fwAD.make_dual(Tensor(a, device=device, dtype=dtype), autograd.backend.to_device(u.astype(dtype), device))
-                 for a, u in zip(arrays, tangents)]
+        duals = [dual(a, u) for a, u in zip(arrays, tangents)]
         if mask_tangent is not None:
-            mask = fwAD.make_dual(Tensor(mask, device=device, dtype=dtype), autograd.backend.to_device(
-                mask_tangent.astype(dtype), device))
+            mask = dual(mask, mask_tangent)
         out = F.scaled_dot_product_attention(*duals, attn_mask=mask, **kwargs)
         assert out.creator is None
         primal, tangent = fwAD.unpack_dual(out)
