@@ -150,6 +150,23 @@ def test_memory_efficient_jvp_equals_naive_float32_with_the_same_dropout(shape, 
         assert_close(ours, ref, scaled(unit, *arrays, *tangents), rtol=unit, err_msg=name)
 
 
+@pytest.mark.parametrize("lead", [(3, 2), (1, 3)])
+def test_naive_jvp_in_threads_equals_one_thread(threads, lead):
+    """The naive rule runs in (batch, head) blocks like its forward: blocks of the batch, or of the
+    heads when B = 1; the returned weights' tangent and dropout included."""
+    rng = np.random.default_rng(25)
+    arrays, tangents = qkv(rng, lead=lead), qkv(rng, lead=lead)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        with fwAD.dual_level():
+            outs = F.scaled_dot_product_attention(*(fwAD.make_dual(Tensor(a), u) for a, u in zip(arrays, tangents)),
+                                                  dropout_p=0.3, return_weights=True, generator=autograd.random.Philox(2))
+            results.append([fwAD.unpack_dual(o).tangent for o in outs])
+    for one, two in zip(*results):  # (up to the GEMMs' last bits, which BLAS may round per block)
+        np.testing.assert_allclose(one, two, rtol=1e-13, atol=1e-13)
+
+
 def test_memory_efficient_jvp_keeps_no_query_by_key_matrix():
     """The memory bound: numpy's allocations (tracemalloc) during the blockwise J u stay under a
     quarter of one (Tq, Tk) matrix, where the naive path's hold several."""
