@@ -22,6 +22,7 @@ import math
 from autograd import Function, Tensor, backend, is_grad_enabled, stack, unbroadcast, where
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
+from autograd.forward_ad import unpack_dual
 from npformer.runtime import kernels, random
 from npformer.runtime.kernels import kernel_table
 
@@ -146,7 +147,7 @@ class AttentionFunction(Function):
         attention_forward(q, k, v, _at_least_2d(additive), blocked, causal, scale, keep, dropout_scale,
                           probs, out, weights)
         ctx.save_for_backward(q, k, v, probs, keep)
-        ctx.scale, ctx.dropout_scale = scale, dropout_scale
+        ctx.scale, ctx.dropout_scale, ctx.return_weights = scale, dropout_scale, return_weights
         ctx.masks = (additive, blocked, causal)                               # for differentiable_backward
         ctx.mask_shape = None if additive is None else additive.shape
         return (out, probs if weights is None else weights) if return_weights else out
@@ -197,6 +198,47 @@ class AttentionFunction(Function):
         dq = (dscores @ k) * ctx.scale if need_q else None
         dk = (dscores.swapaxes(-1, -2) @ q) * ctx.scale if need_k else None
         return dq, dk, dv, dscores if need_mask else None
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tmask):
+        """(t_O [, t_Pd]) from the saved P: the forward's steps along the tangents."""
+        q, k, v, probs, keep = ctx.saved_tensors
+        dropped = probs if keep is None else probs * keep * ctx.dropout_scale     # Pd (..., Tq, Tk)
+        tout = tweights = None
+        if tq is not None or tk is not None or tmask is not None:
+            tscores = _score_tangent(q * ctx.scale, k, None if tq is None else tq * ctx.scale, tk,
+                                     _at_least_2d(tmask))                      # (..., Tq, Tk)
+            # P = softmax(S)  ->  t_P = P (t_S - rowsum(P t_S))
+            tprobs = probs * (tscores - (probs * tscores).sum(axis=-1, keepdims=True))
+            # Pd = P * keep / (1 - p)  ->  t_Pd = t_P * keep / (1 - p)
+            tweights = tprobs if keep is None else tprobs * keep * ctx.dropout_scale
+            # O = Pd V  ->  t_O = t_Pd V
+            tout = tweights @ v                                                  # (..., Tq, hdv)
+        if tv is not None:
+            # O = Pd V  ->  t_O += Pd t_V
+            tout = dropped @ tv if tout is None else tout + dropped @ tv
+        if tout is None or tout.shape != probs.shape[:-1] + (v.shape[-1],):    # a broadcast q, k, v
+            tout = backend.get_array_module(probs).broadcast_to(
+                0 if tout is None else tout, probs.shape[:-1] + (v.shape[-1],)).copy()
+        if not ctx.return_weights:
+            return tout
+        return tout, tweights
+
+
+def _score_tangent(q_scaled, k, tq_scaled, tk, tmask):
+    """t_S of S = (s Q) K^T + mask, given s Q and s t_Q: (s t_Q) K^T + (s Q) t_K^T + t_mask (each
+    term where its tangent is not None; one block of it when given blocks)."""
+    xp = backend.get_array_module(q_scaled)
+    parts = []
+    # S = s Q K^T  ->  t_S = s t_Q K^T + s Q t_K^T
+    if tq_scaled is not None:
+        parts.append(xp.matmul(tq_scaled, k.swapaxes(-1, -2)))
+    if tk is not None:
+        parts.append(xp.matmul(q_scaled, tk.swapaxes(-1, -2)))
+    # S = ... + mask  ->  t_S += t_mask
+    if tmask is not None:
+        parts.append(tmask)
+    return sum(parts[1:], parts[0])                                     # out of place: never into t_mask
 
 
 def graph_probabilities(q, k, additive, blocked, causal, scale):
@@ -257,6 +299,13 @@ class MemoryEfficientAttentionFunction(Function):
                                                        options=ctx.options, need_mask=need[3])
         grads = grads + (None,) * (4 - len(grads))                             # no dMask without need_mask
         return tuple(g if wanted else None for g, wanted in zip(grads, need))
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tmask):
+        """t_O block by block from the saved O and L (`attention_blockwise_jvp`), never a (Tq, Tk) matrix."""
+        q, k, v, out, lse, blocked, mask = ctx.saved_tensors
+        return attention_blockwise_jvp(q, k, v, out, lse, tq, tk, tv, _at_least_2d(tmask), blocked, mask,
+                                       *ctx.options)
 
 
 class MemoryEfficientAttentionBackward(Function):
@@ -530,6 +579,63 @@ def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, cau
     return dq, dk, dv, dmask
 
 
+@kernel_table
+def attention_blockwise_jvp(q, k, v, out, lse, tq, tk, tv, tmask, blocked, additive, causal, scale, block_size,
+                            dropout):
+    """t_O (..., Tq, hdv) of `attention_blockwise_forward` along the tangents tq, tk, tv, tmask (each
+    None when that input does not move), recomputing P = exp(S - L) block by block (on "cuda" too,
+    after the flash kernels' forward: their O and L are the reference's):
+
+        t_O = Pd t_V + (Pd * t_S) V - rowsum(P * t_S) O,   t_S = s (t_Q K^T + Q t_K^T) + t_mask
+
+    accumulated over key blocks as the forward accumulates O (FlashAttention-JVP): the row sums
+    r = rowsum(P * t_S) and acc = sum_j (Pd t_V + (Pd * t_S) V). L is the forward's final
+    logsumexp, so no running max or rescaling is needed. Dropout: the forward's mask, regenerated."""
+    xp = backend.get_array_module(out)
+    tq_len, tk_len = q.shape[-2], k.shape[-2]
+    lead = out.shape[:-2]
+    # a fully masked row has L = -inf: use +inf so exp(S - L) = 0 there, never -inf - (-inf)
+    lse = xp.where(xp.isfinite(lse), lse, math.inf)[..., None]         # (..., Tq, 1)
+    tout = xp.zeros_like(out)                                           # (..., Tq, hdv)
+    moves_scores = tq is not None or tk is not None or tmask is not None
+    for qs in range(0, tq_len, block_size):
+        qe = min(qs + block_size, tq_len)
+        q_scaled = q[..., qs:qe, :] * scale                             # (..., bq, hd)
+        tq_scaled = None if tq is None else tq[..., qs:qe, :] * scale   # (..., bq, hd)
+        acc = tout[..., qs:qe, :]                                       # (..., bq, hdv) view
+        row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)         # r = rowsum(P t_S)
+        for ks in _key_starts(qs, qe, tk_len, block_size, causal):
+            ke = min(ks + block_size, tk_len)
+            # forward: P = exp(S - L), recomputed block by block
+            p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+            p -= lse[..., qs:qe, :]
+            xp.exp(p, out=p)                                            # (..., bq, bk)
+            dropped, keep = p, None
+            if dropout is not None:                                     # Pd = P * keep / (1 - p)
+                keep = attention_keep_block(dropout, lead, tq_len, tk_len, qs, qe, ks, ke, q)
+                dropped = p * keep
+                dropped *= dropout_scale(dropout[0])
+            # O = Pd V  ->  t_O += Pd t_V
+            if tv is not None:
+                acc += dropped @ tv[..., ks:ke, :]
+            if not moves_scores:
+                continue
+            tscores = _score_tangent(q_scaled, k[..., ks:ke, :], tq_scaled, None if tk is None else tk[..., ks:ke, :],
+                                     None if tmask is None else mask_block(tmask, qs, qe, ks, ke))
+            # P = softmax(S)  ->  t_P = P (t_S - r), r = rowsum(P t_S) over every key block
+            tscores = p * tscores                                       # (..., bq, bk) P t_S
+            row_sum += tscores.sum(axis=-1, keepdims=True)
+            # Pd = P * keep / (1 - p)  ->  the dropped P t_S
+            if keep is not None:
+                tscores *= keep
+                tscores *= dropout_scale(dropout[0])
+            # O = Pd V  ->  t_O += (P t_S)d V  (and - r O once the row is complete)
+            acc += tscores @ v[..., ks:ke, :]
+        # ... t_O -= r O: the softmax's row sum, known once every key block is seen
+        acc -= row_sum * out[..., qs:qe, :]
+    return tout
+
+
 def attention_keep_block(dropout, lead, tq, tk, q_start, q_stop, k_start, k_stop, like):
     """The dropout contract's keep-mask of the attention block (..., q rows, k cols), drawn alone:
     entry (b, i, j) of the (..., Tq, Tk) probabilities (b the flat index of the leading axes) is
@@ -580,9 +686,14 @@ class SplitHeadsFunction(Function):
     @staticmethod
     def forward(ctx, x, chunks, num_heads):
         B, T, width = x.shape
-        ctx.shape = x.shape
+        ctx.shape, ctx.layout = x.shape, (chunks, num_heads)
         heads = x.reshape(B, T, chunks, num_heads, width // (chunks * num_heads))   # (B, T, n, H, hd)
         return tuple(heads[:, :, i].transpose(0, 2, 1, 3) for i in range(chunks))  # n x (B, H, T, hd)
+
+    @staticmethod
+    def jvp(ctx, t):
+        # out_i = the heads of x[:, :, i E:(i + 1) E], a linear map  ->  t_out_i = the heads of t_x's columns
+        return SplitHeadsFunction.forward(ctx, t, *ctx.layout)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -659,9 +770,13 @@ class _Call:
         # a float mask that requires grad enters the Function as a Tensor input: its gradient is dS
         self.mask_grad = (self.additive is not None and isinstance(attn_mask, Tensor) and attn_mask.requires_grad
                           and is_grad_enabled())
-        if self.mask_grad:
+        # ... and so does one that carries a tangent (forward mode): t_S gets t_mask
+        moves = (self.additive is not None and isinstance(attn_mask, Tensor)
+                 and unpack_dual(attn_mask).tangent is not None)
+        if self.mask_grad or moves:
             if attn_mask.dtype != q.dtype:
-                raise TypeError(f"{op}: a float attn_mask that requires grad must have the dtype of the query "
+                why = "requires grad" if self.mask_grad else "carries a tangent"
+                raise TypeError(f"{op}: a float attn_mask that {why} must have the dtype of the query "
                                 f"({q.dtype}), got {attn_mask.dtype}")
             self.additive = attn_mask
 

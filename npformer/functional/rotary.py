@@ -4,6 +4,7 @@ from __future__ import annotations
 from autograd import Function, Tensor, backend, concatenate, is_grad_enabled
 from autograd.backend import Array, DType
 from autograd.checks import check_float_dtype, check_int, check_real
+from autograd.forward_ad import unpack_dual
 
 from ._common import broadcasts_to, check_tensor, has_twin, on_device_of
 
@@ -47,6 +48,11 @@ class RotaryEmbeddingFunction(Function):
         # dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin: linear in dy (the tables are constants)
         return concatenate([dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin], axis=-1)
 
+    @staticmethod
+    def jvp(ctx, t):
+        # y = R x, a rotation linear in x  ->  t_y = R t_x: the forward on the tangent (saving the same tables)
+        return RotaryEmbeddingFunction.forward(ctx, t, *ctx.saved_tensors)
+
 
 @has_twin
 def apply_rotary_emb(x: Tensor | Array, cos: Tensor | Array, sin: Tensor | Array) -> Tensor:
@@ -75,6 +81,9 @@ def rotary_tables(x, cos, sin):
         if isinstance(table, Tensor) and table.requires_grad and is_grad_enabled():
             raise RuntimeError(f"{op}: {name} requires grad, but the rotary tables are constants and get no "
                                f"gradient; pass {name}.detach()")
+        if isinstance(table, Tensor) and unpack_dual(table).tangent is not None:
+            raise RuntimeError(f"{op}: {name} carries a tangent (forward mode), but the rotary tables are constants "
+                               f"and their tangent would be dropped; pass forward_ad.unpack_dual({name}).primal")
         table = on_device_of(table, xd, name, op)
         if table.dtype.kind != "f":
             raise TypeError(f"{op}: {name} must be a floating array (e.g. from rotary_cos_sin), got dtype {table.dtype}")

@@ -17,21 +17,130 @@ import autograd
 import npformer
 import npformer.functional as F
 from autograd import Tensor
+from autograd import forward_ad as fwAD
 from npformer.opcases import OpCase, TOLERANCE, compare, instantiate
-from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks, normal
+from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks
 
-from helpers import (DTYPES, HYPOTHESIS, case_hvp, compare_runs, compare_with_torch, double_backward_tests, leaf, op_tests,
-                     tolerance)
+from helpers import (DTYPES, HYPOTHESIS, assert_clear_error, case_hvp, compare_runs, compare_with_torch,
+                     double_backward_tests, forward_mode_tests, leaf, op_tests, tolerance)
 from tolerances import Rounded, assert_close, attention_chain, rounding_tolerance, scaled, spread
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("attention")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("attention")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("attention")
+
 
 PATHS = {"naive": {}, "memory_efficient": {"memory_efficient": True, "block_size": 2}}
 
 
 def qkv(rng, tq=TQ, tk=TK, hd=HD, lead=(B, H)):
     return [rng.standard_normal(lead + (t, hd)) for t in (tq, tk, tk)]
+
+
+def torch_jvp(torch, fn, primals, tangents):
+    """torch.func.jvp(fn, primals, tangents) with attention on torch's math backend."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return torch.func.jvp(fn, tuple(primals), tuple(tangents))
+
+
+
+
+def jvp_of_attention(arrays, tangents, device="cpu", dtype=np.float64, mask=None, mask_tangent=None, **kwargs):
+    """(out, t_out) of F.scaled_dot_product_attention(q, k, v, **kwargs) along the tangents, on
+    inputs that do not require grad (forward mode alone: no graph is recorded); a float mask and
+    its tangent when given."""
+    def dual(array, tangent):
+        return fwAD.make_dual(Tensor(array, device=device, dtype=dtype),
+                              autograd.backend.to_device(tangent.astype(dtype), device))
+
+    with fwAD.dual_level():
+        duals = [dual(a, u) for a, u in zip(arrays, tangents)]
+        if mask_tangent is not None:
+            mask = dual(mask, mask_tangent)
+        out = F.scaled_dot_product_attention(*duals, attn_mask=mask, **kwargs)
+        assert out.creator is None
+        primal, tangent = fwAD.unpack_dual(out)
+        return primal.numpy(), autograd.backend.as_numpy(tangent)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_float_mask_that_carries_a_tangent_but_no_grad_moves_the_output(path, torch):
+    """Its tangent was dropped (the mask entered the op as a constant array): J u missed t_mask."""
+    rng = np.random.default_rng(21)
+    arrays, tangents = qkv(rng), qkv(rng)
+    mask, mask_tangent = rng.standard_normal((TQ, TK)), rng.standard_normal((TQ, TK))
+    mask[2, 1:] = -np.inf
+    _, ours = jvp_of_attention(arrays, tangents, mask=mask, mask_tangent=mask_tangent, is_causal=True, **PATHS[path])
+    tril = torch.tensor(np.tril(np.ones((TQ, TK), dtype=bool)))
+    _, theirs = torch_jvp(torch, lambda q, k, v, m: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=m.masked_fill(~tril, -np.inf)), map(torch.tensor, arrays + [mask]),
+        map(torch.tensor, tangents + [mask_tangent]))
+    assert_close(ours, theirs.numpy(), scaled(1e-12, *arrays, *tangents, mask_tangent))
+    only_mask = jvp_of_attention(arrays, [np.zeros_like(a) for a in arrays], mask=mask, mask_tangent=mask_tangent,
+                                 **PATHS[path])[1]
+    assert np.abs(only_mask).max() > 0.01
+
+
+def test_a_float_mask_with_a_tangent_in_another_dtype_is_a_clear_error():
+    rng = np.random.default_rng(22)
+    q, k, v = (Tensor(a) for a in qkv(rng))
+    with fwAD.dual_level():
+        mask = fwAD.make_dual(Tensor(np.zeros((TQ, TK), np.float32)), np.ones((TQ, TK), np.float32))
+        assert_clear_error(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), TypeError,
+                           ["attn_mask", "carries a tangent", "float64", "float32"])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 67, 70, 16), (2, 3, 33, 17, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_efficient_jvp_equals_naive_float32_with_the_same_dropout(shape, causal, device):
+    """Block sizes that do not divide T, Tq != Tk, a padding mask, dropout from one generator
+    (each key block regenerates the forward's part of the mask): the blockwise J u equals the
+    naive path's up to float32 rounding over the longest sum, scaled by the magnitudes."""
+    b, h, tq, tk, hd = shape
+    rng = np.random.default_rng(23)
+    arrays, tangents = qkv(rng, tq, tk, hd, (b, h)), qkv(rng, tq, tk, hd, (b, h))
+    keep = rng.random((b, 1, 1, tk)) > 0.2
+    results = [jvp_of_attention(arrays, tangents, device, np.float32, mask=keep, is_causal=causal, dropout_p=0.2,
+                                generator=npformer.runtime.random.Philox(5, offset=8), **kwargs)
+               for kwargs in ({}, {"memory_efficient": True, "block_size": 16})]
+    unit = rounding_tolerance(np.float32, terms=max(tq, tk, hd))
+    for name, ours, ref in zip(["out", "t_out"], *results):
+        assert ours.dtype == np.float32
+        assert_close(ours, ref, scaled(unit, *arrays, *tangents), rtol=unit, err_msg=name)
+
+
+@pytest.mark.parametrize("lead", [(3, 2), (1, 3)])
+def test_naive_jvp_in_threads_equals_one_thread(threads, lead):
+    """The naive rule runs in (batch, head) blocks like its forward: blocks of the batch, or of the
+    heads when B = 1; the returned weights' tangent and dropout included."""
+    rng = np.random.default_rng(25)
+    arrays, tangents = qkv(rng, lead=lead), qkv(rng, lead=lead)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        with fwAD.dual_level():
+            outs = F.scaled_dot_product_attention(*(fwAD.make_dual(Tensor(a), u) for a, u in zip(arrays, tangents)),
+                                                  dropout_p=0.3, return_weights=True, generator=npformer.runtime.random.Philox(2))
+            results.append([fwAD.unpack_dual(o).tangent for o in outs])
+    for one, two in zip(*results):  # (up to the GEMMs' last bits, which BLAS may round per block)
+        np.testing.assert_allclose(one, two, rtol=1e-13, atol=1e-13)
+
+
+def test_memory_efficient_jvp_keeps_no_query_by_key_matrix():
+    """The memory bound: numpy's allocations (tracemalloc) during the blockwise J u stay under a
+    quarter of one (Tq, Tk) matrix, where the naive path's hold several."""
+    import tracemalloc
+    rng = np.random.default_rng(24)
+    t, hd, block = 512, 8, 64
+    arrays, tangents = qkv(rng, t, t, hd, (1, 1)), qkv(rng, t, t, hd, (1, 1))
+    matrix = t * t * 8                                                   # bytes of one float64 (Tq, Tk) matrix
+    peaks = {}
+    for name, kwargs in {"naive": {}, "memory_efficient": {"memory_efficient": True, "block_size": block}}.items():
+        tracemalloc.start()
+        jvp_of_attention(arrays, tangents, is_causal=True, **kwargs)
+        peaks[name] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks["memory_efficient"] < matrix / 4 < peaks["naive"] / 8, peaks
 
 
 

@@ -1,5 +1,6 @@
 """F.apply_rotary_emb, F.rotary_cos_sin and nn.RotaryEmbedding: the registry's cases (gradcheck,
-torch, composite twin on every device), the tables and the rotation's properties, offsets,
+torch, composite twin on every device; forward mode: gradcheck(check_forward_ad=True) and
+torch.func.jvp), the tables and the rotation's properties, offsets,
 scores that depend only on relative positions, and clear errors."""
 import numpy as np
 import pytest
@@ -7,12 +8,14 @@ import pytest
 import autograd
 import npformer.functional as F
 from autograd import Tensor
+from autograd import forward_ad as fwAD
 from npformer import nn
 
-from helpers import F64, assert_clear_error, double_backward_tests, op_tests
+from helpers import F64, assert_clear_error, double_backward_tests, forward_mode_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("rotary")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("rotary")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("rotary")
 
 
 def test_rotary_tables_and_rotation_properties():
@@ -83,6 +86,15 @@ def test_rotary_refuses_bad_position_ids(position_ids, words):
 ])
 def test_bad_input_raises_a_clear_error(call, error, words):
     assert_clear_error(call, error, words)
+
+
+def test_a_rotary_table_that_carries_a_tangent_is_a_clear_error():
+    """The tables are constants: a tangent on one was dropped silently (J u missed it)."""
+    cos, sin = F.rotary_cos_sin(4, 6, dtype="float64")
+    with fwAD.dual_level():
+        moving = fwAD.make_dual(Tensor(sin), np.ones_like(sin))
+        assert_clear_error(lambda: F.apply_rotary_emb(Tensor(np.ones((4, 6))), cos, moving), RuntimeError,
+                           ["sin", "carries a tangent", "constants"])
 
 
 @pytest.mark.parametrize("dtype", ["x", None, "int32", {}])

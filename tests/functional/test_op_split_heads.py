@@ -1,15 +1,17 @@
 """F.split_heads: the registry's cases (one and three chunks: gradcheck, torch, composite twin on
-every device) and clear errors for bad shapes."""
+every device; forward mode: gradcheck(check_forward_ad=True) and torch.func.jvp) and clear errors
+for bad shapes."""
 import numpy as np
 import pytest
 
 import npformer.functional as F
 from autograd import Tensor
 
-from helpers import double_backward_tests, op_tests
+from helpers import double_backward_tests, forward_mode_tests, op_tests
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("split_heads")
 test_gradgradcheck, test_double_backward_matches_torch = double_backward_tests("split_heads")
+test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32 = forward_mode_tests("split_heads")
 
 
 @pytest.mark.parametrize("shape, num_heads, chunks, match", [

@@ -2,7 +2,9 @@
 kernel tables (`attention_blockwise_forward`, `attention_blockwise_backward` in
 npformer/functional/attention.py), registered for "cuda" wherever `flash_unsupported` finds
 nothing against the call (head dims 32/64/128, float32/float64, no mask that needs a gradient) and
-at most one of the bool and float masks is given (the kernels read one mask).
+at most one of the bool and float masks is given (the kernels read one mask). Forward mode has no
+kernel here: after their forward, `attention_blockwise_jvp` (the blockwise reference, in CuPy)
+gives J u from their O and L and regenerates their dropout mask, the same contract's.
 
 Inputs with broadcast leading axes are made contiguous (BH, T, D) arrays; a mask keeps its own
 shape: the kernels read it through one offset per (batch, head) and its strides along queries

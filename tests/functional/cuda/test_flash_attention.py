@@ -4,7 +4,8 @@
   through their launchers on host arrays, equal the memory-efficient path's reference for every
   head dim, dtype, mask kind, causal, dropout and Tq != Tk; and standing in for the "cpu"
   implementation of the path's kernel tables, F.scaled_dot_product_attention through them passes
-  float64 gradchecks and equals the naive path (same dropout generator) and torch.
+  float64 gradchecks (forward mode too: the blockwise jvp rule after the kernels' forward) and
+  equals the naive path (same dropout generator) and torch.
 - On a GPU: the same kernels through CuPy (skipped without one).
 - Everywhere: backend= / attention_backend (which path runs, and why flash does not apply), and
   the gradient of a float attn_mask that requires grad (naive and memory-efficient, vs torch).
@@ -262,6 +263,19 @@ def test_a_second_derivative_through_the_kernels_equals_the_naive_paths(flash_on
     assert flash_on_cpu.launches
     for ours, reference in zip(flash, naive):
         np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-12 * max(1.0, np.abs(reference).max()))
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "padding_and_causal", "float"])
+def test_forward_mode_through_the_kernels_runs_the_blockwise_jvp_on_their_output(flash_on_cpu, mask):
+    """The kernels have no forward mode: J u comes from attention_blockwise_jvp on their O and L,
+    with their dropout mask (finite differences run the kernels' forward)."""
+    rng = np.random.default_rng(10)
+    kwargs = sdpa_masks(rng, 3, 4)[mask]
+    ins = [leaf(a) for a in qkv(rng, 2, 1, 3, 4, 32)]
+    assert autograd.gradcheck(lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, dropout_p=0.3, backend="flash", generator=random.Philox(4), **kwargs), ins, check_forward_ad=True)
+    assert "flash_attention_forward" in {name.split("_float")[0].split("_double")[0] for name, _, _ in
+                                         flash_on_cpu.launches}
 
 
 @pytest.mark.parametrize("mask", ["causal", "bool", "padding_and_causal", "float"])
