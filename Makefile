@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test gradcheck bench clean
+.PHONY: demo test gradcheck bench notebooks clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ gradcheck: $(VENV)/.stamp-dev
 
 bench: $(VENV)/.stamp-dev
 	$(BIN)/python benchmarks/train_step.py --config base
+
+notebooks: $(VENV)/.stamp-dev
+	$(BIN)/jupytext --to ipynb notebooks/*.py
 
 clean:
 	rm -rf $(VENV) runs
