@@ -107,7 +107,7 @@ def compare(name: str, mine: object, engine: object, numeric: object, *, axes: S
     if len(axes) != mine.ndim:
         raise ValueError(f"compare: {name}: axes must name the {mine.ndim} axes of the gradient, got {len(axes)}")
     result = _judge(name, axes, mine, {name: engine}, numeric)
-    (stream or sys.stdout).write(f"{name:<10} {result.verdict:<6} max diff {result.max_diff:.1e}  "
+    (stream or sys.stdout).write(f"{name:<16} {result.verdict:<6} max diff {result.max_diff:.1e}  "
                                  f"finite diff {result.fd_diff:.1e}  {result.worst}".rstrip() + "\n")
     return result
 
