@@ -43,7 +43,7 @@ from npformer import plots
 from npformer.exercises import ForwardSteps, check
 
 rng = np.random.default_rng(0)
-FIGURES = tempfile.mkdtemp(prefix="npformer-notebook-")
+FIGURES = tempfile.TemporaryDirectory(prefix="npformer-notebook-").name   # removed when the kernel exits
 
 # %% [markdown]
 # ## The forward, step by step

@@ -42,7 +42,7 @@ from IPython.display import Image, display  # noqa: E402
 from npformer import plots  # noqa: E402
 from npformer.training import Seq2SeqTrainer  # noqa: E402
 
-FIGURES = tempfile.mkdtemp(prefix="npformer-notebook-")
+FIGURES = tempfile.TemporaryDirectory(prefix="npformer-notebook-").name   # removed when the kernel exits
 
 # %% [markdown]
 # ## The task and the model
