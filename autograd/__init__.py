@@ -1,16 +1,19 @@
-"""A small reverse-mode autodiff core: Tensor, Function, the tape and gradcheck.
+"""A small reverse-mode autodiff core: Tensor, the primitive ops, Function and the tape, the grad
+modes, gradcheck, the backend switch and the argument checks (README.md, "Reading the core").
 
-This is npformer's own package, not the PyPI package named `autograd`.
+This is npformer's own package, not the PyPI package named `autograd`. It imports nothing but
+itself and the standard library (and numpy, CuPy where installed, in the backend switch), and
+importing it changes nothing in the process: code that runs beside it (npformer's runtime) plugs
+in through `autograd.hooks` and `backend.register_device`.
 """
-from . import backend, deferred, graphs, host_memory, random, testdevice, threads
+from . import backend, hooks
 from .backend import get_array_module
-from .random import manual_seed
-from .function import Function, detect_anomaly, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from .function import Function
 from .gradcheck import GradcheckError, gradcheck
-from .tensor import Tensor, concatenate, stack, unbroadcast, where
+from .modes import detect_anomaly, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from .ops import unbroadcast
+from .tensor import Tensor, concatenate, stack, where
 
-host_memory.keep_freed_memory()  # once, at import: freed arrays' pages are reused (see host_memory)
-
-__all__ = ["backend", "deferred", "graphs", "host_memory", "random", "testdevice", "threads", "get_array_module", "manual_seed", "Function", "detect_anomaly",
-           "enable_grad", "is_grad_enabled", "no_grad", "set_grad_enabled", "GradcheckError", "gradcheck",
-           "Tensor", "concatenate", "stack", "unbroadcast", "where"]
+__all__ = ["backend", "hooks", "get_array_module", "Function", "detect_anomaly", "enable_grad", "is_grad_enabled",
+           "no_grad", "set_grad_enabled", "GradcheckError", "gradcheck", "Tensor", "concatenate", "stack",
+           "unbroadcast", "where"]

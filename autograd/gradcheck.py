@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import backend
-from .function import no_grad
+from .modes import no_grad
 from .tensor import Tensor
 
 

@@ -17,7 +17,7 @@ multithreaded BLAS calls wait for descheduled threads, --threads 1 gives steadie
 --device cuda (default lengths 1,024 ... 65,536; needs CuPy and torch with CUDA): peak GPU memory
 added by one forward + backward, from CuPy's pool (every allocation goes through a counting
 allocator) and from torch.cuda.max_memory_allocated. ours-memory-efficient is the blockwise
-CuPy reference (run inside autograd.kernels.reference_only()); ours-flash the CUDA kernels.
+CuPy reference (run inside npformer.runtime.kernels.reference_only()); ours-flash the CUDA kernels.
 
 Inputs (q, k, v, dout) are allocated before the baseline, so the memory figures count what
 attention adds, the returned gradients included.
@@ -65,7 +65,8 @@ class CupyPeak:
 def ours_step(impl, device, arrays, causal, block_size):
     """One forward + backward of our SDPA on `device` (a closure), and the array module."""
     import npformer.functional as F
-    from autograd import Tensor, backend, kernels
+    from autograd import Tensor, backend
+    from npformer.runtime import kernels
     q, k, v = (Tensor(backend.to_device(a, device), requires_grad=True) for a in arrays[:3])
     dout = backend.to_device(arrays[3], device)
     options = {"ours-naive": {"backend": "naive"}, "ours-flash": {"backend": "flash"},
@@ -109,7 +110,7 @@ def cpu_worker(impl, t, repeats, causal, block_size):
             q.grad = k.grad = v.grad = None
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(dout)
     else:
-        from autograd import threads
+        from npformer.runtime import threads
         # npformer's threads split attention over the batch axis, here of size 1: with n > 1 they
         # would idle and hold numpy's BLAS to one thread. One npformer thread leaves the products
         # to BLAS's threads (the environment's, or --threads), as many as torch's.

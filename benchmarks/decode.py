@@ -32,10 +32,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import autograd  # noqa: E402
-from autograd import backend, threads  # noqa: E402
+import npformer  # noqa: E402
+from autograd import backend  # noqa: E402
 from npformer.decoding import greedy_decode  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
+from npformer.runtime import threads  # noqa: E402
 
 CONFIGS = {  # docs/benchmark_configurations.md
     "tiny": dict(vocab=20, d_model=32, nhead=4, dim_feedforward=64, layers=2),
@@ -85,7 +86,7 @@ def torch_greedy(model, src, steps, bos=1):
 def main(argv=None):
     args = parse_args(argv)
     cfg = CONFIGS[args.config]
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     threads.set_num_threads(1)  # BLAS's threads only (npformer's default would add one per core)
     model = Seq2SeqTransformer(cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"],
                                num_encoder_layers=cfg["layers"], num_decoder_layers=cfg["layers"],

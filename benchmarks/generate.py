@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import npformer  # noqa: E402
-from autograd import threads  # noqa: E402
+from npformer.runtime import threads  # noqa: E402
 from npformer import interop  # noqa: E402
 from npformer.decoding import generate  # noqa: E402
 from timing import time_functions, timed  # noqa: E402

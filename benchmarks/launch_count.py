@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from autograd import kernels, testdevice  # noqa: E402
+from npformer.runtime import kernels, testdevice  # noqa: E402
 from npformer.functional import cuda  # noqa: E402
 from train_step import CONFIGS, Ours  # noqa: E402
 

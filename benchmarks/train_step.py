@@ -75,6 +75,7 @@ def causal_config(cfg):
 
 def gemm_rate(device):
     """Measured float32 GEMM GFLOP/s of the array library on this machine."""
+    import npformer  # noqa: F401  (its runtime registers the "test" device)
     from autograd import backend
     xp = backend.module_for(device)
     n = 1024

@@ -39,6 +39,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import autograd  # noqa: E402
+import npformer  # noqa: E402
 import npformer.distributed as dist  # noqa: E402
 from npformer import load_checkpoint, load_model, optim  # noqa: E402
 from npformer.checkpoint import CheckpointError  # noqa: E402
@@ -157,7 +158,7 @@ def make_task(settings, seed):
 
 def build(settings, seed, device):
     """Seeded model, optimizer and scheduler for the settings."""
-    autograd.manual_seed(seed)
+    npformer.manual_seed(seed)
     model = Seq2SeqTransformer(
         settings["vocab"], settings["vocab"], d_model=settings["d_model"], nhead=settings["nhead"],
         num_encoder_layers=settings["layers"], num_decoder_layers=settings["layers"],
@@ -285,7 +286,7 @@ def train(args):
     if args.distributed:  # before the model is built: with GPUs, each rank takes its own
         ranks, main_rank = dist.init().size, dist.rank() == 0
         if "NPFORMER_NUM_THREADS" not in os.environ:  # the ranks share the cores (as torchrun's OMP_NUM_THREADS)
-            autograd.threads.set_num_threads(max(1, autograd.threads.available_cores() // ranks))
+            npformer.runtime.threads.set_num_threads(max(1, npformer.runtime.threads.available_cores() // ranks))
     os.makedirs(out, exist_ok=True)
     task = make_task(settings, seed)
     model, optimizer, scheduler = build(settings, seed, args.device)
@@ -341,7 +342,7 @@ def train(args):
         "wall_seconds": round(time.perf_counter() - START, 2), "cpu_seconds": round(time.process_time(), 2),
         "parameters": int(parameters),
         "preset": preset, "seed": seed, "device": args.device, "ranks": ranks,
-        "threads_per_rank": autograd.threads.get_num_threads(), "settings": settings,
+        "threads_per_rank": npformer.runtime.threads.get_num_threads(), "settings": settings,
         "model_config": model.config, "checkpoint": checkpoint_path, "figures": files,
     }
     with open(os.path.join(out, "metrics.json"), "w") as f:

@@ -26,20 +26,20 @@ contents rewritten by each replay; host values computed inside the step are froz
 (so nothing in it may read device values: no `.item()`, no `float(...)`), except what npformer
 keeps on the device for this purpose: the dropout stream's (seed, offset) advances on the device
 (each replay draws the masks an eager step would), Adam's step count and learning rate are
-rewritten before each replay (autograd.graphs.replayed: a scheduler stepped outside the graph
-applies), and the deferred id checks (autograd.deferred) report when the loss is read. Optimizers
+rewritten before each replay (npformer.runtime.graphs.replayed: a scheduler stepped outside the graph
+applies), and the deferred id checks (npformer.runtime.deferred) report when the loss is read. Optimizers
 other than Adam/AdamW refuse to be captured. Model and optimizer state must exist before the
 capture: the first `warmup` calls run eagerly (default 1).
 
 Where it runs: "cuda" (CuPy stream capture into a private memory pool, replayed with
 `Graph.launch`); "test", an emulation that records the step's operations and replays them on the
-same arrays (autograd.testdevice), so the same code path is tested without a GPU; "cpu": no graph,
+same arrays (npformer.runtime.testdevice), so the same code path is tested without a GPU; "cpu": no graph,
 every call runs eagerly.
 
 This module is npformer's public CUDA API (named like torch.cuda, whose graphs it mirrors) and
 nothing else: the CUDA kernels and their launchers all live in npformer/functional/cuda/, beside
 the kernel tables they register with, and the state a captured step rewrites before each replay
-(dropout offsets, Adam's scalars) is graph capture's (autograd.graphs).
+(dropout offsets, Adam's scalars) is graph capture's (npformer.runtime.graphs).
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from autograd import Tensor, backend, deferred, graphs, testdevice
+from autograd import Tensor, backend
+from npformer.runtime import deferred, graphs, testdevice
 
 __all__ = ["graphed", "GraphedStep"]
 
@@ -99,7 +100,7 @@ class _CudaGraph:
 
 
 class _EmulatedGraph:
-    """The test device's stand-in: a recorded run of the step (autograd.testdevice.Capture)."""
+    """The test device's stand-in: a recorded run of the step (npformer.runtime.testdevice.Capture)."""
 
     def __init__(self):
         self.record = None

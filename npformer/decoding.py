@@ -18,9 +18,10 @@ import math
 
 import numpy as np
 
-from autograd import Tensor, backend, no_grad, random, threads
+from autograd import Tensor, backend, no_grad
 from autograd.backend import Array, ArrayLike
 from autograd.checks import as_array, check_bool, check_int, check_optional_int, check_real
+from npformer.runtime import random, threads
 from . import functional as F
 from .functional._common import check_index_range
 from .data import BOS, EOS, PAD

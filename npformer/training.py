@@ -29,7 +29,7 @@ History (`trainer.history`, saved in checkpoints, drawn by `plots.plot_curves`):
     eval_step, eval_<name>                      the step of each evaluation, and each value
         it returned (e.g. eval_exact_match)
 
-Reproducible: the losses depend only on the seeds (`autograd.manual_seed` before building the
+Reproducible: the losses depend only on the seeds (`npformer.manual_seed` before building the
 model, the data's seed); `save`/`resume` continue exactly where a run stopped.
 """
 from __future__ import annotations
@@ -42,8 +42,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autograd import Tensor, backend, random
+from autograd import Tensor, backend
 from autograd.checks import check_bool, check_int, check_real
+from npformer.runtime import random
 
 from . import functional as F
 from .checkpoint import load_checkpoint, save_checkpoint

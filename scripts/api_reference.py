@@ -14,16 +14,17 @@ import re
 import sys
 import types
 
-MODULES = ("autograd", "npformer", "npformer.functional", "npformer.nn", "npformer.nn.init", "npformer.models",
-           "npformer.optim", "npformer.data", "npformer.training", "npformer.decoding", "npformer.checkpoint",
-           "npformer.interop", "npformer.distributed", "npformer.plots", "npformer.cuda", "npformer.exercises")
+MODULES = ("autograd", "npformer.runtime", "npformer", "npformer.functional", "npformer.nn", "npformer.nn.init",
+           "npformer.models", "npformer.optim", "npformer.data", "npformer.training", "npformer.decoding",
+           "npformer.checkpoint", "npformer.interop", "npformer.distributed", "npformer.plots", "npformer.cuda",
+           "npformer.exercises")
 PROJECT = ("autograd", "npformer")
 HEADER = """# API reference
 
 Generated from the signatures and docstrings by `python scripts/api_reference.py > docs/api.md`
 (tests/docs/test_api_docs.py fails when this page differs from the code). Grouped by module, in the
-order of the layers (`autograd` -> `npformer.functional` -> `npformer.nn` -> `npformer.models` -> the rest);
-a name exported by several modules is documented once, where it is defined.
+order of the layers (`autograd` -> `npformer.runtime` -> `npformer.functional` -> `npformer.nn` ->
+`npformer.models` -> the rest); a name exported by several modules is documented once, where it is defined.
 
 Types: `Array` is a numpy or CuPy array (`numpy.ndarray`, `cupy.ndarray`, or the "test" device's);
 `ArrayLike` is anything that becomes one (a Tensor, an array, nested lists, a number); `DType` is a

@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from autograd import backend, deferred, testdevice
-from autograd import threads as _parallel
+from autograd import backend
+from npformer.runtime import threads as _parallel
+from npformer.runtime import deferred, testdevice
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -98,7 +99,7 @@ def no_gc():
 
 @pytest.fixture(autouse=True)
 def no_pending_checks_between_tests():
-    """A deferred device check that a test left unread (autograd.deferred) must not raise in the next."""
+    """A deferred device check that a test left unread (npformer.runtime.deferred) must not raise in the next."""
     yield
     deferred.discard_pending()
 

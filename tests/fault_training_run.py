@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import autograd  # noqa: E402
+import npformer  # noqa: E402
 from npformer import checkpoint, optim  # noqa: E402
 from npformer.data import PAD, SequenceTask  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
@@ -58,7 +58,7 @@ def slow_down_save(which):
 
 
 def make_trainer(steps):
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     model = Seq2SeqTransformer(20, 20, d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
                                dim_feedforward=64, dropout=0.1, max_len=8, pad_idx=PAD)
     task = SequenceTask("reverse", vocab_size=20, min_len=6, seed=0, heldout_size=100)

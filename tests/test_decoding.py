@@ -5,11 +5,12 @@ import itertools
 import numpy as np
 import pytest
 
-from autograd import manual_seed, no_grad
+from autograd import no_grad
 from npformer import functional as F
 from npformer.data import EOS, PAD, SequenceTask
 from npformer.decoding import beam_search, greedy_decode
 from npformer.models import Seq2SeqTransformer
+from npformer.runtime.random import manual_seed
 
 
 def _model(vocab=12, device="cpu", d_model=16, layers=2):

@@ -11,11 +11,12 @@ import pytest
 import autograd
 import npformer
 import npformer.functional as F
-from autograd import Tensor, threads
+from autograd import Tensor
 from npformer import decoding, nn, optim
 from npformer.checkpoint import CheckpointError
 from npformer.data import SequenceTask
 from npformer.models import CausalLM, EncoderClassifier, Seq2SeqTransformer
+from npformer.runtime import threads
 
 SMALL = dict(d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16, dropout=0.0)
 
@@ -283,9 +284,9 @@ CASES = [
      r"normal_: std must be a finite real number >= 0, got '1' of type str"),
     ("set_num_threads_string", lambda _: threads.set_num_threads("2"), TypeError,
      r"set_num_threads: n must be an integer >= 1, got '2' of type str"),
-    ("manual_seed_float", lambda _: autograd.manual_seed(1.5), TypeError,
+    ("manual_seed_float", lambda _: npformer.manual_seed(1.5), TypeError,
      r"manual_seed: seed must be an integer >= 0, got 1\.5 of type float"),
-    ("manual_seed_negative", lambda _: autograd.manual_seed(-1), ValueError,
+    ("manual_seed_negative", lambda _: npformer.manual_seed(-1), ValueError,
      r"manual_seed: seed must be an integer >= 0, got -1"),
     # -- numbers of the functional ops ------------------------------------------------------------------------
     ("cross_entropy_label_smoothing_string", lambda _: F.cross_entropy(floats(2, 3), ids(2, value=1),

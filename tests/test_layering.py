@@ -1,7 +1,10 @@
-"""Static checks of the architecture: one backend switch, and dependencies pointing one way."""
+"""Static checks of the architecture: one backend switch, dependencies pointing one way, and a core
+(autograd/) that imports only itself and changes nothing in the process when imported."""
 import ast
+import json
 import os
 import pathlib
+import platform
 import subprocess
 import sys
 
@@ -11,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # layers left to right; a module may import only from its own layer or those to its left
 LAYERS = [
     ("autograd",),
+    ("npformer.runtime",),  # threads, kernel tables, random streams...: plugs into the core's hooks
     ("npformer.functional", "npformer.files", "npformer.safetensors_file"),  # these need only autograd
     ("npformer.nn",),
     ("npformer.models",),
@@ -19,7 +23,7 @@ LAYERS = [
      "npformer.progress", "npformer.distributed", "npformer.cuda", "npformer.exercises"),
 ]
 # op math lives here: only the backend switch and its CuPy stand-in may import numpy or cupy
-NO_ARRAY_LIBRARY = ("autograd", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim")
+NO_ARRAY_LIBRARY = ("autograd", "npformer.runtime", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim")
 # optional packages: imported only inside functions (lazily) of these modules
 OPTIONAL = {"torch": ("npformer.interop",), "transformers": ("npformer.interop",),
             "safetensors": ("npformer.safetensors_file",)}
@@ -69,7 +73,8 @@ def test_imports_point_left_and_op_math_uses_the_backend_switch(path):
         where = f"{path.relative_to(ROOT)}:{line} imports {imported}"
         if root in ("numpy", "cupy", "cupyx"):
             assert not any(name == p or name.startswith(p + ".") for p in NO_ARRAY_LIBRARY) \
-                or name in ("autograd.backend", "autograd.testdevice"), f"{where}: get xp from autograd.backend instead"
+                or name in ("autograd.backend", "npformer.runtime.testdevice"), \
+                f"{where}: get xp from autograd.backend instead"
         if root in OPTIONAL:
             assert any(name == p or name.startswith(p + ".") for p in OPTIONAL[root]) and not top, \
                 f"{where}: {root} is optional, imported only inside functions of {OPTIONAL[root]}"
@@ -84,3 +89,67 @@ def test_importing_npformer_imports_no_optional_package():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+CORE_FILES = sorted((ROOT / "autograd").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_core_imports_only_the_core(path):
+    """autograd/ is the whole core: its files import autograd, the standard library and, in the
+    backend switch only, numpy and cupy. The runtime plugs in through autograd.hooks."""
+    for imported, line, _ in imports(path):
+        root = imported.split(".")[0]
+        where = f"{path.relative_to(ROOT)}:{line} imports {imported}"
+        if root in ("numpy", "cupy"):
+            assert module_name(path) == "autograd.backend", f"{where}: only the backend switch imports {root}"
+        else:
+            assert root == "autograd" or root in sys.stdlib_module_names or root == "__future__", \
+                f"{where}: the core imports only itself (register a hook in autograd.hooks instead)"
+
+
+def test_importing_the_core_changes_nothing_in_the_process():
+    """`import autograd` loads no npformer module, starts no thread and leaves malloc alone (no
+    C-library handle is opened, so mallopt is never called); `import npformer` starts the runtime,
+    which plugs into the core's hooks and keeps freed memory."""
+    code = """if True:
+        import ctypes, json, sys, threading
+        opened, real_cdll = [], ctypes.CDLL
+
+        def cdll(name, *args, **kwargs):  # host_memory's mallopt goes through CDLL(None), the process's libc
+            opened.extend([name] if name is None else [])
+            return real_cdll(name, *args, **kwargs)
+        ctypes.CDLL = cdll
+        threads_before = threading.active_count()
+        import autograd
+        core = dict(npformer=sorted(m for m in sys.modules if m.split(".")[0] == "npformer"),
+                    threads=threading.active_count() - threads_before, libc_opened=len(opened),
+                    hooks=len(autograd.hooks.backward_started) + len(autograd.hooks.host_read),
+                    devices=list(autograd.backend.DEVICES))
+        import npformer
+        from npformer.runtime import deferred, lookahead
+        runtime = dict(backward_started=autograd.hooks.backward_started == [lookahead.end_pass],
+                       host_read=autograd.hooks.host_read == [deferred.raise_pending],
+                       devices=list(autograd.backend.DEVICES), libc_opened=len(opened) > 0)
+        print(json.dumps(dict(core=core, runtime=runtime)))
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NPFORMER_HOST_MEMORY="keep")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    result = json.loads(out.stdout)
+    assert result["core"] == dict(npformer=[], threads=0, libc_opened=0, hooks=0, devices=["cpu", "cuda"]), out.stdout
+    keeps = platform.libc_ver()[0] == "glibc"  # host_memory opens the C library on glibc only
+    assert result["runtime"] == dict(backward_started=True, host_read=True, devices=["cpu", "cuda", "test"],
+                                     libc_opened=keeps), out.stdout
+
+
+RUNTIME_MODULES = sorted(module_name(p) for p in (ROOT / "npformer" / "runtime").glob("*.py"))
+
+
+def test_each_runtime_module_imports_first_without_a_cycle():
+    """Whichever runtime module a program imports first (npformer's __init__ then runs around it),
+    the import completes and the runtime is plugged in."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for name in RUNTIME_MODULES:
+        code = f"import {name}, autograd; assert autograd.hooks.host_read and 'test' in autograd.backend.DEVICES"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, f"import {name} first: {out.stderr}"

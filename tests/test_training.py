@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 import npformer
-from autograd import Tensor, manual_seed, random
+from autograd import Tensor
 from npformer import nn, optim
 from npformer.data import PAD, RandomBatches, SequenceTask
 from npformer.models import CausalLM, EncoderClassifier, Seq2SeqTransformer
 from npformer.progress import Progress
+from npformer.runtime import random
+from npformer.runtime.random import manual_seed
 from npformer.training import (Loss, Seq2SeqTrainer, Trainer, causal_lm_loss, classification_loss, evaluate_loss,
                                layer_of)
 

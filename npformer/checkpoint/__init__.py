@@ -3,7 +3,7 @@
 Layout of the file (a plain numpy `.npz`, readable with `numpy.load(path)`):
 - `meta`: a JSON string: format/version, the model's class name (`model_class`) and `config`,
   the optimizer's and scheduler's state (with arrays replaced by references), the random state
-  of the global generators (`autograd.random.global_rng`, dropout and initialisation) and every
+  of the global generators (`npformer.runtime.random.global_rng`, dropout and initialisation) and every
   extra `**state` value (step, trainer history, the data generator's state, ...);
 - one array per model parameter (`model/<name>`), per optimizer state entry
   (`optimizer/state/<i>/<name>`) and per array inside `**state`, stored uncompressed.
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from autograd import random
+from npformer.runtime import random
 
 from ..files import atomic_write
 from ..models import MODEL_CLASSES

@@ -22,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from autograd import backend, manual_seed, random
+from autograd import backend
 from autograd.checks import check_bool, check_real
 from autograd.function import queue_callback
+from npformer.runtime import random
+from npformer.runtime.random import manual_seed
 
 from ..nn import Module
 from . import comm

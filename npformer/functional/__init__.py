@@ -1,7 +1,7 @@
 """npformer.functional (imported as F): ops with hand-derived backward passes, mirroring
 torch.nn.functional. `npformer.functional.composite` holds slow twins built from autograd
 primitives, used as test references. Fused computations run from kernel tables
-(`autograd.kernels`): a plain reference, and faster implementations per device (row blocks on
+(`npformer.runtime.kernels`): a plain reference, and faster implementations per device (row blocks on
 the CPU threads in `npformer.functional.cpu`, hand-written CUDA kernels in `npformer.functional.cuda`)."""
 from .activation import dropout, gelu, relu
 from .attention import attention_backend, scaled_dot_product_attention, split_heads

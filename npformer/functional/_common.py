@@ -3,8 +3,9 @@ the per-thread switch to the composite twins."""
 import functools
 import threading
 
-from autograd import Tensor, backend, deferred
+from autograd import Tensor, backend
 from autograd.checks import as_array, check_int
+from npformer.runtime import deferred
 
 _twins = threading.local()  # .active: this thread runs the composite twins (composite.installed())
 
@@ -65,7 +66,7 @@ def on_device_of(array, like, name, op, check=None):
 
 def check_index_range(ids, high, error, skip=None):
     """Check 0 <= ids < high (ids equal to `skip` aside) without a host round trip: host ids now,
-    device ids on the device, the verdict read with the next result (autograd.deferred).
+    device ids on the device, the verdict read with the next result (npformer.runtime.deferred).
     `error(lo, hi)` makes the exception from the smallest and largest id."""
     if ids.size == 0:
         return

@@ -11,7 +11,7 @@ CPU, float32 arrays take `erf_float32`: one rational function, within 7.5 float3
 import math
 
 from autograd import backend
-from autograd.kernels import kernel_table
+from npformer.runtime.kernels import kernel_table
 
 ERX = 8.45062911510467529297e-01  # erf(1) rounded to 24 bits: erf(x) = ERX + P/Q near 1
 EFX = 1.28379167095512586316e-01  # 2/sqrt(pi) - 1: erf(x) ~ x + EFX x for tiny x

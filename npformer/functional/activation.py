@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, random
+from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.checks import check_bool, check_real
-from autograd.kernels import kernel_table
+from npformer.runtime import random
+from npformer.runtime.kernels import kernel_table
 
 from ._common import check_tensor, has_twin
 from ._erf import INV_SQRT_2PI, SQRT_2, erf
@@ -137,7 +138,7 @@ class DropoutFunction(Function):
 def dropout_forward(x, seed, offset, p, state=None):
     """(y, keep): y = x * keep / (1 - p) with the mask of `keep_mask`, which is returned for
     the backward (implementations that regenerate it return None instead). state: None, or under
-    graph capture the device (seed, base) of the draw (autograd.random.PhiloxDraw)."""
+    graph capture the device (seed, base) of the draw (npformer.runtime.random.PhiloxDraw)."""
     keep = keep_mask(x.shape, p, seed, offset, backend.device_of(x), state)
     return elementwise_product(x, keep, dropout_scale(p)), keep
 
@@ -177,7 +178,7 @@ def dropout_stream(generator, op):
     if generator is None:
         return random.dropout_stream()
     if not isinstance(generator, random.Philox):
-        raise TypeError(f"{op}: generator must be an autograd.random.Philox (a dropout stream, like a "
+        raise TypeError(f"{op}: generator must be an npformer.runtime.random.Philox (a dropout stream, like a "
                         f"torch.Generator) or None for the global one, got {type(generator).__name__}")
     return generator
 
@@ -194,7 +195,7 @@ def keep_mask(shape, p, seed, offset, device, state=None):
 
 def dropout_mask(shape, p, device, generator=None, op="dropout"):
     """Boolean mask of `shape`, True (keep) with probability 1 - p, on `device`: takes
-    prod(shape) values from `generator` (an autograd.random.Philox; None: the global dropout
+    prod(shape) values from `generator` (an npformer.runtime.random.Philox; None: the global dropout
     stream), so every dropout site, on every device, draws the same mask for the same stream
     state. Kept entries are those whose 16 random bits are >= dropout_threshold(p)."""
     draw = dropout_stream(generator, op).draw(math.prod(shape), device)
@@ -207,8 +208,8 @@ def dropout(input: Tensor | Array, p: float = 0.5, training: bool = True,
     """Inverted dropout like torch.nn.functional.dropout: zero each entry with probability p and
     scale the rest by 1/(1-p). p=0 or training=False returns `input` itself; p=1 returns zeros.
 
-    The mask comes from `generator`, an autograd.random.Philox (like a torch.Generator), or the
-    global stream `autograd.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
+    The mask comes from `generator`, an npformer.runtime.random.Philox (like a torch.Generator), or the
+    global stream `npformer.runtime.random.dropout_stream()` (seeded by npformer.manual_seed): a dropout
     over n entries takes the next n values of the stream, and the mask is the same on every
     device and for any number of threads. Raises ValueError unless 0 <= p <= 1, TypeError for a
     `training` that is not a bool.

@@ -8,7 +8,7 @@ could not do with a table in npformer.optim, a layer to the right of the kernels
 from typing import NamedTuple
 
 from autograd import backend
-from autograd.kernels import kernel_table
+from npformer.runtime.kernels import kernel_table
 
 
 class AdamSettings(NamedTuple):

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, is_grad_enabled, kernels, random, unbroadcast
+from autograd import Function, Tensor, backend, is_grad_enabled, unbroadcast
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
-from autograd.kernels import kernel_table
+from npformer.runtime import kernels, random
+from npformer.runtime.kernels import kernel_table
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
 from .activation import dropout_scale, dropout_stream, dropout_threshold, keep_mask
@@ -128,7 +129,7 @@ class AttentionFunction(Function):
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
     dQ = s dS K, dK = s dS^T Q, and d(additive mask) = dS summed over its broadcast axes.
     The kernel tables attention_forward / attention_backward run it (cpu: blocks of a batch axis
-    on the threads of `autograd.threads`, see npformer/functional/cpu/attention.py).
+    on the threads of `npformer.runtime.threads`, see npformer/functional/cpu/attention.py).
     """
 
     @staticmethod
@@ -466,7 +467,7 @@ def _choose_path(call, return_weights, backend_name, memory_efficient, op):
     reason = None
     if attention_blockwise_forward.runs_reference(implementation):   # the reference, or it on threads
         if kernels.is_reference_only():
-            reason = "autograd.kernels.reference_only() is active"
+            reason = "npformer.runtime.kernels.reference_only() is active"
         else:
             reason = flash_unsupported(call.q, call.k, call.v, _data(call.additive), call.mask_grad) or why
     if asked == "flash":
@@ -517,7 +518,7 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
     A float mask Tensor with requires_grad=True gets its gradient (dS, as torch gives it).
     scale defaults to 1/sqrt(hd). A query row with every key hidden gives 0 and zero gradients.
     dropout_p: dropout on the attention probabilities, drawn from `generator` (an
-    autograd.random.Philox; None: the global dropout stream): entry i of the flat (..., Tq, Tk)
+    npformer.runtime.random.Philox; None: the global dropout stream): entry i of the flat (..., Tq, Tk)
     index is kept iff value offset + i of the stream passes the keep test, on every path and device.
     return_weights=True returns (out, weights) where weights are the (dropped-out) probabilities.
 
@@ -526,7 +527,7 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
       "naive": keeps the (Tq, Tk) probabilities (the only one with return_weights);
       "memory_efficient" (or memory_efficient=True): blocks of `block_size` queries x keys with
         an online softmax, never a (Tq, Tk) matrix; on a GPU it runs the flash kernels where they
-        apply (inside autograd.kernels.reference_only(), the blockwise numpy/CuPy reference);
+        apply (inside npformer.runtime.kernels.reference_only(), the blockwise numpy/CuPy reference);
       "flash": the CUDA flash-attention kernels (head dims 32/64/128, float32/float64), else ValueError.
 
     Raises TypeError for a mask that is neither bool nor floating, ValueError for shapes that do

@@ -4,7 +4,7 @@ from __future__ import annotations
 from autograd import Function, Tensor, backend
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int
-from autograd.kernels import kernel_table
+from npformer.runtime.kernels import kernel_table
 
 from ._common import check_index_range, check_tensor, has_twin, on_device_of
 
@@ -42,7 +42,7 @@ class EmbeddingFunction(Function):
 
 def check_token_ids(ids, num, op, name="input"):
     """Integer token ids in [0, num): host ids now, device ids on the device (read with the next
-    result; autograd.deferred)."""
+    result; npformer.runtime.deferred)."""
     if ids.dtype.kind not in "iu":
         raise TypeError(f"{op}: {name} must hold integer token ids, got dtype {ids.dtype}")
     check_index_range(ids, num, lambda lo, hi: IndexError(
@@ -55,7 +55,7 @@ def embedding(input: Tensor | ArrayLike, weight: Tensor | Array, padding_idx: in
     weight (num_embeddings, embedding_dim) -> (*input.shape, embedding_dim). The
     `padding_idx` row (negative counts from the end) gets exactly zero gradient. Ids that arrive as
     host arrays are checked at once; ids already on a GPU are checked there, and a bad one raises
-    when the result is first read (autograd.deferred). Raises TypeError for non-integer ids,
+    when the result is first read (npformer.runtime.deferred). Raises TypeError for non-integer ids,
     IndexError for ids outside [0, num_embeddings), ValueError for a weight that is not 2-D."""
     w = check_tensor("weight", weight, "embedding")
     if w.ndim != 2:

@@ -5,7 +5,7 @@ import math
 
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
-from autograd.kernels import kernel_table
+from npformer.runtime.kernels import kernel_table
 
 from ._common import check_one_dtype, check_tensor, has_twin
 from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward
@@ -41,7 +41,7 @@ class LinearFunction(Function):
     h = x W^T + b,  y = act(h):  dh = dy act'(h),  dx = dh W,  dW = dh^T x,  db = sum of dh over all
     rows (with x, dy flattened to 2-D). With an activation, bias and activation run as one kernel
     after the GEMM (bias_activation_forward). The kernel tables linear_forward / linear_backward
-    run the GEMMs (cpu: split across the threads of `autograd.threads`, see
+    run the GEMMs (cpu: split across the threads of `npformer.runtime.threads`, see
     npformer/functional/cpu/linear.py).
     """
 

@@ -1,10 +1,11 @@
 """Cross-entropy on logits, fused with log-softmax, label smoothing, class weights and ignore_index."""
 from __future__ import annotations
 
-from autograd import Function, Tensor, backend, deferred, is_grad_enabled
+from autograd import Function, Tensor, backend, is_grad_enabled
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int, check_real
-from autograd.kernels import kernel_table
+from npformer.runtime import deferred
+from npformer.runtime.kernels import kernel_table
 
 from ._common import check_index_range, check_tensor, data_of, has_twin, on_device_of
 from .softmax import stable_row_max
@@ -110,7 +111,7 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
     Raises ValueError when reduction="mean" and every target is ignored (torch returns NaN there),
     TypeError for non-integer targets, IndexError for a class id outside [0, C).
     Targets that arrive as host arrays are checked at once; targets already on a GPU are checked
-    there, and a bad one raises when the result is first read (autograd.deferred).
+    there, and a bad one raises when the result is first read (npformer.runtime.deferred).
     The class weights are constants: a weight Tensor that requires grad is refused, as in torch.
     """
     logits = check_tensor("input", input, "cross_entropy")

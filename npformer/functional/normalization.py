@@ -6,7 +6,7 @@ import math
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.checks import check_real, check_shape
-from autograd.kernels import kernel_table
+from npformer.runtime.kernels import kernel_table
 
 from ._common import check_one_dtype, check_tensor, has_twin
 

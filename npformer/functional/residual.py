@@ -6,8 +6,8 @@ from __future__ import annotations
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.checks import check_bool, check_real
-from autograd.kernels import kernel_table
-from autograd.random import Philox
+from npformer.runtime.kernels import kernel_table
+from npformer.runtime.random import Philox
 
 from ._common import check_one_dtype, check_tensor, has_twin
 from .activation import DropoutFunction, dropout_forward, dropout_stream
@@ -52,7 +52,7 @@ def check_dropout_add(input, residual, p, training, op):
 def dropout_add(input: Tensor | Array, residual: Tensor | Array, p: float = 0.5, training: bool = True,
                 generator: Philox | None = None) -> Tensor:
     """residual + dropout(input, p): the residual connection of a Transformer sublayer in one op,
-    with F.dropout's mask (from `generator`, an autograd.random.Philox, or the global dropout
+    with F.dropout's mask (from `generator`, an npformer.runtime.random.Philox, or the global dropout
     stream), so on a GPU one kernel draws the mask and adds, and the backward draws it again
     instead of storing it. p=0 or training=False: residual + input. input and residual have one
     shape, e.g. (B, T, E). Raises ValueError unless 0 <= p <= 1 or when the shapes differ, TypeError

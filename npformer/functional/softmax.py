@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
-from autograd.kernels import kernel_table
+from npformer.runtime.kernels import kernel_table
 
 from ._common import check_tensor, has_twin, normalize_dim
 

@@ -99,7 +99,7 @@ def stack_shapes(prefix, num_layers, d_model, dim_feedforward, cross_attention, 
 def token_ids(ids, embedding, owner, name, max_len=None):
     """Integer ids (B, T) (numpy/cupy array, list or Tensor) on the device of `embedding`, checked
     against its vocabulary (host ids before their copy to the device, device ids on the device:
-    autograd.deferred) and, when given, the length of the positional table."""
+    npformer.runtime.deferred) and, when given, the length of the positional table."""
     raw = ids.data if isinstance(ids, Tensor) else ids
     host = backend.module_for("cpu").empty(0)
     raw = as_ids(raw, raw if backend.is_array(raw) else host, owner, name)  # integer ids where they are (lists: host)

@@ -2,7 +2,7 @@
 
 Each fills `tensor.data` in place (the Tensor object is kept, so optimizers holding it see
 the new values) and returns the tensor. Random numbers come from `generator` when given,
-else from `autograd.random.global_rng(tensor.device)` (seed with `npformer.manual_seed`).
+else from `npformer.runtime.random.global_rng(tensor.device)` (seed with `npformer.manual_seed`).
 Draws are made in float64 and cast to the tensor's dtype.
 """
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from autograd import Tensor, random
+from autograd import Tensor
 from autograd.checks import check_real
+from npformer.runtime import random
 
 __all__ = ["uniform_", "normal_", "constant_", "zeros_", "ones_", "xavier_uniform_", "kaiming_uniform_",
            "calculate_fan_in_and_fan_out"]

@@ -159,7 +159,7 @@ class LayerNorm(Module):
 
 class Dropout(Module):
     """Zero each element with probability p and scale the rest by 1/(1-p) in training mode. The
-    masks come from the global dropout stream (autograd.random.dropout_stream(), seeded by
+    masks come from the global dropout stream (npformer.runtime.random.dropout_stream(), seeded by
     npformer.manual_seed, saved in checkpoints): the same masks on every device (F.dropout).
     torch.nn.Dropout; in eval mode, or with p=0, the input passes unchanged. ValueError unless
     0 <= p <= 1."""

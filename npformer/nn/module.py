@@ -11,9 +11,10 @@ from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from autograd import Tensor, backend, lookahead
+from autograd import Tensor, backend
 from autograd.backend import ArrayLike, DType
 from autograd.checks import check_bool, check_float_dtype
+from npformer.runtime import lookahead
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 

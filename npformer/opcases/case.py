@@ -19,6 +19,7 @@ from autograd import Tensor, backend
 from autograd.gradcheck import vjp
 from npformer import interop
 from npformer.functional import composite
+from npformer.runtime import random
 
 # (reference, dtype) -> relative tolerance (see the module docstring)
 TOLERANCE = {("torch", "float64"): 1e-10, ("torch", "float32"): 1e-5,
@@ -37,7 +38,7 @@ class OpCase:
         composite twin; with `module`, fn(module, *inputs).
     torch: torch(t, *leaves), the same computation written with PyTorch (t is the torch module),
         or None; with `module`, torch(t, torch_module, *leaves).
-    module: rng -> an npformer module (built after `autograd.manual_seed(0)`) whose parameters
+    module: rng -> an npformer module (built after `manual_seed(0)`) whose parameters
         are differentiated after the inputs. convert: the torch side gets
         `interop.to_torch(module)` (else None: the module has no parameters).
     twin: compare with the composite twin (False where the twin draws other random numbers).
@@ -90,7 +91,7 @@ def instantiate(case, rng, device="cpu", dtype="float64"):
     labels = [f"input {i}" for i in range(len(arrays))]
     module = None
     if case.module is not None:
-        autograd.manual_seed(0)
+        random.manual_seed(0)
         module = case.module(rng).to(device=device, dtype=dtype)
         for name, p in module.named_parameters():
             tensors.append(p)

@@ -2,8 +2,8 @@
 parameter, against the same module converted to torch (`interop.to_torch`)."""
 import numpy as np
 
-import autograd
 from npformer import nn
+from npformer.runtime import random
 
 from .case import OpCase
 from .ops import normal, torch_rope
@@ -35,7 +35,7 @@ def _torch_call(t, m, *inputs):
 
 
 def _seeded_call(m, x):
-    autograd.manual_seed(3)  # the same dropout mask on every evaluation
+    random.manual_seed(3)  # the same dropout mask on every evaluation
     return m(x)
 
 

@@ -4,9 +4,9 @@ targets, padding rows, extreme logits), with
 the PyTorch reference written once here."""
 import numpy as np
 
-import autograd
 import npformer.functional as F
 from npformer.functional.activation import dropout_scale, keep_mask
+from npformer.runtime import random
 
 from .case import OpCase, torch_args
 
@@ -31,7 +31,7 @@ def fixed(*arrays):
 def seeded(seed, like):
     """A fresh dropout stream for a dropout inside a case: every evaluation, on every device
     (`like`'s included), draws the same mask."""
-    return autograd.random.Philox(seed)
+    return random.Philox(seed)
 
 
 # -- the PyTorch references -------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def _dropout_add_torch(t, x, residual):
 
 
 DROPOUT_ADD = [OpCase("F.dropout_add (seeded)", "dropout_add", normal((4, 5), (4, 5)),
-                      lambda x, r: F.dropout_add(x, r, 0.4, generator=autograd.random.Philox(7)), _dropout_add_torch)]
+                      lambda x, r: F.dropout_add(x, r, 0.4, generator=random.Philox(7)), _dropout_add_torch)]
 
 # -- softmax, cross-entropy ----------------------------------------------------------------------------
 SOFTMAX = [

@@ -15,9 +15,10 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from autograd import Tensor, backend, graphs
+from autograd import Tensor, backend
 from autograd.checks import check_bool, check_real, is_integer, is_real
 from npformer.functional.adam import AdamSettings, adam_update
+from npformer.runtime import graphs
 
 
 def _plain(value):
@@ -348,7 +349,7 @@ class Adam(Optimizer):
     """
 
     decoupled = False
-    capturable = True  # under graph capture the step-dependent scalars are replayed (autograd.graphs.replayed)
+    capturable = True  # under graph capture the step-dependent scalars are replayed (npformer.runtime.graphs.replayed)
     state_kinds = {"step": "count", "exp_avg": "array", "exp_avg_sq": "array"}
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,

@@ -179,11 +179,11 @@ def test_generate_header_reports_the_threads_of_ours_decoding_steps():
 def test_decode_runs_ours_on_blas_threads_only():
     """decode.py: ours on --threads BLAS threads and npformer's one, as torch on --threads threads
     (npformer's default, one thread per core, gave ours more cores than torch)."""
-    out = run_python("import sys, json, decode, autograd\n"
+    out = run_python("import sys, json, decode, npformer\n"
                      "seen = []\n"
                      "greedy = decode.greedy_decode\n"
                      "def probe(*args, **kwargs):\n"
-                     "    seen.append(autograd.threads.get_num_threads())\n"
+                     "    seen.append(npformer.runtime.threads.get_num_threads())\n"
                      "    return greedy(*args, **kwargs)\n"
                      "decode.greedy_decode = probe\n"
                      "decode.main(['--config', 'tiny', '--batch', '2', '--src-len', '4', '--tgt-len', '2', "
@@ -196,12 +196,12 @@ def test_attention_runs_ours_on_blas_threads():
     """attention.py's CPU worker: B = 1 gives npformer's threads nothing to split, so ours runs on
     one npformer thread and BLAS's threads, as many as torch's (npformer's default held BLAS to
     one thread while torch used every core)."""
-    out = run_python("import json, attention, autograd\n"
+    out = run_python("import json, attention, npformer\n"
                      "import npformer.functional as F\n"
                      "seen = []\n"
                      "sdpa = F.scaled_dot_product_attention\n"
                      "def probe(*args, **kwargs):\n"
-                     "    seen.append(autograd.threads.get_num_threads())\n"
+                     "    seen.append(npformer.runtime.threads.get_num_threads())\n"
                      "    return sdpa(*args, **kwargs)\n"
                      "F.scaled_dot_product_attention = probe\n"
                      "attention.cpu_worker('ours-naive', 16, 1, False, 512)\n"

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 import npformer
-from autograd import Tensor, backend, manual_seed, random
+from autograd import Tensor, backend
 from npformer import checkpoint, optim
 from npformer.models import BidirectionalEncoder, CausalLM, EncoderClassifier, Seq2SeqTransformer
+from npformer.runtime import random
+from npformer.runtime.random import manual_seed
 
 from checkpoint_files import meta_of, with_meta
 from npformer.nn.module import Module, Parameter

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import npformer
-from autograd import random
+from npformer.runtime import random
 from npformer import optim
 from npformer.checkpoint import CheckpointError, archive, packing
 from npformer.models import MODEL_CLASSES, CausalLM, Seq2SeqTransformer

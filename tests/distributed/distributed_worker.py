@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 import autograd  # noqa: E402
+import npformer  # noqa: E402
 import npformer.distributed as dist  # noqa: E402
 import npformer.functional as F  # noqa: E402
 from autograd import backend  # noqa: E402
@@ -32,7 +33,7 @@ VOCAB, STEPS, BATCH = 12, 20, 8
 
 
 def seq2seq(seed=0, device="cpu"):
-    autograd.manual_seed(seed)
+    npformer.manual_seed(seed)
     model = Seq2SeqTransformer(VOCAB, VOCAB, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
                                dim_feedforward=32, dropout=0.0, max_len=16, pad_idx=PAD)
     return model.double().to(device)
@@ -145,7 +146,7 @@ def lm_trainer(model, rank, world_size):
 def scenario_lm_trainer():
     """The generic Trainer: a causal LM on padded batches sharded by RandomBatches."""
     def lm():
-        autograd.manual_seed(0)
+        npformer.manual_seed(0)
         return CausalLM(VOCAB, d_model=16, nhead=2, num_layers=1, dim_feedforward=32, dropout=0.0, max_len=16,
                         pad_idx=PAD).double()
     group = dist.group()
@@ -191,7 +192,7 @@ class TwoBranches(nn.Module):
 
 def scenario_unused_parameters():
     group = dist.group()
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     model = TwoBranches().double()
     ddp = dist.DistributedDataParallel(model)
     x = autograd.Tensor(np.full((4, 3), float(group.rank + 1)))
@@ -239,7 +240,7 @@ def scenario_failed_backward():
     group = dist.group()
 
     def model():
-        autograd.manual_seed(0)
+        npformer.manual_seed(0)
         return FailsBetweenLayers().double()
     ddp = dist.DistributedDataParallel(model(), bucket_cap_mb=1e-5)  # one bucket per parameter
 
@@ -269,7 +270,7 @@ def scenario_unfrozen_after_wrapping():
     group = dist.group()
 
     def model():
-        autograd.manual_seed(0)
+        npformer.manual_seed(0)
         m = TwoBranches().double()
         for p in m.b.parameters():
             p.requires_grad = False

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import npformer
-from autograd import threads
+from npformer.runtime import threads
 from npformer.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

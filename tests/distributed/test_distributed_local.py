@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import autograd
+import npformer
 import npformer.distributed as dist
 from npformer.distributed import comm
 import npformer.functional as F
@@ -96,7 +97,7 @@ def test_hooks_on_leaves_only_and_not_for_leaves_without_gradient(rng):
 
 # -- DDP in a world of one -------------------------------------------------------------------------------
 def model():
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     return Seq2SeqTransformer(12, 12, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
                               dim_feedforward=32, dropout=0.0, pad_idx=PAD).double()
 
@@ -154,7 +155,7 @@ class Mixed(nn.Module):
 
 
 def test_ddp_buckets_keep_dtypes_apart_and_accumulate_across_backwards():
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     m, once = Mixed(), Mixed()
     once.load_state_dict(m.state_dict())
     ddp = dist.DistributedDataParallel(m)
@@ -169,7 +170,7 @@ def test_ddp_buckets_keep_dtypes_apart_and_accumulate_across_backwards():
 
 @pytest.mark.parametrize("change", ["double", "test device"])
 def test_ddp_refuses_a_model_cast_or_moved_after_wrapping(change):
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     m = nn.Linear(3, 2)
     ddp = dist.DistributedDataParallel(m)
     ddp.double() if change == "double" else ddp.to("test")  # the buckets stay float32 on the CPU
@@ -179,7 +180,7 @@ def test_ddp_refuses_a_model_cast_or_moved_after_wrapping(change):
 
 
 def test_ddp_buckets_parameters_unfrozen_or_added_after_wrapping():
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     m = ThreeBranches().double()
     for p in m.b.parameters():
         p.requires_grad = False
@@ -200,7 +201,7 @@ def test_ddp_buckets_parameters_unfrozen_or_added_after_wrapping():
 
 
 def test_ddp_synchronises_again_after_a_backward_that_raised(monkeypatch):
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     m, plain = FailsBetweenLayers().double(), FailsBetweenLayers().double()
     plain.load_state_dict(m.state_dict())
     ddp = dist.DistributedDataParallel(m, bucket_cap_mb=1e-5)  # one bucket per parameter
@@ -250,7 +251,7 @@ def test_ddp_gradients_match_torch_ddp_with_unused_parameters_no_sync_and_accumu
     the same .grad (None where torch has None) after a pass with a branch unused, after a
     no_sync pass using it followed by a synchronised one without it, and without zero_grad."""
     torch = torch_world_of_one
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     class TorchThreeBranches(torch.nn.Module):
         def __init__(self):
             super().__init__()

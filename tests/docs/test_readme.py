@@ -79,3 +79,11 @@ def test_the_files_the_docs_name_exist():
             assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"
             if function:
                 assert f"def {function}(" in (ROOT / path).read_text(), f"{page.name}: {path} has no {function}"
+
+
+def test_the_reading_order_of_the_core_names_each_of_its_files_once():
+    """README's "Reading the core" table: every file of autograd/ but __init__.py, in one row each."""
+    section = README.split("## Reading the core", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| \d+ \| `autograd/(\w+\.py)` \|", section, re.M)
+    files = sorted(p.name for p in (ROOT / "autograd").glob("*.py") if p.name != "__init__.py")
+    assert sorted(listed) == files and len(set(listed)) == len(listed), (listed, files)

@@ -1,4 +1,4 @@
-"""One random stream for every dropout mask (the dropout contract of autograd.random and
+"""One random stream for every dropout mask (the dropout contract of npformer.runtime.random and
 npformer.functional.activation): a dropout over n entries takes offset = generator.take(n) from a
 random.Philox, and entry i (C order over the full shape) is kept iff bits16(seed, offset + i) >=
 threshold. The mask's statistics, its sameness across devices, paths and twins, the CUDA kernel
@@ -12,11 +12,12 @@ import pytest
 import autograd
 import npformer
 import npformer.functional as F
-from autograd import Tensor, backend, random
+from autograd import Tensor, backend
 from npformer import checkpoint, nn
 from npformer.functional import activation, composite
 from npformer.functional.attention import attention_keep_block
 from npformer.functional.cuda import dropout as dropout_launchers
+from npformer.runtime import random
 
 from cuda_emulator import build_or_skip
 from helpers import compare_runs, leaf
@@ -92,7 +93,7 @@ def test_a_generator_that_is_not_a_philox_stream_is_a_type_error():
     for call in (lambda g: F.dropout(x, 0.5, generator=g),
                  lambda g: F.scaled_dot_product_attention(Tensor(np.ones((2, 2))), Tensor(np.ones((2, 2))),
                                                           Tensor(np.ones((2, 2))), dropout_p=0.5, generator=g)):
-        with pytest.raises(TypeError, match=r"generator must be an autograd\.random\.Philox.*got Generator"):
+        with pytest.raises(TypeError, match=r"generator must be an npformer\.runtime\.random\.Philox.*got Generator"):
             call(np.random.default_rng(0))
 
 
@@ -194,7 +195,7 @@ def test_f_dropout_through_the_cuda_kernels_regenerates_its_mask(emulator, monke
     x = np.random.default_rng(6).standard_normal((9, 13))
     y = F.dropout(Tensor(x, requires_grad=True), 0.3, generator=random.Philox(1))
     assert y.creator.saved_tensors == (None,)
-    with autograd.kernels.reference_only():
+    with npformer.runtime.kernels.reference_only():
         compare_runs(lambda a: F.dropout(a, 0.3, generator=random.Philox(1)),
                      lambda a: composite.dropout(a, 0.3, generator=random.Philox(1)), [x], np.random.default_rng(7))
     compare_runs(lambda a: F.dropout(a, 0.3, generator=random.Philox(1)),

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import npformer.functional as F
-from autograd import Tensor, backend, kernels
+from autograd import Tensor, backend
+from npformer.runtime import kernels
 
 
 def test_relu_edge_values_are_torchs(device, torch):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import autograd
+import npformer
 import npformer.functional as F
 from autograd import Tensor
 from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks
@@ -112,7 +113,7 @@ def test_dropout_zeroes_some_weights(device):
     """(The registry's "F.sdpa (seeded dropout, return_weights)" checks gradients and the twin.)"""
     q, k, v = (Tensor(a, device=device) for a in qkv(np.random.default_rng(9), 4, 4, 2))
     _, weights = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True, return_weights=True,
-                                                generator=autograd.random.Philox(11))
+                                                generator=npformer.runtime.random.Philox(11))
     assert (weights.numpy() == 0).any()
 
 
@@ -127,7 +128,7 @@ def test_memory_efficient_dropout_equals_naive_with_the_same_generator(causal, d
 
     def run(path):
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, **path,
-                                                              generator=autograd.random.Philox(21, offset=16))
+                                                              generator=npformer.runtime.random.Philox(21, offset=16))
     compare_runs(run({"memory_efficient": True, "block_size": block}), run({}), arrays, rng, device)
     assert autograd.gradcheck(run({"memory_efficient": True, "block_size": block}),
                               [leaf(a, device) for a in qkv(rng, 4, 4, 2)])
@@ -136,7 +137,7 @@ def test_memory_efficient_dropout_equals_naive_with_the_same_generator(causal, d
 def test_dropout_rate_and_extremes():
     rng = np.random.default_rng(10)
     q, k, v = (Tensor(a) for a in qkv(rng, 64, 64, 4, (1, 1)))
-    gen = autograd.random.Philox(0)
+    gen = npformer.runtime.random.Philox(0)
     _, w = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, generator=gen, return_weights=True)
     dropped = (w.numpy() == 0).mean()
     assert 0.22 < dropped < 0.28

@@ -6,9 +6,9 @@ import pytest
 
 import npformer.functional as F
 from autograd import Tensor, backend
-from autograd.random import Philox
 from npformer.functional import composite
 from npformer.functional.activation import dropout_scale, keep_mask
+from npformer.runtime.random import Philox
 
 from tolerances import assert_close, rounding_tolerance
 

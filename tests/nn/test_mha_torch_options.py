@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-import autograd
+import npformer
 from autograd import Tensor
 from npformer import interop, nn
 
@@ -184,7 +184,7 @@ def test_memory_efficient_equals_naive_with_appended_keys(rng, device):
 
 
 def test_init_like_torch():
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     m = nn.MultiheadAttention(256, 4, kdim=128, vdim=64, add_bias_kv=True)
     for name, fan_in in (("q_proj_weight", 256), ("k_proj_weight", 128), ("v_proj_weight", 64)):
         bound = math.sqrt(6 / (256 + fan_in))  # xavier_uniform_ on each matrix

@@ -2,15 +2,16 @@
 replayed gives the numbers of the same steps run eagerly: new dropout masks at every replay (the
 Philox offset advances on the device; every dropout site draws with Philox.draw), the
 learning-rate schedule applied, the id checks reported.
-On the test device the capture is emulated (autograd.testdevice.Capture: the step's operations
+On the test device the capture is emulated (npformer.runtime.testdevice.Capture: the step's operations
 recorded, replayed on the same arrays, host transfers refused); on a GPU it is a CUDA graph."""
 import numpy as np
 import pytest
 
 import npformer
 import npformer.functional as F
-from autograd import Tensor, backend, graphs, random, testdevice
+from autograd import Tensor, backend
 from npformer import models, nn, optim
+from npformer.runtime import graphs, random, testdevice
 
 VOCAB, PAD = 23, 0
 
@@ -81,7 +82,7 @@ def test_graphed_steps_equal_eager_steps_on_the_test_device(attention):
 @pytest.mark.parametrize("optimizer", ["Adam", "AdamW"])
 def test_each_replay_performs_the_next_adam_step_with_the_lr_set_before_it(optimizer):
     """A replay runs no Python: the step count and the learning rate that Adam's update reads come
-    from the device, rewritten before each replay (autograd.graphs.replayed). Set by hand before
+    from the device, rewritten before each replay (npformer.runtime.graphs.replayed). Set by hand before
     every call (bias corrections of the early steps, an lr that changes every step, two groups),
     the graphed steps give the eager steps' weights exactly and count the same steps."""
     rng = np.random.default_rng(0)

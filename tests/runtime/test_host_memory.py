@@ -1,4 +1,4 @@
-"""autograd.host_memory: freed arrays' pages are reused (glibc), and the setting can be turned off."""
+"""npformer.runtime.host_memory: freed arrays' pages are reused (glibc), and the setting can be turned off."""
 import os
 import platform
 import subprocess
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FAULTS = """
 import resource
 import numpy as np
-import autograd
+import npformer
 a = np.ones(1 << 21, np.float32); b = a * 2; del a, b
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(50):
@@ -37,7 +37,7 @@ def test_freed_pages_are_reused():
 
 
 def test_bad_mode_is_refused(monkeypatch):
-    from autograd import host_memory
+    from npformer.runtime import host_memory
     monkeypatch.setenv("NPFORMER_HOST_MEMORY", "sometimes")
     with pytest.raises(ValueError, match="NPFORMER_HOST_MEMORY must be one of .*'sometimes'"):
         host_memory.keep_freed_memory()

@@ -3,14 +3,15 @@ device-to-host read: as_numpy, bool/int/float of an array, .item(), .tolist(), p
 step of Seq2SeqTransformer (forward, label-smoothed cross-entropy with ignore_index, backward,
 clip_grad_norm_, Adam) reads nothing on the host until `loss.item()`. Ids and targets that
 arrive as host arrays are checked on the host before their copy; ids already on the device are
-checked there and reported when the loss is read (autograd.deferred)."""
+checked there and reported when the loss is read (npformer.runtime.deferred)."""
 import numpy as np
 import pytest
 
 import npformer
 import npformer.functional as F
-from autograd import backend, deferred, testdevice
+from autograd import backend
 from npformer import models, optim
+from npformer.runtime import deferred, testdevice
 
 VOCAB, PAD = 31, 0
 

@@ -1,4 +1,4 @@
-"""autograd.kernels: each fused computation runs the implementation registered for its device,
+"""npformer.runtime.kernels: each fused computation runs the implementation registered for its device,
 else its reference; every registered implementation equals its reference (CUDA ones on a GPU)."""
 import importlib
 import threading
@@ -6,8 +6,9 @@ import threading
 import numpy as np
 import pytest
 
-from autograd import backend, kernels
+from autograd import backend
 from npformer.functional.softmax import softmax_backward, softmax_forward
+from npformer.runtime import kernels
 
 
 def make_table():

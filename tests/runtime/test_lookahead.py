@@ -1,6 +1,6 @@
-"""autograd.lookahead: the dropout masks of the next forward pass are drawn in the pool, and a step
+"""npformer.runtime.lookahead: the dropout masks of the next forward pass are drawn in the pool, and a step
 gives the same numbers to the bit with and without it, when the prediction holds and when it
-fails; autograd.threads.run_tasks runs a task the pool has not started in the caller; a process
+fails; npformer.runtime.threads.run_tasks runs a task the pool has not started in the caller; a process
 forked while a mask is drawn ahead neither hangs nor draws another mask."""
 import os
 import threading
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import npformer
-from autograd import lookahead, random
-from autograd import threads as _threads
+from npformer.runtime import lookahead, random
+from npformer.runtime import threads as _threads
 from npformer import functional as F
 from npformer import models, optim
 from npformer.functional.activation import dropout_threshold

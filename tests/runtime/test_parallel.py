@@ -1,14 +1,15 @@
-"""autograd.threads: ops split into row blocks across threads give the results of
+"""npformer.runtime.threads: ops split into row blocks across threads give the results of
 one thread (forced here on small shapes by lowering the size threshold), dropout masks do not
 depend on the number of threads, and the pool's bookkeeping (order, errors, nesting)."""
 import numpy as np
 import pytest
 
 import autograd
-from autograd import Tensor, backend, random
+from autograd import Tensor, backend
 from npformer import functional as F
-from autograd import threads as _parallel
 from npformer.functional.activation import dropout_mask
+from npformer.runtime import threads as _parallel
+from npformer.runtime import random
 
 from helpers import assert_same_with_threads
 

@@ -1,4 +1,4 @@
-"""autograd.random: Philox4x32-10 against the published known-answer vectors (Random123's
+"""npformer.runtime.random: Philox4x32-10 against the published known-answer vectors (Random123's
 kat_vectors), the stream's offsets and state, and the statistics of the 16-bit values."""
 import os
 import threading
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import autograd
-from autograd import random, threads
+from npformer.runtime import random, threads
 
 from helpers import child_exit_code
 

@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 
 import autograd
+import npformer
 import npformer.functional as F
-from autograd import Tensor, threads
+from autograd import Tensor
 from npformer import optim
 from npformer.data import PAD, SequenceTask
 from npformer.functional import composite
 from npformer.models import Seq2SeqTransformer
+from npformer.runtime import threads
 from npformer.training import Seq2SeqTrainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -301,7 +303,8 @@ AFTER_THE_SCRIPT = """
 import atexit, threading
 import numpy as np
 import npformer.functional as F
-from autograd import Tensor, random, threads
+from autograd import Tensor
+from npformer.runtime import random, threads
 threads.set_num_threads(2)
 x = Tensor(np.linspace(-1.0, 1.0, 1 << 19).reshape(1024, 512), requires_grad=True)
 
@@ -342,7 +345,7 @@ def test_ops_still_run_after_the_script_ends_in_a_thread_and_at_exit():
 def trainer(seed):
     """A small seq2seq model without dropout on its own reversal task; it evaluates (decoding
     under no_grad) every 4 steps, so one thread's evaluations overlap the other's training."""
-    autograd.manual_seed(seed)
+    npformer.manual_seed(seed)
     model = Seq2SeqTransformer(10, 10, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
                                dim_feedforward=32, dropout=0.0, max_len=8, pad_idx=PAD)
     task = SequenceTask("reverse", vocab_size=10, min_len=4, seed=seed, heldout_size=16)

@@ -20,7 +20,8 @@ with warnings.catch_warnings(record=True) as caught:
     import numpy as np
     import npformer
     import npformer.functional as F
-    from autograd import Tensor, threads
+    from autograd import Tensor
+    from npformer.runtime import threads
     x = Tensor(np.ones((512, 256)))
     F.layer_norm(x, 256)  # the first op chooses the default
     n = npformer.get_num_threads()

@@ -1,9 +1,10 @@
 """Activations and dropout on the CPU (the "cpu" implementations of activation.py's kernel
-tables): ReLU in flat blocks on the threads of `autograd.threads` (its backward a bitwise AND),
+tables): ReLU in flat blocks on the threads of `npformer.runtime.threads` (its backward a bitwise AND),
 GELU in blocks and cache-sized chunks, the dropout mask drawn and applied chunk by chunk while it
 is in the cache."""
-from autograd import backend, random, threads
-from autograd.threads import for_rows
+from autograd import backend
+from npformer.runtime import random, threads
+from npformer.runtime.threads import for_rows
 
 from .._erf import INV_SQRT_2PI, SQRT_2, erf, normal_cdf_float32
 from ..activation import (TANH_C, TANH_K, bias_activation_backward, bias_activation_forward, dropout_backward,
@@ -36,7 +37,7 @@ def _bias_rows(x, bias):
 
 @bias_activation_forward.register("cpu")
 def bias_activation_forward_cpu(x, bias, kind):
-    """ReLU, and GELU in cache-sized chunks, in flat blocks on the threads of `autograd.threads`
+    """ReLU, and GELU in cache-sized chunks, in flat blocks on the threads of `npformer.runtime.threads`
     (the bias added in place)."""
     if kind != "relu":
         return _gelu_forward_cpu(x, bias, kind)
@@ -92,7 +93,7 @@ def _gelu_forward_cpu(x, bias, kind):
 
 @bias_activation_backward.register("cpu")
 def bias_activation_backward_cpu(dy, saved, kind):
-    """ReLU's dh in flat blocks on the threads of `autograd.threads`: dy's bits ANDed with a mask of
+    """ReLU's dh in flat blocks on the threads of `npformer.runtime.threads`: dy's bits ANDed with a mask of
     all ones (kept) or zeros (dropped), the exact `where(keep, dy, 0)` at the cost of a multiply
     (numpy's where and copyto(where=) are ~8x slower). GELU's in blocks and cache-sized chunks."""
     if kind != "relu":

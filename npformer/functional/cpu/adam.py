@@ -1,6 +1,6 @@
 """Adam's update on the CPU (the "cpu" implementation of adam.py's kernel table): the reference
 on flat blocks of entries, on the threads."""
-from autograd.threads import for_rows
+from npformer.runtime.threads import for_rows
 
 from ..adam import adam_update
 
@@ -8,7 +8,7 @@ from ..adam import adam_update
 @adam_update.register("cpu", supports=lambda param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None:
                       replayed is None and param.flags.c_contiguous)
 def adam_update_cpu(param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None):
-    """The reference on flat blocks of entries, on the threads of `autograd.threads` (bit-identical
+    """The reference on flat blocks of entries, on the threads of `npformer.runtime.threads` (bit-identical
     for any thread count)."""
     arrays = tuple(a.reshape(-1) for a in (param, grad, exp_avg, exp_avg_sq, scratch))
 

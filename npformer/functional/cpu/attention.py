@@ -1,12 +1,13 @@
-"""Attention on the threads of `autograd.threads` (the "cpu" implementations of attention.py's
+"""Attention on the threads of `npformer.runtime.threads` (the "cpu" implementations of attention.py's
 kernel tables): the naive path's forward and backward and the memory-efficient path's blockwise
 reference on blocks of one batch axis (the batch, or the heads), each block running the
 reference; the causal dropout mask drawn under the diagonal only; split_heads' backward by
 blocks of the batch."""
 import math
 
-from autograd import backend, random, threads
-from autograd.threads import for_rows, row_blocks, run_blocks
+from autograd import backend
+from npformer.runtime import random, threads
+from npformer.runtime.threads import for_rows, row_blocks, run_blocks
 
 from ..activation import dropout_threshold
 from ..attention import (_lead_shape, attention_backward, attention_blockwise_backward, attention_blockwise_forward,
@@ -47,7 +48,7 @@ def attention_backward_cpu(q, k, v, probs, keep, dout, dweights, scale, dropout_
 
 
 def batch_blocks(lead, inputs, entries, like):
-    """(axis, blocks) for `autograd.threads`: blocks of one batch axis, one per thread, along the
+    """(axis, blocks) for `npformer.runtime.threads`: blocks of one batch axis, one per thread, along the
     longest axis that every input has in full (a broadcast input is shared by every block; B = 1
     with H heads splits the heads), else the single block of axis 0."""
     full = [i for i, n in enumerate(lead) if all(a.ndim == len(lead) + 2 and a.shape[i] == n for a in inputs)]

@@ -1,8 +1,9 @@
-"""linear's GEMMs split across the threads of `autograd.threads` (the "cpu" implementation of
+"""linear's GEMMs split across the threads of `npformer.runtime.threads` (the "cpu" implementation of
 the kernel tables linear_forward / linear_backward): y and dx by blocks of rows, dW and db by
 blocks of output features, dx and dW side by side."""
-from autograd import backend, threads
-from autograd.threads import for_rows, row_blocks, run_tasks, split_blocks
+from autograd import backend
+from npformer.runtime import threads
+from npformer.runtime.threads import for_rows, row_blocks, run_tasks, split_blocks
 
 from ..linear import linear_backward, linear_forward
 

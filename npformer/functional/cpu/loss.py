@@ -1,7 +1,7 @@
-"""Cross-entropy in blocks of rows on the threads of `autograd.threads` (the "cpu"
+"""Cross-entropy in blocks of rows on the threads of `npformer.runtime.threads` (the "cpu"
 implementations of loss.py's kernel tables)."""
 from autograd import backend
-from autograd.threads import for_rows
+from npformer.runtime.threads import for_rows
 
 from ..loss import cross_entropy_backward, cross_entropy_forward
 from ..softmax import stable_row_max
@@ -9,7 +9,7 @@ from ..softmax import stable_row_max
 
 @cross_entropy_forward.register("cpu")
 def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, the softmax
+    """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, the softmax
     computed in the memory of probs."""
     xp = backend.get_array_module(logits)
     m, c = logits.shape
@@ -43,7 +43,7 @@ def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
 
 @cross_entropy_backward.register("cpu")
 def cross_entropy_backward_cpu(probs, target, weight, label_smoothing, dloss):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, the one-hot
+    """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, the one-hot
     part of a subtracted at the target entries only."""
     xp = backend.get_array_module(probs)
     m, c = probs.shape

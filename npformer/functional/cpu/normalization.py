@@ -1,7 +1,7 @@
-"""Layer norm in blocks of rows on the threads of `autograd.threads` (the "cpu" implementations
+"""Layer norm in blocks of rows on the threads of `npformer.runtime.threads` (the "cpu" implementations
 of normalization.py's kernel tables), with einsum row sums."""
 from autograd import backend
-from autograd.threads import for_rows
+from npformer.runtime.threads import for_rows
 
 from ..normalization import layer_norm_backward, layer_norm_forward
 from ..softmax import row_sum
@@ -15,7 +15,7 @@ CPU_MIN_ENTRIES = 1 << 14
 
 @layer_norm_forward.register("cpu", supports=lambda x, weight, bias, eps: x.size >= CPU_MIN_ENTRIES)
 def layer_norm_forward_cpu(x, weight, bias, eps):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads`, with einsum
+    """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, with einsum
     row sums (faster than numpy's reductions over rows of a few hundred entries)."""
     xp = backend.get_array_module(x)
     d = x.shape[1]
@@ -48,7 +48,7 @@ def layer_norm_forward_cpu(x, weight, bias, eps):
 
 @layer_norm_backward.register("cpu")
 def layer_norm_backward_cpu(dy, xhat, rstd, weight, need_x, need_w, need_b):
-    """The reference's steps on blocks of rows on the threads of `autograd.threads` (column sums:
+    """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads` (column sums:
     one partial per block), with einsum row sums."""
     xp = backend.get_array_module(dy)
     d = xhat.shape[1]

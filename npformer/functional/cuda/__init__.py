@@ -6,7 +6,7 @@ npformer.functional.adam.adam_update). Here, and not beside the user's `npformer
 launcher registers with the kernel table of its op, and the tables are in npformer.functional:
 from a layer further right the kernels could not be imported by the ops that dispatch to them.
 `npformer.cuda` keeps only the public API of CUDA graphs (`graphed`), and what a captured step
-rewrites before each replay is graph capture's (autograd.graphs).
+rewrites before each replay is graph capture's (npformer.runtime.graphs).
 
 One `.cu` file per op family in this folder, read like the reference it is tested against
 (the derivation of each gradient in comments), plus shared headers (`reduce.cuh`: block

@@ -7,7 +7,7 @@ import importlib
 import numpy as np
 import pytest
 
-from autograd import kernels
+from npformer.runtime import kernels
 
 # the modules (npformer.functional's attributes of these names are the ops)
 _erf, activation, adam, attention, embedding, linear, loss, normalization, residual, softmax = (

@@ -6,14 +6,15 @@ tiny here (random._CHUNK) so that odd sizes, offsets and chunk and block boundar
 import numpy as np
 import pytest
 
-from autograd import Tensor, random
-from autograd import threads as _threads
+from autograd import Tensor
 from autograd.gradcheck import vjp
-from autograd.kernels import reference_only
 from npformer import functional as F
 from npformer.functional.activation import dropout_backward, dropout_forward, keep_mask
 from npformer.functional.attention import attention_keep_mask
 from npformer.functional.residual import dropout_add_forward
+from npformer.runtime import threads as _threads
+from npformer.runtime import random
+from npformer.runtime.kernels import reference_only
 
 
 @pytest.fixture(params=[1, 2, 3], ids=lambda n: f"{n}threads")

@@ -1,5 +1,5 @@
 """The CUDA sources in npformer/functional/cuda compile (NVRTC through ctypes: no GPU needed), and
-the Philox generator of philox.cuh gives the bits of autograd.random, checked on the host by
+the Philox generator of philox.cuh gives the bits of npformer.runtime.random, checked on the host by
 compiling the header as plain C++. Under CI a missing libnvrtc fails instead of skipping."""
 import os
 import shutil
@@ -8,7 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from autograd import random
+from npformer.runtime import random
 from npformer.functional import cuda
 from npformer.functional.cuda import nvrtc
 
@@ -55,7 +55,7 @@ int main() {
 
 def test_philox_header_gives_the_bits_of_autograd_random(tmp_path):
     """philox.cuh compiled for the host (the CUDA intrinsics replaced by their definitions)
-    draws exactly what autograd.random.bits16 draws, at offsets past 2^32 counters too."""
+    draws exactly what npformer.runtime.random.bits16 draws, at offsets past 2^32 counters too."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler on this machine")

@@ -10,7 +10,7 @@ import pytest
 
 import autograd
 import npformer.functional as F
-from autograd import Tensor, backend, kernels, random
+from autograd import Tensor, backend
 from npformer import optim
 from npformer.functional.activation import bias_activation_backward, bias_activation_forward, dropout_backward
 from npformer.functional.adam import AdamSettings, adam_update
@@ -19,6 +19,7 @@ from npformer.functional.loss import cross_entropy_backward, cross_entropy_forwa
 from npformer.functional.normalization import layer_norm_backward, layer_norm_forward
 from npformer.functional.residual import dropout_add_forward
 from npformer.functional.softmax import log_softmax_backward, log_softmax_forward, softmax_backward, softmax_forward
+from npformer.runtime import kernels, random
 
 pytestmark = pytest.mark.skipif(not backend.cuda_available(), reason="cuda: CuPy or a GPU is not available")
 

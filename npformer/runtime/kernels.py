@@ -3,7 +3,7 @@
 Each fused computation keeps one *reference*: plain whole-array code written with the array
 module of its inputs (`xp`), which runs on every device and which every faster implementation
 is tested against. Faster implementations plug in beside it, per device: "cpu" (row blocks on
-the threads of `autograd.threads`), "cuda" (hand-written CUDA kernels). The "test" device runs
+the threads of `npformer.runtime.threads`), "cuda" (hand-written CUDA kernels). The "test" device runs
 the references, so the math of every op is checked on machines without a GPU.
 
     @kernel_table
@@ -27,7 +27,7 @@ kernel (the attention path choice asks whether the flash kernels run).
 import contextlib
 import threading
 
-from . import backend
+from autograd import backend
 
 _mode = threading.local()  # .reference_only: this thread runs the references
 TABLES = []                # every KernelTable made, in the order of definition

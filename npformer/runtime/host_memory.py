@@ -14,9 +14,10 @@ are numpy's, allocated by malloc, so npformer sets two of glibc's malloc paramet
 
 Then the step faults ~10 pages instead of ~7,700 (sys 27 -> 8 ms). Peak memory is unchanged; what
 changes is that up to 256 MiB of freed memory stays with the process for reuse. This happens once,
-when autograd is imported, on glibc (Linux) only; set NPFORMER_HOST_MEMORY=release before the
-import to keep glibc's defaults. Setting either parameter turns off glibc's dynamic threshold,
-which is why both are set: either alone makes the step slower (78,000 or 18,000 faults).
+when npformer's runtime starts (`import npformer`; `import autograd` alone leaves malloc as it is),
+on glibc (Linux) only; set NPFORMER_HOST_MEMORY=release before the import to keep glibc's defaults.
+Setting either parameter turns off glibc's dynamic threshold, which is why both are set: either
+alone makes the step slower (78,000 or 18,000 faults).
 """
 import ctypes
 import os

@@ -7,7 +7,7 @@ matrix product holds no lock while it runs, and a mask drawn in the pool during 
 step nothing (measured: 8M values drawn beside 48 ms of GEMMs finish with them; in sequence they
 add 31 ms).
 
-The CPU's mask draws (autograd.random) report each request here: a key saying which mask
+The CPU's mask draws (npformer.runtime.random) report each request here: a key saying which mask
 (seed, size, threshold, shape of the runs...) and where it starts. A forward pass is the
 requests between two backward() calls; its requests, with their offsets relative to its first,
 are the prediction for the next pass. When the next pass's first request has the recorded first's

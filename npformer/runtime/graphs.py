@@ -5,15 +5,15 @@ A captured step is recorded once and replayed many times without running its Pyt
 so host values baked in at capture would repeat at every replay. Code whose host state advances
 from step to step keeps that state in device memory while capturing and asks to have it updated
 before each replay (`Capture.before_replay`): the dropout stream's (seed, offset)
-(autograd.random.Philox.draw), and numbers the host computes for each step, such as Adam's step
+(npformer.runtime.random.Philox.draw), and numbers the host computes for each step, such as Adam's step
 sizes and learning rates (npformer.optim), with one call: `replayed(device, values, next_values)`.
-Deferred device checks made while capturing (autograd.deferred) belong to the capture and are
+Deferred device checks made while capturing (npformer.runtime.deferred) belong to the capture and are
 made pending again after each replay. Capture is per thread, like a CUDA stream capture.
 """
 import contextlib
 import threading
 
-from . import backend
+from autograd import backend
 
 _local = threading.local()  # .capture
 SCALARS_PER_BLOCK = 1024    # replayed() numbers share float64 device blocks: one copy per block and replay

@@ -11,12 +11,14 @@ the minimum and maximum id, and `defer`s the verdict:
 The first read of a result afterwards (`raise_pending()`, called by Tensor.item() and friends)
 copies the values, asks each check, and raises the first error, as if the op had raised it.
 Host data (numpy arrays, lists: ids that come from the data loader) is checked at once instead.
-Pending checks are per thread; under graph capture (`autograd.graphs`) they belong to the
+Pending checks are per thread; under graph capture (`npformer.runtime.graphs`) they belong to the
 captured step and come back after each replay.
 """
 import threading
 
-from . import backend, graphs
+from autograd import backend
+
+from . import graphs
 
 MAX_PENDING = 1024  # beyond this many unread checks (results never read), they are settled at once
 

@@ -1,6 +1,7 @@
 """The "test" device: numpy memory presented as a second device and held to CuPy's rules, so
 that device propagation, mixed-device errors and the GPU code paths are tested on machines
-without a GPU. `autograd.backend` hands out `test_xp` as the array module of "test" arrays.
+without a GPU. It registers itself with the backend switch (`autograd.backend.register_device`),
+which then hands out `test_xp` as the array module of "test" arrays.
 
 CuPy's rules kept here: a host numpy array beside device arrays in an op is an error; reductions
 and integer indexing give 0-d arrays, not numpy scalars; out-of-bounds integer-array indices wrap
@@ -22,6 +23,8 @@ import threading
 import types
 
 import numpy
+
+from autograd import backend
 
 transfers = collections.Counter()  # "device_to_host" / "host_to_device" -> count, and per kind of read
 
@@ -269,7 +272,8 @@ class _OnTestDevice:
                 _refuse_during_capture(f"{self._name} (the size of its result is read on the host)")
             if self._name.startswith("numpy.random."):
                 _refuse_during_capture(f"{self._name}: a generator's draws would repeat at every replay (its state "
-                                       "is host memory); draw from a Philox stream, autograd.random.Philox.draw")
+                                       "is host memory); draw from a Philox stream, "
+                                       "npformer.runtime.random.Philox.draw")
             has_out = kwargs.get("out") is not None
             written = [kwargs["out"]] if has_out else []
             if args and (self._name in self._WRITES_FIRST_ARGUMENT or at):
@@ -330,6 +334,9 @@ def from_host(dst, host):
         return numpy.array(host).view(TestDeviceArray)
     numpy.copyto(dst.view(numpy.ndarray), host)
     return dst
+
+
+backend.register_device("test", TestDeviceArray, test_xp, to_host, from_host)
 
 
 # -- graph capture ---------------------------------------------------------------------------------

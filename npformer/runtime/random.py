@@ -19,7 +19,7 @@ give four random 32-bit words. npformer's streams use key = (seed mod 2^32, seed
 `offset` is value (offset + i) of that sequence; a draw of n values advances the offset by n
 rounded up to a multiple of 8, so every draw starts on a fresh counter.
 
-Under graph capture (autograd.graphs, npformer.cuda.graphed) a replayed step must draw new values
+Under graph capture (npformer.runtime.graphs, npformer.cuda.graphed) a replayed step must draw new values
 each time, so `Philox.draw` then hands out offsets relative to a base that lives in device memory:
 a (2,) uint64 array (seed, base) that kernels read (`PhiloxDraw.state`), rewritten before each
 replay with the next unused offset, like torch's Philox state under CUDA graphs. Dropout sites
@@ -29,8 +29,10 @@ import os
 import threading
 from typing import Any, NamedTuple
 
-from . import backend, graphs, lookahead, threads
-from .checks import check_int
+from autograd import backend
+from autograd.checks import check_int
+
+from . import graphs, lookahead, threads
 from .kernels import kernel_table
 
 _generators = {}
@@ -298,7 +300,7 @@ def _host_key(counters, key, *rest):
 
 @philox_bits16.register("cpu", supports=_host_key)
 def philox_bits16_cpu(counters, key):
-    """Blocks of counters on the threads of `autograd.threads` (_run_counter_blocks), each in chunks
+    """Blocks of counters on the threads of `npformer.runtime.threads` (_run_counter_blocks), each in chunks
     whose temporaries stay in the cache, with the shortened first rounds of `_fresh_rounds`."""
     n = counters.shape[0]
     words = backend.get_array_module(counters).empty((n, 4), dtype="uint32")
@@ -336,10 +338,10 @@ def philox_at_least_cpu(counters, key, threshold):
 def for_keep_chunks(seed, offset, n, threshold, kernel):
     """On the CPU: kernel(start, stop, keep) over consecutive pieces [start, stop) of the n values
     from `offset` of the stream of `seed`, keep (stop - start,) bool = their bits16 >= threshold,
-    the pieces in blocks on the threads of `autograd.threads` and in cache-sized chunks, so that a
+    the pieces in blocks on the threads of `npformer.runtime.threads` and in cache-sized chunks, so that a
     kernel applying the mask reads it while it is in the cache (keep is reused: copy what must
     outlive the call). Which values each piece holds does not change the bits, so the results are
-    the same for any thread count. A mask drawn ahead (autograd.lookahead) is handed out in pieces."""
+    the same for any thread count. A mask drawn ahead (npformer.runtime.lookahead) is handed out in pieces."""
     ahead = _at_least_ahead(seed, offset, n, threshold)
     if ahead is not None:
         piece = _CHUNK * VALUES_PER_COUNTER
@@ -363,7 +365,7 @@ def for_keep_chunks(seed, offset, n, threshold, kernel):
 
 def _run_counter_blocks(block, count):
     """block(start, stop, chunk) over blocks of `count` counters: one block in chunks of _CHUNK, or,
-    when every thread of `autograd.threads` gets at least _PARALLEL_CHUNK counters, one block per
+    when every thread of `npformer.runtime.threads` gets at least _PARALLEL_CHUNK counters, one block per
     thread in chunks of _PARALLEL_CHUNK."""
     blocks = threads.row_blocks(count, threads.MIN_PARALLEL_ENTRIES) if count >= 2 * _PARALLEL_CHUNK else [(0, count)]
     chunk = _CHUNK if len(blocks) == 1 else _PARALLEL_CHUNK
@@ -465,7 +467,7 @@ def bits16(seed, offset, n, device="cpu", state=None):
 def bits16_at_least(seed, offset, n, threshold, device="cpu", state=None):
     """bits16(seed, offset, n, device, state) >= threshold, (n,) bool (the keep test of a dropout
     mask), without the array of 16-bit values on the CPU (where it may have been drawn ahead:
-    autograd.lookahead)."""
+    npformer.runtime.lookahead)."""
     if device != "cpu" or state is not None:
         counters, key, skip = _covering_counters(seed, offset, n, device, state)
         return philox_at_least(counters, key, threshold)[skip:skip + int(n)]
@@ -474,7 +476,7 @@ def bits16_at_least(seed, offset, n, threshold, device="cpu", state=None):
 
 
 def _at_least_ahead(seed, offset, n, threshold):
-    """bits16_at_least's CPU mask when autograd.lookahead drew it ahead, else None; the request is
+    """bits16_at_least's CPU mask when npformer.runtime.lookahead drew it ahead, else None; the request is
     recorded either way (for_keep_chunks and bits16_at_least ask for the same mask)."""
     return lookahead.take(("at_least", int(seed), int(n), int(threshold)), int(offset),
                           lambda at: _at_least_now(seed, at, n, threshold))
@@ -492,7 +494,7 @@ def bits16_at_least_in_runs(seed, offset, n, threshold, starts, lengths):
     outside them is False, or its own test where a counter of a run covers it): a mask whose other
     entries do not matter (the probabilities above a causal diagonal) costs the values it needs.
     starts, lengths: (R,) integer arrays, lengths >= 1, the runs in increasing order, apart.
-    It may have been drawn ahead (autograd.lookahead)."""
+    It may have been drawn ahead (npformer.runtime.lookahead)."""
     xp = backend.module_for("cpu")
     starts, lengths = xp.asarray(starts, dtype="int64"), xp.asarray(lengths, dtype="int64")
     draw = lambda at: _at_least_in_runs_now(seed, at, n, threshold, starts, lengths)  # noqa: E731

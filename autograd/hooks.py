@@ -1,0 +1,28 @@
+"""Hooks: the two moments of the core's work at which code outside the core acts.
+
+The core knows nothing of what runs beside it (threads, random streams, device checks: npformer's
+runtime, `npformer.runtime`). Such code registers a function here, once, at its import, and the
+core calls every function of a list, in the order they were registered, with no arguments:
+
+- `backward_started`: `Tensor.backward()` has checked its arguments and is about to walk the
+  tape. npformer's runtime ends the forward pass of its dropout lookahead there
+  (`npformer.runtime.lookahead.end_pass`).
+- `host_read`: `Tensor.numpy()` or `Tensor.item()` (and so `tolist()`, `float()`, `int()`) is
+  about to read values on the host. npformer's runtime reports its deferred device checks there
+  (`npformer.runtime.deferred.raise_pending`).
+
+Registration is per process: append to the list (`hooks.host_read.append(fn)`). What a hook acts
+on is its owner's to keep, per thread where it is per thread (the core calls hooks in the thread
+that backpropagates or reads).
+"""
+from collections.abc import Callable
+from typing import Any
+
+backward_started: list[Callable[[], Any]] = []  # called by Tensor.backward before the backward pass
+host_read: list[Callable[[], Any]] = []         # called by Tensor.numpy() and Tensor.item() before reading
+
+
+def run(hooks: list[Callable[[], Any]]) -> None:
+    """Call every function of the list `hooks` (one of the lists above), in registration order."""
+    for hook in hooks:
+        hook()
