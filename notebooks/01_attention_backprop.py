@@ -38,9 +38,10 @@ import numpy as np
 from IPython.display import Image, display
 
 import npformer.functional as F
-from autograd import Tensor, random
+from autograd import Tensor
 from npformer import plots
 from npformer.exercises import ForwardSteps, check
+from npformer.runtime import random
 
 rng = np.random.default_rng(0)
 FIGURES = tempfile.TemporaryDirectory(prefix="npformer-notebook-").name   # removed when the kernel exits
