@@ -32,4 +32,4 @@ notebooks: $(VENV)/.stamp-dev
 	$(BIN)/jupytext --to ipynb notebooks/*.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs notebooks/*.ipynb
