@@ -18,28 +18,16 @@ import math
 
 import numpy as np
 
-from autograd import Tensor, backend, no_grad
+from autograd import Tensor, backend
 from autograd.backend import Array, ArrayLike
 from autograd.checks import as_array, check_bool, check_int, check_optional_int, check_real
 from npformer.runtime import random, threads
 from . import functional as F
 from .functional._common import check_index_range
 from .data import BOS, EOS, PAD
-from .nn import Module
+from .nn import Module, inference_mode
 
 __all__ = ["greedy_decode", "beam_search", "generate", "sample_logits", "top_k_filter", "top_p_filter"]
-
-
-@contextlib.contextmanager
-def _inference(model):
-    """Eval mode and no graph, restoring the model's previous mode afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        with no_grad():
-            yield
-    finally:
-        model.train(was_training)
 
 
 def _blas_threads(device):
@@ -104,6 +92,18 @@ def _log_probs(logits):
     return F.log_softmax(logits, dim=-1).numpy()
 
 
+def _refuse_nan(scores, where, beams=1):
+    """ValueError naming `where` (the caller and its step) and the batch rows (sequences; `beams`
+    score rows each) whose next-token scores (N, V) hold a NaN: an argmax would silently pick
+    some token for them."""
+    xp = backend.get_array_module(scores)
+    bad = backend.as_numpy(xp.isnan(scores).any(axis=-1))                          # (N,)
+    if bad.any():
+        rows = np.unique(np.flatnonzero(bad) // beams).tolist()
+        raise ValueError(f"{where}: the next-token logits of batch rows {rows} hold NaN (the model's output "
+                         f"is not a number there)")
+
+
 class _Stepper:
     """Next-token logits for a batch of prefixes, with or without the KV cache."""
 
@@ -147,22 +147,23 @@ def greedy_decode(model: Module, src: ArrayLike, max_len: int, *, bos: int = BOS
     use_cache = check_bool(use_cache, "use_cache", "greedy_decode")
     src, mask = _source(model, src, src_key_padding_mask, "greedy_decode")
     batch = len(src)
-    out = np.full((batch, max_len), pad, dtype=np.int64)
+    columns = []  # (B,) tokens per step: the output grows as tokens come (max_len may be huge)
     finished = np.zeros(batch, dtype=bool)
-    with _inference(model):
+    with inference_mode():
         memory = model.encode(src, src_key_padding_mask=mask)
         stepper = _Stepper(model, memory, mask, bos, batch, use_cache)
         for t in range(max_len):
             logits = stepper.logits()
+            _refuse_nan(logits.data, f"greedy_decode: step {t}")
             tokens = backend.as_numpy(logits.xp.argmax(logits.data, axis=-1)).astype(np.int64)  # (B,)
             tokens[finished] = pad
-            out[:, t] = tokens
+            columns.append(tokens)
             if eos is not None:
                 finished |= tokens == eos
                 if finished.all():
-                    return out[:, :t + 1]
+                    break
             stepper.advance(tokens)
-    return out
+    return np.stack(columns, axis=1)
 
 
 def beam_search(model: Module, src: ArrayLike, max_len: int, *, beam_size: int = 4, length_penalty: float = 1.0,
@@ -195,7 +196,7 @@ def beam_search(model: Module, src: ArrayLike, max_len: int, *, beam_size: int =
     def finish(b, tokens, score):
         finished[b].append((score / len(tokens) ** length_penalty, tokens))
 
-    with _inference(model):
+    with inference_mode():
         memory = model.encode(src, src_key_padding_mask=mask)
         device_rows = backend.to_device(rows, memory.device)
         memory = memory[device_rows]  # (B*k, S, D)
@@ -203,6 +204,7 @@ def beam_search(model: Module, src: ArrayLike, max_len: int, *, beam_size: int =
         stepper = _Stepper(model, memory, beam_mask, bos, batch * k, use_cache)
         for t in range(max_len):
             logp = _log_probs(stepper.logits())  # (B*k, V)
+            _refuse_nan(logp, f"beam_search: step {t}", beams=k)
             vocab = logp.shape[1]
             candidates = (scores.reshape(-1, 1) + logp).reshape(batch, k * vocab)
             top = np.argsort(-candidates, axis=1, kind="stable")[:, :2 * k]  # (B, 2k)
@@ -277,7 +279,8 @@ def sample_logits(logits: Tensor | Array, rng: np.random.Generator, temperature:
     logits processed in Hugging Face's order: temperature, top-k (None or 0: all), top-p (None
     or 1: all). The maximum is subtracted before dividing by the temperature, so a tiny
     temperature tends to the argmax instead of overflowing. ValueError for a row whose logits
-    give no distribution (NaN, +inf, or every entry -inf), as torch.multinomial."""
+    give no distribution (NaN, +inf, or every entry -inf), as torch.multinomial, and for a row
+    with a NaN at temperature 0 (its argmax would be an arbitrary token)."""
     owner = "sample_logits"
     temperature, top_k, top_p = _sampling_settings(temperature, top_k, top_p, owner)
     if not isinstance(rng, np.random.Generator):
@@ -288,8 +291,14 @@ def sample_logits(logits: Tensor | Array, rng: np.random.Generator, temperature:
     if scores.ndim != 2 or scores.shape[-1] == 0:
         raise ValueError(f"{owner}: logits must be (batch, vocabulary) with a vocabulary of at least one entry, "
                          f"got shape {tuple(scores.shape)}")
+    return _choose(scores, rng, temperature, top_k, top_p, owner)
+
+
+def _choose(scores, rng, temperature, top_k, top_p, where):
+    """sample_logits of checked arguments (scores: the (B, V) array); errors begin with `where`."""
     xp = backend.get_array_module(scores)
     if temperature == 0:
+        _refuse_nan(scores, where)
         return backend.as_numpy(xp.argmax(scores, axis=-1)).astype(np.int64)
     scores = scores.astype("float64")
     with np.errstate(invalid="ignore", over="ignore"):  # NaN / +inf logits: refused below; -inf: a 0 probability
@@ -307,7 +316,7 @@ def sample_logits(logits: Tensor | Array, rng: np.random.Generator, temperature:
     chosen = xp.where(total >= 1.0, xp.minimum(chosen, scores.shape[-1] - 1), -1)  # -1: no distribution
     tokens = backend.as_numpy(chosen).astype(np.int64)
     if (tokens < 0).any():
-        raise ValueError(f"{owner}: logits rows {np.flatnonzero(tokens < 0).tolist()} give no probability "
+        raise ValueError(f"{where}: logits rows {np.flatnonzero(tokens < 0).tolist()} give no probability "
                          f"distribution (NaN, +inf, or every entry -inf)")
     return tokens
 
@@ -411,8 +420,9 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
     when every row has. seed: an int >= 0 makes sampling reproducible (None: npformer's global
     generator, seeded by npformer.manual_seed).
     use_cache=False recomputes the whole prefix at every step instead of using the KV cache.
-    The model runs in eval mode (no dropout) without a graph, its mode restored afterwards (Hugging
-    Face's generate leaves the mode to the caller). The positional table must hold the prompt and
+    The model runs in `nn.inference_mode()`: without a graph and with dropout off in this thread
+    only, `model.training` untouched (like Hugging Face's generate, which never changes the mode;
+    another thread may train the model meanwhile). The positional table must hold the prompt and
     every new token but the last (which is never fed back): P + max_new_tokens - 1 positions.
 
     Returns an int64 numpy array (B, P + n), n <= max_new_tokens, keeping the prompt's left
@@ -444,26 +454,26 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
         mask = np.zeros(prompt.shape, dtype=bool)
     rng = np.random.default_rng(seed) if seed is not None else random.global_rng("cpu")
     device = model.tok_embed.weight.device
-    out = np.full((batch, max_new_tokens), pad, dtype=np.int64)
+    columns = []  # (B,) new tokens per step: the output grows as they come (max_new_tokens may be huge)
     finished = np.zeros(batch, dtype=bool)
-    with _inference(model), _blas_threads(device):
+    with inference_mode(), _blas_threads(device):
         if use_cache:
             cache = model.init_cache()
             logits = model.decode_step(backend.to_device(prompt, device), cache, key_padding_mask=mask)
         for t in range(max_new_tokens):
             if not use_cache:
-                logits = _full_prefix_logits(model, np.concatenate([prompt, out[:, :t]], axis=1), mask, t)
-            tokens = sample_logits(logits, rng, temperature, top_k, top_p)
+                logits = _full_prefix_logits(model, np.column_stack([prompt, *columns]), mask, t)
+            tokens = _choose(logits.data, rng, temperature, top_k, top_p, f"generate: step {t}")
             tokens[finished] = pad
-            out[:, t] = tokens
+            columns.append(tokens)
             if eos is not None:
                 finished |= tokens == eos
             if finished.all():
-                out = out[:, :t + 1]
                 break
             if use_cache and t + 1 < max_new_tokens:
                 logits = model.decode_step(backend.to_device(tokens[:, None], device), cache,
                                            key_padding_mask=step_mask)
+    out = np.stack(columns, axis=1)                                                 # (B, n)
     result = np.concatenate([prompt, out], axis=1)
     if not ragged:
         return result

@@ -19,9 +19,8 @@ import numpy as np
 
 from autograd.backend import ArrayLike
 
-from .decoding import _inference
 from .files import atomic_write
-from .nn import Module, record_attention
+from .nn import Module, inference_mode, record_attention
 
 __all__ = ["attention_maps", "plot_curves", "plot_grad_norms", "plot_attention", "plot_attention_and_grads", "TITLES"]
 
@@ -68,12 +67,12 @@ def _group_of(name):
 
 def attention_maps(model: Module, *inputs: ArrayLike) -> dict[str, list[np.ndarray]]:
     """Run `model(*inputs)` (e.g. `model(src, tgt_in)`, or `model(ids)` for a causal LM) once in
-    eval mode and return the attention probabilities of every MultiheadAttention, per head:
-    {"encoder_self": [(B, H, S, S) per layer], "decoder_self": [(B, H, T, T)], "cross":
-    [(B, H, T, S)]} as numpy arrays (a causal LM's layers are its encoder stack: "encoder_self";
-    recorded with `npformer.nn.record_attention`). The model's mode is restored afterwards."""
+    nn.inference_mode() (no dropout, model.training untouched) and return the attention
+    probabilities of every MultiheadAttention, per head: {"encoder_self": [(B, H, S, S) per
+    layer], "decoder_self": [(B, H, T, T)], "cross": [(B, H, T, S)]} as numpy arrays (a causal
+    LM's layers are its encoder stack: "encoder_self"; recorded with `npformer.nn.record_attention`)."""
     maps = {group: [] for group in _GROUPS}
-    with _inference(model), record_attention(model) as recorder:
+    with inference_mode(), record_attention(model) as recorder:
         model(*inputs)
     for record in recorder:
         maps[_group_of(record.name)].append(record.weights.numpy())          # (B, H, Tq, Tk)

@@ -50,11 +50,11 @@ from . import functional as F
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.packing import bit_generator
 from .data import EOS, PAD, SequenceTask, shard
-from .decoding import _inference, greedy_decode
+from .decoding import greedy_decode
 from .distributed import comm
 from .distributed.ddp import DistributedDataParallel, split_random_streams
 from .distributed.zero import ZeroRedundancyOptimizer
-from .nn import Module
+from .nn import Module, inference_mode
 from .optim import Optimizer, clip_grad_norm_, grad_norm
 from .progress import Progress
 
@@ -145,10 +145,11 @@ def _as_loss(out):
 
 def evaluate_loss(loss_fn: LossFunction, batches: Iterable[Any]) -> Callable[[Module], dict[str, float]]:
     """An `evaluate` function for Trainer: the loss and metrics of `loss_fn` over fixed
-    held-out batches, in eval mode without a graph; batch i runs on rank i % world size and
-    the sums are added over ranks. The function returns {"loss": ..., <metric>: ...}, divided by
-    the item count. ValueError for no batch (when made), fewer batches than ranks, or when no
-    batch has an item (e.g. every target equal to ignore_index: torch's mean would be NaN)."""
+    held-out batches, without dropout or a graph (nn.inference_mode(): model.training
+    untouched); batch i runs on rank i % world size and the sums are added over ranks. The
+    function returns {"loss": ..., <metric>: ...}, divided by the item count. ValueError for no
+    batch (when made), fewer batches than ranks, or when no batch has an item (e.g. every target
+    equal to ignore_index: torch's mean would be NaN)."""
     batches = list(batches)
     if not batches:
         raise ValueError("evaluate_loss: expected at least one held-out batch, got none")
@@ -160,7 +161,7 @@ def evaluate_loss(loss_fn: LossFunction, batches: Iterable[Any]) -> Callable[[Mo
                              f"got {len(batches)}")
         loss = count = 0.0
         metrics = {}
-        with _inference(model):
+        with inference_mode():
             for batch in batches[group.rank::group.size]:
                 out = _as_loss(loss_fn(model, batch))
                 loss, count = loss + out.sum.item(), count + out.count

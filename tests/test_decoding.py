@@ -1,12 +1,14 @@
 """Greedy and beam search: cached == uncached, beam width 1 == greedy, beam search against
 brute force, EOS handling."""
 import itertools
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from autograd import no_grad
 from npformer import functional as F
+from npformer import nn
 from npformer.data import EOS, PAD, SequenceTask
 from npformer.decoding import beam_search, greedy_decode
 from npformer.models import Seq2SeqTransformer
@@ -28,7 +30,7 @@ def _sources(vocab=12, n=12):
 @pytest.mark.parametrize("eos", [EOS, None])
 def test_greedy_cached_equals_uncached(device, eos):
     model, src = _model(device=device), _sources()
-    model.train()  # decoding must switch to eval (no dropout) and restore the mode
+    model.train()  # decoding runs without dropout (nn.inference_mode), the mode untouched
     cached = greedy_decode(model, src, 9, eos=eos)
     uncached = greedy_decode(model, src, 9, eos=eos, use_cache=False)
     assert model.training
@@ -157,7 +159,7 @@ def test_source_mask_as_a_list_or_tensor(decode):
     np.testing.assert_array_equal(decode(model, src, 4, src_key_padding_mask=Tensor(mask)), expected)
 
 
-def test_beam_search_in_train_mode_runs_in_eval_mode_and_restores_it():
+def test_beam_search_in_train_mode_runs_without_dropout():
     model, src = _model(), _sources()
     model.eval()
     expected = beam_search(model, src, 6, beam_size=3, return_scores=True)
@@ -199,3 +201,55 @@ def test_a_causal_lm_is_refused_with_a_pointer_to_generate(decode):
     model = CausalLM(12, d_model=8, nhead=2, num_layers=1, dim_feedforward=16)
     with pytest.raises(TypeError, match=f"{decode.__name__}: expected an encoder-decoder model .* got CausalLM"):
         decode(model, np.ones((1, 3), dtype=int), 3)
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_decoding_leaves_the_mode_alone(decode):
+    """Issue 29 item 4 for the seq2seq decoders: they flipped the shared model into eval mode and
+    back; now they run in nn.inference_mode(), `training` unchanged all along (so a thread that
+    trains the model meanwhile keeps its dropout, and decoding never runs with it)."""
+    model, src = _model(), _sources()
+    expected = decode(model.eval(), src, 5)
+    model.train()
+    found = []  # (model.training, inside inference_mode) at every step
+    decode_step = model.decode_step
+
+    def watched(*args, **kwargs):
+        found.append((model.training, nn.is_inference_mode_enabled()))
+        return decode_step(*args, **kwargs)
+    model.decode_step = watched
+    np.testing.assert_array_equal(decode(model, src, 5), expected)
+    assert found and all(training and inference for training, inference in found)
+
+
+@pytest.mark.parametrize("decode, beams", [(greedy_decode, 1), (beam_search, 4)])
+def test_nan_logits_raise_naming_the_step_and_row(decode, beams):
+    """Issue 29 item 10b: an argmax of NaN logits picked token 0 silently."""
+    model, src = _model().eval(), _sources(n=3)
+    decode_step, calls = model.decode_step, []
+
+    def with_nan(*args, **kwargs):
+        logits = decode_step(*args, **kwargs)
+        if len(calls) == 1:  # the second call: the logits of step 1
+            logits.data[beams * 1] = np.nan  # sequence 1 (its first beam)
+        calls.append(None)
+        return logits
+    model.decode_step = with_nan
+    with pytest.raises(ValueError, match=rf"{decode.__name__}: step 1: .*batch rows \[1\] hold NaN"):
+        decode(model, src, 6, eos=None)
+
+
+def test_a_huge_max_len_costs_only_what_is_produced():
+    """Issue 29 item 8 for greedy_decode: its output (B, max_len) was allocated up front."""
+    manual_seed(0)
+    model = Seq2SeqTransformer(12, 12, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                               dim_feedforward=32, pad_idx=PAD, positional="rope").eval()
+    src = _sources()[:1]
+    eos = int(greedy_decode(model, src, 1, eos=None)[0, 0])
+    tracemalloc.start()
+    try:
+        out = greedy_decode(model, src, 10**9, eos=eos)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.tolist() == [[eos]] and peak < 2**22, f"peak {peak} bytes"

@@ -87,7 +87,13 @@ def rotary_cos_sin(seq_len: int, head_dim: int, base: float = 10000.0, dtype: DT
     seq_len = check_int(seq_len, "seq_len", "rotary_cos_sin", at_least=0)
     base = check_real(base, "base", "rotary_cos_sin", above=0)
     dtype = check_float_dtype(dtype, "dtype", "rotary_cos_sin")
-    xp = backend.module_for(device)
+    return cos_sin_at(backend.module_for(device).arange(seq_len), head_dim, base, dtype)
+
+
+def cos_sin_at(positions: Array, head_dim: int, base: float, dtype: DType) -> tuple[Array, Array]:
+    """rotary_cos_sin's tables at integer `positions` (any shape P, on their device, checked by
+    the caller): cos and sin (*P, head_dim // 2), computed in float64 and cast to `dtype`."""
+    xp = backend.get_array_module(positions)
     inv_freq = base ** (-xp.arange(0, head_dim, 2, dtype="float64") / head_dim)   # (hd/2,)
-    angles = xp.arange(seq_len, dtype="float64")[:, None] * inv_freq[None, :]            # (T, hd/2)
+    angles = positions.astype("float64")[..., None] * inv_freq                    # (*P, hd/2)
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)

@@ -262,8 +262,8 @@ class EncoderOnlyModel(nn.Module):
               position_ids: ArrayLike | None = None) -> Tensor:
         """ids (B, T) integer array -> (B, T, d_model): dropout of word (+ token type) + position
         embeddings (+ LayerNorm). Positions offset .. offset + T - 1, or position_ids (B, T)
-        (per row, e.g. after left padding); with positional="rope" the positions are applied in
-        attention, where only their differences count, so position_ids are not needed there."""
+        (per row, e.g. after left padding); with positional="rope" (or "none") no positions are
+        added here: RoPE applies them in attention (hidden_states passes position_ids on)."""
         x = self.tok_embed(ids)                                                     # (B, T, d)
         types = self._type_ids(token_type_ids, ids)
         if types is not None:
@@ -278,6 +278,9 @@ class EncoderOnlyModel(nn.Module):
 
     def hidden_states(self, ids: Array, key_padding_mask: ArrayLike | None = None, is_causal: bool = False,
                       token_type_ids: ArrayLike | None = None, position_ids: ArrayLike | None = None) -> Tensor:
-        """ids (B, T) integer array -> (B, T, d_model): `embed`, then the encoder (+ its final LayerNorm)."""
+        """ids (B, T) integer array -> (B, T, d_model): `embed`, then the encoder (+ its final
+        LayerNorm); position_ids (B, T) or (T,) go to the positional table, or to RoPE in attention."""
         x = self.embed(ids, token_type_ids, position_ids=position_ids)
-        return self.encoder(x, src_key_padding_mask=key_padding_mask, is_causal=is_causal)
+        rope_positions = position_ids if self.positional_kind == "rope" else None
+        return self.encoder(x, src_key_padding_mask=key_padding_mask, is_causal=is_causal,
+                            position_ids=rope_positions)

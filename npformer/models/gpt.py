@@ -8,6 +8,7 @@ from autograd import Tensor, backend
 from autograd.backend import ArrayLike
 
 from .. import nn
+from ..nn.positional import check_position_ids
 from ._common import EncoderOnlyModel, attention_settings, padding_mask_from_ids, token_ids, valid_positions
 
 
@@ -63,7 +64,8 @@ class CausalLM(EncoderOnlyModel):
         """input_ids (B, T) ints; key_padding_mask (B, T) bool, True = padding (derived from
         pad_idx when not given); position_ids (B, T) ints (default 0 .. T-1 in every row; e.g.
         cumsum(~key_padding_mask, 1) - 1 for left-padded rows, as Hugging Face's GPT-2 takes
-        them) -> logits (B, T, vocab_size)."""
+        them, or positions that restart in packed sequences), for every positional kind but
+        "none": added from the table, or RoPE's in attention -> logits (B, T, vocab_size)."""
         ids = self._ids(input_ids)
         mask = padding_mask_from_ids(ids, self.pad_idx, key_padding_mask)
         return self.project(self.hidden_states(ids, mask, is_causal=True, position_ids=position_ids))
@@ -77,8 +79,8 @@ class CausalLM(EncoderOnlyModel):
         """An empty `nn.DecoderCache`: every layer's self-attention keys/values, filled by `decode_step`."""
         return self.encoder.init_cache()
 
-    def decode_step(self, input_ids: ArrayLike, cache: nn.DecoderCache,
-                    key_padding_mask: ArrayLike | None = None) -> Tensor:
+    def decode_step(self, input_ids: ArrayLike, cache: nn.DecoderCache, key_padding_mask: ArrayLike | None = None,
+                    position_ids: ArrayLike | None = None) -> Tensor:
         """input_ids (B, L): the new tokens (the whole prompt at the first call, then the newest
         token of each row) -> next-token logits (B, vocab_size) after the last of them.
 
@@ -87,23 +89,35 @@ class CausalLM(EncoderOnlyModel):
         padding (derived from pad_idx when not given): left padding of prompts of different
         lengths; no later position attends to it, and positions count the real tokens of each
         row only (a row's first real token is at position 0, as Hugging Face's
-        position_ids = cumsum(attention_mask) - 1)."""
+        position_ids = cumsum(attention_mask) - 1). position_ids (B, L) or (L,) ints: the new
+        tokens' positions instead (e.g. packed sequences whose positions restart); later calls
+        without them continue each row after its last given position."""
         owner = "CausalLM.decode_step"
         if not isinstance(cache, nn.DecoderCache):
             raise TypeError(f"{owner}: cache must come from init_cache, got {type(cache).__name__}")
         ids = token_ids(input_ids, self.tok_embed, owner, "input_ids")
         mask = padding_mask_from_ids(ids, self.pad_idx, key_padding_mask)
-        if mask is None and cache.attendable is None:
+        positions, next_positions = self._next_positions(ids, mask, cache, position_ids, owner)
+        if positions is None:
             x = self.embed(ids, offset=cache.length)                                 # positions t .. t+L-1
         else:
-            x = self.embed(ids, position_ids=self._next_positions(ids, mask, cache))
-        hidden = self.encoder.step(x, cache, key_padding_mask=mask)                 # (B, L, d)
+            x = self.embed(ids, position_ids=positions)
+        rope_positions = positions if self.positional_kind == "rope" else None
+        hidden = self.encoder.step(x, cache, key_padding_mask=mask, position_ids=rope_positions)  # (B, L, d)
+        cache.next_positions = next_positions
         return self.project(hidden[:, -1])                                          # (B, V)
 
-    def _next_positions(self, ids, mask, cache):
-        """(B, L) positions of new tokens: each row continues after its real (non-padding) cached
-        tokens and counts only real new ones (padding gets its row's next position, unused)."""
+    def _next_positions(self, ids, mask, cache, position_ids, owner):
+        """((B, L) positions of the new tokens, or None when every row's are len(cache) ..
+        len(cache) + L - 1; each row's next position (B, 1) after them, or None likewise).
+        position_ids when given, else each row continues after its previous position and counts
+        only real (non-padding) new tokens (padding gets its row's next position, unused)."""
         xp = backend.get_array_module(ids)
+        if position_ids is not None:
+            positions = xp.broadcast_to(check_position_ids(position_ids, ids.shape, ids, None, owner), ids.shape)
+            return positions, positions[:, -1:] + 1
+        if mask is None and cache.next_positions is None:
+            return None, None
         real = valid_positions(mask, ids, "int64")                                  # (B, L) 1 = token
-        seen = cache.length if cache.attendable is None else cache.attendable.sum(axis=1, keepdims=True)
-        return xp.maximum(seen + xp.cumsum(real, axis=1) - 1, 0)
+        start = cache.length if cache.next_positions is None else cache.next_positions  # int or (B, 1)
+        return xp.maximum(start + xp.cumsum(real, axis=1) - 1, 0), start + real.sum(axis=1, keepdims=True)

@@ -3,7 +3,7 @@ from . import init
 from .attention import MultiheadAttention
 from .config import TransformerConfig
 from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU
-from .module import Module, ModuleList, Parameter, Sequential
+from .module import Module, ModuleList, Parameter, Sequential, inference_mode, is_inference_mode_enabled
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from .recording import AttentionRecord, AttentionRecorder, record_attention
 from .transformer import (DecoderCache, Transformer, TransformerDecoder, TransformerDecoderLayer,
@@ -13,4 +13,4 @@ __all__ = ["init", "Module", "ModuleList", "Parameter", "Sequential", "Linear", 
            "Dropout", "ReLU", "GELU", "Identity", "MultiheadAttention", "SinusoidalPositionalEncoding",
            "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "Transformer", "TransformerConfig", "DecoderCache", "record_attention",
-           "AttentionRecorder", "AttentionRecord"]
+           "AttentionRecorder", "AttentionRecord", "inference_mode", "is_inference_mode_enabled"]

@@ -135,10 +135,10 @@ class MultiheadAttention(Module):
     the causal mask covers the S keys and the appended ones stay visible (torch needs attn_mask
     with is_causal; given one, it does the same).
 
-    Extras (not in torch): `rotary=True` applies RoPE to q and k (positions from 0, or from
-    `offset` in the cached step); `backend` chooses the path of F.scaled_dot_product_attention
-    whenever no attention weights are asked for (need_weights=False, as inside the Transformer
-    layers): None (flash attention on a GPU where it applies, else naive), "naive",
+    Extras (not in torch): `rotary=True` applies RoPE to q and k (positions from 0, or given
+    per row, or from the cache's length in the cached step); `backend` chooses the path of
+    F.scaled_dot_product_attention whenever no attention weights are asked for (need_weights=False,
+    as inside the Transformer layers): None (flash attention on a GPU where it applies, else naive), "naive",
     "memory_efficient" (blocks of `block_size`; also `memory_efficient=True`) or "flash".
 
     `config=TransformerConfig(...)` instead of the settings (as the Transformer layers build it:
@@ -284,13 +284,14 @@ class MultiheadAttention(Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask = AttentionMask(), *,
                need_weights: bool = False, average_attn_weights: bool = True) -> tuple[Tensor, Tensor | None]:
         """Heads q (B, H, T, hd), k, v (B, H, S, hd) through F.scaled_dot_product_attention (with
-        `mask`, dropout in training, the config's attention path) and out_proj -> (output (B, T, E),
+        `mask`, dropout when training_active, the config's attention path) and out_proj -> (output (B, T, E),
         weights (B, T, S), or (B, H, T, S) with average_attn_weights=False, or None)."""
         B, H, T, hd = q.shape
         # the memory-efficient and flash paths never form the weights: they run when none are asked for
         result = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask.is_causal,
-            return_weights=need_weights, memory_efficient=self.config.memory_efficient and not need_weights,
+            q, k, v, attn_mask=mask.mask, dropout_p=self.dropout if self.training_active else 0.0,
+            is_causal=mask.is_causal, return_weights=need_weights,
+            memory_efficient=self.config.memory_efficient and not need_weights,
             block_size=self.config.block_size, backend=None if need_weights else self.backend)
         out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
@@ -339,12 +340,13 @@ class MultiheadAttention(Module):
 
     def forward_masked(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask = AttentionMask(), *,
                        need_weights: bool = False, average_attn_weights: bool = True,
-                       offset: int = 0) -> tuple[Tensor, Tensor | None]:
-        """forward() with the mask already converted (an AttentionMask, SDPA convention); RoPE
-        positions start at `offset`. -> (output (B, T, E), weights or None)."""
+                       position_ids: ArrayLike | None = None) -> tuple[Tensor, Tensor | None]:
+        """forward() with the mask already converted (an AttentionMask, SDPA convention); RoPE's
+        positions are 0 .. T-1, or position_ids (B, T) or (T,) (self-attention: the queries' and
+        keys' positions). -> (output (B, T, E), weights or None)."""
         q, k, v = self.project_qkv(query, key, value)
         if self.rotary_emb is not None:
-            q, k = self.rotary_emb(q, offset), self.rotary_emb(k, offset)
+            q, k = self.rotary_emb(q, position_ids=position_ids), self.rotary_emb(k, position_ids=position_ids)
         k, v, mask = self.append_keys(k, v, mask, q.shape[2])
         return self.attend(q, k, v, mask, need_weights=need_weights, average_attn_weights=average_attn_weights)
 

@@ -161,16 +161,16 @@ class Dropout(Module):
     """Zero each element with probability p and scale the rest by 1/(1-p) in training mode. The
     masks come from the global dropout stream (npformer.runtime.random.dropout_stream(), seeded by
     npformer.manual_seed, saved in checkpoints): the same masks on every device (F.dropout).
-    torch.nn.Dropout; in eval mode, or with p=0, the input passes unchanged. ValueError unless
-    0 <= p <= 1."""
+    torch.nn.Dropout; in eval mode, inside nn.inference_mode(), or with p=0, the input passes
+    unchanged. ValueError unless 0 <= p <= 1."""
 
     def __init__(self, p: float = 0.5):
         super().__init__()
         self.p = check_real(p, "p", "Dropout", at_least=0, at_most=1)
 
     def forward(self, input: Tensor) -> Tensor:
-        """Any shape; dropped out in training mode, `input` itself in eval mode."""
-        return F.dropout(input, self.p, self.training)
+        """Any shape; dropped out in training mode, `input` itself in eval mode (training_active)."""
+        return F.dropout(input, self.p, self.training_active)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

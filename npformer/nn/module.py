@@ -7,16 +7,51 @@ are torch's dotted paths (`encoder.layers.0.self_attn.in_proj_weight`).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from autograd import Tensor, backend
+from autograd import Tensor, backend, no_grad
 from autograd.backend import ArrayLike, DType
 from autograd.checks import check_bool, check_float_dtype
 from npformer.runtime import lookahead
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+class _Inference(threading.local):
+    """How many inference_mode() contexts the calling thread is inside (each thread starts at 0)."""
+    depth = 0
+
+
+_inference = _Inference()
+_no_grad = no_grad()  # reusable and reentrant: its saved modes live on a per-thread stack
+
+
+class inference_mode(contextlib.ContextDecorator):
+    """A context manager (and decorator) for inference in the calling thread only: no graph (as
+    torch.inference_mode and no_grad), and every module acts as in eval mode (no dropout)
+    without its `training` flag changing. Unlike torch.inference_mode, dropout is off too, so
+    a shared model can generate in one thread while another thread trains it in train mode:
+    neither sees the other's mode (modes are per thread). Reentrant, and one object may be
+    shared between threads; `is_inference_mode_enabled()` says whether the calling thread is
+    inside one. Modules read it through `Module.training_active`."""
+
+    def __enter__(self):
+        _no_grad.__enter__()
+        _inference.depth += 1
+        return self
+
+    def __exit__(self, *exc_info):
+        _inference.depth -= 1
+        _no_grad.__exit__(*exc_info)
+
+
+def is_inference_mode_enabled() -> bool:
+    """Whether the calling thread is inside `inference_mode()` (torch.is_inference_mode_enabled)."""
+    return _inference.depth > 0
 
 
 class Parameter(Tensor):
@@ -327,6 +362,12 @@ class Module:
     def eval(self) -> Module:
         """Evaluation mode (dropout off): `train(False)`; returns self."""
         return self.train(False)
+
+    @property
+    def training_active(self) -> bool:
+        """Whether this module acts in training mode (dropout on) in the calling thread now:
+        `training`, unless the thread is inside `inference_mode()`. The dropout layers read it."""
+        return self.training and _inference.depth == 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every parameter's `.grad`: None by default (torch's), or, with set_to_none=False,

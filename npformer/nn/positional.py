@@ -7,6 +7,7 @@ import npformer.functional as F
 from autograd import Tensor, backend
 from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import check_int, check_real
+from npformer.functional.rotary import cos_sin_at
 
 from . import init
 from .layers import new_parameter
@@ -20,18 +21,19 @@ def _check_span(length, offset, max_len, owner):
                          f"build the module with a larger max_len (sequence length {length}, offset {offset})")
 
 
-def _position_ids(position_ids, x, max_len, owner):
-    """position_ids (B, T) or (T,) integer array (or list/Tensor) for x (B, T, d), checked against
-    the table's max_len, as an array on x's device."""
+def check_position_ids(position_ids, batch_seq, like, max_len, owner):
+    """position_ids (B, T) or (T,) integer array (or list/Tensor) for inputs of batch and length
+    `batch_seq` (B, T), in [0, max_len) (max_len None: any integers, read without a copy to the
+    host), as an array on the device of the array `like`."""
     ids = position_ids.data if isinstance(position_ids, Tensor) else position_ids
-    xp = x.xp
-    ids = backend.to_device(ids if backend.is_array(ids) else xp.asarray(ids), x.device)
-    if ids.dtype.kind not in "iu" or ids.shape not in ((x.shape[1],), x.shape[:2]):
-        raise ValueError(f"{owner}: position_ids must be integers of shape (batch, seq) = {x.shape[:2]} or "
+    device = backend.device_of(like)
+    ids = backend.to_device(ids if backend.is_array(ids) else backend.get_array_module(like).asarray(ids), device)
+    if ids.dtype.kind not in "iu" or ids.shape not in (batch_seq[1:], batch_seq):
+        raise ValueError(f"{owner}: position_ids must be integers of shape (batch, seq) = {batch_seq} or "
                          f"(seq,), got {ids.dtype} {ids.shape}")
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= max_len):
-        raise ValueError(f"{owner}: position_ids must be in [0, {max_len - 1}] (max_len={max_len}), got "
-                         f"values in [{int(ids.min())}, {int(ids.max())}]")
+    if max_len is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= max_len):
+        raise ValueError(f"{owner}: position_ids must be in [0, {max_len - 1}] (max_len={max_len}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
     return ids
 
 
@@ -77,7 +79,7 @@ class SinusoidalPositionalEncoding(Module):
             raise ValueError(f"{owner}: expected a Tensor (B, T, {self.d_model}), "
                              f"got {getattr(x, 'shape', type(x).__name__)}")
         if position_ids is not None:
-            return x + Tensor(self.pe.data[_position_ids(position_ids, x, self.max_len, owner)])
+            return x + Tensor(self.pe.data[check_position_ids(position_ids, x.shape[:2], x.data, self.max_len, owner)])
         _check_span(x.shape[1], offset, self.max_len, owner)
         return x + Tensor(self.pe.data[offset: offset + x.shape[1]])
 
@@ -104,7 +106,8 @@ class LearnedPositionalEmbedding(Module):
             raise ValueError(f"{owner}: expected a Tensor (B, T, {self.d_model}), "
                              f"got {getattr(x, 'shape', type(x).__name__)}")
         if position_ids is not None:
-            return x + F.embedding(_position_ids(position_ids, x, self.max_len, owner), self.weight)
+            positions = check_position_ids(position_ids, x.shape[:2], x.data, self.max_len, owner)
+            return x + F.embedding(positions, self.weight)
         _check_span(x.shape[1], offset, self.max_len, owner)
         return x + self.weight[offset: offset + x.shape[1]]
 
@@ -136,11 +139,23 @@ class RotaryEmbedding(Module):
                                                           device=backend.device_of(like))
         return cached[0][:length], cached[1][:length]
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, H, T, head_dim) rotated for positions offset .. offset + T - 1 (F.apply_rotary_emb)."""
-        offset = check_int(offset, "offset", "RotaryEmbedding", at_least=0)
-        cos, sin = self.cos_sin(offset + x.shape[-2], x.data)
-        return F.apply_rotary_emb(x, cos[offset:], sin[offset:])
+    def forward(self, x: Tensor, offset: int = 0, position_ids: ArrayLike | None = None) -> Tensor:
+        """x (B, H, T, head_dim) rotated for positions offset .. offset + T - 1, or for
+        position_ids (B, T) (per row, e.g. packed sequences whose positions restart; as Hugging
+        Face's Llama) or (T,) ints (F.apply_rotary_emb with the tables computed at those positions:
+        no table bounds them, and positions on a GPU are never read on the host, so no sync)."""
+        if position_ids is None:
+            offset = check_int(offset, "offset", "RotaryEmbedding", at_least=0)
+            cos, sin = self.cos_sin(offset + x.shape[-2], x.data)
+            return F.apply_rotary_emb(x, cos[offset:], sin[offset:])
+        if not isinstance(x, Tensor) or x.ndim != 4:
+            raise ValueError(f"RotaryEmbedding: with position_ids, x must be a Tensor (B, H, T, head_dim), "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        ids = check_position_ids(position_ids, (x.shape[0], x.shape[2]), x.data, None, "RotaryEmbedding")
+        cos, sin = cos_sin_at(ids, self.head_dim, self.base, x.dtype)                # (B, T, hd/2) or (T, hd/2)
+        if ids.ndim == 2:                                      # (B, 1, T, hd/2): the same over the heads
+            cos, sin = cos[:, None], sin[:, None]
+        return F.apply_rotary_emb(x, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"

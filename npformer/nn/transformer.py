@@ -103,7 +103,7 @@ class _FeedForwardLayer(Module):
     def _residual(x, dropout, y):
         """x + dropout(y), as one fused op (F.dropout_add: no mask stored) when `dropout` is a Dropout."""
         if type(dropout) is Dropout:
-            return F.dropout_add(y, x, dropout.p, dropout.training)
+            return F.dropout_add(y, x, dropout.p, dropout.training_active)
         return x + dropout(y)
 
 
@@ -146,22 +146,24 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         return attention_mask(src_mask, src_key_padding_mask, src.data, (B, self.self_attn.num_heads, S, S),
                               is_causal, names=("src_mask", "src_key_padding_mask"))
 
-    def forward_masked(self, x: Tensor, mask: AttentionMask) -> Tensor:
-        """forward() of x (B, S, d) with the self-attention mask already converted (`self_attn_mask`)."""
+    def forward_masked(self, x: Tensor, mask: AttentionMask, position_ids: ArrayLike | None = None) -> Tensor:
+        """forward() of x (B, S, d) with the self-attention mask already converted (`self_attn_mask`);
+        position_ids (B, S) or (S,): RoPE's positions (rotary=True; default 0 .. S-1)."""
         def self_attention(h):
-            return self.self_attn.forward_masked(h, h, h, mask)[0]
+            return self.self_attn.forward_masked(h, h, h, mask, position_ids=position_ids)[0]
         if self.norm_first:
             x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
             return self._residual(x, self.dropout2, self._ff_block(self.norm2(x)))
         x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
         return self.norm2(self._residual(x, self.dropout2, self._ff_block(x)))
 
-    def forward_step(self, x: Tensor, layer_cache: LayerCache, mask: AttentionMask, position: int) -> Tensor:
-        """New positions x (B, L, d), the first at `position`, attending to the cached
-        self-attention keys and values (extended in place with theirs) -> (B, L, d); `mask`
-        (SDPA convention) covers cached + new keys."""
+    def forward_step(self, x: Tensor, layer_cache: LayerCache, mask: AttentionMask, position: int,
+                     position_ids: ArrayLike | None = None) -> Tensor:
+        """New positions x (B, L, d), the first at `position` (or at position_ids (B, L) per row,
+        for RoPE), attending to the cached self-attention keys and values (extended in place with
+        theirs) -> (B, L, d); `mask` (SDPA convention) covers cached + new keys."""
         def self_attention(h):
-            return cached_self_attention(self.self_attn, h, layer_cache, mask, position)
+            return cached_self_attention(self.self_attn, h, layer_cache, mask, position, position_ids)
         if self.norm_first:
             x = x + self.dropout1(self_attention(self.norm1(x)))
             return x + self._ff_block(self.norm2(x))
@@ -169,13 +171,13 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         return self.norm2(x + self._ff_block(x))
 
 
-def cached_self_attention(attn, h, layer_cache, mask, position):
-    """Self-attention of new positions h (B, L, E), the first at `position`, over the keys and
-    values of `layer_cache` (self_k, self_v (B, H, t, hd)) and their own, which are appended to
-    the cache. -> (B, L, E)."""
+def cached_self_attention(attn, h, layer_cache, mask, position, position_ids=None):
+    """Self-attention of new positions h (B, L, E), the first at `position` (RoPE; or at
+    position_ids (B, L) per row), over the keys and values of `layer_cache` (self_k, self_v
+    (B, H, t, hd)) and their own, which are appended to the cache. -> (B, L, E)."""
     q, k, v = attn.project_qkv(h, h, h)                                          # (B, H, L, hd)
     if attn.rotary_emb is not None:
-        q, k = attn.rotary_emb(q, position), attn.rotary_emb(k, position)
+        q, k = attn.rotary_emb(q, position, position_ids), attn.rotary_emb(k, position, position_ids)
     k, v = layer_cache.append_self(k, v)                                         # (B, H, t+L, hd)
     return attn.attend(q, k, v, mask)[0]
 
@@ -297,15 +299,18 @@ class TransformerEncoder(_LayerStack):
         super().__init__(encoder_layer, num_layers, norm)
 
     def forward(self, src: Tensor, mask: ArrayLike | None = None, src_key_padding_mask: ArrayLike | None = None,
-                is_causal: bool | None = None) -> Tensor:
-        """src (B, S, d) -> (B, S, d); masks as in TransformerEncoderLayer, converted once."""
+                is_causal: bool | None = None, position_ids: ArrayLike | None = None) -> Tensor:
+        """src (B, S, d) -> (B, S, d); masks as in TransformerEncoderLayer, converted once.
+        position_ids (B, S) or (S,) (extra, not in torch): RoPE's positions for layers built with
+        rotary=True (default 0 .. S-1); ValueError for layers without RoPE."""
         first = self.layers[0]
         check_sequence(src, first.d_model, "TransformerEncoder", "src")
+        _check_rotary(first, position_ids, "TransformerEncoder")
         prepared = first.self_attn_mask(src, mask, src_key_padding_mask,
                                         causal_flag(is_causal, "is_causal", "TransformerEncoder"))
         x = src
         for layer in self.layers:
-            x = layer.forward_masked(x, prepared)
+            x = layer.forward_masked(x, prepared, position_ids)
         return self._final_norm(x)
 
     # -- cached causal decoding (decoder-only models) --------------------------------------------
@@ -313,25 +318,34 @@ class TransformerEncoder(_LayerStack):
         """An empty DecoderCache (self-attention keys/values of every layer, no memory) for `step`."""
         return DecoderCache([LayerCache() for _ in self.layers])
 
-    def step(self, x: Tensor, cache: DecoderCache, key_padding_mask: ArrayLike | None = None) -> Tensor:
+    def step(self, x: Tensor, cache: DecoderCache, key_padding_mask: ArrayLike | None = None,
+             position_ids: ArrayLike | None = None) -> Tensor:
         """x (B, L, d): L new embedded positions (a prompt, or the newest token) -> (B, L, d)
         after the final norm. Causal: new position i attends to every cached position and to new
         positions <= i. key_padding_mask (B, L) bool, True = padding, marks new positions that no
         later query attends to (left padding); it is kept in `cache` for the later steps.
-        Appends this step's keys/values to `cache`; equals forward(prefix, is_causal=True) on the
-        whole prefix for the real positions."""
+        position_ids (B, L): RoPE's positions of the new tokens per row (rotary layers; default
+        len(cache) .. len(cache) + L - 1). Appends this step's keys/values to `cache`; equals
+        forward(prefix, is_causal=True) on the whole prefix for the real positions."""
         if not isinstance(cache, DecoderCache):
             raise TypeError(f"TransformerEncoder.step: cache must come from init_cache, got {type(cache).__name__}")
         check_sequence(x, self.layers[0].d_model, "TransformerEncoder.step", "x")
+        _check_rotary(self.layers[0], position_ids, "TransformerEncoder.step")
         B, L = x.shape[:2]
         if cache.length and x.shape[0] != cache.batch_size:
             raise ValueError(f"TransformerEncoder.step: x must have the cache's batch size {cache.batch_size}, "
                              f"got shape {x.shape}")
         mask = cache.extend_padding(key_padding_mask, B, L, x.data)
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.forward_step(x, layer_cache, mask, cache.length)
+            x = layer.forward_step(x, layer_cache, mask, cache.length, position_ids)
         cache.length += L
         return self._final_norm(x)
+
+
+def _check_rotary(layer, position_ids, owner):
+    """ValueError for position_ids given to a stack whose self-attention has no RoPE (they would be ignored)."""
+    if position_ids is not None and not layer.self_attn.rotary:
+        raise ValueError(f"{owner}: position_ids are RoPE's positions, but the layers were built with rotary=False")
 
 
 class TransformerDecoder(_LayerStack):
@@ -426,12 +440,14 @@ class DecoderCache:
     """State of cached step-wise decoding: `layers` (one LayerCache per layer), `cross_mask`
     (memory padding, an AttentionMask over (B, 1, 1, S)), `length` (positions decoded so
     far), `attendable` (B, length) bool in the internal (SDPA) convention, True = a key later
-    queries may attend to, False = padding (None: no padding so far). `reorder(indices)` selects
-    batch rows (beam search). Made by `init_cache`; `len(cache)` is `length`."""
+    queries may attend to, False = padding (None: no padding so far), `next_positions` (B, 1)
+    ints, each row's next position when rows' positions differ (padding, or position_ids given
+    per row; None: every row continues at `length`). `reorder(indices)` selects batch rows
+    (beam search). Made by `init_cache`; `len(cache)` is `length`."""
 
     def __init__(self, layers: list[LayerCache], cross_mask: AttentionMask = AttentionMask()):
         self.layers, self.cross_mask, self.length = layers, cross_mask, 0
-        self.attendable = None
+        self.attendable = self.next_positions = None
 
     @property
     def batch_size(self) -> int | None:
@@ -495,6 +511,8 @@ class DecoderCache:
             self.cross_mask = AttentionMask(self.cross_mask.mask[idx], self.cross_mask.is_causal)
         if self.attendable is not None:
             self.attendable = self.attendable[idx]
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions[idx]
         return self
 
 

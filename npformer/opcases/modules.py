@@ -6,7 +6,7 @@ from npformer import nn
 from npformer.runtime import random
 
 from .case import OpCase
-from .ops import normal, torch_rope
+from .ops import ROTARY_POSITIONS, normal, torch_rope
 
 B, T, E = 2, 4, 8
 PAD = np.array([[False, False, False, True], [False, False, False, False]])      # True = padding
@@ -100,6 +100,9 @@ CASES = [
     _embedding_case(-1),
     _module_case("nn.RotaryEmbedding", "rotary", lambda: nn.RotaryEmbedding(6), normal((2, 2, 5, 6)), _call,
                  lambda t, m, x: torch_rope(t, x), convert=False),
+    _module_case("nn.RotaryEmbedding (position_ids)", "rotary", lambda: nn.RotaryEmbedding(6), normal((2, 2, 4, 6)),
+                 lambda m, x: m(x, position_ids=ROTARY_POSITIONS),
+                 lambda t, m, x: torch_rope(t, x, positions=ROTARY_POSITIONS), convert=False),
     # key and value separate inputs: a gradient that lands on the other one shows
     _module_case("nn.MultiheadAttention", "multihead_attention", lambda: nn.MultiheadAttention(E, 2, batch_first=True),
                  normal((B, T, E), (B, T, E), (B, T, E)),

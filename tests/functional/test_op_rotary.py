@@ -47,6 +47,32 @@ def test_rotary_scores_depend_only_on_relative_position(rng):
         nn.RotaryEmbedding(5)
 
 
+def test_rotary_position_ids_rotate_each_row_at_its_positions(rng, device):
+    """Issue 29 item 2's op: position_ids (B, T) per row, as Hugging Face's Llama takes them. A
+    contiguous row equals the offset, a packed row restarts at 0, a (T,) array serves every row.
+    (The registry's "nn.RotaryEmbedding (position_ids)" compares with torch and checks gradients.)"""
+    rope = nn.RotaryEmbedding(6)
+    x = Tensor(rng.standard_normal((2, 2, 5, 6)), requires_grad=True, device=device)
+    positions = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 0, 1]])
+    out = rope(x, position_ids=positions).numpy()
+    np.testing.assert_allclose(out[0], rope(x[:1], offset=3).numpy()[0], **F64)
+    np.testing.assert_allclose(out[1, :, :3], rope(x[1:, :, :3]).numpy()[0], **F64)   # the first sequence
+    np.testing.assert_allclose(out[1, :, 3:], rope(x[1:, :, 3:]).numpy()[0], **F64)   # the second restarts
+    np.testing.assert_allclose(rope(x, position_ids=np.arange(2, 7)).numpy(), rope(x, offset=2).numpy(), **F64)
+    np.testing.assert_allclose(rope(rope(x, position_ids=positions), position_ids=-positions).numpy(), x.numpy(),
+                               **F64)                                          # a negative position rotates back
+    autograd.gradcheck(lambda a: rope(a, position_ids=positions), [x])
+
+
+@pytest.mark.parametrize("position_ids, words", [
+    (np.zeros((2, 4), dtype=np.int64), ["position_ids", "(2, 5)", "(2, 4)"]),
+    (np.zeros((2, 5)), ["position_ids", "integers", "float64"]),
+])
+def test_rotary_refuses_bad_position_ids(position_ids, words):
+    assert_clear_error(lambda: nn.RotaryEmbedding(6)(Tensor(np.zeros((2, 2, 5, 6))), position_ids=position_ids),
+                       ValueError, ["RotaryEmbedding"] + words)
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda: F.apply_rotary_emb(Tensor(np.zeros((2, 5))), np.zeros((2, 2)), np.zeros((2, 2))), ValueError,
      ["even head_dim", "(2, 5)"]),

@@ -5,6 +5,8 @@ top-p / temperature definitions against a manual computation and Hugging Face's 
 warpers, sampling frequencies, greedy generation equal to Hugging Face's generate on a random
 GPT-2, and argument errors."""
 import math
+import threading
+import tracemalloc
 import warnings
 
 import numpy as np
@@ -114,11 +116,48 @@ def test_position_ids_reach_the_learned_table_gradient(rng):
     assert np.abs(grad[:3]).min() > 0 and np.all(grad[3:] == 0)
 
 
+def test_rope_honours_position_ids(rng):
+    """Issue 29 item 2: CausalLM(positional="rope")(ids, position_ids=...) gave the logits of the
+    default positions (difference 0), so packed rows whose positions restart were taken as
+    contiguous. Now a restart changes the logits after it, while shifting every position by a
+    constant does not (RoPE sees differences only)."""
+    model = lm("rope").eval()
+    ids = rng.integers(0, 50, size=(2, 5))
+    packed = np.array([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])
+    with npformer.no_grad():
+        default = model(ids).numpy()
+        restarted = model(ids, position_ids=packed).numpy()
+        shifted = model(ids, position_ids=np.arange(5) + 7).numpy()
+    np.testing.assert_allclose(restarted[:, :2], default[:, :2], atol=1e-12)    # positions 0, 1 in both
+    assert np.abs(restarted[:, 3:] - default[:, 3:]).max() > 1e-6              # was 0: ignored
+    np.testing.assert_allclose(shifted, default, atol=1e-10)
+
+
+@pytest.mark.parametrize("positional", ["learned", "sinusoidal", "rope"])
+def test_decode_step_with_position_ids_continues_each_row_after_them(positional, rng):
+    """decode_step(prompt, position_ids=...) equals forward with them; the next steps continue
+    each row after its last given position (issue 29 item 2, in the cache)."""
+    model = lm(positional).eval()
+    ids = rng.integers(0, 50, size=(2, 5))
+    packed = np.array([[0, 1, 2, 0, 1], [4, 5, 0, 1, 2]])
+    new = rng.integers(0, 50, size=(2, 2))
+    continued = np.concatenate([packed, packed[:, -1:] + [1, 2]], axis=1)       # (2, 7)
+    with npformer.no_grad():
+        full = model(np.concatenate([ids, new], axis=1), position_ids=continued).numpy()
+        cache = model.init_cache()
+        steps = [model.decode_step(ids, cache, position_ids=packed)]
+        steps += [model.decode_step(new[:, t:t + 1], cache) for t in range(2)]
+    for i, logits in enumerate(steps):
+        np.testing.assert_allclose(logits.numpy(), full[:, 4 + i], atol=1e-12)
+    with pytest.raises(ValueError, match=r"CausalLM.decode_step: position_ids must be integers of shape"):
+        model.decode_step(ids, model.init_cache(), position_ids=packed[:, :3])
+
+
 # -- generate -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("positional", POSITIONAL)
 def test_greedy_equals_the_uncached_argmax_loop(positional, device, rng):
     model = lm(positional, device=device)
-    model.train()  # generate switches to eval and back
+    model.train()  # generate runs without dropout (nn.inference_mode), the mode untouched
     prompt = rng.integers(0, 50, size=5)
     out = generate(model, prompt[None], max_new_tokens=12, temperature=0.0)
     assert out.dtype == np.int64 and out.shape == (1, 17) and model.training
@@ -474,10 +513,95 @@ def test_the_positional_table_is_filled_to_its_last_position():
 
 
 def test_generation_runs_without_dropout_in_train_mode():
-    """As documented: eval mode (no dropout) during generation, the model's mode restored after."""
+    """As documented: no dropout during generation (nn.inference_mode), model.training untouched."""
     model = lm(dropout=0.5).train()
     ids = np.array([[1, 2, 3]])
     first = generate(model, ids, 8, temperature=0.0)
     assert model.training
     np.testing.assert_array_equal(first, generate(model, ids, 8, temperature=0.0))
     np.testing.assert_array_equal(first, generate(model.eval(), ids, 8, temperature=0.0))
+
+
+def test_generate_gives_the_same_tokens_while_another_thread_trains_the_model(rng):
+    """Issue 29 item 4: generate flipped the shared model into eval mode and back while a training
+    thread flipped it too (74 of 562 greedy generations differed). Lockstep, so every run
+    interleaves the same way: before each decoding step the training thread finds the model
+    in its train mode, runs a training forward and backward with dropout on and flips the mode
+    (as a loop that evaluates does). The generations equal the one computed alone, every time."""
+    model = lm("rope", dropout=0.5)
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    alone = generate(model, ids, 6, temperature=0.0)
+    batch = rng.integers(0, 50, size=(2, 5))
+    go, done, stop = threading.Semaphore(0), threading.Semaphore(0), threading.Event()
+    found = []  # model.training as the training thread finds it
+
+    def train():
+        while go.acquire() and not stop.is_set():
+            found.append(model.training)
+            model.eval()
+            model.train()
+            model(batch).sum().backward()
+            done.release()
+    decode_step = model.decode_step
+
+    def decode_step_after_a_training_step(*args, **kwargs):
+        go.release()
+        done.acquire()
+        return decode_step(*args, **kwargs)
+    model.decode_step = decode_step_after_a_training_step
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        generations = [generate(model, ids, 6, temperature=0.0) for _ in range(4)]
+    finally:
+        stop.set()
+        go.release()
+        trainer.join()
+    assert len(found) == 4 * 6 and all(found) and model.training
+    for out in generations:
+        np.testing.assert_array_equal(out, alone)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_huge_max_new_tokens_costs_only_what_is_produced(use_cache):
+    """Issue 29 item 8: generate(..., max_new_tokens=10**9, eos=...) allocated its output (7.45 GiB)
+    up front; it grows as tokens come, so a row that stops at eos costs what it produced."""
+    model = lm("rope").eval()  # no positional table bounds max_new_tokens
+    ids = np.array([[1, 2, 3]])
+    eos = int(generate(model, ids, 3, temperature=0.0)[0, -1])  # produced by step 2 at the latest
+    tracemalloc.start()
+    try:
+        out = generate(model, ids, 10**9, temperature=0.0, eos=eos, use_cache=use_cache)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shape[1] <= 6 and out[0, -1] == eos
+    assert peak < 2**22, f"peak {peak} bytes"  # 4 MiB
+
+
+def _nan_logits_at(model, step, row):
+    """model.project made to give NaN logits for batch row `row` at its call `step` (0-based)."""
+    project, calls = model.project, []
+
+    def project_with_nan(hidden):
+        logits = project(hidden)
+        if len(calls) == step:
+            logits.data[row] = np.nan
+        calls.append(None)
+        return logits
+    model.project = project_with_nan
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_nan_logits_raise_naming_the_step_and_row(temperature, use_cache):
+    """Issue 29 item 10b: greedy decoding of NaN logits returned token 0 silently."""
+    model = lm().eval()
+    _nan_logits_at(model, step=2, row=1)
+    with pytest.raises(ValueError, match=r"generate: step 2: .*rows \[1\]"):
+        generate(model, np.array([[1, 2, 3], [4, 5, 6]]), 5, temperature=temperature, seed=0, use_cache=use_cache)
+
+
+def test_greedy_sampling_refuses_nan_logits():
+    with pytest.raises(ValueError, match=r"sample_logits: .*rows \[1\] hold NaN"):
+        sample_logits(np.array([[0.0, 1.0], [np.nan, 0.0]]), np.random.default_rng(0), temperature=0.0)

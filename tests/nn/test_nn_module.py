@@ -1,9 +1,11 @@
 """nn.Module machinery: registration, traversal, state_dict / load_state_dict, modes,
 gradients, devices and dtypes, containers, repr."""
+import threading
+
 import numpy as np
 import pytest
 
-from autograd import Tensor, backend
+from autograd import Tensor, backend, is_grad_enabled
 from npformer import nn, optim
 
 
@@ -351,3 +353,28 @@ def test_a_failed_load_changes_nothing_and_strict_false_reports_like_torch(torch
 def test_to_refuses_a_dtype_that_is_not_floating(dtype):  # a name numpy does not know was its "not understood"
     with pytest.raises(TypeError, match=r"Module.to: dtype must be a floating dtype or its name"):
         nn.Linear(2, 3).to(dtype=dtype)
+
+
+def test_inference_mode_turns_dropout_off_in_its_thread_only():
+    """nn.inference_mode(): no graph and every dropout off (module, attention, the fused residual)
+    in the calling thread, `training` unchanged; another thread keeps dropout on (issue 29 item 4)."""
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.5, dtype="float64")
+    x = Tensor(np.random.default_rng(0).standard_normal((2, 3, 8)), requires_grad=True)
+    expected = layer.eval()(x).numpy()
+    layer.train()
+    inside = nn.inference_mode()  # one object, reentrant and shared by the threads
+    with inside:
+        with inside:
+            assert nn.is_inference_mode_enabled() and not is_grad_enabled() and layer.training
+            out = layer(x)
+        assert nn.is_inference_mode_enabled() and not layer.training_active
+        np.testing.assert_array_equal(out.numpy(), expected)
+        assert not out.requires_grad
+        other = []
+        thread = threading.Thread(target=lambda: other.append((nn.is_inference_mode_enabled(), layer(x))))
+        thread.start()
+        thread.join()
+        assert other[0][0] is False and other[0][1].requires_grad
+        assert not np.array_equal(other[0][1].numpy(), expected)  # dropout on in the other thread
+    assert not nn.is_inference_mode_enabled() and is_grad_enabled() and layer.training_active
+    assert nn.inference_mode()(lambda: layer(x))().numpy().tolist() == expected.tolist()  # as a decorator

@@ -194,3 +194,14 @@ def test_argument_errors(rng):
         nn.TransformerEncoderLayer(8, 2, activation="tanh")
     with pytest.raises(TypeError, match="TransformerEncoderLayer"):
         nn.TransformerEncoder(nn.Linear(2, 2), 2)
+
+
+def test_encoder_position_ids_need_rope(rng):
+    """position_ids are RoPE's positions: a stack without RoPE refuses them instead of ignoring them."""
+    x = Tensor(rng.standard_normal((1, 3, 8)).astype(np.float32))
+    plain = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0), 1)
+    with pytest.raises(ValueError, match="TransformerEncoder: position_ids are RoPE's positions"):
+        plain(x, position_ids=[[0, 1, 0]])
+    rope = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, rotary=True), 1)
+    assert not np.allclose(rope(x, position_ids=[[0, 1, 0]]).numpy(), rope(x).numpy())
+    np.testing.assert_allclose(rope(x, position_ids=[[5, 6, 7]]).numpy(), rope(x).numpy(), atol=1e-5)
