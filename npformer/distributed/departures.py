@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import markers
+from . import reports
 
 _LEFT = 1  # the tag of a notice: "I left after starting this many collectives"
 _POLL_SECONDS = 0.05  # how often the listener looks for a notice (a test costs microseconds)
@@ -91,7 +91,7 @@ class Departures:
             sends = [self.comm.Isend(count, dest=r, tag=_LEFT) for r in range(self.size) if r != self.rank]
         self._everyone_else_left.wait()
         self.MPI.Request.Waitall(sends)
-        markers.finish()  # a normal exit, for npformer.distributed.launch
+        reports.finish()  # a normal exit, for npformer.distributed.launch
 
 
 def install_excepthooks(group: Any) -> None:

@@ -9,15 +9,17 @@ then it prints which rank left before the others and exits non-zero, even when m
 (MPICH's mpiexec reports the vanished rank's own status, 0 for `os._exit(0)`, after killing
 the others). Everything up to the first argument ending in ".py" goes to mpiexec.
 
-How it knows: the ranks write marker files into a private temporary folder
-(npformer.distributed.markers); while the job runs, the launcher watches the processes of the
-ranks on this machine (a pidfd each, in one epoll set, which hands back exits in the order they
-happened: the rank that left comes before those mpiexec killed after it). Ctrl-C and other
-termination signals go to mpiexec (which passes the first Ctrl-C on to the ranks; a second
-one forces the job down). See docs/distributed.md ("Faults").
+How it knows: every rank that calls `dist.init()` connects to a Unix socket of the launcher
+(npformer.distributed.reports) and, at its normal exit, says so. The launcher waits on all the
+connections in one epoll set, which hands back their ends in the order they happened (the
+rank that left comes before those that mpiexec killed after it). Ctrl-C and the other
+termination signals go to mpiexec (which passes the first Ctrl-C on to the ranks; a second one
+forces the job down). The launcher runs the ranks of its own machine. See docs/distributed.md
+("Faults").
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -28,11 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import markers
+from . import reports
 
 USAGE = "usage: python -m npformer.distributed.launch -n N [mpiexec options ...] script.py [script args ...]"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-_POLL_SECONDS = 0.05  # how often the folder is read for ranks that started
+_POLL_SECONDS = 0.05  # how often the launcher looks whether mpiexec ended
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -52,54 +54,70 @@ def find_mpiexec() -> str:
     return found
 
 
-def watch(job: subprocess.Popen, folder: str) -> list[int]:
-    """Wait for mpiexec to end; returns the ranks of this machine in the order their processes
-    ended (empty where pidfds do not exist: not Linux)."""
-    if not hasattr(os, "pidfd_open"):
-        job.wait()
-        return []
-    ended, watched, seen = [], {}, set()  # watched: pidfd -> rank
-    with select.epoll() as exits:
-        def collect(timeout):
-            for fd, _ in exits.poll(timeout):
-                ended.append(watched.pop(fd))
-                exits.unregister(fd)
-                os.close(fd)
-        while job.poll() is None:
-            for rank, started in markers.read(folder)["started"].items():
-                if rank not in seen and started["host"] == socket.gethostname():
-                    seen.add(rank)
-                    try:
-                        fd = os.pidfd_open(started["pid"])
-                    except ProcessLookupError:  # ended already: its place in the order is not known
-                        continue
-                    watched[fd] = rank
-                    exits.register(fd, select.EPOLLIN)
-            collect(_POLL_SECONDS)
-        collect(0)  # the ranks end before mpiexec does
-    for fd in watched:
-        os.close(fd)
-    return ended
+class Rank:
+    """What the launcher heard from one rank's connection."""
+
+    def __init__(self, link):
+        self.link, self.number, self.said, self.pending = link, None, set(), b""
+
+    def read(self) -> bool:
+        """Take in what the rank sent (answering `started R`); False once its connection ended."""
+        while True:
+            try:
+                data = self.link.recv(4096)
+            except BlockingIOError:
+                return True
+            except ConnectionResetError:
+                return False
+            if not data:
+                return False
+            *lines, self.pending = (self.pending + data).split(b"\n")
+            for line in lines:
+                word, _, number = line.decode().partition(" ")
+                self.said.add(word)
+                if word == "started":
+                    self.number = int(number)
+                    with contextlib.suppress(BrokenPipeError):  # the rank has ended already
+                        self.link.sendall(reports.WATCHING)
 
 
-def verdict(status: int, found: dict[str, dict[int, dict]], ended: list[int]) -> tuple[int, str | None]:
-    """(the launcher's exit status, its message or None) from mpiexec's status, the markers and
-    the order in which this machine's ranks ended."""
-    if found["aborted"]:  # a rank ended the job on purpose and said why
+def watch(job: subprocess.Popen, server: socket.socket) -> list[Rank]:
+    """Serve the ranks' connections until mpiexec ends; returns the ranks in the order their
+    connections ended (their processes ended), the still open ones last."""
+    ended, ranks = [], {}  # ranks: file descriptor -> Rank
+    with select.epoll() as ready:
+        ready.register(server, select.EPOLLIN)
+        while True:
+            finished = job.poll() is not None  # then every rank has ended: take in what is left
+            events = ready.poll(0 if finished else _POLL_SECONDS)
+            for fd, _ in events:
+                if fd == server.fileno():
+                    link, _ = server.accept()
+                    link.setblocking(False)
+                    ranks[link.fileno()] = Rank(link)
+                    ready.register(link, select.EPOLLIN)
+                elif not ranks[fd].read():
+                    ready.unregister(fd)
+                    ended.append(ranks.pop(fd))
+            if finished and not events:
+                break
+    for rank in ended + list(ranks.values()):
+        rank.link.close()
+    return ended + list(ranks.values())
+
+
+def verdict(status: int, ranks: list[Rank]) -> tuple[int, str | None]:
+    """(the launcher's exit status, its message or None) from mpiexec's status and what the
+    ranks said, in the order they ended."""
+    if any("aborted" in rank.said for rank in ranks):  # a rank ended the job on purpose and said why
         return status or 1, None
-    unfinished = sorted(set(found["started"]) - set(found["finished"]))
+    unfinished = [rank.number for rank in ranks if rank.number is not None and "finished" not in rank.said]
     if not unfinished:
         return status, None
-    why = "no normal exit: killed, or os._exit"
-    first = next((rank for rank in ended if rank in unfinished), None)
-    if first is None:
-        message = (f"ranks {unfinished} did not exit normally ({why}); which one left first is not known "
-                   "(not watched on this machine)")
-    else:
-        others = [rank for rank in unfinished if rank != first]
-        message = f"rank {first} left before the others ({why})"
-        if others:
-            message += f"; mpiexec then ended rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+    first, others = unfinished[0], sorted(unfinished[1:])
+    message = f"rank {first} left before the others (no normal exit: killed, or os._exit)"
+    if others:
+        message += f"; mpiexec then ended rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
     return status or 1, message + f" (mpiexec's exit status: {status})"
 
 
@@ -121,13 +139,17 @@ def run(argv: list[str]) -> int:
             job.send_signal(signum)
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        with tempfile.TemporaryDirectory(prefix="npformer-launch-") as folder:
+        with tempfile.TemporaryDirectory(prefix="npformer-launch-") as folder, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            path = os.path.join(folder, "ranks")
+            server.bind(path)
+            server.listen()
             # a session of its own: a Ctrl-C at the terminal reaches mpiexec once, through `forward`
             job = subprocess.Popen([mpiexec, *options, sys.executable, *program],
-                                   env=dict(os.environ, **{markers.FOLDER_VARIABLE: folder}), start_new_session=True)
-            ended = watch(job, folder)
+                                   env=dict(os.environ, **{reports.SOCKET_VARIABLE: path}), start_new_session=True)
+            ranks = watch(job, server)
             status = job.returncode if job.returncode >= 0 else 128 - job.returncode  # killed by a signal
-            status, message = verdict(status, markers.read(folder), ended)
+            status, message = verdict(status, ranks)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
