@@ -12,7 +12,9 @@ their next one (MPICH's progress engine spinning at 100% CPU). Every way of leav
   job at once. Ranks that all reach the end after the same collective wait for each other's
   notices and finish normally.
 - a rank that vanishes without running any more code (killed, out of memory, `os._exit`):
-  MPICH's `mpiexec` ends the other ranks itself (its auto-cleanup, within about a second).
+  MPICH's `mpiexec` ends the other ranks itself (its auto-cleanup, within about a second), with
+  the vanished rank's status (0 for `os._exit(0)`); npformer.distributed.launch then fails the
+  job naming it.
 
 See docs/distributed.md ("Faults").
 """

@@ -3,7 +3,9 @@ with timeouts) run tests/distributed/distributed_worker.py. 2 ranks with B/2 eac
 parameters of one process with B, on every rank; through the Trainer with padding and
 ignore_index; ZeRO-1 equals unsharded; checkpoints move between 1 and 2 ranks; a rank that
 leaves early (an exception in any thread, sys.exit, os._exit, SIGKILL) ends the whole job within
-seconds, and the last checkpoint stays loadable; ranks with different models are told how.
+seconds, and the last checkpoint stays loadable; under npformer.distributed.launch a rank that
+vanishes (os._exit(0), SIGKILL) also fails the job naming it, and Ctrl-C reaches the ranks;
+ranks with different models are told how.
 
 Skipped (with the reason) without mpi4py or mpiexec; under CI (CI set) their absence fails."""
 import contextlib
