@@ -11,8 +11,8 @@ the others). Everything up to the first argument ending in ".py" goes to mpiexec
 
 How it knows: every rank that calls `dist.init()` connects to a Unix socket of the launcher
 (npformer.distributed.reports) and, at its normal exit, says so. The launcher waits on all the
-connections in one epoll set, which hands back their ends in the order they happened (the
-rank that left comes before those that mpiexec killed after it). Ctrl-C and the other
+connections in one epoll set (Linux; `selectors`), which hands back their ends in the order
+they happened (the rank that left comes before those that mpiexec killed after it). Ctrl-C and the other
 termination signals go to mpiexec (which passes the first Ctrl-C on to the ranks; a second one
 forces the job down). The launcher runs the ranks of its own machine. See docs/distributed.md
 ("Faults").
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
+import selectors
 import shutil
 import signal
 import socket
@@ -84,21 +84,21 @@ class Rank:
 def watch(job: subprocess.Popen, server: socket.socket) -> list[Rank]:
     """Serve the ranks' connections until mpiexec ends; returns the ranks in the order their
     connections ended (their processes ended), the still open ones last."""
-    ended, ranks = [], {}  # ranks: file descriptor -> Rank
-    with select.epoll() as ready:
-        ready.register(server, select.EPOLLIN)
+    ended, ranks = [], {}  # ranks: socket -> Rank
+    with selectors.DefaultSelector() as ready:  # epoll on Linux: events in the order they happened
+        ready.register(server, selectors.EVENT_READ)
         while True:
             finished = job.poll() is not None  # then every rank has ended: take in what is left
-            events = ready.poll(0 if finished else _POLL_SECONDS)
-            for fd, _ in events:
-                if fd == server.fileno():
+            events = ready.select(0 if finished else _POLL_SECONDS)
+            for key, _ in events:
+                if key.fileobj is server:
                     link, _ = server.accept()
                     link.setblocking(False)
-                    ranks[link.fileno()] = Rank(link)
-                    ready.register(link, select.EPOLLIN)
-                elif not ranks[fd].read():
-                    ready.unregister(fd)
-                    ended.append(ranks.pop(fd))
+                    ranks[link] = Rank(link)
+                    ready.register(link, selectors.EVENT_READ)
+                elif not ranks[key.fileobj].read():
+                    ready.unregister(key.fileobj)
+                    ended.append(ranks.pop(key.fileobj))
             if finished and not events:
                 break
     for rank in ended + list(ranks.values()):

@@ -14,6 +14,7 @@ the rank's environment at `init()`, so that processes it starts are not taken fo
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -54,4 +55,5 @@ def abort() -> None:
 
 def _say(word):
     if _link is not None:
-        _link.sendall(f"{word}\n".encode())
+        with contextlib.suppress(OSError):  # the launcher is gone: no one to tell
+            _link.sendall(f"{word}\n".encode())

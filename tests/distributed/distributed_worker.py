@@ -409,7 +409,7 @@ def scenario_uneven_end():
 
 def scenario_different_models():
     """Rank 1's model has a wider feed-forward layer: wrapping it names the first difference."""
-    autograd.manual_seed(0)
+    npformer.manual_seed(0)
     model = Seq2SeqTransformer(VOCAB, VOCAB, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
                                dim_feedforward=32 if dist.rank() == 0 else 48, dropout=0.0, max_len=16, pad_idx=PAD)
     dist.DistributedDataParallel(model)
