@@ -142,7 +142,12 @@ def run(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory(prefix="npformer-launch-") as folder, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
             path = os.path.join(folder, "ranks")
-            server.bind(path)
+            try:
+                server.bind(path)
+            except OSError as e:  # a Unix socket's path has at most about 100 characters
+                print(f"npformer.distributed.launch: cannot make its socket {path!r} ({e}): set TMPDIR to a "
+                      "shorter folder", file=sys.stderr)
+                return 2
             server.listen()
             # a session of its own: a Ctrl-C at the terminal reaches mpiexec once, through `forward`
             job = subprocess.Popen([mpiexec, *options, sys.executable, *program],

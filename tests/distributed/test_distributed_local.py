@@ -6,6 +6,7 @@ test_distributed.py."""
 import contextlib
 import os
 import sys
+import tempfile
 import weakref
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import autograd
 import npformer
 import npformer.distributed as dist
-from npformer.distributed import comm, reports
+from npformer.distributed import comm, launch, reports
 from npformer.distributed.launch import run, split_command
 import npformer.functional as F
 from autograd import Tensor
@@ -497,3 +498,14 @@ def test_without_the_launcher_a_rank_reports_nothing(monkeypatch):
     reports.start(0)
     assert reports._link is None
     reports.finish()  # nothing to tell: no error
+
+
+def test_the_launcher_in_a_folder_too_deep_for_a_socket_says_so(monkeypatch, tmp_path, capsys):
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: "mpiexec")  # never started
+    assert run(["-n", "1", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot make its socket" in err and "set TMPDIR to a shorter folder" in err
+    assert list(deep.iterdir()) == []  # its folder removed
