@@ -85,6 +85,7 @@ class Function:
 
     saved_tensors = ()
     inputs = None
+    versions = ()  # the input Tensors' `_version` when the node was recorded (see _check_versions)
 
     def as_output(self, array: Any, index: int = 0) -> Tensor:
         """Output `index` of this node as a Tensor of the graph, holding `array` (the output's
@@ -136,6 +137,8 @@ class Function:
             results = tuple(Tensor(o, requires_grad=True) for o in outputs)
             ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
             ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
+            ctx.versions = tuple([0 if a is None else a._version for a in ctx.inputs])
+            ctx.input_arrays = raw  # the arrays forward got: backward tells from them what it saved
             ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
             ctx.output_grads = [None] * len(outputs)
             ctx.retained = {}
@@ -249,6 +252,31 @@ def _topological_nodes(roots):
             if t is not None and t.creator is not None and id(t.creator) not in expanded:
                 stack.append((t.creator, False))
     return order[::-1]
+
+
+def _check_versions(node):
+    """Raise RuntimeError (torch's words) when an input that the op saved for backward was changed
+    in place since the forward pass (an optimizer step, load_state_dict, ...: its `_version` moved):
+    its backward would mix the new values with the old ones, a silently wrong gradient. An input
+    that the op did not save may change (its backward does not read it), as in torch."""
+    for i, (t, version) in enumerate(zip(node.inputs, node.versions)):
+        if t is not None and t._version != version and _saved(node, node.input_arrays[i]):
+            created = f"; the op was created at\n{node.created_at}" if hasattr(node, "created_at") else (
+                " (autograd.detect_anomaly() names the line that created the op)")
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{type(t).__name__} of shape {t.shape}, {t.dtype}] (input {i} of {op_name(type(node))}) is at "
+                f"version {t._version}; expected version {version} instead. Hint: an optimizer step, "
+                "load_state_dict or Module.to between a forward pass and its backward changes what the forward "
+                f"saved; call backward first, or run the forward again{created}")
+
+
+def _saved(node, array):
+    """Whether the op saved `array` (an input's array at forward time) for backward: one of its
+    saved arrays shares memory with it (the array itself, a reshaped or transposed view)."""
+    xp = backend.get_array_module(array) if backend.is_array(array) else None
+    return xp is not None and any(type(s) is type(array) and xp.may_share_memory(s, array)
+                                  for s in node.saved_tensors)
 
 
 def _checked_gradients(node, grads):
@@ -478,6 +506,7 @@ class _Pass:
     def input_grads(self, node, grads):
         """The node's backward, checked: raw arrays, or Tensors (of a new graph with create_graph,
         carrying tangents in forward mode)."""
+        _check_versions(node)
         if not self.tensors:
             input_grads = node.backward(node, *grads)
             input_grads = _checked_gradients(node, input_grads if isinstance(input_grads, tuple) else (input_grads,))

@@ -36,7 +36,8 @@ class Tensor:
     after backward and needs a floating dtype (TypeError otherwise).
 
     Attributes: `data` (numpy/cupy array), `grad` (a Tensor or None), `requires_grad`,
-    `creator` (the Function node that made it; None for leaves). Arithmetic (`+ - * / @ **`,
+    `creator` (the Function node that made it; None for leaves), `_version` (torch's: how many
+    in-place changes the library made to it, see `bump_version`). Arithmetic (`+ - * / @ **`,
     unary `-`), indexing and the methods below are differentiable; comparisons (`<`, `eq`, ...)
     give boolean Tensors outside the graph.
     """
@@ -44,6 +45,7 @@ class Tensor:
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
     _post_accumulate_grad_hooks = ()  # a list once a hook is registered
     _tangents = None  # {dual level: tangent array} once forward mode gives it one (autograd.forward_ad)
+    _version = 0  # in-place changes so far (bump_version); a class default, so making a Tensor costs nothing
 
     def __init__(self, data: ArrayLike, requires_grad: bool = False, dtype: DType | None = None,
                  device: str | None = None):
@@ -150,6 +152,15 @@ class Tensor:
         hooks.run(hooks.backward_started)  # npformer's runtime: the forward pass's dropout masks predict the next's
         run_backward([self], [gradient], retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
+    def bump_version(self) -> None:
+        """Count one in-place change of this tensor's values (torch's version counter, `_version`).
+        Backward compares the count with the one an op saw when it saved the tensor, so a gradient is
+        never computed from values that changed since the forward pass: it raises RuntimeError
+        instead. Optimizer steps, `load_state_dict`, `Module.to`, `nn.init` and gradient clipping
+        call it; `.data` is the escape hatch, as in torch: code that writes into `.data` itself
+        calls it to have backward check (docs/torch_conventions.md, "Version counters")."""
+        self._version += 1
+
     def _accumulate_grad(self, grad, tensors=False):
         """Add one contribution to `.grad`: a raw array (first order) or a Tensor (create_graph,
         forward mode: see function.tensor_gradients), added out of place so that the sum keeps its
@@ -161,6 +172,7 @@ class Tensor:
             self._grad = Tensor(backend.get_array_module(grad).array(grad))  # a copy: gradients may alias
         elif current.creator is None:
             current.data += grad
+            current.bump_version()  # an op may have saved the old gradient
         else:  # a gradient made with create_graph earlier: not changed in place
             self._grad = Tensor(current.data + grad)
 
