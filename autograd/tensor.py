@@ -46,11 +46,13 @@ class Tensor:
     _post_accumulate_grad_hooks = ()  # a list once a hook is registered
     _tangents = None  # {dual level: tangent array} once forward mode gives it one (autograd.forward_ad)
     _version = 0  # in-place changes so far (bump_version); a class default, so making a Tensor costs nothing
+    _base = None  # the tensor whose memory this one shares (a view op's output, detach()): its version counts
 
     def __init__(self, data: ArrayLike, requires_grad: bool = False, dtype: DType | None = None,
                  device: str | None = None):
+        shared = None
         if isinstance(data, Tensor):
-            data = data.data
+            shared, data = data, data.data
         arr = _as_array(data)
         if device is not None:
             arr = backend.to_device(arr, device)
@@ -61,6 +63,8 @@ class Tensor:
                 requires_grad = check_bool(requires_grad, "requires_grad", "Tensor")
             if arr.dtype.kind != "f":
                 raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
+        if shared is not None and arr is shared.data:  # the same memory: in-place changes of one are the other's
+            self._base = shared if shared._base is None else shared._base
         self.data = arr
         self._grad = None
         self.requires_grad = requires_grad
@@ -153,13 +157,15 @@ class Tensor:
         run_backward([self], [gradient], retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
     def bump_version(self) -> None:
-        """Count one in-place change of this tensor's values (torch's version counter, `_version`).
-        Backward compares the count with the one an op saw when it saved the tensor, so a gradient is
-        never computed from values that changed since the forward pass: it raises RuntimeError
-        instead. Optimizer steps, `load_state_dict`, `Module.to`, `nn.init` and gradient clipping
-        call it; `.data` is the escape hatch, as in torch: code that writes into `.data` itself
-        calls it to have backward check (docs/torch_conventions.md, "Version counters")."""
-        self._version += 1
+        """Count one in-place change of this tensor's values (torch's version counter, `_version`;
+        a view, or a `detach()`ed alias, shares its base's count). Backward compares the count with
+        the one an op saw when it saved the tensor, so a gradient is never computed from values that
+        changed since the forward pass: it raises RuntimeError instead. Optimizer steps,
+        `load_state_dict`, `Module.to`, `nn.init` and gradient clipping call it. `.data` is the
+        escape hatch, as in torch: code that writes into `.data` itself calls it to have backward
+        check (docs/torch_conventions.md, "Version counters")."""
+        owner = self if self._base is None else self._base
+        owner._version += 1
 
     def _accumulate_grad(self, grad, tensors=False):
         """Add one contribution to `.grad`: a raw array (first order) or a Tensor (create_graph,
@@ -213,8 +219,9 @@ class Tensor:
         return self
 
     def detach(self) -> Tensor:
-        """A new leaf Tensor sharing this one's array, outside the graph (no gradient flows back)."""
-        return Tensor(self.data)
+        """A new leaf Tensor sharing this one's array (and version counter), outside the graph (no
+        gradient flows back)."""
+        return Tensor(self)
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         """Set `requires_grad` in place; returns self, as torch's. TypeError for a flag that is not
