@@ -37,9 +37,9 @@ class Tensor:
 
     Attributes: `data` (numpy/cupy array), `grad` (a Tensor or None), `requires_grad`,
     `creator` (the Function node that made it; None for leaves), `_version` (torch's: how many
-    in-place changes the library made to it, see `bump_version`). Arithmetic (`+ - * / @ **`,
-    unary `-`), indexing and the methods below are differentiable; comparisons (`<`, `eq`, ...)
-    give boolean Tensors outside the graph.
+    in-place changes it had, see `bump_version`; a view counts on its base). Arithmetic
+    (`+ - * / @ **`, unary `-`), indexing and the methods below are differentiable; comparisons
+    (`<`, `eq`, ...) give boolean Tensors outside the graph.
     """
 
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
@@ -158,12 +158,12 @@ class Tensor:
 
     def bump_version(self) -> None:
         """Count one in-place change of this tensor's values (torch's version counter, `_version`;
-        a view, or a `detach()`ed alias, shares its base's count). Backward compares the count with
-        the one an op saw when it saved the tensor, so a gradient is never computed from values that
-        changed since the forward pass: it raises RuntimeError instead. Optimizer steps,
-        `load_state_dict`, `Module.to`, `nn.init` and gradient clipping call it. `.data` is the
-        escape hatch, as in torch: code that writes into `.data` itself calls it to have backward
-        check (docs/torch_conventions.md, "Version counters")."""
+        a view, or a `detach()`ed alias, counts on its base, the tensor whose memory it shares).
+        Backward compares the count with the one an op saw when it saved the tensor, so a gradient
+        is never computed from values that changed since the forward pass: it raises RuntimeError
+        instead. Optimizer steps, `load_state_dict`, `Module.to`, `nn.init` and gradient clipping
+        call it. `.data` is the escape hatch, as in torch: code that writes into `.data` itself
+        calls it to have backward check (docs/torch_conventions.md, "Version counters")."""
         owner = self if self._base is None else self._base
         owner._version += 1
 

@@ -257,3 +257,16 @@ def test_ddp_training_does_not_raise():
         opt.zero_grad()
         loss_of(ddp, step).backward()
         opt.step()
+
+
+def test_the_check_runs_on_every_device(device):
+    rng = np.random.default_rng(0)
+    w = nn.Parameter(Tensor(rng.normal(size=(4, 3)), device=device))
+    x = Tensor(rng.normal(size=(5, 3)), requires_grad=True, device=device)
+    loss = (x @ w.T).sum()
+    w.grad = Tensor(np.ones((4, 3)), device=device)
+    optim.Adam([w], lr=0.1).step()
+    with pytest.raises(RuntimeError, match=IN_PLACE):
+        loss.backward()
+    (x @ w.T).sum().backward()  # a forward after the step is fine
+    np.testing.assert_allclose(x.grad.numpy(), np.tile(w.numpy().sum(axis=0), (5, 1)), rtol=1e-12)
