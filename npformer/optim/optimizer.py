@@ -2,9 +2,10 @@
 
 Every update runs in place on `p.data` with the array module of the parameter (numpy, cupy
 or the test device), in the parameter's dtype: float32 stays float32 because every scalar
-is a Python float. A step bumps each updated parameter's version (`Tensor.bump_version`), so a
-graph recorded before it raises at backward instead of mixing old and new weights, as torch's. Each step uses one scratch buffer per (device, dtype), shared by all
-parameters, so a step allocates (almost) nothing.
+is a Python float. Each step uses one scratch buffer per (device, dtype), shared by all
+parameters, so a step allocates (almost) nothing. A step bumps each updated parameter's version
+(`Tensor.bump_version`), so a graph recorded before it raises at backward instead of mixing old
+and new weights, as torch's.
 
 State dicts follow torch's layout: `{"state": {index: {name: array or number}},
 "param_groups": [{hyperparameters..., "params": [indices]}]}`; arrays are host (numpy)
