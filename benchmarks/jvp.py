@@ -19,6 +19,7 @@
 Threads: npformer.set_num_threads(--threads) and torch.set_num_threads(--threads) (default 2).
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -50,18 +51,24 @@ class Ours:
         self.slots = [(modules[name.rpartition(".")[0]], name.rpartition(".")[2]) for name in self.names]
         self.directions = [rng.standard_normal(p.shape).astype(np.float32) for p in self.model.parameters()]
 
+    @contextlib.contextmanager
+    def parameters_set(self, values):
+        """The model with its parameters replaced by `values` (named_parameters' order) inside the block."""
+        params = [module._parameters[name] for module, name in self.slots]
+        try:
+            for (module, name), value in zip(self.slots, values):
+                module._parameters[name] = value
+            yield self.model
+        finally:
+            for (module, name), p in zip(self.slots, params):
+                module._parameters[name] = p
+
     def jvp(self):
         """(logits, J u): every parameter replaced by a dual tensor for one forward pass."""
         from autograd import forward_ad as fwAD
         params = [module._parameters[name] for module, name in self.slots]
-        with fwAD.dual_level():
-            try:
-                for (module, name), p, u in zip(self.slots, params, self.directions):
-                    module._parameters[name] = fwAD.make_dual(p, u)
-                primal, tangent = fwAD.unpack_dual(self.model(self.ids))
-            finally:
-                for (module, name), p in zip(self.slots, params):
-                    module._parameters[name] = p
+        with fwAD.dual_level(), self.parameters_set(map(fwAD.make_dual, params, self.directions)) as model:
+            primal, tangent = fwAD.unpack_dual(model(self.ids))
         return primal.numpy(), tangent
 
 

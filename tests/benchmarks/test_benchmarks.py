@@ -223,6 +223,20 @@ def test_hvp_attention_memory_runs_both_paths_and_the_memory_efficient_one_holds
     assert memory["memory_efficient"]["traced_mb"] < memory["naive"]["traced_mb"] / 4
 
 
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+def test_hvp_model_runs_every_runner_and_ours_agree_with_torch(torch):
+    """hvp.py's default mode on tiny_gpt: both of ours' HVPs agree with torch's reverse over reverse
+    (the script exits otherwise), every runner is timed and the ratios are printed."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "hvp.py"), "--config", "tiny_gpt", "--steps", "1",
+                             "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr + result.stdout
+    for line in ("ours forward over reverse:", "ours reverse over reverse:", "torch reverse over reverse:",
+                 "ours forward over reverse / reverse over reverse:",
+                 "ratio ours forward over reverse / torch reverse over reverse:"):
+        assert line in result.stdout, result.stdout
+    assert result.stdout.count("/ max |torch's|") >= 2, result.stdout
+
+
 def functions_without_jvp():
     """The Functions of npformer.functional that have no forward-mode rule yet."""
     import npformer.functional  # noqa: F401  (defines them)
