@@ -215,7 +215,7 @@ def js_distance(p, q):
     m = (p + q) / 2
 
     def kl(a, b):
-        keep = a > 0
+        keep = (a > 0) & (b > 0)          # b >= a / 2: b is 0 only where a/2 underflows (a negligible term)
         return float((a[keep] * np.log2(a[keep] / b[keep])).sum())
     return math.sqrt(max(0.0, (kl(p, m) + kl(q, m)) / 2))
 
@@ -232,7 +232,7 @@ def analyse(model, batch, args):
         ritz = [lanczos(product, n, args.lanczos, rng) for _ in range(args.probes)]
         results[name] = {"parameters": n, "top_eigenvalue": top, "ritz": ritz}
         print(f"{name:>16}: {n:6d} parameters, top eigenvalue {top:+.4e}")
-    # one log-spaced grid around every block's spectrum, symmetric about 0 (curvature of both signs)
+    # one evenly spaced grid around every block's spectrum, symmetric about 0 (curvature of both signs)
     extent = max(abs(v) for r in results.values() for values, _ in r["ritz"] for v in values) * 1.1 or 1.0
     grid = np.linspace(-extent, extent, 801)
     width = extent / 100
