@@ -16,7 +16,7 @@ from autograd import Tensor, backend
 from autograd import forward_ad as fwAD
 from autograd.gradcheck import _outputs
 
-from .case import TOLERANCE, Comparison, OpCase, compare, instantiate
+from .case import TOLERANCE, Comparison, Instance, OpCase, compare, instantiate
 
 FORWARD_MODE_CHECKS = ("forward mode", "the transpose identity")  # gradcheck's report: what forward mode judged
 
@@ -82,7 +82,7 @@ def compare_hvp_with_torch(case: OpCase, torch: Any, rng: np.random.Generator, d
     return compare_hvp(instance, instance.tensors, torch, torch_fn, leaves, instance.labels, rng)
 
 
-def case_jvp(instance, directions: Sequence[Any]) -> tuple[list, list]:
+def case_jvp(instance: Instance, directions: Sequence[Any]) -> tuple[list, list]:
     """(outputs, tangents): an instantiated case run on dual tensors of its input arrays (on its
     device) with `directions` as their tangents; a tangent is zeros for an output that got none."""
     with fwAD.dual_level():
