@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test gradcheck bench clean
+.PHONY: demo test gradcheck bench notebooks clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,5 +28,8 @@ gradcheck: $(VENV)/.stamp-dev
 bench: $(VENV)/.stamp-dev
 	$(BIN)/python benchmarks/train_step.py --config base
 
+notebooks: $(VENV)/.stamp-dev
+	$(BIN)/jupytext --to ipynb notebooks/*.py
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs notebooks/*.ipynb

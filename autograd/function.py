@@ -85,6 +85,8 @@ class Function:
 
     saved_tensors = ()
     inputs = None
+    versions = ()  # the input Tensors' `_version` when the node was recorded (see _check_versions)
+    view = False  # True for ops whose output may share its first input's memory (reshape, slicing, ...)
 
     def as_output(self, array: Any, index: int = 0) -> Tensor:
         """Output `index` of this node as a Tensor of the graph, holding `array` (the output's
@@ -136,11 +138,16 @@ class Function:
             results = tuple(Tensor(o, requires_grad=True) for o in outputs)
             ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
             ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
+            ctx.versions = tuple([0 if a is None else (a if a._base is None else a._base)._version
+                                  for a in ctx.inputs])
+            ctx.input_arrays = raw  # the arrays forward got: backward tells from them what it saved
             ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
             ctx.output_grads = [None] * len(outputs)
             ctx.retained = {}
             for i, r in enumerate(results):
                 r.creator, r.output_index = ctx, i
+        if cls.view and _memory_owner(outputs[0]) is _memory_owner(raw[0]):  # a view, not a copy: an in-place
+            results[0]._base = args[0] if args[0]._base is None else args[0]._base  # change of one is the other's
         if _forward.stack:  # forward mode: the outputs' tangents, by the op's jvp rule
             _propagate_tangents(cls, ctx, args, results)
         return results[0] if single else results
@@ -249,6 +256,46 @@ def _topological_nodes(roots):
             if t is not None and t.creator is not None and id(t.creator) not in expanded:
                 stack.append((t.creator, False))
     return order[::-1]
+
+
+def _check_versions(node):
+    """Raise RuntimeError (torch's words) when an input that the op saved for backward was changed
+    in place since the forward pass (an optimizer step, load_state_dict, ...: its `_version` moved):
+    its backward would mix the new values with the old ones, a silently wrong gradient. An input
+    that the op did not save may change (its backward does not read it), as in torch."""
+    for i, (t, version) in enumerate(zip(node.inputs, node.versions)):
+        if t is None:
+            continue
+        owner = t if t._base is None else t._base
+        if owner._version != version and _saved(node, t, node.input_arrays[i]):
+            view = "" if owner is t else f", a view of a {type(owner).__name__} of shape {owner.shape}"
+            created = f"; the op was created at\n{node.created_at}" if hasattr(node, "created_at") else (
+                " (autograd.detect_anomaly() names the line that created the op)")
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{type(t).__name__} of shape {t.shape}, {t.dtype}{view}] (input {i} of {op_name(type(node))}) "
+                f"is at version {owner._version}; expected version {version} instead. Hint: an optimizer step, "
+                "load_state_dict or Module.to between a forward pass and its backward changes what the forward "
+                f"saved; call backward first, or run the forward again{created}")
+
+
+def _memory_owner(array):
+    """The array that owns `array`'s memory (numpy's and CuPy's views name it in `.base`)."""
+    while getattr(array, "base", None) is not None:
+        array = array.base
+    return array
+
+
+def _saved(node, t, array):
+    """Whether the op saved the input `t` for backward: one of its saved arrays shares memory with
+    `array`, what t held at forward time (the array itself, a reshaped or transposed view), and
+    for a view, that array shares its base's memory (a reshape may have copied it instead)."""
+    if not backend.is_array(array):
+        return False
+    xp = backend.get_array_module(array)
+    if t._base is not None and not xp.may_share_memory(array, t._base.data):
+        return False
+    return any(type(s) is type(array) and xp.may_share_memory(s, array) for s in node.saved_tensors)
 
 
 def _checked_gradients(node, grads):
@@ -478,6 +525,7 @@ class _Pass:
     def input_grads(self, node, grads):
         """The node's backward, checked: raw arrays, or Tensors (of a new graph with create_graph,
         carrying tangents in forward mode)."""
+        _check_versions(node)
         if not self.tensors:
             input_grads = node.backward(node, *grads)
             input_grads = _checked_gradients(node, input_grads if isinstance(input_grads, tuple) else (input_grads,))

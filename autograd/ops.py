@@ -504,6 +504,8 @@ def _squeeze(x, axis):
 
 
 class Reshape(Function):
+    view = True  # the output may share the input's memory
+
     @staticmethod
     def forward(ctx, x, shape):
         ctx.shape, ctx.target = x.shape, shape
@@ -523,6 +525,8 @@ class Reshape(Function):
 
 
 class Permute(Function):
+    view = True  # the output may share the input's memory
+
     @staticmethod
     def forward(ctx, x, axes):
         ctx.axes = axes
@@ -543,6 +547,8 @@ class Permute(Function):
 
 
 class BroadcastTo(Function):
+    view = True  # the output may share the input's memory
+
     @staticmethod
     def forward(ctx, x, shape):
         ctx.shape, ctx.target = x.shape, shape
@@ -562,6 +568,8 @@ class BroadcastTo(Function):
 
 
 class GetItem(Function):
+    view = True  # the output may share the input's memory
+
     @staticmethod
     def forward(ctx, x, key):
         ctx.shape = x.shape

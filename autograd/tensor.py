@@ -36,19 +36,23 @@ class Tensor:
     after backward and needs a floating dtype (TypeError otherwise).
 
     Attributes: `data` (numpy/cupy array), `grad` (a Tensor or None), `requires_grad`,
-    `creator` (the Function node that made it; None for leaves). Arithmetic (`+ - * / @ **`,
-    unary `-`), indexing and the methods below are differentiable; comparisons (`<`, `eq`, ...)
-    give boolean Tensors outside the graph.
+    `creator` (the Function node that made it; None for leaves), `_version` (torch's: how many
+    in-place changes it had, see `bump_version`; a view counts on its base). Arithmetic
+    (`+ - * / @ **`, unary `-`), indexing and the methods below are differentiable; comparisons
+    (`<`, `eq`, ...) give boolean Tensors outside the graph.
     """
 
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
     _post_accumulate_grad_hooks = ()  # a list once a hook is registered
     _tangents = None  # {dual level: tangent array} once forward mode gives it one (autograd.forward_ad)
+    _version = 0  # in-place changes so far (bump_version); a class default, so making a Tensor costs nothing
+    _base = None  # the tensor whose memory this one shares (a view op's output, detach()): its version counts
 
     def __init__(self, data: ArrayLike, requires_grad: bool = False, dtype: DType | None = None,
                  device: str | None = None):
+        shared = None
         if isinstance(data, Tensor):
-            data = data.data
+            shared, data = data, data.data
         arr = _as_array(data)
         if device is not None:
             arr = backend.to_device(arr, device)
@@ -59,6 +63,8 @@ class Tensor:
                 requires_grad = check_bool(requires_grad, "requires_grad", "Tensor")
             if arr.dtype.kind != "f":
                 raise TypeError(f"requires_grad=True needs a floating dtype, got {arr.dtype}")
+        if shared is not None and arr is shared.data:  # the same memory: in-place changes of one are the other's
+            self._base = shared if shared._base is None else shared._base
         self.data = arr
         self._grad = None
         self.requires_grad = requires_grad
@@ -150,6 +156,17 @@ class Tensor:
         hooks.run(hooks.backward_started)  # npformer's runtime: the forward pass's dropout masks predict the next's
         run_backward([self], [gradient], retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
+    def bump_version(self) -> None:
+        """Count one in-place change of this tensor's values (torch's version counter, `_version`;
+        a view, or a `detach()`ed alias, counts on its base, the tensor whose memory it shares).
+        Backward compares the count with the one an op saw when it saved the tensor, so a gradient
+        is never computed from values that changed since the forward pass: it raises RuntimeError
+        instead. Optimizer steps, `load_state_dict`, `Module.to`, `nn.init` and gradient clipping
+        call it. `.data` is the escape hatch, as in torch: code that writes into `.data` itself
+        calls it to have backward check (docs/torch_conventions.md, "Version counters")."""
+        owner = self if self._base is None else self._base
+        owner._version += 1
+
     def _accumulate_grad(self, grad, tensors=False):
         """Add one contribution to `.grad`: a raw array (first order) or a Tensor (create_graph,
         forward mode: see function.tensor_gradients), added out of place so that the sum keeps its
@@ -162,6 +179,7 @@ class Tensor:
             self._grad = Tensor(grad.copy() if backend.is_array(grad) else backend.get_array_module(grad).asarray(grad))
         elif current.creator is None:
             current.data += grad
+            current.bump_version()  # an op may have saved the old gradient
         else:  # a gradient made with create_graph earlier: not changed in place
             self._grad = Tensor(current.data + grad)
 
@@ -202,8 +220,9 @@ class Tensor:
         return self
 
     def detach(self) -> Tensor:
-        """A new leaf Tensor sharing this one's array, outside the graph (no gradient flows back)."""
-        return Tensor(self.data)
+        """A new leaf Tensor sharing this one's array (and version counter), outside the graph (no
+        gradient flows back)."""
+        return Tensor(self)
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         """Set `requires_grad` in place; returns self, as torch's. TypeError for a flag that is not

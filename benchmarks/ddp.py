@@ -9,7 +9,8 @@ Prints per run: the median ms/step, tokens/s over all ranks, the time the all-re
 to a step (starting buckets during backward, and waiting for them at its end), and the
 scaling efficiency (tokens/s of N ranks) / (N x tokens/s of one process without DDP). Also
 the time of one blocking all-reduce of the whole gradient on 2 ranks, alone.
-Every run is a fresh `mpiexec -n N` job with OMP/OpenBLAS threads and npformer.set_num_threads at 1.
+Every run is a fresh `mpiexec -n N` job (through npformer.distributed.launch) with OMP/OpenBLAS threads
+and npformer.set_num_threads at 1.
 """
 import argparse
 import json
@@ -25,11 +26,6 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from train_step import CONFIGS, make_batch  # noqa: E402
-
-
-def mpiexec():
-    beside = Path(sys.executable).with_name("mpiexec")
-    return str(beside) if beside.exists() else "mpiexec"
 
 
 def worker(args):
@@ -90,8 +86,8 @@ def worker(args):
 def run(args, ranks, no_ddp=False):
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, __file__, "--worker", "--config", args.config,
-           "--steps", str(args.steps)] + (["--no-ddp"] if no_ddp else [])
+    cmd = [sys.executable, "-m", "npformer.distributed.launch", "-n", str(ranks), __file__, "--worker",
+           "--config", args.config, "--steps", str(args.steps)] + (["--no-ddp"] if no_ddp else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

@@ -6,7 +6,7 @@
     python demos/reverse.py --steps 2000 --min-len 2 --max-len 16 --out runs/long
     python demos/reverse.py --resume runs/reverse/checkpoint.npz --steps 1500
     python demos/reverse.py --checkpoint runs/reverse/checkpoint.npz --input "3 7 1 5"
-    mpiexec -n 2 python demos/reverse.py --distributed   # data-parallel over 2 ranks (MPI)
+    python -m npformer.distributed.launch -n 2 demos/reverse.py --distributed   # data-parallel, 2 ranks (MPI)
 
 Symbols are the integers 1..vocab-3 (ids 0, 1, 2 are PAD, BOS, EOS). Each preset writes to its
 own folder (runs/reverse for the default, runs/reverse-<preset> for the others; --out to
@@ -98,7 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the figures")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--distributed", action="store_true",
-                   help="data-parallel training over the ranks of an MPI job (mpiexec -n N ...): each rank "
+                   help="data-parallel training over the ranks of an MPI job (python -m npformer.distributed.launch "
+                        "-n N demos/reverse.py ..., or mpiexec -n N python demos/reverse.py ...): each rank "
                         "takes its share of every batch; rank 0 writes the outputs")
     args = p.parse_args(argv)
     if (args.checkpoint is None) != (args.input is None):

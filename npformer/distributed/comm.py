@@ -23,6 +23,7 @@ from autograd import backend
 from autograd.backend import Array
 from autograd.checks import check_bool
 
+from . import reports
 from .departures import Departures, install_excepthooks
 
 
@@ -272,7 +273,9 @@ class ProcessGroup:
     def abort(self, code: int = 1) -> None:
         """End every rank of the job at once with exit status `code` (MPI_Abort), a moment after
         flushing this rank's output (mpiexec drops output it has not forwarded yet when it
-        tears the job down, the message saying why included)."""
+        tears the job down, the message saying why included). Under npformer's launcher this
+        rank first tells it that it ends the job on purpose (npformer.distributed.reports)."""
+        reports.abort()
         sys.stdout.flush()
         sys.stderr.flush()
         time.sleep(_OUTPUT_FORWARDING_SECONDS)
@@ -365,6 +368,7 @@ def init(cuda_aware: bool = False) -> ProcessGroup:
     _world = ProcessGroup(MPI.COMM_WORLD, MPI, cuda_aware=cuda_aware)
     if _world.size > 1:
         install_excepthooks(_world)
+    reports.start(_world.rank)  # under npformer.distributed.launch: it watches this rank from now on
     if backend.cuda_available():
         backend.module_for("cuda").cuda.Device(_world.local_rank % _gpus_on_this_machine()).use()
     return _world

@@ -127,6 +127,7 @@ class DistributedDataParallel(Module):
         check_same_model(module, group)
         for t in list(module.parameters()) + list(module.buffers()):
             group.broadcast_(t.data)
+            t.bump_version()
         if per_rank_random and group.size > 1:
             split_random_streams(group)
         self._bucket_cap_mb, self._hooks = bucket_cap_mb, []
@@ -164,6 +165,7 @@ class DistributedDataParallel(Module):
         for p in self.module.parameters():
             if p.requires_grad and id(p) not in self._bucketed:
                 self.group.broadcast_(p.data)
+                p.bump_version()
         _remove_hooks(self._hooks)
         self.buckets = self._make_buckets()
 

@@ -12,7 +12,9 @@ their next one (MPICH's progress engine spinning at 100% CPU). Every way of leav
   job at once. Ranks that all reach the end after the same collective wait for each other's
   notices and finish normally.
 - a rank that vanishes without running any more code (killed, out of memory, `os._exit`):
-  MPICH's `mpiexec` ends the other ranks itself (its auto-cleanup, within about a second).
+  MPICH's `mpiexec` ends the other ranks itself (its auto-cleanup, within about a second), with
+  the vanished rank's status (0 for `os._exit(0)`); npformer.distributed.launch then fails the
+  job naming it.
 
 See docs/distributed.md ("Faults").
 """
@@ -26,6 +28,8 @@ import traceback
 from typing import Any
 
 import numpy as np
+
+from . import reports
 
 _LEFT = 1  # the tag of a notice: "I left after starting this many collectives"
 _POLL_SECONDS = 0.05  # how often the listener looks for a notice (a test costs microseconds)
@@ -89,6 +93,7 @@ class Departures:
             sends = [self.comm.Isend(count, dest=r, tag=_LEFT) for r in range(self.size) if r != self.rank]
         self._everyone_else_left.wait()
         self.MPI.Request.Waitall(sends)
+        reports.finish()  # a normal exit, for npformer.distributed.launch
 
 
 def install_excepthooks(group: Any) -> None:

@@ -93,6 +93,7 @@ class ZeroRedundancyOptimizer:
             for p, view in members:
                 if self.owner[id(p)] != rank:
                     p.data[...] = view
+                p.bump_version()  # updated here or by its owner
 
     # -- state dicts ----------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:

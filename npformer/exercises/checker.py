@@ -91,6 +91,27 @@ def _judge(name, axes, mine, correct, numeric):
     return GradientResult(name, "wrong", max_diff, fd_diff, worst)
 
 
+def compare(name: str, mine: object, engine: object, numeric: object, *, axes: Sequence[str] | None = None,
+            stream: TextIO | None = None) -> GradientResult:
+    """Judge one hand-derived gradient that is no exercise of its own (a step inside a backward,
+    e.g. attention's dP or dS), like backprop ninja's cmp(): print one line to `stream` (stdout),
+    "exact" / "close" / "wrong" as `check` says them, the largest |mine - engine| and |mine -
+    numeric|, and for a wrong one its worst entry. engine: the engine's gradient (autograd's
+    backward); numeric: finite differences. axes: names for the worst entry's index (default
+    axis0, axis1, ...). Returns the GradientResult; ValueError when the shapes differ."""
+    mine, engine, numeric = (np.asarray(a, dtype=np.float64) for a in (mine, engine, numeric))
+    if not mine.shape == engine.shape == numeric.shape:
+        raise ValueError(f"compare: {name}: mine, engine and numeric must have one shape, got "
+                         f"{mine.shape}, {engine.shape} and {numeric.shape}")
+    axes = tuple(axes) if axes is not None else tuple(f"axis{i}" for i in range(mine.ndim))
+    if len(axes) != mine.ndim:
+        raise ValueError(f"compare: {name}: axes must name the {mine.ndim} axes of the gradient, got {len(axes)}")
+    result = _judge(name, axes, mine, {name: engine}, numeric)
+    (stream or sys.stdout).write(f"{name:<16} {result.verdict:<6} max diff {result.max_diff:.1e}  "
+                                 f"finite diff {result.fd_diff:.1e}  {result.worst}".rstrip() + "\n")
+    return result
+
+
 def _as_gradients(exercise, returned):
     """The returned value as {name: float64 array}, or the sentence saying why it is not one."""
     names = list(exercise.outputs)

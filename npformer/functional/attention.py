@@ -409,9 +409,8 @@ def attention_blockwise_double_backward(q, k, v, out, lse, dout, blocked, additi
         def tile(ks):
             """P, Z (None without dropout), dP, dS, W, Y of the tile (query block, key block at ks)."""
             ke = min(ks + block_size, tk)
-            p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
-            p -= lse[..., qs:qe, :]
-            xp.exp(p, out=p)                                             # P = exp(S - L)  (..., bq, bk)
+            p = recomputed_probabilities(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks,
+                                         lse[..., qs:qe, :])             # P = exp(S - L)  (..., bq, bk)
             z = None
             if dropout is not None:                                      # Z = keep / (1 - p), the forward's mask
                 z = attention_keep_block(dropout, lead, tq, tk, qs, qe, ks, ke, q) * dropout_scale(dropout[0])
@@ -547,10 +546,8 @@ def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, cau
         do_block = dout[..., qs:qe, :]
         for ks in _key_starts(qs, qe, tk, block_size, causal):
             ke = min(ks + block_size, tk)
-            p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
-            # forward: P = exp(S - L), recomputed block by block
-            p -= lse[..., qs:qe, :]
-            xp.exp(p, out=p)                                             # (..., bq, bk)
+            p = recomputed_probabilities(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks,
+                                         lse[..., qs:qe, :])             # (..., bq, bk)
             dropped, keep = p, None
             if dropout is not None:                                      # the forward's mask, regenerated
                 keep = attention_keep_block(dropout, lead, tq, tk, qs, qe, ks, ke, q)
@@ -606,10 +603,8 @@ def attention_blockwise_jvp(q, k, v, out, lse, tq, tk, tv, tmask, blocked, addit
         row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)         # r = rowsum(P t_S)
         for ks in _key_starts(qs, qe, tk_len, block_size, causal):
             ke = min(ks + block_size, tk_len)
-            # forward: P = exp(S - L), recomputed block by block
-            p = masked_scores(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
-            p -= lse[..., qs:qe, :]
-            xp.exp(p, out=p)                                            # (..., bq, bk)
+            p = recomputed_probabilities(q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks,
+                                         lse[..., qs:qe, :])            # (..., bq, bk)
             dropped, keep = p, None
             if dropout is not None:                                     # Pd = P * keep / (1 - p)
                 keep = attention_keep_block(dropout, lead, tq_len, tk_len, qs, qe, ks, ke, q)
@@ -634,6 +629,15 @@ def attention_blockwise_jvp(q, k, v, out, lse, tq, tk, tv, tmask, blocked, addit
         # ... t_O -= r O: the softmax's row sum, known once every key block is seen
         acc -= row_sum * out[..., qs:qe, :]
     return tout
+
+
+def recomputed_probabilities(q_scaled, k, blocked, additive, causal, q_start, k_start, lse):
+    """P = exp(S - L) of one block, from the forward's logsumexp L (..., bq, 1): the blockwise
+    backward, double backward and jvp recompute P block by block instead of keeping it."""
+    p = masked_scores(q_scaled, k, blocked, additive, causal, q_start, k_start)
+    p -= lse
+    backend.get_array_module(p).exp(p, out=p)
+    return p
 
 
 def attention_keep_block(dropout, lead, tq, tk, q_start, q_stop, k_start, k_stop, like):

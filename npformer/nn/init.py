@@ -26,6 +26,7 @@ def _generator(tensor, generator):
 
 def _fill(tensor, values):
     tensor.data = values.astype(tensor.dtype, copy=False)
+    tensor.bump_version()
     return tensor
 
 

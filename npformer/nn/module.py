@@ -343,6 +343,7 @@ class Module:
         def load():
             for name, data in converted.items():
                 own[name].data = data
+                own[name].bump_version()  # a graph recorded with the old values refuses to backward
             return IncompatibleKeys(missing, unexpected)
 
         return load
@@ -378,6 +379,7 @@ class Module:
                     p.grad = None
                 else:
                     p.grad.data[...] = 0
+                    p.grad.bump_version()
 
     def requires_grad_(self, requires_grad: bool = True) -> Module:
         """Set `requires_grad` of every parameter (False freezes them); returns self. TypeError
@@ -406,7 +408,10 @@ class Module:
             if t is None:
                 continue
             cast = dtype if dtype is not None and t.dtype.kind == "f" else None
-            t.data = _moved(t.data, device, cast)
+            moved = _moved(t.data, device, cast)
+            if moved is not t.data:
+                t.data = moved
+                t.bump_version()
             if t.grad is not None:
                 t.grad = Tensor(_moved(t.grad.data, device, cast))
 

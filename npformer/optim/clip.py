@@ -88,4 +88,5 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     coef = xp.where(xp.isfinite(total), xp.minimum(max_norm / (total + 1e-6), 1.0), 1.0)
     for p in params:
         p.grad.data *= coef.astype(p.grad.dtype)
+        p.grad.bump_version()  # in case an op saved this gradient
     return Tensor(total)

@@ -3,7 +3,9 @@
 Every update runs in place on `p.data` with the array module of the parameter (numpy, cupy
 or the test device), in the parameter's dtype: float32 stays float32 because every scalar
 is a Python float. Each step uses one scratch buffer per (device, dtype), shared by all
-parameters, so a step allocates (almost) nothing.
+parameters, so a step allocates (almost) nothing. A step bumps each updated parameter's version
+(`Tensor.bump_version`), so a graph recorded before it raises at backward instead of mixing old
+and new weights, as torch's.
 
 State dicts follow torch's layout: `{"state": {index: {name: array or number}},
 "param_groups": [{hyperparameters..., "params": [indices]}]}`; arrays are host (numpy)
@@ -125,6 +127,7 @@ class Optimizer:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.data[...] = 0
+                p.grad.bump_version()
 
     capturable = False  # its step can be captured in a CUDA graph (npformer.cuda.graphed) and replayed
 
@@ -138,6 +141,7 @@ class Optimizer:
             for p in group["params"]:
                 if p.grad is not None:
                     self._update(p, p.grad.data, group, self.state.setdefault(id(p), {}))
+                    p.bump_version()  # a graph that saved p before this step now refuses to backward
 
     def _update(self, p, grad, group, state):
         raise NotImplementedError

@@ -3,9 +3,12 @@ with timeouts) run tests/distributed/distributed_worker.py. 2 ranks with B/2 eac
 parameters of one process with B, on every rank; through the Trainer with padding and
 ignore_index; ZeRO-1 equals unsharded; checkpoints move between 1 and 2 ranks; a rank that
 leaves early (an exception in any thread, sys.exit, os._exit, SIGKILL) ends the whole job within
-seconds, and the last checkpoint stays loadable; ranks with different models are told how.
+seconds, and the last checkpoint stays loadable; under npformer.distributed.launch a rank that
+vanishes (os._exit(0), SIGKILL) also fails the job naming it, and Ctrl-C reaches the ranks;
+ranks with different models are told how.
 
 Skipped (with the reason) without mpi4py or mpiexec; under CI (CI set) their absence fails."""
+import contextlib
 import importlib.util
 import json
 import os
@@ -59,6 +62,11 @@ def environment():
 
 def launch(mpiexec, *args, ranks=2):
     return [mpiexec, "-n", str(ranks), sys.executable, *map(str, args)]
+
+
+def launcher(mpiexec, *args, ranks=2):
+    """The same job through npformer's launcher (which finds the same mpiexec beside this Python)."""
+    return [sys.executable, "-m", "npformer.distributed.launch", "-n", str(ranks), *map(str, args)]
 
 
 @pytest.fixture(scope="module")
@@ -149,19 +157,30 @@ def test_checkpoints_move_between_one_and_two_ranks(results):
 FAULT_SECONDS = 30  # docs/distributed.md promises a few seconds; generous for a loaded machine
 
 
-def run_fault(mpiexec, out, scenario):
-    """Run a fault scenario as a 2-rank job; returns (returncode, stderr, seconds). A job still
-    running after FAULT_SECONDS is a hang: its whole process group is killed and the test fails."""
+def run_fault(mpiexec, out, scenario, through=launch, env=None):
+    """Run a fault scenario as a 2-rank job (`through`: launch, plain mpiexec, or launcher);
+    returns (returncode, stderr, seconds). A job still running after FAULT_SECONDS is a hang:
+    it is killed (the launcher's mpiexec too) and the test fails."""
     start = time.monotonic()
-    job = subprocess.Popen(launch(mpiexec, WORKER, out, scenario), env=environment(), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = subprocess.Popen(through(mpiexec, WORKER, out, scenario), env=env or environment(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, stderr = job.communicate(timeout=FAULT_SECONDS)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
+        kill_job(job, out)
         _, stderr = job.communicate()
         pytest.fail(f"{scenario}: the job still ran after {FAULT_SECONDS} s (a rank waits forever)\n{stderr}")
     return job.returncode, stderr, time.monotonic() - start
+
+
+def kill_job(job, out):
+    """SIGKILL the job's process group and the ranks that wrote OUT/pid<r> (the launcher starts
+    mpiexec in a session of its own, and mpiexec each rank in one)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    for pid_file in out.glob("pid*"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_an_exception_on_one_rank_aborts_the_job(mpiexec, tmp_path):
@@ -188,10 +207,46 @@ def test_an_exception_in_a_thread_aborts_the_job(mpiexec, tmp_path):
 
 
 def test_a_rank_that_vanishes_with_os_exit_ends_the_job(mpiexec, tmp_path):
-    """os._exit(0) on rank 1 runs no more code: MPICH's mpiexec ends rank 0 (its exit status is
-    mpiexec's: the vanished rank's own, 0 here; see docs/distributed.md)."""
-    run_fault(mpiexec, tmp_path, "os_exit")
+    """os._exit(0) on rank 1 runs no more code: MPICH's mpiexec ends rank 0, and its exit status
+    is the vanished rank's own, 0 here (what the launcher is for; see docs/distributed.md)."""
+    returncode, _, _ = run_fault(mpiexec, tmp_path, "os_exit")
     assert not list(tmp_path.glob("rank*.json"))  # neither rank reached the end
+    assert returncode == 0
+
+
+def launcher_environment(tmp_path):
+    """environment() with TMPDIR in tmp_path, to see that the launcher removes its folder."""
+    (tmp_path / "tmp").mkdir()
+    return dict(environment(), TMPDIR=str(tmp_path / "tmp"))
+
+
+LEFT = "npformer.distributed.launch: rank 1 left before the others (no normal exit: killed, or os._exit)"
+
+
+def test_under_the_launcher_a_rank_that_vanishes_with_os_exit_fails_the_job(mpiexec, tmp_path):
+    env = launcher_environment(tmp_path)
+    returncode, stderr, _ = run_fault(mpiexec, tmp_path, "os_exit", through=launcher, env=env)
+    assert returncode == 1, stderr
+    assert LEFT + "; mpiexec then ended rank 0 (mpiexec's exit status: 0)" in stderr, stderr
+    assert not list((tmp_path / "tmp").iterdir())  # the launcher's folder is gone
+
+
+def test_under_the_launcher_a_normal_job_exits_0(mpiexec, tmp_path):
+    env = launcher_environment(tmp_path)
+    returncode, stderr, _ = run_fault(mpiexec, tmp_path, "uneven_end", through=launcher, env=env)
+    assert returncode == 0, stderr
+    assert "npformer.distributed.launch" not in stderr
+    assert {p.name for p in tmp_path.glob("rank*.json")} == {"rank0.json", "rank1.json"}
+    assert not list((tmp_path / "tmp").iterdir())
+
+
+@pytest.mark.parametrize("scenario", ["raise", "sys_exit"])
+def test_under_the_launcher_a_rank_that_aborts_keeps_its_message(mpiexec, tmp_path, scenario):
+    """The rank that ends the job with MPI_Abort says why; the launcher blames no one."""
+    returncode, stderr, _ = run_fault(mpiexec, tmp_path, scenario, through=launcher)
+    assert returncode != 0, stderr
+    assert ("a deliberate failure on rank 1" if scenario == "raise" else "rank 1 left the program") in stderr
+    assert "npformer.distributed.launch" not in stderr, stderr
 
 
 def test_ranks_that_end_at_different_times_finish_normally(mpiexec, tmp_path):
@@ -208,28 +263,63 @@ def test_ranks_with_different_models_are_told_the_first_difference(mpiexec, tmp_
             "'transformer.encoder.layers.0.linear1.weight': shape (32, 16) on rank 0, (48, 16) on rank 1") in stderr
 
 
-def test_a_rank_killed_with_sigkill_ends_the_job_and_the_checkpoint_loads(mpiexec, tmp_path):
-    job = subprocess.Popen(launch(mpiexec, WORKER, tmp_path, "train_with_checkpoints"), env=environment(),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start_training(mpiexec, tmp_path, through):
+    """A 2-rank job training for a long time (a checkpoint every 2 steps), once it has saved one."""
+    job = subprocess.Popen(through(mpiexec, WORKER, tmp_path, "train_with_checkpoints"), env=environment(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "checkpoint.npz").exists() and (tmp_path / "pid0").exists()
+               and (tmp_path / "pid1").exists()):
+        assert job.poll() is None, job.stderr.read()
+        if time.monotonic() > deadline:
+            kill_job(job, tmp_path)
+            pytest.fail("no checkpoint within 60 s")
+        time.sleep(0.05)
+    time.sleep(0.3)  # in the middle of training, perhaps of a save
+    return job
+
+
+@pytest.mark.parametrize("through", [launch, launcher])
+def test_a_rank_killed_with_sigkill_ends_the_job_and_the_checkpoint_loads(mpiexec, tmp_path, through):
+    job = start_training(mpiexec, tmp_path, through)
     try:
-        deadline = time.monotonic() + 60
-        while not ((tmp_path / "checkpoint.npz").exists() and (tmp_path / "pid1").exists()):
-            assert job.poll() is None, job.stderr.read()
-            assert time.monotonic() < deadline, "no checkpoint within 60 s"
-            time.sleep(0.05)
-        time.sleep(0.3)  # in the middle of training, perhaps of a save
         os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
         killed = time.monotonic()
-        job.wait(timeout=60)
+        _, stderr = job.communicate(timeout=60)
         assert job.returncode != 0 and time.monotonic() - killed < 60
+        if through is launcher:
+            assert LEFT in stderr, stderr
     finally:
         if job.poll() is None:
-            job.kill()
+            kill_job(job, tmp_path)
             job.wait()
     ckpt = load_checkpoint(tmp_path / "checkpoint.npz", restore_rng=False)
     assert ckpt["step"] > 0 and ckpt["step"] % 2 == 0
     model, _ = npformer.load_model(tmp_path / "checkpoint.npz")
     assert sum(p.size for p in model.parameters()) > 0
+
+
+def test_the_launcher_passes_ctrl_c_to_the_ranks(mpiexec, tmp_path):
+    """SIGINT to the launcher alone (its mpiexec runs in a session of its own) reaches the ranks
+    through mpiexec: KeyboardInterrupt on each ends the job."""
+    job = start_training(mpiexec, tmp_path, launcher)
+    try:
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=FAULT_SECONDS)
+        assert job.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
+    finally:
+        if job.poll() is None:
+            kill_job(job, tmp_path)
+            job.wait()
+    assert not [pid for pid in (int(p.read_text()) for p in tmp_path.glob("pid*")) if running(pid)]
+
+
+def running(pid):
+    """Whether a process runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the demo's figures need matplotlib")

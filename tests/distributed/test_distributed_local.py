@@ -1,9 +1,12 @@
 """The pieces of data parallelism that run in one process: the tape's post-accumulate-grad hook
 and end-of-backward callback, DistributedDataParallel in a world of one (buckets, views, dtypes),
 exact loss scaling, and sharded data (data.shard, SequenceTask.batch, RandomBatches).
-The real multi-rank runs are in test_distributed.py."""
+The launcher's command line and a rank's side of it. The real multi-rank runs are in
+test_distributed.py."""
 import contextlib
+import os
 import sys
+import tempfile
 import weakref
 
 import numpy as np
@@ -12,7 +15,8 @@ import pytest
 import autograd
 import npformer
 import npformer.distributed as dist
-from npformer.distributed import comm
+from npformer.distributed import comm, launch, reports
+from npformer.distributed.launch import run, split_command
 import npformer.functional as F
 from autograd import Tensor
 from autograd.function import queue_callback
@@ -467,3 +471,41 @@ def test_init_without_mpi4py(monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "2")
     with pytest.raises(ImportError, match=r"pip install -e '.\[mpi\]'"):
         dist.init()
+
+
+# -- the launcher's command line and the ranks' side of it (its jobs: test_distributed.py) ---------
+def test_the_launcher_gives_mpiexec_everything_before_the_script():
+    assert split_command(["-n", "2", "-hosts", "a,b", "train.py", "--steps", "3", "x.py"]) == \
+        (["-n", "2", "-hosts", "a,b"], ["train.py", "--steps", "3", "x.py"])
+
+
+@pytest.mark.parametrize("argv", [[], ["-n", "2"], ["-n", "2", "-m", "train"]])
+def test_the_launcher_without_a_script_prints_its_usage(capsys, argv):
+    assert run(argv) == 2
+    assert "usage: python -m npformer.distributed.launch -n N" in capsys.readouterr().err
+
+
+def test_a_rank_that_cannot_reach_the_launcher_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv(reports.SOCKET_VARIABLE, str(tmp_path / "ranks"))  # no launcher listens there
+    with pytest.raises(RuntimeError, match=r"rank 3 on .* cannot reach npformer.distributed.launch's socket .*"
+                                           r"NPFORMER_LAUNCH_SOCKET.*start a job across machines with mpiexec"):
+        reports.start(3)
+    assert reports.SOCKET_VARIABLE not in os.environ  # not passed on to the processes this one starts
+
+
+def test_without_the_launcher_a_rank_reports_nothing(monkeypatch):
+    monkeypatch.delenv(reports.SOCKET_VARIABLE, raising=False)
+    reports.start(0)
+    assert reports._link is None
+    reports.finish()  # nothing to tell: no error
+
+
+def test_the_launcher_in_a_folder_too_deep_for_a_socket_says_so(monkeypatch, tmp_path, capsys):
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: "mpiexec")  # never started
+    assert run(["-n", "1", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot make its socket" in err and "set TMPDIR to a shorter folder" in err
+    assert list(deep.iterdir()) == []  # its folder removed

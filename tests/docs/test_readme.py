@@ -70,7 +70,7 @@ def test_the_repository_stands_on_its_own():
 def test_the_files_the_docs_name_exist():
     """Every path into the repository that README.md or a page of docs/ names (`tests/test_x.py`,
     `npformer/functional/cuda/`, `tests/test_x.py::test_name`) is there, the test too."""
-    named = re.compile(r"(?<![\w/.])((?:autograd|npformer|tests|demos|benchmarks|scripts|docs)/[\w./-]*?)"
+    named = re.compile(r"(?<![\w/.])((?:autograd|npformer|tests|demos|benchmarks|scripts|docs|notebooks)/[\w./-]*?)"
                        r"(?:::(\w+))?(?=[`\s),:;]|$)")
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     for page in pages:
