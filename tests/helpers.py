@@ -13,8 +13,7 @@ from hypothesis import settings, strategies as st
 
 import autograd
 from autograd import Function, Tensor, backend
-from autograd import forward_ad as fwAD
-from autograd.gradcheck import _outputs, vjp
+from autograd.gradcheck import vjp
 from npformer import interop, opcases
 from npformer.models import huggingface
 from npformer.safetensors_file import write_safetensors
@@ -67,8 +66,7 @@ def double_backward_tests(family):
 
     @pytest.mark.parametrize("case", checked, ids=[c.name for c in checked])
     def test_gradgradcheck(case, device):
-        instance = opcases.instantiate(case, np.random.default_rng(5), device)
-        assert autograd.gradgradcheck(instance, instance.tensors)
+        assert opcases.gradgradcheck_case(case, np.random.default_rng(5), device)
 
     with_torch = [c for c in cases if c.torch]
 
@@ -79,55 +77,21 @@ def double_backward_tests(family):
     return test_gradgradcheck, test_double_backward_matches_torch
 
 
-def _hvp(fn, xs, upstream, directions, grad):
-    """(first derivatives, HVP) of fn at xs by `grad` (autograd.grad or torch.autograd.grad): d/dx <fn(x), g>
-    built with create_graph (g: one upstream gradient per output that is not None), then d/dx <that, u>;
-    zeros where nothing depends on x."""
-    result = fn(*xs)
-    outs = [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
-    pairs = [(o, g) for o, g in zip(outs, upstream) if o.requires_grad]
-    first = grad([o for o, _ in pairs], xs, [g for _, g in pairs], create_graph=True, allow_unused=True)
-    pairs = [(f, u) for f, u in zip(first, directions) if f is not None and f.requires_grad]
-    second = grad([f for f, _ in pairs], xs, [u for _, u in pairs], allow_unused=True) if pairs else [None] * len(xs)
-    as_array = lambda t, x: np.zeros(x.shape) if t is None else np.array(t.detach().numpy())  # noqa: E731
-    return [as_array(f, x) for f, x in zip(first, xs)], [as_array(s, x) for s, x in zip(second, xs)]
-
-
 def assert_double_backward_matches_torch(ours, torch, rng, torch_fn=None, arrays=None,
                                          tolerance=opcases.TOLERANCE["torch", "float64"]):
-    """The second derivative of `ours` against torch's double backward, in float64: the HVP
-    d/dx <d/dx <f(x), g>, u> (and the first derivative d/dx <f(x), g>) for random upstream
-    gradients g and directions u, over every input (and every parameter of a module case).
+    """The second derivative of `ours` against torch's double backward, in float64
+    (opcases.compare_hvp: the HVP d/dx <d/dx <f(x), g>, u> and the first derivative for random g
+    and u, over every input and every parameter of a module case, attention on torch's math backend).
 
-    ours: an OpCase (its inputs drawn from `rng` by opcases.instantiate, its torch reference and
-    converted module as the registry's compare_with_torch takes them), or a function of Tensors
-    with `torch_fn(torch, *leaves)` the same function in torch and `arrays` its float64 inputs.
-    Compared as the registry compares: max |ours - torch| <= tolerance * max(1, max |torch|) per array
-    (the registry's float64 tolerance by default).
-    torch's attention runs on its math backend (its flash and memory-efficient kernels have no
-    double backward)."""
+    ours: an OpCase (opcases.compare_hvp_with_torch), or a function of Tensors with
+    `torch_fn(torch, *leaves)` the same function in torch and `arrays` its float64 inputs.
+    tolerance: per array, max |ours - torch| <= tolerance * max(1, max |torch|)."""
     if isinstance(ours, opcases.OpCase):
-        instance = opcases.instantiate(ours, rng)
-        fn, xs = instance, instance.tensors
-        torch_fn, leaves = instance.torch_function(torch)
-        labels = instance.labels
+        comparison = opcases.compare_hvp_with_torch(ours, torch, rng)
     else:
-        fn, xs = ours, [leaf(a) for a in arrays]
         leaves = [torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True) for a in arrays]
-        torch_fn = functools.partial(torch_fn, torch)
-        labels = [f"input {i}" for i in range(len(arrays))]
-    with autograd.no_grad():
-        result = fn(*xs)
-    outs = [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
-    upstream = [rng.standard_normal(o.shape) for o in outs]
-    directions = [rng.standard_normal(x.shape) for x in xs]
-    first, second = _hvp(fn, xs, [Tensor(g) for g in upstream], [Tensor(u) for u in directions], autograd.grad)
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # torch's twice differentiable attention
-        first_t, second_t = _hvp(torch_fn, leaves, [torch.tensor(g) for g in upstream],
-                                 [torch.tensor(u) for u in directions], torch.autograd.grad)
-    comparison = opcases.compare(first + second, first_t + second_t,
-                                 [f"d/d {label}" for label in labels] + [f"HVP at {label}" for label in labels],
-                                 tolerance)
+        comparison = opcases.compare_hvp(ours, [leaf(a) for a in arrays], torch, functools.partial(torch_fn, torch),
+                                         leaves, [f"input {i}" for i in range(len(arrays))], rng, tolerance)
     assert comparison.passed, comparison
 
 
@@ -139,8 +103,8 @@ def case_hvp(instance, upstream, directions):
     on_device = lambda a, like: Tensor(backend.to_device(a, like.device))  # noqa: E731
     result = instance(*xs)
     outs = [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
-    return _hvp(instance, xs, [on_device(g, o) for g, o in zip(upstream, outs)],
-                [on_device(u, x) for u, x in zip(directions, xs)], autograd.grad)[1]
+    return opcases.hvp(instance, xs, [on_device(g, o) for g, o in zip(upstream, outs)],
+                       [on_device(u, x) for u, x in zip(directions, xs)], autograd.grad)[1]
 
 
 def forward_mode_tests(family, tangents=None):
@@ -161,8 +125,7 @@ def forward_mode_tests(family, tangents=None):
 
     @parametrize(checked)
     def test_forward_mode_gradcheck(case, device):
-        instance = opcases.instantiate(case, np.random.default_rng(1), device)
-        assert autograd.gradcheck(instance, instance.tensors[:len(instance.arrays)], check_forward_ad=True)
+        assert opcases.forward_mode_case(case, np.random.default_rng(1), device)
 
     @parametrize(with_torch)
     def test_jvp_matches_torch(case, torch):
@@ -176,7 +139,7 @@ def forward_mode_tests(family, tangents=None):
             rng = np.random.default_rng(5)
             instance = opcases.instantiate(case, rng, device, dtype)
             directions = [rng.standard_normal(a.shape).astype(dtype) for a in instance.arrays]
-            runs.append(case_jvp(instance, [backend.to_device(u, device) for u in directions]))
+            runs.append(opcases.case_jvp(instance, [backend.to_device(u, device) for u in directions]))
         (_, exact), (outs, rounded) = runs
         assert all(str(o.dtype) == "float32" for o in outs)
         labels = [f"tangent of output {i}" for i in range(len(outs))]
@@ -187,42 +150,11 @@ def forward_mode_tests(family, tangents=None):
     return test_forward_mode_gradcheck, test_jvp_matches_torch, test_forward_mode_in_float32
 
 
-def case_jvp(instance, directions):
-    """(outputs, tangents): an instantiated op case (npformer.opcases) run on dual tensors of its
-    input arrays (on its device) with `directions` as their tangents; a tangent is zeros for an
-    output that got none."""
-    with fwAD.dual_level():
-        inputs = [fwAD.make_dual(Tensor(t.data), u) for t, u in zip(instance.tensors, directions)]
-        outs = [fwAD.unpack_dual(o) for o in _outputs(instance(*inputs))]
-    return [o.primal for o in outs], [o.primal.xp.zeros_like(o.primal.data) if o.tangent is None else o.tangent
-                                      for o in outs]
-
-
 def assert_jvp_matches_torch(case, torch, rng, tangents=None):
-    """Forward mode of an op case (npformer.opcases) against `torch.func.jvp` of its torch
-    reference, in float64: the case's inputs (drawn as `opcases.instantiate` draws them) and a
-    random standard normal tangent for every input, through the case's fn as dual tensors and
-    through `case.torch` (attention on torch's math backend: its flash kernels have no forward
-    AD); every primal output and every tangent must agree to the registry's float64 tolerance
-    (opcases.compare). An output without a tangent counts as a zero tangent. tangents: None, or a
-    function of the drawn tangents (a list of arrays, one per input) returning the ones to use.
-    A module case moves its inputs only; its parameters (converted to torch) stay constants."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    instance = opcases.instantiate(case, rng)
-    directions = [rng.standard_normal(a.shape) for a in instance.arrays]
-    if tangents is not None:
-        directions = tangents(directions)
-    outs, ours = case_jvp(instance, directions)
-    torch_fn, _ = instance.torch_function(torch)
-    with sdpa_kernel(SDPBackend.MATH):
-        theirs, theirs_tangents = torch.func.jvp(lambda *xs: tuple(_outputs(torch_fn(*xs))),
-                                                 tuple(torch.tensor(a) for a in instance.arrays),
-                                                 tuple(torch.tensor(u) for u in directions))
-    labels = [f"output {i}" for i in range(len(outs))] + [f"tangent of output {i}" for i in range(len(outs))]
-    comparison = opcases.compare([o.data for o in outs] + ours,
-                                 [t.detach().numpy() for t in (*theirs, *theirs_tangents)], labels,
-                                 opcases.TOLERANCE["torch", "float64"])
+    """Forward mode of an op case against `torch.func.jvp` of its torch reference, in float64
+    (opcases.compare_jvp_with_torch: every output and its tangent to the registry's tolerance).
+    tangents: None, or a function of the drawn tangents (one array per input) returning the ones to use."""
+    comparison = opcases.compare_jvp_with_torch(case, torch, rng, tangents=tangents)
     assert comparison.passed, f"{case.name}: {comparison}"
 
 

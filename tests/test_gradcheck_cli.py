@@ -29,6 +29,7 @@ def test_a_broken_op_shows_fail_in_every_column(torch):
     assert gradcheck.run([broken], torch, stream) is False
     row = next(line for line in stream.getvalue().splitlines() if line.startswith("broken softmax"))
     assert row.rstrip().endswith("FAIL") and row.count("!") == 3   # finite differences and torch (both dtypes) flag it
+    assert row.count("ERROR") == 2   # WrongSoftmax is differentiable once and has no jvp
 
 
 def test_the_finite_differences_are_autograd_gradcheck_with_its_random_direction():
@@ -36,7 +37,7 @@ def test_the_finite_differences_are_autograd_gradcheck_with_its_random_direction
     instead of a copy of it."""
     case = opcases.select("F.relu")[0]
     with mock.patch.object(autograd, "gradcheck", wraps=autograd.gradcheck) as called:
-        row = gradcheck.run_case(case)
+        row = gradcheck.run_case(case, second_order=False, forward_mode=False)
     assert called.call_count == 1 and row["fd"][2]
     report = []
     opcases.gradcheck_case(case, np.random.default_rng(0), report=report)
@@ -85,3 +86,63 @@ def test_a_device_that_is_not_there_is_a_usage_error_with_exit_status_2(capsys):
         except SystemExit as e:
             assert e.code == 2
     assert "invalid choice: 'gpu'" in capsys.readouterr().err
+
+
+class OnceSquare(autograd.Function):
+    """x**2 with a backward on raw arrays only and a jvp: differentiable once."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return 2.0 * dy * ctx.saved_tensors[0]
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 2.0 * t * ctx.saved_tensors[0]
+
+
+class NoJvpSquare(OnceSquare):
+    """x**2, twice differentiable, without a forward-mode rule."""
+
+    jvp = None
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        return 2.0 * dy * ctx.inputs[0]
+
+
+def _row(case, torch):
+    stream = io.StringIO()
+    assert gradcheck.run([case], torch, stream) is False
+    return stream.getvalue()
+
+
+def test_a_once_differentiable_function_fails_the_second_order_column_naming_it(torch):
+    case = opcases.OpCase("once square", lambda rng: [rng.standard_normal((3, 4))], OnceSquare.apply,
+                          lambda t, x: x * x)
+    row = gradcheck.run_case(case, torch)
+    assert row["second"] == "ERROR" and not row["passed"]
+    assert all(row[c][2] for c in ("fd", "torch", "torch32", "forward"))
+    out = _row(case, torch)
+    assert "second order: RuntimeError: " in out and "OnceSquare" in out and "differentiable once" in out
+    assert "| FAIL" in out
+
+
+def test_a_function_without_jvp_fails_the_forward_mode_column_naming_it(torch):
+    case = opcases.OpCase("no-jvp square", lambda rng: [rng.standard_normal((3, 4))], NoJvpSquare.apply,
+                          lambda t, x: x * x)
+    row = gradcheck.run_case(case, torch)
+    assert row["forward"] == "ERROR" and not row["passed"]
+    assert all(row[c][2] for c in ("fd", "torch", "torch32", "second"))
+    out = _row(case, torch)
+    assert "forward mode: RuntimeError: " in out and "NoJvpSquare" in out and "no forward-mode rule" in out
+    assert "| FAIL" in out
+
+
+def test_the_new_columns_can_be_skipped():
+    row = gradcheck.run_case(opcases.select("F.relu")[0], second_order=False, forward_mode=False)
+    assert row["second"] is None and row["forward"] is None and row["passed"]

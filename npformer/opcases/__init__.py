@@ -10,6 +10,8 @@ reference, the twin, the tolerances), which drives
     for case in opcases.cases("softmax"):
         opcases.gradcheck_case(case, np.random.default_rng(0))      # autograd.gradcheck, float64
         print(opcases.compare_with_torch(case, torch, np.random.default_rng(0)))
+        opcases.gradgradcheck_case(case, np.random.default_rng(0))  # second derivatives (higher.py)
+        print(opcases.compare_jvp_with_torch(case, torch, np.random.default_rng(0)))  # forward mode
 
 Every case gets in through `register` (registry.py), the library's own (ops.py, modules.py)
 as a user's. A new op of the library adds its `Family` and cases to ops.py (or modules.py
@@ -20,6 +22,8 @@ import re
 
 from .case import (COMPOSITE, TOLERANCE, Comparison, Instance, OpCase, compare, compare_with_torch, compare_with_twin,
                    gradcheck_case, instantiate, torch_args)
+from .higher import (FORWARD_MODE_CHECKS, case_jvp, compare_hvp, compare_hvp_with_torch, compare_jvp_with_torch, forward_mode_case,
+                     gradgradcheck_case, hvp)
 from .registry import CASES, FAMILIES, Family, cases, from_module, register, select
 from . import modules, ops  # noqa: E402,F401  (the library's cases register themselves)
 
@@ -40,6 +44,7 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["CASES", "COMPOSITE", "FAMILIES", "TOLERANCE", "Comparison", "Family", "Instance", "OpCase", "anchor",
-           "cases", "compare", "compare_with_torch", "compare_with_twin", "from_module", "gradcheck_case",
-           "instantiate", "markdown_table", "register", "select", "torch_args"]
+__all__ = ["CASES", "COMPOSITE", "FAMILIES", "FORWARD_MODE_CHECKS", "TOLERANCE", "Comparison", "Family", "Instance", "OpCase", "anchor",
+           "case_jvp", "cases", "compare", "compare_hvp", "compare_hvp_with_torch", "compare_jvp_with_torch",
+           "compare_with_torch", "compare_with_twin", "forward_mode_case", "from_module", "gradcheck_case",
+           "gradgradcheck_case", "hvp", "instantiate", "markdown_table", "register", "select", "torch_args"]
