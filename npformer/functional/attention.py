@@ -393,13 +393,8 @@ def attention_blockwise_double_backward(q, k, v, out, lse, dout, blocked, additi
     xp = backend.get_array_module(dout)
     tq, tk = q.shape[-2], k.shape[-2]
     lead = out.shape[:-2]
-    lse = xp.where(xp.isfinite(lse), lse, math.inf)[..., None]         # (..., Tq, 1): P = 0 on hidden rows
-    delta = xp.einsum("...ij,...ij->...i", dout, out)[..., None]        # (..., Tq, 1) D
-    dq = xp.zeros(lead + q.shape[-2:], dtype=q.dtype)
-    dk = xp.zeros(lead + k.shape[-2:], dtype=q.dtype)
-    dv = xp.zeros(lead + v.shape[-2:], dtype=q.dtype)
+    lse, delta, dq, dk, dv, dmask = _blockwise_backward_start(q, k, v, out, lse, dout, additive, need_mask)
     ddout = xp.zeros(lead + dout.shape[-2:], dtype=q.dtype)
-    dmask = xp.zeros(additive.shape, dtype=q.dtype) if need_mask else None
     for qs in range(0, tq, block_size):
         qe = min(qs + block_size, tq)
         q_block, do_block, d_block = q[..., qs:qe, :], dout[..., qs:qe, :], delta[..., qs:qe, :]
@@ -522,23 +517,28 @@ def attention_blockwise_forward(q, k, v, blocked, additive, causal, scale, block
     return out, lse
 
 
+def _blockwise_backward_start(q, k, v, out, lse, dout, additive, need_mask):
+    """What the blockwise backward and double backward start from: L as a column with +inf on fully
+    masked rows (so exp(S - L) = 0 there, never -inf - (-inf)), D = rowsum(dO O) (= rowsum(dP P),
+    with dropout too: O_i = sum_j Pd_ij V_j), and zeroed dQ, dK, dV (and dMask with need_mask)."""
+    xp = backend.get_array_module(dout)
+    lead = out.shape[:-2]
+    lse = xp.where(xp.isfinite(lse), lse, math.inf)[..., None]         # (..., Tq, 1)
+    delta = xp.einsum("...ij,...ij->...i", dout, out)[..., None]        # (..., Tq, 1)
+    grads = [xp.zeros(lead + a.shape[-2:], dtype=q.dtype) for a in (q, k, v)]
+    dmask = xp.zeros(additive.shape, dtype=q.dtype) if need_mask else None
+    return (lse, delta, *grads, dmask)
+
+
 @kernel_table
 def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
                                  need_mask):
     """(dQ, dK, dV, dMask) of `attention_blockwise_forward`, all with the broadcast leading shape
     (dMask: the shape of `additive`, None unless need_mask), recomputing P = exp(S - L) block by
     block. D = rowsum(dO O) = rowsum(dP P) replaces the softmax's row sum over all keys."""
-    xp = backend.get_array_module(dout)
     tq, tk = q.shape[-2], k.shape[-2]
     lead = out.shape[:-2]
-    # a fully masked row has L = -inf: use +inf so exp(S - L) = 0 there, never -inf - (-inf)
-    lse = xp.where(xp.isfinite(lse), lse, math.inf)[..., None]         # (..., Tq, 1)
-    # D_i = rowsum(dO_i * O_i) = rowsum(dP_i * P_i) (with dropout too: O_i = sum_j Pd_ij V_j)
-    delta = xp.einsum("...ij,...ij->...i", dout, out)[..., None]        # (..., Tq, 1)
-    dq = xp.zeros(lead + q.shape[-2:], dtype=q.dtype)
-    dk = xp.zeros(lead + k.shape[-2:], dtype=q.dtype)
-    dv = xp.zeros(lead + v.shape[-2:], dtype=q.dtype)
-    dmask = xp.zeros(additive.shape, dtype=q.dtype) if need_mask else None
+    lse, delta, dq, dk, dv, dmask = _blockwise_backward_start(q, k, v, out, lse, dout, additive, need_mask)
     for qs in range(0, tq, block_size):
         qe = min(qs + block_size, tq)
         q_block = q[..., qs:qe, :]
