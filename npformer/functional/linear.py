@@ -46,9 +46,11 @@ class LinearFunction(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation):
+    def forward(ctx, x, weight, bias, activation, values=None):
         x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])   # (N, in), a view when x is contiguous (not -1: in may be 0)
-        if activation is None:
+        if values is not None:  # h = x W^T + b already computed (by the forward whose differentiable backward
+            y2d = values        # forms h again in the graph): its node without the GEMM
+        elif activation is None:
             y2d = linear_forward(x2d, weight, bias)              # (N, out)  y = x W^T + b
         else:  # y = act(x W^T + b): the bias and the activation in one pass after the GEMM
             y2d, ctx.activation_saved = bias_activation_forward(linear_forward(x2d, weight, None), bias, activation)
@@ -75,15 +77,19 @@ class LinearFunction(Function):
         x2d = x.reshape(x2d_saved.shape)                                  # (N, in)
         dh = dy.reshape(x2d_saved.shape[0], weight_saved.shape[0])        # (N, out)
         if ctx.activation is not None:
-            # y = act(h)  ->  dh = dy act'(h), with h = x W^T + b formed again in the graph (ReLU's mask
-            # needs no h): its second derivative dy act''(h) reaches x, W and b through h
-            h = None if ctx.activation == "relu" else LinearFunction.apply(x2d, weight, bias, activation=None)
+            # y = act(h)  ->  dh = dy act'(h), with h = x W^T + b a node of the graph again, from the values
+            # the forward saved (ReLU's mask needs no h): its second derivative dy act''(h) reaches x, W
+            # and b through h
+            h = None if ctx.activation == "relu" else LinearFunction.apply(
+                x2d, weight, bias, activation=None, values=ctx.activation_saved[0])
             dh = bias_activation_grad(dh, h, ctx.activation_saved, ctx.activation)
         need_x, need_w, need_b = ctx.needs_input_grad
         # dx = dh W, dW = dh^T x, db = sum of dh over rows: bilinear in (dh, W) and (dh, x), so
-        #   d/d(dh) <(dx, dW, db), (u, U, c)> = u W^T + x U^T + c,  d/dW <dx, u> = dh^T u,  d/dx <dW, U> = dh U
-        dx = (dh @ weight).reshape(ctx.x_shape) if need_x else None
-        dweight = dh.T @ x2d if need_w else None
+        #   d/d(dh) <(dx, dW, db), (u, U, c)> = u W^T + x U^T + c,  d/dW <dx, u> = dh^T u,  d/dx <dW, U> = dh U.
+        # Both products are linear's own op, dh (W^T)^T and dh^T (x^T)^T: its kernels (threads on the
+        # CPU) run them and their derivatives of every order
+        dx = LinearFunction.apply(dh, weight.T, None, activation=None).reshape(ctx.x_shape) if need_x else None
+        dweight = LinearFunction.apply(dh.T, x2d.T, None, activation=None) if need_w else None
         dbias = dh.sum(axis=0) if need_b else None
         return dx, dweight, dbias
 

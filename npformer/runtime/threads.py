@@ -39,6 +39,12 @@ from autograd.checks import check_int
 # Measured (benchmarks/train_step.py, 2 cores): 1 << 18 instead of 1 << 16 takes the char-level
 # GPT step from 187 to 143 ms and leaves the tiny and base steps as they were.
 MIN_PARALLEL_ENTRIES = 1 << 18
+# a product (m, k) @ (k, n) is split when it has at least this many multiply-adds m k n, whatever
+# its output's size: the products of a weight gradient, (out, N) @ (N, in), have few entries and
+# many multiply-adds. Measured on 2 cores (float32, split into two blocks of rows against one
+# call): 2^23 multiply-adds (2048x64x64) 1.2x slower split, 2^25 (128x2048x128) 0.86x,
+# 2^27 (512x2048x128) 0.62x.
+MIN_PARALLEL_MACS = 1 << 25
 
 # blas_callers: thread ident -> depth of its open blas_threads_in_caller blocks
 _state = {"threads": None, "pool": None, "blas_limit": None, "blas_callers": {}}

@@ -9,7 +9,7 @@ from ..linear import linear_backward, linear_forward
 
 
 @linear_forward.register("cpu", splits_reference=True, supports=lambda x, weight, bias:
-                         x.shape[0] * weight.shape[0] >= threads.MIN_PARALLEL_ENTRIES)
+                         x.size * weight.shape[0] >= threads.MIN_PARALLEL_MACS)
 def linear_forward_cpu(x, weight, bias):
     """The reference on blocks of rows of x and y."""
     xp = backend.get_array_module(x)
@@ -21,7 +21,7 @@ def linear_forward_cpu(x, weight, bias):
         if bias is not None:
             y[start:stop] += bias
 
-    for_rows(rows, x.shape[0], y.size, x)
+    for_rows(rows, x.shape[0], x.size + y.size, x)
     return y
 
 
