@@ -70,48 +70,83 @@ def normal_pdf(x):
     return (x * x * -0.5).exp() * INV_SQRT_2PI
 
 
-class NormalCDF(Function):
-    """Phi(x), the standard normal CDF, as a node of the graph whose values are given (GELU's
-    forward computed them): dx = dPhi * phi(x). GELU's differentiable backward uses it for Phi."""
-
-    @staticmethod
-    def forward(ctx, x, values):
-        ctx.save_for_backward(x)
-        return values
-
-    @staticmethod
-    def backward(ctx, dcdf):
-        (x,) = ctx.saved_tensors
-        xp = backend.get_array_module(x)
-        # Phi' = phi  ->  dx = dPhi * exp(-x^2 / 2) / sqrt(2 pi)
-        return dcdf * xp.exp(-0.5 * x * x) * INV_SQRT_2PI
-
-    @staticmethod
-    def differentiable_backward(ctx, dcdf):
-        return dcdf * normal_pdf(ctx.inputs[0])
-
-    @staticmethod
-    def jvp(ctx, t):
-        return NormalCDF.backward(ctx, t)  # elementwise: the same factor phi(x) forward and backward
-
-
 def bias_activation_grad(dy, h, saved, kind):
-    """dh = dy * act'(h) on Tensors, differentiable (bias_activation_backward's formulas for the
-    double backward): h the pre-activation Tensor in the graph (unused by relu), saved what
-    bias_activation_forward saved."""
+    """dh = dy * act'(h) on Tensors, differentiable (for the double backward): h the pre-activation
+    Tensor in the graph (unused by relu), saved what bias_activation_forward saved."""
     if kind == "relu":
         # dh = dy where keep, else 0: the mask is a constant (the step's derivative is 0), so
         #   d/d(dy) <dh, u> = u where keep, and no second derivative through h
         return where(saved[0], dy, 0)
+    return GELUBackward.apply(dy, h, saved=saved, kind=kind)
+
+
+def gelu_second_derivative(h, aux, kind):
+    """gelu''(h) on raw arrays, from what bias_activation_forward saved: h and aux = Phi(h)
+    (exact) or t = tanh(u) (tanh form)."""
+    xp = backend.get_array_module(h)
     if kind == "gelu_tanh":
-        # u = c (h + k h^3), t = tanh(u), du = c (1 + 3 k h^2)  ->  dh = dy * (0.5 (1 + t) + 0.5 h (1 - t^2) du);
-        #   d/d(dy): that factor;  d/dh: dy * (1 - t^2) (du (1 - h t du) + 3 c k h^2)  (t' = (1 - t^2) du)
+        # u = c (h + k h^3), du = c (1 + 3 k h^2), t' = (1 - t^2) du;
+        # y' = 0.5 (1 + t) + 0.5 h (1 - t^2) du  ->  y'' = (1 - t^2) (du (1 - h t du) + 3 c k h^2)
+        du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
+        return (1.0 - aux * aux) * (du * (1.0 - h * aux * du) + 3.0 * TANH_C * TANH_K * h * h)
+    # y' = Phi(h) + h phi(h), phi' = -h phi  ->  y'' = phi + phi + h phi' = phi(h) (2 - h^2)
+    hh = h * h
+    return xp.exp(-0.5 * hh) * INV_SQRT_2PI * (2.0 - hh)
+
+
+def _gelu_second_derivative_graph(h, kind):
+    """gelu''(h) of the Tensor h, built from differentiable ops (the third derivative and above)."""
+    if kind == "gelu_tanh":
         t = (TANH_C * (h + TANH_K * h * h * h)).tanh()
         du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
-        return dy * (0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * du)
-    # y = h Phi(h)  ->  dh = dy * (Phi(h) + h phi(h));  d/d(dy): Phi + h phi;
-    #   d/dh: dy * (phi + phi + h phi') = dy * phi(h) (2 - h^2), since phi' = -h phi
-    return dy * (NormalCDF.apply(h, values=saved[1]) + h * normal_pdf(h))
+        return (1.0 - t * t) * (du * (1.0 - h * t * du) + 3.0 * TANH_C * TANH_K * h * h)
+    return normal_pdf(h) * (2.0 - h * h)
+
+
+class GELUBackward(Function):
+    """(dy, h) -> dh = dy * gelu'(h): GELU's backward as an op of its own (its forward is the
+    kernel bias_activation_backward), so a GELU gradient is one node of the graph, and its
+    derivatives are two fused lines (torch's gelu_backward has its own derivative the same way):
+
+        dh = dy * gelu'(h)  ->  d(dy) = g * gelu'(h),  d(h) = g * dy * gelu''(h)
+
+    and the tangent t_dh = t_dy * gelu'(h) + dy * gelu''(h) * t_h. saved: what
+    bias_activation_forward saved, (h, Phi(h)) or (h, tanh(u)); kind "gelu" or "gelu_tanh"."""
+
+    @staticmethod
+    def forward(ctx, dy, h, saved, kind):
+        ctx.save_for_backward(dy)
+        ctx.activation_saved, ctx.kind = saved, kind
+        return bias_activation_backward(dy, saved, kind)
+
+    @staticmethod
+    def backward(ctx, g):
+        (dy,) = ctx.saved_tensors
+        h, aux = ctx.activation_saved
+        # dh = dy * gelu'(h)  ->  d(dy) = g * gelu'(h)
+        ddy = bias_activation_backward(g, ctx.activation_saved, ctx.kind) if ctx.needs_input_grad[0] else None
+        # dh = dy * gelu'(h)  ->  d(h) = g * dy * gelu''(h)
+        dh = g * dy * gelu_second_derivative(h, aux, ctx.kind) if ctx.needs_input_grad[1] else None
+        return ddy, dh
+
+    @staticmethod
+    def differentiable_backward(ctx, g):
+        dy, h = ctx.inputs
+        need_dy, need_h = ctx.needs_input_grad
+        ddy = GELUBackward.apply(g, h, saved=ctx.activation_saved, kind=ctx.kind) if need_dy else None
+        dh = g * dy * _gelu_second_derivative_graph(h, ctx.kind) if need_h else None
+        return ddy, dh
+
+    @staticmethod
+    def jvp(ctx, t_dy, t_h):
+        (dy,) = ctx.saved_tensors
+        h, aux = ctx.activation_saved
+        # dh = dy * gelu'(h)  ->  t_dh = t_dy * gelu'(h) + dy * gelu''(h) * t_h
+        t_dh = None if t_dy is None else bias_activation_backward(t_dy, ctx.activation_saved, ctx.kind)
+        if t_h is not None:
+            along_h = dy * gelu_second_derivative(h, aux, ctx.kind) * t_h
+            t_dh = along_h if t_dh is None else t_dh + along_h
+        return t_dh
 
 
 class ReLUFunction(Function):

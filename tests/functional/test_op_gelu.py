@@ -41,8 +41,8 @@ def test_unknown_approximation_raises_a_clear_error():
 
 
 def test_third_derivative_of_exact_gelu():
-    """Every order works: the double backward is built from differentiable ops (NormalCDF's own
-    backward is phi, written with exp). y''' = phi'(x) (2 - x^2) - 2 x phi(x) = x phi(x) (x^2 - 4)."""
+    """Every order works: GELUBackward's own backward is differentiable (gelu'' on Tensors, phi
+    written with exp). y''' = phi'(x) (2 - x^2) - 2 x phi(x) = x phi(x) (x^2 - 4)."""
     x = leaf(np.linspace(-3.0, 3.0, 13))
     (d1,) = autograd.grad(F.gelu(x).sum(), x, create_graph=True)
     (d2,) = autograd.grad(d1.sum(), x, create_graph=True)
@@ -53,16 +53,56 @@ def test_third_derivative_of_exact_gelu():
     np.testing.assert_allclose(d3.numpy(), a * phi * (a * a - 4), rtol=1e-12, atol=1e-15)
 
 
-def test_normal_cdf_node_has_the_density_as_its_derivative_in_both_modes():
-    """NormalCDF (Phi with the forward's values, for GELU's double backward): backward and jvp are phi(x)."""
-    from autograd import forward_ad
-    from npformer.functional.activation import NormalCDF
-    a = np.linspace(-3.0, 3.0, 7)
-    values = np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) for v in a])
-    phi = np.exp(-a * a / 2) / np.sqrt(2 * np.pi)
-    x = leaf(a)
-    NormalCDF.apply(x, values=values).backward(np.ones(7))
-    np.testing.assert_allclose(x.grad.numpy(), phi, rtol=1e-15)
-    with forward_ad.dual_level():
-        y = NormalCDF.apply(forward_ad.make_dual(Tensor(a), Tensor(np.ones(7))), values=values)
-        np.testing.assert_allclose(np.asarray(forward_ad.unpack_dual(y).tangent), phi, rtol=1e-15)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_backward_op_checks_in_both_modes(approximate):
+    """GELUBackward (dy, x) -> dy * gelu'(x) on its own, every input moving: its backward (the
+    double backward) and its jvp against finite differences, and the transpose identity between them."""
+    from npformer.functional.activation import GELUBackward, bias_activation_forward
+    kind = "gelu_tanh" if approximate == "tanh" else "gelu"
+    rng = np.random.default_rng(3)
+    dy, x = leaf(rng.standard_normal((4, 5))), leaf(3 * rng.standard_normal((4, 5)))
+
+    def gelu_backward(dy, x):
+        return GELUBackward.apply(dy, x, saved=bias_activation_forward(x.numpy(), None, kind)[1], kind=kind)
+
+    assert autograd.gradcheck(gelu_backward, [dy, x], check_forward_ad=True)
+
+
+def test_forward_over_reverse_hvp_through_gelu_matches_reverse_over_reverse():
+    from autograd.functional import hvp, vhp
+    rng = np.random.default_rng(4)
+    x, v = rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
+    for approximate in ("none", "tanh"):
+        def loss(a):
+            return (F.linear(a, Tensor(w), activation="gelu" if approximate == "none" else "gelu_tanh")
+                    * F.gelu(a, approximate=approximate)).sum()
+        w = rng.standard_normal((6, 6))
+        forward = hvp(loss, Tensor(x), Tensor(v))[1].numpy()
+        reverse = vhp(loss, Tensor(x), Tensor(v))[1].numpy()
+        np.testing.assert_allclose(forward, reverse, rtol=1e-12, atol=1e-12 * np.abs(reverse).max())
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_third_derivative_through_fused_linear_matches_torch(activation, torch):
+    """F.linear's fused GELU, differentiated three times (GELUBackward's differentiable backward),
+    against torch, float64: d/dx <d/dx <d/dx <f(x), g>, u>, w>."""
+    rng = np.random.default_rng(8)
+    x, weight, g, u, w = (rng.standard_normal(s) for s in [(3, 4), (5, 4), (3, 5), (3, 4), (3, 4)])
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+
+    def third(library):
+        if library is None:
+            xs = leaf(x)
+            y = F.linear(xs, Tensor(weight), activation=activation)
+            wrap, grad = Tensor, autograd.grad
+        else:
+            xs = library.tensor(x, requires_grad=True)
+            y = library.nn.functional.gelu(xs @ library.tensor(weight).T, approximate=approximate)
+            wrap, grad = library.tensor, library.autograd.grad
+        (d1,) = grad(y, xs, wrap(g), create_graph=True)
+        (d2,) = grad(d1, xs, wrap(u), create_graph=True)
+        (d3,) = grad(d2, xs, wrap(w))
+        return np.asarray(d3.detach().numpy() if library is not None else d3.numpy())
+
+    theirs = third(torch)
+    np.testing.assert_allclose(third(None), theirs, rtol=0, atol=1e-12 * max(1.0, np.abs(theirs).max()))
