@@ -31,8 +31,8 @@ def kernel_of_this_python(tmp_path_factory):
 
 
 def test_there_are_notebooks():
-    assert [p.name for p in NOTEBOOKS][:3] == ["01_attention_backprop.py", "02_softmax_layernorm_ce.py",
-                                               "03_reversal_learning.py"]
+    assert [p.name for p in NOTEBOOKS][:4] == ["01_attention_backprop.py", "02_softmax_layernorm_ce.py",
+                                               "03_reversal_learning.py", "04_second_order.py"]
 
 
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=lambda p: p.stem)
