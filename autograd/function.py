@@ -155,11 +155,14 @@ class Function:
 
 class _ForwardLevels(threading.local):
     """The dual levels of forward mode entered in this thread (autograd.forward_ad), innermost
-    last, and {level: tensors carrying a tangent at it}, whose tangents go when the level exits."""
+    last; {level: tensors carrying a tangent at it}, whose tangents go when the level exits; and
+    {level: [(op, ctx, inputs, outputs), ...]}, the tangent steps taken at a level that
+    autograd.functional.linearize records, to take them again along other tangents."""
 
     def __init__(self):
         self.stack = []
         self.duals = {}
+        self.records = {}
 
 
 _forward = _ForwardLevels()
@@ -183,16 +186,24 @@ def _propagate_tangents(op, ctx, args, results):
     if len(out) != len(results):
         raise RuntimeError(f"{op_name(op)}.jvp returned {len(out)} tangents, expected one per output ({len(results)})")
     ctx.output_tangents = level, out  # for ctx.as_output: forward over reverse
+    if level in _forward.records:
+        _forward.records[level].append((op, ctx, args, results))
     for i, (r, t) in enumerate(zip(results, out)):
-        if t is None:
-            continue
-        if not backend.is_array(t) and getattr(t, "shape", None) == () and hasattr(t, "dtype"):  # a numpy scalar
-            t = r.xp.asarray(t)
-        if not backend.is_array(t) or tuple(t.shape) != r.shape or t.dtype != r.dtype:
-            got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if backend.is_array(t) else type(t).__name__
-            raise RuntimeError(f"{op_name(op)}.jvp returned an invalid tangent for output {i}: expected an array of "
-                               f"shape {r.shape} and dtype {r.dtype}, got {got}")
-        r._set_tangent(level, t)
+        if t is not None:
+            r._set_tangent(level, _output_tangent(op, i, r, t))
+
+
+def _output_tangent(op, index, result, t):
+    """`t`, what op.jvp returned for output `index` (the Tensor `result`), as its tangent: a numpy
+    scalar becomes an array; anything but an array of the output's shape and dtype is an error
+    naming the op."""
+    if not backend.is_array(t) and getattr(t, "shape", None) == () and hasattr(t, "dtype"):  # a numpy scalar
+        t = result.xp.asarray(t)
+    if not backend.is_array(t) or tuple(t.shape) != result.shape or t.dtype != result.dtype:
+        got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if backend.is_array(t) else type(t).__name__
+        raise RuntimeError(f"{op_name(op)}.jvp returned an invalid tangent for output {index}: expected an array of "
+                           f"shape {result.shape} and dtype {result.dtype}, got {got}")
+    return t
 
 
 _Tensor = None  # autograd.tensor.Tensor once _tensor_class() has imported it
@@ -400,8 +411,11 @@ def run_backward(roots, grads, *, retain_graph=False, create_graph=False, inputs
     create_graph: the gradients are Tensors of a new graph, made by each op's
     `differentiable_backward`, so they can be differentiated again; the pass then runs with grad
     mode on, as torch's. Without it the pass, its hooks and its callbacks run with grad mode off
-    (ops in a hook record no graph) on raw arrays, the fast first-order path.
+    (ops in a hook record no graph) on raw arrays, the fast first-order path. While
+    autograd.functional.linearize records the level, the graph is retained: the tangent steps it
+    takes again read what the ops saved.
     """
+    retain_graph = retain_graph or bool(_forward.stack and _forward.stack[-1] in _forward.records)
     outer, _backward.callbacks = getattr(_backward, "callbacks", None), []
     with enable_grad() if create_graph else no_grad():
         try:

@@ -1,6 +1,6 @@
 """Derivatives of whole functions, with torch.autograd.functional's signatures and results:
 `vjp`, `jvp`, `jacobian`, `hvp`, `vhp` and `hessian`, built on `autograd.grad` (reverse mode)
-and `autograd.forward_ad` (forward mode).
+and `autograd.forward_ad` (forward mode); and torch.func's `linearize`.
 
 Each takes `func` (Tensors in, a Tensor or a tuple of Tensors out) and `inputs` (a Tensor or a
 tuple of Tensors, or arrays); a result has the structure of the inputs (a Tensor, or a tuple of
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import forward_ad
+from .function import _forward, _output_tangent
 from .tensor import Tensor, grad, stack
 
 
@@ -201,6 +202,63 @@ def jvp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, 
             raise RuntimeError(f"jvp: output {i} does not depend on the inputs (strict=True)")
         tangents.append(Tensor(o.xp.zeros_like(o.data) if tangent is None else tangent))
     return _result([p.detach() for p, _ in unpacked], outputs_tuple), _result(tangents, outputs_tuple)
+
+
+def linearize(func: Callable, *primals: Tensor):
+    """(func(*primals), jvp_fn): jvp_fn(*tangents) is J u at the primals for tangents u (one per
+    primal, each of its shape), the same as `jvp(func, primals, tangents)[1]`, without running
+    func again. torch.func.linearize (JAX's jax.linearize).
+
+    func runs once in forward mode with zero tangents, and every tangent step it takes (each op's
+    `jvp(ctx, *tangents)` with the op's saved values) is recorded; jvp_fn takes those steps again
+    along its tangents, and nothing else: no forward, no Tensor per step. The record keeps what
+    the ops saved, as a graph does. For many products at one point, e.g. Hessian-vector products
+    forward over reverse: `linearize(gradient_of_loss, *params)` gives H u for each u by tangent
+    steps alone. A tangent that reaches func's ops other than through the primals (a dual tensor
+    of func's own) is an error: jvp_fn could not give it a value along other tangents."""
+    xs = tuple(Tensor(p.data, requires_grad=p.requires_grad) for p in _as_tuple(primals, "primals", "linearize")[0])
+    with forward_ad.dual_level() as level:
+        _forward.records[level] = records = []
+        try:
+            duals = [forward_ad.make_dual(x, x.xp.zeros_like(x.data)) for x in xs]
+            outputs = func(*duals)
+        finally:
+            del _forward.records[level]
+        outs, outputs_tuple = _as_tuple(outputs, "the output of func", "linearize")
+        values = [forward_ad.unpack_dual(o).primal.detach() for o in outs]
+        known = {id(d) for d in duals} | {id(r) for *_, results in records for r in results}
+        steps = {id(ctx) for _, ctx, _, _ in records}
+        for op, _, inputs, _ in records:
+            for a in inputs:
+                if (isinstance(a, Tensor) and a._tangents and level in a._tangents and id(a) not in known
+                        and id(a.creator) not in steps):
+                    raise RuntimeError(f"linearize: a tangent reached {op.__name__} other than through the primals "
+                                       "(a dual tensor made inside func); jvp_fn could not move it along its tangents")
+
+    def jvp_fn(*tangents):
+        us = _checked_vectors(tangents, xs, "tangents", "linearize")
+        by_tensor = {id(d): u.data for d, u in zip(duals, us)}
+        by_step = {}
+
+        def tangent_of(a):
+            if not isinstance(a, Tensor):
+                return None
+            t = by_tensor.get(id(a))
+            if t is None and a.creator is not None and id(a.creator) in by_step:  # ctx.as_output's Tensors
+                t = by_step[id(a.creator)][a.output_index]
+            return t
+
+        for op, ctx, inputs, results in records:
+            out = op.jvp(ctx, *map(tangent_of, inputs))
+            out = tuple(None if t is None else _output_tangent(op, i, r, t)
+                        for i, (r, t) in enumerate(zip(results, out if isinstance(out, tuple) else (out,))))
+            by_step[id(ctx)] = out
+            by_tensor.update((id(r), t) for r, t in zip(results, out) if t is not None)
+        found = [tangent_of(o) for o in outs]
+        return _result([Tensor(o.xp.zeros_like(o.data) if t is None else t) for o, t in zip(outs, found)],
+                       outputs_tuple)
+
+    return _result(values, outputs_tuple), jvp_fn
 
 
 def _forward_jacobian(func, inputs, create_graph, strict):

@@ -12,6 +12,7 @@ from autograd import Function, GradcheckError, Tensor, grad, gradcheck
 from autograd import forward_ad as fwAD
 from autograd import functional as AF
 
+from helpers import assert_clear_error
 from test_higher_order import PRIMITIVES, TORCH_EXTRA, Square, hvp_of
 
 
@@ -166,3 +167,59 @@ def test_functional_forward_mode_matches_torch(what, torch):
         theirs = [b for row in torch.autograd.functional.hessian(cubic, t_ins) for b in row]
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-13)
+
+
+def test_linearize_gives_jvp_without_running_func_again(torch):
+    """autograd.functional.linearize (torch.func.linearize): jvp_fn(u) equals jvp(func, x, u) and
+    torch.func.linearize's, along several tangents, while func itself runs once."""
+    rng = np.random.default_rng(7)
+    x0, w0 = rng.standard_normal((4, 6)), rng.standard_normal((5, 6))
+    calls = []
+
+    def f(x, w):
+        calls.append(1)
+        return (x @ w.T).tanh().exp(), (x * x).sum()
+
+    (y, s), jvp_fn = AF.linearize(f, Tensor(x0), Tensor(w0))
+    _, torch_jvp = torch.func.linearize(lambda x, w: ((x @ w.T).tanh().exp(), (x * x).sum()),
+                                        torch.tensor(x0), torch.tensor(w0))
+    for _ in range(3):
+        u, U = rng.standard_normal(x0.shape), rng.standard_normal(w0.shape)
+        ours = jvp_fn(Tensor(u), Tensor(U))
+        direct = AF.jvp(f, (Tensor(x0), Tensor(w0)), (Tensor(u), Tensor(U)))[1]
+        theirs = torch_jvp(torch.tensor(u), torch.tensor(U))
+        for a, b, c in zip(ours, direct, theirs):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+            np.testing.assert_allclose(a.numpy(), c.numpy(), rtol=1e-12, atol=1e-14)
+    assert len(calls) == 1 + 3                       # linearize's run, then only the direct jvp's
+
+
+def test_linearize_of_a_gradient_gives_hessian_vector_products():
+    """Forward over reverse, recorded once: the tangent of the gradient is H u, as hvp and vhp give it."""
+    rng = np.random.default_rng(8)
+    x0 = rng.standard_normal((6, 4))
+    loss = lambda w: ((Tensor(x0) @ w.T).tanh() ** 2).exp().sum()   # noqa: E731
+    w0 = rng.standard_normal((3, 4))
+
+    def gradient(w):
+        return grad(loss(w), [w])[0]
+
+    g, hvp_fn = AF.linearize(gradient, Tensor(w0, requires_grad=True))
+    for _ in range(3):
+        u = rng.standard_normal(w0.shape)
+        product = hvp_fn(Tensor(u)).numpy()
+        np.testing.assert_allclose(product, AF.hvp(loss, Tensor(w0), Tensor(u))[1].numpy(), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(product, AF.vhp(loss, Tensor(w0), Tensor(u))[1].numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_linearize_refuses_a_tangent_made_inside_func():
+    def f(x):
+        return x * fwAD.make_dual(Tensor(np.ones(3)), np.ones(3))
+
+    with pytest.raises(RuntimeError, match="linearize: a tangent reached Mul other than through the primals"):
+        AF.linearize(f, Tensor(np.arange(3.0)))
+
+
+def test_linearize_checks_its_tangents():
+    _, jvp_fn = AF.linearize(lambda x: x * 2, Tensor(np.ones(3)))
+    assert_clear_error(lambda: jvp_fn(Tensor(np.ones(4))), ValueError, ["linearize", "tangents[0]", "(3,)", "(4,)"])
