@@ -91,7 +91,12 @@ def gelu_second_derivative(h, aux, kind):
         return (1.0 - aux * aux) * (du * (1.0 - h * aux * du) + 3.0 * TANH_C * TANH_K * h * h)
     # y' = Phi(h) + h phi(h), phi' = -h phi  ->  y'' = phi + phi + h phi' = phi(h) (2 - h^2)
     hh = h * h
-    return xp.exp(-0.5 * hh) * INV_SQRT_2PI * (2.0 - hh)
+    out = hh * -0.5
+    xp.exp(out, out=out)                                    # exp(-h^2 / 2)
+    out *= INV_SQRT_2PI                                     # phi(h)
+    xp.subtract(2.0, hh, out=hh)
+    out *= hh
+    return out
 
 
 def _gelu_second_derivative_graph(h, kind):
