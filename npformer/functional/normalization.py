@@ -70,7 +70,7 @@ def layer_norm_double_backward(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, 
 
     With g = dy w, m = mean(g xhat) per row, J the Jacobian of xhat (_normalize_backward) and
     h = J gx:  d dy = h w + gw xhat + gb,  d weight = sum over rows of h dy,
-    d x = J (gw dy) - rstd m h - (rstd / D) (sum(gx dx) xhat + sum(gx xhat) dx)
+    d x = J (gw dy) - rstd (mean(gx dx) xhat + m h + mean(gx xhat) dx)
     (docs/backprop.md, LayerNorm, derives it)."""
     xp = backend.get_array_module(dy)
     d = xhat.shape[1]
@@ -81,10 +81,12 @@ def layer_norm_double_backward(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, 
         if need_x:
             g = dy * weight if weight is not None else dy
             m = row_dot(g, xhat) / d                                      # (N, 1)
-            # dx = rstd (g - mean(g) - xhat m), m = mean(g xhat): rstd's tangent -rstd^2 mean(xhat t_x)
-            # scales dx / rstd; xhat's, J t_x, enters xhat m and m
-            dx_bar = h * (-rstd * m)
-            dx_bar -= (rstd / d) * (row_dot(gx, dx) * xhat + row_dot(gx, xhat) * dx)
+            # dx = rstd (g - mean(g) - xhat m), m = mean(g xhat): t_rstd = -rstd^2 mean(xhat t_x) scales
+            # dx / rstd; t_xhat = J t_x enters xhat m and m  (layer_norm_backward_jvp's t_x part, transposed)
+            dx_bar = xhat * (row_dot(gx, dx) / d)
+            dx_bar += m * h
+            dx_bar += dx * (row_dot(gx, xhat) / d)
+            dx_bar *= -rstd
         if need_w:
             dw_bar = (h * dy).sum(axis=0)                                 # (D,)
         if need_dy:
@@ -106,8 +108,8 @@ def layer_norm_backward_jvp(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, 
     t_w), each None (a zero tangent); arrays as in layer_norm_double_backward, t_dy, t_x (N, D),
     t_w (D,). Each result None when not needed or zero.
 
-    With t_xhat = J t_x, t_rstd / rstd = -rstd mean(xhat t_x), g = dy w, m = mean(g xhat) and
-    t_g = t_dy w + dy t_w:  t_dx = (t_rstd / rstd) dx + J t_g - rstd (m t_xhat + xhat mean(g t_xhat)),
+    With t_xhat = J t_x, g = dy w, m = mean(g xhat) and t_g = t_dy w + dy t_w:
+    t_dx = J t_g - rstd (mean(xhat t_x) dx + m t_xhat + xhat mean(dx t_x)),
     t_dweight = sum over rows of (t_dy xhat + dy t_xhat),  t_dbias = sum over rows of t_dy."""
     d = xhat.shape[1]
     t_xhat = None if t_x is None else _normalize_backward(t_x, xhat, rstd)         # (N, D)
@@ -121,10 +123,12 @@ def layer_norm_backward_jvp(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, 
         if t_x is not None:
             g = dy * weight if weight is not None else dy
             m = row_dot(g, xhat) / d                                                # (N, 1)
-            # dx = rstd (g - mean(g) - xhat m), m = mean(g xhat): rstd's tangent scales dx / rstd,
-            # xhat's enters xhat m and m
-            through_x = (rstd * (row_dot(xhat, t_x) / -d)) * dx
-            through_x -= rstd * (m * t_xhat + xhat * (row_dot(g, t_xhat) / d))
+            # dx = rstd (g - mean(g) - xhat m), m = mean(g xhat): t_rstd = -rstd^2 mean(xhat t_x)
+            # scales dx / rstd; t_xhat enters xhat m and m, mean(g t_xhat) = mean(dx t_x) (J symmetric)
+            through_x = dx * (row_dot(xhat, t_x) / d)
+            through_x += m * t_xhat
+            through_x += xhat * (row_dot(dx, t_x) / d)
+            through_x *= -rstd
             t_dx = _added(t_dx, through_x)
     if need_w:
         # dweight = sum over rows of dy xhat  ->  t_dy xhat + dy t_xhat
@@ -216,12 +220,12 @@ class LayerNormBackward(Function):
             if need_dy:
                 ddy = h * w if w is not None else h                                 # d dy = h w
             if need_x:
-                # d x = -rstd m h - (rstd / D) (sum(gx dx) xhat + sum(gx xhat) dx), m = mean(g xhat), dx = J g
+                # d x = -rstd (mean(gx dx) xhat + m h + mean(gx xhat) dx), m = mean(g xhat), dx = J g
                 g = dy * w if w is not None else dy
                 dx = normalize_backward(g)
                 m = (g * xhat).mean(axis=1, keepdims=True)                          # (N, 1)
-                dx_bar = -(rstd * m) * h - (rstd / xhat.shape[1]) * (
-                    (gx * dx).sum(axis=1, keepdims=True) * xhat + (gx * xhat).sum(axis=1, keepdims=True) * dx)
+                dx_bar = -rstd * ((gx * dx).mean(axis=1, keepdims=True) * xhat + m * h
+                                  + (gx * xhat).mean(axis=1, keepdims=True) * dx)
             if need_w:
                 dw_bar = (h * dy).sum(axis=0).reshape(ctx.normalized_shape)         # d weight = sum of h dy
         if gw is not None:
