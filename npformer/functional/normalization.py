@@ -55,7 +55,8 @@ def _normalize_backward(u, xhat, rstd):
 
 
 def _added(total, term):
-    """total + term, into total (an array made here) unless total is None (then term)."""
+    """total + term, in place in total (an array its caller made, never one it was given); term
+    itself when total is None."""
     if total is None:
         return term
     total += term

@@ -127,17 +127,18 @@ BACKWARD_OP_CASES["x constant"] = ("affine", (False, True, True))
 def test_backward_op_gradcheck_checks_its_double_backward_and_jvp(name, device):
     """LayerNormBackward on its own, (dy, x, weight) -> the formed ones of (dx, dweight, dbias), in
     float64 with every input moving: its backward (the double backward) and its jvp against central
-    differences, and the two against each other (<g, J u> = <J^T g, u>). xhat and rstd, constants
-    of the op, are formed from x at each evaluation, as layer norm's forward does."""
+    differences, and the two against each other (<g, J u> = <J^T g, u>); its differentiable_backward
+    (the way to layer norm's third derivative): the same values as its backward, and gradgradcheck.
+    xhat and rstd, constants of the op, are formed from x at each evaluation, as layer norm's
+    forward does."""
     variant, needs = BACKWARD_OP_CASES[name]
     x, weight, _ = variant_arrays(np.random.default_rng(31), variant)
     normalized, x_moves, eps = VARIANTS[variant][1], needs[0], 1e-3
-    rng = np.random.default_rng(32)
-    inputs = [leaf(rng.standard_normal(x.shape), device)] + [leaf(a, device) for a in (x, weight)
-                                                             if a is not None and (a is weight or x_moves)]
+    dy = leaf(np.random.default_rng(32).standard_normal(x.shape), device)
+    inputs = [dy] + ([leaf(x, device)] if x_moves else []) + ([leaf(weight, device)] if weight is not None else [])
     constant_x = autograd.backend.to_device(x, device)
 
-    def backward_op(dy, *rest):
+    def backward_op(dy, *rest):   # (dy, x, weight), x and weight where they move
         x_tensor = rest[0] if x_moves else None
         x_array = x_tensor.data if x_moves else constant_x
         _, xhat, rstd = layer_norm_forward(x_array.reshape(-1, math.prod(normalized)), None, None, eps)
@@ -145,6 +146,14 @@ def test_backward_op_gradcheck_checks_its_double_backward_and_jvp(name, device):
                                        normalized_shape=normalized, eps=eps, needs=needs)
 
     assert autograd.gradcheck(backward_op, inputs, check_forward_ad=True)
+    upstream = [Tensor(np.random.default_rng(35).standard_normal(o.shape), device=device) for o in backward_op(*inputs)]
+    raw, composed = ([None if g is None else g.numpy() for g in autograd.grad(
+        backward_op(*inputs), inputs, upstream, create_graph=graph, allow_unused=True)] for graph in (False, True))
+    assert [g is None for g in composed] == [g is None for g in raw]   # x constant: no weight gradient
+    comparison = compare([g for g in composed if g is not None], [g for g in raw if g is not None],
+                         [f"gradient of input {i}" for i, g in enumerate(raw) if g is not None], 1e-12)
+    assert comparison.passed, comparison
+    assert autograd.gradgradcheck(backward_op, inputs)
 
 
 def test_a_create_graph_gradient_is_one_backward_node():
@@ -233,6 +242,7 @@ def test_hvp_forward_over_reverse_matches_reverse_over_reverse(variant, moving, 
 
 @pytest.mark.parametrize("variant", ["affine", "two normalized dims, weight only"])
 def test_hvp_in_float32_keeps_the_dtype_and_rounds_like_it(variant, device):
+    """Both modes' H v in float32 against float64 on the same data (the rules keep the dtype)."""
     exact = layer_norm_hvps(variant, (0, 1, 2), np.float64, device)
     rounded = layer_norm_hvps(variant, (0, 1, 2), np.float32, device)
     for (ours, reference) in zip(rounded, exact):
