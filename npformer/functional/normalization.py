@@ -9,6 +9,7 @@ from autograd.checks import check_real, check_shape
 from npformer.runtime.kernels import kernel_table
 
 from ._common import check_one_dtype, check_tensor, has_twin
+from .softmax import row_dot
 
 
 @kernel_table
@@ -47,6 +48,199 @@ def layer_norm_backward(dy, xhat, rstd, weight, need_x, need_w, need_b):
     return dx, dweight, dbias
 
 
+def _normalize_backward(u, xhat, rstd):
+    """u (N, D) -> J u, J = rstd (I - 1/D - xhat xhat^T / D) per row: the Jacobian of xhat in x,
+    symmetric, so this is also xhat's tangent along u (layer_norm_backward without a weight)."""
+    return layer_norm_backward(u, xhat, rstd, None, True, False, False)[0]
+
+
+def _added(total, term):
+    """total + term, in place in total (an array its caller made, never one it was given); term
+    itself when total is None."""
+    if total is None:
+        return term
+    total += term
+    return total
+
+
+def layer_norm_double_backward(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w):
+    """(d dy, d x, d weight) of L = <gx, dx> + <gw, dweight> + <gb, dbias>, where (dx, dweight,
+    dbias) is layer_norm_backward of (dy, x, weight): its backward (torch's layer_norm_double_backward).
+    dy, xhat (N, D), rstd (N, 1), weight (D,) or None; dx (N, D), the first-order one (None without gx);
+    gx (N, D), gw, gb (D,), each None when that gradient was not formed. Each result None unless needed.
+
+    With g = dy w, m = mean(g xhat) per row, J the Jacobian of xhat (_normalize_backward) and
+    h = J gx:  d dy = h w + gw xhat + gb,  d weight = sum over rows of h dy,
+    d x = J (gw dy) - rstd (mean(gx dx) xhat + m h + mean(gx xhat) dx)
+    (docs/backprop.md, LayerNorm, derives it)."""
+    xp = backend.get_array_module(dy)
+    d = xhat.shape[1]
+    ddy = dx_bar = dw_bar = None
+    if gx is not None:
+        # dx = J g with J symmetric  ->  <gx, J t_g> = <h, t_g>, h = J gx, t_g = t_dy w + dy t_w
+        h = _normalize_backward(gx, xhat, rstd)                           # (N, D)
+        if need_x:
+            g = dy * weight if weight is not None else dy
+            m = row_dot(g, xhat) / d                                      # (N, 1)
+            # dx = rstd (g - mean(g) - xhat m), m = mean(g xhat): t_rstd = -rstd^2 mean(xhat t_x) scales
+            # dx / rstd; t_xhat = J t_x enters xhat m and m  (layer_norm_backward_jvp's t_x part, transposed)
+            dx_bar = xhat * (row_dot(gx, dx) / d)
+            dx_bar += m * h
+            dx_bar += dx * (row_dot(gx, xhat) / d)
+            dx_bar *= -rstd
+        if need_w:
+            dw_bar = (h * dy).sum(axis=0)                                 # (D,)
+        if need_dy:
+            ddy = h * weight if weight is not None else h
+    if gw is not None:
+        # dweight = sum over rows of dy xhat  ->  d dy += gw xhat, d x += J (gw dy)
+        if need_dy:
+            ddy = _added(ddy, gw * xhat)
+        if need_x:
+            dx_bar = _added(dx_bar, _normalize_backward(gw * dy, xhat, rstd))
+    if gb is not None and need_dy:
+        # dbias = sum over rows of dy  ->  d dy += gb on every row
+        ddy = xp.broadcast_to(gb, xhat.shape).copy() if ddy is None else _added(ddy, gb)
+    return ddy, dx_bar, dw_bar
+
+
+def layer_norm_backward_jvp(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b):
+    """The tangents of (dx, dweight, dbias) = layer_norm_backward(dy, x, weight) along (t_dy, t_x,
+    t_w), each None (a zero tangent); arrays as in layer_norm_double_backward, t_dy, t_x (N, D),
+    t_w (D,). Each result None when not needed or zero.
+
+    With t_xhat = J t_x, g = dy w, m = mean(g xhat) and t_g = t_dy w + dy t_w:
+    t_dx = J t_g - rstd (mean(xhat t_x) dx + m t_xhat + xhat mean(dx t_x)),
+    t_dweight = sum over rows of (t_dy xhat + dy t_xhat),  t_dbias = sum over rows of t_dy."""
+    d = xhat.shape[1]
+    t_xhat = None if t_x is None else _normalize_backward(t_x, xhat, rstd)         # (N, D)
+    t_dx = t_dweight = t_dbias = None
+    if need_x:
+        # g = dy w  ->  t_g = t_dy w + dy t_w;  dx = J g is linear in g: + J t_g
+        t_g = None if t_dy is None else (t_dy * weight if weight is not None else t_dy)
+        if t_w is not None:
+            t_g = dy * t_w if t_g is None else t_g + dy * t_w
+        t_dx = None if t_g is None else _normalize_backward(t_g, xhat, rstd)
+        if t_x is not None:
+            g = dy * weight if weight is not None else dy
+            m = row_dot(g, xhat) / d                                                # (N, 1)
+            # dx = rstd (g - mean(g) - xhat m), m = mean(g xhat): t_rstd = -rstd^2 mean(xhat t_x)
+            # scales dx / rstd; t_xhat enters xhat m and m, mean(g t_xhat) = mean(dx t_x) (J symmetric)
+            through_x = dx * (row_dot(xhat, t_x) / d)
+            through_x += m * t_xhat
+            through_x += xhat * (row_dot(dx, t_x) / d)
+            through_x *= -rstd
+            t_dx = _added(t_dx, through_x)
+    if need_w:
+        # dweight = sum over rows of dy xhat  ->  t_dy xhat + dy t_xhat
+        if t_dy is not None:
+            t_dweight = (t_dy * xhat).sum(axis=0)                                   # (D,)
+        if t_x is not None:
+            t_dweight = _added(t_dweight, (dy * t_xhat).sum(axis=0))
+    if need_b and t_dy is not None:
+        t_dbias = t_dy.sum(axis=0)                                                  # dbias = sum of dy
+    return t_dx, t_dweight, t_dbias
+
+
+def _needed_outputs(ctx, grads):
+    """Of (dx (N, D), dweight (D,), dbias (D,)) (or their tangents, each may be None), the ones
+    LayerNormBackward outputs (ctx.needs), in the shapes of x and normalized_shape."""
+    shapes = (ctx.shape, ctx.normalized_shape, ctx.normalized_shape)
+    return tuple(None if g is None else g.reshape(shape) for g, shape, need in zip(grads, shapes, ctx.needs) if need)
+
+
+def _arriving_grads(ctx, grads):
+    """The gradients arriving at LayerNormBackward's outputs as (gx (N, D), gw (D,), gb (D,)),
+    arrays or Tensors, None for a gradient it does not output."""
+    grads = iter(grads)
+    gx, gw, gb = (next(grads) if need else None for need in ctx.needs)
+    return (None if gx is None else gx.reshape(ctx.saved_tensors[1].shape),
+            None if gw is None else gw.reshape(-1), None if gb is None else gb.reshape(-1))
+
+
+class LayerNormBackward(Function):
+    """(dy, x, weight) -> the needed ones of (dx, dweight, dbias), in that order: layer norm's
+    backward as an op (its forward runs the kernel table layer_norm_backward), so that a gradient of
+    layer norm is one node whose own derivatives are hand-derived: backward
+    `layer_norm_double_backward`, jvp `layer_norm_backward_jvp`. xhat and rstd, the forward's saved
+    values, come as constants (the formulas differentiate through them by hand); x is an input
+    only for the gradients to reach it (None: a constant). weight: a Tensor, an array or None."""
+
+    @staticmethod
+    def forward(ctx, dy, x, weight, xhat, rstd, normalized_shape, eps, needs):
+        w = weight.reshape(-1) if weight is not None else None                     # (D,)
+        dy2d = dy.reshape(xhat.shape)                                              # (N, D)
+        grads = layer_norm_backward(dy2d, xhat, rstd, w, *needs)                   # (dx, dweight, dbias)
+        ctx.save_for_backward(dy2d, xhat, rstd, w, grads[0])
+        ctx.shape, ctx.normalized_shape = dy.shape, normalized_shape
+        ctx.eps, ctx.needs = eps, needs  # needs: which of (dx, dweight, dbias) are outputs
+        return _needed_outputs(ctx, grads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dy, xhat, rstd, w, dx = ctx.saved_tensors
+        gx, gw, gb = _arriving_grads(ctx, grads)
+        ddy, dx_bar, dw_bar = layer_norm_double_backward(dy, xhat, rstd, w, dx, gx, gw, gb, *ctx.needs_input_grad)
+        return (None if ddy is None else ddy.reshape(ctx.shape), None if dx_bar is None else dx_bar.reshape(ctx.shape),
+                None if dw_bar is None else dw_bar.reshape(ctx.normalized_shape))
+
+    @staticmethod
+    def jvp(ctx, t_dy, t_x, t_weight):
+        dy, xhat, rstd, w, dx = ctx.saved_tensors
+        rows = xhat.shape
+        tangents = layer_norm_backward_jvp(
+            dy, xhat, rstd, w, dx, None if t_dy is None else t_dy.reshape(rows),
+            None if t_x is None else t_x.reshape(rows), None if t_weight is None else t_weight.reshape(-1), *ctx.needs)
+        return _needed_outputs(ctx, tangents)
+
+    @staticmethod
+    def differentiable_backward(ctx, *grads):
+        """layer_norm_double_backward's formulas on Tensors, xhat, rstd and dx formed again from x in
+        the graph (constants where x is): a third derivative, and every order above."""
+        dy_saved, xhat_saved, rstd_saved, w_saved, _ = ctx.saved_tensors
+        dy, x, weight = ctx.inputs
+        dy = Tensor(dy_saved) if dy is None else dy.reshape(xhat_saved.shape)      # (N, D)
+        if x is None:  # x is a constant: so are xhat and rstd
+            xhat, rstd = Tensor(xhat_saved), Tensor(rstd_saved)
+        else:  # formed again in the graph, so that the derivatives reach x through them
+            x2d = x.reshape(xhat_saved.shape)                                       # (N, D)
+            centered = x2d - x2d.mean(axis=1, keepdims=True)
+            centered = centered - centered.mean(axis=1, keepdims=True)              # the forward's refinement step
+            rstd = 1.0 / ((centered * centered).mean(axis=1, keepdims=True) + ctx.eps).sqrt()   # (N, 1)
+            xhat = centered * rstd
+        w = None if w_saved is None else (weight.reshape(-1) if weight is not None else Tensor(w_saved))
+
+        def normalize_backward(u):  # J u = rstd (u - mean(u) - xhat mean(xhat u)), J the Jacobian of xhat
+            return rstd * (u - u.mean(axis=1, keepdims=True) - xhat * (u * xhat).mean(axis=1, keepdims=True))
+
+        gx, gw, gb = _arriving_grads(ctx, grads)
+        need_dy, need_x, need_w = ctx.needs_input_grad
+        ddy = dx_bar = dw_bar = None
+        if gx is not None:
+            h = normalize_backward(gx)                                              # h = J gx  (N, D)
+            if need_dy:
+                ddy = h * w if w is not None else h                                 # d dy = h w
+            if need_x:
+                # d x = -rstd (mean(gx dx) xhat + m h + mean(gx xhat) dx), m = mean(g xhat), dx = J g
+                g = dy * w if w is not None else dy
+                dx = normalize_backward(g)
+                m = (g * xhat).mean(axis=1, keepdims=True)                          # (N, 1)
+                dx_bar = -rstd * ((gx * dx).mean(axis=1, keepdims=True) * xhat + m * h
+                                  + (gx * xhat).mean(axis=1, keepdims=True) * dx)
+            if need_w:
+                dw_bar = (h * dy).sum(axis=0).reshape(ctx.normalized_shape)         # d weight = sum of h dy
+        if gw is not None:
+            if need_dy:
+                ddy = gw * xhat if ddy is None else ddy + gw * xhat                 # d dy += gw xhat
+            if need_x:
+                through_xhat = normalize_backward(gw * dy)                          # d x += J (gw dy)
+                dx_bar = through_xhat if dx_bar is None else dx_bar + through_xhat
+        if gb is not None and need_dy:
+            ddy = gb.expand(xhat_saved.shape) if ddy is None else ddy + gb          # d dy += gb on every row
+        return (None if ddy is None else ddy.reshape(ctx.shape), None if dx_bar is None else dx_bar.reshape(ctx.shape),
+                dw_bar)
+
+
 class LayerNormFunction(Function):
     """x (..., *S) -> y = (x - mean) * rstd * weight + bias over the trailing dims S
     (biased variance, eps inside the sqrt); weight, bias (*S,) or None.
@@ -78,31 +272,14 @@ class LayerNormFunction(Function):
 
     @staticmethod
     def differentiable_backward(ctx, dy):
-        xhat_saved, w_saved, rstd_saved = ctx.saved_tensors
+        """The backward as the op `LayerNormBackward`: one node, whose own backward and jvp are the
+        hand-derived double backward and tangent of the gradients."""
+        xhat, w, rstd = ctx.saved_tensors
         x, weight, _ = ctx.inputs
-        if x is None:  # x is a constant: so are xhat and rstd
-            xhat, rstd = Tensor(xhat_saved), Tensor(rstd_saved)
-        else:  # formed again in the graph, so that the second derivative reaches x through them
-            x2d = x.reshape(xhat_saved.shape)                                      # (N, D)
-            centered = x2d - x2d.mean(axis=1, keepdims=True)
-            centered = centered - centered.mean(axis=1, keepdims=True)               # the forward's refinement step
-            rstd = 1.0 / ((centered * centered).mean(axis=1, keepdims=True) + ctx.eps).sqrt()   # (N, 1)
-            xhat = centered * rstd
-        w = None if w_saved is None else (weight.reshape(-1) if weight is not None else Tensor(w_saved))
-        dy2d = dy.reshape(xhat_saved.shape)
-        need_x, need_w, need_b = ctx.needs_input_grad
-        dx = None
-        if need_x:
-            # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w:  d/d(dy) <dx, u>: the same map of u w
-            #   (the Jacobian of xhat is symmetric);  d/dw <dx, u>: dy times it;  d/dx through rstd and
-            #   xhat = (x - mean) rstd: the tape's product rule on this line (torch's layer_norm_double_backward)
-            g = dy2d * w if w is not None else dy2d
-            dx = rstd * (g - g.mean(axis=1, keepdims=True) - xhat * (g * xhat).mean(axis=1, keepdims=True))
-            dx = dx.reshape(ctx.shape)
-        # dweight = sum over rows of dy xhat, dbias = sum of dy:  d/dx <dweight, U> = xhat's backward of dy U
-        dweight = (dy2d * xhat).sum(axis=0).reshape(ctx.normalized_shape) if need_w else None
-        dbias = dy2d.sum(axis=0).reshape(ctx.normalized_shape) if need_b else None
-        return dx, dweight, dbias
+        grads = iter(LayerNormBackward.apply(dy, x, w if weight is None else weight, xhat=xhat, rstd=rstd,
+                                             normalized_shape=ctx.normalized_shape, eps=ctx.eps,
+                                             needs=ctx.needs_input_grad))
+        return tuple(next(grads) if need else None for need in ctx.needs_input_grad)
 
     @staticmethod
     def jvp(ctx, t_x, t_weight, t_bias):
@@ -113,7 +290,7 @@ class LayerNormFunction(Function):
             # xhat = (x - mean) rstd  ->  t_xhat = rstd (t_x - mean(t_x) - xhat mean(xhat t_x)): the
             # Jacobian rstd (I - 1/D - xhat xhat^T / D) is symmetric, so the backward's dx (without a
             # weight) applies as is
-            t_y, _, _ = layer_norm_backward(t_x.reshape(xhat.shape), xhat, rstd, None, True, False, False)
+            t_y = _normalize_backward(t_x.reshape(xhat.shape), xhat, rstd)
             if w is not None:
                 t_y *= w                                                   # y = xhat w  ->  t_y = t_xhat w
         if t_weight is not None:

@@ -2,7 +2,10 @@
 optional affine, eps, module options: gradcheck, torch, composite twin on every device; second
 derivatives: gradgradcheck, torch's double backward),
 accuracy at mean 1e4 and std 1e-2 (against torch and 80-bit arithmetic), property-based tests,
-and clear errors."""
+clear errors; the backward as an op (LayerNormBackward: its double backward and jvp on their own,
+a third derivative against torch, forward over reverse against reverse over reverse, float32)."""
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -15,6 +18,8 @@ from npformer import nn
 from helpers import (
     DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, forward_mode_tests, leaf, op_tests,
     tolerance)
+from npformer.functional.normalization import LayerNormBackward, layer_norm_forward
+from npformer.opcases import TOLERANCE, compare
 from tolerances import rounding_tolerance
 
 test_gradcheck, test_matches_torch, test_matches_composite_twin = op_tests("layer_norm")
@@ -97,18 +102,86 @@ def test_bad_input_raises_a_clear_error(call, error, words):
     assert_clear_error(call, error, words)
 
 
-def test_third_derivative_matches_torch_written_with_primitives(torch):
-    """Every order works: the double backward is built from differentiable ops. The reference is
-    layer norm written with torch's primitives: the third derivative of torch's own layer_norm
-    differs in x (by ~1 here, torch 2.13), while that of its primitives agrees with ours."""
+# x's shape, normalized_shape, with a weight, with a bias
+VARIANTS = {
+    "affine": ((3, 5), (5,), True, True),
+    "two normalized dims, weight only": ((2, 3, 4), (3, 4), True, False),
+    "no affine": ((3, 5), (5,), False, False),
+    "bias only": ((3, 5), (5,), False, True),
+}
+
+
+def variant_arrays(rng, variant):
+    """x (mean 1.5, std 2: rstd is not 1) and the variant's weight and bias (None where absent)."""
+    shape, normalized, with_weight, with_bias = VARIANTS[variant]
+    return (1.5 + 2 * rng.standard_normal(shape), 1 + rng.standard_normal(normalized) if with_weight else None,
+            rng.standard_normal(normalized) if with_bias else None)
+
+
+# which of (dx, dweight, dbias) the op forms: a variant's, or one where x is a constant
+BACKWARD_OP_CASES = {variant: (variant, (True, VARIANTS[variant][2], VARIANTS[variant][3])) for variant in VARIANTS}
+BACKWARD_OP_CASES["x constant"] = ("affine", (False, True, True))
+
+
+@pytest.mark.parametrize("name", list(BACKWARD_OP_CASES))
+def test_backward_op_gradcheck_checks_its_double_backward_and_jvp(name, device):
+    """LayerNormBackward on its own, (dy, x, weight) -> the formed ones of (dx, dweight, dbias), in
+    float64 with every input moving: its backward (the double backward) and its jvp against central
+    differences, and the two against each other (<g, J u> = <J^T g, u>); its differentiable_backward
+    (the way to layer norm's third derivative): the same values as its backward, and gradgradcheck.
+    xhat and rstd, constants of the op, are formed from x at each evaluation, as layer norm's
+    forward does."""
+    variant, needs = BACKWARD_OP_CASES[name]
+    x, weight, _ = variant_arrays(np.random.default_rng(31), variant)
+    normalized, x_moves, eps = VARIANTS[variant][1], needs[0], 1e-3
+    dy = leaf(np.random.default_rng(32).standard_normal(x.shape), device)
+    inputs = [dy] + ([leaf(x, device)] if x_moves else []) + ([leaf(weight, device)] if weight is not None else [])
+    constant_x = autograd.backend.to_device(x, device)
+
+    def backward_op(dy, *rest):   # (dy, x, weight), x and weight where they move
+        x_tensor = rest[0] if x_moves else None
+        x_array = x_tensor.data if x_moves else constant_x
+        _, xhat, rstd = layer_norm_forward(x_array.reshape(-1, math.prod(normalized)), None, None, eps)
+        return LayerNormBackward.apply(dy, x_tensor, rest[-1] if weight is not None else None, xhat=xhat, rstd=rstd,
+                                       normalized_shape=normalized, eps=eps, needs=needs)
+
+    assert autograd.gradcheck(backward_op, inputs, check_forward_ad=True)
+    upstream = [Tensor(np.random.default_rng(35).standard_normal(o.shape), device=device) for o in backward_op(*inputs)]
+    raw, composed = ([None if g is None else g.numpy() for g in autograd.grad(
+        backward_op(*inputs), inputs, upstream, create_graph=graph, allow_unused=True)] for graph in (False, True))
+    assert [g is None for g in composed] == [g is None for g in raw]   # x constant: no weight gradient
+    comparison = compare([g for g in composed if g is not None], [g for g in raw if g is not None],
+                         [f"gradient of input {i}" for i, g in enumerate(raw) if g is not None], 1e-12)
+    assert comparison.passed, comparison
+    assert autograd.gradgradcheck(backward_op, inputs)
+
+
+def test_a_create_graph_gradient_is_one_backward_node():
+    x, weight, bias = (leaf(a) for a in variant_arrays(np.random.default_rng(33), "affine"))
+    grads = autograd.grad(F.layer_norm(x, 5, weight, bias), [x, weight, bias], Tensor(np.ones(x.shape)),
+                          create_graph=True)
+    assert {type(g.creator) for g in grads} == {LayerNormBackward}
+    assert len({id(g.creator) for g in grads}) == 1
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_third_derivative_matches_torch_written_with_primitives(variant, torch):
+    """Every order works: the double backward's differentiable_backward is built from
+    differentiable ops. The reference is layer norm written with torch's primitives: the third
+    derivative of torch's own layer_norm differs in x (by ~1 here, torch 2.13), while that of its
+    primitives agrees with ours. Each derivative is contracted with random directions."""
     rng = np.random.default_rng(14)
-    arrays = [rng.standard_normal((3, 5)), 1 + rng.standard_normal(5), rng.standard_normal(5)]
-    g = rng.standard_normal((3, 5))
+    arrays = [a for a in variant_arrays(rng, variant) if a is not None]
+    normalized, with_weight, with_bias = VARIANTS[variant][1:]
+    g = rng.standard_normal(arrays[0].shape)
     u, v = ([rng.standard_normal(a.shape) for a in arrays] for _ in range(2))
+
+    def split(xs):   # (x, weight or None, bias or None)
+        return xs[0], xs[1] if with_weight else None, xs[-1] if with_bias else None
 
     def third(fn, make, grad):   # d/dx <d/dx <d/dx <fn, g>, u>, v>; the bias enters linearly: None is 0
         xs = [make(a) for a in arrays]
-        first = grad([fn(*xs)], xs, [make(g, False)], create_graph=True)
+        first = grad([fn(*split(xs))], xs, [make(g, False)], create_graph=True)
         second = grad([sum((d * make(w, False)).sum() for d, w in zip(first, u))], xs, create_graph=True,
                       allow_unused=True)
         third = grad([sum((d * make(w, False)).sum() for d, w in zip(second, v) if d is not None)], xs,
@@ -116,11 +189,64 @@ def test_third_derivative_matches_torch_written_with_primitives(torch):
         return [np.zeros(a.shape) if d is None else d.detach().numpy() for d, a in zip(third, arrays)]
 
     def torch_layer_norm(x, w, b):
-        centered = x - x.mean(-1, keepdim=True)
-        return centered / ((centered * centered).mean(-1, keepdim=True) + 1e-5).sqrt() * w + b
+        axes = tuple(range(-len(normalized), 0))
+        centered = x - x.mean(axes, keepdim=True)
+        y = centered / ((centered * centered).mean(axes, keepdim=True) + 1e-5).sqrt()
+        return (y if w is None else y * w) + (0 if b is None else b)
 
-    ours = third(lambda x, w, b: F.layer_norm(x, 5, w, b), lambda a, grad=True: Tensor(a, requires_grad=grad),
+    ours = third(lambda x, w, b: F.layer_norm(x, normalized, w, b), lambda a, grad=True: Tensor(a, requires_grad=grad),
                  autograd.grad)
     theirs = third(torch_layer_norm, lambda a, grad=True: torch.tensor(a, requires_grad=grad), torch.autograd.grad)
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12 * max(1.0, np.abs(b).max()))
+    comparison = compare(ours, theirs, [f"d/d input {i}" for i in range(len(arrays))], 1e-12)
+    assert comparison.passed, comparison
+
+
+def layer_norm_hvps(variant, moving, dtype, device="cpu"):
+    """H v of f = sum(tanh(layer_norm(x, w, b)) * c) over the `moving` inputs of the variant (the
+    others constants), forward over reverse (autograd.functional.hvp) and reverse over reverse (vhp):
+    tanh gives the backward an upstream gradient that moves with x, so every tangent is used."""
+    rng = np.random.default_rng(34)
+    arrays = variant_arrays(rng, variant)
+    normalized = VARIANTS[variant][1]
+    c = Tensor(rng.standard_normal(arrays[0].shape).astype(dtype), device=device)
+    moved = [i for i in moving if arrays[i] is not None]
+    tensors = [None if a is None else Tensor(a.astype(dtype), device=device) for a in arrays]
+    directions = tuple(Tensor(rng.standard_normal(arrays[i].shape).astype(dtype), device=device) for i in moved)
+
+    def f(*xs):
+        args = list(tensors)
+        for i, t in zip(moved, xs):
+            args[i] = t
+        return (F.layer_norm(args[0], normalized, *args[1:]).tanh() * c).sum()
+
+    inputs = tuple(tensors[i] for i in moved)
+    return [[p.numpy() for p in product(f, inputs, directions)[1]]
+            for product in (autograd.functional.hvp, autograd.functional.vhp)]
+
+
+# (variant, the moving inputs: 0 x, 1 weight, 2 bias), x constant where the variant has a parameter
+HVP_CASES = [(variant, (0, 1, 2)) for variant in VARIANTS] + [
+    (variant, (1, 2)) for variant, (_, _, with_weight, with_bias) in VARIANTS.items() if with_weight or with_bias]
+
+
+@pytest.mark.parametrize("variant, moving", HVP_CASES,
+                         ids=[f"{v}-{'all' if m[0] == 0 else 'x constant'}" for v, m in HVP_CASES])
+def test_hvp_forward_over_reverse_matches_reverse_over_reverse(variant, moving, device):
+    """The jvp of LayerNormBackward (the tangent of the gradients, forward over reverse) against its
+    backward (reverse over reverse): two derivations of one Hessian."""
+    forward, reverse = layer_norm_hvps(variant, moving, np.float64, device)
+    labels = [f"H v, input {i}" for i in range(len(forward))]
+    comparison = compare(forward, reverse, labels, TOLERANCE["twin", "float64"])
+    assert comparison.passed, comparison
+
+
+@pytest.mark.parametrize("variant", ["affine", "two normalized dims, weight only"])
+def test_hvp_in_float32_keeps_the_dtype_and_rounds_like_it(variant, device):
+    """Both modes' H v in float32 against float64 on the same data (the rules keep the dtype)."""
+    exact = layer_norm_hvps(variant, (0, 1, 2), np.float64, device)
+    rounded = layer_norm_hvps(variant, (0, 1, 2), np.float32, device)
+    for (ours, reference) in zip(rounded, exact):
+        assert all(a.dtype == np.float32 for a in ours)
+        comparison = compare(ours, reference, [f"H v, input {i}" for i in range(len(ours))],
+                             TOLERANCE["torch", "float32"])
+        assert comparison.passed, comparison
