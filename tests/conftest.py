@@ -79,6 +79,7 @@ def threads(monkeypatch):
     """use(n): n threads with GEMM splitting, every op big enough to split; restored afterwards."""
     saved = _parallel.get_num_threads()
     monkeypatch.setattr(_parallel, "MIN_PARALLEL_ENTRIES", 0)
+    monkeypatch.setattr(_parallel, "MIN_PARALLEL_MACS", 0)
     yield _parallel.set_num_threads
     _parallel.set_num_threads(saved)
 

@@ -189,7 +189,7 @@ def test_set_num_threads_from_one_thread_never_breaks_ops_in_flight_in_others(re
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1024, 256))
     w = rng.standard_normal((256, 256))
-    assert x.size >= threads.MIN_PARALLEL_ENTRIES and x.shape[0] * w.shape[0] >= threads.MIN_PARALLEL_ENTRIES
+    assert x.size >= threads.MIN_PARALLEL_ENTRIES and x.size * w.shape[0] >= threads.MIN_PARALLEL_MACS
 
     def ops():
         return [F.relu(Tensor(x)).numpy(), F.softmax(Tensor(x)).numpy(), F.linear(Tensor(x), Tensor(w)).numpy()]
