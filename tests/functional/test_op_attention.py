@@ -444,8 +444,8 @@ def sdpa_hvp(arrays, rng, **kwargs):
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_memory_efficient_second_derivative_equals_the_naive_paths(mask, dropout):
     """Blocks of 4 over Tq = 13 and Tk = 11 (neither divisible), every mask kind, dropout (the same
-    generator: the same mask): the blockwise double backward equals the naive path's composition
-    up to float64 rounding relative to the largest entry."""
+    generator: the same mask): the blockwise double backward equals the naive path's (its whole-matrix
+    double backward from the saved P) up to float64 rounding relative to the largest entry."""
     rng = np.random.default_rng(21)
     kwargs = dict(attention_masks(rng, 13, 11).get(mask, {}))
     arrays = qkv(rng, 13, 11, 4)
@@ -507,8 +507,8 @@ def third_derivative(library, arrays, g, u, w, **options):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_third_derivative_matches_torch(path, torch):
-    """Third order: through the naive path's composition, and through the memory-efficient
-    path's double backward, whose differentiable_backward writes its formulas with Tensors."""
+    """Third order: through the double backward of each path (AttentionBackward's and
+    MemoryEfficientAttentionBackward's), whose differentiable_backward writes its formulas with Tensors."""
     rng = np.random.default_rng(25)
     arrays = qkv(rng, 5, 5, 3, lead=(1, 2))
     g = rng.standard_normal(arrays[0].shape)
