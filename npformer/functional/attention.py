@@ -8,9 +8,11 @@
   flash-attention kernels of npformer/functional/cuda/flash_attention.cu where they apply;
 - flash: that CUDA implementation, chosen by default on a GPU where it applies.
 
-Every path is differentiable twice and more (create_graph): the naive backward is a composition of
-differentiable ops; the memory-efficient (and flash) backward is the op `MemoryEfficientAttentionBackward`,
-whose backward is the blockwise double backward, again without a (Tq, Tk) matrix.
+Every path is differentiable twice and more (create_graph, forward over reverse): the naive backward
+is the op `AttentionBackward`, whose backward (the double backward) and jvp work from the saved P; the
+memory-efficient (and flash) backward is the op `MemoryEfficientAttentionBackward`, whose backward is
+the blockwise double backward, again without a (Tq, Tk) matrix. Both write their third derivative
+with differentiable ops (`graph_attention_double_backward`).
 
 Every dropout mask over the probabilities is the one of the dropout contract (activation.py):
 entry i of the flat (..., Tq, Tk) index is kept iff bits16(seed, offset + i) >= threshold, so
@@ -28,7 +30,7 @@ from npformer.runtime.kernels import kernel_table
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
 from .activation import dropout_scale, dropout_stream, dropout_threshold, keep_mask
-from .softmax import softmax_backward, softmax_forward, stable_row_max
+from .softmax import row_dot, softmax_backward, softmax_forward, stable_row_max
 
 BACKENDS = ("naive", "memory_efficient", "flash")
 FLASH_HEAD_DIMS = (32, 64, 128)       # head dims the flash kernels are compiled for
@@ -126,6 +128,191 @@ def attention_backward(q, k, v, probs, keep, dout, dweights, scale, dropout_scal
         dk *= scale
 
 
+@kernel_table
+def attention_double_backward(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, gq, gk, gv, gmask,
+                              dq, dk, dv, dmask, ddout, ddweights):
+    """The naive path's double backward on whole (..., Tq, Tk) matrices, from what attention_forward
+    saved (P in probs, the mask keep or None): the gradients of L = <gq, dQ> + <gk, dK> + <gv, dV> +
+    <gmask, dMask>, where (dQ, dK, dV, dMask) is attention_backward of (q, k, v, mask, dout, dweights).
+    gq, gk, gv (shapes of q, k, v) and gmask (broadcastable to (..., Tq, Tk), at least 2-D) reach dQ,
+    dK, dV and dMask; each may be None, but gv or one of the others is given. Writes the gradients of
+    q, k, v into dq, dk, dv, of the mask into dmask (..., Tq, Tk), of dout into ddout and of dweights
+    into ddweights (each over the broadcast leading shape), those that are not None; dv and ddweights
+    need one of gq, gk, gmask (without them both gradients are 0).
+
+    With Z = keep / (1 - p) (1 without dropout), dP = (dO V^T + dweights) Z, D = rowsum(dP P),
+    dS = P (dP - D), W = s (gq K^T + Q gk^T) + gmask (what reaches dS), r = rowsum(W P) and
+    Y = dO gv^T (what reaches Pd):  Pbar = (W - r) dP - W D + Y Z,  Sbar = P (Pbar - rowsum(Pbar P)),
+    C = P (W - r) Z;  then dq = s (Sbar K + dS gk), dk = s (Sbar^T Q + dS^T gq), dv = C^T dO,
+    d dO = C V + Pd gv, dmask = Sbar, d dweights = C (docs/backprop.md derives them)."""
+    xp = backend.get_array_module(dout)
+    z = None if keep is None else keep * probs.dtype.type(dropout_scale)    # (..., Tq, Tk) Z = keep / (1 - p)
+    # the first-order backward's dP = (dO V^T + dweights) Z and D = rowsum(dP P)
+    dprobs = xp.matmul(dout, v.swapaxes(-1, -2))                             # (..., Tq, Tk)
+    if dweights is not None:
+        dprobs += dweights
+    if z is not None:
+        dprobs *= z
+    delta = row_dot(dprobs, probs)                                           # (..., Tq, 1) D
+    # W = s (gq K^T + Q gk^T) + gmask: the gradient reaching dS through dQ = s dS K, dK = s dS^T Q, dMask = dS
+    w = None
+    if gq is not None:
+        w = xp.matmul(gq, k.swapaxes(-1, -2))
+    if gk is not None:
+        product = xp.matmul(q, gk.swapaxes(-1, -2))                          # (gq K^T's shape)
+        w = product if w is None else xp.add(w, product, out=w)
+    if w is not None:
+        w *= scale
+    if gmask is not None:
+        w = _plus(w, gmask)                                                  # (out of place: never into gmask)
+    p_bar = w_centered = None
+    if w is not None:
+        w_centered = w - row_dot(w, probs)                                   # (..., Tq, Tk) W - r, r = rowsum(W P)
+        # P enters dS = P (dP - D) and D = rowsum(dP P):  Pbar = W (dP - D) - r dP = (W - r) dP - W D
+        p_bar = w_centered * dprobs
+        p_bar -= w * delta
+    if gv is not None:
+        # dV = Pd^T dO  ->  Y = dO gv^T reaches Pd = P Z:  Pbar += Y Z
+        y = xp.matmul(dout, gv.swapaxes(-1, -2))                             # (..., Tq, Tk)
+        if z is not None:
+            y *= z
+        p_bar = y if p_bar is None else xp.add(p_bar, y, out=p_bar)
+    # P = softmax(S)  ->  Sbar = P (Pbar - rowsum(Pbar P)), in place
+    s_bar = xp.subtract(p_bar, row_dot(p_bar, probs), out=p_bar)
+    s_bar *= probs
+    # dS = P (dP - D), in dP's place: dQ = s dS K and dK = s dS^T Q multiply it by gk and gq
+    ds = None
+    if (dq is not None and gk is not None) or (dk is not None and gq is not None):
+        ds = xp.subtract(dprobs, delta, out=dprobs)
+        ds *= probs
+    # S = s Q K^T  ->  dq = s (Sbar K + dS gk)
+    if dq is not None:
+        xp.matmul(s_bar, k, out=dq)
+        if gk is not None:
+            dq += xp.matmul(ds, gk)
+        dq *= scale
+    # S = s Q K^T  ->  dk = s (Sbar^T Q + dS^T gq)
+    if dk is not None:
+        xp.matmul(s_bar.swapaxes(-1, -2), q, out=dk)
+        if gq is not None:
+            dk += xp.matmul(ds.swapaxes(-1, -2), gq)
+        dk *= scale
+    # S = s Q K^T + mask  ->  dmask = Sbar
+    if dmask is not None:
+        dmask[...] = s_bar
+    # dP = (dO V^T + dweights) Z enters dS and D:  C = P (W - r) Z reaches dO V^T and dweights
+    c = None
+    if w_centered is not None:
+        c = w_centered
+        c *= probs
+        if z is not None:
+            c *= z
+    # dO V^T  ->  dv = C^T dO;  dweights  ->  d dweights = C
+    if dv is not None:
+        xp.matmul(c.swapaxes(-1, -2), dout, out=dv)
+    if ddweights is not None:
+        ddweights[...] = c
+    # dO V^T  ->  d dO = C V;  dV = Pd^T dO  ->  d dO += Pd gv
+    if ddout is not None:
+        if c is not None:
+            xp.matmul(c, v, out=ddout)
+        if gv is not None:
+            dropped = probs if z is None else probs * z
+            if c is None:
+                xp.matmul(dropped, gv, out=ddout)
+            else:
+                ddout += xp.matmul(dropped, gv)
+
+
+@kernel_table
+def attention_backward_jvp(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, tq, tk, tv, tmask, tdout,
+                           tdweights, dq_tangent, dk_tangent, dv_tangent, dmask_tangent):
+    """The tangents of attention_backward's (dQ, dK, dV, dMask) along the tangents tq, tk, tv, tmask
+    (broadcastable to (..., Tq, Tk), at least 2-D), tdout and tdweights of (q, k, v, mask, dout,
+    dweights) (None where that input does not move, at least one given), on whole (..., Tq, Tk)
+    matrices from the saved P and keep. Writes them into dq_tangent, dk_tangent, dv_tangent and
+    dmask_tangent (each over the broadcast leading shape), those that are not None; dv_tangent needs
+    one of tq, tk, tmask, tdout (without them it is 0).
+
+    Every first-order step along its tangents (forward over reverse): t_S = s (t_Q K^T + Q t_K^T) +
+    t_mask, t_P = P (t_S - rowsum(P t_S)), t_dP = (t_dO V^T + dO t_V^T + t_dweights) Z,
+    t_dS = t_P (dP - D) + P (t_dP - t_D) with t_D = rowsum(t_dP P + dP t_P), then
+    t_dQ = s (t_dS K + dS t_K), t_dK = s (t_dS^T Q + dS^T t_Q), t_dV = t_Pd^T dO + Pd^T t_dO, t_dMask = t_dS."""
+    xp = backend.get_array_module(dout)
+    z = None if keep is None else keep * probs.dtype.type(dropout_scale)    # (..., Tq, Tk) Z = keep / (1 - p)
+    # the first-order backward's dP = (dO V^T + dweights) Z and D = rowsum(dP P)
+    dprobs = xp.matmul(dout, v.swapaxes(-1, -2))                             # (..., Tq, Tk)
+    if dweights is not None:
+        dprobs += dweights
+    if z is not None:
+        dprobs *= z
+    delta = row_dot(dprobs, probs)                                           # (..., Tq, 1) D
+    tprobs = tdropped = None
+    if tq is not None or tk is not None or tmask is not None:
+        # S = s Q K^T + mask  ->  t_S = s (t_Q K^T + Q t_K^T) + t_mask
+        tscores = _score_tangent(q * scale, k, None if tq is None else tq * scale, tk, tmask)
+        # P = softmax(S)  ->  t_P = P (t_S - rowsum(P t_S))  (out of place: t_S may be t_mask)
+        tprobs = tscores - row_dot(probs, tscores)                           # (..., Tq, Tk)
+        tprobs *= probs
+        # Pd = P Z  ->  t_Pd = t_P Z
+        tdropped = tprobs if z is None else tprobs * z
+    # dPd = dO V^T + dweights  ->  t_dPd = t_dO V^T + dO t_V^T + t_dweights;  dP = dPd Z  ->  t_dP = t_dPd Z
+    tdprobs = None
+    if tdout is not None:
+        tdprobs = xp.matmul(tdout, v.swapaxes(-1, -2))
+    if tv is not None:
+        product = xp.matmul(dout, tv.swapaxes(-1, -2))                       # (..., Tq, Tk)
+        tdprobs = product if tdprobs is None else xp.add(tdprobs, product, out=tdprobs)
+    if tdweights is not None:
+        tdprobs = _plus(tdprobs, tdweights)                                  # (out of place: never into t_dweights)
+    if tdprobs is not None and z is not None:
+        tdprobs = tdprobs * z
+    # dV = Pd^T dO  ->  t_dV = t_Pd^T dO + Pd^T t_dO
+    if dv_tangent is not None:
+        if tdropped is not None:
+            xp.matmul(tdropped.swapaxes(-1, -2), dout, out=dv_tangent)
+        if tdout is not None:
+            dropped = probs if z is None else probs * z                      # Pd = P Z
+            if tdropped is None:
+                xp.matmul(dropped.swapaxes(-1, -2), tdout, out=dv_tangent)
+            else:
+                dv_tangent += xp.matmul(dropped.swapaxes(-1, -2), tdout)
+    # dS = P (dP - D), D = rowsum(dP P)  ->  t_dS = t_P (dP - D) + P (t_dP - t_D), t_D = rowsum(t_dP P + dP t_P)
+    centered = dprobs - delta                                                # (..., Tq, Tk) dP - D
+    tds = tdelta = None
+    if tprobs is not None:
+        tds = tprobs * centered
+        tdelta = row_dot(dprobs, tprobs)
+    if tdprobs is not None:
+        moved = probs * tdprobs                                              # P t_dP
+        tds = moved if tds is None else xp.add(tds, moved, out=tds)
+        tdelta = _plus(tdelta, row_dot(tdprobs, probs))
+    tds -= probs * tdelta
+    ds = centered                                                            # dS = P (dP - D), in place
+    ds *= probs
+    # S = s Q K^T, dQ = s dS K  ->  t_dQ = s (t_dS K + dS t_K)
+    if dq_tangent is not None:
+        xp.matmul(tds, k, out=dq_tangent)
+        if tk is not None:
+            dq_tangent += xp.matmul(ds, tk)
+        dq_tangent *= scale
+    # S = s Q K^T, dK = s dS^T Q  ->  t_dK = s (t_dS^T Q + dS^T t_Q)
+    if dk_tangent is not None:
+        xp.matmul(tds.swapaxes(-1, -2), q, out=dk_tangent)
+        if tq is not None:
+            dk_tangent += xp.matmul(ds.swapaxes(-1, -2), tq)
+        dk_tangent *= scale
+    # dMask = dS  ->  t_dMask = t_dS
+    if dmask_tangent is not None:
+        dmask_tangent[...] = tds
+
+
+def _plus(total, term):
+    """total + term out of place, or term when total is None: the sum of the terms that exist
+    (arrays or Tensors)."""
+    return term if total is None else total + term
+
+
 class AttentionFunction(Function):
     """q (..., Tq, hd), k (..., Tk, hd), v (..., Tk, hdv) [, additive mask] -> out (..., Tq, hdv)
     [, P (..., Tq, Tk)].
@@ -155,49 +342,21 @@ class AttentionFunction(Function):
     @staticmethod
     def backward(ctx, dout, dweights=None):
         q, k, v, probs, keep = ctx.saved_tensors
-        xp = backend.get_array_module(dout)
-        need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
-        lead = probs.shape[:-2]
-        dq = xp.empty(lead + q.shape[-2:], dtype=q.dtype) if need_q else None
-        dk = xp.empty(lead + k.shape[-2:], dtype=q.dtype) if need_k else None
-        dv = xp.empty(lead + v.shape[-2:], dtype=q.dtype) if need_v else None
-        dmask = xp.empty_like(probs) if need_mask else None                  # (..., Tq, Tk) dS
-        attention_backward(q, k, v, probs, keep, dout, dweights, ctx.scale, ctx.dropout_scale, dq, dk, dv, dmask)
-        return (unbroadcast(dq, q.shape) if need_q else None,
-                unbroadcast(dk, k.shape) if need_k else None,
-                unbroadcast(dv, v.shape) if need_v else None,
-                unbroadcast(dmask, ctx.mask_shape) if need_mask else None)
+        return naive_attention_gradients(q, k, v, probs, keep, dout, dweights, ctx.scale, ctx.dropout_scale,
+                                         ctx.mask_shape, ctx.needs_input_grad[:4])
 
     @staticmethod
     def differentiable_backward(ctx, dout, dweights=None):
-        """The backward above built from differentiable ops on Tensors (so it can be differentiated
-        again, to any order): P is recomputed in the graph from q, k and the mask, since its
-        derivative is part of the second derivative; the (Tq, Tk) matrices exist on this path anyway."""
+        """The backward as the op `AttentionBackward`, one node of the graph: its forward is the
+        kernel above (threads on the CPU), its backward the double backward and its jvp the tangent
+        of the gradients, each by hand from the saved P."""
         q, k, v, probs, keep = ctx.saved_tensors
-        mask, blocked, causal = ctx.masks
-        q, k, v = (t if t is not None else Tensor(raw) for t, raw in zip(ctx.inputs, (q, k, v)))
-        additive = ctx.inputs[3] if ctx.inputs[3] is not None else mask
-        p = graph_probabilities(q, k, additive, blocked, causal, ctx.scale)  # P = softmax(s Q K^T + mask)
-        # Pd = P * keep / (1 - p)
-        keep_scale = None if keep is None else keep * ctx.dropout_scale      # (..., Tq, Tk) constant
-        dropped = p if keep_scale is None else p * keep_scale
-        need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
-        # O = Pd V  ->  dV = Pd^T dO
-        dv = dropped.swapaxes(-1, -2) @ dout if need_v else None
-        if not (need_q or need_k or need_mask):
-            return None, None, dv, None
-        # O = Pd V  ->  dPd = dO V^T (+ the gradient of the returned weights);  dP = dPd * keep / (1 - p)
-        dprobs = dout @ v.swapaxes(-1, -2)
-        if dweights is not None:
-            dprobs = dprobs + dweights
-        if keep_scale is not None:
-            dprobs = dprobs * keep_scale
-        # P = softmax(S)  ->  dS = P (dP - rowsum(dP P))
-        dscores = p * (dprobs - (dprobs * p).sum(axis=-1, keepdims=True))
-        # S = s Q K^T + mask  ->  dQ = s dS K, dK = s dS^T Q, d(mask) = dS (summed to the mask's shape)
-        dq = (dscores @ k) * ctx.scale if need_q else None
-        dk = (dscores.swapaxes(-1, -2) @ q) * ctx.scale if need_k else None
-        return dq, dk, dv, dscores if need_mask else None
+        additive, blocked, causal = ctx.masks
+        operands = [t if t is not None else raw for t, raw in zip(ctx.inputs, (q, k, v, additive))]
+        need = ctx.needs_input_grad[:4]
+        grads = AttentionBackward.apply(*operands, dout, dweights, probs=probs, keep=keep, blocked=blocked,
+                                        causal=causal, scale=ctx.scale, dropout_scale=ctx.dropout_scale, need=need)
+        return by_attention_input(grads, need)
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, tmask):
@@ -223,6 +382,108 @@ class AttentionFunction(Function):
         if not ctx.return_weights:
             return tout
         return tout, tweights
+
+
+def naive_attention_gradients(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, mask_shape, need):
+    """(dQ, dK, dV, dMask) of the naive path by the kernel attention_backward, each summed to the
+    shape of its input (mask_shape: the float mask's), None where `need` (four bools) says no."""
+    xp = backend.get_array_module(dout)
+    need_q, need_k, need_v, need_mask = need
+    lead = probs.shape[:-2]
+    dq = xp.empty(lead + q.shape[-2:], dtype=q.dtype) if need_q else None
+    dk = xp.empty(lead + k.shape[-2:], dtype=q.dtype) if need_k else None
+    dv = xp.empty(lead + v.shape[-2:], dtype=q.dtype) if need_v else None
+    dmask = xp.empty_like(probs) if need_mask else None                      # (..., Tq, Tk) dS
+    attention_backward(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, dq, dk, dv, dmask)
+    return (unbroadcast(dq, q.shape) if need_q else None,
+            unbroadcast(dk, k.shape) if need_k else None,
+            unbroadcast(dv, v.shape) if need_v else None,
+            unbroadcast(dmask, mask_shape) if need_mask else None)
+
+
+def by_attention_input(grads, need):
+    """(for q, k, v, mask) from what AttentionBackward returns or receives, one array or Tensor per
+    gradient it computes (those of (dQ, dK, dV, dMask) that `need` asks for): None for the others."""
+    grads = iter(grads)
+    return tuple(next(grads) if wanted else None for wanted in need)
+
+
+class AttentionBackward(Function):
+    """(q, k, v, additive mask, dO, dweights) -> those of (dQ, dK, dV, dMask) that `need` asks for:
+    the naive path's backward as an op, so that the gradient of attention is one node of the graph
+    (create_graph, forward over reverse). dweights is the gradient reaching the returned weights, or
+    None. P (probs) and the dropout mask, AttentionFunction's saved arrays, come as constants with
+    the mask's bool part and causality: the rules below differentiate through P by hand.
+
+    forward: `attention_backward`, the first-order kernel (threads on the CPU). backward: the double
+    backward `attention_double_backward`; jvp: the gradients' tangents `attention_backward_jvp`; both
+    on raw (..., Tq, Tk) matrices from the saved P. differentiable_backward (third order and above):
+    the double backward's formulas with Tensors, P recomputed in the graph (graph_attention_double_backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, additive, dout, dweights, probs, keep, blocked, causal, scale, dropout_scale, need):
+        grads = naive_attention_gradients(q, k, v, probs, keep, dout, dweights, scale, dropout_scale,
+                                          None if additive is None else additive.shape, need)
+        ctx.save_for_backward(q, k, v, additive, probs, keep, dout, dweights)
+        ctx.options = (blocked, causal, scale, dropout_scale, need)
+        return tuple(g for g, wanted in zip(grads, need) if wanted)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        q, k, v, additive, probs, keep, dout, dweights = ctx.saved_tensors
+        _, _, scale, dropout_scale, need = ctx.options
+        gq, gk, gv, gmask = by_attention_input(grads, need)
+        need_q, need_k, need_v, need_mask, need_dout, need_dweights = ctx.needs_input_grad
+        xp = backend.get_array_module(dout)
+        lead = probs.shape[:-2]
+        moves_scores = gq is not None or gk is not None or gmask is not None    # W: without it dV, d dweights = 0
+        dq = xp.empty(lead + q.shape[-2:], dtype=q.dtype) if need_q else None
+        dk = xp.empty(lead + k.shape[-2:], dtype=q.dtype) if need_k else None
+        dv = xp.empty(lead + v.shape[-2:], dtype=q.dtype) if need_v and moves_scores else None
+        dmask = xp.empty_like(probs) if need_mask else None                  # (..., Tq, Tk)
+        ddout = xp.empty_like(dout) if need_dout else None                   # (..., Tq, hdv)
+        ddweights = xp.empty_like(probs) if need_dweights and moves_scores else None
+        attention_double_backward(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, gq, gk, gv,
+                                  _at_least_2d(gmask), dq, dk, dv, dmask, ddout, ddweights)
+        return (None if dq is None else unbroadcast(dq, q.shape), None if dk is None else unbroadcast(dk, k.shape),
+                None if dv is None else unbroadcast(dv, v.shape),
+                None if dmask is None else unbroadcast(dmask, additive.shape), ddout, ddweights)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, tmask, tdout, tdweights):
+        """The tangents of the gradients it returns (`attention_backward_jvp`): what forward over
+        reverse (autograd.functional.hvp) uses."""
+        q, k, v, additive, probs, keep, dout, dweights = ctx.saved_tensors
+        _, _, scale, dropout_scale, need = ctx.options
+        xp = backend.get_array_module(dout)
+        need_q, need_k, need_v, need_mask = need
+        lead = probs.shape[:-2]
+        moves_dv = tq is not None or tk is not None or tmask is not None or tdout is not None  # else t_dV = 0
+        tangents = (xp.empty(lead + q.shape[-2:], dtype=q.dtype) if need_q else None,
+                    xp.empty(lead + k.shape[-2:], dtype=q.dtype) if need_k else None,
+                    xp.empty(lead + v.shape[-2:], dtype=q.dtype) if need_v and moves_dv else None,
+                    xp.empty_like(probs) if need_mask else None)
+        attention_backward_jvp(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, tq, tk, tv,
+                               _at_least_2d(tmask), tdout, tdweights, *tangents)
+        shapes = (q.shape, k.shape, v.shape, None if additive is None else additive.shape)
+        return tuple(None if t is None else unbroadcast(t, shape)
+                     for t, shape, wanted in zip(tangents, shapes, need) if wanted)
+
+    @staticmethod
+    def differentiable_backward(ctx, *grads):
+        """The double backward's formulas on whole (Tq, Tk) matrices of Tensors, P recomputed in the
+        graph from q, k and the mask (graph_attention_double_backward): a third derivative, and every
+        order above."""
+        q, k, v, additive, probs, keep, dout, dweights = ctx.saved_tensors
+        blocked, causal, scale, dropout_scale, need = ctx.options
+        q, k, v, dout = (t if t is not None else Tensor(raw)
+                         for t, raw in zip(ctx.inputs[:3] + ctx.inputs[4:5], (q, k, v, dout)))
+        additive = ctx.inputs[3] if ctx.inputs[3] is not None else additive    # a Tensor, else the constant
+        dweights = ctx.inputs[5] if ctx.inputs[5] is not None else dweights
+        z = None if keep is None else keep * probs.dtype.type(dropout_scale)    # (..., Tq, Tk) Z, a constant
+        grads = graph_attention_double_backward(q, k, v, additive, dout, dweights, blocked, causal, scale, z,
+                                                *by_attention_input(grads, need))
+        return tuple(g if wanted else None for g, wanted in zip(grads, ctx.needs_input_grad))
 
 
 def _score_tangent(q_scaled, k, tq_scaled, tk, tmask):
@@ -258,6 +519,56 @@ def graph_probabilities(q, k, additive, blocked, causal, scale):
     shifted = (scores - stable_row_max(scores.data, -1)).exp()               # (..., Tq, Tk)
     total = shifted.sum(axis=-1, keepdims=True)                               # (..., Tq, 1)
     return shifted / where(total.data == 0, 1.0, total)
+
+
+def graph_attention_double_backward(q, k, v, additive, dout, dweights, blocked, causal, scale, z, gq, gk, gv, gmask):
+    """(Qbar, Kbar, Vbar, Mbar, dObar, dWbar): the gradients of <gq, dQ> + <gk, dK> + <gv, dV> +
+    <gmask, dMask> with respect to (q, k, v, mask, dO, dweights), where (dQ, dK, dV, dMask) is the
+    attention backward, on whole (Tq, Tk) matrices of Tensors with P recomputed in the graph from q,
+    k and the mask (attention_double_backward's formulas), so that they can be differentiated
+    again, to any order: the differentiable_backward of AttentionBackward and of
+    MemoryEfficientAttentionBackward. dweights: the gradient reaching the returned weights, or None;
+    z: keep / (1 - p), the forward's dropout mask (a constant), or None; gq, gk, gv, gmask: Tensors or
+    None (gv or one of the others given). Vbar and dWbar are None (0) without gq, gk, gmask; Mbar is
+    (..., Tq, Tk), over the broadcast leading shape."""
+    p = graph_probabilities(q, k, additive, blocked, causal, scale)            # P = softmax(s Q K^T + mask)
+    dropped = p if z is None else p * z
+    # dP = (dO V^T + dweights) Z, D = rowsum(dP P), dS = P (dP - D)
+    dp = dout @ v.swapaxes(-1, -2)
+    if dweights is not None:
+        dp = dp + dweights
+    if z is not None:
+        dp = dp * z
+    d = (dp * p).sum(axis=-1, keepdims=True)
+    ds = None if gq is None and gk is None else p * (dp - d)                  # dQ, dK's cross terms need it
+    # W = s (gq K^T + Q gk^T) + gmask reaches dS, Y = dO gv^T reaches Pd
+    w = None
+    if gq is not None:
+        w = gq @ k.swapaxes(-1, -2)
+    if gk is not None:
+        w = _plus(w, q @ gk.swapaxes(-1, -2))
+    if w is not None:
+        w = w * scale
+    if gmask is not None:
+        w = _plus(w, gmask)
+    # Pbar = W (dP - D) - r dP + Y Z,  C = P (W - r) Z,  with r = rowsum(W P)
+    p_bar = c = None
+    if w is not None:
+        r = (w * p).sum(axis=-1, keepdims=True)
+        p_bar = w * (dp - d) - r * dp
+        c = p * (w - r) if z is None else p * (w - r) * z
+    if gv is not None:
+        y = dout @ gv.swapaxes(-1, -2)
+        p_bar = _plus(p_bar, y if z is None else y * z)
+    # Sbar = P (Pbar - rowsum(Pbar P))
+    s_bar = p * (p_bar - (p_bar * p).sum(axis=-1, keepdims=True))
+    # dQ = s (Sbar K + dS gk), dK = s (Sbar^T Q + dS^T gq), dV = C^T dO, d dO = C V + Pd gv, dMask = Sbar,
+    # d dweights = C
+    dq = s_bar @ k if gk is None else s_bar @ k + ds @ gk
+    dk = s_bar.swapaxes(-1, -2) @ q if gq is None else s_bar.swapaxes(-1, -2) @ q + ds.swapaxes(-1, -2) @ gq
+    dv = None if c is None else c.swapaxes(-1, -2) @ dout
+    ddout = _plus(None if c is None else c @ v, None if gv is None else dropped @ gv)
+    return dq * scale, dk * scale, dv, s_bar, ddout, c
 
 
 class MemoryEfficientAttentionFunction(Function):
@@ -347,35 +658,14 @@ class MemoryEfficientAttentionBackward(Function):
         q, k, v, dout = (t if t is not None else Tensor(raw)
                          for t, raw in zip(ctx.inputs[:3] + ctx.inputs[4:], (q, k, v, dout)))
         additive = ctx.inputs[3] if ctx.inputs[3] is not None else mask
-        p = graph_probabilities(q, k, additive, blocked, causal, scale)            # P = softmax(s Q K^T + mask)
         # Z = keep / (1 - p): the forward's dropout mask, a constant
         z = None
         if dropout is not None:
             z = attention_keep_block(dropout, lead, tq, tk, 0, tq, 0, tk, out) * dropout_scale(dropout[0])
-        dropped = p if z is None else p * z
-        # dP = (dO V^T) Z, D = rowsum(dP P), dS = P (dP - D)
-        dp = dout @ v.swapaxes(-1, -2)
-        if z is not None:
-            dp = dp * z
-        d = (dp * p).sum(axis=-1, keepdims=True)
-        ds = p * (dp - d)
-        # W = s (gq K^T + Q gk^T) + gmask reaches dS, Y = dO gv^T reaches Pd;  r = rowsum(W P)
-        w = (gq @ k.swapaxes(-1, -2) + q @ gk.swapaxes(-1, -2)) * scale
-        if gmask is not None:
-            w = w + gmask.reshape(mask.shape)
-        y = dout @ gv.swapaxes(-1, -2)
-        r = (w * p).sum(axis=-1, keepdims=True)
-        # Pbar = W (dP - D) - r dP + Y Z,  Sbar = P (Pbar - rowsum(Pbar P)),  C = P (W - r) Z
-        p_bar = w * (dp - d) - r * dp + (y if z is None else y * z)
-        s_bar = p * (p_bar - (p_bar * p).sum(axis=-1, keepdims=True))
-        c = p * (w - r) if z is None else p * (w - r) * z
-        # dQ = s (Sbar K + dS gk), dK = s (Sbar^T Q + dS^T gq), dV = C^T dO, d dO = C V + Pd gv, dMask = Sbar
-        dq = (s_bar @ k + ds @ gk) * scale
-        dk = (s_bar.swapaxes(-1, -2) @ q + ds.swapaxes(-1, -2) @ gq) * scale
-        dv = c.swapaxes(-1, -2) @ dout
-        ddout = c @ v + dropped @ gv
+        dq, dk, dv, s_bar, ddout, _ = graph_attention_double_backward(
+            q, k, v, additive, dout, None, blocked, causal, scale, z, gq, gk, gv,
+            None if gmask is None else gmask.reshape(mask.shape))
         return dq, dk, dv, s_bar if ctx.needs_input_grad[3] else None, ddout
-
 
 def attention_blockwise_double_backward(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size,
                                         dropout, gq, gk, gv, gmask, need_mask):

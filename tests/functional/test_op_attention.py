@@ -5,7 +5,10 @@ and torch's double backward), fully masked rows, blockwise against naive in floa
 masks against torch, dropout semantics, empty keys, property-based tests, and clear errors.
 Double backward: the memory-efficient path's blockwise second derivative against the naive path's
 (blocks that do not divide T, every mask kind, dropout), its memory (no (Tq, Tk) matrix), third
-derivatives on both paths against torch and gradgradcheck of the double backward itself."""
+derivatives on both paths against torch and gradgradcheck of the double backward itself. The naive
+path's AttentionBackward (its gradient as one op): gradcheck of its double backward and jvp alone,
+forward over reverse against reverse over reverse (float64, and float32 against float64), a third
+derivative with a float mask and the returned weights against torch, and its own differentiable_backward."""
 import math
 import tracemalloc
 
@@ -18,6 +21,8 @@ import npformer
 import npformer.functional as F
 from autograd import Tensor
 from autograd import forward_ad as fwAD
+from npformer.functional.activation import dropout_scale
+from npformer.functional.attention import AttentionBackward
 from npformer.opcases import OpCase, TOLERANCE, compare, instantiate
 from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks
 
@@ -439,8 +444,8 @@ def sdpa_hvp(arrays, rng, **kwargs):
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_memory_efficient_second_derivative_equals_the_naive_paths(mask, dropout):
     """Blocks of 4 over Tq = 13 and Tk = 11 (neither divisible), every mask kind, dropout (the same
-    generator: the same mask): the blockwise double backward equals the naive path's composition
-    up to float64 rounding relative to the largest entry."""
+    generator: the same mask): the blockwise double backward equals the naive path's (its whole-matrix
+    double backward from the saved P) up to float64 rounding relative to the largest entry."""
     rng = np.random.default_rng(21)
     kwargs = dict(attention_masks(rng, 13, 11).get(mask, {}))
     arrays = qkv(rng, 13, 11, 4)
@@ -502,8 +507,8 @@ def third_derivative(library, arrays, g, u, w, **options):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_third_derivative_matches_torch(path, torch):
-    """Third order: through the naive path's composition, and through the memory-efficient
-    path's double backward, whose differentiable_backward writes its formulas with Tensors."""
+    """Third order: through the double backward of each path (AttentionBackward's and
+    MemoryEfficientAttentionBackward's), whose differentiable_backward writes its formulas with Tensors."""
     rng = np.random.default_rng(25)
     arrays = qkv(rng, 5, 5, 3, lead=(1, 2))
     g = rng.standard_normal(arrays[0].shape)
@@ -540,4 +545,208 @@ def test_memory_efficient_double_backward_is_differentiable_itself(mask):
     for blockwise, composed in zip(second[False], second[True]):
         np.testing.assert_allclose(composed.numpy(), blockwise.numpy(), rtol=0,
                                    atol=1e-12 * max(1.0, np.abs(blockwise.numpy()).max()))
+    assert autograd.gradgradcheck(first_derivative, xs)
+
+
+def attention_backward_op(attn_mask=None, is_causal=False, keep=None, need=None, scale=0.7):
+    """fn(q, k, v, mask, dout, dweights) -> what AttentionBackward returns (the gradients `need`
+    asks for; None: dQ, dK, dV, and dMask when there is a float mask), with P formed from the
+    arrays of q, k and the float mask on every call, as AttentionFunction's forward saves it:
+    finite differences then move P as the op's rules do.
+    attn_mask: a bool mask (True = takes part) or None; keep: the dropout mask (a constant) or None."""
+    def fn(q, k, v, mask, dout, dweights):
+        arrays = [None if t is None else t.data for t in (q, k, v, mask)]
+        _, probs = F.scaled_dot_product_attention(*map(Tensor, arrays[:3]), attn_mask=attn_mask if mask is None
+                                                  else arrays[3], is_causal=is_causal, scale=scale, return_weights=True)
+        return AttentionBackward.apply(q, k, v, mask, dout, dweights, probs=probs.data, keep=keep,
+                                       blocked=None if attn_mask is None else ~attn_mask, causal=is_causal,
+                                       scale=scale, dropout_scale=dropout_scale(0.3),
+                                       need=need or (True, True, True, mask is not None))
+    return fn
+
+
+@pytest.mark.parametrize("case", ["float mask, causal, dropout, returned weights, k and v broadcast",
+                                  "bool mask with a fully masked row", "q and the mask constants"])
+def test_attention_backward_op_gradcheck_and_forward_mode(case):
+    """AttentionBackward alone, every input that moves requiring grad: gradcheck compares its backward
+    (the double backward) with finite differences of its forward (the first-order gradients), and
+    with check_forward_ad its jvp too, and the two against each other (<g, J u> = <J^T g, u>)."""
+    rng = np.random.default_rng(41)
+    q, k, v = rng.standard_normal((2, 2, 3, 2)), rng.standard_normal((2, 2, 4, 2)), rng.standard_normal((2, 2, 4, 3))
+    dout, dweights, mask = rng.standard_normal((2, 2, 3, 3)), None, None
+    keep_rows = np.ones((3, 4), dtype=bool)
+    keep_rows[1] = False                                          # query row 1 sees no key
+    options = {}
+    if case.startswith("float mask"):
+        k, v = k[:, :1], v[:1]                                    # k shared by the heads, v by the batch
+        mask = np.where(keep_rows, rng.standard_normal((3, 4)), -np.inf)
+        dweights = rng.standard_normal((2, 2, 3, 4))
+        options = {"is_causal": True, "keep": rng.random((2, 2, 3, 4)) > 0.3}
+    elif case.startswith("bool mask"):
+        options = {"attn_mask": keep_rows}
+    else:
+        options = {"need": (False, True, True, False), "is_causal": True}
+    inputs = [leaf(q), leaf(k), leaf(v), None if mask is None else leaf(mask), leaf(dout),
+              None if dweights is None else leaf(dweights)]
+    if case.startswith("q and"):
+        inputs[0] = Tensor(q)                                     # no gradient: dQ is not computed
+    assert autograd.gradcheck(attention_backward_op(**options), inputs, check_forward_ad=True,
+                              names=["q", "k", "v", "mask", "dout", "dweights"])
+
+
+def test_naive_create_graph_gradient_is_one_attention_backward_node():
+    """The gradient built with create_graph is AttentionBackward's outputs, equal to the first-order
+    gradients, and only those that are needed (v constant: dV is not computed)."""
+    rng = np.random.default_rng(42)
+    arrays = qkv(rng)
+    g = rng.standard_normal(arrays[0].shape)
+    q, k = leaf(arrays[0]), leaf(arrays[1])
+    out = F.scaled_dot_product_attention(q, k, Tensor(arrays[2]), is_causal=True)
+    first = autograd.grad(out, [q, k], Tensor(g), create_graph=True)
+    assert {type(t.creator) for t in first} == {AttentionBackward}
+    assert len(first[0].creator.output_meta) == 2
+    plain = autograd.grad(F.scaled_dot_product_attention(q, k, Tensor(arrays[2]), is_causal=True), [q, k], Tensor(g))
+    for ours, ref in zip(first, plain):
+        np.testing.assert_array_equal(ours.numpy(), ref.numpy())
+
+
+def naive_loss(options, return_weights, rng, shapes):
+    """A scalar of the naive path whose upstream gradients move with every input: sum(c O + O^2)
+    (+ sum(c_w Pd^2) of the returned weights), so dO and dweights have tangents and gradients too.
+    options: F.scaled_dot_product_attention's keywords; "dropout" in them: a fresh generator each call."""
+    options = dict(options)
+    dropout = options.pop("dropout", 0.0)
+    c, c_weights = rng.standard_normal(shapes[0]), rng.standard_normal(shapes[1])
+
+    def loss(q, k, v, *mask):
+        result = F.scaled_dot_product_attention(q, k, v, *mask, dropout_p=dropout, return_weights=return_weights,
+                                                generator=npformer.runtime.random.Philox(3, offset=8), **options)
+        out, weights = result if return_weights else (result, None)
+        total = (out * Tensor(c.astype(q.dtype)) + out * out).sum()
+        if weights is not None:
+            total = total + (weights * weights * Tensor(c_weights.astype(q.dtype))).sum()
+        return total
+    return loss
+
+
+HVP_CASES = {**{mask: (kwargs, False) for mask, kwargs in attention_masks(np.random.default_rng(0)).items()},
+             "dropout, returned weights, causal": ({"dropout": 0.3, "is_causal": True}, True),
+             "returned weights, padding": (attention_masks(np.random.default_rng(0))["padding"], True),
+             "float mask that requires grad, dropout": ({"dropout": 0.3, "is_causal": True}, False),
+             "k, v broadcast over heads / batch": ({"is_causal": True}, False)}
+
+
+def hvp_inputs(case, rng):
+    """q, k, v (and a float mask that is differentiated) for HVP_CASES[case]."""
+    arrays = qkv(rng)
+    if case.startswith("k, v broadcast"):
+        arrays[1], arrays[2] = arrays[1][:, :1], arrays[2][:1]
+    if case.startswith("float mask that requires grad"):
+        mask = rng.standard_normal((B, 1, TQ, TK))
+        mask[1, 0, 2] = -np.inf                                   # a fully masked row
+        arrays.append(mask)
+    return arrays
+
+
+@pytest.mark.parametrize("case", HVP_CASES)
+def test_naive_hvp_forward_over_reverse_equals_reverse_over_reverse(case):
+    """autograd.functional.hvp (dual tensors through AttentionBackward's jvp) against
+    autograd.functional.vhp (its backward, the double backward): equal up to float64 rounding
+    relative to the largest entry, every mask kind, dropout, returned weights, broadcast inputs."""
+    options, return_weights = HVP_CASES[case]
+    rng = np.random.default_rng(43)
+    arrays = hvp_inputs(case, rng)
+    loss = naive_loss(options, return_weights, rng, [(B, H, TQ, HD), (B, H, TQ, TK)])
+    xs = tuple(Tensor(a) for a in arrays)
+    directions = tuple(Tensor(rng.standard_normal(a.shape)) for a in arrays)
+    _, forward = autograd.functional.hvp(loss, xs, directions)
+    _, reverse = autograd.functional.vhp(loss, xs, directions)
+    comparison = compare(forward, reverse, ["q", "k", "v", "mask"][:len(arrays)], TOLERANCE["twin", "float64"])
+    assert comparison.passed, comparison
+    assert max(np.abs(h.numpy()).max() for h in reverse) > 0.1
+
+
+@pytest.mark.parametrize("product", ["hvp", "vhp"])
+def test_naive_hvp_in_float32_stays_float32_and_near_float64(product):
+    """Both second-order products keep float32 and agree with float64 up to float32 rounding of
+    sums over the keys and the head dim, relative to the largest entry of the float64 result
+    (dropout, returned weights, causal)."""
+    options, return_weights = HVP_CASES["dropout, returned weights, causal"]
+    results = {}
+    for dtype in (np.float64, np.float32):
+        rng = np.random.default_rng(44)
+        arrays = hvp_inputs("dropout", rng)
+        loss = naive_loss(options, return_weights, rng, [(B, H, TQ, HD), (B, H, TQ, TK)])
+        directions = tuple(Tensor(rng.standard_normal(a.shape).astype(dtype)) for a in arrays)
+        results[dtype] = getattr(autograd.functional, product)(
+            loss, tuple(Tensor(a.astype(dtype)) for a in arrays), directions)[1]
+    for ours, ref in zip(results[np.float32], results[np.float64]):
+        assert ours.dtype == np.float32
+        bound = rounding_tolerance(np.float32, np.abs(ref.numpy()).max(), terms=TK + HD)
+        assert_close(ours.numpy(), ref.numpy(), bound)
+
+
+def naive_third_derivative(library, arrays, g, u, w):
+    """d/dx <d/dx <d/dx <f(x), g>, u>, w> for x = (q, k, v, mask) of f = (O, P), the naive path with
+    a float mask, causal and the returned weights: npformer's, or torch's (library: the torch
+    module) through an explicit softmax."""
+    if library is None:
+        xs, grad, wrap = [leaf(a) for a in arrays], autograd.grad, Tensor
+        f = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True,  # noqa: E731
+                                                              return_weights=True)
+    else:
+        torch = library
+        xs, grad, wrap = [torch.tensor(a, requires_grad=True) for a in arrays], torch.autograd.grad, torch.tensor
+        hidden = torch.tensor(np.triu(np.ones(arrays[3].shape, dtype=bool), 1))
+
+        def f(q, k, v, m):
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + m
+            p = torch.softmax(scores.masked_fill(hidden, -math.inf), dim=-1)
+            return p @ v, p
+    first = grad(f(*xs), xs, [wrap(a) for a in g], create_graph=True)
+    second = grad(first, xs, [wrap(a) for a in u], create_graph=True)
+    return grad(second, xs, [wrap(a) for a in w])
+
+
+def test_naive_third_derivative_with_a_float_mask_and_returned_weights_matches_torch(torch):
+    """Third order through AttentionBackward's differentiable_backward (the double backward's
+    formulas with Tensors): every input, the mask and the returned weights' gradient included."""
+    rng = np.random.default_rng(45)
+    arrays = qkv(rng, 4, 5, 3, lead=(1, 2)) + [rng.standard_normal((4, 5))]
+    g = [rng.standard_normal((1, 2, 4, 3)), rng.standard_normal((1, 2, 4, 5))]
+    u, w = ([rng.standard_normal(a.shape) for a in arrays] for _ in range(2))
+    ours = [t.numpy() for t in naive_third_derivative(None, arrays, g, u, w)]
+    theirs = [t.numpy() for t in naive_third_derivative(torch, arrays, g, u, w)]
+    comparison = compare(ours, theirs, ["q", "k", "v", "mask"], TOLERANCE["torch", "float64"])
+    assert comparison.passed, comparison
+
+
+@pytest.mark.parametrize("mask", ["float mask that requires grad, returned weights", "fully masked row"])
+def test_naive_double_backward_is_differentiable_itself(mask):
+    """AttentionBackward's differentiable_backward (dropout, causal): the second derivative it builds
+    equals its raw double backward, and gradgradcheck of the first derivative (q, k, v[, mask]) ->
+    (dQ, dK, dV[, dMask]) checks the third derivative against finite differences."""
+    rng = np.random.default_rng(46)
+    arrays = qkv(rng, 3, 4, 2, lead=(1, 2))
+    kwargs = {"dropout_p": 0.3, "is_causal": True}
+    upstream = [leaf(rng.standard_normal((1, 2, 3, 2)))]
+    if mask == "fully masked row":
+        keep = np.ones((3, 4), dtype=bool)
+        keep[1] = False
+        kwargs["attn_mask"] = keep
+    else:
+        arrays.append(rng.standard_normal((3, 4)))
+        kwargs["return_weights"] = True
+        upstream.append(leaf(rng.standard_normal((1, 2, 3, 4))))
+
+    def first_derivative(*xs):
+        outs = F.scaled_dot_product_attention(*xs, generator=npformer.runtime.random.Philox(2), **kwargs)
+        return autograd.grad(outs, list(xs), upstream, create_graph=True)
+    xs = [leaf(a) for a in arrays]
+    directions = [Tensor(rng.standard_normal(a.shape)) for a in arrays]
+    second = {graph: autograd.grad(first_derivative(*xs), xs + upstream, directions, create_graph=graph)
+              for graph in (False, True)}
+    for raw, composed in zip(second[False], second[True]):
+        np.testing.assert_allclose(composed.numpy(), raw.numpy(), rtol=0,
+                                   atol=1e-12 * max(1.0, np.abs(raw.numpy()).max()))
     assert autograd.gradgradcheck(first_derivative, xs)

@@ -1,5 +1,6 @@
 """Attention on the threads of `npformer.runtime.threads` (the "cpu" implementations of attention.py's
-kernel tables): the naive path's forward and backward and the memory-efficient path's blockwise
+kernel tables): the naive path's forward, backward, double backward and the backward's jvp, and the
+memory-efficient path's blockwise
 reference on blocks of one batch axis (the batch, or the heads), each block running the
 reference; the causal dropout mask drawn under the diagonal only; split_heads' backward by
 blocks of the batch."""
@@ -10,8 +11,9 @@ from npformer.runtime import random, threads
 from npformer.runtime.threads import for_rows, row_blocks, run_blocks
 
 from ..activation import dropout_threshold
-from ..attention import (_lead_shape, attention_backward, attention_blockwise_backward, attention_blockwise_forward,
-                         attention_forward, attention_keep_mask, split_heads_backward)
+from ..attention import (_lead_shape, attention_backward, attention_backward_jvp, attention_blockwise_backward,
+                         attention_blockwise_forward, attention_double_backward, attention_forward, attention_keep_mask,
+                         split_heads_backward)
 
 
 def _splits(probs):
@@ -43,6 +45,41 @@ def attention_backward_cpu(q, k, v, probs, keep, dout, dweights, scale, dropout_
         part = batch_block(lead, axis, start, stop)
         attention_backward.reference(part(q), part(k), part(v), part(probs), part(keep), part(dout), part(dweights),
                                      scale, dropout_scale, part(dq), part(dk), part(dv), part(dmask))
+
+    run_blocks(block, blocks)
+
+
+@attention_double_backward.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[3]))  # probs
+def attention_double_backward_cpu(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, gq, gk, gv, gmask,
+                                  dq, dk, dv, dmask, ddout, ddweights):
+    """The reference on blocks of a batch axis: a block's gradients come from its own rows (the
+    incoming gradients are split like the inputs they belong to)."""
+    lead = probs.shape[:-2]
+    axis, blocks = batch_blocks(lead, (q, k, v), probs.size, probs)
+
+    def block(start, stop):
+        part = batch_block(lead, axis, start, stop)
+        attention_double_backward.reference(
+            part(q), part(k), part(v), part(probs), part(keep), part(dout), part(dweights), scale, dropout_scale,
+            part(gq), part(gk), part(gv), part(gmask), part(dq), part(dk), part(dv), part(dmask), part(ddout),
+            part(ddweights))
+
+    run_blocks(block, blocks)
+
+
+@attention_backward_jvp.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[3]))  # probs
+def attention_backward_jvp_cpu(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, tq, tk, tv, tmask, tdout,
+                               tdweights, dq_tangent, dk_tangent, dv_tangent, dmask_tangent):
+    """The reference on blocks of a batch axis: a block's tangents come from its own rows."""
+    lead = probs.shape[:-2]
+    axis, blocks = batch_blocks(lead, (q, k, v), probs.size, probs)
+
+    def block(start, stop):
+        part = batch_block(lead, axis, start, stop)
+        attention_backward_jvp.reference(
+            part(q), part(k), part(v), part(probs), part(keep), part(dout), part(dweights), scale, dropout_scale,
+            part(tq), part(tk), part(tv), part(tmask), part(tdout), part(tdweights), part(dq_tangent),
+            part(dk_tangent), part(dv_tangent), part(dmask_tangent))
 
     run_blocks(block, blocks)
 

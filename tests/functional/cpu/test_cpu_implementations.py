@@ -71,6 +71,17 @@ def cases(rng):
                                              zeros(2, 3, 4, 6))
     yield attention.attention_backward, (q, k, v, probs, None, rng.standard_normal((2, 3, 4, 4)), None, 0.4, 1.0,
                                          None, None, zeros(2, 3, 6, 4), None)
+    like_qkv = lambda: [rng.standard_normal(a.shape) for a in (q, k_shared, v)]  # noqa: E731  (gradients, tangents)
+    for dropped, dweights, mask_part in [(None, None, None), (attn_keep, rng.standard_normal((2, 3, 4, 6)), additive)]:
+        dout = rng.standard_normal((2, 3, 4, 4))
+        yield attention.attention_double_backward, (
+            q, k_shared, v, probs, dropped, dout, dweights, 0.4, 1 / 0.7, *like_qkv(), mask_part, zeros(2, 3, 4, 5),
+            zeros(2, 3, 6, 5), zeros(2, 3, 6, 4), zeros(2, 3, 4, 6), zeros(2, 3, 4, 4),
+            None if dweights is None else zeros(2, 3, 4, 6))
+        yield attention.attention_backward_jvp, (
+            q, k_shared, v, probs, dropped, dout, dweights, 0.4, 1 / 0.7, *like_qkv(), mask_part,
+            rng.standard_normal(dout.shape), dweights, zeros(2, 3, 4, 5), zeros(2, 3, 6, 5), zeros(2, 3, 6, 4),
+            zeros(2, 3, 4, 6))
     yield attention.attention_blockwise_forward, (q, k, v, None, additive, True, 0.4, 2, None, False)
     yield attention.attention_blockwise_forward, (q, k_shared, v, blocked, None, False, 0.4, 3, None, False)
     yield attention.attention_blockwise_backward, (q, k, v, out, lse, rng.standard_normal(out.shape), None, additive,
