@@ -302,7 +302,8 @@ def import_jax(threads, defaults):
         finally:
             os.sched_setaffinity(0, cpus)
         done.append(f"CPU client made under an affinity of {threads} of the {len(cpus)} CPUs")
-    return jax, "; ".join(done) or f"XLA's default threads (one per CPU: {len(cpus or ()) or os.cpu_count()})"
+    count = os.cpu_count() if cpus is None else len(cpus)
+    return jax, "; ".join(done) or f"XLA's default threads (one per CPU: {count})"
 
 
 def jax_loss(cfg, jax, pe=None):
@@ -331,7 +332,7 @@ def jax_loss(cfg, jax, pe=None):
 
         def layer_norm(x, name):
             centred = x - x.mean(-1, keepdims=True)
-            rstd = 1.0 / jnp.sqrt((centred * centred).mean(-1, keepdims=True) + 1e-5)
+            rstd = 1.0 / jnp.sqrt((centred * centred).mean(-1, keepdims=True) + 1e-5)  # ours' layer_norm_eps
             return centred * rstd * params[name + ".weight"] + params[name + ".bias"]
 
         def split_heads(x):                                   # (B, T, d) -> (B, nhead, T, d / nhead)
@@ -603,7 +604,8 @@ def main():
     print("CPU time / wall time in the timed steps (every thread of the process, a library's spinning idle ones "
           "too): " + ", ".join(f"{name} {cpu_seconds[name] / sum(times[name]):.2f}" for name in runners))
     print(f"measured GEMM rate: {peak_rate:.1f} GFLOP/s ({rate_how})")
-    print(f"GEMM floor: {floor * 1e3:.4g} ms/step = {flops} GEMM FLOPs per step (training_flops) / {peak_rate:.1f} GFLOP/s")
+    print(f"GEMM floor: {floor * 1e3:.3f} ms/step = {flops} GEMM FLOPs per step (training_flops) / "
+          f"{peak_rate:.1f} GFLOP/s")
     for name, (seconds, warmup_steps, note) in warmup.items():
         if name not in ("ours", "torch"):
             print(f"{name}: {warmup_steps} untimed warm-up steps in {seconds:.1f} s{note}")
