@@ -5,7 +5,9 @@ they say. The scripts that set threads at import run in a subprocess."""
 import collections
 import importlib.util
 import json
+import math
 import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -126,6 +128,34 @@ def test_train_step_flop_formula_equals_torchs_flop_counter(torch, train_step, n
     assert train_step.training_flops(cfg) == counter.get_total_flops()
 
 
+@pytest.mark.parametrize("name", ["tiny", "gpt_char"])
+def test_train_step_flop_formula_equals_the_products_ours_step_runs(monkeypatch, train_step, name):
+    """training_flops: every matrix product (2 m k n, batched ones times their batch) of one step
+    of ours with the benchmark's dropout, counted on the "test" device, whose arrays see every
+    product and which runs the references (the CPU's split of them runs the same products);
+    the bias gradients' matrix-vector products 1^T dy are no GEMM and left out."""
+    from npformer.runtime import testdevice
+    counted = collections.Counter()
+    ufunc = testdevice.TestDeviceArray.__array_ufunc__
+
+    def counting(self, op, method, *inputs, **kwargs):
+        if op is np.matmul and method == "__call__":
+            a, b = inputs
+            if a.ndim > 1 and b.ndim > 1:  # (..., m, k) @ (..., k, n)
+                batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+                counted["gemm"] += 2 * math.prod(batch) * a.shape[-2] * a.shape[-1] * b.shape[-1]
+            else:                          # a vector and a matrix
+                counted["gemv"] += 2 * a.size * (b.shape[-1] if b.ndim > 1 else 1)
+        return ufunc(self, op, method, *inputs, **kwargs)
+
+    cfg = dict(train_step.CONFIGS[name], dropout=0.1)
+    ours = train_step.Ours(cfg, "test")
+    monkeypatch.setattr(testdevice.TestDeviceArray, "__array_ufunc__", counting)
+    ours.step()
+    assert counted["gemm"] == train_step.training_flops(cfg)
+    assert 0 < counted["gemv"] < 0.01 * counted["gemm"]
+
+
 def test_train_step_tokens_count_the_sequences_a_step_reads(train_step):
     """tokens/s: source + target for the encoder-decoder, the one sequence of a causal LM."""
     tiny, gpt = train_step.CONFIGS["tiny"], train_step.CONFIGS["gpt_char"]
@@ -136,13 +166,141 @@ def test_train_step_tokens_count_the_sequences_a_step_reads(train_step):
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 def test_train_step_memory_runs_every_side_and_reports_memory_above_the_imports(torch):
     """On the test device (ours eager and graphed beside torch) the memory runs measure all three
-    sides (the graphed side used to stop the script), each in all and above its imports."""
+    sides (the graphed side used to stop the script), each in all and above its imports (the
+    peers, not measured there, are left out)."""
     result = subprocess.run([sys.executable, str(BENCHMARKS / "train_step.py"), "--config", "tiny", "--device", "test",
-                             "--steps", "1", "--threads", "1", "--dropout", "0"],
+                             "--steps", "1", "--threads", "1", "--dropout", "0", "--no-compile", "--no-jax"],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("peak host memory"))
     assert line.count("graphed") == 2 and "above the imported libraries" in line, line
+
+
+@pytest.fixture(scope="module")
+def jax():
+    """jax (optional: `pip install jax`, not in the dev extra) on its CPU backend."""
+    module = pytest.importorskip("jax", reason="jax is not installed: `pip install -e .[jax]` (optional peer)")
+    module.config.update("jax_platforms", "cpu")
+    return module
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt_char"])
+def test_train_step_jax_twin_trains_as_ours_without_dropout(train_step, jax, name):
+    """The jax twin from ours' initial weights: without dropout the loss of each of the first steps
+    (so the model, the gradients and the Adam/AdamW updates between them) is ours' up to float32
+    rounding."""
+    cfg = dict(train_step.CONFIGS[name], dropout=0.0)
+    ours = train_step.Ours(cfg, "cpu")
+    twin = train_step.Jax(cfg, ours, jax)
+    for step in range(3):
+        expected = ours.step()
+        assert twin.step() == pytest.approx(expected, abs=train_step.jax_loss_tolerance(expected, cfg)), step
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("name", ["tiny", "gpt_char"])
+def test_train_step_jax_twin_drops_out_at_ours_sites(monkeypatch, torch, train_step, jax, name):
+    """Every dropout of the jax twin's training loss (a Bernoulli mask) has a site of ours' step
+    with the same p and shape, as many times (ours' sites: count_dropout)."""
+    ours_sites = collections.Counter()
+    for (_, p, shape, *_), calls in count_dropout(torch, train_step, name)["ours"].items():  # (site, p, shape...)
+        ours_sites[(p, tuple(shape))] += calls
+    twin_sites = collections.Counter()
+    bernoulli = jax.random.bernoulli
+
+    def recording(key, p, shape):
+        twin_sites[(round(1.0 - p, 12), tuple(shape))] += 1
+        return bernoulli(key, p, shape)
+
+    cfg = dict(train_step.CONFIGS[name], dropout=0.1)
+    twin = train_step.Jax(cfg, train_step.Ours(cfg, "cpu"), jax)
+    monkeypatch.setattr(jax.random, "bernoulli", recording)
+    jax.eval_shape(lambda params, key: twin.loss(params, twin.batch, key, True), twin.state[0], twin.state[4])
+    assert twin_sites == ours_sites
+
+
+@pytest.fixture(scope="module")
+def peers_run(torch):
+    """train_step.py's output at the tiny config, a few steps on one thread, with its peers:
+    torch.compile in the default mode, jax when it is importable."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "train_step.py"), "--config", "tiny", "--steps", "3",
+                             "--threads", "1", "--no-memory", "--compile-mode", "default"],
+                            capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:] + result.stdout
+    return result.stdout
+
+
+def timed_row(stdout, name):
+    """(ms/step, multiple of the GEMM floor) of the runner `name`'s row, None when it has none."""
+    match = re.search(rf"^ *{re.escape(name)}: +([\d.]+) ms/step .* ([\d.]+)x the GEMM floor$", stdout, re.M)
+    return (float(match[1]), float(match[2])) if match else None
+
+
+def peer_line(stdout, name, start):
+    """The line of `name` whose text after "name: " starts with `start`, or None."""
+    match = re.search(rf"^ *{re.escape(name)}: ({re.escape(start)}.*)$", stdout, re.M)
+    return match[1] if match else None
+
+
+@pytest.mark.slow
+def test_train_step_prints_the_gemm_floor_and_each_time_as_a_multiple_of_it(train_step, peers_run):
+    """The floor is training_flops at the measured GEMM rate (measured on --threads BLAS threads,
+    its core type and OPENBLAS_CORETYPE said), every timed row is its time over the floor, and the
+    closing row is ours over the fastest peer; within the rounding of the printed figures."""
+    out = peers_run
+    floor = re.search(r"^GEMM floor: ([\d.]+) ms/step = (\d+) GEMM FLOPs per step \(training_flops\) / "
+                      r"([\d.]+) GFLOP/s$", out, re.M)
+    assert floor, out
+    floor_ms, flops, rate = float(floor[1]), int(floor[2]), float(floor[3])
+    assert flops == train_step.training_flops(dict(train_step.CONFIGS["tiny"], dropout=0.1))
+    # the floor printed to 0.001 ms, the rate to 0.1 GFLOP/s
+    assert abs(floor_ms - flops / rate / 1e6) <= 5e-4 + flops / rate / 1e6 * 0.05 / rate
+    assert re.search(rf"^measured GEMM rate: {rate} GFLOP/s \(float32 1024 x 1024 @ 1024 x 1024, best of 5 after 2 "
+                     r"untimed, numpy's BLAS: .*, core type \S+, threads 1; OPENBLAS_CORETYPE (not set|set to \S+)\)$",
+                     out, re.M), out
+    rows = {name: timed_row(out, name) for name in ("ours", "torch", "torch.compile[default]", "jax.jit")}
+    assert rows["ours"] and rows["torch"], out
+    for name, (ms, multiple) in ((name, r) for name, r in rows.items() if r):
+        # ms and the multiple printed to 0.1, the floor to 0.001 ms
+        rounding = 0.05 + 0.05 / floor_ms + 5e-4 / floor_ms * ms / floor_ms
+        assert multiple == pytest.approx(ms / floor_ms, abs=rounding), name
+    peers = {name: r[0] for name, r in rows.items() if r and name != "ours"}
+    best = min(peers, key=peers.get)
+    summary = re.search(rf"^npformer / best peer: ours / {re.escape(best)} ([\d.]+)x \(([\d.]+) vs ([\d.]+) ms/step\)$",
+                        out, re.M)
+    assert summary, out
+    assert (float(summary[2]), float(summary[3])) == (rows["ours"][0], peers[best])
+    assert float(summary[1]) == pytest.approx(rows["ours"][0] / peers[best], abs=0.005 + 0.06 / peers[best])
+    cpu = next(line for line in out.splitlines() if line.startswith("CPU time / wall time in the timed steps"))
+    assert all(f" {name} " in cpu for name, r in rows.items() if r), cpu
+
+
+@pytest.mark.slow
+def test_train_step_times_torch_compile_of_the_whole_step(peers_run):
+    """torch.compile's row beside the others, its compilation in untimed warm-up steps whose
+    Dynamo graphs are counted; or the reason compilation cannot run here."""
+    skipped = peer_line(peers_run, "torch.compile[default]", "skipped: compilation failed on this machine: ")
+    if skipped:
+        pytest.skip(f"torch.compile cannot run here: {skipped}")
+    assert timed_row(peers_run, "torch.compile[default]"), peers_run
+    warmup = peer_line(peers_run, "torch.compile[default]", "3 untimed warm-up steps in ")
+    assert warmup and int(re.search(r"; (\d+) graphs, \d+ graph breaks$", warmup)[1]) >= 1, peers_run
+
+
+@pytest.mark.slow
+def test_train_step_times_the_jax_twin_after_checking_its_loss(peers_run):
+    """With jax: its threads as set (one: the XLA flag, and the client made on one CPU where there
+    are more), the loss check passed, its row; without jax: the message saying it is skipped."""
+    if importlib.util.find_spec("jax") is None:
+        assert peer_line(peers_run, "jax.jit", "skipped: jax is not importable"), peers_run
+        pytest.skip("jax is not installed (`pip install -e .[jax]`): its skip message checked")
+    threads = next(line for line in peers_run.splitlines() if line.startswith("threads: "))
+    assert "jax: XLA_FLAGS=--xla_cpu_multi_thread_eigen=false set before the import" in threads, threads
+    if len(os.sched_getaffinity(0)) > 1:
+        assert "CPU client made under an affinity of 1 of the" in threads, threads
+    check = peer_line(peers_run, "jax.jit check", "the loss without dropout at ours' initial weights: ")
+    assert check and check.endswith("(float32 rounding): equal"), peers_run
+    assert timed_row(peers_run, "jax.jit"), peers_run
 
 
 def run_python(code, threads_env=None):
