@@ -128,11 +128,7 @@ class GELUBackward(Function):
     def backward(ctx, g):
         (dy,) = ctx.saved_tensors
         h, aux = ctx.activation_saved
-        # dh = dy * gelu'(h)  ->  d(dy) = g * gelu'(h)
-        ddy = bias_activation_backward(g, ctx.activation_saved, ctx.kind) if ctx.needs_input_grad[0] else None
-        # dh = dy * gelu'(h)  ->  d(h) = g * dy * gelu''(h)
-        dh = g * dy * gelu_second_derivative(h, aux, ctx.kind) if ctx.needs_input_grad[1] else None
-        return ddy, dh
+        return gelu_double_backward(g, dy, h, aux, ctx.kind, *ctx.needs_input_grad)
 
     @staticmethod
     def differentiable_backward(ctx, g):
@@ -146,12 +142,40 @@ class GELUBackward(Function):
     def jvp(ctx, t_dy, t_h):
         (dy,) = ctx.saved_tensors
         h, aux = ctx.activation_saved
-        # dh = dy * gelu'(h)  ->  t_dh = t_dy * gelu'(h) + dy * gelu''(h) * t_h
-        t_dh = None if t_dy is None else bias_activation_backward(t_dy, ctx.activation_saved, ctx.kind)
-        if t_h is not None:
-            along_h = dy * gelu_second_derivative(h, aux, ctx.kind) * t_h
-            t_dh = along_h if t_dh is None else t_dh + along_h
-        return t_dh
+        return gelu_backward_jvp(dy, h, aux, t_dy, t_h, ctx.kind)
+
+
+@kernel_table
+def gelu_double_backward(g, dy, h, aux, kind, need_dy, need_h):
+    """(d dy, d h) of <g, dh> for GELU's backward dh = dy * gelu'(h) (each None unless needed);
+    aux as bias_activation_forward saved it."""
+    # dh = dy * gelu'(h)  ->  d(dy) = g * gelu'(h)
+    ddy = bias_activation_backward(g, (h, aux), kind) if need_dy else None
+    # dh = dy * gelu'(h)  ->  d(h) = g * dy * gelu''(h)
+    dh = None
+    if need_h:
+        dh = gelu_second_derivative(h, aux, kind)
+        dh *= dy
+        dh *= g
+    return ddy, dh
+
+
+@kernel_table
+def gelu_backward_jvp(dy, h, aux, t_dy, t_h, kind):
+    """The tangent of GELU's backward dh = dy * gelu'(h) along t_dy and t_h (either None)."""
+    # dh = dy * gelu'(h)  ->  t_dh = t_dy * gelu'(h) + dy * gelu''(h) * t_h
+    t_dh = None if t_dy is None else bias_activation_backward(t_dy, (h, aux), kind)
+    if t_h is not None:
+        along_h = gelu_second_derivative(h, aux, kind)
+        along_h *= dy
+        along_h *= t_h
+        t_dh = along_h if t_dh is None else _sum_into(t_dh, along_h)
+    return t_dh
+
+
+def _sum_into(total, term):
+    total += term
+    return total
 
 
 class ReLUFunction(Function):

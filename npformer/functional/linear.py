@@ -35,6 +35,24 @@ def linear_backward(dy, x, weight, need_x, need_w, need_b):
     return dx, dweight, dbias
 
 
+@kernel_table
+def linear_tangent(x, weight, t_x, t_weight, t_bias):
+    """x (N, in), weight (out, in) and their tangents t_x (N, in), t_weight (out, in), t_bias (out,),
+    each None (at least one given) -> t_h (N, out), the tangent of h = x W^T + b."""
+    xp = backend.get_array_module(x)
+    t_h = None
+    # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b
+    if t_x is not None:
+        t_h = t_x @ weight.T
+    if t_weight is not None:
+        part = x @ t_weight.T
+        t_h = part if t_h is None else xp.add(t_h, part, out=t_h)
+    if t_bias is not None:
+        t_h = xp.broadcast_to(t_bias, (x.shape[0], weight.shape[0])).copy() if t_h is None else xp.add(
+            t_h, t_bias, out=t_h)
+    return t_h
+
+
 class LinearFunction(Function):
     """x (..., in), weight (out, in), bias (out,) or None -> y (..., out) = act(x W^T + b).
 
@@ -96,17 +114,8 @@ class LinearFunction(Function):
     @staticmethod
     def jvp(ctx, t_x, t_weight, t_bias):
         x2d, weight = ctx.saved_tensors                                   # (N, in), (out, in)
-        # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b: the forward's GEMM (its table: threads on the
-        # CPU) once per tangent, the bias tangent added with the first
-        parts = []
-        if t_x is not None:
-            parts.append(linear_forward(t_x.reshape(x2d.shape), weight, t_bias))
-        if t_weight is not None:
-            parts.append(linear_forward(x2d, t_weight, None if parts else t_bias))
-        if parts:
-            t_h = parts[0] if len(parts) == 1 else parts[0] + parts[1]    # (N, out)
-        else:
-            t_h = backend.get_array_module(x2d).broadcast_to(t_bias, (x2d.shape[0], weight.shape[0])).copy()
+        # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b (its table: on the CPU the two GEMMs side by side)
+        t_h = linear_tangent(x2d, weight, None if t_x is None else t_x.reshape(x2d.shape), t_weight, t_bias)
         if ctx.activation is not None:
             # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
             t_h = bias_activation_backward(t_h, ctx.activation_saved, ctx.activation)

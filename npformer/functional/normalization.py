@@ -63,6 +63,7 @@ def _added(total, term):
     return total
 
 
+@kernel_table
 def layer_norm_double_backward(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w):
     """(d dy, d x, d weight) of L = <gx, dx> + <gw, dweight> + <gb, dbias>, where (dx, dweight,
     dbias) is layer_norm_backward of (dy, x, weight): its backward (torch's layer_norm_double_backward).
@@ -104,6 +105,7 @@ def layer_norm_double_backward(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, 
     return ddy, dx_bar, dw_bar
 
 
+@kernel_table
 def layer_norm_backward_jvp(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b):
     """The tangents of (dx, dweight, dbias) = layer_norm_backward(dy, x, weight) along (t_dy, t_x,
     t_w), each None (a zero tangent); arrays as in layer_norm_double_backward, t_dy, t_x (N, D),

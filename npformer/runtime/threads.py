@@ -256,3 +256,37 @@ def split_blocks(threads, sizes):
 def for_rows(kernel, rows, entries, like=None):
     """run_blocks(kernel, row_blocks(rows, entries, like)): kernel(start, stop) per block of rows."""
     return run_blocks(kernel, row_blocks(rows, entries, like))
+
+
+def on_row_blocks(fn, args, cut, combine, like=None):
+    """fn(*args) computed on blocks of rows, one per thread, for a row-wise fn: the arguments at
+    the indices `cut` (arrays with the same number of rows, axis 0, or None) are sliced to each
+    block, the others pass whole. fn returns a tuple of outputs (each None or an array), put back
+    together by `combine`, one entry per output: "rows" (concatenated along axis 0) or "sum"
+    (added over the blocks: column sums); or one array, when combine is the one string "rows".
+    Work under MIN_PARALLEL_ENTRIES entries (of the cut arguments) runs fn(*args) whole."""
+    cut_arrays = [args[i] for i in cut if args[i] is not None]
+    blocks = row_blocks(cut_arrays[0].shape[0], sum(a.size for a in cut_arrays), like)
+    if len(blocks) == 1:
+        return fn(*args)
+    cut = set(cut)
+
+    def block(start, stop):
+        return fn(*[a[start:stop] if i in cut and a is not None else a for i, a in enumerate(args)])
+
+    parts = run_blocks(block, blocks)
+    if isinstance(combine, str):  # one output
+        return backend.get_array_module(parts[0]).concatenate(parts)
+    results = []
+    for j, how in enumerate(combine):
+        pieces = [p[j] for p in parts]
+        if pieces[0] is None:
+            results.append(None)
+        elif how == "rows":
+            results.append(backend.get_array_module(pieces[0]).concatenate(pieces))
+        else:
+            total = pieces[0].copy()
+            for piece in pieces[1:]:
+                total += piece
+            results.append(total)
+    return tuple(results)

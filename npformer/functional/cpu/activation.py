@@ -4,11 +4,12 @@ GELU in blocks and cache-sized chunks, the dropout mask drawn and applied chunk 
 is in the cache."""
 from autograd import backend
 from npformer.runtime import random, threads
-from npformer.runtime.threads import for_rows
+from npformer.runtime.threads import for_rows, on_row_blocks
 
 from .._erf import INV_SQRT_2PI, SQRT_2, erf, normal_cdf_float32
 from ..activation import (TANH_C, TANH_K, bias_activation_backward, bias_activation_forward, dropout_backward,
-                          dropout_forward, dropout_scale, dropout_threshold, elementwise_product)
+                          dropout_forward, dropout_scale, dropout_threshold, elementwise_product, gelu_backward_jvp,
+                          gelu_double_backward)
 
 
 # entries per pass of GELU's many-pass CPU blocks (512 KiB of float32): erf's ~25 array passes
@@ -204,3 +205,22 @@ def elementwise_product_cpu(a, b, scale=None):
 
     for_rows(block, a.size, a.size, a)
     return out
+
+
+def _flat(a):
+    return None if a is None else a.reshape(-1)
+
+
+@gelu_double_backward.register("cpu", splits_reference=True)
+def gelu_double_backward_cpu(g, dy, h, aux, kind, need_dy, need_h):
+    """The reference on flat blocks of entries (elementwise)."""
+    ddy, dh = on_row_blocks(gelu_double_backward.reference, (*map(_flat, (g, dy, h, aux)), kind, need_dy, need_h),
+                            (0, 1, 2, 3), ("rows", "rows"), g)
+    return tuple(None if a is None else a.reshape(h.shape) for a in (ddy, dh))
+
+
+@gelu_backward_jvp.register("cpu", splits_reference=True)
+def gelu_backward_jvp_cpu(dy, h, aux, t_dy, t_h, kind):
+    """The reference on flat blocks of entries (elementwise)."""
+    return on_row_blocks(gelu_backward_jvp.reference, (*map(_flat, (dy, h, aux, t_dy, t_h)), kind), (0, 1, 2, 3, 4),
+                         "rows", dy).reshape(h.shape)

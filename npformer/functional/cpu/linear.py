@@ -5,7 +5,7 @@ from autograd import backend
 from npformer.runtime import threads
 from npformer.runtime.threads import for_rows, row_blocks, run_tasks, split_blocks
 
-from ..linear import linear_backward, linear_forward
+from ..linear import linear_backward, linear_forward, linear_tangent
 
 
 @linear_forward.register("cpu", splits_reference=True, supports=lambda x, weight, bias:
@@ -60,3 +60,33 @@ def linear_backward_cpu(dy, x, weight, need_x, need_w, need_b):
         if need_w or need_b:
             for_rows(features, weight.shape[0], dy.size, dy)
     return dx, dweight, dbias
+
+
+@linear_tangent.register("cpu", splits_reference=True, supports=lambda x, weight, t_x, t_weight, t_bias:
+                         t_x is not None and t_weight is not None
+                         and x.size * weight.shape[0] >= threads.MIN_PARALLEL_MACS)
+def linear_tangent_cpu(x, weight, t_x, t_weight, t_bias):
+    """The reference's two products t_x W^T and x t_W^T side by side, half of the threads each (on
+    2 threads two whole GEMMs in one hand-off, where blocks of each, one product after the other,
+    would join twice and run four smaller GEMMs), then their sum and t_b."""
+    xp = backend.get_array_module(x)
+    along_x = xp.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)       # (N, out)  t_x W^T
+    along_w = xp.empty_like(along_x)                                        # (N, out)  x t_W^T
+
+    def with_x(start, stop):
+        xp.matmul(t_x[start:stop], weight.T, out=along_x[start:stop])
+
+    def with_w(start, stop):
+        xp.matmul(x[start:stop], t_weight.T, out=along_w[start:stop])
+
+    blocks = row_blocks(x.shape[0], x.size + along_x.size, x)
+    if len(blocks) > 1:
+        x_blocks, w_blocks = split_blocks(len(blocks), (x.shape[0], x.shape[0]))
+        run_tasks([(with_x, *b) for b in x_blocks] + [(with_w, *b) for b in w_blocks])
+    else:
+        with_x(0, x.shape[0])
+        with_w(0, x.shape[0])
+    along_x += along_w
+    if t_bias is not None:
+        along_x += t_bias
+    return along_x

@@ -1,9 +1,9 @@
 """Layer norm in blocks of rows on the threads of `npformer.runtime.threads` (the "cpu" implementations
 of normalization.py's kernel tables), with einsum row sums."""
 from autograd import backend
-from npformer.runtime.threads import for_rows
+from npformer.runtime.threads import for_rows, on_row_blocks
 
-from ..normalization import layer_norm_backward, layer_norm_forward
+from ..normalization import layer_norm_backward, layer_norm_backward_jvp, layer_norm_double_backward, layer_norm_forward
 from ..softmax import row_sum
 
 
@@ -73,3 +73,18 @@ def layer_norm_backward_cpu(dy, xhat, rstd, weight, need_x, need_w, need_b):
     dweight = sum(p[0] for p in partial) if need_w else None
     dbias = sum(p[1] for p in partial) if need_b else None
     return dx, dweight, dbias
+
+
+@layer_norm_double_backward.register("cpu", splits_reference=True, supports=lambda dy, *rest: dy.size >= CPU_MIN_ENTRIES)
+def layer_norm_double_backward_cpu(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w):
+    """The reference on blocks of rows (d weight, a column sum: one partial per block)."""
+    return on_row_blocks(layer_norm_double_backward.reference, (dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy,
+                                                                 need_x, need_w), (0, 1, 2, 4, 5), ("rows", "rows", "sum"), dy)
+
+
+@layer_norm_backward_jvp.register("cpu", splits_reference=True, supports=lambda dy, *rest: dy.size >= CPU_MIN_ENTRIES)
+def layer_norm_backward_jvp_cpu(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b):
+    """The reference on blocks of rows (the weight's and the bias's tangents, column sums: one
+    partial per block)."""
+    return on_row_blocks(layer_norm_backward_jvp.reference, (dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x,
+                                                              need_w, need_b), (0, 1, 2, 4, 5, 6), ("rows", "sum", "sum"), dy)

@@ -91,6 +91,8 @@ def cases(rng):
     yield embedding.scatter_add_rows, (rng.integers(0, 4, 10), rng.standard_normal((10, 3)), 4)
     yield linear.linear_forward, (x, w, rng.standard_normal(3))
     yield linear.linear_forward, (x, w, None)
+    yield linear.linear_tangent, (x, w, rng.standard_normal(x.shape), rng.standard_normal(w.shape), rng.standard_normal(3))
+    yield linear.linear_tangent, (x, w, rng.standard_normal(x.shape), rng.standard_normal(w.shape), None)
     for needs in [(True, True, True), (True, False, False), (False, True, True), (False, False, True)]:
         yield linear.linear_backward, (rng.standard_normal((6, 3)), x, w, *needs)
     for weight in (None, rng.random(5)):
@@ -98,6 +100,21 @@ def cases(rng):
         yield loss.cross_entropy_backward, (_softmax_rows(rng, (6, 5)), target, weight, 0.1, rng.standard_normal(6))
     yield normalization.layer_norm_forward, (ln_x, ln_w, ln_b, 1e-5)
     yield normalization.layer_norm_forward, (ln_x, None, None, 1e-5)
+    ln_dy, ln_u, ln_t = (rng.standard_normal(ln_x.shape) for _ in range(3))
+    _, ln_xhat, ln_rstd = normalization.layer_norm_forward.reference(ln_x, ln_w, ln_b, 1e-5)
+    ln_dx = normalization.layer_norm_backward.reference(ln_dy, ln_xhat, ln_rstd, ln_w, True, False, False)[0]
+    for weight in (ln_w, None):
+        yield normalization.layer_norm_double_backward, (ln_dy, ln_xhat, ln_rstd, weight, ln_dx, ln_u, ln_w * 0.5,
+                                                         ln_b * 2.0, True, True, weight is not None)
+        yield normalization.layer_norm_backward_jvp, (ln_dy, ln_xhat, ln_rstd, weight, ln_dx, ln_u, ln_t, ln_w * 0.3,
+                                                      True, weight is not None, True)
+    for kind in ("gelu", "gelu_tanh"):
+        gelu_h = 3 * rng.standard_normal((6, 7))
+        gelu_aux = activation.bias_activation_forward.reference(gelu_h, None, kind)[1][1]
+        gelu_dy, gelu_g, gelu_t = (rng.standard_normal(gelu_h.shape) for _ in range(3))
+        yield activation.gelu_double_backward, (gelu_g, gelu_dy, gelu_h, gelu_aux, kind, True, True)
+        yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, gelu_t, gelu_g, kind)
+        yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, None, gelu_g, kind)
     yield normalization.layer_norm_backward, (rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, ln_w, True, True, True)
     yield normalization.layer_norm_backward, (rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, None, True, False, False)
 
