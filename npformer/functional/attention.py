@@ -360,28 +360,48 @@ class AttentionFunction(Function):
 
     @staticmethod
     def jvp(ctx, tq, tk, tv, tmask):
-        """(t_O [, t_Pd]) from the saved P: the forward's steps along the tangents."""
+        """(t_O [, t_Pd]) from the saved P: the forward's steps along the tangents (attention_jvp)."""
         q, k, v, probs, keep = ctx.saved_tensors
-        dropped = probs if keep is None else probs * keep * ctx.dropout_scale     # Pd (..., Tq, Tk)
-        tout = tweights = None
-        if tq is not None or tk is not None or tmask is not None:
-            tscores = _score_tangent(q * ctx.scale, k, None if tq is None else tq * ctx.scale, tk,
-                                     _at_least_2d(tmask))                      # (..., Tq, Tk)
-            # P = softmax(S)  ->  t_P = P (t_S - rowsum(P t_S))
-            tprobs = probs * (tscores - (probs * tscores).sum(axis=-1, keepdims=True))
-            # Pd = P * keep / (1 - p)  ->  t_Pd = t_P * keep / (1 - p)
-            tweights = tprobs if keep is None else tprobs * keep * ctx.dropout_scale
-            # O = Pd V  ->  t_O = t_Pd V
-            tout = tweights @ v                                                  # (..., Tq, hdv)
-        if tv is not None:
-            # O = Pd V  ->  t_O += Pd t_V
-            tout = dropped @ tv if tout is None else tout + dropped @ tv
-        if tout is None or tout.shape != probs.shape[:-1] + (v.shape[-1],):    # a broadcast q, k, v
-            tout = backend.get_array_module(probs).broadcast_to(
-                0 if tout is None else tout, probs.shape[:-1] + (v.shape[-1],)).copy()
-        if not ctx.return_weights:
-            return tout
-        return tout, tweights
+        xp = backend.get_array_module(probs)
+        tout = xp.empty(probs.shape[:-1] + (v.shape[-1],), dtype=probs.dtype)   # (..., Tq, hdv)
+        moves_scores = tq is not None or tk is not None or tmask is not None
+        tweights = xp.empty_like(probs) if ctx.return_weights and moves_scores else None
+        attention_jvp(q, k, v, probs, keep, ctx.scale, ctx.dropout_scale, tq, tk, tv, _at_least_2d(tmask), tout,
+                      tweights)
+        return (tout, tweights) if ctx.return_weights else tout
+
+
+@kernel_table
+def attention_jvp(q, k, v, probs, keep, scale, dropout_scale, tq, tk, tv, tmask, tout, tweights):
+    """The tangent of O = Pd V along tq, tk, tv and tmask (each None, tmask at least 2-D and
+    broadcastable to (..., Tq, Tk)) from the saved P and keep: writes t_O into tout (..., Tq, hdv)
+    and t_Pd into tweights (..., Tq, Tk) when it is not None (it is None unless a tangent moves S)."""
+    xp = backend.get_array_module(probs)
+    written = False
+    if tq is not None or tk is not None or tmask is not None:
+        tscores = _score_tangent(q * scale, k, None if tq is None else tq * scale, tk, tmask)   # (..., Tq, Tk)
+        # P = softmax(S)  ->  t_P = P (t_S - rowsum(P t_S))  (out of place: t_S may be t_mask)
+        tprobs = tscores - row_dot(probs, tscores)
+        tprobs *= probs
+        # Pd = P * keep / (1 - p)  ->  t_Pd = t_P * keep / (1 - p)
+        if keep is not None:
+            tprobs *= keep
+            tprobs *= dropout_scale
+        if tweights is not None:
+            tweights[...] = tprobs
+        # O = Pd V  ->  t_O = t_Pd V
+        xp.matmul(tprobs, v, out=tout)
+        written = True
+    if tv is not None:
+        # O = Pd V  ->  t_O += Pd t_V
+        dropped = probs if keep is None else probs * keep * dropout_scale       # Pd (..., Tq, Tk)
+        if written:
+            tout += xp.matmul(dropped, tv)
+        else:
+            xp.matmul(dropped, tv, out=tout)
+        written = True
+    if not written:
+        tout[...] = 0
 
 
 def naive_attention_gradients(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, mask_shape, need):

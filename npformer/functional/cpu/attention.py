@@ -11,7 +11,7 @@ from npformer.runtime import random, threads
 from npformer.runtime.threads import for_rows, row_blocks, run_blocks
 
 from ..activation import dropout_threshold
-from ..attention import (_lead_shape, attention_backward, attention_backward_jvp, attention_blockwise_backward,
+from ..attention import (_lead_shape, attention_backward, attention_backward_jvp, attention_jvp, attention_blockwise_backward,
                          attention_blockwise_forward, attention_double_backward, attention_forward, attention_keep_mask,
                          split_heads_backward)
 
@@ -31,6 +31,20 @@ def attention_forward_cpu(q, k, v, mask, blocked, causal, scale, keep, dropout_s
         part = batch_block(lead, axis, start, stop)
         attention_forward.reference(part(q), part(k), part(v), part(mask), part(blocked), causal, scale, part(keep),
                                     dropout_scale, part(probs), part(out), part(weights))
+
+    run_blocks(block, blocks)
+
+
+@attention_jvp.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[3]))   # probs
+def attention_jvp_cpu(q, k, v, probs, keep, scale, dropout_scale, tq, tk, tv, tmask, tout, tweights):
+    """The reference on blocks of a batch axis, each writing its part of the tangents."""
+    lead = probs.shape[:-2]
+    axis, blocks = batch_blocks(lead, (q, k, v), probs.size, probs)
+
+    def block(start, stop):
+        part = batch_block(lead, axis, start, stop)
+        attention_jvp.reference(part(q), part(k), part(v), part(probs), part(keep), scale, dropout_scale, part(tq),
+                                part(tk), part(tv), part(tmask), part(tout), part(tweights))
 
     run_blocks(block, blocks)
 

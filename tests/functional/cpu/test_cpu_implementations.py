@@ -82,6 +82,11 @@ def cases(rng):
             q, k_shared, v, probs, dropped, dout, dweights, 0.4, 1 / 0.7, *like_qkv(), mask_part,
             rng.standard_normal(dout.shape), dweights, zeros(2, 3, 4, 5), zeros(2, 3, 6, 5), zeros(2, 3, 6, 4),
             zeros(2, 3, 4, 6))
+    for dropped, tmask in [(None, None), (attn_keep, rng.standard_normal((4, 6)))]:
+        yield attention.attention_jvp, (q, k_shared, v, probs, dropped, 0.4, 1 / 0.7, *like_qkv(), tmask,
+                                        zeros(2, 3, 4, 4), zeros(2, 3, 4, 6))
+    yield attention.attention_jvp, (q, k_shared, v, probs, None, 0.4, 1.0, None, None, rng.standard_normal(v.shape),
+                                    None, zeros(2, 3, 4, 4), None)
     yield attention.attention_blockwise_forward, (q, k, v, None, additive, True, 0.4, 2, None, False)
     yield attention.attention_blockwise_forward, (q, k_shared, v, blocked, None, False, 0.4, 3, None, False)
     yield attention.attention_blockwise_backward, (q, k, v, out, lse, rng.standard_normal(out.shape), None, additive,
