@@ -185,21 +185,8 @@ def attention_double_backward(q, k, v, probs, keep, dout, dweights, scale, dropo
     if (dq is not None and gk is not None) or (dk is not None and gq is not None):
         ds = xp.subtract(dprobs, delta, out=dprobs)
         ds *= probs
-    # S = s Q K^T  ->  dq = s (Sbar K + dS gk)
-    if dq is not None:
-        xp.matmul(s_bar, k, out=dq)
-        if gk is not None:
-            dq += xp.matmul(ds, gk)
-        dq *= scale
-    # S = s Q K^T  ->  dk = s (Sbar^T Q + dS^T gq)
-    if dk is not None:
-        xp.matmul(s_bar.swapaxes(-1, -2), q, out=dk)
-        if gq is not None:
-            dk += xp.matmul(ds.swapaxes(-1, -2), gq)
-        dk *= scale
-    # S = s Q K^T + mask  ->  dmask = Sbar
-    if dmask is not None:
-        dmask[...] = s_bar
+    # S = s Q K^T + mask  ->  dq = s (Sbar K + dS gk), dk = s (Sbar^T Q + dS^T gq), dmask = Sbar
+    _through_scores(s_bar, ds, q, k, gq, gk, scale, dq, dk, dmask)
     # dP = (dO V^T + dweights) Z enters dS and D:  C = P (W - r) Z reaches dO V^T and dweights
     c = None
     if w_centered is not None:
@@ -290,21 +277,29 @@ def attention_backward_jvp(q, k, v, probs, keep, dout, dweights, scale, dropout_
     tds -= probs * tdelta
     ds = centered                                                            # dS = P (dP - D), in place
     ds *= probs
-    # S = s Q K^T, dQ = s dS K  ->  t_dQ = s (t_dS K + dS t_K)
-    if dq_tangent is not None:
-        xp.matmul(tds, k, out=dq_tangent)
-        if tk is not None:
-            dq_tangent += xp.matmul(ds, tk)
-        dq_tangent *= scale
-    # S = s Q K^T, dK = s dS^T Q  ->  t_dK = s (t_dS^T Q + dS^T t_Q)
-    if dk_tangent is not None:
-        xp.matmul(tds.swapaxes(-1, -2), q, out=dk_tangent)
-        if tq is not None:
-            dk_tangent += xp.matmul(ds.swapaxes(-1, -2), tq)
-        dk_tangent *= scale
-    # dMask = dS  ->  t_dMask = t_dS
-    if dmask_tangent is not None:
-        dmask_tangent[...] = tds
+    # dQ = s dS K, dK = s dS^T Q, dMask = dS  ->  t_dQ = s (t_dS K + dS t_K), t_dK = s (t_dS^T Q + dS^T t_Q),
+    # t_dMask = t_dS
+    _through_scores(tds, ds, q, k, tq, tk, scale, dq_tangent, dk_tangent, dmask_tangent)
+
+
+def _through_scores(a, ds, q, k, bq, bk, scale, dq, dk, dmask):
+    """The last step of the double backward (a = Sbar, bq, bk = the incoming gq, gk) and of the
+    gradients' tangent (a = t_dS, bq, bk = t_Q, t_K), through S = s Q K^T + mask with dS the
+    first-order score gradient: writes dq = s (a K + dS bk), dk = s (a^T Q + dS^T bq) and dmask = a
+    into those outputs that are not None (a term whose bq or bk is None left out)."""
+    xp = backend.get_array_module(a)
+    if dq is not None:
+        xp.matmul(a, k, out=dq)
+        if bk is not None:
+            dq += xp.matmul(ds, bk)
+        dq *= scale
+    if dk is not None:
+        xp.matmul(a.swapaxes(-1, -2), q, out=dk)
+        if bq is not None:
+            dk += xp.matmul(ds.swapaxes(-1, -2), bq)
+        dk *= scale
+    if dmask is not None:
+        dmask[...] = a
 
 
 def _plus(total, term):
