@@ -109,3 +109,12 @@ def broadcasts_to(shape, target):
         return len(shape) <= len(target) and broadcast_shapes(shape, target) == tuple(target)
     except ValueError:
         return False
+
+
+def added_into(total, term):
+    """total + term, in place in total (an array its caller made, never one it was given); term
+    itself when total is None."""
+    if total is None:
+        return term
+    total += term
+    return total

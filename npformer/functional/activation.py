@@ -9,7 +9,7 @@ from autograd.checks import check_bool, check_real
 from npformer.runtime import random
 from npformer.runtime.kernels import kernel_table
 
-from ._common import check_tensor, has_twin
+from ._common import added_into, check_tensor, has_twin
 from ._erf import INV_SQRT_2PI, SQRT_2, erf
 
 
@@ -169,13 +169,8 @@ def gelu_backward_jvp(dy, h, aux, t_dy, t_h, kind):
         along_h = gelu_second_derivative(h, aux, kind)
         along_h *= dy
         along_h *= t_h
-        t_dh = along_h if t_dh is None else _sum_into(t_dh, along_h)
+        t_dh = added_into(t_dh, along_h)
     return t_dh
-
-
-def _sum_into(total, term):
-    total += term
-    return total
 
 
 class ReLUFunction(Function):

@@ -8,7 +8,7 @@ from autograd.backend import Array
 from autograd.checks import check_real, check_shape
 from npformer.runtime.kernels import kernel_table
 
-from ._common import check_one_dtype, check_tensor, has_twin
+from ._common import added_into, check_one_dtype, check_tensor, has_twin
 from .softmax import row_dot
 
 
@@ -54,15 +54,6 @@ def _normalize_backward(u, xhat, rstd):
     return layer_norm_backward(u, xhat, rstd, None, True, False, False)[0]
 
 
-def _added(total, term):
-    """total + term, in place in total (an array its caller made, never one it was given); term
-    itself when total is None."""
-    if total is None:
-        return term
-    total += term
-    return total
-
-
 @kernel_table
 def layer_norm_double_backward(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w):
     """(d dy, d x, d weight) of L = <gx, dx> + <gw, dweight> + <gb, dbias>, where (dx, dweight,
@@ -96,12 +87,12 @@ def layer_norm_double_backward(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, 
     if gw is not None:
         # dweight = sum over rows of dy xhat  ->  d dy += gw xhat, d x += J (gw dy)
         if need_dy:
-            ddy = _added(ddy, gw * xhat)
+            ddy = added_into(ddy, gw * xhat)
         if need_x:
-            dx_bar = _added(dx_bar, _normalize_backward(gw * dy, xhat, rstd))
+            dx_bar = added_into(dx_bar, _normalize_backward(gw * dy, xhat, rstd))
     if gb is not None and need_dy:
         # dbias = sum over rows of dy  ->  d dy += gb on every row
-        ddy = xp.broadcast_to(gb, xhat.shape).copy() if ddy is None else _added(ddy, gb)
+        ddy = xp.broadcast_to(gb, xhat.shape).copy() if ddy is None else added_into(ddy, gb)
     return ddy, dx_bar, dw_bar
 
 
@@ -132,13 +123,13 @@ def layer_norm_backward_jvp(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, 
             through_x += m * t_xhat
             through_x += xhat * (row_dot(dx, t_x) / d)
             through_x *= -rstd
-            t_dx = _added(t_dx, through_x)
+            t_dx = added_into(t_dx, through_x)
     if need_w:
         # dweight = sum over rows of dy xhat  ->  t_dy xhat + dy t_xhat
         if t_dy is not None:
             t_dweight = (t_dy * xhat).sum(axis=0)                                   # (D,)
         if t_x is not None:
-            t_dweight = _added(t_dweight, (dy * t_xhat).sum(axis=0))
+            t_dweight = added_into(t_dweight, (dy * t_xhat).sum(axis=0))
     if need_b and t_dy is not None:
         t_dbias = t_dy.sum(axis=0)                                                  # dbias = sum of dy
     return t_dx, t_dweight, t_dbias
