@@ -146,14 +146,7 @@ def attention_double_backward(q, k, v, probs, keep, dout, dweights, scale, dropo
     C = P (W - r) Z;  then dq = s (Sbar K + dS gk), dk = s (Sbar^T Q + dS^T gq), dv = C^T dO,
     d dO = C V + Pd gv, dmask = Sbar, d dweights = C (docs/backprop.md derives them)."""
     xp = backend.get_array_module(dout)
-    z = None if keep is None else keep * probs.dtype.type(dropout_scale)    # (..., Tq, Tk) Z = keep / (1 - p)
-    # the first-order backward's dP = (dO V^T + dweights) Z and D = rowsum(dP P)
-    dprobs = xp.matmul(dout, v.swapaxes(-1, -2))                             # (..., Tq, Tk)
-    if dweights is not None:
-        dprobs += dweights
-    if z is not None:
-        dprobs *= z
-    delta = row_dot(dprobs, probs)                                           # (..., Tq, 1) D
+    z, dprobs, delta = _first_order_dp(v, probs, keep, dout, dweights, dropout_scale)
     # W = s (gq K^T + Q gk^T) + gmask: the gradient reaching dS through dQ = s dS K, dK = s dS^T Q, dMask = dS
     w = None
     if gq is not None:
@@ -226,14 +219,7 @@ def attention_backward_jvp(q, k, v, probs, keep, dout, dweights, scale, dropout_
     t_dS = t_P (dP - D) + P (t_dP - t_D) with t_D = rowsum(t_dP P + dP t_P), then
     t_dQ = s (t_dS K + dS t_K), t_dK = s (t_dS^T Q + dS^T t_Q), t_dV = t_Pd^T dO + Pd^T t_dO, t_dMask = t_dS."""
     xp = backend.get_array_module(dout)
-    z = None if keep is None else keep * probs.dtype.type(dropout_scale)    # (..., Tq, Tk) Z = keep / (1 - p)
-    # the first-order backward's dP = (dO V^T + dweights) Z and D = rowsum(dP P)
-    dprobs = xp.matmul(dout, v.swapaxes(-1, -2))                             # (..., Tq, Tk)
-    if dweights is not None:
-        dprobs += dweights
-    if z is not None:
-        dprobs *= z
-    delta = row_dot(dprobs, probs)                                           # (..., Tq, 1) D
+    z, dprobs, delta = _first_order_dp(v, probs, keep, dout, dweights, dropout_scale)
     tprobs = tdropped = None
     if tq is not None or tk is not None or tmask is not None:
         # S = s Q K^T + mask  ->  t_S = s (t_Q K^T + Q t_K^T) + t_mask
@@ -280,6 +266,20 @@ def attention_backward_jvp(q, k, v, probs, keep, dout, dweights, scale, dropout_
     # dQ = s dS K, dK = s dS^T Q, dMask = dS  ->  t_dQ = s (t_dS K + dS t_K), t_dK = s (t_dS^T Q + dS^T t_Q),
     # t_dMask = t_dS
     _through_scores(tds, ds, q, k, tq, tk, scale, dq_tangent, dk_tangent, dmask_tangent)
+
+
+def _first_order_dp(v, probs, keep, dout, dweights, dropout_scale):
+    """(Z, dP, D) as the first-order backward forms them from the saved P: Z = keep / (1 - p) (None
+    without dropout), dP = (dO V^T + dweights) Z (..., Tq, Tk), D = rowsum(dP P) (..., Tq, 1)."""
+    xp = backend.get_array_module(dout)
+    z = None if keep is None else keep * probs.dtype.type(dropout_scale)    # (..., Tq, Tk) Z = keep / (1 - p)
+    # O = Pd V  ->  dPd = dO V^T (+ dweights);  Pd = P Z  ->  dP = dPd Z
+    dprobs = xp.matmul(dout, v.swapaxes(-1, -2))                             # (..., Tq, Tk)
+    if dweights is not None:
+        dprobs += dweights
+    if z is not None:
+        dprobs *= z
+    return z, dprobs, row_dot(dprobs, probs)                                 # D = rowsum(dP P)
 
 
 def _through_scores(a, ds, q, k, bq, bk, scale, dq, dk, dmask):
