@@ -1,8 +1,7 @@
 """Attention on the threads of `npformer.runtime.threads` (the "cpu" implementations of attention.py's
-kernel tables): the naive path's forward, backward, double backward and the backward's jvp, and the
-memory-efficient path's blockwise
-reference on blocks of one batch axis (the batch, or the heads), each block running the
-reference; the causal dropout mask drawn under the diagonal only; split_heads' backward by
+kernel tables): the naive path's forward, its jvp, backward, double backward and the backward's
+jvp, and the memory-efficient path's blockwise reference on blocks of one batch axis (the batch,
+or the heads), each block running the reference; the causal dropout mask drawn under the diagonal only; split_heads' backward by
 blocks of the batch."""
 import math
 
@@ -11,9 +10,9 @@ from npformer.runtime import random, threads
 from npformer.runtime.threads import for_rows, row_blocks, run_blocks
 
 from ..activation import dropout_threshold
-from ..attention import (_lead_shape, attention_backward, attention_backward_jvp, attention_jvp, attention_blockwise_backward,
-                         attention_blockwise_forward, attention_double_backward, attention_forward, attention_keep_mask,
-                         split_heads_backward)
+from ..attention import (_lead_shape, attention_backward, attention_backward_jvp, attention_blockwise_backward,
+                         attention_blockwise_forward, attention_double_backward, attention_forward, attention_jvp,
+                         attention_keep_mask, split_heads_backward)
 
 
 def _splits(probs):
@@ -21,81 +20,59 @@ def _splits(probs):
     return probs.size >= threads.MIN_PARALLEL_ENTRIES
 
 
-@attention_forward.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[9]))   # probs
-def attention_forward_cpu(q, k, v, mask, blocked, causal, scale, keep, dropout_scale, probs, out, weights):
-    """The reference on blocks of a batch axis (batch_blocks), each writing its part of the outputs."""
+def _reference_on_batch_blocks(table, args, probs, like):
+    """table.reference(*args) on blocks of a batch axis (batch_blocks of q, k, v = args[:3]), each
+    block writing its part of the outputs: every array argument cut to the block (batch_block: one
+    that broadcasts along the axis passes whole), the others (scale, causal, ...) as they are. A
+    block's results come from its own rows, so the naive path's tables all split this way."""
     lead = probs.shape[:-2]
-    axis, blocks = batch_blocks(lead, (q, k, v), probs.size, q)
+    axis, blocks = batch_blocks(lead, args[:3], probs.size, like)
 
     def block(start, stop):
         part = batch_block(lead, axis, start, stop)
-        attention_forward.reference(part(q), part(k), part(v), part(mask), part(blocked), causal, scale, part(keep),
-                                    dropout_scale, part(probs), part(out), part(weights))
+        table.reference(*(part(a) if backend.is_array(a) else a for a in args))
 
     run_blocks(block, blocks)
+
+
+@attention_forward.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[9]))   # probs
+def attention_forward_cpu(q, k, v, mask, blocked, causal, scale, keep, dropout_scale, probs, out, weights):
+    """The reference on blocks of a batch axis."""
+    _reference_on_batch_blocks(attention_forward, (q, k, v, mask, blocked, causal, scale, keep, dropout_scale, probs,
+                                                   out, weights), probs, q)
 
 
 @attention_jvp.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[3]))   # probs
 def attention_jvp_cpu(q, k, v, probs, keep, scale, dropout_scale, tq, tk, tv, tmask, tout, tweights):
-    """The reference on blocks of a batch axis, each writing its part of the tangents."""
-    lead = probs.shape[:-2]
-    axis, blocks = batch_blocks(lead, (q, k, v), probs.size, probs)
-
-    def block(start, stop):
-        part = batch_block(lead, axis, start, stop)
-        attention_jvp.reference(part(q), part(k), part(v), part(probs), part(keep), scale, dropout_scale, part(tq),
-                                part(tk), part(tv), part(tmask), part(tout), part(tweights))
-
-    run_blocks(block, blocks)
+    """The reference on blocks of a batch axis (the tangents split like the inputs they belong to)."""
+    _reference_on_batch_blocks(attention_jvp, (q, k, v, probs, keep, scale, dropout_scale, tq, tk, tv, tmask, tout,
+                                               tweights), probs, probs)
 
 
 @attention_backward.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[3]))   # probs
 def attention_backward_cpu(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, dq, dk, dv, dmask):
-    """The reference on blocks of a batch axis: a block's gradients come from its own rows."""
-    lead = probs.shape[:-2]
-    axis, blocks = batch_blocks(lead, (q, k, v), probs.size, probs)
-
-    def block(start, stop):
-        part = batch_block(lead, axis, start, stop)
-        attention_backward.reference(part(q), part(k), part(v), part(probs), part(keep), part(dout), part(dweights),
-                                     scale, dropout_scale, part(dq), part(dk), part(dv), part(dmask))
-
-    run_blocks(block, blocks)
+    """The reference on blocks of a batch axis."""
+    _reference_on_batch_blocks(attention_backward, (q, k, v, probs, keep, dout, dweights, scale, dropout_scale, dq, dk,
+                                                    dv, dmask), probs, probs)
 
 
 @attention_double_backward.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[3]))  # probs
 def attention_double_backward_cpu(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, gq, gk, gv, gmask,
                                   dq, dk, dv, dmask, ddout, ddweights):
-    """The reference on blocks of a batch axis: a block's gradients come from its own rows (the
-    incoming gradients are split like the inputs they belong to)."""
-    lead = probs.shape[:-2]
-    axis, blocks = batch_blocks(lead, (q, k, v), probs.size, probs)
-
-    def block(start, stop):
-        part = batch_block(lead, axis, start, stop)
-        attention_double_backward.reference(
-            part(q), part(k), part(v), part(probs), part(keep), part(dout), part(dweights), scale, dropout_scale,
-            part(gq), part(gk), part(gv), part(gmask), part(dq), part(dk), part(dv), part(dmask), part(ddout),
-            part(ddweights))
-
-    run_blocks(block, blocks)
+    """The reference on blocks of a batch axis (the incoming gradients split like the inputs they
+    belong to)."""
+    _reference_on_batch_blocks(attention_double_backward, (q, k, v, probs, keep, dout, dweights, scale, dropout_scale,
+                                                           gq, gk, gv, gmask, dq, dk, dv, dmask, ddout, ddweights),
+                               probs, probs)
 
 
 @attention_backward_jvp.register("cpu", splits_reference=True, supports=lambda *args: _splits(args[3]))  # probs
 def attention_backward_jvp_cpu(q, k, v, probs, keep, dout, dweights, scale, dropout_scale, tq, tk, tv, tmask, tdout,
                                tdweights, dq_tangent, dk_tangent, dv_tangent, dmask_tangent):
-    """The reference on blocks of a batch axis: a block's tangents come from its own rows."""
-    lead = probs.shape[:-2]
-    axis, blocks = batch_blocks(lead, (q, k, v), probs.size, probs)
-
-    def block(start, stop):
-        part = batch_block(lead, axis, start, stop)
-        attention_backward_jvp.reference(
-            part(q), part(k), part(v), part(probs), part(keep), part(dout), part(dweights), scale, dropout_scale,
-            part(tq), part(tk), part(tv), part(tmask), part(tdout), part(tdweights), part(dq_tangent),
-            part(dk_tangent), part(dv_tangent), part(dmask_tangent))
-
-    run_blocks(block, blocks)
+    """The reference on blocks of a batch axis (the tangents split like the inputs they belong to)."""
+    _reference_on_batch_blocks(attention_backward_jvp, (q, k, v, probs, keep, dout, dweights, scale, dropout_scale, tq,
+                                                        tk, tv, tmask, tdout, tdweights, dq_tangent, dk_tangent,
+                                                        dv_tangent, dmask_tangent), probs, probs)
 
 
 def batch_blocks(lead, inputs, entries, like):
