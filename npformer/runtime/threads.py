@@ -253,6 +253,22 @@ def split_blocks(threads, sizes):
     return [[(n * i // share, n * (i + 1) // share) for i in range(share)] for n in sizes]
 
 
+def side_by_side(pieces, entries, like=None):
+    """Independent pieces of work of about equal cost, each (kernel, rows, entries of its own) with
+    kernel(start, stop) covering range(rows) (e.g. two GEMMs): when the whole work (`entries`)
+    splits on the first piece's rows (row_blocks), one hand-off with the threads shared between the
+    pieces (split_blocks; on 2 threads each piece whole on its own thread, where blocks of each, one
+    piece after the other, would join twice and run four smaller calls); else each piece by
+    for_rows on its own entries, one after the other."""
+    threads = len(row_blocks(pieces[0][1], entries, like))
+    if threads < 2:
+        for kernel, rows, own in pieces:
+            for_rows(kernel, rows, own, like)
+        return
+    shares = split_blocks(threads, [rows for _, rows, _ in pieces])
+    run_tasks([(kernel, *block) for (kernel, _, _), blocks in zip(pieces, shares) for block in blocks])
+
+
 def for_rows(kernel, rows, entries, like=None):
     """run_blocks(kernel, row_blocks(rows, entries, like)): kernel(start, stop) per block of rows."""
     return run_blocks(kernel, row_blocks(rows, entries, like))

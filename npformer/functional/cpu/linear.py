@@ -3,7 +3,7 @@ the kernel tables linear_forward / linear_backward): y and dx by blocks of rows,
 blocks of output features, dx and dW side by side."""
 from autograd import backend
 from npformer.runtime import threads
-from npformer.runtime.threads import for_rows, row_blocks, run_tasks, split_blocks
+from npformer.runtime.threads import for_rows, side_by_side
 
 from ..linear import linear_backward, linear_forward, linear_tangent
 
@@ -47,13 +47,9 @@ def linear_backward_cpu(dy, x, weight, need_x, need_w, need_b):
         if need_b:
             xp.matmul(ones, dy[:, start:stop], out=dbias[start:stop])
 
-    blocks = row_blocks(dy.shape[0], dy.size + x.size, dy)
-    if len(blocks) > 1 and need_x and (need_w or need_b):
-        # dx and dW cost the same FLOPs and need not wait for each other: half of the threads
-        # each (on 2 threads two whole GEMMs, where blocks of each, one product after the
-        # other, would join twice and run four smaller GEMMs)
-        x_blocks, w_blocks = split_blocks(len(blocks), (dy.shape[0], weight.shape[0]))
-        run_tasks([(rows, *block) for block in x_blocks] + [(features, *block) for block in w_blocks])
+    if need_x and (need_w or need_b):
+        # dx and dW cost the same FLOPs and need not wait for each other: side by side
+        side_by_side([(rows, dy.shape[0], dx.size), (features, weight.shape[0], dy.size)], dy.size + x.size, dy)
     else:
         if need_x:
             for_rows(rows, dy.shape[0], dx.size, dy)
@@ -66,9 +62,8 @@ def linear_backward_cpu(dy, x, weight, need_x, need_w, need_b):
                          t_x is not None and t_weight is not None
                          and x.size * weight.shape[0] >= threads.MIN_PARALLEL_MACS)
 def linear_tangent_cpu(x, weight, t_x, t_weight, t_bias):
-    """The reference's two products t_x W^T and x t_W^T side by side, half of the threads each (on
-    2 threads two whole GEMMs in one hand-off, where blocks of each, one product after the other,
-    would join twice and run four smaller GEMMs), then their sum and t_b."""
+    """The reference's two products t_x W^T and x t_W^T side by side (threads.side_by_side), then
+    their sum and t_b."""
     xp = backend.get_array_module(x)
     along_x = xp.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)       # (N, out)  t_x W^T
     along_w = xp.empty_like(along_x)                                        # (N, out)  x t_W^T
@@ -79,13 +74,8 @@ def linear_tangent_cpu(x, weight, t_x, t_weight, t_bias):
     def with_w(start, stop):
         xp.matmul(x[start:stop], t_weight.T, out=along_w[start:stop])
 
-    blocks = row_blocks(x.shape[0], x.size + along_x.size, x)
-    if len(blocks) > 1:
-        x_blocks, w_blocks = split_blocks(len(blocks), (x.shape[0], x.shape[0]))
-        run_tasks([(with_x, *b) for b in x_blocks] + [(with_w, *b) for b in w_blocks])
-    else:
-        with_x(0, x.shape[0])
-        with_w(0, x.shape[0])
+    entries = x.size + along_x.size
+    side_by_side([(with_x, x.shape[0], entries), (with_w, x.shape[0], entries)], entries, x)
     along_x += along_w
     if t_bias is not None:
         along_x += t_bias
