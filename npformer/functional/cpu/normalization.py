@@ -75,16 +75,20 @@ def layer_norm_backward_cpu(dy, xhat, rstd, weight, need_x, need_w, need_b):
     return dx, dweight, dbias
 
 
-@layer_norm_double_backward.register("cpu", splits_reference=True, supports=lambda dy, *rest: dy.size >= CPU_MIN_ENTRIES)
+def _splits(dy, *rest):
+    return dy.size >= CPU_MIN_ENTRIES
+
+
+@layer_norm_double_backward.register("cpu", splits_reference=True, supports=_splits)
 def layer_norm_double_backward_cpu(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w):
     """The reference on blocks of rows (d weight, a column sum: one partial per block)."""
-    return on_row_blocks(layer_norm_double_backward.reference, (dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy,
-                                                                 need_x, need_w), (0, 1, 2, 4, 5), ("rows", "rows", "sum"), dy)
+    args = (dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w)
+    return on_row_blocks(layer_norm_double_backward.reference, args, (0, 1, 2, 4, 5), ("rows", "rows", "sum"), dy)
 
 
-@layer_norm_backward_jvp.register("cpu", splits_reference=True, supports=lambda dy, *rest: dy.size >= CPU_MIN_ENTRIES)
+@layer_norm_backward_jvp.register("cpu", splits_reference=True, supports=_splits)
 def layer_norm_backward_jvp_cpu(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b):
     """The reference on blocks of rows (the weight's and the bias's tangents, column sums: one
     partial per block)."""
-    return on_row_blocks(layer_norm_backward_jvp.reference, (dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x,
-                                                              need_w, need_b), (0, 1, 2, 4, 5, 6), ("rows", "sum", "sum"), dy)
+    args = (dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b)
+    return on_row_blocks(layer_norm_backward_jvp.reference, args, (0, 1, 2, 4, 5, 6), ("rows", "sum", "sum"), dy)
