@@ -7,7 +7,7 @@ from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from npformer.runtime.kernels import kernel_table
 
-from ._common import check_one_dtype, check_tensor, has_twin
+from ._common import added_into, check_one_dtype, check_tensor, has_twin
 from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward, bias_activation_grad
 
 
@@ -45,11 +45,9 @@ def linear_tangent(x, weight, t_x, t_weight, t_bias):
     if t_x is not None:
         t_h = t_x @ weight.T
     if t_weight is not None:
-        part = x @ t_weight.T
-        t_h = part if t_h is None else xp.add(t_h, part, out=t_h)
+        t_h = added_into(t_h, x @ t_weight.T)
     if t_bias is not None:
-        t_h = xp.broadcast_to(t_bias, (x.shape[0], weight.shape[0])).copy() if t_h is None else xp.add(
-            t_h, t_bias, out=t_h)
+        t_h = xp.broadcast_to(t_bias, (x.shape[0], weight.shape[0])).copy() if t_h is None else added_into(t_h, t_bias)
     return t_h
 
 
