@@ -164,12 +164,35 @@ def gelu_double_backward(g, dy, h, aux, kind, need_dy, need_h):
 def gelu_backward_jvp(dy, h, aux, t_dy, t_h, kind):
     """The tangent of GELU's backward dh = dy * gelu'(h) along t_dy and t_h (either None)."""
     # dh = dy * gelu'(h)  ->  t_dh = t_dy * gelu'(h) + dy * gelu''(h) * t_h
+    if kind == "gelu" and t_dy is not None and t_h is not None:
+        return _exact_gelu_backward_jvp(dy, h, aux, t_dy, t_h)
     t_dh = None if t_dy is None else bias_activation_backward(t_dy, (h, aux), kind)
     if t_h is not None:
         along_h = gelu_second_derivative(h, aux, kind)
         along_h *= dy
         along_h *= t_h
         t_dh = added_into(t_dh, along_h)
+    return t_dh
+
+
+def _exact_gelu_backward_jvp(dy, h, cdf, t_dy, t_h):
+    """gelu_backward_jvp of the exact form along both tangents, phi(h) formed once for gelu'(h) and
+    gelu''(h) (12 array passes where the two separate rules take 16, two of them exp)."""
+    xp = backend.get_array_module(h)
+    hh = h * h
+    phi = hh * -0.5
+    xp.exp(phi, out=phi)
+    phi *= INV_SQRT_2PI                                     # phi(h) = exp(-h^2 / 2) / sqrt(2 pi)
+    # gelu''(h) = phi(h) (2 - h^2)  ->  dy * gelu''(h) * t_h
+    t_dh = xp.subtract(2.0, hh, out=hh)
+    t_dh *= phi
+    t_dh *= dy
+    t_dh *= t_h
+    # gelu'(h) = Phi(h) + h phi(h)  ->  + t_dy * gelu'(h)
+    phi *= h
+    phi += cdf
+    phi *= t_dy
+    t_dh += phi
     return t_dh
 
 

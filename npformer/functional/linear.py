@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
@@ -62,10 +63,12 @@ class LinearFunction(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, values=None):
+    def forward(ctx, x, weight, bias, activation, values=None, tangent_from=None):
         x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])   # (N, in), a view when x is contiguous (not -1: in may be 0)
         if values is not None:  # h = x W^T + b already computed (by the forward whose differentiable backward
-            y2d = values        # forms h again in the graph): its node without the GEMM
+            y2d = values        # forms h again in the graph): its node without the GEMM, and its tangent
+            # that forward's ctx (a weak reference: this node does not keep it alive), where its jvp left t_h
+            ctx.tangent_from = None if tangent_from is None else weakref.ref(tangent_from)
         elif activation is None:
             y2d = linear_forward(x2d, weight, bias)              # (N, out)  y = x W^T + b
         else:  # y = act(x W^T + b): the bias and the activation in one pass after the GEMM
@@ -97,7 +100,7 @@ class LinearFunction(Function):
             # the forward saved (ReLU's mask needs no h): its second derivative dy act''(h) reaches x, W
             # and b through h
             h = None if ctx.activation == "relu" else LinearFunction.apply(
-                x2d, weight, bias, activation=None, values=ctx.activation_saved[0])
+                x, weight, bias, activation=None, values=ctx.activation_saved[0], tangent_from=ctx).reshape(dh.shape)
             dh = bias_activation_grad(dh, h, ctx.activation_saved, ctx.activation)
         need_x, need_w, need_b = ctx.needs_input_grad
         # dx = dh W, dW = dh^T x, db = sum of dh over rows: bilinear in (dh, W) and (dh, x), so
@@ -112,12 +115,23 @@ class LinearFunction(Function):
     @staticmethod
     def jvp(ctx, t_x, t_weight, t_bias):
         x2d, weight = ctx.saved_tensors                                   # (N, in), (out, in)
+        tangents = (t_x, t_weight, t_bias)
+        source = getattr(ctx, "tangent_from", None)  # h formed again by a differentiable backward (forward over reverse)
+        source = None if source is None else source()
+        reused = getattr(source, "pre_activation_tangent", None)
+        if reused is not None and all(a is b for a, b in zip(reused[0], tangents)):
+            # the same x, W, b moving along the same tangents: the forward's jvp computed this t_h; taken once
+            del source.pre_activation_tangent
+            return reused[1].reshape(ctx.x_shape[:-1] + (weight.shape[0],))
         # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b (its table: on the CPU the two GEMMs side by side)
         t_h = linear_tangent(x2d, weight, None if t_x is None else t_x.reshape(x2d.shape), t_weight, t_bias)
-        if ctx.activation is not None:
-            # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
-            t_h = bias_activation_backward(t_h, ctx.activation_saved, ctx.activation)
-        return t_h.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
+        if ctx.activation is None:
+            return t_h.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
+        if ctx.activation != "relu" and hasattr(ctx, "inputs"):  # recorded: its differentiable backward forms h
+            ctx.pre_activation_tangent = tangents, t_h                # again and takes t_h from here (above)
+        # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
+        t_y = bias_activation_backward(t_h, ctx.activation_saved, ctx.activation)
+        return t_y.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
 
 
 @has_twin

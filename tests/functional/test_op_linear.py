@@ -66,3 +66,43 @@ def test_forward_mode_is_the_same_for_any_number_of_threads(activation, threads)
         results.append(jvp(lambda *a: F.linear(*a, activation=activation), tuple(map(Tensor, arrays)), tangents)[1])
     for t in results[1:]:
         np.testing.assert_allclose(t.numpy(), results[0].numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_forward_over_reverse_takes_the_pre_activation_tangent_once(activation, monkeypatch):
+    """The differentiable backward forms h = x W^T + b again (its second derivative reaches x, W, b
+    through h): forward over reverse takes h's tangent from the forward's jvp, not from two more
+    GEMMs; the products stay those of reverse over reverse, also when linearize takes the steps
+    again along other tangents."""
+    import importlib
+
+    import autograd
+    from autograd.functional import hvp, linearize, vhp
+    linear_module = importlib.import_module("npformer.functional.linear")  # (F.linear is the function)
+
+    calls = []
+    table = linear_module.linear_tangent
+    monkeypatch.setattr(linear_module, "linear_tangent", lambda *a: calls.append(1) or table(*a))
+    rng = np.random.default_rng(3)
+    x, w, b = (Tensor(rng.standard_normal(shape), requires_grad=True) for shape in ((5, 4), (3, 4), (3,)))
+    u = tuple(Tensor(rng.standard_normal(a.shape)) for a in (x, w, b))
+
+    def loss(x, w, b):
+        return (F.linear(x, w, b, activation=activation) ** 2).sum()
+
+    forward = hvp(loss, (x, w, b), u)[1]
+    assert len(calls) == 3  # t_h in the forward, then the tangents of dx = dh W and dW = dh^T x
+    for ours, theirs in zip(forward, vhp(loss, (x, w, b), u)[1]):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-12, atol=1e-12)
+
+    def gradient(x, w, b):
+        return autograd.grad(loss(x, w, b), (x, w, b), create_graph=True)
+
+    jvp_fn = linearize(gradient, x, w, b)[1]
+    for _ in range(2):
+        u = tuple(Tensor(rng.standard_normal(a.shape)) for a in (x, w, b))
+        before = len(calls)
+        products = jvp_fn(*u)
+        assert len(calls) - before == 3
+        for ours, theirs in zip(products, vhp(loss, (x, w, b), u)[1]):
+            np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-12, atol=1e-12)

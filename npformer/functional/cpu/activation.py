@@ -221,6 +221,15 @@ def gelu_double_backward_cpu(g, dy, h, aux, kind, need_dy, need_h):
 
 @gelu_backward_jvp.register("cpu", splits_reference=True)
 def gelu_backward_jvp_cpu(dy, h, aux, t_dy, t_h, kind):
-    """The reference on flat blocks of entries (elementwise)."""
-    return on_row_blocks(gelu_backward_jvp.reference, (*map(_flat, (dy, h, aux, t_dy, t_h)), kind), (0, 1, 2, 3, 4),
-                         "rows", dy).reshape(h.shape)
+    """The reference on flat blocks of entries (elementwise), each in cache-sized chunks: its dozen
+    passes over a chunk while it is in the cache."""
+    xp = backend.get_array_module(h)
+    flat = [_flat(a) for a in (dy, h, aux, t_dy, t_h)]
+    t_dh = xp.empty(h.size, dtype=h.dtype)
+
+    @in_cache_chunks
+    def block(start, stop):
+        t_dh[start:stop] = gelu_backward_jvp.reference(*(None if a is None else a[start:stop] for a in flat), kind)
+
+    for_rows(block, h.size, h.size, h)
+    return t_dh.reshape(h.shape)
