@@ -14,6 +14,7 @@ complete, and `queue_callback(fn)` runs `fn()` when the pass now running ends (t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
@@ -81,9 +82,15 @@ class Function:
     differentiable, it can be differentiated again, to any order. An op without it is
     differentiable once: a second derivative that reaches it raises an error naming it (torch's
     `once_differentiable`), never a silent zero.
+
+    `ctx.tangent_only_grads`, in differentiable_backward: the indices of the inputs whose gradient
+    only its tangent is read from (forward over reverse in `autograd.functional.hvp`, where a
+    parameter's gradient is wanted for its tangent H v alone). An op may leave the values of such a
+    gradient as zeros and skip computing them; its tangent must be exact. Empty elsewhere.
     """
 
     saved_tensors = ()
+    tangent_only_grads = frozenset()
     inputs = None
     versions = ()  # the input Tensors' `_version` when the node was recorded (see _check_versions)
     view = False  # True for ops whose output may share its first input's memory (reshape, slicing, ...)
@@ -372,6 +379,22 @@ def _expands_to(shape, target):
 _backward = threading.local()  # .callbacks: those queued during the backward pass running in this thread
 
 
+_tangent_only = threading.local()  # .next_pass: see _tangent_only_gradients
+
+
+@contextlib.contextmanager
+def _tangent_only_gradients():
+    """Within the block, the next backward pass started in this thread (that one only: a pass it
+    starts itself is an ordinary one) delivers the gradients of the tensors it differentiates with
+    respect to for their tangents alone: ops may leave their values as zeros (`ctx.tangent_only_grads`).
+    For forward over reverse when only the gradients' tangents are read (autograd.functional.hvp)."""
+    _tangent_only.next_pass = True
+    try:
+        yield
+    finally:
+        _tangent_only.next_pass = False
+
+
 def queue_callback(fn: Callable[[], Any]) -> None:
     """Run `fn()` once, when the backward pass running in this thread has finished (every
     gradient accumulated and every post-accumulate-grad hook run); like torch's
@@ -442,9 +465,17 @@ class _Pass:
         self.tensors = tensor_gradients(create_graph)
         self.targets = None if inputs is None else {id(t): t for t in inputs}
         self.found = {}
+        # _tangent_only_gradients: the wanted tensors' gradients are read for their tangents alone
+        self.tangent_only = getattr(_tangent_only, "next_pass", False) and self.tensors and inputs is not None
+        _tangent_only.next_pass, self.needed_ids = False, None
 
     def wanted(self, t):
         return t.requires_grad if self.targets is None else id(t) in self.targets
+
+    def ends_at(self, t):
+        """Whether the gradient of `t` goes nowhere but to the caller: `t` is wanted and it is a leaf,
+        or the pass runs none of its creator's backward."""
+        return t is not None and id(t) in self.targets and (t.creator is None or id(t.creator) not in self.needed_ids)
 
     def deliver(self, t, grad):
         """`grad` (one contribution) of the leaf or wanted tensor `t`: into `.grad` or `found`."""
@@ -491,7 +522,7 @@ class _Pass:
 
     def run_nodes(self, nodes):
         hooked_last_uses, hooked_with_grad = _last_uses_of_hooked_leaves(nodes), set()
-        needed = self.needed(nodes)
+        needed = self.needed_ids = self.needed(nodes)
         wanted_outputs = {} if self.targets is None else {
             (id(t.creator), t.output_index): t for t in self.targets.values() if t.creator is not None}
         for i, node in enumerate(nodes):
@@ -548,7 +579,12 @@ class _Pass:
             return input_grads
         differentiable = getattr(node, "differentiable_backward", None)
         if differentiable is not None:
-            input_grads = differentiable(node, *grads)
+            if self.tangent_only:  # for this pass only (the graph may be retained for another)
+                node.tangent_only_grads = frozenset(i for i, t in enumerate(node.inputs) if self.ends_at(t))
+            try:
+                input_grads = differentiable(node, *grads)
+            finally:
+                node.__dict__.pop("tangent_only_grads", None)
             input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
         else:  # differentiable once: the raw gradients, behind a node that refuses to be differentiated
             if not self.create_graph and _carries_tangents(grads, node.inputs):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import forward_ad
-from .function import _forward, _output_tangent
+from .function import _forward, _output_tangent, _tangent_only_gradients
 from .tensor import Tensor, grad, stack
 
 
@@ -179,7 +179,8 @@ def hvp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, 
     with forward_ad.dual_level():
         duals = [forward_ad.make_dual(x, u.data) for x, u in zip(xs, vs)]
         out = _scalar_output(func(*duals), "hvp")
-        gs = _grads([out], duals, [Tensor(out.xp.ones_like(out.data))], False, strict, "hvp")
+        with _tangent_only_gradients():  # the gradients' values are not read: the ops may skip them
+            gs = _grads([out], duals, [Tensor(out.xp.ones_like(out.data))], False, strict, "hvp")
         products = tuple(_tangent_or_zeros(g) for g in gs)
         value = forward_ad.unpack_dual(out).primal.detach()
     return value, _result(products, inputs_tuple)

@@ -108,7 +108,13 @@ class LinearFunction(Function):
         # Both products are linear's own op, dh (W^T)^T and dh^T (x^T)^T: its kernels (threads on the
         # CPU) run them and their derivatives of every order
         dx = LinearFunction.apply(dh, weight.T, None, activation=None).reshape(ctx.x_shape) if need_x else None
-        dweight = LinearFunction.apply(dh.T, x2d.T, None, activation=None) if need_w else None
+        dweight = None
+        if need_w:
+            # forward over reverse reading W's gradient for its tangent alone (ctx.tangent_only_grads): its
+            # values, one GEMM, left as zeros; the node's jvp gives the tangent t_dh^T x + dh^T t_x all the same
+            xp = backend.get_array_module(weight_saved)
+            unread = xp.zeros_like(weight_saved) if 1 in ctx.tangent_only_grads else None
+            dweight = LinearFunction.apply(dh.T, x2d.T, None, activation=None, values=unread)
         dbias = dh.sum(axis=0) if need_b else None
         return dx, dweight, dbias
 
@@ -116,7 +122,7 @@ class LinearFunction(Function):
     def jvp(ctx, t_x, t_weight, t_bias):
         x2d, weight = ctx.saved_tensors                                   # (N, in), (out, in)
         tangents = (t_x, t_weight, t_bias)
-        source = getattr(ctx, "tangent_from", None)  # h formed again by a differentiable backward (forward over reverse)
+        source = getattr(ctx, "tangent_from", None)  # h formed again by a differentiable backward
         source = None if source is None else source()
         reused = getattr(source, "pre_activation_tangent", None)
         if reused is not None and all(a is b for a, b in zip(reused[0], tangents)):

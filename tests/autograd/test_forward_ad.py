@@ -223,3 +223,47 @@ def test_linearize_refuses_a_tangent_made_inside_func():
 def test_linearize_checks_its_tangents():
     _, jvp_fn = AF.linearize(lambda x: x * 2, Tensor(np.ones(3)))
     assert_clear_error(lambda: jvp_fn(Tensor(np.ones(4))), ValueError, ["linearize", "tangents[0]", "(3,)", "(4,)"])
+
+
+class ScaledByTwo(Function):
+    """y = 2 x, whose differentiable backward records what tangent_only_grads says of its input."""
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return 2 * dy
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        ScaledByTwo.seen.append(ctx.tangent_only_grads)
+        return 2 * dy
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 2 * t
+
+
+def test_hvp_reads_only_the_tangents_of_the_gradients_it_asks_for():
+    """autograd.functional.hvp's backward marks the inputs whose gradient only its tangent is read
+    (Function.tangent_only_grads): the wanted tensors, not what passes through them; a backward that
+    func itself runs (a gradient penalty) is an ordinary pass, and so is any other pass."""
+    rng = np.random.default_rng(5)
+    x = Tensor(rng.standard_normal(4), requires_grad=True)
+    u = Tensor(rng.standard_normal(4))
+
+    def penalty(x):  # |grad of sum(exp(2 x))|^2 + sum((2 x)^3): a gradient inside func
+        (g,) = grad(ScaledByTwo.apply(x).exp().sum(), x, create_graph=True)
+        return (g * g).sum() + (ScaledByTwo.apply(x) ** 3).sum()
+
+    ScaledByTwo.seen.clear()
+    products = AF.hvp(penalty, x, u)[1]
+    # func's own pass: ordinary (nothing marked); hvp's pass: x's gradient ends at the caller
+    assert frozenset() in ScaledByTwo.seen and frozenset({0}) in ScaledByTwo.seen
+    np.testing.assert_allclose(products.numpy(), AF.vhp(penalty, x, u)[1].numpy(), rtol=1e-12, atol=1e-12)
+    ScaledByTwo.seen.clear()
+    grad(ScaledByTwo.apply(x).sum(), x, create_graph=True)
+    assert ScaledByTwo.seen == [frozenset()]

@@ -106,3 +106,28 @@ def test_forward_over_reverse_takes_the_pre_activation_tangent_once(activation, 
         assert len(calls) - before == 3
         for ours, theirs in zip(products, vhp(loss, (x, w, b), u)[1]):
             np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_hvp_leaves_the_weight_gradient_values_unread(monkeypatch):
+    """Forward over reverse in autograd.functional.hvp reads a parameter's gradient for its tangent
+    alone: linear skips the GEMM of dW's values (two products per linear: y and dx), and H v is
+    reverse over reverse's, for a weight used twice and a non-leaf input."""
+    import importlib
+
+    from autograd.functional import hvp, vhp
+    linear_module = importlib.import_module("npformer.functional.linear")  # (F.linear is the function)
+
+    calls = []
+    table = linear_module.linear_forward
+    monkeypatch.setattr(linear_module, "linear_forward", lambda *a: calls.append(1) or table(*a))
+    rng = np.random.default_rng(4)
+    x, w, b = (Tensor(rng.standard_normal(shape), requires_grad=True) for shape in ((5, 4), (4, 4), (4,)))
+    u = tuple(Tensor(rng.standard_normal(a.shape)) for a in (x, w, b))
+
+    def loss(x, w, b):  # w used twice; the second linear's input is not a leaf
+        return (F.linear(F.linear(x, w, b, activation="gelu"), w) ** 2).sum()
+
+    products = hvp(loss, (x, w, b), u)[1]
+    assert len(calls) == 4  # y of both linears, then dx of both: no dW values
+    for ours, theirs in zip(products, vhp(loss, (x, w, b), u)[1]):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-12, atol=1e-12)
