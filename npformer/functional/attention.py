@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, is_grad_enabled, stack, unbroadcast, where
+from autograd import Function, Tensor, backend, is_grad_enabled, unbroadcast, where
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
 from autograd.forward_ad import unpack_dual
@@ -994,29 +994,67 @@ class SplitHeadsFunction(Function):
 
     @staticmethod
     def forward(ctx, x, chunks, num_heads):
-        B, T, width = x.shape
         ctx.shape, ctx.layout = x.shape, (chunks, num_heads)
-        heads = x.reshape(B, T, chunks, num_heads, width // (chunks * num_heads))   # (B, T, n, H, hd)
-        return tuple(heads[:, :, i].transpose(0, 2, 1, 3) for i in range(chunks))  # n x (B, H, T, hd)
+        return _heads_of(x, chunks, num_heads)
 
     @staticmethod
     def jvp(ctx, t):
         # out_i = the heads of x[:, :, i E:(i + 1) E], a linear map  ->  t_out_i = the heads of t_x's columns
-        return SplitHeadsFunction.forward(ctx, t, *ctx.layout)
+        return _heads_of(t, *ctx.layout)
 
     @staticmethod
     def backward(ctx, *grads):
-        xp = backend.get_array_module(grads[0])
-        B, T, width = ctx.shape
-        # out_i = x[:, :, i E:(i + 1) E] as heads  ->  dx[:, :, i E:(i + 1) E] = dout_i as (B, T, H, hd)
-        dx = xp.empty((B, T, len(grads)) + grads[0].shape[1:2] + grads[0].shape[3:], dtype=grads[0].dtype)
-        split_heads_backward(dx, grads)
-        return dx.reshape(ctx.shape)
+        return _merged_heads(grads, ctx.shape)
 
     @staticmethod
     def differentiable_backward(ctx, *grads):
-        # out_i = x's chunk i as (B, H, T, hd)  ->  dx = the chunks' (B, T, H, hd) side by side: (B, T, n, H, hd)
-        return stack([g.swapaxes(1, 2) for g in grads], axis=2).reshape(ctx.shape)
+        # the backward is linear in the gradients and does not depend on x: one op, MergeHeadsFunction
+        return MergeHeadsFunction.apply(*grads, shape=ctx.shape, layout=ctx.layout)
+
+
+class MergeHeadsFunction(Function):
+    """n head tensors (B, H, T, hd) -> (B, T, n E): SplitHeadsFunction's backward as an op (its
+    differentiable backward), one pass like the backward. It is linear and the transpose of the
+    split: its backward is the split of the incoming gradient into heads, its jvp the merge of the
+    tangents."""
+
+    @staticmethod
+    def forward(ctx, *heads, shape, layout):
+        ctx.shape, ctx.layout, ctx.head_shape = shape, layout, heads[0].shape
+        return _merged_heads(heads, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # out[:, :, i E:(i + 1) E] = heads_i as (B, T, H, hd)  ->  d heads_i = the heads of grad's chunk i
+        return _heads_of(grad, *ctx.layout)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        chunks, num_heads = ctx.layout
+        return SplitHeadsFunction.apply(grad, chunks=chunks, num_heads=num_heads)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        like = next(t for t in tangents if t is not None)
+        xp = backend.get_array_module(like)
+        return _merged_heads([xp.zeros(ctx.head_shape, like.dtype) if t is None else t for t in tangents], ctx.shape)
+
+
+def _heads_of(x, chunks, num_heads):
+    """x (B, T, n E) -> n views (B, H, T, hd) of x: chunk i is the heads of columns [i E, (i + 1) E)."""
+    B, T, width = x.shape
+    heads = x.reshape(B, T, chunks, num_heads, width // (chunks * num_heads))   # (B, T, n, H, hd)
+    return tuple(heads[:, :, i].transpose(0, 2, 1, 3) for i in range(chunks))  # n x (B, H, T, hd)
+
+
+def _merged_heads(heads, shape):
+    """The n head arrays (B, H, T, hd) written side by side into one array of `shape` (B, T, n E),
+    in one pass: out[:, :, i E:(i + 1) E] = heads_i as (B, T, H, hd)."""
+    xp = backend.get_array_module(heads[0])
+    B, T, width = shape
+    out = xp.empty((B, T, len(heads)) + heads[0].shape[1:2] + heads[0].shape[3:], dtype=heads[0].dtype)
+    split_heads_backward(out, heads)
+    return out.reshape(shape)
 
 
 @has_twin
