@@ -1,6 +1,6 @@
 """linear's GEMMs split across the threads of `npformer.runtime.threads` (the "cpu" implementation of
-the kernel tables linear_forward / linear_backward): y and dx by blocks of rows, dW and db by
-blocks of output features, dx and dW side by side."""
+the kernel tables linear_forward / linear_backward / linear_tangent): y, dx and the tangent t_h by
+blocks of rows, dW and db by blocks of output features, dx and dW side by side."""
 from autograd import backend
 from npformer.runtime import threads
 from npformer.runtime.threads import for_rows, side_by_side
@@ -62,21 +62,36 @@ def linear_backward_cpu(dy, x, weight, need_x, need_w, need_b):
                          t_x is not None and t_weight is not None
                          and x.size * weight.shape[0] >= threads.MIN_PARALLEL_MACS)
 def linear_tangent_cpu(x, weight, t_x, t_weight, t_bias):
-    """The reference's two products t_x W^T and x t_W^T side by side (threads.side_by_side), then
-    their sum and t_b."""
+    """The reference's two products t_x W^T and x t_W^T and their sum (and t_b), split two ways by
+    the shape (measured on 2 cores, gpt_char's 17 products of each kind, median of 30): a tall
+    output (rows >= the products' depth: the forward's and dx's tangents) by blocks of rows, each
+    block's two products and their sum in its thread (83 against 98 ms side by side); a short one
+    (dW's tangent, (out, N) @ (N, in)) with the two products side by side, each whole on its own
+    thread, then the small sum (73 against 78 ms by rows)."""
     xp = backend.get_array_module(x)
-    along_x = xp.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)       # (N, out)  t_x W^T
-    along_w = xp.empty_like(along_x)                                        # (N, out)  x t_W^T
+    t_h = xp.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)           # (N, out)
+    entries = x.size + t_h.size
+    if x.shape[0] >= x.shape[1]:
+        def rows(start, stop):
+            block = t_h[start:stop]
+            # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b
+            xp.matmul(t_x[start:stop], weight.T, out=block)
+            block += x[start:stop] @ t_weight.T
+            if t_bias is not None:
+                block += t_bias
+
+        for_rows(rows, x.shape[0], entries, x)
+        return t_h
+    along_w = xp.empty_like(t_h)                                            # x t_W^T
 
     def with_x(start, stop):
-        xp.matmul(t_x[start:stop], weight.T, out=along_x[start:stop])
+        xp.matmul(t_x[start:stop], weight.T, out=t_h[start:stop])
 
     def with_w(start, stop):
         xp.matmul(x[start:stop], t_weight.T, out=along_w[start:stop])
 
-    entries = x.size + along_x.size
     side_by_side([(with_x, x.shape[0], entries), (with_w, x.shape[0], entries)], entries, x)
-    along_x += along_w
+    t_h += along_w
     if t_bias is not None:
-        along_x += t_bias
-    return along_x
+        t_h += t_bias
+    return t_h
