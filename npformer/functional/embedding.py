@@ -7,7 +7,6 @@ import math
 from autograd import Function, Tensor, backend, where
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_bool, check_int, check_real
-from autograd.ops import IndexAdd
 from npformer.runtime.kernels import kernel_table
 
 from ._common import check_index_range, check_tensor, has_twin, on_device_of
@@ -53,7 +52,7 @@ class EmbeddingFunction(Function):
         # dweight = the scatter-add of dout's rows at ids: linear in dout, and no function of weight, so
         #   d/d(dout) <dweight, U> = U[ids] (the lookup again), and no second derivative in weight
         rows = dout.reshape(ids.shape[0], dout.shape[-1])
-        dweight = IndexAdd.apply(rows, shape=(ctx.num_embeddings, rows.shape[1]), key=ids, scatter=True)
+        dweight = ScatterAddRowsFunction.apply(rows, ids=ids, num_rows=ctx.num_embeddings)
         if ctx.scale_grad_by_freq:  # dweight[v] / count(v): a constant factor per row
             dweight = dweight / Tensor(id_counts(ids, ctx.num_embeddings, rows.dtype))
         if ctx.padding_idx is not None:
@@ -69,6 +68,31 @@ class EmbeddingFunction(Function):
         if ctx.padding_idx is not None:
             backend.get_array_module(t_out).copyto(t_out, 0, where=(ctx.ids == ctx.padding_idx)[..., None])
         return t_out
+
+
+class ScatterAddRowsFunction(Function):
+    """rows (N, D) -> out (num_rows, D), out[v] = the sum of rows[n] over every n with ids[n] == v:
+    the embedding's backward as an op (its differentiable backward), run by the kernel table
+    scatter_add_rows (on the CPU: sorted runs, >10x numpy's add.at). It is linear in rows and the
+    transpose of the lookup: its backward is the lookup g[ids], its jvp the scatter-add of the tangent."""
+
+    @staticmethod
+    def forward(ctx, rows, ids, num_rows):
+        ctx.ids, ctx.num_rows = ids, num_rows
+        return scatter_add_rows(ids, rows, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # out[v] = sum_{n: ids[n] = v} rows[n]  ->  d rows[n] = grad[ids[n]]
+        return grad[ctx.ids]
+
+    @staticmethod
+    def differentiable_backward(ctx, grad):
+        return EmbeddingFunction.apply(grad, ids=ctx.ids, padding_idx=None)   # the lookup: its gradient is this op
+
+    @staticmethod
+    def jvp(ctx, t_rows):
+        return scatter_add_rows(ctx.ids, t_rows, ctx.num_rows)
 
 
 def id_counts(ids, num_embeddings, dtype):

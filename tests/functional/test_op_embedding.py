@@ -170,3 +170,26 @@ W = np.zeros((5, 4))
 ])
 def test_bad_input_raises_a_clear_error(call, error, words):
     assert_clear_error(call, error, words)
+
+
+def test_the_gradient_of_embedding_is_one_op_that_scatters_the_rows_in_every_order():
+    """The embedding's create_graph gradient is ScatterAddRowsFunction (the first-order kernel):
+    checked as an op of its own (gradcheck, gradgradcheck through its differentiable backward, the
+    lookup), its tangent the scatter-add of the tangent, repeated ids adding up."""
+    from npformer.functional.embedding import ScatterAddRowsFunction
+
+    rng = np.random.default_rng(8)
+    ids = np.array([3, 0, 3, 1, 3])
+    rows = Tensor(rng.standard_normal((5, 2)), requires_grad=True)
+
+    def scattered_cubed(rows):
+        return ScatterAddRowsFunction.apply(rows, ids=ids, num_rows=4) ** 3
+
+    assert autograd.gradcheck(scattered_cubed, [rows])
+    assert autograd.gradgradcheck(scattered_cubed, [rows])
+    tangent = rng.standard_normal((5, 2))
+    with fwAD.dual_level():
+        t = fwAD.unpack_dual(ScatterAddRowsFunction.apply(fwAD.make_dual(rows, tangent), ids=ids, num_rows=4)).tangent
+    expected = np.zeros((4, 2))
+    np.add.at(expected, ids, tangent)
+    np.testing.assert_allclose(t, expected, rtol=1e-15, atol=1e-15)
