@@ -1,14 +1,16 @@
 """F.linear and nn.Linear: the registry's cases (gradcheck, torch, composite twin on every
 device; second derivatives: gradgradcheck, torch's double backward), torch's initialisation, and
 clear errors."""
+import importlib
 import math
 
 import numpy as np
 import pytest
 
 import npformer
+import autograd
 from autograd import Tensor
-from autograd.functional import jvp
+from autograd.functional import hvp, jvp, linearize, vhp
 import npformer.functional as F
 from npformer import nn
 
@@ -68,66 +70,57 @@ def test_forward_mode_is_the_same_for_any_number_of_threads(activation, threads)
         np.testing.assert_allclose(t.numpy(), results[0].numpy(), rtol=1e-12, atol=1e-12)
 
 
+def counted_calls(monkeypatch, table_name):
+    """A list that grows by one at each call of linear.py's kernel table `table_name`."""
+    module = importlib.import_module("npformer.functional.linear")  # (F.linear is the function)
+    calls, table = [], getattr(module, table_name)
+    monkeypatch.setattr(module, table_name, lambda *a: calls.append(1) or table(*a))
+    return calls
+
+
+def assert_reverse_over_reverse(products, loss, inputs, u):
+    for ours, theirs in zip(products, vhp(loss, inputs, u)[1]):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 def test_forward_over_reverse_takes_the_pre_activation_tangent_once(activation, monkeypatch):
     """The differentiable backward forms h = x W^T + b again (its second derivative reaches x, W, b
     through h): forward over reverse takes h's tangent from the forward's jvp, not from two more
     GEMMs; the products stay those of reverse over reverse, also when linearize takes the steps
     again along other tangents."""
-    import importlib
-
-    import autograd
-    from autograd.functional import hvp, linearize, vhp
-    linear_module = importlib.import_module("npformer.functional.linear")  # (F.linear is the function)
-
-    calls = []
-    table = linear_module.linear_tangent
-    monkeypatch.setattr(linear_module, "linear_tangent", lambda *a: calls.append(1) or table(*a))
+    calls = counted_calls(monkeypatch, "linear_tangent")
     rng = np.random.default_rng(3)
-    x, w, b = (Tensor(rng.standard_normal(shape), requires_grad=True) for shape in ((5, 4), (3, 4), (3,)))
-    u = tuple(Tensor(rng.standard_normal(a.shape)) for a in (x, w, b))
+    inputs = tuple(Tensor(rng.standard_normal(shape), requires_grad=True) for shape in ((5, 4), (3, 4), (3,)))
 
     def loss(x, w, b):
         return (F.linear(x, w, b, activation=activation) ** 2).sum()
 
-    forward = hvp(loss, (x, w, b), u)[1]
+    u = tuple(Tensor(rng.standard_normal(a.shape)) for a in inputs)
+    products = hvp(loss, inputs, u)[1]
     assert len(calls) == 3  # t_h in the forward, then the tangents of dx = dh W and dW = dh^T x
-    for ours, theirs in zip(forward, vhp(loss, (x, w, b), u)[1]):
-        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-12, atol=1e-12)
-
-    def gradient(x, w, b):
-        return autograd.grad(loss(x, w, b), (x, w, b), create_graph=True)
-
-    jvp_fn = linearize(gradient, x, w, b)[1]
+    assert_reverse_over_reverse(products, loss, inputs, u)
+    jvp_fn = linearize(lambda *a: autograd.grad(loss(*a), a, create_graph=True), *inputs)[1]
     for _ in range(2):
-        u = tuple(Tensor(rng.standard_normal(a.shape)) for a in (x, w, b))
+        u = tuple(Tensor(rng.standard_normal(a.shape)) for a in inputs)
         before = len(calls)
         products = jvp_fn(*u)
         assert len(calls) - before == 3
-        for ours, theirs in zip(products, vhp(loss, (x, w, b), u)[1]):
-            np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-12, atol=1e-12)
+        assert_reverse_over_reverse(products, loss, inputs, u)
 
 
 def test_hvp_leaves_the_weight_gradient_values_unread(monkeypatch):
     """Forward over reverse in autograd.functional.hvp reads a parameter's gradient for its tangent
     alone: linear skips the GEMM of dW's values (two products per linear: y and dx), and H v is
     reverse over reverse's, for a weight used twice and a non-leaf input."""
-    import importlib
-
-    from autograd.functional import hvp, vhp
-    linear_module = importlib.import_module("npformer.functional.linear")  # (F.linear is the function)
-
-    calls = []
-    table = linear_module.linear_forward
-    monkeypatch.setattr(linear_module, "linear_forward", lambda *a: calls.append(1) or table(*a))
+    calls = counted_calls(monkeypatch, "linear_forward")
     rng = np.random.default_rng(4)
-    x, w, b = (Tensor(rng.standard_normal(shape), requires_grad=True) for shape in ((5, 4), (4, 4), (4,)))
-    u = tuple(Tensor(rng.standard_normal(a.shape)) for a in (x, w, b))
+    inputs = tuple(Tensor(rng.standard_normal(shape), requires_grad=True) for shape in ((5, 4), (4, 4), (4,)))
 
     def loss(x, w, b):  # w used twice; the second linear's input is not a leaf
         return (F.linear(F.linear(x, w, b, activation="gelu"), w) ** 2).sum()
 
-    products = hvp(loss, (x, w, b), u)[1]
+    u = tuple(Tensor(rng.standard_normal(a.shape)) for a in inputs)
+    products = hvp(loss, inputs, u)[1]
     assert len(calls) == 4  # y of both linears, then dx of both: no dW values
-    for ours, theirs in zip(products, vhp(loss, (x, w, b), u)[1]):
-        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-12, atol=1e-12)
+    assert_reverse_over_reverse(products, loss, inputs, u)
