@@ -129,11 +129,11 @@ class LinearFunction(Function):
             # the same x, W, b moving along the same tangents: the forward's jvp computed this t_h; taken once
             del source.pre_activation_tangent
             return reused[1].reshape(ctx.x_shape[:-1] + (weight.shape[0],))
-        # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b (its table: on the CPU the two GEMMs side by side)
+        # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b (its table: on the CPU split across the threads)
         t_h = linear_tangent(x2d, weight, None if t_x is None else t_x.reshape(x2d.shape), t_weight, t_bias)
         if ctx.activation is None:
             return t_h.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
-        if ctx.activation != "relu" and hasattr(ctx, "inputs"):  # recorded: its differentiable backward forms h
+        if ctx.activation != "relu" and ctx.inputs is not None:  # recorded: its differentiable backward forms h
             ctx.pre_activation_tangent = tangents, t_h                # again and takes t_h from here (above)
         # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
         t_y = bias_activation_backward(t_h, ctx.activation_saved, ctx.activation)
