@@ -90,13 +90,21 @@ def gelu_second_derivative(h, aux, kind):
         du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
         return (1.0 - aux * aux) * (du * (1.0 - h * aux * du) + 3.0 * TANH_C * TANH_K * h * h)
     # y' = Phi(h) + h phi(h), phi' = -h phi  ->  y'' = phi + phi + h phi' = phi(h) (2 - h^2)
-    hh = h * h
-    out = hh * -0.5
-    xp.exp(out, out=out)                                    # exp(-h^2 / 2)
-    out *= INV_SQRT_2PI                                     # phi(h)
+    phi, hh = _density_and_square(h)
     xp.subtract(2.0, hh, out=hh)
-    out *= hh
-    return out
+    phi *= hh
+    return phi
+
+
+def _density_and_square(h):
+    """(phi(h), h^2) of a raw array, each a new array: phi(h) = exp(-h^2 / 2) / sqrt(2 pi), the
+    standard normal density (the exact GELU's second-order rules need both)."""
+    xp = backend.get_array_module(h)
+    hh = h * h
+    phi = hh * -0.5
+    xp.exp(phi, out=phi)
+    phi *= INV_SQRT_2PI
+    return phi, hh
 
 
 def _gelu_second_derivative_graph(h, kind):
@@ -179,10 +187,7 @@ def _exact_gelu_backward_jvp(dy, h, cdf, t_dy, t_h):
     """gelu_backward_jvp of the exact form along both tangents, phi(h) formed once for gelu'(h) and
     gelu''(h) (12 array passes where the two separate rules take 16, two of them exp)."""
     xp = backend.get_array_module(h)
-    hh = h * h
-    phi = hh * -0.5
-    xp.exp(phi, out=phi)
-    phi *= INV_SQRT_2PI                                     # phi(h) = exp(-h^2 / 2) / sqrt(2 pi)
+    phi, hh = _density_and_square(h)
     # gelu''(h) = phi(h) (2 - h^2)  ->  dy * gelu''(h) * t_h
     t_dh = xp.subtract(2.0, hh, out=hh)
     t_dh *= phi
