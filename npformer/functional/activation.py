@@ -54,10 +54,7 @@ def bias_activation_backward(dy, saved, kind):
         du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
         # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
         return dy * (0.5 * (1.0 + aux) + 0.5 * h * (1.0 - aux * aux) * du)
-    density = h * h                                         # phi(h) = exp(-h^2/2) / sqrt(2 pi)
-    density *= -0.5
-    xp.exp(density, out=density)
-    density *= INV_SQRT_2PI
+    density = normal_density(h)
     # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
     density *= h
     density += aux
@@ -65,19 +62,59 @@ def bias_activation_backward(dy, saved, kind):
     return density
 
 
+def normal_density(h):
+    """phi(h) = exp(-h^2 / 2) / sqrt(2 pi) of a raw array, a new array: the standard normal density,
+    the derivative of the exact GELU's Phi(h)."""
+    xp = backend.get_array_module(h)
+    density = h * h
+    density *= -0.5
+    xp.exp(density, out=density)
+    density *= INV_SQRT_2PI
+    return density
+
+
+@kernel_table
+def gelu_backward_density(dy, h, cdf, density=None):
+    """The exact GELU's dh = dy * gelu'(h) and the density it takes: (dh, phi(h)), from h and
+    cdf = Phi(h) as bias_activation_forward saved them; phi(h) formed here when `density` is None,
+    else the given one (formed for the same h by an earlier call)."""
+    if density is None:
+        density = normal_density(h)
+    # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
+    dh = density * h
+    dh += cdf
+    dh *= dy
+    return dh, density
+
+
+def activation_tangent(ctx, t_h, kind):
+    """t_y = act'(h) * t_h, the tangent of y = act(h) (jvp of linear's epilogue and of gelu), from
+    what bias_activation_forward saved (ctx.activation_saved). The exact GELU of a recorded node
+    also keeps phi(h) on ctx (ctx.activation_density, h's size): forward over reverse runs the
+    node's differentiable backward next, whose GELU backward and its tangent need phi(h) again
+    (bias_activation_grad's `density`), so one step takes exp(-h^2 / 2) once, not three times."""
+    if kind != "gelu" or ctx.inputs is None:
+        # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
+        return bias_activation_backward(t_h, ctx.activation_saved, kind)
+    h, cdf = ctx.activation_saved
+    t_y, ctx.activation_density = gelu_backward_density(t_h, h, cdf)
+    return t_y
+
+
 def normal_pdf(x):
     """phi(x) = exp(-x^2 / 2) / sqrt(2 pi) of a Tensor (differentiable): the derivative of Phi."""
     return (x * x * -0.5).exp() * INV_SQRT_2PI
 
 
-def bias_activation_grad(dy, h, saved, kind):
+def bias_activation_grad(dy, h, saved, kind, density=None):
     """dh = dy * act'(h) on Tensors, differentiable (for the double backward): h the pre-activation
-    Tensor in the graph (unused by relu), saved what bias_activation_forward saved."""
+    Tensor in the graph (unused by relu), saved what bias_activation_forward saved, density the
+    exact GELU's phi(h) when activation_tangent kept it (else None)."""
     if kind == "relu":
         # dh = dy where keep, else 0: the mask is a constant (the step's derivative is 0), so
         #   d/d(dy) <dh, u> = u where keep, and no second derivative through h
         return where(saved[0], dy, 0)
-    return GELUBackward.apply(dy, h, saved=saved, kind=kind)
+    return GELUBackward.apply(dy, h, saved=saved, kind=kind, density=density)
 
 
 def gelu_second_derivative(h, aux, kind):
@@ -124,13 +161,16 @@ class GELUBackward(Function):
         dh = dy * gelu'(h)  ->  d(dy) = g * gelu'(h),  d(h) = g * dy * gelu''(h)
 
     and the tangent t_dh = t_dy * gelu'(h) + dy * gelu''(h) * t_h. saved: what
-    bias_activation_forward saved, (h, Phi(h)) or (h, tanh(u)); kind "gelu" or "gelu_tanh"."""
+    bias_activation_forward saved, (h, Phi(h)) or (h, tanh(u)); kind "gelu" or "gelu_tanh";
+    density: the exact form's phi(h) when already formed (activation_tangent), else None."""
 
     @staticmethod
-    def forward(ctx, dy, h, saved, kind):
+    def forward(ctx, dy, h, saved, kind, density=None):
         ctx.save_for_backward(dy)
-        ctx.activation_saved, ctx.kind = saved, kind
-        return bias_activation_backward(dy, saved, kind)
+        ctx.activation_saved, ctx.kind, ctx.density = saved, kind, density
+        if density is None:
+            return bias_activation_backward(dy, saved, kind)
+        return gelu_backward_density(dy, *saved, density)[0]
 
     @staticmethod
     def backward(ctx, g):
@@ -142,7 +182,9 @@ class GELUBackward(Function):
     def differentiable_backward(ctx, g):
         dy, h = ctx.inputs
         need_dy, need_h = ctx.needs_input_grad
-        ddy = GELUBackward.apply(g, h, saved=ctx.activation_saved, kind=ctx.kind) if need_dy else None
+        ddy = None
+        if need_dy:
+            ddy = GELUBackward.apply(g, h, saved=ctx.activation_saved, kind=ctx.kind, density=ctx.density)
         dh = g * dy * _gelu_second_derivative_graph(h, ctx.kind) if need_h else None
         return ddy, dh
 
@@ -150,7 +192,7 @@ class GELUBackward(Function):
     def jvp(ctx, t_dy, t_h):
         (dy,) = ctx.saved_tensors
         h, aux = ctx.activation_saved
-        return gelu_backward_jvp(dy, h, aux, t_dy, t_h, ctx.kind)
+        return gelu_backward_jvp(dy, h, aux, t_dy, t_h, ctx.kind, ctx.density)
 
 
 @kernel_table
@@ -169,11 +211,12 @@ def gelu_double_backward(g, dy, h, aux, kind, need_dy, need_h):
 
 
 @kernel_table
-def gelu_backward_jvp(dy, h, aux, t_dy, t_h, kind):
-    """The tangent of GELU's backward dh = dy * gelu'(h) along t_dy and t_h (either None)."""
+def gelu_backward_jvp(dy, h, aux, t_dy, t_h, kind, density=None):
+    """The tangent of GELU's backward dh = dy * gelu'(h) along t_dy and t_h (either None); density
+    the exact form's phi(h) when already formed (along both tangents it is not formed again)."""
     # dh = dy * gelu'(h)  ->  t_dh = t_dy * gelu'(h) + dy * gelu''(h) * t_h
     if kind == "gelu" and t_dy is not None and t_h is not None:
-        return _exact_gelu_backward_jvp(dy, h, aux, t_dy, t_h)
+        return _exact_gelu_backward_jvp(dy, h, aux, t_dy, t_h, density)
     t_dh = None if t_dy is None else bias_activation_backward(t_dy, (h, aux), kind)
     if t_h is not None:
         along_h = gelu_second_derivative(h, aux, kind)
@@ -183,21 +226,26 @@ def gelu_backward_jvp(dy, h, aux, t_dy, t_h, kind):
     return t_dh
 
 
-def _exact_gelu_backward_jvp(dy, h, cdf, t_dy, t_h):
+def _exact_gelu_backward_jvp(dy, h, cdf, t_dy, t_h, density=None):
     """gelu_backward_jvp of the exact form along both tangents, phi(h) formed once for gelu'(h) and
-    gelu''(h) (12 array passes where the two separate rules take 16, two of them exp)."""
+    gelu''(h) (12 array passes where the two separate rules take 16, two of them exp), or not at
+    all when `density` gives it (9 passes, no exp)."""
     xp = backend.get_array_module(h)
-    phi, hh = _density_and_square(h)
+    if density is None:
+        phi, hh = _density_and_square(h)
+        slope = phi                      # gelu'(h) formed in phi's array once gelu''(h) has used it
+    else:
+        phi, hh, slope = density, h * h, None
     # gelu''(h) = phi(h) (2 - h^2)  ->  dy * gelu''(h) * t_h
     t_dh = xp.subtract(2.0, hh, out=hh)
     t_dh *= phi
     t_dh *= dy
     t_dh *= t_h
     # gelu'(h) = Phi(h) + h phi(h)  ->  + t_dy * gelu'(h)
-    phi *= h
-    phi += cdf
-    phi *= t_dy
-    t_dh += phi
+    slope = xp.multiply(phi, h, out=slope)
+    slope += cdf
+    slope *= t_dy
+    t_dh += slope
     return t_dh
 
 
@@ -249,12 +297,13 @@ class GELUFunction(Function):
 
     @staticmethod
     def differentiable_backward(ctx, dy):
-        return bias_activation_grad(dy, ctx.inputs[0], ctx.activation_saved, ctx.kind)
+        return bias_activation_grad(dy, ctx.inputs[0], ctx.activation_saved, ctx.kind,
+                                    getattr(ctx, "activation_density", None))
 
     @staticmethod
     def jvp(ctx, t):
-        # y = gelu(x)  ->  t_y = gelu'(x) * t_x: elementwise, so the backward's kernel applies
-        return bias_activation_backward(t, ctx.activation_saved, ctx.kind)
+        # y = gelu(x)  ->  t_y = gelu'(x) * t_x
+        return activation_tangent(ctx, t, ctx.kind)
 
 
 @has_twin

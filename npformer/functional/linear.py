@@ -9,7 +9,8 @@ from autograd.backend import Array
 from npformer.runtime.kernels import kernel_table
 
 from ._common import added_into, check_one_dtype, check_tensor, has_twin
-from .activation import ACTIVATIONS, bias_activation_backward, bias_activation_forward, bias_activation_grad
+from .activation import (ACTIVATIONS, activation_tangent, bias_activation_backward, bias_activation_forward,
+                         bias_activation_grad)
 
 
 @kernel_table
@@ -101,7 +102,8 @@ class LinearFunction(Function):
             # and b through h
             h = None if ctx.activation == "relu" else LinearFunction.apply(
                 x, weight, bias, activation=None, values=ctx.activation_saved[0], tangent_from=ctx).reshape(dh.shape)
-            dh = bias_activation_grad(dh, h, ctx.activation_saved, ctx.activation)
+            dh = bias_activation_grad(dh, h, ctx.activation_saved, ctx.activation,
+                                      getattr(ctx, "activation_density", None))
         need_x, need_w, need_b = ctx.needs_input_grad
         # dx = dh W, dW = dh^T x, db = sum of dh over rows: bilinear in (dh, W) and (dh, x), so
         #   d/d(dh) <(dx, dW, db), (u, U, c)> = u W^T + x U^T + c,  d/dW <dx, u> = dh^T u,  d/dx <dW, U> = dh U.
@@ -135,8 +137,8 @@ class LinearFunction(Function):
             return t_h.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
         if ctx.activation != "relu" and ctx.inputs is not None:  # recorded: its differentiable backward forms h
             ctx.pre_activation_tangent = tangents, t_h                # again and takes t_h from here (above)
-        # y = act(h)  ->  t_y = act'(h) * t_h: elementwise, so the backward's kernel applies
-        t_y = bias_activation_backward(t_h, ctx.activation_saved, ctx.activation)
+        # y = act(h)  ->  t_y = act'(h) * t_h (the exact GELU keeps phi(h) for the differentiable backward)
+        t_y = activation_tangent(ctx, t_h, ctx.activation)
         return t_y.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
 
 

@@ -82,6 +82,38 @@ def test_forward_over_reverse_hvp_through_gelu_matches_reverse_over_reverse():
         np.testing.assert_allclose(forward, reverse, rtol=1e-12, atol=1e-12 * np.abs(reverse).max())
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_forward_over_reverse_forms_the_density_once(fused, monkeypatch):
+    """An HVP forward over reverse through the exact GELU (linear's epilogue, or F.gelu) forms
+    phi(h) = exp(-h^2 / 2) / sqrt(2 pi) once, in the forward's jvp: the GELU backward of the
+    differentiable backward and that backward's tangent take the same array (no kernel forms it
+    again), and the products are reverse over reverse's."""
+    from autograd.functional import hvp, vhp
+    from npformer.functional import activation
+    formed, given = [], []
+    for name in ("gelu_backward_density", "gelu_backward_jvp", "bias_activation_backward"):
+        def spy(*args, table=getattr(activation, name), name=name):
+            density = args[-1] if name != "bias_activation_backward" and len(args) in (4, 7) else None
+            (given if density is not None else formed).append((name, density))
+            return table(*args)
+        monkeypatch.setattr(activation, name, spy)
+    rng = np.random.default_rng(5)
+    x, w, v = rng.standard_normal((3, 4)), rng.standard_normal((6, 4)), rng.standard_normal((3, 4))
+
+    def loss(a):
+        y = F.linear(a, Tensor(w), activation="gelu") if fused else F.gelu(F.linear(a, Tensor(w)))
+        return (y * y).sum()
+
+    forward = hvp(loss, Tensor(x), Tensor(v))[1].numpy()
+    assert [name for name, _ in formed] == ["gelu_backward_density"]   # the forward's jvp: t_y = gelu'(h) t_h
+    assert [name for name, _ in given] == ["gelu_backward_density", "gelu_backward_jvp"]
+    density = activation.normal_density(x @ w.T)
+    for _, array in given:
+        np.testing.assert_array_equal(array, density)
+    reverse = vhp(loss, Tensor(x), Tensor(v))[1].numpy()
+    np.testing.assert_allclose(forward, reverse, rtol=1e-12, atol=1e-12 * np.abs(reverse).max())
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 def test_third_derivative_through_fused_linear_matches_torch(activation, torch):
     """F.linear's fused GELU, differentiated three times (GELUBackward's differentiable backward),

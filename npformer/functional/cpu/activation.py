@@ -8,8 +8,8 @@ from npformer.runtime.threads import for_rows, on_row_blocks
 
 from .._erf import INV_SQRT_2PI, SQRT_2, erf, normal_cdf_float32
 from ..activation import (TANH_C, TANH_K, bias_activation_backward, bias_activation_forward, dropout_backward,
-                          dropout_forward, dropout_scale, dropout_threshold, elementwise_product, gelu_backward_jvp,
-                          gelu_double_backward)
+                          dropout_forward, dropout_scale, dropout_threshold, elementwise_product, gelu_backward_density,
+                          gelu_backward_jvp, gelu_double_backward)
 
 
 # entries per pass of GELU's many-pass CPU blocks (512 KiB of float32): erf's ~25 array passes
@@ -128,17 +128,44 @@ def _gelu_backward_cpu(dy, saved, kind):
             # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
             xp.multiply(dyf[start:stop], 0.5 * (1.0 + ab) + 0.5 * hb * (1.0 - ab * ab) * du, out=g)
             return
-        xp.multiply(hb, hb, out=g)                                  # phi(h) = exp(-h^2/2) / sqrt(2 pi)
-        g *= -0.5
-        xp.exp(g, out=g)
-        g *= INV_SQRT_2PI
-        # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
-        g *= hb
-        g += ab
-        g *= dyf[start:stop]
+        _exact_gelu_backward_chunk(dyf[start:stop], hb, ab, g, g, True)   # phi(h) not kept: in dh's array
 
     for_rows(block, dyf.size, dyf.size, dy)
     return dh.reshape(dy.shape)
+
+
+def _exact_gelu_backward_chunk(dy, h, cdf, density, dh, form):
+    """The exact GELU's dh = dy (Phi(h) + h phi(h)) of one chunk into `dh`, phi(h) first formed into
+    `density` when `form` (`density` may be dh's own array: phi(h) then not kept)."""
+    xp = backend.get_array_module(h)
+    if form:
+        xp.multiply(h, h, out=density)                              # phi(h) = exp(-h^2/2) / sqrt(2 pi)
+        density *= -0.5
+        xp.exp(density, out=density)
+        density *= INV_SQRT_2PI
+    # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
+    xp.multiply(density, h, out=dh)
+    dh += cdf
+    dh *= dy
+
+
+@gelu_backward_density.register("cpu", splits_reference=True)
+def gelu_backward_density_cpu(dy, h, cdf, density=None):
+    """The reference on flat blocks of entries in cache-sized chunks: phi(h) (when formed here) and
+    dh of a chunk while it is in the cache."""
+    xp = backend.get_array_module(h)
+    dyf, hf, cf = dy.reshape(-1), h.reshape(-1), cdf.reshape(-1)
+    dh = xp.empty_like(hf)
+    form = density is None
+    phi = xp.empty_like(hf) if form else density.reshape(-1)
+
+    @in_cache_chunks
+    def block(start, stop):
+        _exact_gelu_backward_chunk(dyf[start:stop], hf[start:stop], cf[start:stop], phi[start:stop], dh[start:stop],
+                                   form)
+
+    for_rows(block, hf.size, hf.size, h)
+    return dh.reshape(h.shape), phi.reshape(h.shape)
 
 
 @dropout_forward.register("cpu", supports=lambda x, seed, offset, p, state=None: state is None and p < 1.0)
@@ -220,16 +247,17 @@ def gelu_double_backward_cpu(g, dy, h, aux, kind, need_dy, need_h):
 
 
 @gelu_backward_jvp.register("cpu", splits_reference=True)
-def gelu_backward_jvp_cpu(dy, h, aux, t_dy, t_h, kind):
+def gelu_backward_jvp_cpu(dy, h, aux, t_dy, t_h, kind, density=None):
     """The reference on flat blocks of entries (elementwise), each in cache-sized chunks: its dozen
     passes over a chunk while it is in the cache."""
     xp = backend.get_array_module(h)
-    flat = [_flat(a) for a in (dy, h, aux, t_dy, t_h)]
+    flat = [_flat(a) for a in (dy, h, aux, t_dy, t_h, density)]
     t_dh = xp.empty(h.size, dtype=h.dtype)
 
     @in_cache_chunks
     def block(start, stop):
-        t_dh[start:stop] = gelu_backward_jvp.reference(*(None if a is None else a[start:stop] for a in flat), kind)
+        dy_, h_, aux_, t_dy_, t_h_, density_ = (None if a is None else a[start:stop] for a in flat)
+        t_dh[start:stop] = gelu_backward_jvp.reference(dy_, h_, aux_, t_dy_, t_h_, kind, density_)
 
     for_rows(block, h.size, h.size, h)
     return t_dh.reshape(h.shape)

@@ -122,6 +122,11 @@ def cases(rng):
         yield activation.gelu_double_backward, (gelu_g, gelu_dy, gelu_h, gelu_aux, kind, True, True)
         yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, gelu_t, gelu_g, kind)
         yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, None, gelu_g, kind)
+        if kind == "gelu":  # with the exact form's phi(h) formed already, and forming it
+            gelu_density = activation.normal_density(gelu_h)
+            yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, gelu_t, gelu_g, kind, gelu_density)
+            yield activation.gelu_backward_density, (gelu_dy, gelu_h, gelu_aux)
+            yield activation.gelu_backward_density, (gelu_dy, gelu_h, gelu_aux, gelu_density)
     yield normalization.layer_norm_backward, (rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, ln_w, True, True, True)
     yield normalization.layer_norm_backward, (rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, None, True, False, False)
 
