@@ -4,6 +4,7 @@ fails; npformer.runtime.threads.run_tasks runs a task the pool has not started i
 forked while a mask is drawn ahead neither hangs nor draws another mask."""
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -112,6 +113,9 @@ def test_second_pass_is_drawn_ahead_and_a_mismatch_drops_the_predictions(two_thr
     start = 10_000 * 8                              # pass 2 starts elsewhere in the stream
     mask, ahead = request(100, start)
     assert not ahead                                # the first request of a pass draws its own
+    deadline = time.monotonic() + 10                # (the pool's threads take the two draws: not a race
+    while sum(not main for main, _, _ in drawn) < 2 and time.monotonic() < deadline:   # with the requests)
+        time.sleep(0.001)
     for n, relative in ((37, 256), (256, 512)):
         mask, ahead = request(n, start + relative)
         assert ahead
