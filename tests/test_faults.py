@@ -32,6 +32,14 @@ def temporary_files(out):
     return sorted(out.glob(".checkpoint.npz.*.tmp"))
 
 
+def size(path):
+    """The file's size, 0 when it is gone (a temporary file renamed into place since it was listed)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def kill_while_writing(out, deadline=60.0):
     """Start a run whose second save (step 40) writes slowly; SIGKILL it once the first save is
     complete and the second one's temporary file holds some but not all of its bytes."""
@@ -40,7 +48,7 @@ def kill_while_writing(out, deadline=60.0):
         start = time.monotonic()
         while time.monotonic() - start < deadline:
             assert process.poll() is None, "the run ended before it could be killed"
-            partial = [p for p in temporary_files(out) if p.stat().st_size > 0]
+            partial = [p for p in temporary_files(out) if size(p) > 0]
             if (out / "checkpoint.npz").exists() and partial:
                 os.kill(process.pid, signal.SIGKILL)
                 break
