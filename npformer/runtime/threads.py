@@ -44,8 +44,9 @@ MIN_PARALLEL_ENTRIES = 1 << 18
 # its output's size: the products of a weight gradient, (out, N) @ (N, in), have few entries and
 # many multiply-adds. Measured on 2 cores (float32, split into two blocks of rows against one
 # call): 2^23 multiply-adds (2048x64x64) 1.2x slower split, 2^25 (128x2048x128) 0.86x,
-# 2^27 (512x2048x128) 0.62x.
-MIN_PARALLEL_MACS = 1 << 25
+# 2^27 (512x2048x128) 0.62x; with the lean pool (a hand-off ~20 us), gpt_char's head
+# (2048x128x100, 1.56 * 2^24) 0.68x for its tangent's two products, and 2^24 (2048x128x64) 0.83x.
+MIN_PARALLEL_MACS = 1 << 24
 
 # blas_callers: thread ident -> depth of its open blas_threads_in_caller blocks
 _state = {"threads": None, "pool": None, "blas_limit": None, "blas_callers": {}}
