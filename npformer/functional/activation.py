@@ -65,12 +65,7 @@ def bias_activation_backward(dy, saved, kind):
 def normal_density(h):
     """phi(h) = exp(-h^2 / 2) / sqrt(2 pi) of a raw array, a new array: the standard normal density,
     the derivative of the exact GELU's Phi(h)."""
-    xp = backend.get_array_module(h)
-    density = h * h
-    density *= -0.5
-    xp.exp(density, out=density)
-    density *= INV_SQRT_2PI
-    return density
+    return _density_and_square(h)[0]
 
 
 @kernel_table
