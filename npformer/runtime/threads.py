@@ -235,13 +235,13 @@ class Task:
     when it had not started: it never will, and the caller runs it itself); `_done` is released once
     it has run. Measured on 2 cores, a hand-off and join of an empty block: ~20 us, where
     concurrent.futures (a Future, its Condition, and wait) took 60-85 us."""
-    __slots__ = ("fn", "args", "value", "error", "_claim", "_done", "_cancelled")
+    __slots__ = ("fn", "args", "value", "error", "_claim", "_done", "_cancelled", "_ran")
 
     def __init__(self, fn, args):
         self.fn, self.args, self.value, self.error = fn, args, None, None
         self._claim, self._done = threading.Lock(), threading.Lock()
         self._done.acquire()
-        self._cancelled = False
+        self._cancelled = self._ran = False
 
     def run(self):
         """In a pool thread: fn(*args), its value or its error kept, unless it was cancelled."""
@@ -252,6 +252,7 @@ class Task:
         except BaseException as error:  # raised in the caller, by result()
             self.error = error
         finally:
+            self._ran = True
             self._done.release()
 
     def cancel(self):
@@ -264,8 +265,9 @@ class Task:
         return self._cancelled
 
     def done(self):
-        """True once it has run or was cancelled."""
-        return self._cancelled or not self._done.locked()
+        """True once it has run or was cancelled (not the done lock's state: a waiter holds it
+        for a moment)."""
+        return self._cancelled or self._ran
 
     def wait(self, timeout=None):
         """Until the task has run, or for `timeout` seconds: whether it has run (a cancelled one
