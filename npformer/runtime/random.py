@@ -478,14 +478,37 @@ def bits16_at_least(seed, offset, n, threshold, device="cpu", state=None):
 def _at_least_ahead(seed, offset, n, threshold):
     """bits16_at_least's CPU mask when npformer.runtime.lookahead drew it ahead, else None; the request is
     recorded either way (for_keep_chunks and bits16_at_least ask for the same mask)."""
+    finish = lambda values, skip: values[skip:skip + n] >= threshold  # noqa: E731
     return lookahead.take(("at_least", int(seed), int(n), int(threshold)), int(offset),
-                          lambda at: _at_least_now(seed, at, n, threshold))
+                          lambda at: _at_least_now(seed, at, n, threshold), _Joint(int(seed), int(n), finish))
 
 
 def _at_least_now(seed, offset, n, threshold):
     """bits16_at_least on the CPU, drawn in this call."""
     counters, key, skip = _covering_counters(seed, offset, n, "cpu", None)
     return philox_at_least(counters, key, threshold)[skip:skip + int(n)]
+
+
+class _Joint(NamedTuple):
+    """A CPU mask that npformer.runtime.lookahead may draw together with its neighbours of the same
+    stream: n values, and finish(values, skip) -> the mask from the uint16 values of the counters
+    that cover it (its value 0 being values[skip])."""
+    stream: int
+    n: int
+    finish: Any
+
+    @staticmethod
+    def draw_together(requests):
+        """The masks of requests [(offset, _Joint)] of one stream, from one draw of the counters
+        that span them all (a draw of a few thousand values costs ~180 us, mostly its ~100 numpy
+        calls: 22 small masks drawn one by one took 3.7 ms, together 1.1)."""
+        spans = [(_counter_span(offset, joint.n), joint) for offset, joint in requests]
+        lo = min(first for (first, _, _), _ in spans)
+        hi = max(first + count for (first, _, count), _ in spans)
+        xp = backend.module_for("cpu")
+        values = philox_bits16(xp.arange(lo, hi, dtype="uint64"), _key(requests[0][1].stream))
+        return [joint.finish(values[8 * (first - lo):8 * (first - lo + count)], skip)
+                for (first, skip, count), joint in spans]
 
 
 def bits16_at_least_in_runs(seed, offset, n, threshold, starts, lengths):
@@ -498,8 +521,14 @@ def bits16_at_least_in_runs(seed, offset, n, threshold, starts, lengths):
     xp = backend.module_for("cpu")
     starts, lengths = xp.asarray(starts, dtype="int64"), xp.asarray(lengths, dtype="int64")
     draw = lambda at: _at_least_in_runs_now(seed, at, n, threshold, starts, lengths)  # noqa: E731
+
+    def finish(values, skip):                    # the same bits from the values of every covering counter
+        keep = xp.zeros(values.shape[0], dtype=bool)
+        needed = _counters_of_runs(skip, starts, lengths)
+        keep.view("uint64")[needed] = (values >= threshold).view("uint64")[needed]
+        return keep[skip:skip + int(n)]
     ahead = lookahead.take(("runs", int(seed), int(n), int(threshold), starts.tobytes(), lengths.tobytes()),
-                           int(offset), draw)
+                           int(offset), draw, _Joint(int(seed), int(n), finish))
     return draw(int(offset)) if ahead is None else ahead
 
 
@@ -507,6 +536,17 @@ def _at_least_in_runs_now(seed, offset, n, threshold, starts, lengths):
     """bits16_at_least_in_runs, drawn in this call."""
     xp = backend.module_for("cpu")
     first, skip, count = _counter_span(offset, n)
+    needed = _counters_of_runs(skip, starts, lengths)
+    keep = xp.zeros(count * VALUES_PER_COUNTER, dtype=bool)
+    drawn = philox_at_least(needed.astype("uint64") + xp.uint64(first), _key(int(seed)), threshold)
+    keep.view("uint64")[needed] = drawn.view("uint64")                            # 8 values per counter
+    return keep[skip:skip + int(n)]
+
+
+def _counters_of_runs(skip, starts, lengths):
+    """The counters (from the first covering the mask, its value 0 being value `skip` of it) that
+    cover the runs [starts[r], starts[r] + lengths[r]) of a mask, each once, increasing."""
+    xp = backend.module_for("cpu")
     starts = starts + skip                                                       # from value 8 first
     hi = (starts + lengths - 1) // VALUES_PER_COUNTER                            # last counter of each run
     # run r needs counters [lo, hi] but those up to an earlier run's last one: [max(lo, that + 1), hi]
@@ -514,11 +554,7 @@ def _at_least_in_runs_now(seed, offset, n, threshold, starts, lengths):
     lo = xp.maximum(starts // VALUES_PER_COUNTER, drawn_before + 1)
     per_run = xp.maximum(hi - lo + 1, 0)
     ends = xp.cumsum(per_run)
-    needed = xp.repeat(lo - (ends - per_run), per_run) + xp.arange(int(ends[-1]) if ends.size else 0)
-    keep = xp.zeros(count * VALUES_PER_COUNTER, dtype=bool)
-    drawn = philox_at_least(needed.astype("uint64") + xp.uint64(first), _key(int(seed)), threshold)
-    keep.view("uint64")[needed] = drawn.view("uint64")                            # 8 values per counter
-    return keep[skip:skip + int(n)]
+    return xp.repeat(lo - (ends - per_run), per_run) + xp.arange(int(ends[-1]) if ends.size else 0)
 
 
 def _covering_counters(seed, offset, n, device, state):

@@ -66,6 +66,49 @@ def test_training_is_the_same_to_the_bit_with_and_without_lookahead(two_threads,
             np.testing.assert_array_equal(a, b)
 
 
+def test_one_thread_draws_a_pass_of_small_masks_together_to_the_same_bits(monkeypatch):
+    """Without a pool the predicted pass's small masks are drawn together by its first request (one
+    draw of the stream for them all): the same losses and weights as drawing each as asked."""
+    saved = _threads.get_num_threads()
+    _threads.set_num_threads(1)
+    joint_draws = []
+    draw_together = random._Joint.draw_together
+
+    def counted(requests):
+        joint_draws.append(len(requests))
+        return draw_together(requests)
+    monkeypatch.setattr(random._Joint, "draw_together", staticmethod(counted))
+    try:
+        batches = [np.random.default_rng(0).integers(0, 11, (4, 9))]
+        on = train(3, batches, True, monkeypatch)
+        assert joint_draws and min(joint_draws) > 1        # the second and third passes: in one draw
+        assert len(joint_draws) == 2
+        joint_draws.clear()
+        off = train(3, batches, False, monkeypatch)
+        assert not joint_draws
+    finally:
+        _threads.set_num_threads(saved)
+    assert on[0] == off[0]
+    for a, b in zip(on[1], off[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_small_masks_of_one_stream_are_grouped_up_to_the_group_size():
+    small, big = lookahead.SMALL_MASK, lookahead.SMALL_MASK + 1
+
+    class Joint:
+        def __init__(self, stream, n):
+            self.stream, self.n = stream, n
+
+    def request(stream, n, joint=True):
+        return ("key", 0, None, Joint(stream, n) if joint else None)
+    requests = [request(1, 10), request(1, small), request(1, big), request(1, 5), request(2, 5),
+                request(2, 5, joint=False)] + [request(2, small)] * (lookahead.GROUP_VALUES // small + 1)
+    sizes = [[None if r[3] is None else r[3].n for r in group] for group in lookahead._groups(requests)]
+    assert sizes[:5] == [[10, small], [None], [5], [5], [None]]     # a big mask, another stream, no joint: apart
+    assert sizes[5] == [small] * (lookahead.GROUP_VALUES // small) and sizes[6] == [small]
+
+
 def test_thread_counts_changed_and_passes_that_failed_between_steps_change_no_number(two_threads, monkeypatch):
     """set_num_threads 1 -> 2 -> 3 between steps (the predictions in flight in a pool that is
     replaced), and forward passes that raise after drawing masks (no backward: their requests stay
@@ -193,12 +236,15 @@ def test_a_child_forked_while_a_mask_is_drawn_ahead_draws_it_itself(two_threads,
     started, release = threading.Event(), threading.Event()
     draw_now = random._at_least_now
 
-    def held_in_the_pool(*args):                    # the draw ahead is running in the pool at the fork
-        if threading.current_thread() is not threading.main_thread():
-            started.set()
-            release.wait(WAIT)
-        return draw_now(*args)
-    monkeypatch.setattr(random, "_at_least_now", held_in_the_pool)
+    def held_in_the_pool(draw):
+        def held(*args):                            # the draw ahead is running in the pool at the fork
+            if threading.current_thread() is not threading.main_thread():
+                started.set()
+                release.wait(WAIT)
+            return draw(*args)
+        return held
+    monkeypatch.setattr(random, "_at_least_now", held_in_the_pool(draw_now))
+    monkeypatch.setattr(random._Joint, "draw_together", staticmethod(held_in_the_pool(random._Joint.draw_together)))
     x = npformer.Tensor(np.arange(1.0, 101.0), requires_grad=True)
     stream = random.Philox(11)
     first = F.dropout(x, 0.3, generator=stream)
@@ -227,13 +273,13 @@ def test_a_forward_stopped_by_an_exception_keeps_no_mask_drawn_ahead(two_threads
     mask drawn ahead for the rest of it in memory: they would stay until the thread's next mask or
     backward, for good in a thread that only runs inference afterwards."""
     drawn_in_pool = []
-    for name in ("_at_least_now", "_at_least_in_runs_now"):
-        def recording(*args, draw=getattr(random, name)):
-            mask = draw(*args)
+    for owner, name in ((random, "_at_least_now"), (random, "_at_least_in_runs_now"), (random._Joint, "draw_together")):
+        def recording(*args, draw=getattr(owner, name)):
+            masks = draw(*args)
             if threading.current_thread() is not threading.main_thread():
-                drawn_in_pool.append(weakref.ref(mask))
-            return mask
-        monkeypatch.setattr(random, name, recording)
+                drawn_in_pool.extend(weakref.ref(m) for m in (masks if isinstance(masks, list) else [masks]))
+            return masks
+        monkeypatch.setattr(owner, name, staticmethod(recording) if owner is random._Joint else recording)
     npformer.manual_seed(0)
     model = models.CausalLM(vocab_size=11, d_model=16, nhead=2, num_layers=2, dim_feedforward=32,
                             dropout=0.3, max_len=12).train()
