@@ -19,14 +19,15 @@ and without it; what it changes is which thread draws them and when.
 
 Small masks are drawn together: a Philox draw of a few thousand values costs ~180 us, mostly its
 ~100 numpy calls, so the predicted masks of up to SMALL_MASK values that follow one another in a
-stream share one draw of the counters spanning them (at most GROUP_VALUES values): one task in the
-pool, or, without a pool (npformer.set_num_threads(1)), one draw made by the first of them to be
-requested, the pass's first request included. On the seed-sized model's step (22 masks of 9-25
-thousand values) that is 1.1 ms of drawing where one by one took 3.7.
+stream share one draw of the counters spanning them (at most GROUP_VALUES values), made in the
+caller by the first of them requested, the pass's first request included, with or without a pool
+(in the pool it measured the same: the masks are needed soon after the pass starts, and a pool
+thread waits for the GIL while the caller runs Python). On the seed-sized model's step (22 masks of
+9-25 thousand values) that is 1.1 ms of drawing where one by one took 3.7.
 
 State is per thread (each thread's forward passes are its own, like grad mode). Without a pool
-only small masks are drawn before they are asked for, as above. NPFORMER_LOOKAHEAD=0 turns it all
-off: every mask is drawn by its request. A process forked in the middle of a pass
+(npformer.set_num_threads(1)) only small masks are drawn before they are asked for, as above.
+NPFORMER_LOOKAHEAD=0 turns it all off: every mask is drawn by its request. A process forked in the middle of a pass
 (multiprocessing's "fork" start method) forgets the draws in flight: the parent's pool threads are
 not in the child, so they would never finish; the child draws those masks itself. A module call that raises (npformer.nn.Module) abandons the pass: the masks drawn
 ahead for the rest of it are dropped.
@@ -104,26 +105,22 @@ def take(key, offset, draw, joint=None):
 
 def _predict(state, first, offset):
     """Queue the recorded pass's masks from `offset` (the first request's: `first`, (key, 0, draw,
-    joint)) in state.ahead, grouped: runs of small masks of one stream share one draw. With a pool,
-    the first request draws its own mask and the pool the others, each group in one task; without
-    one, each group is drawn by the request that comes first. Returns the first request's mask when
-    it was drawn with others, else None."""
+    joint)) in state.ahead, grouped: runs of small masks of one stream share one draw, made by the
+    group's first request; a big mask after the first is drawn in the pool, when there is one.
+    Returns the first request's mask when it was drawn with its group, else None."""
     pool = enabled()
-    requests = state.recorded[1:] if pool else [first] + state.recorded[1:]
-    for group in _groups(requests):
-        if len(group) == 1 and group[0][3] is None:
-            k, relative, d, _ = group[0]
-            drawn = _Drawn(lambda d=d, at=offset + relative: [d(at)])
+    for group in _groups([first] + state.recorded[1:]):
+        k, relative, d, joint = group[0]
+        if joint is None:
+            drawn = _Drawn(lambda d=d, at=offset + relative: [d(at)], together=False)
+            if pool and relative and not drawn.start():     # another thread set one thread meanwhile
+                pool = False
         else:
-            members = [(offset + relative, j) for _, relative, _, j in group]
-            drawn = _Drawn(lambda j=group[0][3], members=members: j.draw_together(members))
-        if pool and not drawn.start():           # another thread set one thread meanwhile: no pool
-            break
-        state.ahead.extend((k, offset + relative, drawn, i) for i, (k, relative, _, _) in enumerate(group))
-    if pool:
-        return None
+            members = [(offset + r, j) for _, r, _, j in group]
+            drawn = _Drawn(lambda j=joint, members=members: j.draw_together(members), together=True)
+        state.ahead.extend((k, offset + r, drawn, i) for i, (k, r, _, _) in enumerate(group))
     _, _, drawn, index = state.ahead.popleft()    # the first request itself
-    return drawn.mask(index)
+    return drawn.mask(index) if drawn.together else None
 
 
 def _groups(requests):
@@ -144,10 +141,10 @@ def _groups(requests):
 
 class _Drawn:
     """The masks of a group, drawn by one call: in the pool (start), or by the first request that
-    needs them when the pool has not started the call (or there is no pool)."""
+    needs them when the pool has not started the call (or it was not started)."""
 
-    def __init__(self, draw):
-        self.draw, self.task, self.masks = draw, None, None
+    def __init__(self, draw, together):
+        self.draw, self.together, self.task, self.masks = draw, together, None, None
 
     def start(self):
         self.task = threads.submit(self.draw)

@@ -236,15 +236,13 @@ def test_a_child_forked_while_a_mask_is_drawn_ahead_draws_it_itself(two_threads,
     started, release = threading.Event(), threading.Event()
     draw_now = random._at_least_now
 
-    def held_in_the_pool(draw):
-        def held(*args):                            # the draw ahead is running in the pool at the fork
-            if threading.current_thread() is not threading.main_thread():
-                started.set()
-                release.wait(WAIT)
-            return draw(*args)
-        return held
-    monkeypatch.setattr(random, "_at_least_now", held_in_the_pool(draw_now))
-    monkeypatch.setattr(random._Joint, "draw_together", staticmethod(held_in_the_pool(random._Joint.draw_together)))
+    def held_in_the_pool(*args):                    # the draw ahead is running in the pool at the fork
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            release.wait(WAIT)
+        return draw_now(*args)
+    monkeypatch.setattr(random, "_at_least_now", held_in_the_pool)
+    monkeypatch.setattr(lookahead, "SMALL_MASK", 0)  # these masks are small: drawn alone, ahead in the pool
     x = npformer.Tensor(np.arange(1.0, 101.0), requires_grad=True)
     stream = random.Philox(11)
     first = F.dropout(x, 0.3, generator=stream)
@@ -273,13 +271,14 @@ def test_a_forward_stopped_by_an_exception_keeps_no_mask_drawn_ahead(two_threads
     mask drawn ahead for the rest of it in memory: they would stay until the thread's next mask or
     backward, for good in a thread that only runs inference afterwards."""
     drawn_in_pool = []
-    for owner, name in ((random, "_at_least_now"), (random, "_at_least_in_runs_now"), (random._Joint, "draw_together")):
-        def recording(*args, draw=getattr(owner, name)):
-            masks = draw(*args)
+    for name in ("_at_least_now", "_at_least_in_runs_now"):
+        def recording(*args, draw=getattr(random, name)):
+            mask = draw(*args)
             if threading.current_thread() is not threading.main_thread():
-                drawn_in_pool.extend(weakref.ref(m) for m in (masks if isinstance(masks, list) else [masks]))
-            return masks
-        monkeypatch.setattr(owner, name, staticmethod(recording) if owner is random._Joint else recording)
+                drawn_in_pool.append(weakref.ref(mask))
+            return mask
+        monkeypatch.setattr(random, name, recording)
+    monkeypatch.setattr(lookahead, "SMALL_MASK", 0)  # these masks are small: drawn alone, ahead in the pool
     npformer.manual_seed(0)
     model = models.CausalLM(vocab_size=11, d_model=16, nhead=2, num_layers=2, dim_feedforward=32,
                             dropout=0.3, max_len=12).train()
