@@ -22,6 +22,8 @@ from autograd.checks import check_bool, check_real, is_integer, is_real
 from npformer.functional.adam import AdamSettings, adam_update
 from npformer.runtime import graphs
 
+_HOST_ARRAY = backend.module_for("cpu").ndarray  # exactly: the test device's arrays subclass it
+
 
 def _plain(value):
     """A saved number as a Python int or float (numpy scalars too); anything else as it is."""
@@ -110,6 +112,7 @@ class Optimizer:
             self.param_groups.append(group)
         self.state = {}  # id(param) -> {name: array or number}
         self._scratch = {}
+        self._together = {}  # group index -> {parameter ids: _Together} (Adam's small CPU parameters)
 
     def _check_group(self, group):
         """Check a group's hyperparameters (in place) and make each number a Python float (a numpy float64
@@ -146,13 +149,12 @@ class Optimizer:
     def _update(self, p, grad, group, state):
         raise NotImplementedError
 
-    def _scratch_like(self, p):
-        """A scratch array shaped like `p`, a view of one flat buffer per (device, dtype)."""
-        data = p.data
+    def _scratch_like(self, data):
+        """A scratch array shaped like the array `data`, a view of one flat buffer per (device, dtype)."""
         key = (type(data), data.dtype)  # the array type tells the device (numpy, cupy, test)
         buf = self._scratch.get(key)
         if buf is None or buf.size < data.size:
-            buf = p.xp.empty(data.size, dtype=data.dtype)
+            buf = backend.get_array_module(data).empty(data.size, dtype=data.dtype)
             self._scratch[key] = buf
         return buf[:data.size].reshape(data.shape)
 
@@ -313,7 +315,7 @@ class SGD(Optimizer):
     def _update(self, p, grad, group, state):
         xp = p.xp
         lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
-        g = self._scratch_like(p)
+        g = self._scratch_like(p.data)
         if wd != 0:
             # g = grad + weight_decay * p
             xp.multiply(p.data, wd, out=g)
@@ -372,6 +374,28 @@ class Adam(Optimizer):
         group["eps"] = check_real(group["eps"], "eps", owner, at_least=0)
         group["weight_decay"] = check_real(group["weight_decay"], "weight_decay", owner, at_least=0)
 
+    def step(self) -> None:
+        """One update of every parameter that has a gradient (see Optimizer.step). On the CPU the
+        small parameters of a group that share a dtype and a step count are updated together, as
+        torch's foreach Adam does: their m and v are views of two flat arrays, the parameters and
+        gradients are gathered into two more, one adam_update runs on them all and the new values
+        are copied back (~13 numpy calls for the group where each parameter took ~13 of its own:
+        the seed-sized model's 68 parameters 2.0 -> 0.4 ms). The same arithmetic entry by entry, so
+        the same bits as one parameter at a time."""
+        together = set()
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state.setdefault(id(p), {})   # in the parameters' order, however they step
+            together.update(_Together.step(self, index, group))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if id(p) not in together:
+                    self._update(p, p.grad.data, group, self.state.setdefault(id(p), {}))
+                p.bump_version()  # a graph that saved p before this step now refuses to backward
+
     def _update(self, p, grad, group, state):
         """One step of the algorithm for p: t = t + 1, the bias corrections of step t, then m, v and
         p entry by entry (the kernel table adam_update). A captured step reads the step-dependent
@@ -384,7 +408,7 @@ class Adam(Optimizer):
         state["step"] += 1
         settings = self._settings(group, state["step"])
         replayed = graphs.replayed(p.device, settings.step_scalars, lambda: self._next_step_scalars(group, state))
-        adam_update(p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p), settings, replayed)
+        adam_update(p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p.data), settings, replayed)
 
     def _settings(self, group, t):
         """The AdamSettings of step t of `group`: its hyperparameters, and the bias corrections
@@ -413,3 +437,75 @@ class AdamW(Adam):
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+class _Together:
+    """Small CPU parameters of one Adam group updated by one adam_update (Adam.step): m and v of
+    each are views of the flat arrays m and v; params and grads are gathered into two more."""
+    MAX_ENTRIES = 1 << 16   # a bigger parameter steps alone (its own update is long enough: no gain, no copies)
+
+    def __init__(self, params):
+        self.params = params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.data.size)
+        self.m, self.v, self.p, self.g = (backend.module_for("cpu").empty(self.offsets[-1], dtype=params[0].data.dtype)
+                                          for _ in range(4))
+        self.views = [(self.m[a:b].reshape(p.data.shape), self.v[a:b].reshape(p.data.shape))
+                      for p, a, b in zip(params, self.offsets, self.offsets[1:])]
+
+    @classmethod
+    def step(cls, optimizer, index, group):
+        """Update together, in one call per set, the group's parameters that can be (on the CPU,
+        outside graph capture, a gradient of their shape and dtype, contiguous, small) and share a
+        dtype and a step count; returns their ids. A set seen at the last step keeps its arrays."""
+        sets = {}
+        for p in group["params"]:
+            grad = p.grad.data if p.grad is not None else None
+            if (grad is not None and type(p.data) is _HOST_ARRAY and type(grad) is _HOST_ARRAY
+                    and p.data.size <= cls.MAX_ENTRIES and p.data.flags.c_contiguous
+                    and grad.shape == p.data.shape and grad.dtype == p.data.dtype):
+                sets.setdefault((p.data.dtype, optimizer.state[id(p)].get("step", 0)), []).append(p)
+        before, now, stepped = optimizer._together.get(index, {}), {}, []
+        for params in sets.values():
+            key = tuple(map(id, params))
+            if len(params) < 2:
+                continue
+            flat = before.get(key)
+            if flat is None or not flat.holds(optimizer):
+                flat = cls(params)
+                flat.adopt(optimizer)
+            flat.update(optimizer, group)
+            now[key] = flat
+            stepped.extend(key)
+        optimizer._together[index] = now
+        return stepped
+
+    def update(self, optimizer, group):
+        xp = backend.module_for("cpu")
+        xp.concatenate([p.data.reshape(-1) for p in self.params], out=self.p)
+        xp.concatenate([p.grad.data.reshape(-1) for p in self.params], out=self.g)
+        for p in self.params:
+            optimizer.state[id(p)]["step"] += 1
+        settings = optimizer._settings(group, optimizer.state[id(self.params[0])]["step"])
+        adam_update(self.p, self.g, self.m, self.v, optimizer._scratch_like(self.p), settings)
+        for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
+            xp.copyto(p.data, self.p[a:b].reshape(p.data.shape))
+
+    def holds(self, optimizer):
+        """Whether every member's m and v are still this set's views (a loaded state dict puts
+        arrays of its own there)."""
+        return all(optimizer.state[id(p)].get("exp_avg") is m and optimizer.state[id(p)]["exp_avg_sq"] is v
+                   and m.shape == p.data.shape for p, (m, v) in zip(self.params, self.views))
+
+    def adopt(self, optimizer):
+        """Take each member's m and v (zeros for a parameter without state) into the flat arrays and
+        put the views in the optimizer's state in their place."""
+        for p, (m, v) in zip(self.params, self.views):
+            state = optimizer.state[id(p)]
+            if not state:
+                state.update(step=0, exp_avg=None, exp_avg_sq=None)
+                m[...], v[...] = 0, 0
+            else:
+                m[...], v[...] = state["exp_avg"], state["exp_avg_sq"]
+            state["exp_avg"], state["exp_avg_sq"] = m, v

@@ -71,6 +71,42 @@ def test_fused_adam_kernel_equals_the_host_path_bit_for_bit(name, kwargs, dtype)
         np.testing.assert_array_equal(ours, host)
 
 
+@pytest.mark.parametrize("name,kwargs", [o for o in OPTIMIZERS if o[0] != "SGD"])
+def test_small_parameters_stepped_together_equal_one_at_a_time_bit_for_bit(name, kwargs, monkeypatch):
+    """Adam's grouped step of small CPU parameters (one adam_update over flat arrays) against each
+    parameter alone (_Together.MAX_ENTRIES = 0), step after step: a parameter above the size limit,
+    a transposed one, two parameter groups, a parameter that gets its first gradient at step 4 and
+    one without a gradient at step 6 (each has its own step count from then on), and a state dict
+    saved at step 7 and loaded into the optimizer (its arrays replace the views: the sets are made
+    again). Same parameters, m and v to the bit, and m and v are views of the flat arrays."""
+    shapes = [(5, 7), (7,), (3, 4, 2), (300, 300), (2, 3), (6, 5), (4,), (3, 3)]
+
+    def run(max_entries):
+        monkeypatch.setattr(optim.optimizer._Together, "MAX_ENTRIES", max_entries)
+        rng = np.random.default_rng(0)
+        params = [Tensor(rng.standard_normal(s).astype("float32"), requires_grad=True) for s in shapes]
+        params[5] = Tensor(params[5].numpy().T, requires_grad=True)               # not contiguous
+        opt = getattr(optim, name)([{"params": params[:5]}, {"params": params[5:], "lr": 0.02}], **kwargs)
+        for step in range(10):
+            for i, p in enumerate(params):
+                late, missing = (i == 1 and step < 4), (i == 2 and step == 6)
+                p.grad = None if late or missing else Tensor(rng.standard_normal(p.shape).astype("float32"))
+            opt.step()
+            if step == 7:
+                opt.load_state_dict(opt.state_dict())
+        return opt, params, [p.numpy() for p in params] + [opt.state[id(p)][k] for p in params
+                                                           for k in ("exp_avg", "exp_avg_sq")]
+    alone = run(0)[2]
+    opt, params, together = run(1 << 16)
+    for a, b in zip(together, alone):
+        np.testing.assert_array_equal(a, b)
+    # at the last step: params 0 and 4 share a step count (1 and 2 each have their own), 6 and 7 too
+    assert [list(sets) for sets in opt._together.values()] == [[(id(params[0]), id(params[4]))],
+                                                               [(id(params[6]), id(params[7]))]]
+    flat = opt._together[1][(id(params[6]), id(params[7]))]
+    assert opt.state[id(params[7])]["exp_avg"].base is flat.m and opt.state[id(params[7])]["exp_avg_sq"].base is flat.v
+
+
 def test_float64_parameters_stay_float64(torch, rng):
     params = _params(rng, "cpu", "float64")
     ref = [torch.tensor(p.numpy(), requires_grad=True) for p in params]
