@@ -265,12 +265,15 @@ def test_train_step_prints_the_gemm_floor_and_each_time_as_a_multiple_of_it(trai
         rounding = 0.05 + 0.05 / floor_ms + 5e-4 / floor_ms * ms / floor_ms
         assert multiple == pytest.approx(ms / floor_ms, abs=rounding), name
     peers = {name: r[0] for name, r in rows.items() if r and name != "ours"}
-    best = min(peers, key=peers.get)
-    summary = re.search(rf"^npformer / best peer: ours / {re.escape(best)} ([\d.]+)x \(([\d.]+) vs ([\d.]+) ms/step\)$",
+    # peers that tie at 0.1 ms could be either side of each other before rounding
+    best = "|".join(re.escape(name) for name, ms in peers.items() if ms == min(peers.values()))
+    summary = re.search(rf"^npformer / best peer: ours / (?:{best}) ([\d.]+)x \(([\d.]+) vs ([\d.]+) ms/step\)$",
                         out, re.M)
     assert summary, out
-    assert (float(summary[2]), float(summary[3])) == (rows["ours"][0], peers[best])
-    assert float(summary[1]) == pytest.approx(rows["ours"][0] / peers[best], abs=0.005 + 0.06 / peers[best])
+    assert (float(summary[2]), float(summary[3])) == (rows["ours"][0], min(peers.values()))
+    # the ratio printed to 0.01, each time to 0.1 ms: r = a / b moves by 0.05 / b + 0.05 * a / b**2 at most
+    ours, peer = rows["ours"][0], min(peers.values())
+    assert float(summary[1]) == pytest.approx(ours / peer, abs=0.005 + 0.05 / peer + 0.05 * ours / peer ** 2 + 1e-9)
     cpu = next(line for line in out.splitlines() if line.startswith("CPU time / wall time in the timed steps"))
     assert all(f" {name} " in cpu for name, r in rows.items() if r), cpu
 
