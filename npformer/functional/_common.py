@@ -7,7 +7,12 @@ from autograd import Tensor, backend
 from autograd.checks import as_array, check_int
 from npformer.runtime import deferred
 
-_twins = threading.local()  # .active: this thread runs the composite twins (composite.installed())
+
+class _Twins(threading.local):
+    active = False  # this thread runs the composite twins (composite.installed())
+
+
+_twins = _Twins()
 
 
 def has_twin(op):
@@ -16,7 +21,7 @@ def has_twin(op):
     thread go to the twin; other threads keep the fused op."""
     @functools.wraps(op)
     def dispatch(*args, **kwargs):
-        if getattr(_twins, "active", False):
+        if _twins.active:
             from . import composite  # composite imports the op modules: import it lazily
             return getattr(composite, op.__name__)(*args, **kwargs)
         return op(*args, **kwargs)

@@ -195,7 +195,7 @@ def installed():
     """Within the block, in the calling thread, npformer.functional's ops run these twins, so
     every module that calls `F.op(...)` (npformer.nn, npformer.models) runs on autograd
     primitives instead. Other threads keep the fused ops."""
-    old = getattr(_twins, "active", False)
+    old = _twins.active
     _twins.active = True
     try:
         yield

@@ -15,7 +15,12 @@ import threading
 
 from autograd import backend
 
-_local = threading.local()  # .capture
+
+class _Local(threading.local):
+    capture = None  # the Capture in progress in this thread
+
+
+_local = _Local()
 SCALARS_PER_BLOCK = 1024    # replayed() numbers share float64 device blocks: one copy per block and replay
 
 
@@ -75,7 +80,7 @@ class _ScalarBlock:
 
 def current(device=None):
     """The capture in progress in this thread (on `device`, when given), or None."""
-    capture = getattr(_local, "capture", None)
+    capture = _local.capture
     if capture is None or (device is not None and capture.device != device):
         return None
     return capture
@@ -94,7 +99,7 @@ def replayed(device, values, next_values):
 @contextlib.contextmanager
 def capturing(capture):
     """Within the block, `current()` is `capture` in this thread."""
-    if getattr(_local, "capture", None) is not None:
+    if _local.capture is not None:
         raise RuntimeError("a graph capture is already in progress in this thread")
     _local.capture = capture
     try:

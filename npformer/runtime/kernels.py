@@ -29,8 +29,13 @@ import threading
 
 from autograd import backend
 
-_mode = threading.local()  # .reference_only: this thread runs the references
-TABLES = []                # every KernelTable made, in the order of definition
+
+class _Mode(threading.local):
+    reference_only = False  # this thread runs the references (a class default: read without a miss)
+
+
+_mode = _Mode()
+TABLES = []  # every KernelTable made, in the order of definition
 
 
 class KernelTable:
@@ -115,13 +120,13 @@ def kernel_table(reference):
 
 def is_reference_only():
     """True inside reference_only() in the calling thread (like autograd.is_grad_enabled)."""
-    return getattr(_mode, "reference_only", False)
+    return _mode.reference_only
 
 
 @contextlib.contextmanager
 def reference_only():
     """Within the block, in the calling thread, every kernel table runs its reference."""
-    old = getattr(_mode, "reference_only", False)
+    old = _mode.reference_only
     _mode.reference_only = True
     try:
         yield

@@ -42,7 +42,12 @@ MAX_REQUESTS = 4096          # a pass with more mask requests (or with no backwa
 SMALL_MASK = 1 << 16         # values: a mask up to this size can share a draw with its neighbours
 GROUP_VALUES = 1 << 19       # values of one shared draw, at most
 
-_local = threading.local()
+
+class _Local(threading.local):
+    state = None  # this thread's _Pass
+
+
+_local = _Local()
 
 
 class _Pass:
@@ -57,7 +62,7 @@ class _Pass:
 
 
 def _state():
-    state = getattr(_local, "state", None)
+    state = _local.state
     if state is None:
         state = _local.state = _Pass()
     return state
@@ -176,7 +181,7 @@ def abandon_pass():
     for the rest of it (held, they would stay in memory until this thread's next mask request or
     backward(), for good if it only runs inference from then on). The last complete pass still
     predicts the next one."""
-    state = getattr(_local, "state", None)
+    state = _local.state
     if state is not None:
         state.current = []
         _drop(state)
@@ -186,7 +191,7 @@ def _forget_ahead():
     """In a forked child: the draws in flight ran in the parent's pool threads, which the child does
     not have (a draw running at the fork would never finish, and its future's lock may be held):
     forget them without touching them. The recorded pass stays: it still predicts."""
-    state = getattr(_local, "state", None)
+    state = _local.state
     if state is not None:
         state.ahead = deque()
 

@@ -51,7 +51,13 @@ MIN_PARALLEL_MACS = 1 << 24
 # blas_callers: thread ident -> depth of its open blas_threads_in_caller blocks
 _state = {"threads": None, "pool": None, "blas_limit": None, "blas_callers": {}}
 _lock = threading.Lock()     # guards _state: set_num_threads may run while other threads run ops
-_local = threading.local()  # .busy: this thread is running a block (nested splits run whole)
+
+
+class _Local(threading.local):
+    busy = False  # this thread is running a block (nested splits run whole)
+
+
+_local = _Local()
 
 
 def get_num_threads() -> int:
@@ -111,7 +117,7 @@ def blas_threads_in_caller():
     faster than npformer's split of the rows."""
     get_num_threads()  # the default is settled before the block, not inside it
     me = threading.get_ident()
-    busy, _local.busy = getattr(_local, "busy", False), True
+    busy, _local.busy = _local.busy, True
     with _lock:
         _state["blas_callers"][me] = _state["blas_callers"].get(me, 0) + 1
         _settle_blas_threads()
@@ -178,7 +184,7 @@ def row_blocks(rows, entries, like=None):
     array `like` lives in host memory (None: it does; "cuda" and "test" do not) and the work touches at least
     MIN_PARALLEL_ENTRIES `entries`; otherwise the single block (0, rows)."""
     threads = min(get_num_threads(), rows)
-    if (threads < 2 or entries < MIN_PARALLEL_ENTRIES or getattr(_local, "busy", False)
+    if (threads < 2 or entries < MIN_PARALLEL_ENTRIES or _local.busy
             or (like is not None and backend.device_of(like) != "cpu")):
         return [(0, rows)]
     bounds = [rows * i // threads for i in range(threads + 1)]
@@ -186,7 +192,7 @@ def row_blocks(rows, entries, like=None):
 
 
 def _run_marked(kernel, *args):
-    busy, _local.busy = getattr(_local, "busy", False), True
+    busy, _local.busy = _local.busy, True
     try:
         return kernel(*args)
     finally:

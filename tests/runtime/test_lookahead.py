@@ -26,7 +26,7 @@ WAIT = 30  # seconds before a missed event (or a hung child) fails the test inst
 def two_threads(monkeypatch):
     saved = _threads.get_num_threads()
     _threads.set_num_threads(2)
-    monkeypatch.setattr(lookahead, "_local", threading.local())   # a fresh pass history
+    monkeypatch.setattr(lookahead, "_local", lookahead._Local())   # a fresh pass history
     yield
     _threads.set_num_threads(saved)
 
@@ -35,7 +35,7 @@ def train(steps, batches, lookahead_on, monkeypatch, before_step=lambda step, mo
     """Losses and final parameters of a small CausalLM trained on `batches` (cycled), dropout 0.3;
     before_step(step, model) runs before each step's forward pass."""
     monkeypatch.setenv("NPFORMER_LOOKAHEAD", "1" if lookahead_on else "0")
-    monkeypatch.setattr(lookahead, "_local", threading.local())
+    monkeypatch.setattr(lookahead, "_local", lookahead._Local())
     npformer.manual_seed(3)
     model = models.CausalLM(vocab_size=11, d_model=16, nhead=2, num_layers=2, dim_feedforward=32,
                             dropout=0.3, max_len=12).train()
