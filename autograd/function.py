@@ -120,13 +120,18 @@ class Function:
         dtype or device, and TypeError when forward returns something that is not an array."""
         Tensor = _tensor_class()
         ctx = cls()
-        tensors, raw = [], []
+        # one pass over the arguments (an apply runs for every op of every step: no generators here)
+        tensors, raw, inputs, needs = [], [], [], []
         for a in args:
             if isinstance(a, Tensor):
                 tensors.append(a)
                 raw.append(a.data)
+                inputs.append(a)
+                needs.append(a.requires_grad)
             else:
                 raw.append(a)
+                inputs.append(None)
+                needs.append(False)
         if len(tensors) > 1:
             _check_same_device_and_dtype(cls, tensors)
         outputs = cls.forward(ctx, *raw, **options)
@@ -135,18 +140,17 @@ class Function:
         if not all(map(backend.is_array, outputs)):
             xp = backend.get_array_module(*raw)
             outputs = tuple(o if backend.is_array(o) else _output_array(cls, i, o, xp) for i, o in enumerate(outputs))
-        record = _state.grad_enabled and any(t.requires_grad for t in tensors)
+        record = _state.grad_enabled and True in needs
         if _state.anomaly:
             ctx.created_at = _where_created()
             _check_finite(outputs, ctx, "forward")
         if not record:  # outside the graph (no_grad, inference): nothing to keep for backward
-            results = tuple(Tensor(o) for o in outputs)
+            results = tuple([Tensor(o) for o in outputs])
         else:
-            results = tuple(Tensor(o, requires_grad=True) for o in outputs)
-            ctx.inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
-            ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx.inputs)
-            ctx.versions = tuple([0 if a is None else (a if a._base is None else a._base)._version
-                                  for a in ctx.inputs])
+            results = tuple([Tensor(o, requires_grad=True) for o in outputs])
+            ctx.inputs = tuple(inputs)
+            ctx.needs_input_grad = tuple(needs)
+            ctx.versions = tuple([0 if a is None else (a if a._base is None else a._base)._version for a in inputs])
             ctx.input_arrays = raw  # the arrays forward got: backward tells from them what it saved
             ctx.output_meta = [(o.shape, o.dtype) for o in outputs]
             ctx.output_grads = [None] * len(outputs)
@@ -531,7 +535,7 @@ class _Pass:
                 t = ref()
                 if t is not None and self.accumulate and (self.targets is None or id(t) in self.targets):
                     t._accumulate_grad(grads[j], self.tensors)
-            for j in range(len(grads)):
+            for j in range(len(grads)) if wanted_outputs else ():  # autograd.grad of non-leaf tensors
                 t = wanted_outputs.get((id(node), j))
                 if t is not None and not (self.accumulate and t.creator.retained.get(j)):
                     self.deliver(t, grads[j])

@@ -12,7 +12,9 @@ Because npformer then splits the GEMMs itself, numpy's BLAS must run one thread:
 own threads the two pools would compete for the cores (OpenBLAS's idle workers spin for a
 while after every GEMM). set_num_threads(n > 1) does that through threadpoolctl when it is
 installed (and restores BLAS's threads at set_num_threads(1)); without it, set
-OPENBLAS_NUM_THREADS=1 (or MKL_NUM_THREADS=1) yourself (set_num_threads(n > 1) warns).
+OPENBLAS_NUM_THREADS=1 (or MKL_NUM_THREADS=1) yourself (set_num_threads(n > 1) warns). A product
+of linear too small to split but big enough (MIN_BLAS_THREADS_MACS) runs whole in the caller with
+BLAS's threads given back for the call (run_on_blas_threads).
 
 Default, like torch's intra-op threads: NPFORMER_NUM_THREADS when set, else one thread per
 core this process may run on (len(os.sched_getaffinity(0)), os.cpu_count() where that is
@@ -47,9 +49,20 @@ MIN_PARALLEL_ENTRIES = 1 << 18
 # 2^27 (512x2048x128) 0.62x; with the lean pool (a hand-off ~20 us), gpt_char's head
 # (2048x128x100, 1.56 * 2^24) 0.68x for its tangent's two products, and 2^24 (2048x128x64) 0.83x.
 MIN_PARALLEL_MACS = 1 << 24
+# linear's products too small to split (under MIN_PARALLEL_MACS, or under MIN_PARALLEL_ENTRIES for
+# its backward) with at least this many multiply-adds run whole in the caller on numpy's BLAS threads
+# (run_on_blas_threads): OpenBLAS's idle workers spin, so they start at once, where npformer's split
+# of these sizes (2^22 tried) did not pay in a step. Measured on 2 cores in one process, alternated
+# with the path off: the demo's step (products of 1.1-11 million multiply-adds) 0.979, 0.966, 0.971,
+# 0.971 (200, 50, 50, 150 alternations); with every product on BLAS's threads 0.955 and 0.943, but
+# tiny's step (products of 1.2 million at most) then 1.011 twice.
+MIN_BLAS_THREADS_MACS = 1 << 21
 
 # blas_callers: thread ident -> depth of its open blas_threads_in_caller blocks
-_state = {"threads": None, "pool": None, "blas_limit": None, "blas_callers": {}}
+# blas_products: run_on_blas_threads calls in flight; blas_libs: threadpoolctl's BLAS controllers while
+# npformer limits BLAS, and blas_own_threads BLAS's thread count before it did
+_state = {"threads": None, "pool": None, "blas_limit": None, "blas_callers": {}, "blas_products": 0, "blas_libs": (),
+          "blas_own_threads": 1}
 _lock = threading.Lock()     # guards _state: set_num_threads may run while other threads run ops
 
 
@@ -132,6 +145,35 @@ def blas_threads_in_caller():
             _settle_blas_threads()
 
 
+def run_on_blas_threads(kernel, *args):
+    """kernel(*args) whole in the caller, its products on numpy's BLAS with get_num_threads() threads
+    (at most BLAS's own count) instead of the one that npformer holds it to: for products too small
+    to split and big enough for BLAS's threads (MIN_BLAS_THREADS_MACS). As in blas_threads_in_caller,
+    BLAS's thread count is one setting per process: other threads' products get the threads too
+    meanwhile. Inside a block of a split, or where BLAS is not held to one thread, kernel(*args) as
+    it is."""
+    if _state["blas_limit"] is None or _local.busy:
+        return kernel(*args)
+    with _lock:
+        _state["blas_products"] += 1
+        if _state["blas_products"] == 1 and _state["blas_limit"] is not None:
+            _set_blas_threads(min(_state["threads"], _state["blas_own_threads"]))
+    try:
+        return kernel(*args)
+    finally:
+        with _lock:
+            _state["blas_products"] -= 1
+            if not _state["blas_products"] and _state["blas_limit"] is not None:
+                _set_blas_threads(1)
+
+
+def _set_blas_threads(n):
+    """(holding _lock) numpy's BLAS on n threads, while npformer's limit stays in place to restore."""
+    _take_blas_control()
+    for library in _state["blas_libs"]:
+        library.set_num_threads(n)
+
+
 def _settle_blas_threads():
     """(holding _lock) numpy's BLAS on one thread while npformer splits the products (threads > 1)
     and no blas_threads_in_caller block is open; its own threads otherwise."""
@@ -139,10 +181,14 @@ def _settle_blas_threads():
     if split and _state["blas_limit"] is None:
         _take_blas_control()
         _state["blas_limit"] = _limit_blas_threads()
+        if _state["blas_limit"] is not None:
+            from threadpoolctl import ThreadpoolController
+            _state["blas_libs"] = ThreadpoolController().select(user_api="blas").lib_controllers
+            _state["blas_own_threads"] = _state["blas_limit"].get_original_num_threads().get("blas") or 1
     elif not split and _state["blas_limit"] is not None:
         _take_blas_control()
         _state["blas_limit"].restore_original_limits()
-        _state["blas_limit"] = None
+        _state["blas_limit"], _state["blas_libs"] = None, ()
 
 
 def _take_blas_control():
@@ -170,7 +216,7 @@ def _forget_pool():  # a forked child has none of the parent's threads (and a lo
     _lock = threading.Lock()
     if _state["pool"] is not None:
         _state["pool"].forget()
-    _state["pool"] = None
+    _state["pool"], _state["blas_products"] = None, 0
     me = threading.get_ident()  # the one thread the child has; other threads' blocks never close there
     _state["blas_callers"] = {me: _state["blas_callers"][me]} if me in _state["blas_callers"] else {}
 

@@ -1,6 +1,7 @@
 """linear's GEMMs split across the threads of `npformer.runtime.threads` (the "cpu" implementation of
 the kernel tables linear_forward / linear_backward / linear_tangent): y, dx and the tangent t_h by
-blocks of rows, dW and db by blocks of output features, dx and dW side by side."""
+blocks of rows, dW and db by blocks of output features, dx and dW side by side; products too small
+to split and big enough for numpy's BLAS threads (threads.MIN_BLAS_THREADS_MACS) whole on them."""
 from autograd import backend
 from npformer.runtime import threads
 from npformer.runtime.threads import for_rows, side_by_side
@@ -9,9 +10,11 @@ from ..linear import linear_backward, linear_forward, linear_tangent
 
 
 @linear_forward.register("cpu", splits_reference=True, supports=lambda x, weight, bias:
-                         x.size * weight.shape[0] >= threads.MIN_PARALLEL_MACS)
+                         x.size * weight.shape[0] >= threads.MIN_BLAS_THREADS_MACS)
 def linear_forward_cpu(x, weight, bias):
-    """The reference on blocks of rows of x and y."""
+    """The reference on blocks of rows of x and y; a product too small to split, whole on BLAS's threads."""
+    if x.size * weight.shape[0] < threads.MIN_PARALLEL_MACS:
+        return threads.run_on_blas_threads(linear_forward.reference, x, weight, bias)
     xp = backend.get_array_module(x)
     y = xp.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
 
@@ -26,9 +29,13 @@ def linear_forward_cpu(x, weight, bias):
 
 
 @linear_backward.register("cpu", splits_reference=True, supports=lambda dy, x, weight, *needs:
-                          dy.size + x.size >= threads.MIN_PARALLEL_ENTRIES)
+                          dy.size + x.size >= threads.MIN_PARALLEL_ENTRIES
+                          or dy.size * x.shape[1] >= threads.MIN_BLAS_THREADS_MACS)
 def linear_backward_cpu(dy, x, weight, need_x, need_w, need_b):
-    """The reference's dx on blocks of rows, dW and db on blocks of output features."""
+    """The reference's dx on blocks of rows, dW and db on blocks of output features; products too
+    small to split, whole on BLAS's threads."""
+    if dy.size + x.size < threads.MIN_PARALLEL_ENTRIES:
+        return threads.run_on_blas_threads(linear_backward.reference, dy, x, weight, need_x, need_w, need_b)
     xp = backend.get_array_module(dy)
     dx = xp.empty_like(x) if need_x else None                                # (N, in)
     dweight = xp.empty_like(weight) if need_w else None                      # (out, in)
