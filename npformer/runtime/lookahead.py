@@ -27,10 +27,11 @@ thread waits for the GIL while the caller runs Python). On the seed-sized model'
 
 State is per thread (each thread's forward passes are its own, like grad mode). Without a pool
 (npformer.set_num_threads(1)) only small masks are drawn before they are asked for, as above.
-NPFORMER_LOOKAHEAD=0 turns it all off: every mask is drawn by its request. A process forked in the middle of a pass
-(multiprocessing's "fork" start method) forgets the draws in flight: the parent's pool threads are
-not in the child, so they would never finish; the child draws those masks itself. A module call that raises (npformer.nn.Module) abandons the pass: the masks drawn
-ahead for the rest of it are dropped.
+NPFORMER_LOOKAHEAD=0 turns it all off: every mask is drawn by its request. A process forked in the
+middle of a pass (multiprocessing's "fork" start method) forgets the draws in flight: the parent's
+pool threads are not in the child, so they would never finish; the child draws those masks itself.
+A module call that raises (npformer.nn.Module) abandons the pass: the masks drawn ahead for the
+rest of it are dropped.
 """
 import os
 import threading
