@@ -140,7 +140,7 @@ class Function:
         if not all(map(backend.is_array, outputs)):
             xp = backend.get_array_module(*raw)
             outputs = tuple(o if backend.is_array(o) else _output_array(cls, i, o, xp) for i, o in enumerate(outputs))
-        record = _state.grad_enabled and True in needs
+        record = _state.grad_enabled and any(needs)
         if _state.anomaly:
             ctx.created_at = _where_created()
             _check_finite(outputs, ctx, "forward")

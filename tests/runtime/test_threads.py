@@ -23,6 +23,7 @@ from autograd import Tensor
 from npformer import optim
 from npformer.data import PAD, SequenceTask
 from npformer.functional import composite
+from npformer.functional.linear import linear_backward, linear_forward
 from npformer.models import Seq2SeqTransformer
 from npformer.runtime import threads
 from npformer.training import Seq2SeqTrainer
@@ -281,11 +282,6 @@ def test_blas_threads_in_caller_blocks_nest_and_overlap_across_threads(restore_n
     assert freed != limited and blas_threads() == limited  # the last block to close limits BLAS again
 
 
-def linear_kernels():
-    import importlib
-    return importlib.import_module("npformer.functional.linear")
-
-
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_products_too_small_to_split_run_on_blas_threads_and_give_them_back(restore_num_threads, monkeypatch,
                                                                            direction, rng):
@@ -295,8 +291,7 @@ def test_products_too_small_to_split_run_on_blas_threads_and_give_them_back(rest
     pytest.importorskip("threadpoolctl")
     threads.set_num_threads(2)
     limited = blas_threads()
-    linear = linear_kernels()
-    table = getattr(linear, f"linear_{direction}")
+    table = {"forward": linear_forward, "backward": linear_backward}[direction]
     x = rng.standard_normal((256, 64)).astype(np.float32)       # 256 * 64 * 128 = 2^21 multiply-adds
     w = rng.standard_normal((128, 64)).astype(np.float32)
     dy = rng.standard_normal((256, 128)).astype(np.float32)
