@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import backend
+from . import backend, hooks
 from .modes import _state, enable_grad, no_grad  # the grad and anomaly modes of this thread
 
 if TYPE_CHECKING:
@@ -161,6 +161,9 @@ class Function:
             results[0]._base = args[0] if args[0]._base is None else args[0]._base  # change of one is the other's
         if _forward.stack:  # forward mode: the outputs' tangents, by the op's jvp rule
             _propagate_tangents(cls, ctx, args, results)
+        if hooks.op_applied:  # a step being recorded (npformer.runtime.record)
+            for hook in hooks.op_applied:
+                hook(cls, ctx, args, options, results)
         return results[0] if single else results
 
 

@@ -10,6 +10,10 @@ core calls every function of a list, in the order they were registered, with no 
 - `host_read`: `Tensor.numpy()` or `Tensor.item()` (and so `tolist()`, `float()`, `int()`) is
   about to read values on the host. npformer's runtime reports its deferred device checks there
   (`npformer.runtime.deferred.raise_pending`).
+- `op_applied`: `Function.apply` has run an op; each function of the list is called with
+  `(op, ctx, args, options, outputs)` (the Function class, its node, what apply got, the output
+  Tensors). npformer's runtime records a step's ops there while it records one
+  (`npformer.runtime.record`); the list is empty otherwise, so apply pays one check.
 
 Registration is per process: append to the list (`hooks.host_read.append(fn)`). What a hook acts
 on is its owner's to keep, per thread where it is per thread (the core calls hooks in the thread
@@ -20,9 +24,10 @@ from typing import Any
 
 backward_started: list[Callable[[], Any]] = []  # called by Tensor.backward before the backward pass
 host_read: list[Callable[[], Any]] = []         # called by Tensor.numpy() and Tensor.item() before reading
+op_applied: list[Callable[..., Any]] = []       # called by Function.apply after each op (see above)
 
 
 def run(hooks: list[Callable[[], Any]]) -> None:
-    """Call every function of the list `hooks` (one of the lists above), in registration order."""
+    """Call every function of the list `hooks` (one of the argument-less lists above), in registration order."""
     for hook in hooks:
         hook()

@@ -3,11 +3,14 @@ PyTorch eager, torch.compile and JAX jit in one run, float32.
 
     python benchmarks/train_step.py --config tiny|base|paper|gpt_char [--steps N] [--device cpu|cuda|test]
                                     [--threads N] [--ours-threads N] [--defaults] [--no-memory] [--no-graphed]
+                                    [--no-recorded]
                                     [--compile-mode default|reduce-overhead|max-autotune-no-cudagraphs|best]
                                     [--no-compile] [--no-jax]
 
 On cuda (and on "test", its stand-in without a GPU) ours runs twice: eager and as a captured CUDA
 graph (npformer.cuda.graphed: one capture, then one replay per step), beside torch's CUDA eager.
+On cpu ours runs twice too: eager and as a recorded step (npformer.recorded: its forward and
+backward recorded once, then replayed; the optimizer step after it, eagerly).
 Prints the median ms/step of each (steps alternate between the runners), the ratio ours/torch,
 tokens/s (the tokens a step reads: source + target, or a causal LM's one sequence),
 achieved GFLOP/s and the time as a multiple of the GEMM floor (below), and the peak
@@ -150,7 +153,9 @@ def gemm_rate(device):
 
 
 class Ours:
-    def __init__(self, cfg, device, graphed=False):
+    def __init__(self, cfg, device, graphed=False, recorded=False):
+        """graphed: the step as a CUDA graph (npformer.cuda.graphed); recorded: its forward and
+        backward as a recorded CPU step (npformer.recorded), the optimizer step after it."""
         import npformer
         from npformer import models, optim
         import npformer.functional as F
@@ -158,17 +163,19 @@ class Ours:
         self.F, self.cfg, self.device = F, cfg, device
         from autograd import backend
         self.batch = [backend.to_device(a, device) for a in make_batch(cfg)]
-        self.train = npformer.cuda.graphed(self.train_step, device) if graphed else self.train_step
         if cfg.get("causal"):
             self.model = models.CausalLM(**causal_config(cfg)).to(device).train()
             self.optimizer = optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
-            return
-        self.model = models.Seq2SeqTransformer(
-            cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"],
-            num_encoder_layers=cfg["layers"], num_decoder_layers=cfg["layers"],
-            dim_feedforward=cfg["d_ff"], dropout=cfg.get("dropout", 0.1), max_len=max(cfg["seq"], 16)).to(device)
-        self.model.train()
-        self.optimizer = optim.Adam(self.model.parameters(), lr=1e-4)
+        else:
+            self.model = models.Seq2SeqTransformer(
+                cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], nhead=cfg["nhead"],
+                num_encoder_layers=cfg["layers"], num_decoder_layers=cfg["layers"],
+                dim_feedforward=cfg["d_ff"], dropout=cfg.get("dropout", 0.1), max_len=max(cfg["seq"], 16)).to(device)
+            self.model.train()
+            self.optimizer = optim.Adam(self.model.parameters(), lr=1e-4)
+        self.train = npformer.cuda.graphed(self.train_step, device) if graphed else self.train_step
+        if recorded:
+            self.recorded, self.train = npformer.recorded(self.loss, self.model), self.recorded_step
 
     def loss(self, src, tgt_in, tgt_out):
         # a causal LM reads tgt_in and predicts tgt_out; the encoder-decoder also reads src
@@ -189,6 +196,12 @@ class Ours:
         loss = self.loss(src, tgt_in, tgt_out)
         self.optimizer.zero_grad()
         loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def recorded_step(self, src, tgt_in, tgt_out):
+        self.optimizer.zero_grad()
+        loss = self.recorded(src, tgt_in, tgt_out)
         self.optimizer.step()
         return loss
 
@@ -512,7 +525,8 @@ def main():
                         help="torch.compile's mode for the torch twin's step (best: each mode, the fastest reported)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--no-jax", action="store_true", help="skip the JAX peer")
-    parser.add_argument("--only", choices=["ours", "graphed", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--no-recorded", action="store_true", help="on cpu: skip the recorded-step runner")
+    parser.add_argument("--only", choices=["ours", "graphed", "recorded", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
@@ -533,7 +547,8 @@ def main():
 
     if args.only:  # a child process measuring one side's peak memory
         imports = rss_mb("VmRSS")
-        runner = Torch(cfg, args.device) if args.only == "torch" else Ours(cfg, args.device, args.only == "graphed")
+        runner = Torch(cfg, args.device) if args.only == "torch" else Ours(cfg, args.device, args.only == "graphed",
+                                                                           args.only == "recorded")
         for _ in range(steps):
             runner.step()
         print(json.dumps({"peak_mb": rss_mb(), "imports_mb": imports}))
@@ -542,6 +557,8 @@ def main():
     runners = {"ours": Ours(cfg, args.device)}
     if args.device != "cpu" and not args.no_graphed:
         runners["graphed"] = Ours(cfg, args.device, graphed=True)
+    if args.device == "cpu" and not args.no_recorded:
+        runners["recorded"] = Ours(cfg, args.device, recorded=True)
     runners["torch"] = Torch(cfg, args.device)
     skipped = {}  # runner -> why it was not timed
     if not args.no_compile:
@@ -568,7 +585,7 @@ def main():
 
     warmup = {}  # runner -> (seconds, steps, note)
     for name, runner in list(runners.items()):  # untimed: compilation, the graphed runner's capture
-        warmup_steps = 3 if isinstance(runner, TorchCompiled) else 2 if name in ("graphed", "jax.jit") else 1
+        warmup_steps = 3 if isinstance(runner, TorchCompiled) else 2 if name in ("graphed", "recorded", "jax.jit") else 1
         counts = dynamo_counts() if isinstance(runner, TorchCompiled) else None
         t0 = time.perf_counter()
         try:
@@ -620,25 +637,27 @@ def main():
     for name, why in skipped.items():
         print(f"{name:>{width}}: {why}")
     print(f"ratio ours/torch: {median['ours'] / median['torch']:.2f}x")
-    if "graphed" in median:
-        print(f"ratio graphed/torch: {median['graphed'] / median['torch']:.2f}x  "
-              f"(graphed/eager {median['graphed'] / median['ours']:.2f}x)")
+    for ours in ("graphed", "recorded"):
+        if ours in median:
+            print(f"ratio {ours}/torch: {median[ours] / median['torch']:.2f}x  "
+                  f"({ours}/eager {median[ours] / median['ours']:.2f}x)")
     compiled = [name for name in median if name.startswith("torch.compile[")]
     if args.compile_mode == "best" and compiled:
         print(f"torch.compile best mode: {min(compiled, key=median.get)[len('torch.compile['):-1]}")
-    peer = min((name for name in median if name not in ("ours", "graphed")), key=median.get)
-    for ours in ("ours", "graphed"):
+    peer = min((name for name in median if name not in ("ours", "graphed", "recorded")), key=median.get)
+    for ours in ("ours", "graphed", "recorded"):
         if ours in median:
             print(f"npformer / best peer: {ours} / {peer} {median[ours] / median[peer]:.2f}x "
                   f"({median[ours] * 1e3:.1f} vs {median[peer] * 1e3:.1f} ms/step)")
     if not args.no_memory:
-        mem = {side: peak_memory_mb(args, side, 2) for side in ("ours", "graphed", "torch") if side in runners}
+        mem = {side: peak_memory_mb(args, side, 3) for side in ("ours", "graphed", "recorded", "torch")
+               if side in runners}
         peak = {side: m["peak_mb"] for side, m in mem.items()}
         step = {side: m["peak_mb"] - m["imports_mb"] for side, m in mem.items()}
 
         def sides(mb):
             return ", ".join(f"{side} {mb[side]:.0f} MB" for side in mb) + f", ratio {mb['ours'] / mb['torch']:.2f}x"
-        print(f"peak host memory (separate processes, 2 steps; ours and torch eager): {sides(peak)}; "
+        print(f"peak host memory (separate processes, 3 steps; ours and torch eager): {sides(peak)}; "
               f"above the imported libraries: {sides(step)}")
 
 

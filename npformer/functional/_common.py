@@ -5,7 +5,7 @@ import threading
 
 from autograd import Tensor, backend
 from autograd.checks import as_array, check_int
-from npformer.runtime import deferred
+from npformer.runtime import deferred, record
 
 
 class _Twins(threading.local):
@@ -72,7 +72,12 @@ def on_device_of(array, like, name, op, check=None):
 def check_index_range(ids, high, error, skip=None):
     """Check 0 <= ids < high (ids equal to `skip` aside) without a host round trip: host ids now,
     device ids on the device, the verdict read with the next result (npformer.runtime.deferred).
-    `error(lo, hi)` makes the exception from the smallest and largest id."""
+    `error(lo, hi)` makes the exception from the smallest and largest id. A recorded step checks
+    again at each replay (npformer.runtime.record)."""
+    record.recomputed(_check_index_range, ids, high, error, skip)
+
+
+def _check_index_range(ids, high, error, skip):
     if ids.size == 0:
         return
     xp = backend.get_array_module(ids)

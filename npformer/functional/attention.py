@@ -25,7 +25,7 @@ from autograd import Function, Tensor, backend, is_grad_enabled, unbroadcast, wh
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
 from autograd.forward_ad import unpack_dual
-from npformer.runtime import kernels, random
+from npformer.runtime import kernels, random, record
 from npformer.runtime.kernels import kernel_table
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
@@ -970,6 +970,12 @@ def attention_keep_mask(like, shape, p, seed, offset, causal, state=None):
     return keep_mask(shape, p, seed, offset, backend.device_of(like), state)
 
 
+def _drawn_keep_mask(q, shape, p, causal, generator, op):
+    """attention_keep_mask of the next values of the dropout stream (`generator` or the global one)."""
+    draw = dropout_stream(generator, op).draw(math.prod(shape), _device(q))
+    return attention_keep_mask(q, shape, p, draw.seed, draw.offset, causal, draw.state)
+
+
 def _lead_shape(q, k, v):
     return broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
 
@@ -1086,8 +1092,17 @@ def _prepare_mask(attn_mask, q, score_shape):
         raise ValueError("scaled_dot_product_attention: attn_mask must broadcast to (..., Tq, Tk) = "
                          f"{score_shape}, got shape {tuple(mask.shape)}")
     if mask.dtype.kind == "b":
-        return _at_least_2d(~mask), None
-    return None, mask.astype(q.dtype, copy=False)
+        return record.recomputed(_blocked, mask), None
+    return None, record.recomputed(_as_dtype, mask, q.dtype)
+
+
+def _blocked(allowed):
+    """The bool mask True where attention is not allowed, at least 2-D."""
+    return _at_least_2d(~allowed)
+
+
+def _as_dtype(mask, dtype):
+    return mask.astype(dtype, copy=False)
 
 
 class _Call:
@@ -1241,9 +1256,8 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
     p = call.dropout_p
     if path == "naive":
         keep = None
-        if p > 0:
-            draw = dropout_stream(generator, op).draw(math.prod(call.score_shape), _device(call.q))
-            keep = attention_keep_mask(call.q, call.score_shape, p, draw.seed, draw.offset, call.causal, draw.state)
+        if p > 0:  # drawn again at each replay of a recorded step
+            keep = record.recomputed(_drawn_keep_mask, call.q, call.score_shape, p, call.causal, generator, op)
         return AttentionFunction.apply(query, key, value, call.additive, blocked=call.blocked, causal=call.causal,
                                        scale=call.scale, keep=keep, dropout_scale=dropout_scale(p),
                                        return_weights=bool(return_weights))

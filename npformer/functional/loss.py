@@ -7,7 +7,7 @@ import math
 from autograd import Function, Tensor, backend, forward_ad, is_grad_enabled
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int, check_real
-from npformer.runtime import deferred
+from npformer.runtime import deferred, record
 from npformer.runtime.kernels import kernel_table
 
 from ._common import check_index_range, check_one_dtype, check_tensor, data_of, has_twin, on_device_of
@@ -142,6 +142,23 @@ def _every_target_ignored(ignore_index):
         "undefined (torch returns NaN); use reduction='sum' or check the targets")
 
 
+def _class_targets(flat_target, ignore_index, weight, reduction, dtype):
+    """(safe_target, valid, divisor) of class targets: the ids with ignored ones made 0, which are
+    not ignored, and the mean's divisor (None unless reduction="mean")."""
+    xp = backend.get_array_module(flat_target)
+    valid = flat_target != ignore_index
+    safe_target = xp.where(valid, flat_target, 0)
+    divisor = None  # "mean": the sum of w[target] over valid targets (checked like the ids), or their number
+    if reduction == "mean" and weight is not None:
+        divisor = (weight[safe_target] * valid).sum()
+        deferred.defer(_zero_weighted_mean, divisor)
+    elif reduction == "mean":
+        divisor = valid.sum().astype(dtype)
+    if divisor is not None:  # a 0 divisor is reported by the checks; meanwhile the loss is 0, not NaN
+        divisor = backend.get_array_module(divisor).where(divisor == 0, 1, divisor).astype(dtype, copy=False)
+    return safe_target, valid, divisor
+
+
 def _zero_weighted_mean(divisor):
     """The verdict on the divisor of a weighted "mean" cross-entropy (after the valid-target check)."""
     return None if divisor else ValueError(
@@ -256,17 +273,8 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
     if probabilities:
         loss = probability_cross_entropy(log_softmax(x, dim=1), classes_last(tgt), weight, label_smoothing, reduction)
         return loss.reshape(expected) if reduction == "none" else loss
-    flat_target = tgt.reshape(-1)
-    valid = flat_target != ignore_index
-    safe_target = backend.get_array_module(logits).where(valid, flat_target, 0)
-    divisor = None  # "mean": the sum of w[target] over valid targets (checked like the ids), or their number
-    if reduction == "mean" and weight is not None:
-        divisor = (data_of(weight)[safe_target] * valid).sum()
-        deferred.defer(_zero_weighted_mean, divisor)
-    elif reduction == "mean":
-        divisor = valid.sum().astype(logits.dtype)
-    if divisor is not None:  # a 0 divisor is reported by the checks; meanwhile the loss is 0, not NaN
-        divisor = backend.get_array_module(divisor).where(divisor == 0, 1, divisor).astype(logits.dtype, copy=False)
+    safe_target, valid, divisor = record.recomputed(_class_targets, tgt.reshape(-1), ignore_index,
+                                                    None if weight is None else data_of(weight), reduction, logits.dtype)
     loss = CrossEntropyFunction.apply(x, weight, safe_target=safe_target, valid=valid, divisor=divisor,
                                       reduction=reduction, label_smoothing=label_smoothing)
     return loss.reshape(tgt.shape) if reduction == "none" else loss

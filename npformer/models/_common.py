@@ -10,6 +10,7 @@ from ..functional._common import check_index_range
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
 from ..nn.config import TransformerConfig, check_d_model_nhead
+from npformer.runtime import record
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -118,7 +119,7 @@ def padding_mask_from_ids(ids, pad_idx, mask):
     """`mask` when given, else ids == pad_idx (True = padding) when pad_idx is set, else None."""
     if mask is not None or pad_idx is None:
         return mask
-    return ids == pad_idx
+    return record.recomputed(backend.get_array_module(ids).equal, ids, pad_idx)  # again at each replay
 
 
 def valid_positions(mask, ids, dtype):

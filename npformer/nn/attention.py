@@ -30,6 +30,7 @@ from .config import TransformerConfig
 from .layers import Linear, new_parameter
 from .module import Module
 from .positional import RotaryEmbedding
+from npformer.runtime import record
 
 
 class AttentionMask(NamedTuple):
@@ -100,16 +101,28 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
     if is_causal and attn_mask is None:
         parts.append(xp.triu(xp.ones((tgt_len, src_len), dtype=bool), 1)[None, None])  # (1, 1, T, S)
     if all(p.dtype == bool for p in parts):
-        blocked = parts[0]
-        for p in parts[1:]:
-            blocked = blocked | p
-        return AttentionMask(~blocked, False)
+        return AttentionMask(record.recomputed(_allowed, tuple(parts)), False)  # again at each replay
+    if any(isinstance(p, Tensor) for p in parts):  # combined with ops: their gradients flow
+        return AttentionMask(_added(tuple(parts), like.dtype), False)
+    return AttentionMask(record.recomputed(_added, tuple(parts), like.dtype), False)
+
+
+def _allowed(parts):
+    """True where no bool mask of `parts` (True = blocked) blocks."""
+    blocked = parts[0]
+    for p in parts[1:]:
+        blocked = blocked | p
+    return ~blocked
+
+
+def _added(parts, dtype):
+    """The sum of the masks `parts` as floats of `dtype` (bool ones: -inf where blocked)."""
     added = None
     for p in parts:
         if p.dtype == bool:  # True = blocked -> -inf, like torch's _canonical_mask
-            p = xp.where(p, -math.inf, 0.0).astype(like.dtype)
+            p = backend.get_array_module(p).where(p, -math.inf, 0.0).astype(dtype)
         added = p if added is None else added + p  # a Tensor once one part is (array + Tensor defers to it)
-    return AttentionMask(added, False)
+    return added
 
 
 _NAMES = {"d_model": "embed_dim", "nhead": "num_heads", "attention_backend": "backend"}  # torch's argument names

@@ -92,6 +92,8 @@ def take(key, offset, draw, joint=None):
     masks, one draw of the stream for all of them."""
     state = _state()
     mask = None
+    if state.current and offset < state.first:   # the stream went back (reseeded, a state loaded) since the
+        state.current = []                       # pass's first request: a pass without backward ended there
     if not state.current:                        # the first request of a pass: predict the others
         state.first = offset
         _drop(state)

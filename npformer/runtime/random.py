@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from autograd import backend
 from autograd.checks import check_int
 
-from . import graphs, lookahead, threads
+from . import graphs, lookahead, record, threads
 from .kernels import kernel_table
 
 _generators = {}
@@ -150,6 +150,7 @@ class Philox:
         with _streams_lock:
             start = self.offset
             self.offset = start + step
+        record.note_draw(self, n, start)  # a step being recorded: each replay reserves as many again
         return start
 
     def bits16(self, n, device="cpu"):

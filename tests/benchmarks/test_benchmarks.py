@@ -276,6 +276,14 @@ def test_train_step_prints_the_gemm_floor_and_each_time_as_a_multiple_of_it(trai
     assert float(summary[1]) == pytest.approx(ours / peer, abs=0.005 + 0.05 / peer + 0.05 * ours / peer ** 2 + 1e-9)
     cpu = next(line for line in out.splitlines() if line.startswith("CPU time / wall time in the timed steps"))
     assert all(f" {name} " in cpu for name, r in rows.items() if r), cpu
+    recorded = timed_row(out, "recorded")                   # the recorded step (npformer.recorded) on the CPU
+    assert recorded and " recorded " in cpu, out
+    ratio = re.search(r"^ratio recorded/torch: ([\d.]+)x  \(recorded/eager ([\d.]+)x\)$", out, re.M)
+    assert ratio and float(ratio[2]) == pytest.approx(recorded[0] / rows["ours"][0],
+                                                      abs=0.005 + 0.05 / rows["ours"][0] + 0.05 * recorded[0] /
+                                                      rows["ours"][0] ** 2 + 1e-9), out
+    assert re.search(rf"^npformer / best peer: recorded / (?:{best}) [\d.]+x \({recorded[0]} vs [\d.]+ ms/step\)$",
+                     out, re.M), out
 
 
 @pytest.mark.slow

@@ -136,6 +136,29 @@ def test_thread_counts_changed_and_passes_that_failed_between_steps_change_no_nu
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_a_forward_without_backward_then_a_reseed_changes_no_number(two_threads, monkeypatch, on):
+    """After three steps, an evaluation forward in training mode (masks drawn, no backward), then
+    manual_seed: the next pass's requests start below the unfinished pass's first, so they begin
+    a new pass (they once joined it at negative offsets, and the pass after predicted masks below
+    offset 0: an OverflowError). The training is that of the same reseed without the forward."""
+    batches = [np.random.default_rng(0).integers(0, 11, (4, 9))]
+
+    def reseed(step, model):
+        if step == 3:
+            npformer.manual_seed(3)
+    alone = train(5, batches, on, monkeypatch, reseed)
+
+    def forward_then_reseed(step, model):
+        if step == 3:
+            model(batches[0][:, :-1])                      # no backward: the pass stays open
+        reseed(step, model)
+    reseeded = train(5, batches, on, monkeypatch, forward_then_reseed)
+    assert reseeded[0] == alone[0]
+    for a, b in zip(reseeded[1], alone[1]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_second_pass_is_drawn_ahead_and_a_mismatch_drops_the_predictions(two_threads):
     seed, threshold = 7, 6554
     drawn = []

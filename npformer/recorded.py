@@ -1,0 +1,156 @@
+"""Recorded training steps on the CPU: a loss function's ops recorded once, then run again for
+every batch of the same shapes without the Python around them (the CPU counterpart of
+`npformer.cuda.graphed`, and of torch.cuda.make_graphed_callables: forward and backward are
+recorded, the optimizer step stays outside).
+
+    step = npformer.recorded(lambda src, tgt_in, tgt_out: F.cross_entropy(
+        model(src, tgt_in).reshape(-1, vocab), tgt_out.reshape(-1)), model)
+    for src, tgt_in, tgt_out in batches:
+        optimizer.zero_grad()
+        loss = step(src, tgt_in, tgt_out)     # forward and backward: the gradients are in .grad
+        optim.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()                      # eager: its learning rate, its schedule
+        scheduler.step()
+
+The first `warmup` calls run eagerly (`fn(*inputs)` and `backward()`); the next records the
+ops of the call (npformer.runtime.record) and the graph it builds; later calls copy their
+inputs into the recorded ones and replay: every op's forward again, on the arrays of the
+moment, then the recorded graph's backward. The numbers are those of the eager step, bit for
+bit: each dropout draws the next values of its stream, the padding masks and ignored targets
+are made from the new inputs, the ids are checked again.
+
+A call runs eagerly instead, leaving the recording for later calls, when anything the ops were
+chosen by differs from the recording: the inputs' shapes, dtypes or devices (the CPU only),
+the composite twins (grad mode off, forward-mode AD and anomaly detection: always eager), the model's
+parameters (which Tensors, their shapes, dtypes, requires_grad), or any plain setting of one of
+its modules (training/eval, an attention path, ...). `eager_calls` and `replays` count what it
+did. Recording refuses (RuntimeError) a step whose ops read arrays computed outside them that a
+replay could not remake: see npformer.runtime.record. As in a CUDA graph, the step must not
+branch on its data, and `fn` must depend on nothing but its inputs and `model`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy
+
+from autograd import Tensor, backend, forward_ad, is_grad_enabled
+from autograd.modes import _state as _modes_state
+from npformer.functional._common import _twins
+from npformer.runtime import random, record
+
+__all__ = ["recorded", "RecordedStep"]
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class RecordedStep:
+    """`fn(*inputs)` (a scalar loss Tensor) and its backward, recorded once and replayed (see the
+    module docstring). Made by `recorded`."""
+
+    def __init__(self, fn: Callable[..., Tensor], model: Any, warmup: int = 1):
+        if not callable(fn):
+            raise TypeError(f"recorded: fn must be callable, got {type(fn).__name__}")
+        if not callable(getattr(model, "modules", None)) or not callable(getattr(model, "parameters", None)):
+            raise TypeError(f"recorded: model must be an npformer.nn.Module (the step's parameters and modes), "
+                            f"got {type(model).__name__}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"recorded: warmup must be an integer >= 0, got {warmup!r}")
+        self.fn, self.model, self.warmup = fn, model, warmup
+        self.calls = self.eager_calls = self.replays = 0
+        self.recorder = None
+        self.static = None      # the recorded call's inputs (arrays, or Tensors of them)
+        self.loss = None        # the recorded call's loss Tensor, rewritten by each replay
+        self.backward = None    # its graph's backward (record.Backward), or None: the engine's
+        self.signature = None   # what the ops were chosen by (see _signature)
+
+    def __call__(self, *inputs: Any) -> Tensor:
+        """Run the step on `inputs` (arrays or Tensors that do not require grad): the loss (a
+        detached scalar Tensor), its gradients accumulated into the parameters' `.grad`."""
+        self.calls += 1
+        signature = self._signature(inputs)
+        if self.calls <= self.warmup or signature is None or (self.recorder is not None
+                                                              and signature != self.signature):
+            return self._eager(inputs)
+        if self.recorder is None:
+            return self._record(inputs, signature)
+        for static, value in zip(self.static, inputs):
+            numpy.copyto(_data(static), _data(value))
+        self.recorder.replay()
+        if self.backward is not None:
+            self.backward.run()
+        else:
+            self.loss.backward(retain_graph=True)
+        self.replays += 1
+        return self.loss.detach()
+
+    def _eager(self, inputs):
+        self.eager_calls += 1
+        loss = self.fn(*inputs)
+        loss.backward()
+        return loss.detach()
+
+    def _record(self, inputs, signature):
+        static = [Tensor(numpy.array(_data(v))) if isinstance(v, Tensor) else numpy.array(v) for v in inputs]
+        recorder = record.Recorder()
+        with recorder:
+            loss = self.fn(*static)
+        if not isinstance(loss, Tensor) or loss.creator is None or loss.size != 1:
+            raise TypeError(f"recorded: fn must return a scalar loss Tensor that requires grad, got "
+                            f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else ' ' + str(loss.shape)}")
+        recorder.check(self._known(static), self.model.parameters())
+        loss.backward(retain_graph=True)
+        self.recorder, self.static, self.loss, self.signature = recorder, static, loss, signature
+        self.backward = record.Backward.of(loss)
+        self.eager_calls += 1  # the recording call is an eager step
+        return loss.detach()
+
+    def _known(self, static):
+        """The ids of the arrays owning the memory a replay may read as it is: the inputs, the
+        parameters, and the arrays and Tensors the model's modules hold."""
+        known = [_data(s) for s in static]
+        for module in self.model.modules():
+            for value in vars(module).values():
+                values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                    else (value,)
+                known.extend(_data(v) for v in values if isinstance(v, Tensor) or backend.is_array(v))
+        return {id(record._root(a)) for a in known}
+
+    def _signature(self, inputs):
+        """What the recorded ops were chosen by, or None when a call cannot be recorded at all
+        (inputs that are not CPU arrays or Tensors without grad)."""
+        if not is_grad_enabled() or forward_ad.current_level() is not None or _modes_state.anomaly:
+            return None
+        shapes = []
+        for value in inputs:
+            data = _data(value)
+            if type(data) is not numpy.ndarray or (isinstance(value, Tensor) and value.requires_grad):
+                return None
+            shapes.append((isinstance(value, Tensor), data.shape, data.dtype))
+        parameters = tuple((id(p), p.requires_grad, p.data.shape, p.data.dtype, type(p.data))
+                           for p in self.model.parameters())
+        return tuple(shapes), _twins.active, parameters, tuple(_settings(m) for m in self.model.modules())
+
+
+def _data(value):
+    return value.data if isinstance(value, Tensor) else value
+
+
+def _settings(module):
+    """The plain values a module holds (training, sizes, paths), and those of its config objects."""
+    found = []
+    for name, value in vars(module).items():
+        if isinstance(value, _PLAIN):
+            found.append((name, value))
+        elif hasattr(value, "__dict__") and not callable(value) and not isinstance(value, (Tensor, random.Philox)):
+            found.append((name, tuple((k, v) for k, v in vars(value).items() if isinstance(v, _PLAIN))))
+    return tuple(found)
+
+
+def recorded(fn: Callable[..., Tensor], model: Any, warmup: int = 1) -> RecordedStep:
+    """A callable that runs `fn(*inputs)` (the step's scalar loss) and its backward, recorded on
+    the first call after `warmup` eager ones and replayed after (see the module docstring).
+    Raises TypeError for an fn that is not callable or a model that is not a Module, ValueError
+    for a negative warmup."""
+    return RecordedStep(fn, model, warmup)

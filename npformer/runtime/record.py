@@ -1,0 +1,308 @@
+"""The recording of a step's ops on the CPU, and their replay (`npformer.recorded`).
+
+An eager step spends much of a small model's time in Python around the arithmetic: modules'
+calls, argument checks, `Function.apply` making Tensors and graph nodes. A recorded step runs
+the loss function once under a `Recorder`, which keeps, in order:
+
+- every op applied (the Function, its node, its arguments and options, its output Tensors),
+  seen through the core's `autograd.hooks.op_applied`;
+- every raw computation that a call site asked to be repeated (`recomputed(fn, *args)`): masks
+  and targets made from the step's inputs outside any op, id checks;
+- every draw of a Philox stream (`note_draw`, from Philox's reservations), and the op whose
+  options took it.
+
+`Recorder.replay()` then runs the same computations again: each op's `forward` on the arrays its
+arguments hold now (the step's inputs rewritten in place, the parameters as the optimizer left
+them), its outputs put into the same Tensors, its node's saved arrays and versions renewed, so
+the graph recorded the first time is the graph of this step and `loss.backward()` walks it
+again (retained). Each raw computation is repeated and its result copied into the arrays the
+ops were given; each dropout takes the next values of its stream with the seed of the moment,
+as the eager step would: the same numbers, bit for bit.
+
+What a replay cannot see is refused while recording (`Recorder.check`): an op input or option
+array that is none of the step's inputs, its parameters or state, an earlier op's output or a
+recomputed result (an array the step computed some other way would be frozen), and a draw that
+no op's options took. Python numbers computed from array values (a host read) cannot be told
+apart from constants: a step must not branch on its data (as in a CUDA graph).
+Recording is per thread; ops applied inside `recomputed` belong to it and are not recorded.
+"""
+import threading
+
+from autograd import Tensor, backend, hooks, no_grad
+from autograd.function import _accumulate, _checked_gradients, _topological_nodes, op_name
+
+
+class _Local(threading.local):
+    recorder = None  # the Recorder of the step being recorded in this thread
+    depth = 0        # > 0 inside a recomputed() call: its ops and draws are its own
+
+
+_local = _Local()
+_recording = [0]             # recorders active in any thread: the core's hook is registered while > 0
+_recording_lock = threading.Lock()
+
+
+def current():
+    """The Recorder recording in this thread outside a recomputed() call, or None."""
+    return _local.recorder if not _local.depth else None
+
+
+def recomputed(fn, *args):
+    """fn(*args), repeated by every replay of a step being recorded (see the module docstring):
+    fn reads arrays whose contents the step's inputs decide and returns an array, a tuple of
+    arrays or None, whose values each replay copies into the arrays returned the first time (so
+    their shapes must not change). Outside a recording: fn(*args)."""
+    recorder = current()
+    if recorder is None:
+        return fn(*args)
+    _local.depth += 1
+    try:
+        result = fn(*args)
+    finally:
+        _local.depth -= 1
+    recorder.events.append(_Raw(fn, args, result))
+    return result
+
+
+def note_draw(stream, n, offset):
+    """A Philox stream reserved n values at `offset` (npformer.runtime.random): recorded when a step is."""
+    recorder = current()
+    if recorder is not None:
+        recorder.events.append(_Draw(stream, n, offset))
+
+
+def _op_applied(op, ctx, args, options, outputs):
+    recorder = current()
+    if recorder is not None:
+        recorder.events.append(_Op(op, ctx, args, options, outputs))
+
+
+def _root(array):
+    """The array that owns `array`'s memory."""
+    while getattr(array, "base", None) is not None:
+        array = array.base
+    return array
+
+
+def _arrays(value):
+    """The arrays in an option or argument: itself, or those of a tuple or list."""
+    if backend.is_array(value):
+        return (value,)
+    if isinstance(value, (tuple, list)):
+        return tuple(v for v in value if backend.is_array(v))
+    return ()
+
+
+class _Op:
+    """An op of the recorded step: `forward` run again on its arguments' arrays of the moment."""
+
+    def __init__(self, op, ctx, args, options, outputs):
+        self.op, self.ctx, self.args, self.options, self.outputs = op, ctx, args, options, outputs
+        self.node = outputs[0].creator is ctx                 # in the graph: its saved state is renewed
+        self.tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        self.draws = []                                       # (option, draw) whose offset each replay moves
+
+    def takes(self, draw):
+        """The option of this op that holds `draw`'s (seed, offset), or None."""
+        options = self.options
+        if options.get("seed") == draw.seed and options.get("offset") == draw.offset:
+            return "offset"
+        dropout = options.get("dropout")   # (p, seed, offset, state): memory-efficient attention
+        if isinstance(dropout, tuple) and len(dropout) == 4 and dropout[1:3] == (draw.seed, draw.offset):
+            return "dropout"
+        return None
+
+    def run(self):
+        raw = list(self.args)
+        for i in self.tensors:
+            raw[i] = raw[i].data
+        options = self.options
+        if self.draws:
+            options = dict(options)
+            for name, draw in self.draws:
+                seed, offset = draw.now
+                if name == "offset":
+                    options["seed"], options["offset"] = seed, offset
+                else:
+                    p, _, _, state = options["dropout"]
+                    options["dropout"] = (p, seed, offset, state)
+        ctx = self.ctx
+        outputs = self.op.forward(ctx, *raw, **options)
+        if not isinstance(outputs, tuple):
+            outputs = (outputs,)
+        for t, o in zip(self.outputs, outputs):
+            t.data = o if backend.is_array(o) else backend.get_array_module(*raw).asarray(o)
+        if self.node:  # what backward reads: the arrays forward got, the versions it saw
+            ctx.input_arrays = raw
+            ctx.versions = tuple([0 if a is None else (a if a._base is None else a._base)._version
+                                  for a in ctx.inputs])
+
+
+class _Raw:
+    """A recomputed() call: fn run again, its values copied into the first call's arrays."""
+
+    def __init__(self, fn, args, result):
+        self.fn, self.args, self.result = fn, args, result
+
+    def run(self):
+        _copy_into(self.result, self.fn(*self.args), self.fn)
+
+
+def _copy_into(old, new, fn):
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        for o, n in zip(old, new):
+            _copy_into(o, n, fn)
+    elif backend.is_array(old) and backend.is_array(new) and old.shape == new.shape:
+        if new is not old:
+            backend.get_array_module(old).copyto(old, new)
+    elif not (old is None and new is None):
+        raise RuntimeError(f"a recorded step's {getattr(fn, '__name__', fn)} gave {_describe(new)} where it gave "
+                           f"{_describe(old)} when recorded: its shapes must not change between replays")
+
+
+def _describe(value):
+    return f"an array of shape {value.shape}" if backend.is_array(value) else type(value).__name__
+
+
+class _Draw:
+    """Values reserved from a Philox stream: each replay reserves as many, at the stream's offset then."""
+
+    def __init__(self, stream, n, offset):
+        self.stream, self.n, self.seed, self.offset = stream, n, stream.seed, offset
+        self.now = (self.seed, offset)
+        self.taken = False
+
+    def run(self):
+        stream = self.stream
+        self.now = (stream.seed, stream._reserve(self.n))
+
+
+class Recorder:
+    """The ops, recomputed calls and draws of one step (see the module docstring)."""
+
+    def __init__(self):
+        self.events = []
+
+    def __enter__(self):
+        if _local.recorder is not None:
+            raise RuntimeError("a step is already being recorded in this thread")
+        _local.recorder = self
+        with _recording_lock:
+            _recording[0] += 1
+            if _recording[0] == 1:
+                hooks.op_applied.append(_op_applied)
+        return self
+
+    def __exit__(self, *exc):
+        _local.recorder = None
+        with _recording_lock:
+            _recording[0] -= 1
+            if _recording[0] == 0:
+                hooks.op_applied.remove(_op_applied)
+        return False
+
+    def check(self, known, parameters):
+        """Refuse (RuntimeError) a recording that a replay would get wrong: an op input or option
+        array that is not an earlier op's output, a recomputed result, a Tensor of `parameters`, or
+        memory whose owner's id is in `known` (the step's inputs, the model's parameters and
+        state); a draw that no later op's options took. Then link each draw to its op."""
+        known, produced = set(known), set()
+        params = {id(p) for p in parameters}
+        pending = []
+        for event in self.events:
+            if isinstance(event, _Draw):
+                pending.append(event)
+            elif isinstance(event, _Raw):
+                known.update(id(_root(a)) for a in _arrays(event.result))
+            else:
+                self._check_op(event, known, produced, params)
+                for draw in pending:
+                    name = event.takes(draw)
+                    if name is not None and not draw.taken:
+                        draw.taken = True
+                        event.draws.append((name, draw))
+                pending = [d for d in pending if not d.taken]
+                produced.update(id(t) for t in event.outputs)
+                known.update(id(_root(t.data)) for t in event.outputs)
+        if pending:
+            raise RuntimeError(f"recorded step: {pending[0].n} random values were drawn outside an op's options "
+                               "(each replay would reuse the same mask); draw them inside recomputed(...)")
+
+    @staticmethod
+    def _check_op(event, known, produced, params):
+        named = [(f"argument {i}", a) for i, a in enumerate(event.args)] + \
+                [(f"option {k!r}", v) for k, v in event.options.items()]
+        for name, value in named:
+            if isinstance(value, Tensor):
+                if id(value) in produced or id(value) in params:
+                    continue
+                value = value.data
+            for array in _arrays(value):
+                if id(_root(array)) not in known:
+                    raise RuntimeError(
+                        f"recorded step: {name} of {op_name(event.op)} is an array {array.shape} {array.dtype} computed "
+                        "outside the recorded ops (not an input of the step, a parameter or buffer of the model, "
+                        "or an op's output): a replay would reuse its first values. Make it with ops, compute it "
+                        "inside npformer.runtime.record.recomputed(fn, *arrays), or run this step eagerly")
+
+    def replay(self):
+        """Run the recorded step again (see the module docstring)."""
+        for event in self.events:
+            event.run()
+
+
+class Backward:
+    """The backward pass of a recorded graph, retained (`run()` for each replay): the engine's
+    walk (autograd.function.run_backward, first order, into `.grad`), in its order, with its
+    gradient checks and sums, without working the order out again. What the engine checks
+    between a forward pass and its backward (versions of saved inputs) cannot change in a
+    replay, which runs them back to back. `Backward.of(loss)` is None for a graph the walk needs
+    the engine for (retained gradients, post-accumulate-grad hooks)."""
+
+    def __init__(self, loss, plan):
+        self.loss, self.plan = loss, plan
+
+    @classmethod
+    def of(cls, loss):
+        plan = []
+        for node in _topological_nodes([loss.creator]):
+            if node.retained:
+                return None
+            routes = []  # (input index, leaf or creator node, None for a leaf or the creator's output index)
+            for i, t in enumerate(node.inputs):
+                if t is None or not t.requires_grad:
+                    continue
+                if t.creator is None and t._post_accumulate_grad_hooks:
+                    return None
+                routes.append((i, t, None) if t.creator is None else (i, t.creator, t.output_index))
+            plan.append((node, routes))
+        return cls(loss, plan)
+
+    def run(self):
+        loss = self.loss
+        hooks.run(hooks.backward_started)
+        _accumulate(loss.creator.output_grads, loss.output_index, loss.xp.ones_like(loss.data))
+        try:
+            with no_grad():
+                for node, routes in self.plan:
+                    grads = node.output_grads
+                    if any(g is None for g in grads):  # an output that did not reach the loss: zeros, as the engine's
+                        xp = backend.get_array_module(*node.input_arrays)
+                        grads = [xp.zeros(shape, dtype) if g is None else g
+                                 for g, (shape, dtype) in zip(grads, node.output_meta)]
+                    input_grads = node.backward(node, *grads)
+                    input_grads = _checked_gradients(node, input_grads if isinstance(input_grads, tuple)
+                                                     else (input_grads,))
+                    for i, target, index in routes:
+                        g = input_grads[i]
+                        if g is None:
+                            continue
+                        if index is None:
+                            target._accumulate_grad(g)
+                        else:
+                            _accumulate(target.output_grads, index, g)
+                    node.output_grads = [None] * len(grads)
+        except BaseException:  # as the engine: no partial sums left in the graph
+            for node, _ in self.plan:
+                node.output_grads = [None] * len(node.output_meta)
+            raise

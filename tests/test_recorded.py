@@ -1,0 +1,172 @@
+"""npformer.recorded: a loss function's forward and backward recorded once and replayed give the
+numbers of the same steps run eagerly, bit for bit (dropout draws new masks, padding masks and
+ignored targets follow the batch, the optimizer and its schedule run outside), and a call that
+differs from the recording in shape, mode or parameters runs eagerly."""
+import numpy as np
+import pytest
+
+import npformer
+import npformer.functional as F
+from autograd import Tensor, hooks
+from npformer import models, nn, optim
+from npformer.runtime import random
+
+VOCAB, PAD = 23, 0
+
+
+def batches(n, seed=0, batch=3, length=5):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        src, tgt_in, tgt_out = (rng.integers(1, VOCAB, (batch, length)) for _ in range(3))
+        src[i % batch, 1 + i % (length - 1):] = PAD                  # padding that moves from batch to batch
+        tgt_out[(i + 1) % batch, length - 1 - i % 2:] = PAD            # ignored targets
+        out.append((src, tgt_in, tgt_out))
+    return out
+
+
+def trainer(kind="seq2seq", attention=None, dropout=0.2):
+    """A fresh seeded model with dropout everywhere, AdamW, a warmup-cosine schedule, and its loss."""
+    npformer.manual_seed(0)
+    if kind == "seq2seq":
+        model = models.Seq2SeqTransformer(VOCAB, VOCAB, d_model=16, nhead=2, num_encoder_layers=1,
+                                          num_decoder_layers=1, dim_feedforward=24, dropout=dropout, pad_idx=PAD)
+
+        def loss_fn(src, tgt_in, tgt_out):
+            return F.cross_entropy(model(src, tgt_in).reshape(-1, VOCAB), tgt_out.reshape(-1), ignore_index=PAD,
+                                   label_smoothing=0.1)
+    else:
+        model = models.CausalLM(VOCAB, d_model=16, nhead=2, num_layers=2, dim_feedforward=24, dropout=dropout,
+                                max_len=16)
+
+        def loss_fn(src, tgt_in, tgt_out):
+            return F.cross_entropy(model(tgt_in).reshape(-1, VOCAB), tgt_out.reshape(-1), ignore_index=PAD)
+    for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            module.backend = attention
+    model.train()
+    opt = optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = optim.WarmupCosineLR(opt, warmup_steps=3, total_steps=30)
+    return model, opt, scheduler, loss_fn
+
+
+def run(data, record, **kwargs):
+    model, opt, scheduler, loss_fn = trainer(**kwargs)
+    step = npformer.recorded(loss_fn, model) if record else None
+    losses = []
+    for batch in data:
+        opt.zero_grad()
+        if record:
+            loss = step(*batch)
+        else:
+            loss = loss_fn(*batch)
+            loss.backward()
+        optim.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, [p.numpy().copy() for p in model.parameters()], random.dropout_stream().offset, step
+
+
+@pytest.mark.parametrize("kind, attention", [("seq2seq", None), ("seq2seq", "memory_efficient"), ("causal", None)])
+def test_twenty_recorded_steps_equal_twenty_eager_steps(kind, attention):
+    """20 steps (1 eager, 1 recorded, 18 replayed) with dropout on embeddings, attention (either
+    path), feed-forward and residuals, padding that moves, ignored targets, label smoothing,
+    clipping, AdamW and a schedule: the eager run's losses, weights and dropout offset, exactly."""
+    data = batches(20)
+    eager_losses, eager_weights, eager_offset = run(data, False, kind=kind, attention=attention)[:3]
+    losses, weights, offset, step = run(data, True, kind=kind, attention=attention)
+    assert (step.eager_calls, step.replays) == (2, 18)
+    assert losses == eager_losses and len(set(losses)) == len(losses)
+    assert offset == eager_offset
+    for a, b in zip(weights, eager_weights):
+        np.testing.assert_array_equal(a, b)
+    assert not hooks.op_applied                                    # the core's hook is gone once recorded
+
+
+def test_a_call_unlike_the_recorded_one_runs_eagerly_and_the_next_like_it_replays():
+    """After the recording: another batch shape, eval mode, a frozen parameter, another attention
+    path and grad mode off each run eagerly (the numbers of an eager step); restored, replays go on."""
+    model, opt, _, loss_fn = trainer()
+    step = npformer.recorded(loss_fn, model)
+    data = batches(3)
+    for batch in data:
+        opt.zero_grad()
+        step(*batch)
+    assert (step.eager_calls, step.replays) == (2, 1)
+    attention = next(m for m in model.modules() if isinstance(m, nn.MultiheadAttention))
+    first = next(model.parameters())
+    changes = [(lambda: None, lambda: None, batches(1, length=7)[0]),
+               (model.eval, model.train, data[0]),
+               (lambda: first.requires_grad_(False), lambda: first.requires_grad_(True), data[0]),
+               (lambda: setattr(attention, "backend", "memory_efficient"), lambda: setattr(attention, "backend", None),
+                data[0])]
+    for change, restore, batch in changes:
+        change()
+        opt.zero_grad()
+        eager = step.eager_calls
+        step(*batch)
+        assert step.eager_calls == eager + 1
+        restore()
+        replays = step.replays
+        opt.zero_grad()
+        step(*data[1])
+        assert step.replays == replays + 1
+    with npformer.no_grad(), pytest.raises(RuntimeError, match="does not require grad"):
+        step(*data[1])                                          # eagerly, as loss.backward() under no_grad
+
+
+def test_ids_out_of_range_in_a_replayed_step_raise_the_eager_error():
+    model, opt, _, loss_fn = trainer()
+    step = npformer.recorded(loss_fn, model)
+    data = batches(3)
+    for batch in data[:2]:
+        step(*batch)
+    src, tgt_in, tgt_out = data[2]
+    src[1, 0] = VOCAB
+    with pytest.raises(IndexError, match=r"src token ids must be in \[0, 22\].*got min 0 and max 23"):
+        step(src, tgt_in, tgt_out)
+
+
+def test_an_array_computed_outside_the_ops_or_a_stray_draw_is_refused_when_recording():
+    """A replay would reuse the first values of an array the step made without ops, or of a mask
+    drawn outside an op's options: recording raises, naming the op and the argument."""
+    model = nn.Linear(4, 4)
+    w = model.weight
+
+    def made_outside(x):
+        return (w * Tensor(x * 2.0)).sum()                      # x * 2.0: numpy, not an op
+    step = npformer.recorded(made_outside, model, warmup=0)
+    with pytest.raises(RuntimeError, match=r"argument 1 of autograd.ops.Mul is an array \(4,\) float32 computed "
+                                           r"outside the recorded ops"):
+        step(np.arange(4.0, dtype=np.float32))
+
+    def stray_draw(x):
+        random.dropout_stream().draw(16, "cpu")
+        return (w * x).sum()
+    step = npformer.recorded(stray_draw, model, warmup=0)
+    with pytest.raises(RuntimeError, match="16 random values were drawn outside an op's options"):
+        step(np.arange(4.0, dtype=np.float32))
+
+
+def test_inputs_off_the_cpu_run_eagerly():
+    w = Tensor(np.ones(4), requires_grad=True, device="test")
+    step = npformer.recorded(lambda x: (w * x).sum(), nn.Linear(2, 2), warmup=0)
+    from autograd import backend
+    for _ in range(2):
+        step(backend.to_device(np.arange(4.0), "test"))
+    assert (step.eager_calls, step.replays) == (2, 0)
+
+
+def test_bad_arguments_are_errors():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="recorded: fn must be callable, got int"):
+        npformer.recorded(3, model)
+    with pytest.raises(TypeError, match="recorded: model must be an npformer.nn.Module .*got list"):
+        npformer.recorded(lambda: None, [])
+    with pytest.raises(ValueError, match=r"recorded: warmup must be an integer >= 0, got -1"):
+        npformer.recorded(lambda: None, model, warmup=-1)
+    step = npformer.recorded(lambda x: model(Tensor(x)), model, warmup=0)
+    with pytest.raises(TypeError, match=r"recorded: fn must return a scalar loss Tensor that requires grad, got "
+                                        r"Tensor \(3, 2\)"):
+        step(np.ones((3, 2), dtype=np.float32))
