@@ -20,7 +20,7 @@ LAYERS = [
     ("npformer.models",),
     ("npformer.optim", "npformer.data", "npformer.training", "npformer.decoding",
      "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.opcases", "npformer.gradcheck",
-     "npformer.progress", "npformer.distributed", "npformer.cuda", "npformer.recorded",
+     "npformer.progress", "npformer.distributed", "npformer.cuda", "npformer.recording",
      "npformer.exercises"),
 ]
 # op math lives here: only the backend switch and its CuPy stand-in may import numpy or cupy

@@ -146,6 +146,8 @@ class Philox:
         return self._reserve(n)
 
     def _reserve(self, n):
+        if not self.seeded:  # the global dropout stream after manual_seed (a replay reserves without asking for it)
+            dropout_stream()
         step = -(-int(n) // VALUES_PER_COUNTER) * VALUES_PER_COUNTER
         with _streams_lock:
             start = self.offset

@@ -152,16 +152,16 @@ def _copy_into(old, new, fn):
     if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
         for o, n in zip(old, new):
             _copy_into(o, n, fn)
-    elif backend.is_array(old) and backend.is_array(new) and old.shape == new.shape:
+    elif backend.is_array(old) and backend.is_array(new) and old.shape == new.shape and old.dtype == new.dtype:
         if new is not old:
             backend.get_array_module(old).copyto(old, new)
     elif not (old is None and new is None):
         raise RuntimeError(f"a recorded step's {getattr(fn, '__name__', fn)} gave {_describe(new)} where it gave "
-                           f"{_describe(old)} when recorded: its shapes must not change between replays")
+                           f"{_describe(old)} when recorded: its shapes and dtypes must not change between replays")
 
 
 def _describe(value):
-    return f"an array of shape {value.shape}" if backend.is_array(value) else type(value).__name__
+    return f"an array {value.shape} {value.dtype}" if backend.is_array(value) else type(value).__name__
 
 
 class _Draw:
@@ -173,8 +173,8 @@ class _Draw:
         self.taken = False
 
     def run(self):
-        stream = self.stream
-        self.now = (stream.seed, stream._reserve(self.n))
+        offset = self.stream._reserve(self.n)          # first: it reseeds a stream that manual_seed reset
+        self.now = (self.stream.seed, offset)
 
 
 class Recorder:

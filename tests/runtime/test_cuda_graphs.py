@@ -288,3 +288,21 @@ def test_twenty_replayed_steps_equal_twenty_eager_steps_on_a_gpu():
     np.testing.assert_allclose(losses, eager_losses, rtol=1e-4)
     for a, b in zip(weights, eager_weights):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_manual_seed_between_replays_reseeds_the_replayed_masks():
+    """manual_seed between two calls resets the dropout stream, which is reseeded when next used;
+    a replay reserves its values without asking for the stream by name, and still takes them from
+    the new seed at offset 0, as the eager step does (it used to go on with the old seed)."""
+    data = batches(5)
+
+    def steps(graph):
+        _, _, _, step = trainer("test")
+        run_step = npformer.cuda.graphed(step, device="test") if graph else step
+        losses = []
+        for i, (src, tgt_in, tgt_out) in enumerate(data):
+            if i == 3:
+                npformer.manual_seed(7)
+            losses.append(run_step(*[backend.to_device(a, "test") for a in (src, tgt_in)], tgt_out).item())
+        return losses, random.dropout_stream().state_dict()
+    assert steps(graph=True) == steps(graph=False)

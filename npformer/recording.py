@@ -31,6 +31,7 @@ branch on its data, and `fn` must depend on nothing but its inputs and `model`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import numpy
@@ -64,6 +65,7 @@ class RecordedStep:
         self.loss = None        # the recorded call's loss Tensor, rewritten by each replay
         self.backward = None    # its graph's backward (record.Backward), or None: the engine's
         self.signature = None   # what the ops were chosen by (see _signature)
+        self.modules = None     # the model's modules when recorded
 
     def __call__(self, *inputs: Any) -> Tensor:
         """Run the step on `inputs` (arrays or Tensors that do not require grad): the loss (a
@@ -93,6 +95,7 @@ class RecordedStep:
 
     def _record(self, inputs, signature):
         static = [Tensor(numpy.array(_data(v))) if isinstance(v, Tensor) else numpy.array(v) for v in inputs]
+        self.modules = list(self.model.modules())
         recorder = record.Recorder()
         with recorder:
             loss = self.fn(*static)
@@ -128,9 +131,8 @@ class RecordedStep:
             if type(data) is not numpy.ndarray or (isinstance(value, Tensor) and value.requires_grad):
                 return None
             shapes.append((isinstance(value, Tensor), data.shape, data.dtype))
-        parameters = tuple((id(p), p.requires_grad, p.data.shape, p.data.dtype, type(p.data))
-                           for p in self.model.parameters())
-        return tuple(shapes), _twins.active, parameters, tuple(_settings(m) for m in self.model.modules())
+        modules = self.modules if self.modules is not None else list(self.model.modules())
+        return tuple(shapes), _twins.active, tuple([_settings(m) for m in modules])
 
 
 def _data(value):
@@ -138,13 +140,23 @@ def _data(value):
 
 
 def _settings(module):
-    """The plain values a module holds (training, sizes, paths), and those of its config objects."""
+    """What a module's forward may be chosen by: its plain values (training, sizes, paths), its
+    functions, its parameters, buffers and children (which ones; a Tensor's requires_grad, shape,
+    dtype and array type) and the plain values of its config objects."""
     found = []
-    for name, value in vars(module).items():
-        if isinstance(value, _PLAIN):
-            found.append((name, value))
-        elif hasattr(value, "__dict__") and not callable(value) and not isinstance(value, (Tensor, random.Philox)):
-            found.append((name, tuple((k, v) for k, v in vars(value).items() if isinstance(v, _PLAIN))))
+    for value in vars(module).values():
+        kind = type(value)
+        if kind in _PLAIN or kind is tuple or kind is FunctionType:
+            found.append(value)
+        elif kind is dict:   # _parameters, _buffers, _modules, a config dict
+            for key, item in value.items():
+                if isinstance(item, Tensor):
+                    data = item.data
+                    found.append((key, id(item), item.requires_grad, data.shape, data.dtype, type(data)))
+                else:
+                    found.append((key, item if type(item) in _PLAIN else id(item)))
+        elif hasattr(value, "__dict__") and not isinstance(value, (Tensor, random.Philox)) and not callable(value):
+            found.append(tuple([v for v in vars(value).values() if type(v) in _PLAIN]))
     return tuple(found)
 
 

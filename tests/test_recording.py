@@ -1,4 +1,4 @@
-"""npformer.recorded: a loss function's forward and backward recorded once and replayed give the
+"""npformer.recorded (npformer/recording.py): a loss function's forward and backward recorded once and replayed give the
 numbers of the same steps run eagerly, bit for bit (dropout draws new masks, padding masks and
 ignored targets follow the batch, the optimizer and its schedule run outside), and a call that
 differs from the recording in shape, mode or parameters runs eagerly."""
