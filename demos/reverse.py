@@ -307,7 +307,7 @@ def train(args):
                              label_smoothing=settings["label_smoothing"], clip_norm=settings["clip_norm"],
                              eval_every=settings["eval_every"], eval_size=200, progress=not args.quiet,
                              extra_state={"demo": {"settings": settings, "seed": seed, "preset": preset}},
-                             callbacks=[between_steps])
+                             callbacks=[between_steps], record_steps=True)
     if resumed:
         trainer.resume(args.resume)
     parameters = sum(p.size for p in model.parameters())

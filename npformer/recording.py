@@ -63,13 +63,16 @@ class RecordedStep:
         self.recorder = None
         self.static = None      # the recorded call's inputs (arrays, or Tensors of them)
         self.loss = None        # the recorded call's loss Tensor, rewritten by each replay
+        self.extras = None      # what fn returned after the loss, rewritten by each replay (or None)
         self.backward = None    # its graph's backward (record.Backward), or None: the engine's
         self.signature = None   # what the ops were chosen by (see _signature)
         self.modules = None     # the model's modules when recorded
 
-    def __call__(self, *inputs: Any) -> Tensor:
+    def __call__(self, *inputs: Any) -> Any:
         """Run the step on `inputs` (arrays or Tensors that do not require grad): the loss (a
-        detached scalar Tensor), its gradients accumulated into the parameters' `.grad`."""
+        detached scalar Tensor), its gradients accumulated into the parameters' `.grad`. When fn
+        returns a tuple (the loss first, then Tensors and arrays the step made), that tuple with
+        the loss detached; after the recording the same objects, which each replay rewrites."""
         self.calls += 1
         signature = self._signature(inputs)
         if self.calls <= self.warmup or signature is None or (self.recorder is not None
@@ -85,29 +88,28 @@ class RecordedStep:
         else:
             self.loss.backward(retain_graph=True)
         self.replays += 1
-        return self.loss.detach()
+        return _returned(self.loss, self.extras)
 
     def _eager(self, inputs):
         self.eager_calls += 1
-        loss = self.fn(*inputs)
+        loss, extras = _loss_and_extras(self.fn(*inputs))
         loss.backward()
-        return loss.detach()
+        return _returned(loss, extras)
 
     def _record(self, inputs, signature):
         static = [Tensor(numpy.array(_data(v))) if isinstance(v, Tensor) else numpy.array(v) for v in inputs]
         self.modules = list(self.model.modules())
         recorder = record.Recorder()
         with recorder:
-            loss = self.fn(*static)
-        if not isinstance(loss, Tensor) or loss.creator is None or loss.size != 1:
-            raise TypeError(f"recorded: fn must return a scalar loss Tensor that requires grad, got "
-                            f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else ' ' + str(loss.shape)}")
-        recorder.check(self._known(static), self.model.parameters())
+            loss, extras = _loss_and_extras(self.fn(*static))
+        if loss.creator is None:
+            raise TypeError("recorded: fn must return a scalar loss Tensor that requires grad, got one that does not")
+        recorder.check(self._known(static), self.model.parameters(), extras or ())
         loss.backward(retain_graph=True)
-        self.recorder, self.static, self.loss, self.signature = recorder, static, loss, signature
+        self.recorder, self.static, self.loss, self.extras, self.signature = recorder, static, loss, extras, signature
         self.backward = record.Backward.of(loss)
         self.eager_calls += 1  # the recording call is an eager step
-        return loss.detach()
+        return _returned(loss, extras)
 
     def _known(self, static):
         """The ids of the arrays owning the memory a replay may read as it is: the inputs, the
@@ -133,6 +135,20 @@ class RecordedStep:
             shapes.append((isinstance(value, Tensor), data.shape, data.dtype))
         modules = self.modules if self.modules is not None else list(self.model.modules())
         return tuple(shapes), _twins.active, tuple([_settings(m) for m in modules])
+
+
+def _loss_and_extras(returned):
+    """(the loss, the rest of what fn returned or None), or TypeError."""
+    loss, extras = (returned[0], returned[1:]) if isinstance(returned, tuple) and returned else (returned, None)
+    if not isinstance(loss, Tensor) or loss.size != 1:
+        shape = f" {loss.shape}" if isinstance(loss, Tensor) else ""
+        raise TypeError(f"recorded: fn must return a scalar loss Tensor that requires grad (or a tuple that starts "
+                        f"with one), got {type(loss).__name__}{shape}")
+    return loss, extras
+
+
+def _returned(loss, extras):
+    return loss.detach() if extras is None else (loss.detach(),) + extras
 
 
 def _data(value):

@@ -39,12 +39,13 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from autograd import Tensor, backend
 from autograd.checks import check_bool, check_int, check_real
 from npformer.runtime import random
+from npformer.runtime.record import recomputed
 
 from . import functional as F
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -57,6 +58,7 @@ from .distributed.zero import ZeroRedundancyOptimizer
 from .nn import Module, inference_mode
 from .optim import Optimizer, clip_grad_norm_, grad_norm
 from .progress import Progress
+from .recording import RecordedStep
 
 __all__ = ["Loss", "token_loss", "seq2seq_loss", "causal_lm_loss", "classification_loss", "evaluate_loss", "Trainer",
            "Seq2SeqTrainer", "layer_of"]
@@ -79,10 +81,12 @@ def layer_of(name: str) -> str:
 @dataclass
 class Loss:
     """What a loss function returns: `sum`, the loss summed over `count` items (a scalar
-    Tensor), and `metrics`, sums over the same items (numbers), reported divided by the count."""
+    Tensor), and `metrics`, sums over the same items, reported divided by the count. The count and
+    metrics are numbers, or 0-d arrays read when the step reports them (token_loss's: a recorded
+    step, `Trainer(record_steps=True)`, makes them again at each replay)."""
 
     sum: Tensor
-    count: float
+    count: Any
     metrics: dict = field(default_factory=dict)
 
 
@@ -92,11 +96,20 @@ def token_loss(logits: Tensor, target: Any, ignore_index: int = -100, label_smoo
     that are not ignore_index; their count; metric "accuracy": how many of them the argmax gets.
     The building block of the ready-made loss functions (F.cross_entropy with reduction="sum")."""
     target = backend.to_device(target, logits.device)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+    flat = recomputed(backend.get_array_module(target).ravel, target)  # a copy when target is a strided view
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, ignore_index=ignore_index,
                            reduction="sum", label_smoothing=label_smoothing)
+    count, correct = recomputed(_counted_targets, logits, target, ignore_index)  # again at each replay
+    return Loss(loss, count, {"accuracy": correct})
+
+
+def _counted_targets(logits, target, ignore_index):
+    """(the targets that are not ignore_index, how many of them the argmax of logits gets), as
+    0-d integer arrays (read on the host when the step reports them)."""
+    xp = logits.xp
     valid = target != ignore_index
-    correct = (logits.xp.argmax(logits.data, axis=-1) == target) & valid
-    return Loss(loss, int(valid.sum()), {"accuracy": int(correct.sum())})
+    correct = (xp.argmax(logits.data, axis=-1) == target) & valid
+    return xp.asarray(valid.sum()), xp.asarray(correct.sum())
 
 
 def seq2seq_loss(label_smoothing: float = 0.0) -> LossFunction:
@@ -175,6 +188,21 @@ def evaluate_loss(loss_fn: LossFunction, batches: Iterable[Any]) -> Callable[[Mo
     return evaluate
 
 
+def _batch_arrays(batch):
+    """The arrays of a batch (an array, or a tuple or dataclass of arrays) in order, or None."""
+    if backend.is_array(batch):
+        return (batch,)
+    values = tuple(getattr(batch, f.name) for f in fields(batch)) if is_dataclass(batch) and \
+        not isinstance(batch, type) else batch if isinstance(batch, tuple) else None
+    return values if values is not None and all(backend.is_array(v) for v in values) else None
+
+
+def _inverse_count(count, dtype):
+    """1 / count as a 0-d array of the loss's dtype (0 for no items: the step then raises)."""
+    xp = backend.get_array_module(count)
+    return xp.asarray(1.0 / count if count > 0 else 0.0, dtype=dtype)
+
+
 def _epochs(data):
     """The next-batch function over an iterable: a new pass over it (an epoch) when one runs out;
     ValueError when an iterator (one pass only) runs out, or when a pass yields nothing."""
@@ -218,6 +246,11 @@ class Trainer:
     extra_state: a dict saved into every checkpoint of `save` (e.g. the run's settings).
     shard_optimizer: with a DistributedDataParallel model, split the optimizer's state across
         ranks (`distributed.ZeroRedundancyOptimizer`, ZeRO-1).
+    record_steps: on the CPU, in one process, run each step's forward and backward as a
+        recorded step (`npformer.recorded`): recorded at the second step, replayed for every batch
+        of the same shapes, the same numbers as eager steps. It needs a loss function whose
+        count and metrics are arrays (the ready-made ones: token_loss); with another, or batches
+        that are not arrays (or a tuple or dataclass of them), steps stay eager.
 
     callbacks: functions `callback(trainer, record)`, called in order at the end of every
         `train_step` with the step's record (the step is done and in `history`): Lightning's
@@ -233,7 +266,7 @@ class Trainer:
                  loss_fn: Callable[[Module, Any], Loss | Tensor], *, evaluate: Callable[[Module], dict[str, Any]] | None = None,
                  scheduler: Any = None, clip_norm: float | None = 1.0, eval_every: int = 0, grad_norm_every: int = 10,
                  progress: bool = True, log_every: int = 10, extra_state: dict[str, Any] | None = None,
-                 shard_optimizer: bool = False, callbacks: Sequence[StepCallback] = ()):
+                 shard_optimizer: bool = False, callbacks: Sequence[StepCallback] = (), record_steps: bool = False):
         if not isinstance(model, Module):
             raise TypeError(f"model: expected an npformer.nn.Module, got {type(model).__name__}")
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
@@ -283,6 +316,9 @@ class Trainer:
         self.step = 0
         self.history = self._empty_history()
         self._bar = None
+        record_steps = check_bool(record_steps, "record_steps", "Trainer") and not self.distributed
+        self._recorded = RecordedStep(self._recorded_loss, self.module) if record_steps else None
+        self._metric_names = None   # the recorded loss function's metrics, in order
 
     def _empty_history(self):
         return {"step": [], "loss": [], "lr": [], "grad_norm": [], "items": [], "seconds": [],
@@ -298,16 +334,20 @@ class Trainer:
         batch = self._next_batch() if batch is None else batch
         self.model.train()
         lr = self.optimizer.param_groups[0]["lr"]
-        out = _as_loss(self.loss_fn(self.model, batch))
-        # one message: the loss, the count and the metric sums of every rank
-        totals = self.group.sum([out.sum.item(), out.count, *out.metrics.values()])
+        totals, names = self._recorded_step(batch) if self._recorded is not None else (None, None)
+        if totals is None:
+            out = _as_loss(self.loss_fn(self.model, batch))
+            # one message: the loss, the count and the metric sums of every rank
+            totals, names = self.group.sum([out.sum.item(), out.count, *out.metrics.values()]), list(out.metrics)
+            count = totals[1]
+            if count > 0:
+                self.optimizer.zero_grad()
+                # after DDP's mean over ranks: d(sum of every rank's loss) / (every rank's count)
+                (out.sum * (self.group.size / count)).backward()
         count = totals[1]
         if not count > 0:
             raise ValueError(f"loss_fn: step {self.step + 1} has no items to average over (count {count}); "
                              "check the batch (e.g. every target equal to ignore_index)")
-        self.optimizer.zero_grad()
-        # after DDP's mean over ranks: d(sum of every rank's loss) / (every rank's count)
-        (out.sum * (self.group.size / count)).backward()
         self.step += 1
         if self.grad_norm_every and self.step % self.grad_norm_every == 0:
             self.history["layer_grad_norm_step"].append(self.step)
@@ -324,12 +364,38 @@ class Trainer:
         record = {"step": self.step, "loss": totals[0] / count, "lr": lr, "grad_norm": total,
                   "items": int(count) if float(count).is_integer() else count,
                   "seconds": time.perf_counter() - start}
-        record.update({name: value / count for name, value in zip(out.metrics, totals[2:])})
+        record.update({name: value / count for name, value in zip(names, totals[2:])})
         for key, value in record.items():
             self.history.setdefault(key, []).append(value)
         for callback in self.callbacks:
             callback(self, record)
         return record
+
+    def _recorded_step(self, batch):
+        """(totals, metric names) of a step run by the recorded step (its gradients in .grad), or
+        (None, None) when this batch or loss function cannot be recorded (the step then runs eagerly)."""
+        arrays = _batch_arrays(batch)
+        if arrays is None:
+            return None, None
+        self._batch_type = type(batch) if not backend.is_array(batch) else None
+        self.optimizer.zero_grad()
+        _, total, count, *metrics = self._recorded(*arrays)
+        if self._metric_names is None:   # not recordable (numbers for count or metrics): eager from now on
+            self._recorded = None
+        # the scale was 0 without items (zero gradients, and the error below), as eager raises before backward
+        return [total.item(), float(count), *map(float, metrics)], self._metric_names or []
+
+    def _recorded_loss(self, *arrays):
+        """The recorded step's function: the mean loss (d loss / d weights as eager steps take it:
+        the summed loss times 1 / count, count 0 giving 0), the summed loss, the count, the metrics."""
+        batch = arrays[0] if self._batch_type is None else self._batch_type(*arrays)
+        out = _as_loss(self.loss_fn(self.model, batch))
+        values = [out.count, *out.metrics.values()]
+        recordable = all(backend.is_array(v) for v in values)
+        self._metric_names = list(out.metrics) if recordable else None
+        scale = Tensor(recomputed(_inverse_count, out.count, out.sum.dtype)) if recordable else \
+            1.0 / out.count if out.count else 0.0
+        return (out.sum * scale, out.sum, *values)
 
     def _say(self, message):
         if self.group.rank == 0:

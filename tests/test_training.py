@@ -148,7 +148,7 @@ def _lm_data(n=96, length=9, seed=0):
     return ids
 
 
-def _lm_trainer(steps=40, model_seed=0):
+def _lm_trainer(steps=40, model_seed=0, **kwargs):
     manual_seed(model_seed)
     model = CausalLM(11, d_model=32, nhead=2, num_layers=1, dim_feedforward=64, dropout=0.1, max_len=16,
                      pad_idx=PAD)
@@ -157,7 +157,7 @@ def _lm_trainer(steps=40, model_seed=0):
     heldout = [_lm_data(16, seed=5), _lm_data(16, seed=6)]
     opt = optim.AdamW(model.parameters(), lr=1e-2)
     return Trainer(model, opt, data, loss_fn, evaluate=evaluate_loss(loss_fn, heldout), eval_every=20,
-                   scheduler=optim.WarmupCosineLR(opt, 5, steps), progress=False, grad_norm_every=5)
+                   scheduler=optim.WarmupCosineLR(opt, 5, steps), progress=False, grad_norm_every=5, **kwargs)
 
 
 def test_trainer_learns_language_modelling_and_records_the_documented_history():
@@ -188,6 +188,40 @@ def test_resume_continues_bit_for_bit(tmp_path, make):
     resumed.fit(8)
     assert resumed.history["loss"] == full.history["loss"]  # bit for bit, steps 1..8
     assert resumed.history["lr"] == full.history["lr"]
+
+
+@pytest.mark.parametrize("make", [_trainer, _lm_trainer], ids=["seq2seq", "language model"])
+def test_recorded_steps_train_as_eager_steps_to_the_bit(make):
+    """record_steps=True (npformer.recorded): the history (losses, lrs, gradient norms, items,
+    accuracy, evaluations) and the weights of eager training, with dropout, clipping, a schedule
+    and batches whose padding moves; a batch of another length runs eagerly, the next replays."""
+    eager = make(steps=24)
+    eager.fit(24)
+    recorded = make(steps=24, record_steps=True)       # built after: the same seeds for its dropout
+    recorded.fit(24)
+    for key in ("loss", "lr", "grad_norm", "items", "accuracy", "eval_step"):
+        assert recorded.history[key] == eager.history[key], key
+    for a, b in zip(recorded.module.parameters(), eager.module.parameters()):
+        np.testing.assert_array_equal(a.data, b.data)
+    step = recorded._recorded
+    assert step.replays >= 12 and step.replays + step.eager_calls == 24
+
+
+def test_a_loss_function_counting_with_numbers_trains_eagerly_with_record_steps():
+    """Counts read on the host (numbers) would be the first step's at every replay: such a loss
+    function's steps stay eager, with the numbers of record_steps=False."""
+    def loss_fn(model, batch):
+        out = npformer.training.seq2seq_loss()(model, batch)
+        return Loss(out.sum, float(out.count), {"accuracy": float(out.metrics["accuracy"])})
+    recorded = None
+    histories = []
+    for record_steps in (False, True):
+        trainer = _trainer(record_steps=record_steps)
+        trainer.loss_fn = loss_fn
+        trainer.fit(5)
+        histories.append(trainer.history["loss"])
+        recorded = trainer
+    assert histories[0] == histories[1] and recorded._recorded is None
 
 
 def test_trainer_learns_classification():

@@ -142,10 +142,11 @@ def _every_target_ignored(ignore_index):
         "undefined (torch returns NaN); use reduction='sum' or check the targets")
 
 
-def _class_targets(flat_target, ignore_index, weight, reduction, dtype):
-    """(safe_target, valid, divisor) of class targets: the ids with ignored ones made 0, which are
-    not ignored, and the mean's divisor (None unless reduction="mean")."""
-    xp = backend.get_array_module(flat_target)
+def _class_targets(target, ignore_index, weight, reduction, dtype):
+    """(safe_target, valid, divisor) of class targets, flattened: the ids with ignored ones made 0,
+    which are not ignored, and the mean's divisor (None unless reduction="mean")."""
+    xp = backend.get_array_module(target)
+    flat_target = target.reshape(-1)
     valid = flat_target != ignore_index
     safe_target = xp.where(valid, flat_target, 0)
     divisor = None  # "mean": the sum of w[target] over valid targets (checked like the ids), or their number
@@ -273,7 +274,7 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
     if probabilities:
         loss = probability_cross_entropy(log_softmax(x, dim=1), classes_last(tgt), weight, label_smoothing, reduction)
         return loss.reshape(expected) if reduction == "none" else loss
-    safe_target, valid, divisor = record.recomputed(_class_targets, tgt.reshape(-1), ignore_index,
+    safe_target, valid, divisor = record.recomputed(_class_targets, tgt, ignore_index,
                                                     None if weight is None else data_of(weight), reduction, logits.dtype)
     loss = CrossEntropyFunction.apply(x, weight, safe_target=safe_target, valid=valid, divisor=divisor,
                                       reduction=reduction, label_smoothing=label_smoothing)

@@ -97,28 +97,36 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
         parts.append(mask.reshape(batch, 1, 1, src_len))                       # (B, 1, 1, S)
     if not parts:
         return AttentionMask(None, bool(is_causal))
-    xp = backend.get_array_module(like)
-    if is_causal and attn_mask is None:
-        parts.append(xp.triu(xp.ones((tgt_len, src_len), dtype=bool), 1)[None, None])  # (1, 1, T, S)
+    causal = (tgt_len, src_len) if is_causal and attn_mask is None else None   # the causal mask too
     if all(p.dtype == bool for p in parts):
-        return AttentionMask(record.recomputed(_allowed, tuple(parts)), False)  # again at each replay
+        return AttentionMask(record.recomputed(_allowed, tuple(parts), causal), False)  # again at each replay
     if any(isinstance(p, Tensor) for p in parts):  # combined with ops: their gradients flow
-        return AttentionMask(_added(tuple(parts), like.dtype), False)
-    return AttentionMask(record.recomputed(_added, tuple(parts), like.dtype), False)
+        return AttentionMask(_added(tuple(parts), causal, like.dtype), False)
+    return AttentionMask(record.recomputed(_added, tuple(parts), causal, like.dtype), False)
 
 
-def _allowed(parts):
-    """True where no bool mask of `parts` (True = blocked) blocks."""
+def _with_causal(parts, causal):
+    """The bool masks `parts` (True = blocked) and, when `causal` is (T, S), the causal one."""
+    if causal is None:
+        return parts
+    xp = backend.get_array_module(parts[0].data if isinstance(parts[0], Tensor) else parts[0])
+    return parts + (xp.triu(xp.ones(causal, dtype=bool), 1)[None, None],)               # (1, 1, T, S)
+
+
+def _allowed(parts, causal):
+    """True where no bool mask of `parts` (True = blocked), nor the causal mask, blocks."""
+    parts = _with_causal(parts, causal)
     blocked = parts[0]
     for p in parts[1:]:
         blocked = blocked | p
     return ~blocked
 
 
-def _added(parts, dtype):
-    """The sum of the masks `parts` as floats of `dtype` (bool ones: -inf where blocked)."""
+def _added(parts, causal, dtype):
+    """The sum of the masks `parts` (and the causal one) as floats of `dtype` (bool ones: -inf
+    where blocked)."""
     added = None
-    for p in parts:
+    for p in _with_causal(parts, causal):
         if p.dtype == bool:  # True = blocked -> -inf, like torch's _canonical_mask
             p = backend.get_array_module(p).where(p, -math.inf, 0.0).astype(dtype)
         added = p if added is None else added + p  # a Tensor once one part is (array + Tensor defers to it)

@@ -14,16 +14,18 @@ the loss function once under a `Recorder`, which keeps, in order:
 `Recorder.replay()` then runs the same computations again: each op's `forward` on the arrays its
 arguments hold now (the step's inputs rewritten in place, the parameters as the optimizer left
 them), its outputs put into the same Tensors, its node's saved arrays and versions renewed, so
-the graph recorded the first time is the graph of this step and `loss.backward()` walks it
-again (retained). Each raw computation is repeated and its result copied into the arrays the
+the graph recorded the first time is the graph of this step, and `Backward` walks it again as
+the engine would. Each raw computation is repeated and its result copied into the arrays the
 ops were given; each dropout takes the next values of its stream with the seed of the moment,
 as the eager step would: the same numbers, bit for bit.
 
-What a replay cannot see is refused while recording (`Recorder.check`): an op input or option
-array that is none of the step's inputs, its parameters or state, an earlier op's output or a
-recomputed result (an array the step computed some other way would be frozen), and a draw that
-no op's options took. Python numbers computed from array values (a host read) cannot be told
-apart from constants: a step must not branch on its data (as in a CUDA graph).
+What a replay cannot see is refused while recording (`Recorder.check`): an array that an op
+(as an input or option) or a recomputed call (as an argument) reads, or that the step returns,
+which is none of the step's inputs, its parameters or state, an earlier op's output or a
+recomputed result (an array the step computed some other way would be frozen, a strided view's
+flattened copy included), and a draw that no op's options took. Python numbers computed from
+array values (a host read) cannot be told apart from constants: a step must not branch on its
+data (as in a CUDA graph).
 Recording is per thread; ops applied inside `recomputed` belong to it and are not recorded.
 """
 import threading
@@ -75,6 +77,24 @@ def _op_applied(op, ctx, args, options, outputs):
     recorder = current()
     if recorder is not None:
         recorder.events.append(_Op(op, ctx, args, options, outputs))
+
+
+def _check_arrays(named, owner, known, produced, params):
+    """RuntimeError for the first of `named` [(name, value)] that a replay would read stale: an
+    array (or a Tensor's, or one in a tuple) whose memory is none of `known`, unless the Tensor is
+    an earlier op's output or a parameter (whose data a replay reads anew)."""
+    for name, value in named:
+        if isinstance(value, Tensor):
+            if id(value) in produced or id(value) in params:
+                continue
+            value = value.data
+        for array in _arrays(value):
+            if id(_root(array)) not in known:
+                raise RuntimeError(
+                    f"recorded step: {name} of {owner} is an array {array.shape} {array.dtype} computed outside the "
+                    "recorded ops (not an input of the step, a parameter or buffer of the model, an op's output or "
+                    "a recomputed result): a replay would reuse its first values. Make it with ops, compute it "
+                    "inside npformer.runtime.record.recomputed(fn, *arrays), or run this step eagerly")
 
 
 def _root(array):
@@ -201,11 +221,14 @@ class Recorder:
                 hooks.op_applied.remove(_op_applied)
         return False
 
-    def check(self, known, parameters):
+    def check(self, known, parameters, outputs=()):
         """Refuse (RuntimeError) a recording that a replay would get wrong: an op input or option
         array that is not an earlier op's output, a recomputed result, a Tensor of `parameters`, or
         memory whose owner's id is in `known` (the step's inputs, the model's parameters and
-        state); a draw that no later op's options took. Then link each draw to its op."""
+        state); a draw that no later op's options took; among `outputs` (what the step returns
+        beside its loss), a Tensor no op made, an array not made by an op or a recomputed call, or
+        anything else (a number would be the first call's at every replay). Then link each draw
+        to its op."""
         known, produced = set(known), set()
         params = {id(p) for p in parameters}
         pending = []
@@ -213,6 +236,8 @@ class Recorder:
             if isinstance(event, _Draw):
                 pending.append(event)
             elif isinstance(event, _Raw):
+                _check_arrays([(f"argument {i}", a) for i, a in enumerate(event.args)],
+                              f"the recomputed {getattr(event.fn, '__name__', event.fn)}", known, produced, params)
                 known.update(id(_root(a)) for a in _arrays(event.result))
             else:
                 self._check_op(event, known, produced, params)
@@ -227,23 +252,19 @@ class Recorder:
         if pending:
             raise RuntimeError(f"recorded step: {pending[0].n} random values were drawn outside an op's options "
                                "(each replay would reuse the same mask); draw them inside recomputed(...)")
+        for i, value in enumerate(outputs, 1):
+            if isinstance(value, Tensor) and id(value) in produced:
+                continue
+            if backend.is_array(value) and id(_root(value)) in known:
+                continue
+            raise RuntimeError(f"recorded step: output {i} ({_describe(value)}) is not an op's output or a "
+                               "recomputed array: a replay would return its first value")
 
     @staticmethod
     def _check_op(event, known, produced, params):
-        named = [(f"argument {i}", a) for i, a in enumerate(event.args)] + \
-                [(f"option {k!r}", v) for k, v in event.options.items()]
-        for name, value in named:
-            if isinstance(value, Tensor):
-                if id(value) in produced or id(value) in params:
-                    continue
-                value = value.data
-            for array in _arrays(value):
-                if id(_root(array)) not in known:
-                    raise RuntimeError(
-                        f"recorded step: {name} of {op_name(event.op)} is an array {array.shape} {array.dtype} computed "
-                        "outside the recorded ops (not an input of the step, a parameter or buffer of the model, "
-                        "or an op's output): a replay would reuse its first values. Make it with ops, compute it "
-                        "inside npformer.runtime.record.recomputed(fn, *arrays), or run this step eagerly")
+        _check_arrays([(f"argument {i}", a) for i, a in enumerate(event.args)] +
+                      [(f"option {k!r}", v) for k, v in event.options.items()], op_name(event.op), known, produced,
+                      params)
 
     def replay(self):
         """Run the recorded step again (see the module docstring)."""
