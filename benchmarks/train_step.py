@@ -585,7 +585,8 @@ def main():
 
     warmup = {}  # runner -> (seconds, steps, note)
     for name, runner in list(runners.items()):  # untimed: compilation, the graphed runner's capture
-        warmup_steps = 3 if isinstance(runner, TorchCompiled) else 2 if name in ("graphed", "recorded", "jax.jit") else 1
+        warmup_steps = (3 if isinstance(runner, TorchCompiled) else 2 if name in ("graphed", "recorded", "jax.jit")
+                        else 1)
         counts = dynamo_counts() if isinstance(runner, TorchCompiled) else None
         t0 = time.perf_counter()
         try:

@@ -79,6 +79,8 @@ class RecordedStep:
                                                               and signature != self.signature):
             return self._eager(inputs)
         if self.recorder is None:
+            if not all(type(p.data) is numpy.ndarray for p in self.model.parameters()):
+                return self._eager(inputs)   # a model on a GPU (npformer.cuda.graphed records there)
             return self._record(inputs, signature)
         for static, value in zip(self.static, inputs):
             numpy.copyto(_data(static), _data(value))

@@ -319,6 +319,7 @@ class Trainer:
         record_steps = check_bool(record_steps, "record_steps", "Trainer") and not self.distributed
         self._recorded = RecordedStep(self._recorded_loss, self.module) if record_steps else None
         self._metric_names = None   # the recorded loss function's metrics, in order
+        self._batch_type = None     # the type of the batch the recorded step rebuilds from its arrays
 
     def _empty_history(self):
         return {"step": [], "loss": [], "lr": [], "grad_norm": [], "items": [], "seconds": [],

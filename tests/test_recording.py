@@ -149,12 +149,17 @@ def test_an_array_computed_outside_the_ops_or_a_stray_draw_is_refused_when_recor
         step(np.arange(4.0, dtype=np.float32))
 
 
-def test_inputs_off_the_cpu_run_eagerly():
+def test_inputs_or_a_model_off_the_cpu_run_eagerly():
+    from autograd import backend
     w = Tensor(np.ones(4), requires_grad=True, device="test")
     step = npformer.recorded(lambda x: (w * x).sum(), nn.Linear(2, 2), warmup=0)
-    from autograd import backend
     for _ in range(2):
         step(backend.to_device(np.arange(4.0), "test"))
+    assert (step.eager_calls, step.replays) == (2, 0)
+    model = nn.Linear(4, 1).to("test")                       # host inputs, parameters on a device
+    step = npformer.recorded(lambda x: model(Tensor(x, device="test")).sum(), model, warmup=0)
+    for _ in range(2):
+        step(np.ones((2, 4), dtype=np.float32))
     assert (step.eager_calls, step.replays) == (2, 0)
 
 

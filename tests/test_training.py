@@ -174,14 +174,16 @@ def test_trainer_learns_language_modelling_and_records_the_documented_history():
     assert all(0 < n <= 16 * 8 for n in h["items"]) and len(set(h["items"])) > 1
 
 
+@pytest.mark.parametrize("record_steps", [False, True], ids=["eager", "recorded steps"])
 @pytest.mark.parametrize("make", [_trainer, _lm_trainer], ids=["seq2seq", "language model"])
-def test_resume_continues_bit_for_bit(tmp_path, make):
-    full = make()
+def test_resume_continues_bit_for_bit(tmp_path, make, record_steps):
+    full = make(record_steps=record_steps)
     full.fit(8)
-    first = make()
+    first = make(record_steps=record_steps)
     first.fit(4)
     first.save(tmp_path / "ck.npz")
-    resumed = make(model_seed=5)  # as in a new process: other weights, random and data streams
+    # as in a new process: other weights, random and data streams
+    resumed = make(model_seed=5, record_steps=record_steps)
     resumed._next_batch()
     resumed.resume(tmp_path / "ck.npz")
     assert resumed.step == 4

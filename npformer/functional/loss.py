@@ -274,8 +274,8 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
     if probabilities:
         loss = probability_cross_entropy(log_softmax(x, dim=1), classes_last(tgt), weight, label_smoothing, reduction)
         return loss.reshape(expected) if reduction == "none" else loss
-    safe_target, valid, divisor = record.recomputed(_class_targets, tgt, ignore_index,
-                                                    None if weight is None else data_of(weight), reduction, logits.dtype)
+    weights = None if weight is None else data_of(weight)
+    safe_target, valid, divisor = record.recomputed(_class_targets, tgt, ignore_index, weights, reduction, logits.dtype)
     loss = CrossEntropyFunction.apply(x, weight, safe_target=safe_target, valid=valid, divisor=divisor,
                                       reduction=reduction, label_smoothing=label_smoothing)
     return loss.reshape(tgt.shape) if reduction == "none" else loss
