@@ -533,7 +533,7 @@ class _Pass:
         wanted_outputs = {} if self.targets is None else {
             (id(t.creator), t.output_index): t for t in self.targets.values() if t.creator is not None}
         for i, node in enumerate(nodes):
-            grads = self.output_grads(node)
+            grads = output_gradients(node, self.tensors)
             for j, ref in node.retained.items():  # accumulate, as a leaf's
                 t = ref()
                 if t is not None and self.accumulate and (self.targets is None or id(t) in self.targets):
@@ -561,18 +561,6 @@ class _Pass:
             else:  # free the graph: everything the op saved, and the links to its inputs
                 node.__dict__.clear()
                 node.inputs = None
-
-    def output_grads(self, node):
-        """The gradients of the node's outputs; zeros for an output that did not reach the loss."""
-        grads = []
-        for g, (shape, dtype) in zip(node.output_grads, node.output_meta):
-            if g is None:
-                xp = backend.get_array_module(*[t.data for t in node.inputs if t is not None])
-                g = xp.zeros(shape, dtype)
-                if self.tensors:
-                    g = _tensor_class()(g)
-            grads.append(g)
-        return grads
 
     def input_grads(self, node, grads):
         """The node's backward, checked: raw arrays, or Tensors (of a new graph with create_graph,
@@ -605,6 +593,20 @@ class _Pass:
         if _state.anomaly:
             _check_finite([g.data if g is not None else None for g in input_grads], node, "backward")
         return input_grads
+
+
+def output_gradients(node, tensors):
+    """The gradients of the node's outputs, raw arrays or (`tensors`) Tensors; zeros for an output
+    that did not reach the loss."""
+    grads = []
+    for g, (shape, dtype) in zip(node.output_grads, node.output_meta):
+        if g is None:
+            xp = backend.get_array_module(*[t.data for t in node.inputs if t is not None])
+            g = xp.zeros(shape, dtype)
+            if tensors:
+                g = _tensor_class()(g)
+        grads.append(g)
+    return grads
 
 
 def tensor_gradients(create_graph):

@@ -37,6 +37,7 @@ from typing import Any
 import numpy
 
 from autograd import Tensor, backend, forward_ad, is_grad_enabled
+from autograd.function import _memory_owner
 from autograd.modes import _state as _modes_state
 from npformer.functional._common import _twins
 from npformer.runtime import random, record
@@ -117,12 +118,12 @@ class RecordedStep:
         """The ids of the arrays owning the memory a replay may read as it is: the inputs, the
         parameters, and the arrays and Tensors the model's modules hold."""
         known = [_data(s) for s in static]
-        for module in self.model.modules():
+        for module in self.modules:
             for value in vars(module).values():
                 values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
                     else (value,)
                 known.extend(_data(v) for v in values if isinstance(v, Tensor) or backend.is_array(v))
-        return {id(record._root(a)) for a in known}
+        return {id(_memory_owner(a)) for a in known}
 
     def _signature(self, inputs):
         """What the recorded ops were chosen by, or None when a call cannot be recorded at all

@@ -31,7 +31,8 @@ Recording is per thread; ops applied inside `recomputed` belong to it and are no
 import threading
 
 from autograd import Tensor, backend, hooks, no_grad
-from autograd.function import _accumulate, _checked_gradients, _topological_nodes, op_name
+from autograd.function import (_accumulate, _checked_gradients, _memory_owner, _output_array, _topological_nodes,
+                               op_name, output_gradients)
 
 
 class _Local(threading.local):
@@ -89,19 +90,12 @@ def _check_arrays(named, owner, known, produced, params):
                 continue
             value = value.data
         for array in _arrays(value):
-            if id(_root(array)) not in known:
+            if id(_memory_owner(array)) not in known:
                 raise RuntimeError(
                     f"recorded step: {name} of {owner} is an array {array.shape} {array.dtype} computed outside the "
                     "recorded ops (not an input of the step, a parameter or buffer of the model, an op's output or "
                     "a recomputed result): a replay would reuse its first values. Make it with ops, compute it "
                     "inside npformer.runtime.record.recomputed(fn, *arrays), or run this step eagerly")
-
-
-def _root(array):
-    """The array that owns `array`'s memory."""
-    while getattr(array, "base", None) is not None:
-        array = array.base
-    return array
 
 
 def _arrays(value):
@@ -150,8 +144,8 @@ class _Op:
         outputs = self.op.forward(ctx, *raw, **options)
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
-        for t, o in zip(self.outputs, outputs):
-            t.data = o if backend.is_array(o) else backend.get_array_module(*raw).asarray(o)
+        for i, (t, o) in enumerate(zip(self.outputs, outputs)):  # numbers become arrays, as in apply
+            t.data = o if backend.is_array(o) else _output_array(self.op, i, o, backend.get_array_module(*raw))
         if self.node:  # what backward reads: the arrays forward got, the versions it saw
             ctx.input_arrays = raw
             ctx.versions = tuple([0 if a is None else (a if a._base is None else a._base)._version
@@ -238,7 +232,7 @@ class Recorder:
             elif isinstance(event, _Raw):
                 _check_arrays([(f"argument {i}", a) for i, a in enumerate(event.args)],
                               f"the recomputed {getattr(event.fn, '__name__', event.fn)}", known, produced, params)
-                known.update(id(_root(a)) for a in _arrays(event.result))
+                known.update(id(_memory_owner(a)) for a in _arrays(event.result))
             else:
                 self._check_op(event, known, produced, params)
                 for draw in pending:
@@ -248,14 +242,14 @@ class Recorder:
                         event.draws.append((name, draw))
                 pending = [d for d in pending if not d.taken]
                 produced.update(id(t) for t in event.outputs)
-                known.update(id(_root(t.data)) for t in event.outputs)
+                known.update(id(_memory_owner(t.data)) for t in event.outputs)
         if pending:
             raise RuntimeError(f"recorded step: {pending[0].n} random values were drawn outside an op's options "
                                "(each replay would reuse the same mask); draw them inside recomputed(...)")
         for i, value in enumerate(outputs, 1):
             if isinstance(value, Tensor) and id(value) in produced:
                 continue
-            if backend.is_array(value) and id(_root(value)) in known:
+            if backend.is_array(value) and id(_memory_owner(value)) in known:
                 continue
             raise RuntimeError(f"recorded step: output {i} ({_describe(value)}) is not an op's output or a "
                                "recomputed array: a replay would return its first value")
@@ -306,11 +300,7 @@ class Backward:
         try:
             with no_grad():
                 for node, routes in self.plan:
-                    grads = node.output_grads
-                    if any(g is None for g in grads):  # an output that did not reach the loss: zeros, as the engine's
-                        xp = backend.get_array_module(*node.input_arrays)
-                        grads = [xp.zeros(shape, dtype) if g is None else g
-                                 for g, (shape, dtype) in zip(grads, node.output_meta)]
+                    grads = output_gradients(node, False)   # zeros for an output that did not reach the loss
                     input_grads = node.backward(node, *grads)
                     input_grads = _checked_gradients(node, input_grads if isinstance(input_grads, tuple)
                                                      else (input_grads,))
