@@ -76,6 +76,7 @@ CONFIGS = {  # vocab, d_model, heads, d_ff, layers (enc = dec), seq, batch
 DEFAULT_STEPS = {"tiny": 200, "base": 12, "paper": 5, "gpt_char": 40}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 GEMM_SIZE, GEMM_WARMUPS, GEMM_REPEATS = 1024, 2, 5  # gemm_rate: the best of 5 n x n products after 2
+SHAPE_REPEATS = 3  # shape_floor: each of the step's products, the best of 3 after 1
 
 
 def make_batch(cfg, seed=0):
@@ -98,6 +99,75 @@ def training_flops(cfg):
         return 3 * (L * enc + 2 * n * d * V)
     dec = enc + 2 * n * d * d + 2 * n * d * 2 * d + 2 * n * d * d + attention  # + cross-attention
     return 3 * (L * (enc + dec) + 2 * n * d * V)
+
+
+def step_products(cfg):
+    """(products, gemv FLOPs) of one step of ours with cfg (its dropout included): every matrix
+    product, in order, as the ((shape, strides), (shape, strides)) of its two operands, and the
+    FLOPs of its matrix-vector products (the bias gradients' 1^T dy, no GEMM). Seen on the "test"
+    device, whose arrays see every product and which runs the references: each product whole
+    (the CPU runs the same products, split in blocks on its threads)."""
+    from npformer.runtime import testdevice
+    products, gemv = [], 0
+    ufunc = testdevice.TestDeviceArray.__array_ufunc__
+
+    def seeing(self, op, method, *inputs, **kwargs):
+        nonlocal gemv
+        if op is np.matmul and method == "__call__":
+            a, b = inputs
+            if a.ndim > 1 and b.ndim > 1:  # (..., m, k) @ (..., k, n)
+                products.append(((a.shape, a.strides), (b.shape, b.strides)))
+            else:                          # a vector and a matrix
+                gemv += 2 * a.size * (b.shape[-1] if b.ndim > 1 else 1)
+        return ufunc(self, op, method, *inputs, **kwargs)
+
+    ours = Ours(cfg, "test")
+    testdevice.TestDeviceArray.__array_ufunc__ = seeing
+    try:
+        ours.step()
+    finally:
+        testdevice.TestDeviceArray.__array_ufunc__ = ufunc
+    return products, gemv
+
+
+def product_flops(product):
+    """2 m k n for each matrix of the (broadcast) batch of a product of step_products."""
+    (a_shape, _), (b_shape, _) = product
+    batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+    return 2 * math.prod(batch) * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
+def laid_out(shape, strides, rng):
+    """A float32 array of `shape` with exactly `strides` (bytes, >= 0; 0 for a broadcast axis), over
+    a buffer of random values just long enough: an operand laid out in memory as the step's was
+    (a transposed view, a head of a packed projection, a broadcast mask)."""
+    extent = sum((n - 1) * s for n, s in zip(shape, strides)) // 4 + 1 if all(shape) else 0
+    buffer = rng.standard_normal(extent).astype(np.float32)
+    return np.lib.stride_tricks.as_strided(buffer, shape, strides)
+
+
+def shape_floor(products, threads):
+    """(seconds, FLOPs): the step's products each timed alone, as it lays out its operands, on
+    numpy's BLAS with `threads` threads (threadpoolctl's limit), the best of SHAPE_REPEATS after
+    one untimed: what the GEMMs of these shapes cost before any other work of the step (small and
+    thin products run below the square GEMM rate of the floor)."""
+    from threadpoolctl import threadpool_limits
+    rng = np.random.default_rng(0)
+    best = {}  # a layout seen before: its time again
+    with threadpool_limits(limits=threads, user_api="blas"):
+        for (a_layout, b_layout) in products:
+            key = (a_layout, b_layout)
+            if key in best:
+                continue
+            a, b = laid_out(*a_layout, rng), laid_out(*b_layout, rng)
+            a @ b
+            times = []
+            for _ in range(SHAPE_REPEATS):
+                t0 = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - t0)
+            best[key] = min(times)
+    return sum(best[key] for key in products), sum(map(product_flops, products))
 
 
 def tokens_per_step(cfg):
@@ -484,6 +554,15 @@ def blas_info():
         return "threadpoolctl not installed (its threads, library and core type unknown)"
 
 
+def blas_threads():
+    """numpy's BLAS threads now (the most of its libraries'), None without threadpoolctl."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    return max((i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"), default=None)
+
+
 def rss_mb(field="VmHWM"):
     """This process's peak (VmHWM) or current (VmRSS) resident memory from /proc/self/status on
     Linux (ru_maxrss would include the parent's resident memory at the fork that started this
@@ -537,6 +616,10 @@ def main():
         limit_blas_threads(args.threads)
     if not args.only:
         peak_rate, rate_how = gemm_rate(args.device)
+        # the step's own products at their shapes, on the rate's BLAS threads (the step seen here may limit them)
+        rate_threads = blas_threads()
+        products = step_products(cfg)[0] if args.device == "cpu" and rate_threads else None
+        at_shapes = shape_floor(products, rate_threads) if products else None
     import npformer
     if not args.defaults:
         npformer.set_num_threads(args.ours_threads)
@@ -624,6 +707,11 @@ def main():
     print(f"measured GEMM rate: {peak_rate:.1f} GFLOP/s ({rate_how})")
     print(f"GEMM floor: {floor * 1e3:.3f} ms/step = {flops} GEMM FLOPs per step (training_flops) / "
           f"{peak_rate:.1f} GFLOP/s")
+    if at_shapes:
+        seconds, counted = at_shapes
+        print(f"GEMMs at the step's shapes: {seconds * 1e3:.3f} ms/step = {seconds / floor:.2f}x the GEMM floor: "
+              f"its {len(products)} products ({counted} FLOPs) at {counted / seconds / 1e9:.1f} GFLOP/s, each alone, "
+              f"laid out as ours', best of {SHAPE_REPEATS} after 1 untimed, BLAS threads {rate_threads} (the rate's)")
     for name, (seconds, warmup_steps, note) in warmup.items():
         if name not in ("ours", "torch"):
             print(f"{name}: {warmup_steps} untimed warm-up steps in {seconds:.1f} s{note}")

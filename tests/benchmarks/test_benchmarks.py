@@ -5,7 +5,6 @@ they say. The scripts that set threads at import run in a subprocess."""
 import collections
 import importlib.util
 import json
-import math
 import os
 import re
 import pathlib
@@ -129,31 +128,32 @@ def test_train_step_flop_formula_equals_torchs_flop_counter(torch, train_step, n
 
 
 @pytest.mark.parametrize("name", ["tiny", "gpt_char"])
-def test_train_step_flop_formula_equals_the_products_ours_step_runs(monkeypatch, train_step, name):
+def test_train_step_flop_formula_equals_the_products_ours_step_runs(train_step, name):
     """training_flops: every matrix product (2 m k n, batched ones times their batch) of one step
-    of ours with the benchmark's dropout, counted on the "test" device, whose arrays see every
-    product and which runs the references (the CPU's split of them runs the same products);
-    the bias gradients' matrix-vector products 1^T dy are no GEMM and left out."""
-    from npformer.runtime import testdevice
-    counted = collections.Counter()
-    ufunc = testdevice.TestDeviceArray.__array_ufunc__
-
-    def counting(self, op, method, *inputs, **kwargs):
-        if op is np.matmul and method == "__call__":
-            a, b = inputs
-            if a.ndim > 1 and b.ndim > 1:  # (..., m, k) @ (..., k, n)
-                batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-                counted["gemm"] += 2 * math.prod(batch) * a.shape[-2] * a.shape[-1] * b.shape[-1]
-            else:                          # a vector and a matrix
-                counted["gemv"] += 2 * a.size * (b.shape[-1] if b.ndim > 1 else 1)
-        return ufunc(self, op, method, *inputs, **kwargs)
-
+    of ours with the benchmark's dropout, seen on the "test" device (step_products), whose arrays
+    see every product and which runs the references (the CPU's split of them runs the same
+    products); the bias gradients' matrix-vector products 1^T dy are no GEMM and left out."""
     cfg = dict(train_step.CONFIGS[name], dropout=0.1)
-    ours = train_step.Ours(cfg, "test")
-    monkeypatch.setattr(testdevice.TestDeviceArray, "__array_ufunc__", counting)
-    ours.step()
-    assert counted["gemm"] == train_step.training_flops(cfg)
-    assert 0 < counted["gemv"] < 0.01 * counted["gemm"]
+    products, gemv = train_step.step_products(cfg)
+    assert sum(map(train_step.product_flops, products)) == train_step.training_flops(cfg)
+    assert 0 < gemv < 0.01 * train_step.training_flops(cfg)
+
+
+def test_train_step_times_each_product_laid_out_as_the_steps(train_step):
+    """shape_floor's operands have the shapes and strides (bytes) of the step's: a transposed
+    weight, a head of the packed q/k/v projection (gaps between its rows), a broadcast axis; its
+    time is positive and its FLOPs those of the products it timed."""
+    rng = np.random.default_rng(0)
+    packed = np.empty((2, 6, 3 * 8), dtype=np.float32)                    # (B, T, 3 E)
+    heads = packed[:, :, :8].reshape(2, 6, 2, 4).transpose(0, 2, 1, 3)   # (B, H, T, hd), a view with gaps
+    for array in (np.empty((5, 3), np.float32).T, heads, np.broadcast_to(np.empty((1, 4, 6), np.float32), (3, 4, 6))):
+        made = train_step.laid_out(array.shape, array.strides, rng)
+        assert (made.shape, made.strides, made.dtype) == (array.shape, array.strides, np.float32)
+        assert np.isfinite(made).all()
+    cfg = dict(train_step.CONFIGS["tiny"], dropout=0.1)
+    products = train_step.step_products(cfg)[0]
+    seconds, flops = train_step.shape_floor(products, 1)
+    assert seconds > 0 and flops == train_step.training_flops(cfg)
 
 
 def test_train_step_tokens_count_the_sequences_a_step_reads(train_step):
@@ -258,6 +258,13 @@ def test_train_step_prints_the_gemm_floor_and_each_time_as_a_multiple_of_it(trai
     assert re.search(rf"^measured GEMM rate: {rate} GFLOP/s \(float32 1024 x 1024 @ 1024 x 1024, best of 5 after 2 "
                      r"untimed, numpy's BLAS: .*, core type \S+, threads 1; OPENBLAS_CORETYPE (not set|set to \S+)\)$",
                      out, re.M), out
+    shapes = re.search(r"^GEMMs at the step's shapes: ([\d.]+) ms/step = ([\d.]+)x the GEMM floor: its (\d+) products "
+                       rf"\({flops} FLOPs\) at ([\d.]+) GFLOP/s, each alone, laid out as ours', best of 3 after 1 untimed, "
+                       r"BLAS threads 1 \(the rate's\)$", out, re.M)
+    assert shapes, out
+    # ms printed to 0.001, the multiple to 0.01, the rate to 0.1 GFLOP/s
+    assert float(shapes[2]) == pytest.approx(float(shapes[1]) / floor_ms, abs=0.005 + 1e-3 / floor_ms)
+    assert float(shapes[4]) == pytest.approx(flops / float(shapes[1]) / 1e6, rel=1e-3, abs=0.05)
     rows = {name: timed_row(out, name) for name in ("ours", "torch", "torch.compile[default]", "jax.jit")}
     assert rows["ours"] and rows["torch"], out
     for name, (ms, multiple) in ((name, r) for name, r in rows.items() if r):
