@@ -26,7 +26,9 @@ gpt_char is a CausalLM step (AdamW) against its torch.nn twin (npformer.interop.
 
 The GEMM floor: the step's GEMM FLOPs (training_flops) at the measured float32 GEMM rate
 (gemm_rate: numpy's BLAS on --threads threads, or cupy on cuda), the time no step can beat at
-that rate; each runner's time is printed as a multiple of it.
+that rate; each runner's time is printed as a multiple of it. On cpu, the GEMMs at the step's shapes
+beside it (shape_floor): each matrix product of one step of ours timed alone, its operands laid out
+as the step's, on the rate's BLAS threads; small and thin products run below the square rate.
 Peers, each timed in the same alternation as ours and torch eager (their compilation in untimed
 warm-up steps):
 - torch.compile of the torch twin's whole step (forward, loss, zero_grad, backward, optimizer
