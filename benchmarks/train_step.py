@@ -162,13 +162,7 @@ def shape_floor(products, threads):
             if key in best:
                 continue
             a, b = laid_out(*a_layout, rng), laid_out(*b_layout, rng)
-            a @ b
-            times = []
-            for _ in range(SHAPE_REPEATS):
-                t0 = time.perf_counter()
-                a @ b
-                times.append(time.perf_counter() - t0)
-            best[key] = min(times)
+            best[key] = best_time(lambda: a @ b, 1, SHAPE_REPEATS)
     return sum(best[key] for key in products), sum(map(product_flops, products))
 
 
@@ -195,6 +189,18 @@ def limit_blas_threads(n):
     threadpool_limits(limits=n, user_api="blas")
 
 
+def best_time(fn, warmups, repeats):
+    """The least wall time (seconds) of `repeats` timed calls of fn after `warmups` untimed ones."""
+    for _ in range(warmups):
+        fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def gemm_rate(device):
     """(GFLOP/s, how): the float32 GEMM rate of the array library of `device` on this machine, the
     best of GEMM_REPEATS timed products a @ a of GEMM_SIZE x GEMM_SIZE matrices (2 n^3 FLOPs each)
@@ -207,16 +213,13 @@ def gemm_rate(device):
     n = GEMM_SIZE
     a = xp.ones((n, n), dtype=xp.float32)
     how = "cupy on the GPU" if device == "cuda" else f"numpy's BLAS: {blas_info()}"
-    for _ in range(GEMM_WARMUPS):
+
+    def product():
         a @ a
-    best = math.inf
-    for _ in range(GEMM_REPEATS):
-        t0 = time.perf_counter()
-        c = a @ a
         if device == "cuda":
             xp.cuda.Stream.null.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    del c
+
+    best = best_time(product, GEMM_WARMUPS, GEMM_REPEATS)
     coretype = os.environ.get("OPENBLAS_CORETYPE")
     how = (f"float32 {n} x {n} @ {n} x {n}, best of {GEMM_REPEATS} after {GEMM_WARMUPS} untimed, {how}"
            + ("" if device == "cuda" else
@@ -545,24 +548,24 @@ def jax_loss_tolerance(loss, cfg):
     return 8 * depth * float(np.finfo(np.float32).eps) * max(abs(loss), 1.0)
 
 
-def blas_info():
-    """numpy's BLAS now: library, version, the OpenBLAS core type in use (threadpoolctl's
-    'architecture') and its threads."""
-    try:
-        from threadpoolctl import threadpool_info
-        return "; ".join(f"{i.get('internal_api')} {i.get('version')}, core type {i.get('architecture')}, "
-                         f"threads {i.get('num_threads')}" for i in threadpool_info() if i.get("user_api") == "blas")
-    except ImportError:
-        return "threadpoolctl not installed (its threads, library and core type unknown)"
-
-
-def blas_threads():
-    """numpy's BLAS threads now (the most of its libraries'), None without threadpoolctl."""
+def blas_libraries():
+    """threadpoolctl's record of each of numpy's BLAS libraries now (library, version, core type,
+    threads), or None without threadpoolctl."""
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
         return None
-    return max((i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"), default=None)
+    return [i for i in threadpool_info() if i.get("user_api") == "blas"]
+
+
+def blas_info():
+    """numpy's BLAS now: library, version, the OpenBLAS core type in use (threadpoolctl's
+    'architecture') and its threads."""
+    libraries = blas_libraries()
+    if libraries is None:
+        return "threadpoolctl not installed (its threads, library and core type unknown)"
+    return "; ".join(f"{i.get('internal_api')} {i.get('version')}, core type {i.get('architecture')}, "
+                     f"threads {i.get('num_threads')}" for i in libraries)
 
 
 def rss_mb(field="VmHWM"):
@@ -619,7 +622,7 @@ def main():
     if not args.only:
         peak_rate, rate_how = gemm_rate(args.device)
         # the step's own products at their shapes, on the rate's BLAS threads (the step seen here may limit them)
-        rate_threads = blas_threads()
+        rate_threads = max((i["num_threads"] for i in blas_libraries() or ()), default=None)
         products = step_products(cfg)[0] if args.device == "cpu" and rate_threads else None
         at_shapes = shape_floor(products, rate_threads) if products else None
     import npformer
