@@ -50,18 +50,40 @@ def mask_block(mask, q_start, q_stop, k_start, k_stop):
     return mask[..., rows, cols]
 
 
+@kernel_table
+def matmul_transposed(a, b, out=None):
+    """a (..., m, k) @ b (..., n, k)^T -> (..., m, n) (written into `out` when given): Q K^T, dO V^T."""
+    return backend.get_array_module(a).matmul(a, b.swapaxes(-1, -2), out=out)
+
+
+def hidden_bias(xp, blocked, causal, q_start, q_stop, k_start, k_stop, dtype):
+    """-inf where `blocked` (a bool mask broadcastable to (..., Tq, Tk)) or causal hides key j from
+    query i, 0 elsewhere, for one (..., q rows, k cols) block, over the masks' own broadcast shape
+    (or None when nothing is hidden): the bool masks added to the scores as one bias, as torch's
+    math attention adds them."""
+    hidden = None if blocked is None else mask_block(blocked, q_start, q_stop, k_start, k_stop)
+    if causal:
+        above = causal_blocked(xp, q_start, q_stop, k_start, k_stop)          # (q rows, k cols)
+        hidden = above if hidden is None else hidden | above
+    if hidden is None:
+        return None
+    bias = xp.zeros(hidden.shape, dtype=dtype)
+    xp.copyto(bias, -math.inf, where=hidden)
+    return bias
+
+
 def masked_scores(q_scaled, k, blocked, additive, causal, q_start, k_start, out=None):
     """S = (s q) K^T + additive, -inf where blocked or causally hidden, for one block
     (written into `out` when given)."""
     xp = backend.get_array_module(q_scaled)
     q_stop, k_stop = q_start + q_scaled.shape[-2], k_start + k.shape[-2]
-    scores = xp.matmul(q_scaled, k.swapaxes(-1, -2), out=out)               # (..., bq, bk)
+    scores = matmul_transposed(q_scaled, k, out=out)                          # (..., bq, bk)
     if additive is not None:
         scores += mask_block(additive, q_start, q_stop, k_start, k_stop)
-    if blocked is not None:
-        xp.copyto(scores, -math.inf, where=mask_block(blocked, q_start, q_stop, k_start, k_stop))
-    if causal:
-        xp.copyto(scores, -math.inf, where=causal_blocked(xp, q_start, q_stop, k_start, k_stop))
+    # -inf where hidden: one add of a bias of the masks' size (2-3x faster than copyto's where= over S)
+    bias = hidden_bias(xp, blocked, causal, q_start, q_stop, k_start, k_stop, scores.dtype)
+    if bias is not None:
+        scores += bias
     return scores
 
 
@@ -106,7 +128,7 @@ def attention_backward(q, k, v, probs, keep, dout, dweights, scale, dropout_scal
     if dq is None and dk is None and dmask is None:
         return
     # O = Pd V  ->  dPd = dO V^T (plus the gradient reaching the returned weights Pd)
-    dprobs = dout @ v.swapaxes(-1, -2)                                        # (..., Tq, Tk)
+    dprobs = matmul_transposed(dout, v)                                        # (..., Tq, Tk)
     if dweights is not None:
         dprobs += dweights
     # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
@@ -150,9 +172,9 @@ def attention_double_backward(q, k, v, probs, keep, dout, dweights, scale, dropo
     # W = s (gq K^T + Q gk^T) + gmask: the gradient reaching dS through dQ = s dS K, dK = s dS^T Q, dMask = dS
     w = None
     if gq is not None:
-        w = xp.matmul(gq, k.swapaxes(-1, -2))
+        w = matmul_transposed(gq, k)
     if gk is not None:
-        product = xp.matmul(q, gk.swapaxes(-1, -2))                          # (gq K^T's shape)
+        product = matmul_transposed(q, gk)                          # (gq K^T's shape)
         w = product if w is None else xp.add(w, product, out=w)
     if w is not None:
         w *= scale
@@ -166,7 +188,7 @@ def attention_double_backward(q, k, v, probs, keep, dout, dweights, scale, dropo
         p_bar -= w * delta
     if gv is not None:
         # dV = Pd^T dO  ->  Y = dO gv^T reaches Pd = P Z:  Pbar += Y Z
-        y = xp.matmul(dout, gv.swapaxes(-1, -2))                             # (..., Tq, Tk)
+        y = matmul_transposed(dout, gv)                             # (..., Tq, Tk)
         if z is not None:
             y *= z
         p_bar = y if p_bar is None else xp.add(p_bar, y, out=p_bar)
@@ -232,9 +254,9 @@ def attention_backward_jvp(q, k, v, probs, keep, dout, dweights, scale, dropout_
     # dPd = dO V^T + dweights  ->  t_dPd = t_dO V^T + dO t_V^T + t_dweights;  dP = dPd Z  ->  t_dP = t_dPd Z
     tdprobs = None
     if tdout is not None:
-        tdprobs = xp.matmul(tdout, v.swapaxes(-1, -2))
+        tdprobs = matmul_transposed(tdout, v)
     if tv is not None:
-        product = xp.matmul(dout, tv.swapaxes(-1, -2))                       # (..., Tq, Tk)
+        product = matmul_transposed(dout, tv)                       # (..., Tq, Tk)
         tdprobs = product if tdprobs is None else xp.add(tdprobs, product, out=tdprobs)
     if tdweights is not None:
         tdprobs = _plus(tdprobs, tdweights)                                  # (out of place: never into t_dweights)
@@ -274,7 +296,7 @@ def _first_order_dp(v, probs, keep, dout, dweights, dropout_scale):
     xp = backend.get_array_module(dout)
     z = None if keep is None else keep * probs.dtype.type(dropout_scale)    # (..., Tq, Tk) Z = keep / (1 - p)
     # O = Pd V  ->  dPd = dO V^T (+ dweights);  Pd = P Z  ->  dP = dPd Z
-    dprobs = xp.matmul(dout, v.swapaxes(-1, -2))                             # (..., Tq, Tk)
+    dprobs = matmul_transposed(dout, v)                             # (..., Tq, Tk)
     if dweights is not None:
         dprobs += dweights
     if z is not None:
@@ -508,9 +530,9 @@ def _score_tangent(q_scaled, k, tq_scaled, tk, tmask):
     parts = []
     # S = s Q K^T  ->  t_S = s t_Q K^T + s Q t_K^T
     if tq_scaled is not None:
-        parts.append(xp.matmul(tq_scaled, k.swapaxes(-1, -2)))
+        parts.append(matmul_transposed(tq_scaled, k))
     if tk is not None:
-        parts.append(xp.matmul(q_scaled, tk.swapaxes(-1, -2)))
+        parts.append(matmul_transposed(q_scaled, tk))
     # S = ... + mask  ->  t_S += t_mask
     if tmask is not None:
         parts.append(tmask)
@@ -714,21 +736,21 @@ def attention_blockwise_double_backward(q, k, v, out, lse, dout, blocked, additi
             z = None
             if dropout is not None:                                      # Z = keep / (1 - p), the forward's mask
                 z = attention_keep_block(dropout, lead, tq, tk, qs, qe, ks, ke, q) * dropout_scale(dropout[0])
-            dp = do_block @ v[..., ks:ke, :].swapaxes(-1, -2)            # dP = (dO V^T) Z
+            dp = matmul_transposed(do_block, v[..., ks:ke, :])            # dP = (dO V^T) Z
             if z is not None:
                 dp *= z
             ds = p * (dp - d_block)                                      # dS = P (dP - D)
             # W = s (gq K^T + Q gk^T) + gmask: the gradient reaching dS through dQ, dK, dMask
             w = xp.zeros_like(p)
             if gq_block is not None:
-                w += gq_block @ k[..., ks:ke, :].swapaxes(-1, -2)
+                w += matmul_transposed(gq_block, k[..., ks:ke, :])
             if gk is not None:
-                w += q_block @ gk[..., ks:ke, :].swapaxes(-1, -2)
+                w += matmul_transposed(q_block, gk[..., ks:ke, :])
             w *= scale
             if gmask is not None:
                 w += mask_block(gmask, qs, qe, ks, ke)
             # Y = dO gv^T: the gradient reaching Pd through dV = Pd^T dO
-            y = None if gv is None else do_block @ gv[..., ks:ke, :].swapaxes(-1, -2)
+            y = None if gv is None else matmul_transposed(do_block, gv[..., ks:ke, :])
             return ke, p, z, dp, ds, w, y
 
         # first pass: the row sums r = rowsum(W P) and e = rowsum(W dS) - r D + rowsum(Pd Y)
@@ -861,7 +883,7 @@ def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, cau
             # O = Pd V  ->  dV_j += Pd^T dO
             dv[..., ks:ke, :] += dropped.swapaxes(-1, -2) @ do_block
             # O = Pd V  ->  dPd = dO V^T
-            dp = do_block @ v[..., ks:ke, :].swapaxes(-1, -2)           # (..., bq, bk)
+            dp = matmul_transposed(do_block, v[..., ks:ke, :])           # (..., bq, bk)
             # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
             if keep is not None:
                 dp *= keep

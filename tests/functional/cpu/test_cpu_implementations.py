@@ -59,8 +59,10 @@ def cases(rng):
     yield softmax.row_max, (big, -1)
     yield softmax.row_sum, (big, -1)
     yield softmax.row_dot, (big, big[::-1].copy())
+    yield attention.matmul_transposed, (q, k)
+    yield attention.matmul_transposed, (q, k_shared, zeros(2, 3, 4, 6))
     for mask, hidden, causal, dropped in [(None, None, False, None), (additive, None, True, attn_keep),
-                                          (None, blocked, False, attn_keep)]:
+                                          (None, blocked, False, attn_keep), (additive, blocked, True, None)]:
         weights = None if dropped is None else zeros(2, 3, 4, 6)
         yield attention.attention_forward, (q, k, v, mask, hidden, causal, 0.4, dropped, 1 / 0.7, zeros(2, 3, 4, 6),
                                             zeros(2, 3, 4, 4), weights)
