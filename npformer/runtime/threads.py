@@ -180,11 +180,13 @@ def _settle_blas_threads():
     split = _state["threads"] > 1 and not _state["blas_callers"]
     if split and _state["blas_limit"] is None:
         _take_blas_control()
+        libs = _blas_libraries()
+        # their counts before the limit, the fewest (numpy's OpenBLAS and torch's BLAS, once imported, may
+        # differ): what the limit's get_original_num_threads returns, without the warning it gives then
+        own = min((lib.num_threads for lib in libs), default=1) or 1
         _state["blas_limit"] = _limit_blas_threads()
         if _state["blas_limit"] is not None:
-            from threadpoolctl import ThreadpoolController
-            _state["blas_libs"] = ThreadpoolController().select(user_api="blas").lib_controllers
-            _state["blas_own_threads"] = _state["blas_limit"].get_original_num_threads().get("blas") or 1
+            _state["blas_libs"], _state["blas_own_threads"] = libs, own
     elif not split and _state["blas_limit"] is not None:
         _take_blas_control()
         _state["blas_limit"].restore_original_limits()
@@ -198,6 +200,15 @@ def _take_blas_control():
     controller = getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None)
     if hasattr(controller, "clear_controlling_thread"):
         controller.clear_controlling_thread(force=True)
+
+
+def _blas_libraries():
+    """threadpoolctl's controllers of the BLAS libraries loaded, () without threadpoolctl."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return ()
+    return ThreadpoolController().select(user_api="blas").lib_controllers
 
 
 def _limit_blas_threads():

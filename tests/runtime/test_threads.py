@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -327,6 +328,34 @@ def test_products_too_small_to_split_run_on_blas_threads_and_give_them_back(rest
     monkeypatch.setattr(threads._local, "busy", True)   # as inside a block of a split
     table(*args)
     assert seen == [limited]
+
+
+def test_blas_libraries_with_different_thread_counts_settle_on_the_fewest_without_a_warning(restore_num_threads,
+                                                                                          monkeypatch):
+    """Two BLAS libraries loaded with different thread counts (numpy's OpenBLAS beside another
+    library's): holding BLAS to one thread keeps the fewest as its own count, and warns nothing
+    (threadpoolctl's get_original_num_threads warns there, an error under `-W error`: generate()
+    failed so inside a test that turns warnings into errors)."""
+    class Library:
+        def __init__(self, n):
+            self.num_threads, self.set_to = n, []
+
+        def set_num_threads(self, n):
+            self.set_to.append(n)
+
+    class Limit:
+        def restore_original_limits(self):
+            pass
+
+    libraries = [Library(4), Library(2)]
+    threads.set_num_threads(1)
+    monkeypatch.setattr(threads, "_blas_libraries", lambda: libraries)
+    monkeypatch.setattr(threads, "_limit_blas_threads", Limit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads.set_num_threads(2)
+    assert threads._state["blas_own_threads"] == 2 and list(threads._state["blas_libs"]) == libraries
+    threads.set_num_threads(1)                                # the fake limit given back before the fixture's
 
 
 def test_set_num_threads_from_another_thread_sets_blas_threads_too(restore_num_threads):
