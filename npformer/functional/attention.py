@@ -77,7 +77,7 @@ def masked_scores(q_scaled, k, blocked, additive, causal, q_start, k_start, out=
     (written into `out` when given)."""
     xp = backend.get_array_module(q_scaled)
     q_stop, k_stop = q_start + q_scaled.shape[-2], k_start + k.shape[-2]
-    scores = matmul_transposed(q_scaled, k, out=out)                          # (..., bq, bk)
+    scores = matmul_transposed(q_scaled, k, out=out)                        # (..., bq, bk)
     if additive is not None:
         scores += mask_block(additive, q_start, q_stop, k_start, k_stop)
     # -inf where hidden: one add of a bias of the masks' size (2-3x faster than copyto's where= over S)
@@ -128,7 +128,7 @@ def attention_backward(q, k, v, probs, keep, dout, dweights, scale, dropout_scal
     if dq is None and dk is None and dmask is None:
         return
     # O = Pd V  ->  dPd = dO V^T (plus the gradient reaching the returned weights Pd)
-    dprobs = matmul_transposed(dout, v)                                        # (..., Tq, Tk)
+    dprobs = matmul_transposed(dout, v)                                       # (..., Tq, Tk)
     if dweights is not None:
         dprobs += dweights
     # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
@@ -174,7 +174,7 @@ def attention_double_backward(q, k, v, probs, keep, dout, dweights, scale, dropo
     if gq is not None:
         w = matmul_transposed(gq, k)
     if gk is not None:
-        product = matmul_transposed(q, gk)                          # (gq K^T's shape)
+        product = matmul_transposed(q, gk)                                   # (gq K^T's shape)
         w = product if w is None else xp.add(w, product, out=w)
     if w is not None:
         w *= scale
@@ -188,7 +188,7 @@ def attention_double_backward(q, k, v, probs, keep, dout, dweights, scale, dropo
         p_bar -= w * delta
     if gv is not None:
         # dV = Pd^T dO  ->  Y = dO gv^T reaches Pd = P Z:  Pbar += Y Z
-        y = matmul_transposed(dout, gv)                             # (..., Tq, Tk)
+        y = matmul_transposed(dout, gv)                                      # (..., Tq, Tk)
         if z is not None:
             y *= z
         p_bar = y if p_bar is None else xp.add(p_bar, y, out=p_bar)
@@ -256,7 +256,7 @@ def attention_backward_jvp(q, k, v, probs, keep, dout, dweights, scale, dropout_
     if tdout is not None:
         tdprobs = matmul_transposed(tdout, v)
     if tv is not None:
-        product = matmul_transposed(dout, tv)                       # (..., Tq, Tk)
+        product = matmul_transposed(dout, tv)                                # (..., Tq, Tk)
         tdprobs = product if tdprobs is None else xp.add(tdprobs, product, out=tdprobs)
     if tdweights is not None:
         tdprobs = _plus(tdprobs, tdweights)                                  # (out of place: never into t_dweights)
@@ -296,7 +296,7 @@ def _first_order_dp(v, probs, keep, dout, dweights, dropout_scale):
     xp = backend.get_array_module(dout)
     z = None if keep is None else keep * probs.dtype.type(dropout_scale)    # (..., Tq, Tk) Z = keep / (1 - p)
     # O = Pd V  ->  dPd = dO V^T (+ dweights);  Pd = P Z  ->  dP = dPd Z
-    dprobs = matmul_transposed(dout, v)                             # (..., Tq, Tk)
+    dprobs = matmul_transposed(dout, v)                                      # (..., Tq, Tk)
     if dweights is not None:
         dprobs += dweights
     if z is not None:
@@ -736,7 +736,7 @@ def attention_blockwise_double_backward(q, k, v, out, lse, dout, blocked, additi
             z = None
             if dropout is not None:                                      # Z = keep / (1 - p), the forward's mask
                 z = attention_keep_block(dropout, lead, tq, tk, qs, qe, ks, ke, q) * dropout_scale(dropout[0])
-            dp = matmul_transposed(do_block, v[..., ks:ke, :])            # dP = (dO V^T) Z
+            dp = matmul_transposed(do_block, v[..., ks:ke, :])           # dP = (dO V^T) Z
             if z is not None:
                 dp *= z
             ds = p * (dp - d_block)                                      # dS = P (dP - D)
@@ -883,7 +883,7 @@ def attention_blockwise_backward(q, k, v, out, lse, dout, blocked, additive, cau
             # O = Pd V  ->  dV_j += Pd^T dO
             dv[..., ks:ke, :] += dropped.swapaxes(-1, -2) @ do_block
             # O = Pd V  ->  dPd = dO V^T
-            dp = matmul_transposed(do_block, v[..., ks:ke, :])           # (..., bq, bk)
+            dp = matmul_transposed(do_block, v[..., ks:ke, :])          # (..., bq, bk)
             # Pd = P * keep / (1 - p)  ->  dP = dPd * keep / (1 - p)
             if keep is not None:
                 dp *= keep

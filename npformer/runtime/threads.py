@@ -181,7 +181,7 @@ def _settle_blas_threads():
     if split and _state["blas_limit"] is None:
         _take_blas_control()
         libs = _blas_libraries()
-        # their counts before the limit, the fewest (numpy's OpenBLAS and torch's BLAS, once imported, may
+        # their counts before the limit, the fewest (numpy's OpenBLAS and a BLAS another package loads may
         # differ): what the limit's get_original_num_threads returns, without the warning it gives then
         own = min((lib.num_threads for lib in libs), default=1) or 1
         _state["blas_limit"] = _limit_blas_threads()
