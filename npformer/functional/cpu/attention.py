@@ -38,10 +38,11 @@ def _reference_on_batch_blocks(table, args, probs, like):
 
 @matmul_transposed.register("cpu", supports=lambda a, b, out=None: b.ndim > 2)
 def matmul_transposed_cpu(a, b, out=None):
-    """b^T copied contiguous, then the product: numpy's matmul over a stack of matrices runs about
-    half as fast with a transposed operand (Q K^T measured on one core, us: base's half batch
-    (16, 8, 64, 32) 682 against 361 + 126 for the copy, gpt_char's (32, 4, 64, 32) 544 against
-    322 + 89, the demo's (64, 4, 13, 16) 64 against 27 + 28, tiny's (64, 4, 6, 8) 28 against 10 + 10)."""
+    """b^T copied contiguous, then the product: numpy's matmul over a stack of matrices runs slower
+    with a transposed view as its operand (Q K^T on one core, us, two runs, q and k laid out as the
+    models pass them, head views of the projections: gpt_char's half batch (16, 4, 64, 32) 292-299
+    against 221-233 with the copy; the demo's (64, 4, 13, 16) 72-90 against 58-89; (16, 8, 64, 32)
+    599-753 against 602-665; contiguous q and k there: 682 against 487)."""
     xp = backend.get_array_module(a)
     return xp.matmul(a, xp.ascontiguousarray(b.swapaxes(-1, -2)), out=out)
 
