@@ -338,10 +338,7 @@ def test_blas_libraries_with_different_thread_counts_settle_on_the_fewest_withou
     failed so inside a test that turns warnings into errors)."""
     class Library:
         def __init__(self, n):
-            self.num_threads, self.set_to = n, []
-
-        def set_num_threads(self, n):
-            self.set_to.append(n)
+            self.num_threads = n
 
     class Limit:
         def restore_original_limits(self):
