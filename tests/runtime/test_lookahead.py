@@ -311,6 +311,16 @@ def test_a_forward_stopped_by_an_exception_keeps_no_mask_drawn_ahead(two_threads
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(model.encoder.layers[1], "forward_masked", interrupted)
+    mask_of = lookahead._Drawn.mask
+
+    def waiting(drawn, index):
+        """The caller waits for the pool's draw instead of taking an unstarted one over (which it
+        does when the pool thread is slow to start: then no mask was drawn in the pool, and the test
+        proved nothing), so the first layer's masks are drawn in the pool."""
+        if drawn.masks is None and drawn.task is not None:
+            drawn.task.result(timeout=WAIT)
+        return mask_of(drawn, index)
+    monkeypatch.setattr(lookahead._Drawn, "mask", waiting)
     try:
         model(ids)
     except KeyboardInterrupt:
