@@ -180,7 +180,7 @@ def _settle_blas_threads():
     split = _state["threads"] > 1 and not _state["blas_callers"]
     if split and _state["blas_limit"] is None:
         _take_blas_control()
-        libs = _blas_libraries()
+        libs = _blas_controllers()
         # their counts before the limit, the fewest (numpy's OpenBLAS and a BLAS another package loads may
         # differ): what the limit's get_original_num_threads returns, without the warning it gives then
         own = min((lib.num_threads for lib in libs), default=1) or 1
@@ -202,7 +202,7 @@ def _take_blas_control():
         controller.clear_controlling_thread(force=True)
 
 
-def _blas_libraries():
+def _blas_controllers():
     """threadpoolctl's controllers of the BLAS libraries loaded, () without threadpoolctl."""
     try:
         from threadpoolctl import ThreadpoolController

@@ -346,7 +346,7 @@ def test_blas_libraries_with_different_thread_counts_settle_on_the_fewest_withou
 
     libraries = [Library(4), Library(2)]
     threads.set_num_threads(1)
-    monkeypatch.setattr(threads, "_blas_libraries", lambda: libraries)
+    monkeypatch.setattr(threads, "_blas_controllers", lambda: libraries)
     monkeypatch.setattr(threads, "_limit_blas_threads", Limit)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
