@@ -447,3 +447,38 @@ def test_jvp_runs_both_parts_and_ours_matches_torch(torch):
     assert "ratio ours/torch" in result.stdout
     tangent = float(result.stdout.split("tangent ")[1].split()[0])
     assert tangent < 1e-4, result.stdout
+
+
+def test_demo_step_sweeps_batch_sizes_that_replay_their_recording():
+    """demo_step.py's fixed cost is the replayed step's: its trainers keep one shape (every sequence
+    of the longest length), so after the eager and recorded calls every step replays."""
+    out = run_python("import json, demo_step\n"
+                     "settings = dict(demo_step.reverse.PRESETS['default'], min_len=12)\n"
+                     "t = demo_step.trainer(3, settings)\n"
+                     "demo_step.run(t, 6)\n"
+                     "print(json.dumps([t._recorded.calls, t._recorded.eager_calls, t._recorded.replays]))")
+    assert out == [6, 2, 4]
+
+
+def test_demo_step_prints_each_batch_size_and_each_threads_run():
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "demo_step.py"), "--steps", "1", "--batches", "1,3",
+                             "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "npformer's threads: 1"
+    assert [line.split(":")[0].split() for line in lines[2:4]] == [["batch", "1"], ["batch", "3"]]
+    runs = [line for line in lines if "threads / one after the other" in line]
+    assert len(runs) == 3
+    for line in runs:
+        times = [float(x) for x in line.split("(")[0].split("|")]
+        assert len(times) == 3 and min(times) > 0
+
+
+@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps: expected a positive integer, got 0"),
+                                           (["--batches", "1,x"], "--batches: expected batch sizes separated by"),
+                                           (["--batches", "0"], "--batches: expected positive batch sizes, got '0'"),
+                                           (["--threads", "0"], "--threads: expected a positive integer, got 0")])
+def test_demo_step_refuses_bad_arguments_in_one_line(args, message):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "demo_step.py"), *args], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and message in result.stderr.splitlines()[-1]
