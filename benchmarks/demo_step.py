@@ -41,10 +41,14 @@ def run(trainer, steps):
         trainer.train_step()
 
 
+def one_shape():
+    """The default preset with every sequence of its longest length: a batch keeps one shape."""
+    return dict(reverse.PRESETS["default"], min_len=reverse.PRESETS["default"]["max_len"])
+
+
 def fixed_cost(batches, steps):
     """{batch size: median seconds of a step}, every sequence of the preset's longest length."""
-    settings = dict(reverse.PRESETS["default"], min_len=reverse.PRESETS["default"]["max_len"])
-    trainers = {b: trainer(b, settings) for b in batches}
+    trainers = {b: trainer(b, one_shape()) for b in batches}
     times = {b: [] for b in batches}
     for t in trainers.values():
         run(t, 3)                            # eager, recorded, first replay

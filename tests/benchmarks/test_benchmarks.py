@@ -453,8 +453,7 @@ def test_demo_step_sweeps_batch_sizes_that_replay_their_recording():
     """demo_step.py's fixed cost is the replayed step's: its trainers keep one shape (every sequence
     of the longest length), so after the eager and recorded calls every step replays."""
     out = run_python("import json, demo_step\n"
-                     "settings = dict(demo_step.reverse.PRESETS['default'], min_len=12)\n"
-                     "t = demo_step.trainer(3, settings)\n"
+                     "t = demo_step.trainer(3, demo_step.one_shape())\n"
                      "demo_step.run(t, 6)\n"
                      "print(json.dumps([t._recorded.calls, t._recorded.eager_calls, t._recorded.replays]))")
     assert out == [6, 2, 4]
