@@ -13,20 +13,23 @@ recorded, the optimizer step stays outside).
         scheduler.step()
 
 The first `warmup` calls run eagerly (`fn(*inputs)` and `backward()`); the next records the
-ops of the call (npformer.runtime.record) and the graph it builds; later calls copy their
-inputs into the recorded ones and replay: every op's forward again, on the arrays of the
+ops of the call (npformer.runtime.record) and the graph it builds; later calls like it copy
+their inputs into the recorded ones and replay: every op's forward again, on the arrays of the
 moment, then the recorded graph's backward. The numbers are those of the eager step, bit for
 bit: each dropout draws the next values of its stream, the padding masks and ignored targets
 are made from the new inputs, the ids are checked again.
 
-A call runs eagerly instead, leaving the recording for later calls, when anything the ops were
-chosen by differs from the recording: the inputs' shapes, dtypes or devices (the CPU only),
-the composite twins (grad mode off, forward-mode AD and anomaly detection: always eager), the model's
-parameters (which Tensors, their shapes, dtypes, requires_grad), or any plain setting of one of
-its modules (training/eval, an attention path, ...). `eager_calls` and `replays` count what it
-did. Recording refuses (RuntimeError) a step whose ops read arrays computed outside them that a
-replay could not remake: see npformer.runtime.record. As in a CUDA graph, the step must not
-branch on its data, and `fn` must depend on nothing but its inputs and `model`.
+A recording is made for what the ops were chosen by (the call's signature): the inputs' shapes,
+dtypes and devices (the CPU only), the composite twins (grad mode off, forward-mode AD and
+anomaly detection: always eager), the model's parameters (which Tensors, their shapes, dtypes,
+requires_grad), and every plain setting of its modules (training/eval, an attention path, ...).
+A call of another signature records again, up to `max_recordings` recordings (each keeps its
+graph and the arrays it saved, as torch.compile keeps a graph per shape up to its cache size
+limit), so that batches of a few shapes (an epoch's shorter last batch, a few sequence lengths)
+all replay; past the limit a call of a new signature runs eagerly. `eager_calls` and `replays`
+count what it did. Recording refuses (RuntimeError) a step whose ops read arrays computed outside
+them that a replay could not remake: see npformer.runtime.record. As in a CUDA graph, the step
+must not branch on its data, and `fn` must depend on nothing but its inputs and `model`.
 """
 from __future__ import annotations
 
@@ -47,42 +50,16 @@ __all__ = ["recorded", "RecordedStep"]
 _PLAIN = (bool, int, float, str, type(None))
 
 
-class RecordedStep:
-    """`fn(*inputs)` (a scalar loss Tensor) and its backward, recorded once and replayed (see the
-    module docstring). Made by `recorded`."""
+class _Recording:
+    """One recorded call: its ops (a record.Recorder), its inputs, which each replay rewrites, its
+    loss and what fn returned after it (rewritten by each replay), and its graph's backward
+    (record.Backward, or None: the engine's)."""
 
-    def __init__(self, fn: Callable[..., Tensor], model: Any, warmup: int = 1):
-        if not callable(fn):
-            raise TypeError(f"recorded: fn must be callable, got {type(fn).__name__}")
-        if not callable(getattr(model, "modules", None)) or not callable(getattr(model, "parameters", None)):
-            raise TypeError(f"recorded: model must be an npformer.nn.Module (the step's parameters and modes), "
-                            f"got {type(model).__name__}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"recorded: warmup must be an integer >= 0, got {warmup!r}")
-        self.fn, self.model, self.warmup = fn, model, warmup
-        self.calls = self.eager_calls = self.replays = 0
-        self.recorder = None
-        self.static = None      # the recorded call's inputs (arrays, or Tensors of them)
-        self.loss = None        # the recorded call's loss Tensor, rewritten by each replay
-        self.extras = None      # what fn returned after the loss, rewritten by each replay (or None)
-        self.backward = None    # its graph's backward (record.Backward), or None: the engine's
-        self.signature = None   # what the ops were chosen by (see _signature)
-        self.modules = None     # the model's modules when recorded
+    def __init__(self, recorder, static, loss, extras):
+        self.recorder, self.static, self.loss, self.extras = recorder, static, loss, extras
+        self.backward = record.Backward.of(loss)
 
-    def __call__(self, *inputs: Any) -> Any:
-        """Run the step on `inputs` (arrays or Tensors that do not require grad): the loss (a
-        detached scalar Tensor), its gradients accumulated into the parameters' `.grad`. When fn
-        returns a tuple (the loss first, then Tensors and arrays the step made), that tuple with
-        the loss detached; after the recording the same objects, which each replay rewrites."""
-        self.calls += 1
-        signature = self._signature(inputs)
-        if self.calls <= self.warmup or signature is None or (self.recorder is not None
-                                                              and signature != self.signature):
-            return self._eager(inputs)
-        if self.recorder is None:
-            if not all(type(p.data) is numpy.ndarray for p in self.model.parameters()):
-                return self._eager(inputs)   # a model on a GPU (npformer.cuda.graphed records there)
-            return self._record(inputs, signature)
+    def replay(self, inputs):
         for static, value in zip(self.static, inputs):
             numpy.copyto(_data(static), _data(value))
         self.recorder.replay()
@@ -90,8 +67,45 @@ class RecordedStep:
             self.backward.run()
         else:
             self.loss.backward(retain_graph=True)
-        self.replays += 1
         return _returned(self.loss, self.extras)
+
+
+class RecordedStep:
+    """`fn(*inputs)` (a scalar loss Tensor) and its backward, recorded once per signature and
+    replayed (see the module docstring). Made by `recorded`."""
+
+    def __init__(self, fn: Callable[..., Tensor], model: Any, warmup: int = 1, max_recordings: int = 8):
+        if not callable(fn):
+            raise TypeError(f"recorded: fn must be callable, got {type(fn).__name__}")
+        if not callable(getattr(model, "modules", None)) or not callable(getattr(model, "parameters", None)):
+            raise TypeError(f"recorded: model must be an npformer.nn.Module (the step's parameters and modes), "
+                            f"got {type(model).__name__}")
+        for name, value, least in (("warmup", warmup, 0), ("max_recordings", max_recordings, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"recorded: {name} must be an integer >= {least}, got {value!r}")
+        self.fn, self.model, self.warmup, self.max_recordings = fn, model, warmup, max_recordings
+        self.calls = self.eager_calls = self.replays = 0
+        self.recordings = {}    # signature (what the ops were chosen by, see _signature) -> _Recording
+        self.modules = None     # the model's modules at the last recording (what _signature reads)
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Run the step on `inputs` (arrays or Tensors that do not require grad): the loss (a
+        detached scalar Tensor), its gradients accumulated into the parameters' `.grad`. When fn
+        returns a tuple (the loss first, then Tensors and arrays the step made), that tuple with
+        the loss detached; after a call's recording the same objects, which each replay of its
+        signature rewrites."""
+        self.calls += 1
+        signature = self._signature(inputs)
+        if self.calls <= self.warmup or signature is None:
+            return self._eager(inputs)
+        recording = self.recordings.get(signature)
+        if recording is not None:
+            self.replays += 1
+            return recording.replay(inputs)
+        if len(self.recordings) >= self.max_recordings or \
+                not all(type(p.data) is numpy.ndarray for p in self.model.parameters()):
+            return self._eager(inputs)   # (a model on a GPU: npformer.cuda.graphed records there)
+        return self._record(inputs)
 
     def _eager(self, inputs):
         self.eager_calls += 1
@@ -99,9 +113,10 @@ class RecordedStep:
         loss.backward()
         return _returned(loss, extras)
 
-    def _record(self, inputs, signature):
+    def _record(self, inputs):
+        self.modules = list(self.model.modules())   # as they are now (a module added changes the signature)
+        signature = self._signature(inputs)
         static = [Tensor(numpy.array(_data(v))) if isinstance(v, Tensor) else numpy.array(v) for v in inputs]
-        self.modules = list(self.model.modules())
         recorder = record.Recorder()
         with recorder:
             loss, extras = _loss_and_extras(self.fn(*static))
@@ -109,8 +124,7 @@ class RecordedStep:
             raise TypeError("recorded: fn must return a scalar loss Tensor that requires grad, got one that does not")
         recorder.check(self._known(static), self.model.parameters(), extras or ())
         loss.backward(retain_graph=True)
-        self.recorder, self.static, self.loss, self.extras, self.signature = recorder, static, loss, extras, signature
-        self.backward = record.Backward.of(loss)
+        self.recordings[signature] = _Recording(recorder, static, loss, extras)
         self.eager_calls += 1  # the recording call is an eager step
         return _returned(loss, extras)
 
@@ -179,9 +193,10 @@ def _settings(module):
     return tuple(found)
 
 
-def recorded(fn: Callable[..., Tensor], model: Any, warmup: int = 1) -> RecordedStep:
+def recorded(fn: Callable[..., Tensor], model: Any, warmup: int = 1, max_recordings: int = 8) -> RecordedStep:
     """A callable that runs `fn(*inputs)` (the step's scalar loss) and its backward, recorded on
-    the first call after `warmup` eager ones and replayed after (see the module docstring).
-    Raises TypeError for an fn that is not callable or a model that is not a Module, ValueError
-    for a negative warmup."""
-    return RecordedStep(fn, model, warmup)
+    the first call after `warmup` eager ones and replayed by later calls like it; a call of other
+    shapes (or modes, parameters) records again, up to `max_recordings` recordings, then runs
+    eagerly (see the module docstring). Raises TypeError for an fn that is not callable or a
+    model that is not a Module, ValueError for a negative warmup or max_recordings below 1."""
+    return RecordedStep(fn, model, warmup, max_recordings)

@@ -1,7 +1,8 @@
 """npformer.recorded (npformer/recording.py): a loss function's forward and backward recorded once and replayed give the
 numbers of the same steps run eagerly, bit for bit (dropout draws new masks, padding masks and
-ignored targets follow the batch, the optimizer and its schedule run outside), and a call that
-differs from the recording in shape, mode or parameters runs eagerly."""
+ignored targets follow the batch, the optimizer and its schedule run outside), a call that
+differs from every recording in shape, mode or parameters records anew (an eager step), up to
+max_recordings, and past them runs eagerly."""
 import numpy as np
 import pytest
 
@@ -50,9 +51,9 @@ def trainer(kind="seq2seq", attention=None, dropout=0.2):
     return model, opt, scheduler, loss_fn
 
 
-def run(data, record, **kwargs):
+def run(data, record, max_recordings=8, **kwargs):
     model, opt, scheduler, loss_fn = trainer(**kwargs)
-    step = npformer.recorded(loss_fn, model) if record else None
+    step = npformer.recorded(loss_fn, model, max_recordings=max_recordings) if record else None
     losses = []
     for batch in data:
         opt.zero_grad()
@@ -82,6 +83,22 @@ def test_twenty_recorded_steps_equal_twenty_eager_steps(kind, attention):
     for a, b in zip(weights, eager_weights):
         np.testing.assert_array_equal(a, b)
     assert not hooks.op_applied                                    # the core's hook is gone once recorded
+
+
+@pytest.mark.parametrize("max_recordings, counts", [(8, (4, 14)), (2, (8, 10))])
+def test_batches_of_several_shapes_replay_each_recording(max_recordings, counts):
+    """Batches of three shapes in turn (the first call a warmup): each shape is recorded at its
+    first call after it and replayed at the next ones (max_recordings 8); with max_recordings 2
+    the shape that finds no room runs eagerly at every call while the two recorded replay. The
+    eager run's losses and weights, exactly."""
+    data = [b for i, b in enumerate(zip(batches(6, length=5), batches(6, seed=1, length=7),
+                                        batches(6, seed=2, batch=4, length=5))) for b in b]
+    eager_losses, eager_weights = run(data, False)[:2]
+    losses, weights, _, step = run(data, True, max_recordings=max_recordings)
+    assert (step.eager_calls, step.replays) == counts and len(step.recordings) == min(3, max_recordings)
+    assert losses == eager_losses
+    for a, b in zip(weights, eager_weights):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_call_unlike_the_recorded_one_runs_eagerly_and_the_next_like_it_replays():
@@ -171,6 +188,9 @@ def test_bad_arguments_are_errors():
         npformer.recorded(lambda: None, [])
     with pytest.raises(ValueError, match=r"recorded: warmup must be an integer >= 0, got -1"):
         npformer.recorded(lambda: None, model, warmup=-1)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=rf"recorded: max_recordings must be an integer >= 1, got {bad!r}"):
+            npformer.recorded(lambda: None, model, max_recordings=bad)
     step = npformer.recorded(lambda x: model(Tensor(x)), model, warmup=0)
     with pytest.raises(TypeError, match=r"recorded: fn must return a scalar loss Tensor that requires grad \(or a "
                                         r"tuple that starts with one\), got Tensor \(3, 2\)"):
