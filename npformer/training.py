@@ -249,9 +249,9 @@ class Trainer:
     record_steps: on the CPU, in one process, run each step's forward and backward as a
         recorded step (`npformer.recorded`): recorded at the second step, replayed for every batch
         of the same shapes (a batch of new shapes is recorded too, up to 8 recordings), the same
-        numbers as eager steps. It needs a loss function whose
-        count and metrics are arrays (the ready-made ones: token_loss); with another, or batches
-        that are not arrays (or a tuple or dataclass of them), steps stay eager.
+        numbers as eager steps. It needs a loss function whose count and metrics are arrays (the
+        ready-made ones: token_loss); with another, or batches that are not arrays (or a tuple
+        or dataclass of them), steps stay eager.
 
     callbacks: functions `callback(trainer, record)`, called in order at the end of every
         `train_step` with the step's record (the step is done and in `history`): Lightning's

@@ -91,8 +91,8 @@ def test_batches_of_several_shapes_replay_each_recording(max_recordings, counts)
     first call after it and replayed at the next ones (max_recordings 8); with max_recordings 2
     the shape that finds no room runs eagerly at every call while the two recorded replay. The
     eager run's losses and weights, exactly."""
-    data = [b for i, b in enumerate(zip(batches(6, length=5), batches(6, seed=1, length=7),
-                                        batches(6, seed=2, batch=4, length=5))) for b in b]
+    shapes = zip(batches(6, length=5), batches(6, seed=1, length=7), batches(6, seed=2, batch=4, length=5))
+    data = [batch for three in shapes for batch in three]
     eager_losses, eager_weights = run(data, False)[:2]
     losses, weights, _, step = run(data, True, max_recordings=max_recordings)
     assert (step.eager_calls, step.replays) == counts and len(step.recordings) == min(3, max_recordings)
