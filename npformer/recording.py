@@ -85,7 +85,9 @@ class RecordedStep:
                 raise ValueError(f"recorded: {name} must be an integer >= {least}, got {value!r}")
         self.fn, self.model, self.warmup, self.max_recordings = fn, model, warmup, max_recordings
         self.calls = self.eager_calls = self.replays = 0
-        self.recordings = {}    # signature (what the ops were chosen by, see _signature) -> _Recording
+        # [(signature, _Recording)]: compared by equality, as a signature may hold what cannot be hashed
+        # (a module's tuple of lists); at most max_recordings, each compared from its shapes on
+        self.recordings = []
         self.modules = None     # the model's modules at the last recording (what _signature reads)
 
     def __call__(self, *inputs: Any) -> Any:
@@ -98,7 +100,7 @@ class RecordedStep:
         signature = self._signature(inputs)
         if self.calls <= self.warmup or signature is None:
             return self._eager(inputs)
-        recording = self.recordings.get(signature)
+        recording = next((r for recorded, r in self.recordings if recorded == signature), None)
         if recording is not None:
             self.replays += 1
             return recording.replay(inputs)
@@ -124,7 +126,7 @@ class RecordedStep:
             raise TypeError("recorded: fn must return a scalar loss Tensor that requires grad, got one that does not")
         recorder.check(self._known(static), self.model.parameters(), extras or ())
         loss.backward(retain_graph=True)
-        self.recordings[signature] = _Recording(recorder, static, loss, extras)
+        self.recordings.append((signature, _Recording(recorder, static, loss, extras)))
         self.eager_calls += 1  # the recording call is an eager step
         return _returned(loss, extras)
 

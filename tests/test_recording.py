@@ -101,6 +101,17 @@ def test_batches_of_several_shapes_replay_each_recording(max_recordings, counts)
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_module_setting_that_cannot_be_hashed_still_replays():
+    """A signature holds each module's plain tuples as they are, a tuple of lists included: it is
+    compared, never hashed, so such a module's steps record and replay."""
+    model = nn.Linear(2, 2)
+    model.sizes = ([1, 2], 3)
+    step = npformer.recorded(lambda x: model(Tensor(x)).sum(), model, warmup=0)
+    for _ in range(3):
+        step(np.ones((3, 2), dtype=np.float32))
+    assert (step.eager_calls, step.replays) == (1, 2)
+
+
 def test_a_call_unlike_the_recorded_one_runs_eagerly_and_the_next_like_it_replays():
     """After the recording: another batch shape, eval mode, a frozen parameter, another attention
     path and grad mode off each run eagerly (the numbers of an eager step); restored, replays go on."""
