@@ -167,6 +167,16 @@ class Function:
         return results[0] if single else results
 
 
+def raw_computation(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args): a computation on raw arrays that is no op, made from what an op or a module got
+    (a mask or a count from a step's inputs, a check of ids, a dropout keep mask's draw). Code that
+    watches a step's ops sees it through `hooks.raw_computation` (npformer's recorded steps repeat
+    it at each replay); without such code it is just fn(*args)."""
+    if hooks.raw_computation:
+        return hooks.raw_computation[-1](fn, args)
+    return fn(*args)
+
+
 class _ForwardLevels(threading.local):
     """The dual levels of forward mode entered in this thread (autograd.forward_ad), innermost
     last; {level: tensors carrying a tangent at it}, whose tangents go when the level exits; and

@@ -42,10 +42,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from autograd import Tensor, backend
+from autograd import Tensor, backend, raw_computation
 from autograd.checks import check_bool, check_int, check_real
 from npformer.runtime import random
-from npformer.runtime.record import recomputed
 
 from . import functional as F
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -96,10 +95,10 @@ def token_loss(logits: Tensor, target: Any, ignore_index: int = -100, label_smoo
     that are not ignore_index; their count; metric "accuracy": how many of them the argmax gets.
     The building block of the ready-made loss functions (F.cross_entropy with reduction="sum")."""
     target = backend.to_device(target, logits.device)
-    flat = recomputed(backend.get_array_module(target).ravel, target)  # a copy when target is a strided view
+    flat = raw_computation(backend.get_array_module(target).ravel, target)  # a copy when target is a strided view
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, ignore_index=ignore_index,
                            reduction="sum", label_smoothing=label_smoothing)
-    count, correct = recomputed(_counted_targets, logits, target, ignore_index)  # again at each replay
+    count, correct = raw_computation(_counted_targets, logits, target, ignore_index)  # again at each replay
     return Loss(loss, count, {"accuracy": correct})
 
 
@@ -395,7 +394,7 @@ class Trainer:
         values = [out.count, *out.metrics.values()]
         recordable = all(backend.is_array(v) for v in values)
         self._metric_names = list(out.metrics) if recordable else None
-        scale = Tensor(recomputed(_inverse_count, out.count, out.sum.dtype)) if recordable else \
+        scale = Tensor(raw_computation(_inverse_count, out.count, out.sum.dtype)) if recordable else \
             1.0 / out.count if out.count else 0.0
         return (out.sum * scale, out.sum, *values)
 

@@ -3,9 +3,9 @@ the per-thread switch to the composite twins."""
 import functools
 import threading
 
-from autograd import Tensor, backend
+from autograd import Tensor, backend, raw_computation
 from autograd.checks import as_array, check_int
-from npformer.runtime import deferred, record
+from npformer.runtime import deferred
 
 
 class _Twins(threading.local):
@@ -74,7 +74,7 @@ def check_index_range(ids, high, error, skip=None):
     device ids on the device, the verdict read with the next result (npformer.runtime.deferred).
     `error(lo, hi)` makes the exception from the smallest and largest id. A recorded step checks
     again at each replay (npformer.runtime.record)."""
-    record.recomputed(_check_index_range, ids, high, error, skip)
+    raw_computation(_check_index_range, ids, high, error, skip)
 
 
 def _check_index_range(ids, high, error, skip):

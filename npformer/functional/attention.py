@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, is_grad_enabled, unbroadcast, where
+from autograd import Function, Tensor, backend, is_grad_enabled, raw_computation, unbroadcast, where
 from autograd.backend import Array
 from autograd.checks import check_bool, check_int, check_real
 from autograd.forward_ad import unpack_dual
-from npformer.runtime import kernels, random, record
+from npformer.runtime import kernels, random
 from npformer.runtime.kernels import kernel_table
 
 from ._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
@@ -1114,8 +1114,8 @@ def _prepare_mask(attn_mask, q, score_shape):
         raise ValueError("scaled_dot_product_attention: attn_mask must broadcast to (..., Tq, Tk) = "
                          f"{score_shape}, got shape {tuple(mask.shape)}")
     if mask.dtype.kind == "b":
-        return record.recomputed(_blocked, mask), None
-    return None, record.recomputed(_as_dtype, mask, q.dtype)
+        return raw_computation(_blocked, mask), None
+    return None, raw_computation(_as_dtype, mask, q.dtype)
 
 
 def _blocked(allowed):
@@ -1279,7 +1279,7 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
     if path == "naive":
         keep = None
         if p > 0:  # drawn again at each replay of a recorded step
-            keep = record.recomputed(_drawn_keep_mask, call.q, call.score_shape, p, call.causal, generator, op)
+            keep = raw_computation(_drawn_keep_mask, call.q, call.score_shape, p, call.causal, generator, op)
         return AttentionFunction.apply(query, key, value, call.additive, blocked=call.blocked, causal=call.causal,
                                        scale=call.scale, keep=keep, dropout_scale=dropout_scale(p),
                                        return_weights=bool(return_weights))

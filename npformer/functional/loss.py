@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from autograd import Function, Tensor, backend, forward_ad, is_grad_enabled
+from autograd import Function, Tensor, backend, forward_ad, is_grad_enabled, raw_computation
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_int, check_real
-from npformer.runtime import deferred, record
+from npformer.runtime import deferred
 from npformer.runtime.kernels import kernel_table
 
 from ._common import check_index_range, check_one_dtype, check_tensor, data_of, has_twin, on_device_of
@@ -275,7 +275,7 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
         loss = probability_cross_entropy(log_softmax(x, dim=1), classes_last(tgt), weight, label_smoothing, reduction)
         return loss.reshape(expected) if reduction == "none" else loss
     weights = None if weight is None else data_of(weight)
-    safe_target, valid, divisor = record.recomputed(_class_targets, tgt, ignore_index, weights, reduction, logits.dtype)
+    safe_target, valid, divisor = raw_computation(_class_targets, tgt, ignore_index, weights, reduction, logits.dtype)
     loss = CrossEntropyFunction.apply(x, weight, safe_target=safe_target, valid=valid, divisor=divisor,
                                       reduction=reduction, label_smoothing=label_smoothing)
     return loss.reshape(tgt.shape) if reduction == "none" else loss

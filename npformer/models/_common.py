@@ -1,7 +1,7 @@
 """Pieces shared by the models: argument checks, token ids, padding masks, positions, the encoder trunk."""
 from __future__ import annotations
 
-from autograd import Tensor, backend
+from autograd import Tensor, backend, raw_computation
 from autograd.backend import Array, ArrayLike
 from autograd.checks import as_array, check_bool, check_int, check_optional_int, check_real
 
@@ -10,7 +10,6 @@ from ..functional._common import check_index_range
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
 from ..nn.config import TransformerConfig, check_d_model_nhead
-from npformer.runtime import record
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -119,7 +118,7 @@ def padding_mask_from_ids(ids, pad_idx, mask):
     """`mask` when given, else ids == pad_idx (True = padding) when pad_idx is set, else None."""
     if mask is not None or pad_idx is None:
         return mask
-    return record.recomputed(backend.get_array_module(ids).equal, ids, pad_idx)  # again at each replay
+    return raw_computation(backend.get_array_module(ids).equal, ids, pad_idx)  # again at each replay
 
 
 def valid_positions(mask, ids, dtype):

@@ -21,7 +21,7 @@ import math
 from typing import NamedTuple
 
 import npformer.functional as F
-from autograd import Tensor, backend, concatenate, is_grad_enabled
+from autograd import Tensor, backend, concatenate, is_grad_enabled, raw_computation
 from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import as_array, check_bool, check_int
 
@@ -30,7 +30,6 @@ from .config import TransformerConfig
 from .layers import Linear, new_parameter
 from .module import Module
 from .positional import RotaryEmbedding
-from npformer.runtime import record
 
 
 class AttentionMask(NamedTuple):
@@ -99,10 +98,10 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
         return AttentionMask(None, bool(is_causal))
     causal = (tgt_len, src_len) if is_causal and attn_mask is None else None   # the causal mask too
     if all(p.dtype == bool for p in parts):
-        return AttentionMask(record.recomputed(_allowed, tuple(parts), causal), False)  # again at each replay
+        return AttentionMask(raw_computation(_allowed, tuple(parts), causal), False)  # again at each replay
     if any(isinstance(p, Tensor) for p in parts):  # combined with ops: their gradients flow
         return AttentionMask(_added(tuple(parts), causal, like.dtype), False)
-    return AttentionMask(record.recomputed(_added, tuple(parts), causal, like.dtype), False)
+    return AttentionMask(raw_computation(_added, tuple(parts), causal, like.dtype), False)
 
 
 def _with_causal(parts, causal):

@@ -54,7 +54,8 @@ def recomputed(fn, *args):
     """fn(*args), repeated by every replay of a step being recorded (see the module docstring):
     fn reads arrays whose contents the step's inputs decide and returns an array, a tuple of
     arrays or None, whose values each replay copies into the arrays returned the first time (so
-    their shapes must not change). Outside a recording: fn(*args)."""
+    their shapes must not change). Outside a recording: fn(*args). Ops and modules reach it
+    through the core's `autograd.raw_computation`, whose hook it is while a step is recorded."""
     recorder = current()
     if recorder is None:
         return fn(*args)
@@ -65,6 +66,10 @@ def recomputed(fn, *args):
         _local.depth -= 1
     recorder.events.append(_Raw(fn, args, result))
     return result
+
+
+def _raw_computation(fn, args):
+    return recomputed(fn, *args)
 
 
 def note_draw(stream, n, offset):
@@ -205,6 +210,7 @@ class Recorder:
             _recording[0] += 1
             if _recording[0] == 1:
                 hooks.op_applied.append(_op_applied)
+                hooks.raw_computation.append(_raw_computation)
         return self
 
     def __exit__(self, *exc):
@@ -213,6 +219,7 @@ class Recorder:
             _recording[0] -= 1
             if _recording[0] == 0:
                 hooks.op_applied.remove(_op_applied)
+                hooks.raw_computation.remove(_raw_computation)
         return False
 
     def check(self, known, parameters, outputs=()):
