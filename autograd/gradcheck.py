@@ -15,7 +15,9 @@ written on paper against an op's backward and against central differences. With
 `check_forward_ad=True`, gradcheck also checks forward mode: each jvp rule against central
 differences and against the backward (the transpose identity). `gradgradcheck` checks second
 derivatives: `gradcheck` of the map from (inputs, upstream gradients) to the gradient, built
-with create_graph.
+with create_graph. `check_create_graph` checks that the first derivative taken with
+`create_graph=True` (each op's `differentiable_backward`) equals the plain backward's: two
+forms of one gradient that could otherwise drift apart unseen (gradgradcheck checks it first).
 
 `autograd.gradcheck` is this module, and calling it calls `gradcheck` (as one calls
 `torch.autograd.gradcheck(...)`): `autograd.gradcheck(fn, inputs)` and
@@ -32,7 +34,7 @@ from . import backend
 from .modes import enable_grad, no_grad
 from .tensor import Tensor, grad
 
-__all__ = ["GradcheckError", "check_formula", "gradcheck", "gradgradcheck", "judge", "numeric_gradient",
+__all__ = ["GradcheckError", "check_create_graph", "check_formula", "gradcheck", "gradgradcheck", "judge", "numeric_gradient",
            "random_generator", "vjp"]
 
 
@@ -180,16 +182,92 @@ def _forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, 
     return verdicts
 
 
+CREATE_GRAPH_RTOL = 1e-10  # the two forms of a gradient round differently, by a few ulps of the largest entry
+
+
+def check_create_graph(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, seed: int = 0,
+                       report: list | None = None, names: Sequence[str] | None = None) -> bool:
+    """Check that the first derivative taken with `create_graph=True` equals the plain backward's.
+
+    Both are d/d input of L = sum_k sum(fn(*inputs)[k] * g_k) for one random upstream gradient
+    g (gradcheck's): the plain one from each op's `backward` (raw arrays), the other from each
+    op's `differentiable_backward` (the graph that second derivatives differentiate). A Function
+    whose two forms disagree has second derivatives of a gradient it does not compute; finite
+    differences of either form alone cannot see it. Pass when, for every input,
+    |create_graph - plain| <= CREATE_GRAPH_RTOL * max(1, max |plain|). Returns True, or raises
+    GradcheckError naming the input and the worst entry (see `judge`). names, report: as gradcheck's.
+    """
+    inputs = list(inputs)
+    names = _names(names, len(inputs))
+    checked = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
+    if not checked:
+        raise ValueError(_no_checked_input_message(inputs))
+    _, upstream, plain = vjp(fn, inputs, seed=seed)
+    with enable_grad():
+        outs = _outputs(fn(*inputs))
+        pairs = [(o, Tensor(g)) for o, g in zip(outs, upstream) if o.requires_grad]
+        built = grad([o for o, _ in pairs], [inputs[i] for i in checked], [g for _, g in pairs],
+                     create_graph=True, allow_unused=True)
+    verdicts = []
+    for i, g in zip(checked, built):
+        reference = plain[i]
+        yours = backend.get_array_module(reference).zeros_like(reference) if g is None else g.data
+        verdicts.append(judge(f"{names[i]}: create_graph's gradient", yours, reference,
+                              CREATE_GRAPH_RTOL * _magnitude(reference), 0.0, report))
+    if not all(passed for passed, _ in verdicts):
+        with enable_grad():
+            verdicts += _disagreeing_ops(_outputs(fn(*inputs)), seed)
+    _raise_if_wrong("check_create_graph: the gradient taken with create_graph=True (yours: differentiable_backward) "
+                    "against the plain backward's (reference)", verdicts)
+    return True
+
+
+def _magnitude(array):
+    """max(1, max |array|): the scale of a tolerance relative to an array's largest entry."""
+    return max(1.0, float(abs(array).max())) if array.size else 1.0
+
+
+def _disagreeing_ops(outs, seed):
+    """One wrong verdict per op of the graph behind `outs` whose two forms of the gradient differ:
+    each node's `backward` and `differentiable_backward` run on the same random gradients of its
+    outputs, compared input by input (the op, its input and the worst entry named)."""
+    from .function import _topological_nodes, op_name
+
+    rng = random_generator(seed, stream=4)
+    verdicts = []
+    for node in _topological_nodes([o.creator for o in outs if o.creator is not None]):
+        if getattr(node, "differentiable_backward", None) is None:
+            continue  # differentiable once: create_graph runs its backward itself
+        grads = [backend.to_device(rng.standard_normal(shape).astype(dtype), node.inputs[0].device
+                                   if node.inputs[0] is not None else "cpu") for shape, dtype in node.output_meta]
+        raw = node.backward(node, *[g.copy() for g in grads])
+        raw = raw if isinstance(raw, tuple) else (raw,)
+        built = node.differentiable_backward(node, *[Tensor(g) for g in grads])
+        built = built if isinstance(built, tuple) else (built,)
+        for k, (r, b) in enumerate(zip(raw, built)):
+            if r is None or b is None or not node.needs_input_grad[k]:
+                continue
+            b = b.data if isinstance(b, Tensor) else b
+            if b.shape != r.shape:
+                continue  # a broadcast gradient: the engine sums it back; the totals were compared above
+            passed, line = judge(f"op {op_name(type(node))}, its input {k}", b, r, CREATE_GRAPH_RTOL * _magnitude(r), 0.0)
+            if not passed:
+                verdicts.append((False, line))
+    return verdicts
+
+
 def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any],
                   grad_outputs: Sequence[Any] | None = None, *, eps: float = 1e-6, atol: float = 1e-5,
                   rtol: float = 1e-3, seed: int = 0, report: list | None = None,
-                  names: Sequence[str] | None = None) -> bool:
+                  names: Sequence[str] | None = None, check_first_derivative: bool = True) -> bool:
     """Check second derivatives (torch.autograd.gradgradcheck): `gradcheck` of the map
 
         (inputs, grad_outputs) -> sum_k grad_outputs[k]^T d fn(inputs)[k] / d inputs
 
     whose value is the first derivative built with `create_graph=True`, so that its own backward
-    is the op's double backward. grad_outputs: one float64 array or Tensor per output of fn that
+    is the op's double backward. That first derivative is first checked against the plain
+    backward's (`check_create_graph`): second derivatives of a gradient the ops do not compute
+    would be checked in vain (check_first_derivative=False leaves that to the caller). grad_outputs: one float64 array or Tensor per output of fn that
     requires grad; None: random ones drawn from `random_generator(seed, stream=2)`. They require
     grad, so the derivative with respect to the upstream gradient is checked too. names: the
     inputs' names; the upstream gradients are "grad_outputs[k]". Returns True, or raises
@@ -200,6 +278,8 @@ def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence
     checked = [i for i, t in enumerate(inputs) if getattr(t, "requires_grad", False)]
     if not checked:
         raise ValueError(_no_checked_input_message(inputs))
+    if check_first_derivative:
+        check_create_graph(fn, inputs, seed=seed, names=names)
     outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
     if grad_outputs is None:
         rng = random_generator(seed, stream=2)

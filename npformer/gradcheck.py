@@ -11,7 +11,10 @@ everywhere, yours the backward's gradient and the reference the differences; the
 against torch in float64 and float32 (when torch is installed and the case has a torch
 reference) and against the case's twin (for npformer's own ops the composite twin: the same
 code run with npformer.functional's ops swapped for the slow versions built from autograd
-primitives), to the registry's tolerances; then "second order": `autograd.gradgradcheck` against
+primitives), to the registry's tolerances; then "create_graph = plain": the first derivative taken
+with create_graph=True (each op's differentiable_backward, what second derivatives differentiate)
+against the plain backward's, to 1e-10 of the largest entry (`autograd.gradcheck.check_create_graph`;
+no torch needed); then "second order": `autograd.gradgradcheck` against
 finite differences and the Hessian-vector product against torch's double backward, and "forward
 mode": `gradcheck(check_forward_ad=True)` and J u against `torch.func.jvp` (float64, torch's
 attention on its math backend), each cell the worse of its two checks. An op that is
@@ -39,7 +42,7 @@ from npformer import interop, opcases
 __all__ = ["COLUMNS", "main", "run", "run_case"]
 
 COLUMNS = {"fd": "finite differences", "torch": "torch float64", "torch32": "torch float32", "twin": "twin",
-           "second": "second order", "forward": "forward mode"}
+           "create_graph": "create_graph = plain", "second": "second order", "forward": "forward mode"}
 
 
 def _finite_differences(check, case, rng, device, only=None):
@@ -75,8 +78,8 @@ def _both(case, torch, rng, device, check, compared, only=None):
 
 def run_case(case: opcases.OpCase, torch: Any = None, seed: int = 0, device: str = "cpu",
              second_order: bool = True, forward_mode: bool = True) -> dict:
-    """One row: {"name", "fd", "torch", "torch32", "twin", "second", "forward": (abs, rel,
-    passed), "ERROR" or None (not run), "messages": what failed, by column, "passed"}. A column
+    """One row: {"name", "fd", "torch", "torch32", "twin", "create_graph", "second", "forward": (abs,
+    rel, passed), "ERROR" or None (not run), "messages": what failed, by column, "passed"}. A column
     that raises (an op differentiable once, or without a jvp rule: the engine's error names it)
     is an ERROR cell and its exception a message: the row fails, the table goes on.
     second_order, forward_mode: run those columns (gradgradcheck and the HVP against torch;
@@ -88,6 +91,7 @@ def run_case(case: opcases.OpCase, torch: Any = None, seed: int = 0, device: str
         "torch32": torch is not None and case.torch is not None and case.float32
         and (lambda rng: _compared(opcases.compare_with_torch(case, torch, rng, device, "float32"))),
         "twin": case.twin is not None and (lambda rng: _compared(opcases.compare_with_twin(case, rng, device))),
+        "create_graph": (lambda rng: _finite_differences(opcases.create_graph_case, case, rng, device)),
         "second": second_order and case.finite_differences and (lambda rng: _both(
             case, torch, rng, device, opcases.gradgradcheck_case, opcases.compare_hvp_with_torch)),
         "forward": forward_mode and case.finite_differences and (lambda rng: _both(

@@ -146,3 +146,29 @@ def test_a_function_without_jvp_fails_the_forward_mode_column_naming_it(torch):
 def test_the_new_columns_can_be_skipped():
     row = gradcheck.run_case(opcases.select("F.relu")[0], second_order=False, forward_mode=False)
     assert row["second"] is None and row["forward"] is None and row["passed"]
+
+
+class DoubledSquare(OnceSquare):
+    """x**2 with a right backward and jvp, and a differentiable_backward that returns twice the
+    gradient: second order and forward mode check it against itself; only the comparison with
+    the plain backward sees it."""
+
+    @staticmethod
+    def differentiable_backward(ctx, dy):
+        return 4.0 * dy * ctx.inputs[0]
+
+
+def test_a_create_graph_gradient_that_differs_from_the_backward_fails_its_own_column_without_torch():
+    case = opcases.OpCase("doubled square", lambda rng: [rng.standard_normal((3, 4))], DoubledSquare.apply)
+    row = gradcheck.run_case(case, None)
+    assert row["fd"][2] and not row["create_graph"][2] and not row["passed"]
+    out = _row(case, None)
+    assert "create_graph = plain: check_create_graph" in out and "| FAIL" in out
+    assert "op test_gradcheck_cli.DoubledSquare, its input 0: wrong" in out          # the op, its input
+    assert "input 0: create_graph's gradient: wrong, max diff" in out and "worst at index (" in out   # the entry
+    try:
+        autograd.gradgradcheck(DoubledSquare.apply, [autograd.Tensor(np.ones(3), requires_grad=True)])
+    except autograd.GradcheckError as e:
+        assert "DoubledSquare" in str(e)
+    else:
+        raise AssertionError("gradgradcheck passed a differentiable_backward that doubles the gradient")

@@ -22,7 +22,7 @@ import re
 
 from .case import (COMPOSITE, TOLERANCE, Comparison, Instance, OpCase, compare, compare_with_torch, compare_with_twin,
                    gradcheck_case, instantiate, torch_args)
-from .higher import (FORWARD_MODE_CHECKS, case_jvp, compare_hvp, compare_hvp_with_torch, compare_jvp_with_torch, forward_mode_case,
+from .higher import (FORWARD_MODE_CHECKS, case_jvp, compare_hvp, create_graph_case, compare_hvp_with_torch, compare_jvp_with_torch, forward_mode_case,
                      gradgradcheck_case, hvp)
 from .registry import CASES, FAMILIES, Family, cases, from_module, register, select
 from . import modules, ops  # noqa: E402,F401  (the library's cases register themselves)
@@ -46,5 +46,5 @@ def markdown_table() -> str:
 
 __all__ = ["CASES", "COMPOSITE", "FAMILIES", "FORWARD_MODE_CHECKS", "TOLERANCE", "Comparison", "Family", "Instance", "OpCase", "anchor",
            "case_jvp", "cases", "compare", "compare_hvp", "compare_hvp_with_torch", "compare_jvp_with_torch",
-           "compare_with_torch", "compare_with_twin", "forward_mode_case", "from_module", "gradcheck_case",
+           "compare_with_torch", "compare_with_twin", "create_graph_case", "forward_mode_case", "from_module", "gradcheck_case",
            "gradgradcheck_case", "hvp", "instantiate", "markdown_table", "register", "select", "torch_args"]

@@ -1,5 +1,6 @@
 """A case's second derivatives and forward mode, the registry's columns beside the first
-derivative: `autograd.gradgradcheck` and `autograd.gradcheck(check_forward_ad=True)` against
+derivative: the first derivative taken with create_graph against the plain backward's
+(`autograd.gradcheck.check_create_graph`), `autograd.gradgradcheck` and `autograd.gradcheck(check_forward_ad=True)` against
 central finite differences, and the Hessian-vector product and the Jacobian-vector product
 against PyTorch's (float64; torch's attention on its math backend, the one that has a double
 backward and forward AD). Compared as `case.compare` compares, to the registry's tolerances.
@@ -24,9 +25,20 @@ FORWARD_MODE_CHECKS = ("forward mode", "the transpose identity")  # gradcheck's 
 def gradgradcheck_case(case: OpCase, rng: np.random.Generator, device: str = "cpu",
                        report: list | None = None) -> bool:
     """`autograd.gradgradcheck` (float64, random grad_outputs) of the case over every input and
-    parameter, by name; True or raises. report: see autograd.gradcheck."""
+    parameter, by name; True or raises. report: see autograd.gradcheck. Whether the first
+    derivative it differentiates is the backward's is create_graph_case's column, not this one."""
     instance = instantiate(case, rng, device)
-    return autograd.gradgradcheck(instance, instance.tensors, report=report, names=instance.labels)
+    return autograd.gradgradcheck(instance, instance.tensors, report=report, names=instance.labels,
+                                  check_first_derivative=False)
+
+
+def create_graph_case(case: OpCase, rng: np.random.Generator, device: str = "cpu",
+                      report: list | None = None) -> bool:
+    """`autograd.gradcheck.check_create_graph` (float64) of the case over every input and
+    parameter, by name: the first derivative taken with create_graph equals the plain
+    backward's; True or raises. report: see autograd.gradcheck."""
+    instance = instantiate(case, rng, device)
+    return autograd.gradcheck.check_create_graph(instance, instance.tensors, report=report, names=instance.labels)
 
 
 def forward_mode_case(case: OpCase, rng: np.random.Generator, device: str = "cpu",

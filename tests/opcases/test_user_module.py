@@ -34,8 +34,10 @@ def test_the_command_shows_pass_and_fail_for_the_users_cases_only(user_project, 
     assert result.returncode == 1, result.stdout + result.stderr
     rows = {line.split(" |")[0].strip(): line for line in result.stdout.splitlines() if " | " in line}
     assert set(rows) == {"case", "", "swish", "forgetful swish"}          # only the module's cases
-    assert rows["swish"].rstrip().endswith("PASS") and rows["swish"].count("e-") == 12   # fd, torch x2, twin, 2nd, fwd
-    assert rows["forgetful swish"].rstrip().endswith("FAIL") and rows["forgetful swish"].count("!") == 4
+    # fd, torch x2, twin, create_graph (exact: 0.0e+00, no "e-"), 2nd, fwd
+    assert rows["swish"].rstrip().endswith("PASS") and rows["swish"].count("e-") == 12
+    # fd, torch x2, create_graph (its differentiable_backward is right), 2nd (judged against the wrong backward)
+    assert rows["forgetful swish"].rstrip().endswith("FAIL") and rows["forgetful swish"].count("!") == 5
     after = result.stdout.split(rows["forgetful swish"])[1]
     assert re.search(r"\n {6}x: wrong, max diff \S+, worst at index \(\d, \d\): yours \S+, reference \S+", after)
     assert "2 checks in" in result.stdout and "FAILURES" in result.stdout
