@@ -33,8 +33,8 @@ __all__ = ["greedy_decode", "beam_search", "generate", "sample_logits", "top_k_f
 def _blas_threads(device):
     """On the CPU, this thread's ops run in the caller and numpy's BLAS threads the products
     (threads.blas_threads_in_caller). A decoding step multiplies a few rows by every weight
-    matrix: measured on 2 cores (benchmarks/generate.py, GPT-2 small), OpenBLAS's own threads
-    run these matrix-vector products 1.6x faster than npformer's split."""
+    matrix: BLAS's own threads run these matrix-vector products faster than npformer's split
+    (BENCHMARKS.md, "Thresholds")."""
     return threads.blas_threads_in_caller() if device == "cpu" else contextlib.nullcontext()
 
 

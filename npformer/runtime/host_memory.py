@@ -3,21 +3,20 @@
 A training step makes and drops hundreds of temporary arrays of 0.1-8 MB. With glibc's default
 settings malloc hands most of them back to the operating system when they are freed (blocks over
 the mmap threshold are unmapped; free memory at the top of the heap over the trim threshold is
-trimmed), so the next array of that size faults in fresh, zeroed pages: on the char-level GPT
-step of benchmarks/train_step.py ~7,700 page faults and ~27 ms of system time per step, where the
-step takes ~180 ms. PyTorch keeps such blocks itself (its caching allocators); npformer's arrays
+trimmed), so the next array of that size faults in fresh, zeroed pages, thousands a step (BENCHMARKS.md
+has the figures). PyTorch keeps such blocks itself (its caching allocators); npformer's arrays
 are numpy's, allocated by malloc, so npformer sets two of glibc's malloc parameters instead:
 
 - M_MMAP_THRESHOLD = 32 MiB (glibc's own upper bound for its dynamic threshold): smaller arrays
   come from the heap and go back to it.
 - M_TRIM_THRESHOLD = 256 MiB: up to that much free memory stays at the top of the heap.
 
-Then the step faults ~10 pages instead of ~7,700 (sys 27 -> 8 ms). Peak memory is unchanged; what
+Then a step faults a few pages instead of thousands. Peak memory is unchanged; what
 changes is that up to 256 MiB of freed memory stays with the process for reuse. This happens once,
 when npformer's runtime starts (`import npformer`; `import autograd` alone leaves malloc as it is),
 on glibc (Linux) only; set NPFORMER_HOST_MEMORY=release before the import to keep glibc's defaults.
 Setting either parameter turns off glibc's dynamic threshold, which is why both are set: either
-alone makes the step slower (78,000 or 18,000 faults).
+alone makes the step fault more.
 """
 import ctypes
 import os

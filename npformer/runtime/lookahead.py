@@ -1,11 +1,9 @@
 """Dropout masks drawn ahead: the next ones are drawn in the thread pool while the caller computes.
 
 A training step draws its dropout masks in the same order, of the same sizes, every step; only
-where they start in the stream moves on. Drawing a mask (Philox in numpy, ~4 ns per value) is
-work that depends on nothing the step computes, so it can run beside the step's products: a
-matrix product holds no lock while it runs, and a mask drawn in the pool during it costs the
-step nothing (measured: 8M values drawn beside 48 ms of GEMMs finish with them; in sequence they
-add 31 ms).
+where they start in the stream moves on. Drawing a mask is work that depends on nothing the step
+computes, so it can run beside the step's products: a matrix product holds no lock while it runs,
+and a mask drawn in the pool during it costs the step nothing (BENCHMARKS.md has the figures).
 
 The CPU's mask draws (npformer.runtime.random) report each request here: a key saying which mask
 (seed, size, threshold, shape of the runs...) and where it starts. A forward pass is the
@@ -17,13 +15,11 @@ A request takes a mask drawn ahead only when its key and offset are exactly the 
 request draws its own, as without lookahead. So the masks, and every result, are the same with
 and without it; what it changes is which thread draws them and when.
 
-Small masks are drawn together: a Philox draw of a few thousand values costs ~180 us, mostly its
-~100 numpy calls, so the predicted masks of up to SMALL_MASK values that follow one another in a
+Small masks are drawn together: a small Philox draw costs mostly its numpy calls, so the predicted masks of up to SMALL_MASK values that follow one another in a
 stream share one draw of the counters spanning them (at most GROUP_VALUES values), made in the
 caller by the first of them requested, the pass's first request included, with or without a pool
 (in the pool it measured the same: the masks are needed soon after the pass starts, and a pool
-thread waits for the GIL while the caller runs Python). On the seed-sized model's step (22 masks of
-9-25 thousand values) that is 1.1 ms of drawing where one by one took 3.7.
+thread waits for the GIL while the caller runs Python).
 
 State is per thread (each thread's forward passes are its own, like grad mode). Without a pool
 (npformer.set_num_threads(1)) only small masks are drawn before they are asked for, as above.

@@ -56,10 +56,9 @@ ROUNDS = 10
 VALUES_PER_COUNTER = 8                   # 16-bit values per Philox call (128 bits)
 _LOW32 = 0xFFFFFFFF
 _REFERENCE_CHUNK = 1 << 20               # counters per chunk elsewhere (48 MB of temporaries)
-# The CPU's counters per chunk (48 bytes of temporaries each): alone, 2^15 (1.5 MB, in the core's
-# cache); on threads, 2^16 per chunk and at least that many per thread: each of the ~55 numpy calls
-# of a chunk then takes ~20 us, while calls of ~5 us make two threads wait on each other for the
-# GIL (slower than one thread). A dropout over 2^20 entries: 4.2 ms alone, 3.0 ms on 2 threads.
+# The CPU's counters per chunk (48 bytes of temporaries each): alone, 2^15 (1.5 MB, in a core's cache);
+# on threads, 2^16 per chunk and at least that many per thread, so that each numpy call of a chunk is
+# long enough for two threads not to wait on each other for the GIL (BENCHMARKS.md, "Thresholds")
 _CHUNK = 1 << 15
 _PARALLEL_CHUNK = 1 << 16
 
@@ -379,8 +378,7 @@ def _words_in_chunks(counters, key, start, stop, chunk, words=None):
     """For each chunk [lo, hi) of at most `chunk` counters of [start, stop): yields (lo, hi, w),
     w (hi - lo, 4) uint32 the Philox words of counters[lo:hi], written into words[lo:hi] when
     `words` is given, else into a buffer reused by the next chunk. The temporaries are kept per
-    thread between draws: fresh ones cost page faults at every draw (a draw of 2^15 counters
-    took 1.47 ms instead of ~1.1)."""
+    thread between draws: fresh ones would cost page faults at every draw."""
     buffers = _scratch.__dict__.pop("buffers", None)          # taken while in use: a nested draw makes its own
     if buffers is None or buffers[0].shape[0] < min(chunk, stop - start):
         xp = backend.get_array_module(counters)
@@ -503,8 +501,7 @@ class _Joint(NamedTuple):
     @staticmethod
     def draw_together(requests):
         """The masks of requests [(offset, _Joint)] of one stream, from one draw of the counters
-        that span them all (a draw of a few thousand values costs ~180 us, mostly its ~100 numpy
-        calls: 22 small masks drawn one by one took 3.7 ms, together 1.1)."""
+        that span them all (a small draw's cost is mostly its numpy calls, whatever its size)."""
         spans = [(_counter_span(offset, joint.n), joint) for offset, joint in requests]
         lo = min(first for (first, _, _), _ in spans)
         hi = max(first + count for (first, _, count), _ in spans)

@@ -37,25 +37,14 @@ import weakref
 from autograd import backend
 from autograd.checks import check_int
 
-# below this many entries touched, handing a block to a thread costs more than it saves: besides
-# the hand-off (~20 us), two threads running short numpy calls wait on each other for the GIL.
-# Measured (benchmarks/train_step.py, 2 cores): 1 << 18 instead of 1 << 16 takes the char-level
-# GPT step from 187 to 143 ms and leaves the tiny and base steps as they were.
+# below this many entries touched, a block handed to a thread costs more than it saves (the hand-off,
+# and two threads of short numpy calls waiting on each other for the GIL): BENCHMARKS.md, "Thresholds"
 MIN_PARALLEL_ENTRIES = 1 << 18
-# a product (m, k) @ (k, n) is split when it has at least this many multiply-adds m k n, whatever
-# its output's size: the products of a weight gradient, (out, N) @ (N, in), have few entries and
-# many multiply-adds. Measured on 2 cores (float32, split into two blocks of rows against one
-# call): 2^23 multiply-adds (2048x64x64) 1.2x slower split, 2^25 (128x2048x128) 0.86x,
-# 2^27 (512x2048x128) 0.62x; with the lean pool (a hand-off ~20 us), gpt_char's head
-# (2048x128x100, 1.56 * 2^24) 0.68x for its tangent's two products, and 2^24 (2048x128x64) 0.83x.
+# a product (m, k) @ (k, n) is split when it has at least this many multiply-adds m k n, whatever its
+# output's size (a weight gradient (out, N) @ (N, in) has few entries and many multiply-adds)
 MIN_PARALLEL_MACS = 1 << 24
-# linear's products too small to split (under MIN_PARALLEL_MACS, or under MIN_PARALLEL_ENTRIES for
-# its backward) with at least this many multiply-adds run whole in the caller on numpy's BLAS threads
-# (run_on_blas_threads): OpenBLAS's idle workers spin, so they start at once, where npformer's split
-# of these sizes (2^22 tried) did not pay in a step. Measured on 2 cores in one process, alternated
-# with the path off: the demo's step (products of 1.1-11 million multiply-adds) 0.979, 0.966, 0.971,
-# 0.971 (200, 50, 50, 150 alternations); with every product on BLAS's threads 0.955 and 0.943, but
-# tiny's step (products of 1.2 million at most) then 1.011 twice.
+# linear's products too small to split but with at least this many multiply-adds run whole on numpy's
+# BLAS threads (run_on_blas_threads), whose idle workers spin and so start at once
 MIN_BLAS_THREADS_MACS = 1 << 21
 
 # blas_callers: thread ident -> depth of its open blas_threads_in_caller blocks
@@ -296,8 +285,8 @@ class Task:
     """fn(*args) handed to a pool thread, with what a fork-join needs of a Future and no more:
     whoever takes `_claim` first runs it, the pool thread or a caller cancelling it (cancel() is True
     when it had not started: it never will, and the caller runs it itself); `_done` is released once
-    it has run. Measured on 2 cores, a hand-off and join of an empty block: ~20 us, where
-    concurrent.futures (a Future, its Condition, and wait) took 60-85 us."""
+    it has run. A lighter hand-off than concurrent.futures' Future, its Condition and wait
+    (BENCHMARKS.md, "Thresholds")."""
     __slots__ = ("fn", "args", "value", "error", "_claim", "_done", "_cancelled", "_ran")
 
     def __init__(self, fn, args):
