@@ -255,8 +255,8 @@ for name, mine in [("w", dw), ("b", db), ("xhat", dxhat), ("rstd", drstd), ("var
 #
 # $$dx = \text{rstd}\,\big(g - \mathrm{mean}(g) - \hat x\, \mathrm{mean}(g \odot \hat x)\big)$$
 #
-# two row means and one pass, the formula of `LayerNormFunction` in
-# `npformer/functional/normalization.py` (docs/backprop.md derives it from the Jacobian).
+# two row means and one pass, the formula of `layer_norm_backward` in
+# `npformer/functional/layer_norm/math.py` (docs/backprop.md derives it from the Jacobian).
 
 # %%
 def layer_norm_backward(x, weight, dy, eps):

@@ -154,3 +154,17 @@ def test_each_runtime_module_imports_first_without_a_cycle():
         code = f"import {name}, autograd; assert autograd.hooks.host_read and 'test' in autograd.backend.DEVICES"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
         assert out.returncode == 0, f"import {name} first: {out.stderr}"
+
+
+MATH_FILES = sorted((ROOT / "npformer" / "functional").glob("*/math.py"))
+
+
+@pytest.mark.parametrize("path", MATH_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_math_files_import_no_engine(path):
+    """An op's math.py holds its formulas on `xp`, the array module it is given: it imports the
+    standard library and other ops' math modules, nothing from autograd or npformer.runtime."""
+    for imported, line, _ in imports(path):
+        where = f"{path.relative_to(ROOT)}:{line} imports {imported}"
+        assert not imported.startswith(("autograd", "npformer.runtime")), where
+        assert imported.split(".")[0] in sys.stdlib_module_names or imported == "__future__" or (
+            imported.startswith("npformer.functional.") and imported.split(".")[3:4] == ["math"]), where

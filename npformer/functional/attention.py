@@ -102,7 +102,7 @@ def attention_forward(q, k, v, mask, blocked, causal, scale, keep, dropout_scale
     # S = s Q K^T + mask, -inf where blocked or causally hidden
     scores = masked_scores(q * scale, k, blocked, mask, causal, 0, 0, out=probs)   # (..., Tq, Tk)
     # P = softmax(S), in place
-    softmax_forward(scores, -1, out=scores)
+    softmax_forward(xp, scores, -1, out=scores)
     dropped = scores
     if keep is not None:                                                       # Pd = P * keep / (1 - p)
         dropped = xp.multiply(scores, keep, out=weights)
@@ -136,7 +136,7 @@ def attention_backward(q, k, v, probs, keep, dout, dweights, scale, dropout_scal
         dprobs *= keep
         dprobs *= dropout_scale
     # P = softmax(S)  ->  dS = P (dP - rowsum(dP P)); masked entries have P = 0, so dS = 0
-    dscores = softmax_backward(probs, dprobs, -1, out=dprobs)                 # (..., Tq, Tk)
+    dscores = softmax_backward(xp, probs, dprobs, -1, out=dprobs)                 # (..., Tq, Tk)
     # S = s Q K^T + mask  ->  d(mask) = dS
     if dmask is not None:
         dmask[...] = dscores

@@ -18,7 +18,7 @@ from npformer import nn
 from helpers import (
     DTYPES, HYPOTHESIS, assert_clear_error, compare_with_torch, double_backward_tests, forward_mode_tests, leaf, op_tests,
     tolerance)
-from npformer.functional.normalization import LayerNormBackward, layer_norm_forward
+from npformer.functional.layer_norm import LayerNormBackward, layer_norm_forward
 from npformer.opcases import TOLERANCE, compare
 from tolerances import rounding_tolerance
 
@@ -141,7 +141,8 @@ def test_backward_op_gradcheck_checks_its_double_backward_and_jvp(name, device):
     def backward_op(dy, *rest):   # (dy, x, weight), x and weight where they move
         x_tensor = rest[0] if x_moves else None
         x_array = x_tensor.data if x_moves else constant_x
-        _, xhat, rstd = layer_norm_forward(x_array.reshape(-1, math.prod(normalized)), None, None, eps)
+        xp = autograd.backend.get_array_module(x_array)
+        _, xhat, rstd = layer_norm_forward(xp, x_array.reshape(-1, math.prod(normalized)), None, None, eps)
         return LayerNormBackward.apply(dy, x_tensor, rest[-1] if weight is not None else None, xhat=xhat, rstd=rstd,
                                        normalized_shape=normalized, eps=eps, needs=needs)
 

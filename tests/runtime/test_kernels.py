@@ -99,18 +99,19 @@ def test_softmax_implementations_equal_the_reference(n, device, rng):
     the reference's softmax and gradient to rounding, in place too."""
     x = rows(rng, n, device)
     dy = backend.to_device(rng.standard_normal(x.shape), device)
+    xp = backend.get_array_module(x)
     with kernels.reference_only():
-        y_ref = softmax_forward(x, -1)
-        dx_ref = softmax_backward(y_ref, dy, -1)
-    y = softmax_forward(x, -1)
-    dx = softmax_backward(y, dy, -1)
+        y_ref = softmax_forward(xp, x, -1)
+        dx_ref = softmax_backward(xp, y_ref, dy, -1)
+    y = softmax_forward(xp, x, -1)
+    dx = softmax_backward(xp, y, dy, -1)
     tol = 8 * np.finfo(np.float64).eps * np.sqrt(n)          # rounding of sums of n terms of size <= 1
     np.testing.assert_allclose(backend.as_numpy(y), backend.as_numpy(y_ref), rtol=0, atol=tol)
     dy_scale = float(np.abs(backend.as_numpy(dy)).max())
     np.testing.assert_allclose(backend.as_numpy(dx), backend.as_numpy(dx_ref), rtol=0, atol=tol * dy_scale)
     assert not backend.as_numpy(y)[0, 0].any()               # the fully masked row is zeros
     in_place = x.copy()
-    softmax_forward(in_place, -1, out=in_place)
+    softmax_forward(xp, in_place, -1, out=in_place)
     np.testing.assert_array_equal(backend.as_numpy(in_place), backend.as_numpy(y))
 
 
@@ -137,7 +138,7 @@ def test_row_max_cpu_equals_max_on_large_rows_in_any_layout(rng, monkeypatch):
     """From ROW_MAX_MIN_ENTRIES entries the CPU runs the argmax path: the same values as max,
     for a non-contiguous array too (a transposed view)."""
     softmax = importlib.import_module("npformer.functional.softmax")   # (F.softmax is the function)
-    from npformer.functional.cpu import softmax as softmax_cpu
+    from npformer.functional.softmax import cpu as softmax_cpu
     x = rng.standard_normal((4, 64, 64)).astype(np.float32)
     x[1, 2, 3] = np.nan
     assert x.size >= softmax_cpu.ROW_MAX_MIN_ENTRIES and softmax.row_max.select(x, -1) is softmax_cpu.row_max_cpu
@@ -156,29 +157,30 @@ def test_cuda_softmax_kernels_run_and_fall_back_where_they_do_not_apply(rng):
         pytest.skip("cuda: CuPy or a GPU is not available on this machine")
     forward = softmax_forward
     x = rows(rng, 3000, "cuda", "float32")
-    assert forward.select(x, -1).__name__ == "softmax_forward_cuda"
-    assert forward.select(x, 1) is forward.reference
-    assert forward.select(x[..., ::2], -1) is forward.reference
+    xp = backend.get_array_module(x)
+    assert forward.select(xp, x, -1).__name__ == "softmax_forward_cuda"
+    assert forward.select(xp, x, 1) is forward.reference
+    assert forward.select(xp, x[..., ::2], -1) is forward.reference
     with kernels.reference_only():
-        ref = forward(x, -1)
-    np.testing.assert_allclose(backend.as_numpy(forward(x, -1)), backend.as_numpy(ref), rtol=0, atol=1e-6)
+        ref = forward(xp, x, -1)
+    np.testing.assert_allclose(backend.as_numpy(forward(xp, x, -1)), backend.as_numpy(ref), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_layer_norm_cpu_blocks_equal_the_reference_and_run_from_cpu_min_entries(rows, rng):
     """The CPU's row-block layer norm gives the reference's y, xhat and rstd to rounding; the table
     runs it from CPU_MIN_ENTRIES entries on (below, the reference's fewer calls are faster)."""
-    from npformer.functional import normalization
-    from npformer.functional.cpu import normalization as normalization_cpu
+    normalization = importlib.import_module("npformer.functional.layer_norm")   # (F.layer_norm is the function)
+    from npformer.functional.layer_norm import cpu as normalization_cpu
     d = 768
     x = rng.standard_normal((rows, d)) * 3 + 5
     w, b = rng.standard_normal(d), rng.standard_normal(d)
-    ours = normalization_cpu.layer_norm_forward_cpu(x, w, b, 1e-5)
-    ref = normalization.layer_norm_forward.reference(x, w, b, 1e-5)
+    ours = normalization_cpu.layer_norm_forward_cpu(np, x, w, b, 1e-5)
+    ref = normalization.layer_norm_forward.reference(np, x, w, b, 1e-5)
     tol = 16 * np.finfo(np.float64).eps * np.sqrt(d)     # rounding of row sums of d terms, relative
     for got, want in zip(ours, ref):
         np.testing.assert_allclose(got, want, rtol=0, atol=tol * (1 + np.abs(want).max()))
-    chosen = normalization.layer_norm_forward.select(x, w, b, 1e-5)
+    chosen = normalization.layer_norm_forward.select(np, x, w, b, 1e-5)
     expected = normalization_cpu.layer_norm_forward_cpu if x.size >= normalization_cpu.CPU_MIN_ENTRIES else \
         normalization.layer_norm_forward.reference
     assert chosen is expected

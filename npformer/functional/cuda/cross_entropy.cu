@@ -1,12 +1,12 @@
 // Log-softmax and cross-entropy over the rows of a contiguous (rows, C) array of logits: one thread
 // block per row for the forwards, one thread per entry for the cross-entropy backward. The CUDA
-// twin of log_softmax_forward / log_softmax_backward (npformer/functional/softmax.py) and
+// twin of log_softmax_forward / log_softmax_backward (npformer/functional/softmax/math.py) and
 // cross_entropy_forward / cross_entropy_backward (npformer/functional/loss.py), the references
 // these kernels are tested against; the derivations are in docs/backprop.md.
 #include "reduce.cuh"
 
 // The shift of a row: its maximum, or 0 when that is -inf (a row of all -inf: no -inf - (-inf) =
-// NaN), as stable_row_max in softmax.py; a +inf maximum stays, making the row NaN as in torch.
+// NaN), as stable_max in softmax/math.py; a +inf maximum stays, making the row NaN as in torch.
 template <typename T>
 __device__ T row_shift(const T* xr, int n) {
     T m = -infinity<T>();

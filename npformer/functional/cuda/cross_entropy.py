@@ -12,9 +12,8 @@ def _last_axis(x, axis):
     return axis in (-1, x.ndim - 1) and x.ndim > 0 and short_rows(x.shape[-1])
 
 
-@log_softmax_forward.register("cuda", supports=lambda x, axis: _last_axis(x, axis) and contiguous_floats(x))
-def log_softmax_forward_cuda(x, axis):
-    xp = backend.get_array_module(x)
+@log_softmax_forward.register("cuda", supports=lambda xp, x, axis: _last_axis(x, axis) and contiguous_floats(x))
+def log_softmax_forward_cuda(xp, x, axis):
     y = xp.empty_like(x)
     n = x.shape[-1]
     if x.size:
@@ -24,10 +23,9 @@ def log_softmax_forward_cuda(x, axis):
     return y
 
 
-@log_softmax_backward.register("cuda", supports=lambda logp, dy, axis: _last_axis(logp, axis)
+@log_softmax_backward.register("cuda", supports=lambda xp, logp, dy, axis: _last_axis(logp, axis)
                                and contiguous_floats(logp, dy))
-def log_softmax_backward_cuda(logp, dy, axis):
-    xp = backend.get_array_module(dy)
+def log_softmax_backward_cuda(xp, logp, dy, axis):
     dx = xp.empty_like(dy)
     n = logp.shape[-1]
     if dy.size:

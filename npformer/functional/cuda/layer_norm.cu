@@ -1,6 +1,6 @@
 // Layer normalization over the rows of a contiguous (rows, n) array: one thread block per row
 // (forward, dx), then the parameter gradients by a second reduction over the rows. The CUDA twin
-// of layer_norm_forward / layer_norm_backward in npformer/functional/normalization.py (the
+// of layer_norm_forward / layer_norm_backward in npformer/functional/layer_norm/math.py (the
 // reference these kernels are tested against); the derivation is in docs/backprop.md.
 #include "reduce.cuh"
 

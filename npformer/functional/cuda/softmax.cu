@@ -1,5 +1,5 @@
 // Softmax along the rows of a contiguous (rows, n) array: one thread block per row, any n.
-// The CUDA twin of softmax_forward / softmax_backward in npformer/functional/softmax.py (the
+// The CUDA twin of softmax_forward / softmax_backward in npformer/functional/softmax/math.py (the
 // reference these kernels are tested against); the derivation is in docs/backprop.md.
 #include "reduce.cuh"
 

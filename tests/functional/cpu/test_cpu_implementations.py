@@ -12,7 +12,7 @@ from npformer.runtime import kernels
 # the modules (npformer.functional's attributes of these names are the ops)
 _erf, activation, adam, attention, embedding, linear, loss, normalization, residual, softmax = (
     importlib.import_module(f"npformer.functional.{name}") for name in
-    ("_erf", "activation", "adam", "attention", "embedding", "linear", "loss", "normalization", "residual", "softmax"))
+    ("_erf", "activation", "adam", "attention", "embedding", "linear", "loss", "layer_norm", "residual", "softmax"))
 
 
 def _softmax_rows(rng, shape):
@@ -38,7 +38,7 @@ def cases(rng):
     valid = np.array([True, True, False, True, True, True])
     ln_x = big.reshape(-1, 256)
     ln_w, ln_b = rng.standard_normal(256), rng.standard_normal(256)
-    _, ln_xhat, ln_rstd = normalization.layer_norm_forward.reference(ln_x, ln_w, ln_b, 1e-5)
+    _, ln_xhat, ln_rstd = normalization.layer_norm_forward.reference(np, ln_x, ln_w, ln_b, 1e-5)
     w = rng.standard_normal((3, 5))
     yield _erf.erf, (rng.standard_normal(300) * 3,)
     yield _erf.erf, ((rng.standard_normal(300) * 3).astype(np.float32),)
@@ -59,6 +59,11 @@ def cases(rng):
     yield softmax.row_max, (big, -1)
     yield softmax.row_sum, (big, -1)
     yield softmax.row_dot, (big, big[::-1].copy())
+    yield softmax.softmax_forward, (np, big, -1)
+    yield softmax.softmax_forward, (np, big.copy(), -1, zeros(*big.shape))
+    yield softmax.softmax_backward, (np, probs, rng.standard_normal(probs.shape), -1)
+    yield softmax.softmax_backward, (np, probs, rng.standard_normal(probs.shape), -1, zeros(*probs.shape))
+    yield softmax.log_softmax_forward, (np, big, -1)
     yield attention.matmul_transposed, (q, k)
     yield attention.matmul_transposed, (q, k_shared, zeros(2, 3, 4, 6))
     for mask, hidden, causal, dropped in [(None, None, False, None), (additive, None, True, attn_keep),
@@ -107,15 +112,15 @@ def cases(rng):
     for weight in (None, rng.random(5)):
         yield loss.cross_entropy_forward, (logits, target, valid, weight, 0.1)
         yield loss.cross_entropy_backward, (_softmax_rows(rng, (6, 5)), target, weight, 0.1, rng.standard_normal(6))
-    yield normalization.layer_norm_forward, (ln_x, ln_w, ln_b, 1e-5)
-    yield normalization.layer_norm_forward, (ln_x, None, None, 1e-5)
+    yield normalization.layer_norm_forward, (np, ln_x, ln_w, ln_b, 1e-5)
+    yield normalization.layer_norm_forward, (np, ln_x, None, None, 1e-5)
     ln_dy, ln_u, ln_t = (rng.standard_normal(ln_x.shape) for _ in range(3))
-    _, ln_xhat, ln_rstd = normalization.layer_norm_forward.reference(ln_x, ln_w, ln_b, 1e-5)
-    ln_dx = normalization.layer_norm_backward.reference(ln_dy, ln_xhat, ln_rstd, ln_w, True, False, False)[0]
+    _, ln_xhat, ln_rstd = normalization.layer_norm_forward.reference(np, ln_x, ln_w, ln_b, 1e-5)
+    ln_dx = normalization.layer_norm_backward.reference(np, ln_dy, ln_xhat, ln_rstd, ln_w, True, False, False)[0]
     for weight in (ln_w, None):
-        yield normalization.layer_norm_double_backward, (ln_dy, ln_xhat, ln_rstd, weight, ln_dx, ln_u, ln_w * 0.5,
+        yield normalization.layer_norm_double_backward, (np, ln_dy, ln_xhat, ln_rstd, weight, ln_dx, ln_u, ln_w * 0.5,
                                                          ln_b * 2.0, True, True, weight is not None)
-        yield normalization.layer_norm_backward_jvp, (ln_dy, ln_xhat, ln_rstd, weight, ln_dx, ln_u, ln_t, ln_w * 0.3,
+        yield normalization.layer_norm_backward_jvp, (np, ln_dy, ln_xhat, ln_rstd, weight, ln_dx, ln_u, ln_t, ln_w * 0.3,
                                                       True, weight is not None, True)
     for kind in ("gelu", "gelu_tanh"):
         gelu_h = 3 * rng.standard_normal((6, 7))
@@ -129,8 +134,9 @@ def cases(rng):
             yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, gelu_t, gelu_g, kind, gelu_density)
             yield activation.gelu_backward_density, (gelu_dy, gelu_h, gelu_aux)
             yield activation.gelu_backward_density, (gelu_dy, gelu_h, gelu_aux, gelu_density)
-    yield normalization.layer_norm_backward, (rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, ln_w, True, True, True)
-    yield normalization.layer_norm_backward, (rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, None, True, False, False)
+    yield normalization.layer_norm_backward, (np, rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, ln_w, True, True, True)
+    yield normalization.layer_norm_backward, (np, rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, None, True, False,
+                                              False)
 
 
 def arrays_of(value):
@@ -161,7 +167,7 @@ def test_every_cpu_implementation_equals_its_reference(n, threads, rng):
     for table, args in cases(rng):
         implementation, reason = table.choose(*args)
         assert reason.startswith("cpu:"), (table.__name__, reason)
-        ours, theirs = copy.deepcopy(args), copy.deepcopy(args)
+        ours, theirs = (copy.deepcopy(args, {id(np): np}) for _ in range(2))   # (xp, the module numpy, is not copied)
         got = implementation(*ours)
         with kernels.reference_only():   # the reference's own inner tables too
             want = table.reference(*theirs)

@@ -16,7 +16,7 @@ from npformer.functional.activation import bias_activation_backward, bias_activa
 from npformer.functional.adam import AdamSettings, adam_update
 from npformer.functional.embedding import scatter_add_rows
 from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
-from npformer.functional.normalization import layer_norm_backward, layer_norm_forward
+from npformer.functional.layer_norm import layer_norm_backward, layer_norm_forward
 from npformer.functional.residual import dropout_add_forward
 from npformer.functional.softmax import log_softmax_backward, log_softmax_forward, softmax_backward, softmax_forward
 from npformer.runtime import kernels, random
@@ -55,17 +55,18 @@ def test_row_kernels_equal_their_references(n, dtype, rng):
     x[0] = -np.inf
     dy = rng.standard_normal(x.shape).astype(dtype)
     x, dy = on_cuda(x, dy)
-    y, y_ref = both(softmax_forward, x, -1)
+    xp = backend.get_array_module(x)
+    y, y_ref = both(softmax_forward, xp, x, -1)
     close(y, y_ref, dtype, n)
-    close(*both(softmax_backward, y_ref, dy, -1), dtype, n, 4)
-    logp, logp_ref = both(log_softmax_forward, x[1:], -1)
+    close(*both(softmax_backward, xp, y_ref, dy, -1), dtype, n, 4)
+    logp, logp_ref = both(log_softmax_forward, xp, x[1:], -1)
     close(logp, logp_ref, dtype, n, 20)
-    close(*both(log_softmax_backward, logp_ref, dy[1:], -1), dtype, n, 4 * n)
+    close(*both(log_softmax_backward, xp, logp_ref, dy[1:], -1), dtype, n, 4 * n)
     w, b = on_cuda(rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype))
-    for out, ref in zip(*both(layer_norm_forward, x[1:] * 3 + 50, w, b, 1e-5)):
+    for out, ref in zip(*both(layer_norm_forward, xp, x[1:] * 3 + 50, w, b, 1e-5)):
         close(out, ref, dtype, n, 60 * float(abs(ref).max()))
-    _, xhat, rstd = layer_norm_forward(x[1:], w, b, 1e-5)
-    for out, ref in zip(*both(layer_norm_backward, dy[1:], xhat, rstd, w, True, True, True)):
+    _, xhat, rstd = layer_norm_forward(xp, x[1:], w, b, 1e-5)
+    for out, ref in zip(*both(layer_norm_backward, xp, dy[1:], xhat, rstd, w, True, True, True)):
         close(out, ref, dtype, n, 10 * float(abs(ref).max()))
 
 

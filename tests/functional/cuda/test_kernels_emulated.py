@@ -15,7 +15,7 @@ from npformer.functional.activation import (bias_activation_backward, bias_activ
 from npformer.functional.adam import AdamSettings, adam_update
 from npformer.functional.embedding import scatter_add_rows
 from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
-from npformer.functional.normalization import layer_norm_backward, layer_norm_forward
+from npformer.functional.layer_norm import layer_norm_backward, layer_norm_forward
 from npformer.functional.residual import dropout_add_forward
 from npformer.functional.softmax import (log_softmax_backward, log_softmax_forward, softmax_backward,
                                          softmax_forward)
@@ -63,9 +63,9 @@ def rows_with_masks(rng, shape, dtype):
 def test_softmax_kernels(n, dtype, rng):
     x = rows_with_masks(rng, (4, n), dtype)
     dy = rng.standard_normal(x.shape).astype(dtype)
-    y_ref = softmax_forward.reference(x, -1)
-    close(cuda(softmax_forward, x, -1), y_ref, tolerance(dtype, n))
-    close(cuda(softmax_backward, y_ref, dy, -1), softmax_backward.reference(y_ref, dy, -1), tolerance(dtype, n, 4))
+    y_ref = softmax_forward.reference(np, x, -1)
+    close(cuda(softmax_forward, np, x, -1), y_ref, tolerance(dtype, n))
+    close(cuda(softmax_backward, np, y_ref, dy, -1), softmax_backward.reference(np, y_ref, dy, -1), tolerance(dtype, n, 4))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -73,13 +73,13 @@ def test_softmax_kernels(n, dtype, rng):
 def test_log_softmax_kernels(n, dtype, rng):
     x = rows_with_masks(rng, (2, 3, n), dtype)
     dy = rng.standard_normal(x.shape).astype(dtype)
-    ref = log_softmax_forward.reference(x, -1)
-    ours = cuda(log_softmax_forward, x, -1)
+    ref = log_softmax_forward.reference(np, x, -1)
+    ours = cuda(log_softmax_forward, np, x, -1)
     assert (np.isneginf(ours) == np.isneginf(ref)).all()
     finite = np.isfinite(ref)
     close(ours[finite], ref[finite], tolerance(dtype, n, 10))
     logp = np.where(finite, ref, -np.inf).astype(dtype)
-    close(cuda(log_softmax_backward, logp, dy, -1), log_softmax_backward.reference(logp, dy, -1),
+    close(cuda(log_softmax_backward, np, logp, dy, -1), log_softmax_backward.reference(np, logp, dy, -1),
           tolerance(dtype, n, 4 * n))
 
 
@@ -92,12 +92,12 @@ def test_layer_norm_kernels(n, dtype, affine, rng):
     w = rng.standard_normal(n).astype(dtype) if affine else None
     b = rng.standard_normal(n).astype(dtype) if affine else None
     dy = rng.standard_normal(x.shape).astype(dtype)
-    y, xhat, rstd = layer_norm_forward.reference(x, w, b, 1e-5)
-    for ours, ref, name in zip(cuda(layer_norm_forward, x, w, b, 1e-5), (y, xhat, rstd), ("y", "xhat", "rstd")):
+    y, xhat, rstd = layer_norm_forward.reference(np, x, w, b, 1e-5)
+    for ours, ref, name in zip(cuda(layer_norm_forward, np, x, w, b, 1e-5), (y, xhat, rstd), ("y", "xhat", "rstd")):
         close(ours, ref, tolerance(dtype, n, 60 * np.abs(ref).max()), name)
     needs = (True, affine, affine)
-    ref = layer_norm_backward.reference(dy, xhat, rstd, w, *needs)
-    for ours, r, name in zip(cuda(layer_norm_backward, dy, xhat, rstd, w, *needs), ref, ("dx", "dweight", "dbias")):
+    ref = layer_norm_backward.reference(np, dy, xhat, rstd, w, *needs)
+    for ours, r, name in zip(cuda(layer_norm_backward, np, dy, xhat, rstd, w, *needs), ref, ("dx", "dweight", "dbias")):
         if r is None:
             assert ours is None
         else:
@@ -107,9 +107,9 @@ def test_layer_norm_kernels(n, dtype, affine, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_norm_kernels_on_empty_inputs(dtype):
     x, w = np.zeros((0, 5), dtype), np.ones(5, dtype)
-    y, xhat, rstd = cuda(layer_norm_forward, x, w, w, 1e-5)
+    y, xhat, rstd = cuda(layer_norm_forward, np, x, w, w, 1e-5)
     assert y.shape == xhat.shape == (0, 5) and rstd.shape == (0, 1)
-    dx, dw, db = cuda(layer_norm_backward, x, xhat, rstd, w, True, True, True)
+    dx, dw, db = cuda(layer_norm_backward, np, x, xhat, rstd, w, True, True, True)
     assert dx.shape == (0, 5) and not dw.any() and not db.any()
 
 

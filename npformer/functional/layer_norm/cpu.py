@@ -1,23 +1,30 @@
 """Layer norm in blocks of rows on the threads of `npformer.runtime.threads` (the "cpu" implementations
-of normalization.py's kernel tables), with einsum row sums."""
-from autograd import backend
+of this family's kernel tables), with einsum row sums."""
 from npformer.runtime.threads import for_rows, on_row_blocks
 
-from ..normalization import layer_norm_backward, layer_norm_backward_jvp, layer_norm_double_backward, layer_norm_forward
 from ..softmax import row_sum
+from . import layer_norm_backward, layer_norm_backward_jvp, layer_norm_double_backward, layer_norm_forward
 
 
-# below this many entries the reference's whole-array steps are faster than the blocks' extra
-# calls (2 cores: 1 x 768 entries 13 vs 25 us, 8 x 768 27 vs 34 us; 32 x 768 73 vs 68 us): a
-# decoding step normalizes a few rows
+# below this, the blocks' extra calls cost more than they save: a decoding step normalizes a few rows
 CPU_MIN_ENTRIES = 1 << 14
 
 
-@layer_norm_forward.register("cpu", supports=lambda x, weight, bias, eps: x.size >= CPU_MIN_ENTRIES)
-def layer_norm_forward_cpu(x, weight, bias, eps):
+def on_named_row_blocks(fn, rows, whole, combine, like):
+    """fn(**rows, **whole) on blocks of rows, one per thread (npformer.runtime.threads.on_row_blocks):
+    the arrays of `rows` (same number of rows, or None) are sliced to each block, those of `whole`
+    pass whole; `combine` says how each output is put back together ("rows" or "sum")."""
+    names = tuple(rows)
+
+    def block(*sliced):
+        return fn(**dict(zip(names, sliced)), **whole)
+    return on_row_blocks(block, tuple(rows.values()), range(len(names)), combine, like)
+
+
+@layer_norm_forward.register("cpu", supports=lambda xp, x, weight, bias, eps: x.size >= CPU_MIN_ENTRIES)
+def layer_norm_forward_cpu(xp, x, weight, bias, eps):
     """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, with einsum
     row sums (faster than numpy's reductions over rows of a few hundred entries)."""
-    xp = backend.get_array_module(x)
     d = x.shape[1]
     xhat = xp.empty(x.shape, dtype=x.dtype)                       # (N, D)
     rstd = xp.empty((x.shape[0], 1), dtype=x.dtype)               # (N, 1)
@@ -47,10 +54,9 @@ def layer_norm_forward_cpu(x, weight, bias, eps):
 
 
 @layer_norm_backward.register("cpu")
-def layer_norm_backward_cpu(dy, xhat, rstd, weight, need_x, need_w, need_b):
+def layer_norm_backward_cpu(xp, dy, xhat, rstd, weight, need_x, need_w, need_b):
     """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads` (column sums:
     one partial per block), with einsum row sums."""
-    xp = backend.get_array_module(dy)
     d = xhat.shape[1]
     dx = xp.empty_like(xhat) if need_x else None                  # (N, D)
 
@@ -75,20 +81,24 @@ def layer_norm_backward_cpu(dy, xhat, rstd, weight, need_x, need_w, need_b):
     return dx, dweight, dbias
 
 
-def _splits(dy, *rest):
+def _splits(xp, dy, *rest):
     return dy.size >= CPU_MIN_ENTRIES
 
 
 @layer_norm_double_backward.register("cpu", splits_reference=True, supports=_splits)
-def layer_norm_double_backward_cpu(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w):
+def layer_norm_double_backward_cpu(xp, dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w):
     """The reference on blocks of rows (d weight, a column sum: one partial per block)."""
-    args = (dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w)
-    return on_row_blocks(layer_norm_double_backward.reference, args, (0, 1, 2, 4, 5), ("rows", "rows", "sum"), dy)
+    return on_named_row_blocks(layer_norm_double_backward.reference,
+                               dict(dy=dy, xhat=xhat, rstd=rstd, dx=dx, gx=gx),
+                               dict(xp=xp, weight=weight, gw=gw, gb=gb, need_dy=need_dy, need_x=need_x, need_w=need_w),
+                               ("rows", "rows", "sum"), dy)
 
 
 @layer_norm_backward_jvp.register("cpu", splits_reference=True, supports=_splits)
-def layer_norm_backward_jvp_cpu(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b):
+def layer_norm_backward_jvp_cpu(xp, dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b):
     """The reference on blocks of rows (the weight's and the bias's tangents, column sums: one
     partial per block)."""
-    args = (dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b)
-    return on_row_blocks(layer_norm_backward_jvp.reference, args, (0, 1, 2, 4, 5, 6), ("rows", "sum", "sum"), dy)
+    return on_named_row_blocks(layer_norm_backward_jvp.reference,
+                               dict(dy=dy, xhat=xhat, rstd=rstd, dx=dx, t_dy=t_dy, t_x=t_x),
+                               dict(xp=xp, weight=weight, t_w=t_w, need_x=need_x, need_w=need_w, need_b=need_b),
+                               ("rows", "sum", "sum"), dy)

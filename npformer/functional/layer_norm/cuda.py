@@ -1,17 +1,15 @@
-"""Launchers of layer_norm.cu: layer norm forward and backward over contiguous (N, D) rows."""
-from autograd import backend
-
-from ..normalization import layer_norm_backward, layer_norm_forward
-from . import contiguous_floats, function, null, row_grid, row_shape, row_threads, short_rows
+"""Launchers of layer_norm.cu (npformer/functional/cuda/): layer norm forward and backward over
+contiguous (N, D) rows."""
+from ..cuda import contiguous_floats, function, null, row_grid, row_shape, row_threads, short_rows
+from . import layer_norm_backward, layer_norm_forward
 
 PARAM_BLOCK = (32, 32)   # layer_norm_backward_params: 32 columns x 32 row-threads per block
 MAX_ROW_PARTS = 64       # blocks along the rows in the first reduction of dweight / dbias
 
 
-@layer_norm_forward.register("cuda", supports=lambda x, weight, bias, eps:
+@layer_norm_forward.register("cuda", supports=lambda xp, x, weight, bias, eps:
                             short_rows(x.shape[1]) and contiguous_floats(x, weight, bias))
-def layer_norm_forward_cuda(x, weight, bias, eps):
-    xp = backend.get_array_module(x)
+def layer_norm_forward_cuda(xp, x, weight, bias, eps):
     rows, n = x.shape
     y, xhat = xp.empty_like(x), xp.empty_like(x)
     rstd = xp.empty((rows, 1), dtype=x.dtype)
@@ -22,10 +20,9 @@ def layer_norm_forward_cuda(x, weight, bias, eps):
     return y, xhat, rstd
 
 
-@layer_norm_backward.register("cuda", supports=lambda dy, xhat, rstd, weight, *needs:
+@layer_norm_backward.register("cuda", supports=lambda xp, dy, xhat, rstd, weight, need_x, need_w, need_b:
                               short_rows(xhat.shape[1]) and contiguous_floats(dy, xhat, rstd, weight))
-def layer_norm_backward_cuda(dy, xhat, rstd, weight, need_x, need_w, need_b):
-    xp = backend.get_array_module(dy)
+def layer_norm_backward_cuda(xp, dy, xhat, rstd, weight, need_x, need_w, need_b):
     rows, n = xhat.shape
     dx = xp.empty_like(xhat) if need_x else None
     dweight = xp.zeros(n, dtype=xhat.dtype) if need_w else None

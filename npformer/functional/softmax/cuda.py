@@ -1,8 +1,7 @@
-"""Launchers of softmax.cu: softmax forward and backward along the last axis of contiguous rows."""
-from autograd import backend
-
-from ..softmax import softmax_backward, softmax_forward
-from . import contiguous_floats, function, row_grid, row_shape, row_threads, short_rows
+"""Launchers of softmax.cu (npformer/functional/cuda/): softmax forward and backward along the last
+axis of contiguous rows."""
+from ..cuda import contiguous_floats, function, row_grid, row_shape, row_threads, short_rows
+from . import softmax_backward, softmax_forward
 
 
 def _last_axis_rows(*arrays, axis):
@@ -11,9 +10,8 @@ def _last_axis_rows(*arrays, axis):
             and contiguous_floats(*arrays))
 
 
-@softmax_forward.register("cuda", supports=lambda x, axis, out=None: _last_axis_rows(x, out, axis=axis))
-def softmax_forward_cuda(x, axis, out=None):
-    xp = backend.get_array_module(x)
+@softmax_forward.register("cuda", supports=lambda xp, x, axis, out=None: _last_axis_rows(x, out, axis=axis))
+def softmax_forward_cuda(xp, x, axis, out=None):
     y = xp.empty_like(x) if out is None else out
     n = x.shape[-1]
     rows = x.size // n
@@ -21,9 +19,8 @@ def softmax_forward_cuda(x, axis, out=None):
     return y
 
 
-@softmax_backward.register("cuda", supports=lambda y, dy, axis, out=None: _last_axis_rows(y, dy, out, axis=axis))
-def softmax_backward_cuda(y, dy, axis, out=None):
-    xp = backend.get_array_module(dy)
+@softmax_backward.register("cuda", supports=lambda xp, y, dy, axis, out=None: _last_axis_rows(y, dy, out, axis=axis))
+def softmax_backward_cuda(xp, y, dy, axis, out=None):
     dx = xp.empty_like(dy) if out is None else out
     n = y.shape[-1]
     rows = y.size // n

@@ -1,138 +1,23 @@
-"""Layer normalization over the trailing `normalized_shape` dimensions."""
+"""Layer normalization over the trailing `normalized_shape` dimensions: the kernel tables made from
+the formulas of math.py, the Functions (LayerNormFunction, and its backward as an op,
+LayerNormBackward) and the public op."""
 from __future__ import annotations
 
-import math
+from math import prod
 
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from autograd.checks import check_real, check_shape
 from npformer.runtime.kernels import kernel_table
 
-from ._common import added_into, check_one_dtype, check_tensor, has_twin
-from .softmax import row_dot
+from .._common import check_one_dtype, check_tensor, has_twin
+from . import math
 
-
-@kernel_table
-def layer_norm_forward(x, weight, bias, eps):
-    """x (N, D) -> (y, xhat, rstd): xhat = (x - mean) rstd (N, D), rstd = 1 / sqrt(var + eps) (N, 1),
-    y = xhat * weight + bias (N, D), a new array even without weight and bias (each (D,) or None)."""
-    xp = backend.get_array_module(x)
-    d = x.shape[1]
-    xhat = x - x.sum(axis=1, keepdims=True) / d                   # (N, D)  x - mean
-    # one refinement step: the rounding error of mean, times rstd, would dominate when
-    # |mean| >> std (e.g. mean 1e4, std 1e-2); the mean of the residuals removes it
-    # (kept apart from mean: in float32, mean + residual would round back at 1e4's ulp)
-    xhat -= xhat.sum(axis=1, keepdims=True) / d
-    rstd = 1.0 / xp.sqrt((xhat * xhat).sum(axis=1, keepdims=True) / d + eps)   # (N, 1)  two-pass variance
-    xhat *= rstd
-    y = xhat * weight if weight is not None else xhat.copy()      # y = xhat * weight + bias
-    if bias is not None:
-        y += bias
-    return y, xhat, rstd
-
-
-@kernel_table
-def layer_norm_backward(dy, xhat, rstd, weight, need_x, need_w, need_b):
-    """dy, xhat (N, D), rstd (N, 1), weight (D,) or None -> (dx (N, D), dweight (D,), dbias (D,)),
-    each None when not needed."""
-    d = xhat.shape[1]
-    # y = xhat * weight + bias  ->  dweight = sum over rows of dy * xhat, dbias = sum of dy
-    dweight = (dy * xhat).sum(axis=0) if need_w else None
-    dbias = dy.sum(axis=0) if need_b else None
-    dx = None
-    if need_x:
-        # y = xhat * weight  ->  g = dy * weight (the gradient arriving at xhat)
-        g = dy * weight if weight is not None else dy
-        # xhat = (x - mean) * rstd  ->  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-        dx = (g - g.sum(axis=1, keepdims=True) / d - xhat * ((g * xhat).sum(axis=1, keepdims=True) / d)) * rstd
-    return dx, dweight, dbias
-
-
-def _normalize_backward(u, xhat, rstd):
-    """u (N, D) -> J u, J = rstd (I - 1/D - xhat xhat^T / D) per row: the Jacobian of xhat in x,
-    symmetric, so this is also xhat's tangent along u (layer_norm_backward without a weight)."""
-    return layer_norm_backward(u, xhat, rstd, None, True, False, False)[0]
-
-
-@kernel_table
-def layer_norm_double_backward(dy, xhat, rstd, weight, dx, gx, gw, gb, need_dy, need_x, need_w):
-    """(d dy, d x, d weight) of L = <gx, dx> + <gw, dweight> + <gb, dbias>, where (dx, dweight,
-    dbias) is layer_norm_backward of (dy, x, weight): its backward (torch's layer_norm_double_backward).
-    dy, xhat (N, D), rstd (N, 1), weight (D,) or None; dx (N, D), the first-order one (None without gx);
-    gx (N, D), gw, gb (D,), each None when that gradient was not formed. Each result None unless needed.
-
-    With g = dy w, m = mean(g xhat) per row, J the Jacobian of xhat (_normalize_backward) and
-    h = J gx:  d dy = h w + gw xhat + gb,  d weight = sum over rows of h dy,
-    d x = J (gw dy) - rstd (mean(gx dx) xhat + m h + mean(gx xhat) dx)
-    (docs/backprop.md, LayerNorm, derives it)."""
-    xp = backend.get_array_module(dy)
-    d = xhat.shape[1]
-    ddy = dx_bar = dw_bar = None
-    if gx is not None:
-        # dx = J g with J symmetric  ->  <gx, J t_g> = <h, t_g>, h = J gx, t_g = t_dy w + dy t_w
-        h = _normalize_backward(gx, xhat, rstd)                           # (N, D)
-        if need_x:
-            g = dy * weight if weight is not None else dy
-            m = row_dot(g, xhat) / d                                      # (N, 1)
-            # dx = rstd (g - mean(g) - xhat m), m = mean(g xhat): t_rstd = -rstd^2 mean(xhat t_x) scales
-            # dx / rstd; t_xhat = J t_x enters xhat m and m  (layer_norm_backward_jvp's t_x part, transposed)
-            dx_bar = xhat * (row_dot(gx, dx) / d)
-            dx_bar += m * h
-            dx_bar += dx * (row_dot(gx, xhat) / d)
-            dx_bar *= -rstd
-        if need_w:
-            dw_bar = (h * dy).sum(axis=0)                                 # (D,)
-        if need_dy:
-            ddy = h * weight if weight is not None else h
-    if gw is not None:
-        # dweight = sum over rows of dy xhat  ->  d dy += gw xhat, d x += J (gw dy)
-        if need_dy:
-            ddy = added_into(ddy, gw * xhat)
-        if need_x:
-            dx_bar = added_into(dx_bar, _normalize_backward(gw * dy, xhat, rstd))
-    if gb is not None and need_dy:
-        # dbias = sum over rows of dy  ->  d dy += gb on every row
-        ddy = xp.broadcast_to(gb, xhat.shape).copy() if ddy is None else added_into(ddy, gb)
-    return ddy, dx_bar, dw_bar
-
-
-@kernel_table
-def layer_norm_backward_jvp(dy, xhat, rstd, weight, dx, t_dy, t_x, t_w, need_x, need_w, need_b):
-    """The tangents of (dx, dweight, dbias) = layer_norm_backward(dy, x, weight) along (t_dy, t_x,
-    t_w), each None (a zero tangent); arrays as in layer_norm_double_backward, t_dy, t_x (N, D),
-    t_w (D,). Each result None when not needed or zero.
-
-    With t_xhat = J t_x, g = dy w, m = mean(g xhat) and t_g = t_dy w + dy t_w:
-    t_dx = J t_g - rstd (mean(xhat t_x) dx + m t_xhat + xhat mean(dx t_x)),
-    t_dweight = sum over rows of (t_dy xhat + dy t_xhat),  t_dbias = sum over rows of t_dy."""
-    d = xhat.shape[1]
-    t_xhat = None if t_x is None else _normalize_backward(t_x, xhat, rstd)         # (N, D)
-    t_dx = t_dweight = t_dbias = None
-    if need_x:
-        # g = dy w  ->  t_g = t_dy w + dy t_w;  dx = J g is linear in g: + J t_g
-        t_g = None if t_dy is None else (t_dy * weight if weight is not None else t_dy)
-        if t_w is not None:
-            t_g = dy * t_w if t_g is None else t_g + dy * t_w
-        t_dx = None if t_g is None else _normalize_backward(t_g, xhat, rstd)
-        if t_x is not None:
-            g = dy * weight if weight is not None else dy
-            m = row_dot(g, xhat) / d                                                # (N, 1)
-            # dx = rstd (g - mean(g) - xhat m), m = mean(g xhat): t_rstd = -rstd^2 mean(xhat t_x)
-            # scales dx / rstd; t_xhat enters xhat m and m, mean(g t_xhat) = mean(dx t_x) (J symmetric)
-            through_x = dx * (row_dot(xhat, t_x) / d)
-            through_x += m * t_xhat
-            through_x += xhat * (row_dot(dx, t_x) / d)
-            through_x *= -rstd
-            t_dx = added_into(t_dx, through_x)
-    if need_w:
-        # dweight = sum over rows of dy xhat  ->  t_dy xhat + dy t_xhat
-        if t_dy is not None:
-            t_dweight = (t_dy * xhat).sum(axis=0)                                   # (D,)
-        if t_x is not None:
-            t_dweight = added_into(t_dweight, (dy * t_xhat).sum(axis=0))
-    if need_b and t_dy is not None:
-        t_dbias = t_dy.sum(axis=0)                                                  # dbias = sum of dy
-    return t_dx, t_dweight, t_dbias
+layer_norm_forward = kernel_table(math.layer_norm_forward)
+layer_norm_backward = kernel_table(math.layer_norm_backward)
+layer_norm_jvp = kernel_table(math.layer_norm_jvp)
+layer_norm_double_backward = kernel_table(math.layer_norm_double_backward)
+layer_norm_backward_jvp = kernel_table(math.layer_norm_backward_jvp)
 
 
 def _needed_outputs(ctx, grads):
@@ -163,7 +48,8 @@ class LayerNormBackward(Function):
     def forward(ctx, dy, x, weight, xhat, rstd, normalized_shape, eps, needs):
         w = weight.reshape(-1) if weight is not None else None                     # (D,)
         dy2d = dy.reshape(xhat.shape)                                              # (N, D)
-        grads = layer_norm_backward(dy2d, xhat, rstd, w, *needs)                   # (dx, dweight, dbias)
+        xp = backend.get_array_module(xhat)
+        grads = layer_norm_backward(xp, dy2d, xhat, rstd, w, *needs)               # (dx, dweight, dbias)
         ctx.save_for_backward(dy2d, xhat, rstd, w, grads[0])
         ctx.shape, ctx.normalized_shape = dy.shape, normalized_shape
         ctx.eps, ctx.needs = eps, needs  # needs: which of (dx, dweight, dbias) are outputs
@@ -173,7 +59,8 @@ class LayerNormBackward(Function):
     def backward(ctx, *grads):
         dy, xhat, rstd, w, dx = ctx.saved_tensors
         gx, gw, gb = _arriving_grads(ctx, grads)
-        ddy, dx_bar, dw_bar = layer_norm_double_backward(dy, xhat, rstd, w, dx, gx, gw, gb, *ctx.needs_input_grad)
+        xp = backend.get_array_module(xhat)
+        ddy, dx_bar, dw_bar = layer_norm_double_backward(xp, dy, xhat, rstd, w, dx, gx, gw, gb, *ctx.needs_input_grad)
         return (None if ddy is None else ddy.reshape(ctx.shape), None if dx_bar is None else dx_bar.reshape(ctx.shape),
                 None if dw_bar is None else dw_bar.reshape(ctx.normalized_shape))
 
@@ -182,7 +69,7 @@ class LayerNormBackward(Function):
         dy, xhat, rstd, w, dx = ctx.saved_tensors
         rows = xhat.shape
         tangents = layer_norm_backward_jvp(
-            dy, xhat, rstd, w, dx, None if t_dy is None else t_dy.reshape(rows),
+            backend.get_array_module(xhat), dy, xhat, rstd, w, dx, None if t_dy is None else t_dy.reshape(rows),
             None if t_x is None else t_x.reshape(rows), None if t_weight is None else t_weight.reshape(-1), *ctx.needs)
         return _needed_outputs(ctx, tangents)
 
@@ -241,15 +128,16 @@ class LayerNormFunction(Function):
     With xhat = (x - mean) rstd, g = weight * dy (per row of D = prod(S) entries):
     dx = rstd (g - mean(g) - xhat mean(g xhat)),  dweight = sum(dy xhat),  dbias = sum(dy).
     The kernel table layer_norm_forward / layer_norm_backward runs it (cpu: row blocks on
-    threads, npformer/functional/cpu/normalization.py; cuda: hand-written kernels); xhat and rstd are saved for backward.
+    threads, npformer/functional/layer_norm/cpu.py; cuda: hand-written kernels); xhat and rstd are saved for backward.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps):
-        d = math.prod(normalized_shape)
+        d = prod(normalized_shape)
         w = weight.reshape(-1) if weight is not None else None
         b = bias.reshape(-1) if bias is not None else None
-        y, xhat, rstd = layer_norm_forward(x.reshape(-1, d), w, b, eps)   # (N, D), (N, D), (N, 1)
+        xp = backend.get_array_module(x)
+        y, xhat, rstd = layer_norm_forward(xp, x.reshape(-1, d), w, b, eps)   # (N, D), (N, D), (N, 1)
         ctx.save_for_backward(xhat, w, rstd)
         ctx.shape, ctx.normalized_shape = x.shape, normalized_shape
         ctx.eps = eps  # for the differentiable backward, which forms xhat and rstd again in the graph
@@ -258,7 +146,8 @@ class LayerNormFunction(Function):
     @staticmethod
     def backward(ctx, dy):
         xhat, w, rstd = ctx.saved_tensors
-        dx, dweight, dbias = layer_norm_backward(dy.reshape(xhat.shape), xhat, rstd, w, *ctx.needs_input_grad)
+        xp = backend.get_array_module(xhat)
+        dx, dweight, dbias = layer_norm_backward(xp, dy.reshape(xhat.shape), xhat, rstd, w, *ctx.needs_input_grad)
         return (dx.reshape(ctx.shape) if dx is not None else None,
                 dweight.reshape(ctx.normalized_shape) if dweight is not None else None,
                 dbias.reshape(ctx.normalized_shape) if dbias is not None else None)
@@ -277,19 +166,14 @@ class LayerNormFunction(Function):
     @staticmethod
     def jvp(ctx, t_x, t_weight, t_bias):
         xhat, w, rstd = ctx.saved_tensors
-        if t_x is None:
-            t_y = backend.get_array_module(xhat).zeros_like(xhat)          # (N, D)
-        else:
-            # xhat = (x - mean) rstd  ->  t_xhat = rstd (t_x - mean(t_x) - xhat mean(xhat t_x)): the
-            # Jacobian rstd (I - 1/D - xhat xhat^T / D) is symmetric, so the backward's dx (without a
-            # weight) applies as is
-            t_y = _normalize_backward(t_x.reshape(xhat.shape), xhat, rstd)
-            if w is not None:
-                t_y *= w                                                   # y = xhat w  ->  t_y = t_xhat w
-        if t_weight is not None:
-            t_y += xhat * t_weight.reshape(-1)                             # y = xhat w  ->  + xhat t_w
-        if t_bias is not None:
-            t_y += t_bias.reshape(-1)                                      # y = ... + b  ->  + t_b
+        xp = backend.get_array_module(xhat)
+        # xhat = (x - mean) rstd  ->  t_xhat = rstd (t_x - mean(t_x) - xhat mean(xhat t_x)): the
+        # Jacobian rstd (I - 1/D - xhat xhat^T / D) is symmetric, so the backward's dx (without a
+        # weight) applies as is
+        t_xhat = None if t_x is None else layer_norm_backward(xp, t_x.reshape(xhat.shape), xhat, rstd, None,
+                                                              True, False, False)[0]
+        t_y = layer_norm_jvp(xp, xhat, t_xhat, w, None if t_weight is None else t_weight.reshape(-1),
+                             None if t_bias is None else t_bias.reshape(-1))
         return t_y.reshape(ctx.shape)
 
 
@@ -314,3 +198,6 @@ def layer_norm(input: Tensor | Array, normalized_shape: int | tuple[int, ...], w
     check_one_dtype("layer_norm", x, *affine)
     eps = check_real(eps, "eps", "layer_norm", above=0)
     return LayerNormFunction.apply(input, weight, bias, normalized_shape=shape, eps=eps)
+
+
+from . import cpu, cuda  # noqa: E402,F401  (register the fast variants)
