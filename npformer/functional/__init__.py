@@ -9,7 +9,7 @@ from .embedding import embedding
 from .linear import linear
 from .loss import cross_entropy
 from .normalization import layer_norm
-from .residual import dropout_add
+from .dropout_add import dropout_add
 from .rotary import apply_rotary_emb, rotary_cos_sin
 from .softmax import log_softmax, softmax
 
