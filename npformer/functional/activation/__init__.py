@@ -15,7 +15,7 @@ from npformer.runtime.kernels import kernel_table
 from .._common import check_tensor, has_twin
 from . import erf as _erf_math
 from . import math
-from .erf import INV_SQRT_2PI, SQRT_2  # noqa: F401  (re-exported)
+from .erf import INV_SQRT_2PI
 from .math import ACTIVATIONS, TANH_C, TANH_K, dropout_scale, dropout_threshold  # noqa: F401  (re-exported)
 
 # the kernel tables: the math functions as references (xp first), the fast variants in cpu.py / cuda.py
