@@ -161,10 +161,25 @@ MATH_FILES = sorted((ROOT / "npformer" / "functional").glob("*/math.py"))
 
 @pytest.mark.parametrize("path", MATH_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_math_files_import_no_engine(path):
-    """An op's math.py holds its formulas on `xp`, the array module it is given: it imports the
-    standard library and other ops' math modules, nothing from autograd or npformer.runtime."""
-    for imported, line, _ in imports(path):
-        where = f"{path.relative_to(ROOT)}:{line} imports {imported}"
-        assert not imported.startswith(("autograd", "npformer.runtime")), where
-        assert imported.split(".")[0] in sys.stdlib_module_names or imported == "__future__" or (
-            imported.startswith("npformer.functional.") and imported.split(".")[3:4] == ["math"]), where
+    """An op's math.py (the formulas on `xp`) imports only the standard library and other math-style
+    modules of npformer.functional (another op's math.py, or a formula module such as activation's
+    erf.py): nothing from autograd or npformer.runtime, no kernel table, Tensor or Function; and so
+    do the npformer modules it imports."""
+    seen, todo = set(), [path]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for imported, line, _ in imports(current):
+            root = imported.split(".")[0]
+            where = f"{current.relative_to(ROOT)}:{line} imports {imported}"
+            if root in sys.stdlib_module_names or root == "__future__":
+                continue
+            assert imported.startswith("npformer.functional."), f"{where}: math files import no engine code"
+            parts = imported.split(".")
+            target = next((ROOT.joinpath(*parts[:n]).with_suffix(".py") for n in (len(parts), len(parts) - 1)
+                           if ROOT.joinpath(*parts[:n]).with_suffix(".py").is_file()), None)
+            assert target is not None and target.name not in ("__init__.py", "cpu.py", "cuda.py"), \
+                f"{where}: only other math-style modules"
+            todo.append(target)

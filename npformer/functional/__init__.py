@@ -10,7 +10,7 @@ from .embedding import embedding
 from .layer_norm import layer_norm
 from .linear import linear
 from .loss import cross_entropy
-from .residual import dropout_add
+from .dropout_add import dropout_add
 from .rotary import apply_rotary_emb, rotary_cos_sin
 
 from . import cpu  # noqa: E402,F401  (registers the CPU implementations in the kernel tables)

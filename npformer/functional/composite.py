@@ -8,13 +8,13 @@ import math
 from autograd import Tensor, concatenate, where
 from autograd.checks import check_bool, check_real, check_shape
 
-from . import _erf as formulas
 from .activation import TANH_C, TANH_K, dropout_mask, dropout_scale
+from .activation.erf import BOUNDS, SQRT_2, erf_far, erf_middle, erf_near, erf_small
 from .attention import _lead_shape, _prepare_mask, causal_blocked
 from .embedding import check_embedding_options, id_counts, renormalize_rows
 from .loss import classes_last, is_probability_target, probability_cross_entropy, probability_target
 from ._common import _twins, on_device_of
-from .residual import check_dropout_add
+from .dropout_add import check_dropout_add
 from .rotary import rotary_tables
 
 
@@ -38,12 +38,12 @@ def erf(z):
     """erf of a Tensor from fdlibm's branch formulas, each fed only its own interval's entries."""
     a_data = abs(z.data)
     a = where(z.data < 0, -z, z)
-    pieces = [((a_data < formulas.BOUNDS[0]), 0.5, formulas.erf_small),
-              ((a_data >= formulas.BOUNDS[0]) & (a_data < formulas.BOUNDS[1]), 1.0, formulas.erf_middle),
-              ((a_data >= formulas.BOUNDS[1]) & (a_data < formulas.BOUNDS[2]), 2.0,
-               lambda t: formulas.erf_near(t, Tensor.exp)),
-              ((a_data >= formulas.BOUNDS[2]) & (a_data < formulas.BOUNDS[3]), 4.0,
-               lambda t: formulas.erf_far(t, Tensor.exp))]
+    pieces = [((a_data < BOUNDS[0]), 0.5, erf_small),
+              ((a_data >= BOUNDS[0]) & (a_data < BOUNDS[1]), 1.0, erf_middle),
+              ((a_data >= BOUNDS[1]) & (a_data < BOUNDS[2]), 2.0,
+               lambda t: erf_near(t, Tensor.exp)),
+              ((a_data >= BOUNDS[2]) & (a_data < BOUNDS[3]), 4.0,
+               lambda t: erf_far(t, Tensor.exp))]
     result = 1.0  # |z| >= 6
     for inside, filler, formula in reversed(pieces):
         result = where(inside, formula(where(inside, a, filler)), result)
@@ -54,7 +54,7 @@ def gelu(input, approximate="none"):
     x = _tensor(input)
     if approximate == "tanh":
         return 0.5 * x * (1.0 + (TANH_C * (x + TANH_K * x * x * x)).tanh())
-    return x * (0.5 * (1.0 + erf(x / formulas.SQRT_2)))
+    return x * (0.5 * (1.0 + erf(x / SQRT_2)))
 
 
 def dropout(input, p=0.5, training=True, generator=None):

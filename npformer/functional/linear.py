@@ -73,7 +73,8 @@ class LinearFunction(Function):
         elif activation is None:
             y2d = linear_forward(x2d, weight, bias)              # (N, out)  y = x W^T + b
         else:  # y = act(x W^T + b): the bias and the activation in one pass after the GEMM
-            y2d, ctx.activation_saved = bias_activation_forward(linear_forward(x2d, weight, None), bias, activation)
+            xp = backend.get_array_module(x2d)
+            y2d, ctx.activation_saved = bias_activation_forward(xp, linear_forward(x2d, weight, None), bias, activation)
         ctx.save_for_backward(x2d, weight)
         ctx.x_shape, ctx.activation = x.shape, activation
         ctx.bias = bias  # for the differentiable backward, which forms h again in the graph
@@ -85,7 +86,7 @@ class LinearFunction(Function):
         dy2d = dy.reshape(x2d.shape[0], weight.shape[0])         # (N, out)
         if ctx.activation is not None:
             # y = act(h)  ->  dh = dy act'(h); below, dy stands for dh
-            dy2d = bias_activation_backward(dy2d, ctx.activation_saved, ctx.activation)
+            dy2d = bias_activation_backward(backend.get_array_module(dy2d), dy2d, ctx.activation_saved, ctx.activation)
         dx2d, dweight, dbias = linear_backward(dy2d, x2d, weight, *ctx.needs_input_grad)
         return (dx2d.reshape(ctx.x_shape) if dx2d is not None else None), dweight, dbias
 

@@ -49,10 +49,10 @@ def _op(name, ops_, source, functions, section):
 
 FAMILIES = [
     _op("linear", ("F.linear", "nn.Linear"), "linear.py", ("LinearFunction",), "Linear"),
-    _op("relu", ("F.relu", "nn.ReLU"), "activation.py", ("ReLUFunction",), "ReLU"),
-    _op("gelu", ("F.gelu", "nn.GELU"), "activation.py", ("GELUFunction",), "GELU"),
-    _op("dropout", ("F.dropout", "nn.Dropout"), "activation.py", ("DropoutFunction",), "Dropout"),
-    _op("dropout_add", ("F.dropout_add",), "residual.py", ("DropoutAddFunction",), "Dropout + residual"),
+    _op("relu", ("F.relu", "nn.ReLU"), "activation/", ("ReLUFunction",), "ReLU"),
+    _op("gelu", ("F.gelu", "nn.GELU"), "activation/", ("GELUFunction",), "GELU"),
+    _op("dropout", ("F.dropout", "nn.Dropout"), "activation/", ("DropoutFunction",), "Dropout"),
+    _op("dropout_add", ("F.dropout_add",), "dropout_add/", ("DropoutAddFunction",), "Dropout + residual"),
     _op("softmax", ("F.softmax", "F.log_softmax"), "softmax/", ("SoftmaxFunction", "LogSoftmaxFunction"),
         "Softmax"),
     _op("cross_entropy", ("F.cross_entropy",), "loss.py", ("CrossEntropyFunction",), "Cross-entropy"),

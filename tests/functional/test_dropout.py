@@ -16,7 +16,7 @@ from autograd import Tensor, backend
 from npformer import checkpoint, nn
 from npformer.functional import activation, composite
 from npformer.functional.attention import attention_keep_block
-from npformer.functional.cuda import dropout as dropout_launchers
+from npformer.functional.activation import cuda as dropout_launchers
 from npformer.runtime import random
 
 from cuda_emulator import build_or_skip
@@ -180,7 +180,7 @@ def test_the_cuda_kernel_draws_the_contract_mask(emulator, monkeypatch, dtype, s
     """One thread per Philox counter, any offset (also not a multiple of 8, and past 2^32 counters)."""
     monkeypatch.setattr(dropout_launchers, "function", emulator.function)
     x = np.random.default_rng(5).standard_normal(size).astype(dtype)
-    y = dropout_launchers.dropout_apply(x, 77, offset, p)
+    y = dropout_launchers.dropout_apply(np, x, 77, offset, p)
     keep = activation.keep_mask(x.shape, p, 77, offset, "cpu")
     np.testing.assert_array_equal(y, x * keep * x.dtype.type(activation.dropout_scale(p)))
 
@@ -191,7 +191,7 @@ def test_f_dropout_through_the_cuda_kernels_regenerates_its_mask(emulator, monke
     monkeypatch.setattr(dropout_launchers, "function", emulator.function)
     monkeypatch.setitem(activation.dropout_forward.implementations, "cpu", (dropout_launchers.dropout_forward_cuda, None))
     monkeypatch.setitem(activation.dropout_backward.implementations, "cpu",
-                        (dropout_launchers.dropout_backward_cuda, lambda dy, keep, *rest: keep is None))
+                        (dropout_launchers.dropout_backward_cuda, lambda xp, dy, keep, *rest: keep is None))
     x = np.random.default_rng(6).standard_normal((9, 13))
     y = F.dropout(Tensor(x, requires_grad=True), 0.3, generator=random.Philox(1))
     assert y.creator.saved_tensors == (None,)

@@ -87,14 +87,14 @@ def test_cuda_activation_launcher_takes_a_flat_array_of_2_31_entries(kind, monke
     """Without a bias the kernels never read the row length: a 1-D input of 2^31 + 1 entries is
     launched (its length went as an int: np.int32(2^31 + 1) raised OverflowError)."""
     from npformer.functional.activation import bias_activation_forward
-    from npformer.functional.cuda import activation
+    from npformer.functional.activation import cuda as activation
     launches = []
     monkeypatch.setattr(activation, "function", lambda *names: lambda grid, block, args: launches.append(args))
     x = claims((2**31 + 1,))
-    supported = bias_activation_forward.implementations["cuda"][1](x, None, kind)
+    supported = bias_activation_forward.implementations["cuda"][1](np, x, None, kind)
     assert supported
     try:
-        activation.bias_activation_forward_cuda(x, None, kind)     # outputs allocated, never touched
+        activation.bias_activation_forward_cuda(np, x, None, kind)     # outputs allocated, never touched
     except MemoryError:
         pytest.skip("no address space for an untouched 8 GiB output on this machine")
     size = [int(args[-2 if kind == "relu" else -3]) for args in launches]

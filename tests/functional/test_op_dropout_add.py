@@ -35,6 +35,22 @@ def test_the_mask_follows_the_dropout_contract(dtype, device, rng):
     assert abs(1 - keep.mean() - p) < 0.15
 
 
+def test_the_math_files_formulas_are_the_ops(rng):
+    """dropout_add/math.py's forward and backward, given the contract's mask, are F.dropout_add's."""
+    from npformer.functional.dropout_add import math
+    p, shape = 0.3, (5, 7)
+    x, r, g = (rng.standard_normal(shape) for _ in range(3))
+    stream = random.Philox(seed=11, offset=8 * 3)
+    keep = (random.bits16(stream.seed, stream.offset, x.size) >= dropout_threshold(p)).reshape(shape)
+    ours = [leaf(x), leaf(r)]
+    out = F.dropout_add(*ours, p, generator=stream)
+    np.testing.assert_array_equal(out.numpy(), math.dropout_add_forward(np, x, r, keep, p))
+    out.backward(g)
+    dx, dr = math.dropout_add_backward(np, g, keep, p)
+    np.testing.assert_array_equal(ours[0].grad.numpy(), dx)
+    np.testing.assert_array_equal(ours[1].grad.numpy(), dr)
+
+
 def test_identity_cases_and_p_one(rng):
     x, r = leaf(rng.standard_normal((2, 3))), leaf(rng.standard_normal((2, 3)))
     np.testing.assert_array_equal(F.dropout_add(x, r, 0.5, training=False).numpy(), x.numpy() + r.numpy())

@@ -42,7 +42,7 @@ def test_every_library_case_names_its_inputs():
 
 @pytest.mark.parametrize("family", opcases.FAMILIES.values(), ids=lambda f: f.name)
 def test_each_family_has_its_code_and_the_test_file_it_names_runs_its_cases(family):
-    module = importlib.import_module(family.source.removesuffix(".py").rstrip("/").replace("/", "."))   # a file or a folder
+    module = importlib.import_module(family.source.removesuffix("/__init__.py").removesuffix(".py").replace("/", "."))
     for name in family.functions:
         assert hasattr(module, name), f"{family.source} has no {name}"
     if family.tests is None:  # tests/opcases/test_registered_cases.py runs its cases

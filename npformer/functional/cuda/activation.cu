@@ -1,7 +1,7 @@
 // Bias + activation (ReLU, GELU exact and tanh) over a contiguous (rows, n) array, one thread per
 // entry: the epilogue of `linear(..., activation=...)` and the standalone activations (bias null).
 // The CUDA twin of bias_activation_forward / bias_activation_backward in
-// npformer/functional/activation.py (the reference these kernels are tested against); the
+// npformer/functional/activation/math.py (the reference these kernels are tested against); the
 // derivations are in docs/backprop.md.
 
 // Grid-stride loop over the `size` entries; entry i has column i % n (the bias index).

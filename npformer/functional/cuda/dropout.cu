@@ -1,6 +1,6 @@
 // Inverted dropout with the mask regenerated from the Philox stream, never stored: the CUDA twin
-// of dropout_forward / dropout_backward in npformer/functional/activation.py, and of
-// dropout_add_forward in npformer/functional/residual.py (y = residual + dropout(x), the residual
+// of dropout_forward / dropout_backward in npformer/functional/activation/ (math.py), and of
+// dropout_add_forward in npformer/functional/dropout_add/ (y = residual + dropout(x), the residual
 // connection of a Transformer sublayer in one pass).
 //
 // DROPOUT CONTRACT (every dropout site, CPU and CUDA): entry i (flat, C order) is kept iff its 16

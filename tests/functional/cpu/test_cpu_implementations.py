@@ -10,9 +10,9 @@ import pytest
 from npformer.runtime import kernels
 
 # the modules (npformer.functional's attributes of these names are the ops)
-_erf, activation, adam, attention, embedding, linear, loss, normalization, residual, softmax = (
+activation, adam, attention, dropout_add, embedding, linear, loss, normalization, softmax = (
     importlib.import_module(f"npformer.functional.{name}") for name in
-    ("_erf", "activation", "adam", "attention", "embedding", "linear", "loss", "layer_norm", "residual", "softmax"))
+    ("activation", "adam", "attention", "dropout_add", "embedding", "linear", "loss", "layer_norm", "softmax"))
 
 
 def _softmax_rows(rng, shape):
@@ -40,17 +40,17 @@ def cases(rng):
     ln_w, ln_b = rng.standard_normal(256), rng.standard_normal(256)
     _, ln_xhat, ln_rstd = normalization.layer_norm_forward.reference(np, ln_x, ln_w, ln_b, 1e-5)
     w = rng.standard_normal((3, 5))
-    yield _erf.erf, (rng.standard_normal(300) * 3,)
-    yield _erf.erf, ((rng.standard_normal(300) * 3).astype(np.float32),)
+    yield activation.erf, (np, rng.standard_normal(300) * 3)
+    yield activation.erf, (np, (rng.standard_normal(300) * 3).astype(np.float32))
     for kind in activation.ACTIVATIONS:
-        yield activation.bias_activation_forward, (x, bias, kind)
-        yield activation.bias_activation_forward, (x, None, kind)
-        _, saved = activation.bias_activation_forward.reference(x, bias, kind)
-        yield activation.bias_activation_backward, (dy, saved, kind)
-    yield activation.dropout_forward, (x, 7, 11, 0.3)
-    yield activation.dropout_backward, (dy, keep, 7, 11, 0.3)
-    yield activation.elementwise_product, (x, dy, 1.5)
-    yield residual.dropout_add_forward, (x, dy, 7, 11, 0.3)
+        yield activation.bias_activation_forward, (np, x, bias, kind)
+        yield activation.bias_activation_forward, (np, x, None, kind)
+        _, saved = activation.bias_activation_forward.reference(np, x, bias, kind)
+        yield activation.bias_activation_backward, (np, dy, saved, kind)
+    yield activation.dropout_forward, (np, x, 7, 11, 0.3)
+    yield activation.dropout_backward, (np, dy, keep, 7, 11, 0.3)
+    yield activation.elementwise_product, (np, x, dy, 1.5)
+    yield dropout_add.dropout_add_forward, (np, x, dy, 7, 11, 0.3)
     for variant in ("plain", "l2", "decoupled"):  # param, grad, m, v >= 0, scratch; a step at t = 3
         settings = adam.AdamSettings(0.1, 0.999, 0.001, 1e-8, 0.01, variant, 1e-3 / (1 - 0.9 ** 3),
                                      (1 - 0.999 ** 3) ** 0.5, 1 - 1e-3 * 0.01)
@@ -124,16 +124,16 @@ def cases(rng):
                                                       True, weight is not None, True)
     for kind in ("gelu", "gelu_tanh"):
         gelu_h = 3 * rng.standard_normal((6, 7))
-        gelu_aux = activation.bias_activation_forward.reference(gelu_h, None, kind)[1][1]
+        gelu_aux = activation.bias_activation_forward.reference(np, gelu_h, None, kind)[1][1]
         gelu_dy, gelu_g, gelu_t = (rng.standard_normal(gelu_h.shape) for _ in range(3))
-        yield activation.gelu_double_backward, (gelu_g, gelu_dy, gelu_h, gelu_aux, kind, True, True)
-        yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, gelu_t, gelu_g, kind)
-        yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, None, gelu_g, kind)
+        yield activation.gelu_double_backward, (np, gelu_g, gelu_dy, gelu_h, gelu_aux, kind, True, True)
+        yield activation.gelu_backward_jvp, (np, gelu_dy, gelu_h, gelu_aux, gelu_t, gelu_g, kind)
+        yield activation.gelu_backward_jvp, (np, gelu_dy, gelu_h, gelu_aux, None, gelu_g, kind)
         if kind == "gelu":  # with the exact form's phi(h) formed already, and forming it
             gelu_density = activation.normal_density(gelu_h)
-            yield activation.gelu_backward_jvp, (gelu_dy, gelu_h, gelu_aux, gelu_t, gelu_g, kind, gelu_density)
-            yield activation.gelu_backward_density, (gelu_dy, gelu_h, gelu_aux)
-            yield activation.gelu_backward_density, (gelu_dy, gelu_h, gelu_aux, gelu_density)
+            yield activation.gelu_backward_jvp, (np, gelu_dy, gelu_h, gelu_aux, gelu_t, gelu_g, kind, gelu_density)
+            yield activation.gelu_backward_density, (np, gelu_dy, gelu_h, gelu_aux)
+            yield activation.gelu_backward_density, (np, gelu_dy, gelu_h, gelu_aux, gelu_density)
     yield normalization.layer_norm_backward, (np, rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, ln_w, True, True, True)
     yield normalization.layer_norm_backward, (np, rng.standard_normal(ln_x.shape), ln_xhat, ln_rstd, None, True, False,
                                               False)

@@ -11,7 +11,7 @@ from autograd.gradcheck import vjp
 from npformer import functional as F
 from npformer.functional.activation import dropout_backward, dropout_forward, keep_mask
 from npformer.functional.attention import attention_keep_mask
-from npformer.functional.residual import dropout_add_forward
+from npformer.functional.dropout_add import dropout_add_forward
 from npformer.runtime import threads as _threads
 from npformer.runtime import random
 from npformer.runtime.kernels import reference_only
@@ -74,12 +74,12 @@ def test_cpu_dropout_equals_the_reference_bit_for_bit(shape, offset, p, dtype, s
     x.reshape(-1)[:3] = [np.inf, -0.0, np.nan]                                # inf * 0, signed zeros, NaN
     with np.errstate(invalid="ignore"):                                       # inf * 0 (dropped) is NaN, as in torch
         with reference_only():
-            y_ref, keep_ref = dropout_forward(x, 7, offset, p)
-            add_ref, _ = dropout_add_forward(x, residual, 7, offset, p)
-            dx_ref = dropout_backward(dy, keep_ref, 7, offset, p)
-        y, keep = dropout_forward(x, 7, offset, p)
-        add, keep_add = dropout_add_forward(x, residual, 7, offset, p)
-        dx = dropout_backward(dy, keep, 7, offset, p)
+            y_ref, keep_ref = dropout_forward(np, x, 7, offset, p)
+            add_ref, _ = dropout_add_forward(np, x, residual, 7, offset, p)
+            dx_ref = dropout_backward(np, dy, keep_ref, 7, offset, p)
+        y, keep = dropout_forward(np, x, 7, offset, p)
+        add, keep_add = dropout_add_forward(np, x, residual, 7, offset, p)
+        dx = dropout_backward(np, dy, keep, 7, offset, p)
     np.testing.assert_array_equal(keep, keep_mask(shape, p, 7, offset, "cpu"))
     np.testing.assert_array_equal(keep_add, keep)
     for ours, ref in ((y, y_ref), (add, add_ref), (dx, dx_ref)):

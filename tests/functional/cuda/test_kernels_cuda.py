@@ -17,7 +17,7 @@ from npformer.functional.adam import AdamSettings, adam_update
 from npformer.functional.embedding import scatter_add_rows
 from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
 from npformer.functional.layer_norm import layer_norm_backward, layer_norm_forward
-from npformer.functional.residual import dropout_add_forward
+from npformer.functional.dropout_add import dropout_add_forward
 from npformer.functional.softmax import log_softmax_backward, log_softmax_forward, softmax_backward, softmax_forward
 from npformer.runtime import kernels, random
 
@@ -91,12 +91,13 @@ def test_cross_entropy_kernels_equal_their_references(c, smoothing, weighted, dt
 @pytest.mark.parametrize("shape", [(5, 7), (3, 5000), (0, 4)])
 def test_activation_dropout_embedding_adam_kernels_equal_their_references(kind, shape, dtype, rng):
     x, bias, dy = on_cuda(*(rng.standard_normal(s).astype(dtype) for s in (shape, shape[-1:], shape)))
-    (y, saved), (y_ref, saved_ref) = both(bias_activation_forward, x, bias, kind)
+    xp = backend.get_array_module(x)
+    (y, saved), (y_ref, saved_ref) = both(bias_activation_forward, xp, x, bias, kind)
     close(y, y_ref, dtype, 1, 10)
-    close(*both(bias_activation_backward, dy, saved_ref, kind), dtype, 1, 10)
+    close(*both(bias_activation_backward, xp, dy, saved_ref, kind), dtype, 1, 10)
     stream = (2**50 + 1, 8 * 2**32, 0.3)                            # seed, offset, p
-    np.testing.assert_array_equal(*(backend.as_numpy(y) for y, _ in both(dropout_add_forward, x, dy, *stream)))
-    np.testing.assert_array_equal(*map(backend.as_numpy, both(dropout_backward, dy, None, *stream)))
+    np.testing.assert_array_equal(*(backend.as_numpy(y) for y, _ in both(dropout_add_forward, xp, x, dy, *stream)))
+    np.testing.assert_array_equal(*map(backend.as_numpy, both(dropout_backward, xp, dy, None, *stream)))
     if x.size:
         ids = backend.to_device(rng.integers(0, 4, shape[0]), "cuda")
         close(*both(scatter_add_rows, ids, x, 4), dtype, shape[0], 4)

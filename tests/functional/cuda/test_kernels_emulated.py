@@ -16,7 +16,7 @@ from npformer.functional.adam import AdamSettings, adam_update
 from npformer.functional.embedding import scatter_add_rows
 from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
 from npformer.functional.layer_norm import layer_norm_backward, layer_norm_forward
-from npformer.functional.residual import dropout_add_forward
+from npformer.functional.dropout_add import dropout_add_forward
 from npformer.functional.softmax import (log_softmax_backward, log_softmax_forward, softmax_backward,
                                          softmax_forward)
 
@@ -145,15 +145,15 @@ def test_bias_activation_kernels(kind, dtype, shape, with_bias, rng):
     dy = rng.standard_normal(shape).astype(dtype)
     if x.size:
         dy.reshape(-1)[0] = np.nan                          # a NaN gradient of a dropped entry gives 0
-    y_ref, saved_ref = bias_activation_forward.reference(x, bias, kind)
-    y, saved = cuda(bias_activation_forward, x, bias, kind)
+    y_ref, saved_ref = bias_activation_forward.reference(np, x, bias, kind)
+    y, saved = cuda(bias_activation_forward, np, x, bias, kind)
     ok = np.isfinite(y_ref)
     assert (np.isnan(y) == np.isnan(y_ref)).all()
     close(y[ok], y_ref[ok], tolerance(dtype, 1, 10))
     for ours, ref in zip(saved, saved_ref):
         np.testing.assert_allclose(ours, ref, rtol=0, atol=tolerance(dtype, 1, 10))
-    dh_ref = bias_activation_backward.reference(dy, saved_ref, kind)
-    dh = cuda(bias_activation_backward, dy, saved_ref, kind)
+    dh_ref = bias_activation_backward.reference(np, dy, saved_ref, kind)
+    dh = cuda(bias_activation_backward, np, dy, saved_ref, kind)
     assert (np.isnan(dh) == np.isnan(dh_ref)).all()
     close(dh[~np.isnan(dh_ref)], dh_ref[~np.isnan(dh_ref)], tolerance(dtype, 1, 10))
 
@@ -169,23 +169,23 @@ def test_dropout_kernels_draw_the_reference_mask_exactly(size, p, dtype, rng):
     dy = rng.standard_normal((size,)).astype(dtype)
     state = np.array([2**63 + 5, 8 * 2**33], dtype=np.uint64)
     for seed, offset, st in ((123456789012345, 8 * 2**32 + 16, None), (5, 8 * 2**32 + 3, None), (0, 24, state)):
-        y, keep = cuda(dropout_add_forward, x, residual, seed, offset, p, st)
+        y, keep = cuda(dropout_add_forward, np, x, residual, seed, offset, p, st)
         assert keep is None                                           # drawn again in backward
-        np.testing.assert_array_equal(y, dropout_add_forward.reference(x, residual, seed, offset, p, st)[0])
-        y, keep = cuda(dropout_forward, x, seed, offset, p, st)
-        np.testing.assert_array_equal(y, dropout_forward.reference(x, seed, offset, p, st)[0])
-        np.testing.assert_array_equal(cuda(dropout_backward, dy, None, seed, offset, p, st),
-                                      dropout_backward.reference(dy, None, seed, offset, p, st))
+        np.testing.assert_array_equal(y, dropout_add_forward.reference(np, x, residual, seed, offset, p, st)[0])
+        y, keep = cuda(dropout_forward, np, x, seed, offset, p, st)
+        np.testing.assert_array_equal(y, dropout_forward.reference(np, x, seed, offset, p, st)[0])
+        np.testing.assert_array_equal(cuda(dropout_backward, np, dy, None, seed, offset, p, st),
+                                      dropout_backward.reference(np, dy, None, seed, offset, p, st))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dropout_kernels_keep_the_shape_of_a_0d_array(dtype):
     """A 0-d input gives a 0-d output (ascontiguousarray makes a 0-d array 1-d, in numpy and CuPy)."""
     x = np.array(1.5, dtype)
-    y = cuda(dropout_forward, x, 7, 8, 0.5)[0]
-    assert y.shape == () and y == dropout_forward.reference(x, 7, 8, 0.5)[0]
-    dx = cuda(dropout_backward, x, None, 7, 8, 0.5)
-    assert dx.shape == () and dx == dropout_backward.reference(x, None, 7, 8, 0.5)
+    y = cuda(dropout_forward, np, x, 7, 8, 0.5)[0]
+    assert y.shape == () and y == dropout_forward.reference(np, x, 7, 8, 0.5)[0]
+    dx = cuda(dropout_backward, np, x, None, 7, 8, 0.5)
+    assert dx.shape == () and dx == dropout_backward.reference(np, x, None, 7, 8, 0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,6 +1,7 @@
 """Dropout fused with the residual add: y = residual + dropout(x), the residual connection of a
 Transformer sublayer in one op. The mask is F.dropout's (the dropout contract, drawn from a Philox
-stream); its backward is F.dropout's backward for x, and dy itself for the residual."""
+stream); its backward is F.dropout's backward for x, and dy itself for the residual. The formulas
+are in math.py; here are the kernel table, the Function and the public op."""
 from __future__ import annotations
 
 from autograd import Function, Tensor, backend
@@ -9,15 +10,15 @@ from autograd.checks import check_bool, check_real
 from npformer.runtime.kernels import kernel_table
 from npformer.runtime.random import Philox
 
-from ._common import check_one_dtype, check_tensor, has_twin
-from .activation import DropoutFunction, dropout_forward, dropout_stream
+from .._common import check_one_dtype, check_tensor, has_twin
+from ..activation import DropoutFunction, dropout_forward, dropout_stream
 
 
 @kernel_table
-def dropout_add_forward(x, residual, seed, offset, p, state=None):
+def dropout_add_forward(xp, x, residual, seed, offset, p, state=None):
     """(residual + x * keep / (1 - p), keep or None) for arrays of one shape, with the mask of
-    dropout_forward(x, seed, offset, p, state) (None where the backward draws it again)."""
-    y, keep = dropout_forward(x, seed, offset, p, state)
+    dropout_forward(xp, x, seed, offset, p, state) (None where the backward draws it again)."""
+    y, keep = dropout_forward(xp, x, seed, offset, p, state)
     y += residual
     return y, keep
 
@@ -27,7 +28,8 @@ class DropoutAddFunction(Function):
 
     @staticmethod
     def forward(ctx, x, residual, seed, offset, p, state=None):
-        y, keep = dropout_add_forward(x, residual, seed, offset, p, state)   # keep None: drawn again
+        y, keep = dropout_add_forward(backend.get_array_module(x), x, residual, seed, offset, p, state)  # keep None:
+        #                                                                          drawn again
         ctx.save_for_backward(keep)
         ctx.stream = (seed, offset, p, state)
         return y
@@ -78,3 +80,6 @@ def dropout_add(input: Tensor | Array, residual: Tensor | Array, p: float = 0.5,
         return as_tensor(residual) + input
     draw = dropout_stream(generator, "dropout_add").draw(x.size, backend.device_of(x))
     return DropoutAddFunction.apply(input, residual, seed=draw.seed, offset=draw.offset, p=p, state=draw.state)
+
+
+from . import cpu, cuda  # noqa: E402,F401  (register the fast variants)

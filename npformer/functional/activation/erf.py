@@ -7,11 +7,10 @@ Each branch is written with arithmetic operators and an `exp` callable only, so 
 formulas run on arrays (the fused GELU's reference) and on autograd Tensors (its composite twin).
 On a GPU the GELU kernels call CUDA's erf instead (npformer/functional/cuda/activation.cu). On the
 CPU, float32 arrays take `erf_float32`: one rational function, within 7.5 float32 ulps (4.5e-7).
+Array functions take the array module `xp` (numpy or CuPy) first; the kernel table `erf` made from
+`erf` here is in this folder's __init__.py, its CPU variant in cpu.py.
 """
 import math
-
-from autograd import backend
-from npformer.runtime.kernels import kernel_table
 
 ERX = 8.45062911510467529297e-01  # erf(1) rounded to 24 bits: erf(x) = ERX + P/Q near 1
 EFX = 1.28379167095512586316e-01  # 2/sqrt(pi) - 1: erf(x) ~ x + EFX x for tiny x
@@ -97,15 +96,13 @@ def erf_far(a, exp):
     return 1.0 - exp(-a * a - 0.5625 + horner(RB, s) / horner(SB, s)) / a
 
 
-@kernel_table
-def erf(x):
+def erf(xp, x):
     """Elementwise erf of an array (numpy, cupy or the test device), dtype kept.
 
     Every interval's formula runs on the whole array (each fed |x| clamped into its interval) and
     `where` picks each entry's: no data-dependent sizes, so nothing waits for the device (and a
     graph capture can record it). NaN stays NaN.
     """
-    xp = backend.get_array_module(x)
     flat_x = x.reshape(-1)                                              # 1-D, so 0-d inputs stay arrays
     a = xp.abs(flat_x)
     out = erf_small(xp.minimum(a, BOUNDS[0]))                           # right on [0, 0.84375)
@@ -117,10 +114,9 @@ def erf(x):
     return xp.copysign(out, flat_x, out=out).reshape(x.shape)
 
 
-def erf_float32(x):
+def erf_float32(xp, x):
     """erf of a float32 array: x ALPHA(x^2) / BETA(x^2) on x clipped to [-4, 4], clipped to
     [-1, 1]. NaN stays NaN."""
-    xp = backend.get_array_module(x)
     clipped = xp.clip(x, -FLOAT32_BOUND, FLOAT32_BOUND)
     z = clipped * clipped
     out = horner_inplace(ALPHA, z)
@@ -140,11 +136,10 @@ PHI_NUM = tuple(a / 2 ** k / (2 * SQRT_2) / _DEN_TOP for k, a in enumerate(ALPHA
 PHI_DEN = tuple(b / 2 ** k / _DEN_TOP for k, b in enumerate(BETA))[:-1] + (1.0,)
 
 
-def normal_cdf_float32(h, out):
+def normal_cdf_float32(xp, h, out):
     """Phi(h), the standard normal CDF, of a float32 array h written into `out` (h's shape and
     dtype), in 25 array passes: erf_float32's accuracy (erf within 4.5e-7, so Phi within ~2.3e-7)
     in [0, 1]. NaN stays NaN."""
-    xp = backend.get_array_module(h)
     t = xp.clip(h, -PHI_BOUND, PHI_BOUND)
     z = xp.multiply(t, t)
     xp.multiply(z, PHI_NUM[-1], out=out)                      # NUM(z) by Horner's rule, in place

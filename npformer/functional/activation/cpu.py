@@ -1,20 +1,18 @@
-"""Activations and dropout on the CPU (the "cpu" implementations of activation.py's kernel
-tables): ReLU in flat blocks on the threads of `npformer.runtime.threads` (its backward a bitwise AND),
-GELU in blocks and cache-sized chunks, the dropout mask drawn and applied chunk by chunk while it
-is in the cache."""
-from autograd import backend
+"""Activations and dropout on the CPU (the "cpu" implementations of this folder's kernel tables,
+same signatures as the math.py references, xp first): ReLU in flat blocks on the threads of
+`npformer.runtime.threads` (its backward a bitwise AND), GELU in blocks and cache-sized chunks, erf
+by one rational function (float32) or each interval's formula on its own entries (float64), the
+dropout mask drawn and applied chunk by chunk while it is in the cache."""
 from npformer.runtime import random, threads
-from npformer.runtime.threads import for_rows, on_row_blocks
+from npformer.runtime.threads import for_rows
 
-from .._erf import INV_SQRT_2PI, SQRT_2, erf, normal_cdf_float32
-from ..activation import (TANH_C, TANH_K, bias_activation_backward, bias_activation_forward, dropout_backward,
-                          dropout_forward, dropout_scale, dropout_threshold, elementwise_product, gelu_backward_density,
-                          gelu_backward_jvp, gelu_double_backward)
+from . import (TANH_C, TANH_K, bias_activation_backward, bias_activation_forward, dropout_backward,  # the tables
+               dropout_forward, dropout_scale, dropout_threshold, elementwise_product, erf, gelu_backward_density,
+               gelu_backward_jvp, gelu_double_backward, math)
+from .erf import (BOUNDS, INV_SQRT_2PI, PP, QQ, SQRT_2, erf_far, erf_float32, erf_middle, erf_near, horner_inplace,
+                  normal_cdf_float32)
 
-
-# entries per pass of GELU's many-pass CPU blocks (512 KiB of float32): erf's ~25 array passes
-# stay in the core's cache (2-3x faster than whole-array passes), and each numpy call is long
-# enough that two threads do not wait on each other for the GIL
+# entries per pass of GELU's many-pass blocks (512 KiB of float32): erf's ~25 passes stay in the core's cache
 CACHE_CHUNK = 1 << 17
 
 
@@ -36,13 +34,38 @@ def _bias_rows(x, bias):
     return (x.size // n if n else 0, n)
 
 
+@erf.register("cpu")
+def erf_cpu(xp, x):
+    """float32: `erf_float32`. Otherwise the small-|x| formula in place over the whole array; each
+    other interval's formula only on the entries in it (gathered with take, written back with
+    put): a quarter of the reference's work."""
+    if x.dtype == xp.float32:
+        return erf_float32(xp, x)
+    flat_x = x.reshape(-1)                           # 1-D, so 0-d inputs stay arrays
+    a = xp.abs(flat_x)
+    out = xp.minimum(a, BOUNDS[0])                   # right on [0, 0.84375); clamped elsewhere
+    z = out * out
+    ratio = horner_inplace(PP, z)
+    ratio /= horner_inplace(QQ, z)
+    ratio *= out
+    out += ratio                                     # a + a P(a^2) / Q(a^2)
+    branches = ((BOUNDS[0], BOUNDS[1], erf_middle),
+                (BOUNDS[1], BOUNDS[2], lambda t: erf_near(t, xp.exp)),
+                (BOUNDS[2], BOUNDS[3], lambda t: erf_far(t, xp.exp)))
+    for lo, hi, formula in branches:
+        index = xp.flatnonzero((a >= lo) & (a < hi))
+        if index.size:
+            out.put(index, formula(a.take(index)))
+    xp.copyto(out, 1.0, where=a >= BOUNDS[3])
+    return xp.copysign(out, flat_x, out=out).reshape(x.shape)
+
+
 @bias_activation_forward.register("cpu")
-def bias_activation_forward_cpu(x, bias, kind):
+def bias_activation_forward_cpu(xp, x, bias, kind):
     """ReLU, and GELU in cache-sized chunks, in flat blocks on the threads of `npformer.runtime.threads`
     (the bias added in place)."""
     if kind != "relu":
-        return _gelu_forward_cpu(x, bias, kind)
-    xp = backend.get_array_module(x)
+        return _gelu_forward_cpu(xp, x, bias, kind)
     keep = xp.empty(x.shape, dtype=bool)                    # (...) bool: 1 byte per entry saved
     y = xp.empty(x.shape, dtype=x.dtype)
     rows = _bias_rows(x, bias)                               # (rows, n)
@@ -60,10 +83,9 @@ def bias_activation_forward_cpu(x, bias, kind):
     return y, (keep,)
 
 
-def _gelu_forward_cpu(x, bias, kind):
+def _gelu_forward_cpu(xp, x, bias, kind):
     """The reference's GELU (exact or tanh form) on blocks of rows and cache-sized chunks, the bias
     added chunk by chunk: (y, (h, aux)). float32's exact form takes Phi from normal_cdf_float32."""
-    xp = backend.get_array_module(x)
     xf = x.reshape(_bias_rows(x, bias))
     n = xf.shape[1]
     hf = xp.empty_like(xf) if bias is not None else xf         # h = x + bias, saved for the backward
@@ -80,9 +102,9 @@ def _gelu_forward_cpu(x, bias, kind):
             yb *= 0.5                                               # y = 0.5 h (1 + t)
             return
         if hb.dtype == xp.float32:
-            normal_cdf_float32(hb, out=ab)                          # Phi(h)
+            normal_cdf_float32(xp, hb, out=ab)                      # Phi(h)
         else:
-            ab[...] = erf(hb / SQRT_2)                              # Phi(h) = (1 + erf(h / sqrt 2)) / 2
+            ab[...] = erf(xp, hb / SQRT_2)                              # Phi(h) = (1 + erf(h / sqrt 2)) / 2
             ab += 1.0
             ab *= 0.5
         xp.multiply(hb, ab, out=yb)                                 # y = h Phi(h)
@@ -93,13 +115,12 @@ def _gelu_forward_cpu(x, bias, kind):
 
 
 @bias_activation_backward.register("cpu")
-def bias_activation_backward_cpu(dy, saved, kind):
+def bias_activation_backward_cpu(xp, dy, saved, kind):
     """ReLU's dh in flat blocks on the threads of `npformer.runtime.threads`: dy's bits ANDed with a mask of
     all ones (kept) or zeros (dropped), the exact `where(keep, dy, 0)` at the cost of a multiply
-    (numpy's where and copyto(where=) are ~8x slower). GELU's in blocks and cache-sized chunks."""
+    (numpy's where and copyto(where=) are slower: BENCHMARKS.md). GELU's in blocks and cache-sized chunks."""
     if kind != "relu":
-        return _gelu_backward_cpu(dy, saved, kind)
-    xp = backend.get_array_module(dy)
+        return _gelu_backward_cpu(xp, dy, saved, kind)
     (keep,) = saved
     dh = xp.empty(dy.shape, dtype=dy.dtype)
     bits = f"int{8 * dy.itemsize}"                              # an integer of the float's width
@@ -112,9 +133,8 @@ def bias_activation_backward_cpu(dy, saved, kind):
     return dh
 
 
-def _gelu_backward_cpu(dy, saved, kind):
+def _gelu_backward_cpu(xp, dy, saved, kind):
     """The reference's GELU backward on flat blocks and cache-sized chunks."""
-    xp = backend.get_array_module(dy)
     h, aux = (a.reshape(-1) for a in saved)
     dyf = dy.reshape(-1)
     dh = xp.empty_like(dyf)
@@ -128,16 +148,15 @@ def _gelu_backward_cpu(dy, saved, kind):
             # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
             xp.multiply(dyf[start:stop], 0.5 * (1.0 + ab) + 0.5 * hb * (1.0 - ab * ab) * du, out=g)
             return
-        _exact_gelu_backward_chunk(dyf[start:stop], hb, ab, g, g, True)   # phi(h) not kept: in dh's array
+        _exact_gelu_backward_chunk(xp, dyf[start:stop], hb, ab, g, g, True)   # phi(h) not kept: in dh's array
 
     for_rows(block, dyf.size, dyf.size, dy)
     return dh.reshape(dy.shape)
 
 
-def _exact_gelu_backward_chunk(dy, h, cdf, density, dh, form):
+def _exact_gelu_backward_chunk(xp, dy, h, cdf, density, dh, form):
     """The exact GELU's dh = dy (Phi(h) + h phi(h)) of one chunk into `dh`, phi(h) first formed into
     `density` when `form` (`density` may be dh's own array: phi(h) then not kept)."""
-    xp = backend.get_array_module(h)
     if form:
         xp.multiply(h, h, out=density)                              # phi(h) = exp(-h^2/2) / sqrt(2 pi)
         density *= -0.5
@@ -150,10 +169,9 @@ def _exact_gelu_backward_chunk(dy, h, cdf, density, dh, form):
 
 
 @gelu_backward_density.register("cpu", splits_reference=True)
-def gelu_backward_density_cpu(dy, h, cdf, density=None):
+def gelu_backward_density_cpu(xp, dy, h, cdf, density=None):
     """The reference on flat blocks of entries in cache-sized chunks: phi(h) (when formed here) and
     dh of a chunk while it is in the cache."""
-    xp = backend.get_array_module(h)
     dyf, hf, cf = dy.reshape(-1), h.reshape(-1), cdf.reshape(-1)
     dh = xp.empty_like(hf)
     form = density is None
@@ -161,26 +179,25 @@ def gelu_backward_density_cpu(dy, h, cdf, density=None):
 
     @in_cache_chunks
     def block(start, stop):
-        _exact_gelu_backward_chunk(dyf[start:stop], hf[start:stop], cf[start:stop], phi[start:stop], dh[start:stop],
-                                   form)
+        _exact_gelu_backward_chunk(xp, dyf[start:stop], hf[start:stop], cf[start:stop], phi[start:stop],
+                                   dh[start:stop], form)
 
     for_rows(block, hf.size, hf.size, h)
     return dh.reshape(h.shape), phi.reshape(h.shape)
 
 
-@dropout_forward.register("cpu", supports=lambda x, seed, offset, p, state=None: state is None and p < 1.0)
-def dropout_forward_cpu(x, seed, offset, p, state=None):
+@dropout_forward.register("cpu", supports=lambda xp, x, seed, offset, p, state=None: state is None and p < 1.0)
+def dropout_forward_cpu(xp, x, seed, offset, p, state=None):
     """The mask drawn and applied chunk by chunk while it is in the cache, in blocks on the threads
     (random.for_keep_chunks)."""
-    return dropout_apply_cpu(x, seed, offset, p)
+    return dropout_apply_cpu(xp, x, seed, offset, p)
 
 
-def dropout_apply_cpu(x, seed, offset, p, residual=None):
+def dropout_apply_cpu(xp, x, seed, offset, p, residual=None):
     """(x * keep / (1 - p) (+ residual), keep) on the CPU in cache-sized chunks: each chunk's mask
     is copied out for the backward and applied as the multiplier m = keep / (1 - p) (a chunk-sized
     buffer): x * m has the bits of (x * keep) / (1 - p), a kept entry being x / (1 - p) and a
     dropped one x * 0 either way."""
-    xp = backend.get_array_module(x)
     xf = x.reshape(-1)
     rf = None if residual is None else residual.reshape(-1)
     y, keep = xp.empty_like(xf), xp.empty(x.size, dtype=bool)
@@ -198,11 +215,10 @@ def dropout_apply_cpu(x, seed, offset, p, residual=None):
     return y.reshape(x.shape), keep.reshape(x.shape)
 
 
-@dropout_backward.register("cpu", supports=lambda dy, keep, seed, offset, p, state=None: keep is not None)
-def dropout_backward_cpu(dy, keep, seed, offset, p, state=None):
+@dropout_backward.register("cpu", supports=lambda xp, dy, keep, seed, offset, p, state=None: keep is not None)
+def dropout_backward_cpu(xp, dy, keep, seed, offset, p, state=None):
     """dy * m, m = keep / (1 - p) made chunk by chunk in the cache (the bits of (dy * keep) / (1 - p)),
     in flat blocks on the threads."""
-    xp = backend.get_array_module(dy)
     df, kf = dy.reshape(-1), keep.reshape(-1)
     dx = xp.empty_like(df)
     scale = dropout_scale(p)
@@ -217,11 +233,10 @@ def dropout_backward_cpu(dy, keep, seed, offset, p, state=None):
     return dx.reshape(dy.shape)
 
 
-@elementwise_product.register("cpu", splits_reference=True, supports=lambda a, b, scale=None:
+@elementwise_product.register("cpu", splits_reference=True, supports=lambda xp, a, b, scale=None:
                               a.size >= threads.MIN_PARALLEL_ENTRIES)
-def elementwise_product_cpu(a, b, scale=None):
+def elementwise_product_cpu(xp, a, b, scale=None):
     """The reference in flat blocks (into a new contiguous array)."""
-    xp = backend.get_array_module(a)
     out = xp.empty(a.shape, dtype=a.dtype)
     af, bf, of = a.reshape(-1), b.reshape(-1), out.reshape(-1)
 
@@ -239,25 +254,38 @@ def _flat(a):
 
 
 @gelu_double_backward.register("cpu", splits_reference=True)
-def gelu_double_backward_cpu(g, dy, h, aux, kind, need_dy, need_h):
-    """The reference on flat blocks of entries (elementwise)."""
-    ddy, dh = on_row_blocks(gelu_double_backward.reference, (*map(_flat, (g, dy, h, aux)), kind, need_dy, need_h),
-                            (0, 1, 2, 3), ("rows", "rows"), g)
+def gelu_double_backward_cpu(xp, g, dy, h, aux, kind, need_dy, need_h):
+    """The reference on flat blocks of entries (elementwise), each in cache-sized chunks."""
+    g_, dy_, h_, aux_ = (a.reshape(-1) for a in (g, dy, h, aux))
+    dtype = xp.result_type(g, dy, h, aux)
+    ddy = xp.empty(h.size, dtype=dtype) if need_dy else None
+    dh = xp.empty(h.size, dtype=dtype) if need_h else None
+
+    @in_cache_chunks
+    def block(start, stop):
+        part = slice(start, stop)
+        ddy_part, dh_part = math.gelu_double_backward(xp, g_[part], dy_[part], h_[part], aux_[part], kind,
+                                                      need_dy, need_h)
+        if need_dy:
+            ddy[part] = ddy_part
+        if need_h:
+            dh[part] = dh_part
+
+    for_rows(block, h.size, h.size, h)
     return tuple(None if a is None else a.reshape(h.shape) for a in (ddy, dh))
 
 
 @gelu_backward_jvp.register("cpu", splits_reference=True)
-def gelu_backward_jvp_cpu(dy, h, aux, t_dy, t_h, kind, density=None):
+def gelu_backward_jvp_cpu(xp, dy, h, aux, t_dy, t_h, kind, density=None):
     """The reference on flat blocks of entries (elementwise), each in cache-sized chunks: its dozen
     passes over a chunk while it is in the cache."""
-    xp = backend.get_array_module(h)
     flat = [_flat(a) for a in (dy, h, aux, t_dy, t_h, density)]
     t_dh = xp.empty(h.size, dtype=h.dtype)
 
     @in_cache_chunks
     def block(start, stop):
         dy_, h_, aux_, t_dy_, t_h_, density_ = (None if a is None else a[start:stop] for a in flat)
-        t_dh[start:stop] = gelu_backward_jvp.reference(dy_, h_, aux_, t_dy_, t_h_, kind, density_)
+        t_dh[start:stop] = math.gelu_backward_jvp(xp, dy_, h_, aux_, t_dy_, t_h_, kind, density_)
 
     for_rows(block, h.size, h.size, h)
     return t_dh.reshape(h.shape)
