@@ -7,7 +7,7 @@ from .activation import dropout, gelu, relu
 from .attention import attention_backend, scaled_dot_product_attention, split_heads
 from .embedding import embedding
 from .linear import linear
-from .loss import cross_entropy
+from .cross_entropy import cross_entropy
 from .normalization import layer_norm
 from .residual import dropout_add
 from .rotary import apply_rotary_emb, rotary_cos_sin
