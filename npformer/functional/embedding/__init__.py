@@ -39,15 +39,16 @@ class EmbeddingFunction(Function):
 
     @staticmethod
     def differentiable_backward(ctx, dout):
+        xp = backend.get_array_module(ctx.ids)
         ids = ctx.ids.reshape(-1)                         # (N,)
         # dweight = the scatter-add of dout's rows at ids: linear in dout, and no function of weight, so
         #   d/d(dout) <dweight, U> = U[ids] (the lookup again), and no second derivative in weight
         rows = dout.reshape(ids.shape[0], dout.shape[-1])
         dweight = ScatterAddRowsFunction.apply(rows, ids=ids, num_rows=ctx.num_embeddings)
         if ctx.scale_grad_by_freq:  # dweight[v] / count(v): a constant factor per row
-            dweight = dweight / Tensor(math.id_counts(backend.get_array_module(ids), ids, ctx.num_embeddings, rows.dtype))
+            dweight = dweight / Tensor(math.id_counts(xp, ids, ctx.num_embeddings, rows.dtype))
         if ctx.padding_idx is not None:
-            is_padding = backend.get_array_module(ids).arange(ctx.num_embeddings)[:, None] == ctx.padding_idx
+            is_padding = xp.arange(ctx.num_embeddings)[:, None] == ctx.padding_idx
             dweight = where(is_padding, 0, dweight)
         return dweight
 

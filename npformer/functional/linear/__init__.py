@@ -41,7 +41,7 @@ class LinearFunction(Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, values=None, tangent_from=None):
-        x2d = x.reshape(prod(x.shape[:-1]), x.shape[-1])         # (N, in), a view when x is contiguous (not -1: in may be 0)
+        x2d = x.reshape(prod(x.shape[:-1]), x.shape[-1])    # (N, in), a view when x is contiguous (not -1: in may be 0)
         xp = backend.get_array_module(x2d)
         if values is not None:
             # h = x W^T + b formed again by tangent_from's differentiable backward: its values, no GEMM
