@@ -137,7 +137,7 @@ cmp(ce, "logits", dlogits)
 #   \text{dloss} / N$$
 #
 # Nine lines become one, with no division by `probs` (which underflow to 0 for very negative
-# logits). This is what `CrossEntropyFunction` in `npformer/functional/loss.py` computes.
+# logits). This is what `CrossEntropyFunction` in `npformer/functional/cross_entropy/` computes.
 
 # %%
 def softmax(x):

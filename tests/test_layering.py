@@ -83,6 +83,20 @@ def test_imports_point_left_and_op_math_uses_the_backend_switch(path):
             assert layer_of(imported) <= own_layer, f"{where}: a layer imports from one to its right"
 
 
+MATH_FILES = sorted((ROOT / "npformer" / "functional").glob("*/math.py"))
+
+
+@pytest.mark.parametrize("path", MATH_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_math_files_import_no_engine(path):
+    """An op folder's math.py is the formulas alone, on the `xp` it is given: it imports nothing
+    from the core (autograd: Tensor, Function, the backend) or the runtime (kernel tables,
+    threads); only the standard library and other ops' math modules."""
+    for imported, line, _ in imports(path):
+        where = f"{path.relative_to(ROOT)}:{line} imports {imported}"
+        assert not any(imported == p or imported.startswith(p + ".") for p in ("autograd", "npformer.runtime")), \
+            f"{where}: math.py takes xp as a parameter and imports no engine"
+
+
 def test_importing_npformer_imports_no_optional_package():
     """torch, transformers and safetensors load only when a function that needs them is called."""
     code = ("import sys, npformer, npformer.interop, npformer.models, npformer.safetensors_file; "

@@ -9,7 +9,7 @@ from .attention import attention_backend, scaled_dot_product_attention, split_he
 from .embedding import embedding
 from .layer_norm import layer_norm
 from .linear import linear
-from .loss import cross_entropy
+from .cross_entropy import cross_entropy
 from .dropout_add import dropout_add
 from .rotary import apply_rotary_emb, rotary_cos_sin
 

@@ -11,8 +11,9 @@ from autograd.checks import check_bool, check_real, check_shape
 from .activation import TANH_C, TANH_K, dropout_mask, dropout_scale
 from .activation.erf import BOUNDS, SQRT_2, erf_far, erf_middle, erf_near, erf_small
 from .attention import _lead_shape, _prepare_mask, causal_blocked
-from .embedding import check_embedding_options, id_counts, renormalize_rows
-from .loss import classes_last, is_probability_target, probability_cross_entropy, probability_target
+from .cross_entropy import classes_last, is_probability_target, probability_cross_entropy, probability_target
+from .embedding import check_embedding_options
+from .embedding.math import id_counts, renormalize_rows
 from ._common import _twins, on_device_of
 from .dropout_add import check_dropout_add
 from .rotary import rotary_tables
@@ -110,9 +111,9 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     ids = on_device_of(input, w.data, "input", "embedding")
     max_norm, norm_type, scale_grad_by_freq = check_embedding_options(max_norm, norm_type, scale_grad_by_freq)
     if max_norm is not None:  # in place, outside the graph, as F.embedding
-        renormalize_rows(w.data, ids, max_norm, norm_type)
+        renormalize_rows(w.xp, w.data, ids, max_norm, norm_type)
     if scale_grad_by_freq:  # the value of w, the gradient of w times 1 / count(id): w0 + (w - w0) s, w0 constant
-        w = w.detach() + (w - w.detach()) * Tensor(id_counts(ids.reshape(-1), w.shape[0], w.dtype) ** -1.0)
+        w = w.detach() + (w - w.detach()) * Tensor(id_counts(w.xp, ids.reshape(-1), w.shape[0], w.dtype) ** -1.0)
     if padding_idx is not None:  # the padding row enters as a constant: zero gradient
         is_pad = w.xp.arange(w.shape[0])[:, None] == padding_idx % w.shape[0]
         w = where(is_pad, w.detach(), w)

@@ -55,7 +55,7 @@ FAMILIES = [
     _op("dropout_add", ("F.dropout_add",), "dropout_add/", ("DropoutAddFunction",), "Dropout + residual"),
     _op("softmax", ("F.softmax", "F.log_softmax"), "softmax/", ("SoftmaxFunction", "LogSoftmaxFunction"),
         "Softmax"),
-    _op("cross_entropy", ("F.cross_entropy",), "loss.py", ("CrossEntropyFunction",), "Cross-entropy"),
+    _op("cross_entropy", ("F.cross_entropy",), "cross_entropy/", ("CrossEntropyFunction",), "Cross-entropy"),
     _op("layer_norm", ("F.layer_norm", "nn.LayerNorm"), "layer_norm/", ("LayerNormFunction",), "LayerNorm"),
     _op("embedding", ("F.embedding", "nn.Embedding"), "embedding.py", ("EmbeddingFunction",), "Embedding"),
     _op("attention", ("F.scaled_dot_product_attention", "F.attention_backend"), "attention.py",

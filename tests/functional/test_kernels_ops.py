@@ -66,7 +66,7 @@ def test_cuda_row_kernels_leave_rows_of_2_31_entries_to_the_reference():
     """The row kernels take the row length as an int (np.int32(n) raised OverflowError at the
     launch, and i += blockDim.x overflows near 2^31): such rows go to the reference."""
     from npformer.functional.embedding import scatter_add_rows
-    from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
+    from npformer.functional.cross_entropy import cross_entropy_backward, cross_entropy_forward
     from npformer.functional.layer_norm import layer_norm_backward, layer_norm_forward
     from npformer.functional.softmax import (log_softmax_backward, log_softmax_forward, softmax_backward,
                                              softmax_forward)
@@ -74,10 +74,10 @@ def test_cuda_row_kernels_leave_rows_of_2_31_entries_to_the_reference():
         x, t, ones = claims((1, n)), np.zeros(1, np.int64), np.ones(1, bool)
         w, rstd = claims((n,)), np.ones((1, 1), np.float32)
         calls = [(softmax_forward, np, x, -1), (softmax_backward, np, x, x, -1), (log_softmax_forward, np, x, -1),
-                 (log_softmax_backward, np, x, x, -1), (cross_entropy_forward, x, t, ones, None, 0.0),
-                 (cross_entropy_backward, x, t, None, 0.0, np.ones(1, np.float32)),
+                 (log_softmax_backward, np, x, x, -1), (cross_entropy_forward, np, x, t, ones, None, 0.0),
+                 (cross_entropy_backward, np, x, t, None, 0.0, np.ones(1, np.float32)),
                  (layer_norm_forward, np, x, w, w, 1e-5), (layer_norm_backward, np, x, x, rstd, w, True, True, True),
-                 (scatter_add_rows, t, x, 1)]
+                 (scatter_add_rows, np, t, x, 1)]
         supported = {table.__name__: table.implementations["cuda"][1](*args) for table, *args in calls}
         assert supported == dict.fromkeys(supported, expected), n    # (no repr of the arrays: never read them)
 

@@ -115,7 +115,7 @@ def test_scatter_add_rows_equals_add_at():
     rows = rng.standard_normal((2000, 8))
     expected = np.zeros((60, 8))
     np.add.at(expected, ids, rows)
-    np.testing.assert_allclose(scatter_add_rows(ids, rows, 60), expected, atol=1e-12)
+    np.testing.assert_allclose(scatter_add_rows(np, ids, rows, 60), expected, atol=1e-12)
 
 
 @pytest.mark.parametrize("padding_idx", [1, -1])

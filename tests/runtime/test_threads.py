@@ -296,7 +296,7 @@ def test_products_too_small_to_split_run_on_blas_threads_and_give_them_back(rest
     x = rng.standard_normal((256, 64)).astype(np.float32)       # 256 * 64 * 128 = 2^21 multiply-adds
     w = rng.standard_normal((128, 64)).astype(np.float32)
     dy = rng.standard_normal((256, 128)).astype(np.float32)
-    args = (x, w, None) if direction == "forward" else (dy, x, w, True, True, True)
+    args = (np, x, w, None) if direction == "forward" else (np, dy, x, w, True, True, True)
     assert threads.MIN_BLAS_THREADS_MACS <= 256 * 64 * 128 < threads.MIN_PARALLEL_MACS
     assert dy.size + x.size < threads.MIN_PARALLEL_ENTRIES
     seen, reference = [], table.reference

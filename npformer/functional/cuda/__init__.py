@@ -133,4 +133,4 @@ def entry_grid(size, threads):
     return max(1, min(-(-size // threads), MAX_ENTRY_BLOCKS))
 
 
-from . import adam, cross_entropy, embedding, flash_attention  # noqa: E402,F401
+from . import adam, flash_attention  # noqa: E402,F401

@@ -1,7 +1,7 @@
 // Log-softmax and cross-entropy over the rows of a contiguous (rows, C) array of logits: one thread
 // block per row for the forwards, one thread per entry for the cross-entropy backward. The CUDA
 // twin of log_softmax_forward / log_softmax_backward (npformer/functional/softmax/math.py) and
-// cross_entropy_forward / cross_entropy_backward (npformer/functional/loss.py), the references
+// cross_entropy_forward / cross_entropy_backward (npformer/functional/cross_entropy/math.py), the references
 // these kernels are tested against; the derivations are in docs/backprop.md.
 #include "reduce.cuh"
 

@@ -1,6 +1,6 @@
 // The backward of an embedding lookup, a scatter-add of rows: dweight[ids[r]] += dout[r] for every
 // row r, with atomic adds (rows with the same id meet in dweight). The CUDA twin of
-// scatter_add_rows in npformer/functional/embedding.py (the reference it is tested against).
+// scatter_add_rows in npformer/functional/embedding/math.py (the reference it is tested against).
 //
 // Forward: out[r] = weight[ids[r]], so d out[r] / d weight[v] = [ids[r] == v] and
 //   dweight[v] = sum over r with ids[r] == v of dout[r].

@@ -10,9 +10,9 @@ import pytest
 from npformer.runtime import kernels
 
 # the modules (npformer.functional's attributes of these names are the ops)
-activation, adam, attention, dropout_add, embedding, linear, loss, normalization, softmax = (
+activation, adam, attention, cross_entropy, dropout_add, embedding, linear, normalization, softmax = (
     importlib.import_module(f"npformer.functional.{name}") for name in
-    ("activation", "adam", "attention", "dropout_add", "embedding", "linear", "loss", "layer_norm", "softmax"))
+    ("activation", "adam", "attention", "cross_entropy", "dropout_add", "embedding", "linear", "layer_norm", "softmax"))
 
 
 def _softmax_rows(rng, shape):
@@ -100,18 +100,21 @@ def cases(rng):
                                                    True, 0.4, 2, None, False)
     yield attention.attention_keep_mask, (q, (2, 3, 4, 6), 0.3, 7, 11, True)
     yield attention.split_heads_backward, (zeros(2, 3, 2, 2, 4), [rng.standard_normal((2, 2, 3, 4)) for _ in range(2)])
-    yield embedding.scatter_add_rows, (rng.integers(0, 4, 10), rng.standard_normal((10, 3)), 4)
-    yield linear.linear_forward, (x, w, rng.standard_normal(3))
-    yield linear.linear_forward, (x, w, None)
-    yield linear.linear_tangent, (x, w, rng.standard_normal(x.shape), rng.standard_normal(w.shape), rng.standard_normal(3))
-    yield linear.linear_tangent, (x, w, rng.standard_normal(x.shape), rng.standard_normal(w.shape), None)
+    yield embedding.scatter_add_rows, (np, rng.integers(0, 4, 10), rng.standard_normal((10, 3)), 4)
+    yield linear.linear_forward, (np, x, w, rng.standard_normal(3))
+    yield linear.linear_forward, (np, x, w, None)
+    yield linear.linear_tangent, (np, x, w, rng.standard_normal(x.shape), rng.standard_normal(w.shape),
+                                  rng.standard_normal(3))
+    yield linear.linear_tangent, (np, x, w, rng.standard_normal(x.shape), rng.standard_normal(w.shape), None)
     short, deep = rng.standard_normal((3, 8)), rng.standard_normal((4, 8))   # fewer rows than depth: dW's tangent
-    yield linear.linear_tangent, (short, deep, rng.standard_normal(short.shape), rng.standard_normal(deep.shape), None)
+    yield linear.linear_tangent, (np, short, deep, rng.standard_normal(short.shape), rng.standard_normal(deep.shape),
+                                  None)
     for needs in [(True, True, True), (True, False, False), (False, True, True), (False, False, True)]:
-        yield linear.linear_backward, (rng.standard_normal((6, 3)), x, w, *needs)
+        yield linear.linear_backward, (np, rng.standard_normal((6, 3)), x, w, *needs)
     for weight in (None, rng.random(5)):
-        yield loss.cross_entropy_forward, (logits, target, valid, weight, 0.1)
-        yield loss.cross_entropy_backward, (_softmax_rows(rng, (6, 5)), target, weight, 0.1, rng.standard_normal(6))
+        yield cross_entropy.cross_entropy_forward, (np, logits, target, valid, weight, 0.1)
+        yield cross_entropy.cross_entropy_backward, (np, _softmax_rows(rng, (6, 5)), target, weight, 0.1,
+                                                     rng.standard_normal(6))
     yield normalization.layer_norm_forward, (np, ln_x, ln_w, ln_b, 1e-5)
     yield normalization.layer_norm_forward, (np, ln_x, None, None, 1e-5)
     ln_dy, ln_u, ln_t = (rng.standard_normal(ln_x.shape) for _ in range(3))

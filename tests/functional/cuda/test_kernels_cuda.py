@@ -15,7 +15,7 @@ from npformer import optim
 from npformer.functional.activation import bias_activation_backward, bias_activation_forward, dropout_backward
 from npformer.functional.adam import AdamSettings, adam_update
 from npformer.functional.embedding import scatter_add_rows
-from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
+from npformer.functional.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from npformer.functional.layer_norm import layer_norm_backward, layer_norm_forward
 from npformer.functional.dropout_add import dropout_add_forward
 from npformer.functional.softmax import log_softmax_backward, log_softmax_forward, softmax_backward, softmax_forward
@@ -80,10 +80,11 @@ def test_cross_entropy_kernels_equal_their_references(c, smoothing, weighted, dt
     weight = rng.uniform(0.5, 2, c).astype(dtype) if weighted else None
     dloss = np.where(valid, rng.standard_normal(m), 0).astype(dtype)
     logits, target, valid, weight, dloss = on_cuda(logits, np.where(valid, target, 0), valid, weight, dloss)
-    (loss, probs), (loss_ref, probs_ref) = both(cross_entropy_forward, logits, target, valid, weight, smoothing)
+    (loss, probs), (loss_ref, probs_ref) = both(cross_entropy_forward, backend.module_for("cuda"), logits, target, valid, weight,
+                                                                 smoothing)
     close(probs, probs_ref, dtype, c)
     close(loss, loss_ref, dtype, c, 40)
-    close(*both(cross_entropy_backward, probs_ref, target, weight, smoothing, dloss), dtype, c, 4)
+    close(*both(cross_entropy_backward, backend.module_for("cuda"), probs_ref, target, weight, smoothing, dloss), dtype, c, 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,7 +101,7 @@ def test_activation_dropout_embedding_adam_kernels_equal_their_references(kind, 
     np.testing.assert_array_equal(*map(backend.as_numpy, both(dropout_backward, xp, dy, None, *stream)))
     if x.size:
         ids = backend.to_device(rng.integers(0, 4, shape[0]), "cuda")
-        close(*both(scatter_add_rows, ids, x, 4), dtype, shape[0], 4)
+        close(*both(scatter_add_rows, backend.module_for("cuda"), ids, x, 4), dtype, shape[0], 4)
     settings = AdamSettings(0.1, 0.98, 0.02, 1e-8, 0.01, "decoupled", 1e-3 / (1 - 0.9 ** 3), math.sqrt(1 - 0.98 ** 3),
                             1 - 1e-5)
     ours = [a.copy() for a in (x, dy, x, abs(dy))]

@@ -14,7 +14,7 @@ from npformer.functional.activation import (bias_activation_backward, bias_activ
                                             dropout_forward)
 from npformer.functional.adam import AdamSettings, adam_update
 from npformer.functional.embedding import scatter_add_rows
-from npformer.functional.loss import cross_entropy_backward, cross_entropy_forward
+from npformer.functional.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from npformer.functional.layer_norm import layer_norm_backward, layer_norm_forward
 from npformer.functional.dropout_add import dropout_add_forward
 from npformer.functional.softmax import (log_softmax_backward, log_softmax_forward, softmax_backward,
@@ -124,14 +124,14 @@ def test_cross_entropy_kernels(c, dtype, smoothing, weighted, rng):
     valid[[2, 5]] = False                                   # ignore_index rows (their target is 0)
     target[~valid] = 0
     weight = rng.uniform(0.5, 2.0, c).astype(dtype) if weighted else None
-    loss_ref, probs_ref = cross_entropy_forward.reference(logits, target, valid, weight, smoothing)
-    loss, probs = cuda(cross_entropy_forward, logits, target, valid, weight, smoothing)
+    loss_ref, probs_ref = cross_entropy_forward.reference(np, logits, target, valid, weight, smoothing)
+    loss, probs = cuda(cross_entropy_forward, np, logits, target, valid, weight, smoothing)
     close(probs, probs_ref, tolerance(dtype, c))
     close(loss, loss_ref, tolerance(dtype, c, 40))
     assert (loss[~valid] == 0).all()
     dloss = np.where(valid, rng.standard_normal(m), 0).astype(dtype)
-    close(cuda(cross_entropy_backward, probs_ref, target, weight, smoothing, dloss),
-          cross_entropy_backward.reference(probs_ref, target, weight, smoothing, dloss), tolerance(dtype, c, 4))
+    close(cuda(cross_entropy_backward, np, probs_ref, target, weight, smoothing, dloss),
+          cross_entropy_backward.reference(np, probs_ref, target, weight, smoothing, dloss), tolerance(dtype, c, 4))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -193,8 +193,9 @@ def test_dropout_kernels_keep_the_shape_of_a_0d_array(dtype):
 def test_embedding_backward_kernel(dim, dtype, rng):
     ids = rng.integers(0, 6, 40)                            # many repeats: atomic adds meet
     rows = rng.standard_normal((40, dim)).astype(dtype)
-    close(cuda(scatter_add_rows, ids, rows, 6), scatter_add_rows.reference(ids, rows, 6), tolerance(dtype, 40, 4))
-    assert not cuda(scatter_add_rows, ids[:0], rows[:0], 6).any()
+    close(cuda(scatter_add_rows, np, ids, rows, 6), scatter_add_rows.reference(np, ids, rows, 6),
+          tolerance(dtype, 40, 4))
+    assert not cuda(scatter_add_rows, np, ids[:0], rows[:0], 6).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,80 +1,56 @@
 """Affine map y = x W^T + b as one 2-D GEMM, optionally followed by an activation (a fused epilogue)."""
 from __future__ import annotations
 
-import math
 import weakref
+from math import prod
 
 from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from npformer.runtime.kernels import kernel_table
 
-from ._common import added_into, check_one_dtype, check_tensor, has_twin
-from .activation import (ACTIVATIONS, activation_tangent, bias_activation_backward, bias_activation_forward,
-                         bias_activation_grad)
+from .._common import check_one_dtype, check_tensor, has_twin
+from ..activation import (ACTIVATIONS, activation_tangent, bias_activation_backward, bias_activation_forward,
+                          bias_activation_grad)
+from . import math
 
 
-@kernel_table
-def linear_forward(x, weight, bias):
-    """x (N, in), weight (out, in), bias (out,) or None -> y (N, out) = x W^T + b."""
-    y = x @ weight.T                                             # (N, out)
-    if bias is not None:
-        y += bias
-    return y
-
-
-@kernel_table
-def linear_backward(dy, x, weight, need_x, need_w, need_b):
-    """dy (N, out), x (N, in), weight (out, in) -> (dx (N, in), dweight (out, in), dbias (out,)),
-    each None when not needed."""
-    xp = backend.get_array_module(dy)
-    # y = x W^T  ->  dx = dy W
-    dx = dy @ weight if need_x else None                         # (N, in)
-    # y = x W^T  ->  dW = dy^T x
-    dweight = dy.T @ x if need_w else None                       # (out, in)
-    # y = x W^T + b  ->  db = sum over rows of dy, as 1^T dy (a BLAS product, ~3x faster than
-    # numpy's column sums)
-    dbias = xp.ones(dy.shape[0], dtype=dy.dtype) @ dy if need_b else None   # (out,)
-    return dx, dweight, dbias
-
-
-@kernel_table
-def linear_tangent(x, weight, t_x, t_weight, t_bias):
-    """x (N, in), weight (out, in) and their tangents t_x (N, in), t_weight (out, in), t_bias (out,),
-    each None (at least one given) -> t_h (N, out), the tangent of h = x W^T + b."""
-    xp = backend.get_array_module(x)
-    t_h = None
-    # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b
-    if t_x is not None:
-        t_h = t_x @ weight.T
-    if t_weight is not None:
-        t_h = added_into(t_h, x @ t_weight.T)
-    if t_bias is not None:
-        t_h = xp.broadcast_to(t_bias, (x.shape[0], weight.shape[0])).copy() if t_h is None else added_into(t_h, t_bias)
-    return t_h
+# the kernel tables: math.py's formulas as the reference, the CPU's threaded GEMMs (cpu.py) beside them
+linear_forward = kernel_table(math.linear_forward)
+linear_backward = kernel_table(math.linear_backward)
+linear_tangent = kernel_table(math.linear_tangent)
 
 
 class LinearFunction(Function):
     """x (..., in), weight (out, in), bias (out,) or None -> y (..., out) = act(x W^T + b).
 
     h = x W^T + b,  y = act(h):  dh = dy act'(h),  dx = dh W,  dW = dh^T x,  db = sum of dh over all
-    rows (with x, dy flattened to 2-D). With an activation, bias and activation run as one kernel
-    after the GEMM (bias_activation_forward). The kernel tables linear_forward / linear_backward
-    run the GEMMs (cpu: split across the threads of `npformer.runtime.threads`, see
-    npformer/functional/cpu/linear.py).
+    rows (with x, dy flattened to 2-D; the formulas: math.py). With an activation, bias and
+    activation run as one kernel after the GEMM (bias_activation_forward). The kernel tables
+    linear_forward / linear_backward / linear_tangent run the GEMMs (cpu: split across the threads of
+    `npformer.runtime.threads`, see cpu.py).
+
+    A differentiable backward through a smooth activation forms h again in the graph, as a node of
+    this op made from the values the forward kept (`values=`: no GEMM). Forward over reverse then asks
+    that node for t_h, which the first node's jvp has just computed; the two nodes hand it over
+    through their ctx:
+      - the node of h holds `ctx.tangent_from`, a weak reference to the first node's ctx;
+      - the first node's jvp leaves `ctx.pre_activation_tangent = (tangents, t_h)` there;
+      - the node of h's jvp takes t_h from it once (`_take_pre_activation_tangent`) when its
+        tangents are the same objects, else computes t_h itself.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, values=None, tangent_from=None):
-        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])   # (N, in), a view when x is contiguous (not -1: in may be 0)
-        if values is not None:  # h = x W^T + b already computed (by the forward whose differentiable backward
-            y2d = values        # forms h again in the graph): its node without the GEMM, and its tangent
-            # that forward's ctx (a weak reference: this node does not keep it alive), where its jvp left t_h
-            ctx.tangent_from = None if tangent_from is None else weakref.ref(tangent_from)
+        x2d = x.reshape(prod(x.shape[:-1]), x.shape[-1])    # (N, in), a view when x is contiguous (not -1: in may be 0)
+        xp = backend.get_array_module(x2d)
+        if values is not None:
+            # h = x W^T + b formed again by tangent_from's differentiable backward: its values, no GEMM
+            y2d = values
+            ctx.tangent_from = None if tangent_from is None else weakref.ref(tangent_from)  # not kept alive
         elif activation is None:
-            y2d = linear_forward(x2d, weight, bias)              # (N, out)  y = x W^T + b
+            y2d = linear_forward(xp, x2d, weight, bias)          # (N, out)  y = x W^T + b
         else:  # y = act(x W^T + b): the bias and the activation in one pass after the GEMM
-            xp = backend.get_array_module(x2d)
-            y2d, ctx.activation_saved = bias_activation_forward(xp, linear_forward(x2d, weight, None), bias, activation)
+            y2d, ctx.activation_saved = bias_activation_forward(xp, linear_forward(xp, x2d, weight, None), bias, activation)
         ctx.save_for_backward(x2d, weight)
         ctx.x_shape, ctx.activation = x.shape, activation
         ctx.bias = bias  # for the differentiable backward, which forms h again in the graph
@@ -84,10 +60,11 @@ class LinearFunction(Function):
     def backward(ctx, dy):
         x2d, weight = ctx.saved_tensors
         dy2d = dy.reshape(x2d.shape[0], weight.shape[0])         # (N, out)
+        xp = backend.get_array_module(dy2d)
         if ctx.activation is not None:
             # y = act(h)  ->  dh = dy act'(h); below, dy stands for dh
-            dy2d = bias_activation_backward(backend.get_array_module(dy2d), dy2d, ctx.activation_saved, ctx.activation)
-        dx2d, dweight, dbias = linear_backward(dy2d, x2d, weight, *ctx.needs_input_grad)
+            dy2d = bias_activation_backward(xp, dy2d, ctx.activation_saved, ctx.activation)
+        dx2d, dweight, dbias = linear_backward(xp, dy2d, x2d, weight, *ctx.needs_input_grad)
         return (dx2d.reshape(ctx.x_shape) if dx2d is not None else None), dweight, dbias
 
     @staticmethod
@@ -124,23 +101,37 @@ class LinearFunction(Function):
     @staticmethod
     def jvp(ctx, t_x, t_weight, t_bias):
         x2d, weight = ctx.saved_tensors                                   # (N, in), (out, in)
+        y_shape = ctx.x_shape[:-1] + (weight.shape[0],)
         tangents = (t_x, t_weight, t_bias)
-        source = getattr(ctx, "tangent_from", None)  # h formed again by a differentiable backward
-        source = None if source is None else source()
-        reused = getattr(source, "pre_activation_tangent", None)
-        if reused is not None and all(a is b for a, b in zip(reused[0], tangents)):
-            # the same x, W, b moving along the same tangents: the forward's jvp computed this t_h; taken once
-            del source.pre_activation_tangent
-            return reused[1].reshape(ctx.x_shape[:-1] + (weight.shape[0],))
+        t_h = _take_pre_activation_tangent(ctx, tangents)
+        if t_h is not None:
+            return t_h.reshape(y_shape)
         # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b (its table: on the CPU split across the threads)
-        t_h = linear_tangent(x2d, weight, None if t_x is None else t_x.reshape(x2d.shape), t_weight, t_bias)
+        xp = backend.get_array_module(x2d)
+        t_h = linear_tangent(xp, x2d, weight, None if t_x is None else t_x.reshape(x2d.shape), t_weight, t_bias)
         if ctx.activation is None:
-            return t_h.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
-        if ctx.activation != "relu" and ctx.inputs is not None:  # recorded: its differentiable backward forms h
-            ctx.pre_activation_tangent = tangents, t_h                # again and takes t_h from here (above)
+            return t_h.reshape(y_shape)
+        if ctx.activation != "relu" and ctx.inputs is not None:
+            # recorded: its differentiable backward forms h again, whose jvp takes this t_h (class docstring)
+            ctx.pre_activation_tangent = tangents, t_h
         # y = act(h)  ->  t_y = act'(h) * t_h (the exact GELU keeps phi(h) for the differentiable backward)
         t_y = activation_tangent(ctx, t_h, ctx.activation)
-        return t_y.reshape(ctx.x_shape[:-1] + (weight.shape[0],))
+        return t_y.reshape(y_shape)
+
+
+def _take_pre_activation_tangent(ctx, tangents):
+    """t_h left by the node whose differentiable backward formed this node's h again (LinearFunction's
+    docstring), when it moved the same x, W, b along the same tangents; taken once. Else None."""
+    source = getattr(ctx, "tangent_from", None)                 # set only on a node made with values=
+    source = None if source is None else source()               # the weak reference: None once freed
+    left = getattr(source, "pre_activation_tangent", None)
+    if left is None:
+        return None
+    left_tangents, t_h = left
+    if not all(a is b for a, b in zip(left_tangents, tangents)):
+        return None
+    del source.pre_activation_tangent
+    return t_h
 
 
 @has_twin
@@ -170,3 +161,6 @@ def linear(input: Tensor | Array, weight: Tensor | Array, bias: Tensor | Array |
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation must be None or one of {ACTIVATIONS}, got {activation!r}")
     return LinearFunction.apply(input, weight, bias, activation=activation)
+
+
+from . import cpu  # noqa: E402,F401  (register the fast variants)

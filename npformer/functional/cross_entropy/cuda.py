@@ -1,9 +1,11 @@
-"""Launchers of cross_entropy.cu: log-softmax along the last axis, and cross-entropy of (M, C) logits."""
+"""Launchers of npformer/functional/cuda/cross_entropy.cu: cross-entropy of (M, C) logits, and
+log-softmax along the last axis (the file's other kernels, registered with softmax's tables
+log_softmax_forward / log_softmax_backward, in their signature)."""
 from autograd import backend
 
-from ..loss import cross_entropy_backward, cross_entropy_forward
+from ..cuda import contiguous_floats, entry_grid, function, null, row_grid, row_shape, row_threads, short_rows
 from ..softmax import log_softmax_backward, log_softmax_forward
-from . import contiguous_floats, entry_grid, function, null, row_grid, row_shape, row_threads, short_rows
+from . import cross_entropy_backward, cross_entropy_forward
 
 THREADS = 256
 
@@ -35,10 +37,9 @@ def log_softmax_backward_cuda(xp, logp, dy, axis):
     return dx
 
 
-@cross_entropy_forward.register("cuda", supports=lambda logits, target, valid, weight, label_smoothing:
+@cross_entropy_forward.register("cuda", supports=lambda xp, logits, target, valid, weight, label_smoothing:
                                 short_rows(logits.shape[1]) and contiguous_floats(logits, weight))
-def cross_entropy_forward_cuda(logits, target, valid, weight, label_smoothing):
-    xp = backend.get_array_module(logits)
+def cross_entropy_forward_cuda(xp, logits, target, valid, weight, label_smoothing):
     m, c = logits.shape
     probs = xp.empty_like(logits)
     loss = xp.empty(m, dtype=logits.dtype)
@@ -52,10 +53,9 @@ def cross_entropy_forward_cuda(logits, target, valid, weight, label_smoothing):
     return loss, probs
 
 
-@cross_entropy_backward.register("cuda", supports=lambda probs, target, weight, label_smoothing, dloss:
+@cross_entropy_backward.register("cuda", supports=lambda xp, probs, target, weight, label_smoothing, dloss:
                                  short_rows(probs.shape[1]) and contiguous_floats(probs, weight, dloss))
-def cross_entropy_backward_cuda(probs, target, weight, label_smoothing, dloss):
-    xp = backend.get_array_module(probs)
+def cross_entropy_backward_cuda(xp, probs, target, weight, label_smoothing, dloss):
     m, c = probs.shape
     dlogits = xp.empty_like(probs)
     if probs.size:

@@ -1,17 +1,15 @@
 """Cross-entropy in blocks of rows on the threads of `npformer.runtime.threads` (the "cpu"
-implementations of loss.py's kernel tables)."""
-from autograd import backend
+implementations of the kernel tables cross_entropy_forward / cross_entropy_backward)."""
 from npformer.runtime.threads import for_rows
 
-from ..loss import cross_entropy_backward, cross_entropy_forward
 from ..softmax import stable_row_max
+from . import cross_entropy_backward, cross_entropy_forward
 
 
 @cross_entropy_forward.register("cpu")
-def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
+def cross_entropy_forward_cpu(xp, logits, target, valid, weight, label_smoothing):
     """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, the softmax
-    computed in the memory of probs."""
-    xp = backend.get_array_module(logits)
+    computed in the memory of probs (the rows' maxima by softmax's row_max table)."""
     m, c = logits.shape
     e = label_smoothing
     probs = xp.empty((m, c), dtype=logits.dtype)                # (M, C)
@@ -42,10 +40,9 @@ def cross_entropy_forward_cpu(logits, target, valid, weight, label_smoothing):
 
 
 @cross_entropy_backward.register("cpu")
-def cross_entropy_backward_cpu(probs, target, weight, label_smoothing, dloss):
+def cross_entropy_backward_cpu(xp, probs, target, weight, label_smoothing, dloss):
     """The reference's steps on blocks of rows on the threads of `npformer.runtime.threads`, the one-hot
     part of a subtracted at the target entries only."""
-    xp = backend.get_array_module(probs)
     m, c = probs.shape
     e = label_smoothing
     dloss = dloss[:, None]                                     # (M, 1)

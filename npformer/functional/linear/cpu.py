@@ -2,20 +2,22 @@
 the kernel tables linear_forward / linear_backward / linear_tangent): y, dx and the tangent t_h by
 blocks of rows, dW and db by blocks of output features, dx and dW side by side; products too small
 to split and big enough for numpy's BLAS threads (threads.MIN_BLAS_THREADS_MACS) whole on them."""
-from autograd import backend
 from npformer.runtime import threads
 from npformer.runtime.threads import for_rows, side_by_side
 
-from ..linear import linear_backward, linear_forward, linear_tangent
+from . import linear_backward, linear_forward, linear_tangent
+
+# t_h = t_x W^T + x t_W^T is split by blocks of rows when it has at least this many rows per unit
+# of the products' depth (in), else its two products run side by side (BENCHMARKS.md)
+TANGENT_ROW_BLOCKS_MIN_ROWS_PER_DEPTH = 1
 
 
-@linear_forward.register("cpu", splits_reference=True, supports=lambda x, weight, bias:
+@linear_forward.register("cpu", splits_reference=True, supports=lambda xp, x, weight, bias:
                          x.size * weight.shape[0] >= threads.MIN_BLAS_THREADS_MACS)
-def linear_forward_cpu(x, weight, bias):
+def linear_forward_cpu(xp, x, weight, bias):
     """The reference on blocks of rows of x and y; a product too small to split, whole on BLAS's threads."""
     if x.size * weight.shape[0] < threads.MIN_PARALLEL_MACS:
-        return threads.run_on_blas_threads(linear_forward.reference, x, weight, bias)
-    xp = backend.get_array_module(x)
+        return threads.run_on_blas_threads(linear_forward.reference, xp, x, weight, bias)
     y = xp.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)   # (N, out)
 
     def rows(start, stop):
@@ -28,15 +30,15 @@ def linear_forward_cpu(x, weight, bias):
     return y
 
 
-@linear_backward.register("cpu", splits_reference=True, supports=lambda dy, x, weight, *needs:
+@linear_backward.register("cpu", splits_reference=True,
+                          supports=lambda xp, dy, x, weight, need_x, need_w, need_b:
                           dy.size + x.size >= threads.MIN_PARALLEL_ENTRIES
                           or dy.size * x.shape[1] >= threads.MIN_BLAS_THREADS_MACS)
-def linear_backward_cpu(dy, x, weight, need_x, need_w, need_b):
+def linear_backward_cpu(xp, dy, x, weight, need_x, need_w, need_b):
     """The reference's dx on blocks of rows, dW and db on blocks of output features; products too
     small to split, whole on BLAS's threads."""
     if dy.size + x.size < threads.MIN_PARALLEL_ENTRIES:
-        return threads.run_on_blas_threads(linear_backward.reference, dy, x, weight, need_x, need_w, need_b)
-    xp = backend.get_array_module(dy)
+        return threads.run_on_blas_threads(linear_backward.reference, xp, dy, x, weight, need_x, need_w, need_b)
     dx = xp.empty_like(x) if need_x else None                                # (N, in)
     dweight = xp.empty_like(weight) if need_w else None                      # (out, in)
     dbias = xp.empty(weight.shape[0], dtype=dy.dtype) if need_b else None    # (out,)
@@ -65,20 +67,17 @@ def linear_backward_cpu(dy, x, weight, need_x, need_w, need_b):
     return dx, dweight, dbias
 
 
-@linear_tangent.register("cpu", splits_reference=True, supports=lambda x, weight, t_x, t_weight, t_bias:
+@linear_tangent.register("cpu", splits_reference=True, supports=lambda xp, x, weight, t_x, t_weight, t_bias:
                          t_x is not None and t_weight is not None
                          and x.size * weight.shape[0] >= threads.MIN_PARALLEL_MACS)
-def linear_tangent_cpu(x, weight, t_x, t_weight, t_bias):
+def linear_tangent_cpu(xp, x, weight, t_x, t_weight, t_bias):
     """The reference's two products t_x W^T and x t_W^T and their sum (and t_b), split two ways by
-    the shape (measured on 2 cores, gpt_char's 17 products of each kind, median of 30): a tall
-    output (rows >= the products' depth: the forward's and dx's tangents) by blocks of rows, each
-    block's two products and their sum in its thread (83 against 98 ms side by side); a short one
-    (dW's tangent, (out, N) @ (N, in)) with the two products side by side, each whole on its own
-    thread, then the small sum (73 against 78 ms by rows)."""
-    xp = backend.get_array_module(x)
+    the shape: a tall output (the forward's and dx's tangents) by blocks of rows, each block's two
+    products and their sum in its thread; a short one (dW's tangent, (out, N) @ (N, in)) with the
+    two products side by side, each whole on its own thread, then the small sum."""
     t_h = xp.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)           # (N, out)
     entries = x.size + t_h.size
-    if x.shape[0] >= x.shape[1]:
+    if x.shape[0] >= TANGENT_ROW_BLOCKS_MIN_ROWS_PER_DEPTH * x.shape[1]:
         def rows(start, stop):
             block = t_h[start:stop]
             # h = x W^T + b  ->  t_h = t_x W^T + x t_W^T + t_b

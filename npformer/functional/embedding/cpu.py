@@ -1,15 +1,12 @@
-"""The embedding backward's scatter-add on the CPU (the "cpu" implementation of embedding.py's
-kernel table): sorted segments instead of numpy's slow add.at."""
-from autograd import backend
-
-from ..embedding import scatter_add_rows
+"""The embedding backward's scatter-add on the CPU (the "cpu" implementation of the kernel table
+scatter_add_rows): sorted segments instead of numpy's slow add.at."""
+from . import scatter_add_rows
 
 
 @scatter_add_rows.register("cpu")
-def scatter_add_rows_cpu(ids, rows, num_rows):
+def scatter_add_rows_cpu(xp, ids, rows, num_rows):
     """Sort the ids once, sum each run of equal ids with add.reduceat, write each sum once
-    (numpy's add.at is >10x slower)."""
-    xp = backend.get_array_module(rows)
+    (numpy's add.at is much slower)."""
     out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
     if ids.size == 0:
         return out

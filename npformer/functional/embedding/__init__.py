@@ -2,23 +2,17 @@
 max_norm / norm_type (the referenced rows renormalised in place first) and scale_grad_by_freq."""
 from __future__ import annotations
 
-import math
-
 from autograd import Function, Tensor, backend, where
 from autograd.backend import Array, ArrayLike
 from autograd.checks import check_bool, check_int, check_real
 from npformer.runtime.kernels import kernel_table
 
-from ._common import check_index_range, check_tensor, has_twin, on_device_of
+from .._common import check_index_range, check_tensor, has_twin, on_device_of
+from . import math
 
-
-@kernel_table
-def scatter_add_rows(ids, rows, num_rows):
-    """out (num_rows, D) with out[i] = sum of rows[n] over every n where ids[n] == i; ids (N,), rows (N, D)."""
-    xp = backend.get_array_module(rows)
-    out = xp.zeros((num_rows, rows.shape[1]), dtype=rows.dtype)
-    xp.add.at(out, ids, rows)
-    return out
+# the kernel table of the backward's scatter-add: math.py's as the reference, the CPU's sorted runs
+# (cpu.py) and CUDA's atomics (cuda.py) beside it
+scatter_add_rows = kernel_table(math.scatter_add_rows)
 
 
 class EmbeddingFunction(Function):
@@ -32,54 +26,48 @@ class EmbeddingFunction(Function):
     def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq=False):
         ctx.ids, ctx.padding_idx, ctx.num_embeddings = ids, padding_idx, weight.shape[0]
         ctx.scale_grad_by_freq = scale_grad_by_freq
-        return weight[ids]                                # (..., D)
+        return math.embedding_forward(backend.get_array_module(weight), weight, ids)   # (..., D)
 
     @staticmethod
     def backward(ctx, dout):
+        xp = backend.get_array_module(dout)
         ids = ctx.ids.reshape(-1)                         # (N,)
         # out[n] = weight[ids[n]]  ->  dweight[v] = sum_{n: ids[n] = v} dout[n]
-        dweight = scatter_add_rows(ids, dout.reshape(ids.shape[0], dout.shape[-1]), ctx.num_embeddings)
-        if ctx.scale_grad_by_freq:  # dweight[v] /= count(v), the ids of this batch
-            dweight /= id_counts(ids, ctx.num_embeddings, dweight.dtype)
-        # the padding row takes no part in learning
-        if ctx.padding_idx is not None:
-            dweight[ctx.padding_idx] = 0
-        return dweight
+        dweight = scatter_add_rows(xp, ids, dout.reshape(ids.shape[0], dout.shape[-1]), ctx.num_embeddings)
+        # scale_grad_by_freq, padding_idx
+        return math.embedding_backward_options(xp, dweight, ids, ctx.padding_idx, ctx.scale_grad_by_freq)
 
     @staticmethod
     def differentiable_backward(ctx, dout):
+        xp = backend.get_array_module(ctx.ids)
         ids = ctx.ids.reshape(-1)                         # (N,)
         # dweight = the scatter-add of dout's rows at ids: linear in dout, and no function of weight, so
         #   d/d(dout) <dweight, U> = U[ids] (the lookup again), and no second derivative in weight
         rows = dout.reshape(ids.shape[0], dout.shape[-1])
         dweight = ScatterAddRowsFunction.apply(rows, ids=ids, num_rows=ctx.num_embeddings)
         if ctx.scale_grad_by_freq:  # dweight[v] / count(v): a constant factor per row
-            dweight = dweight / Tensor(id_counts(ids, ctx.num_embeddings, rows.dtype))
+            dweight = dweight / Tensor(math.id_counts(xp, ids, ctx.num_embeddings, rows.dtype))
         if ctx.padding_idx is not None:
-            is_padding = backend.get_array_module(ids).arange(ctx.num_embeddings)[:, None] == ctx.padding_idx
+            is_padding = xp.arange(ctx.num_embeddings)[:, None] == ctx.padding_idx
             dweight = where(is_padding, 0, dweight)
         return dweight
 
     @staticmethod
     def jvp(ctx, t_weight):
-        # out[n] = weight[ids[n]]  ->  t_out[n] = t_weight[ids[n]]
-        t_out = t_weight[ctx.ids]                        # (..., D)
-        # the padding row is held still, as the backward holds its gradient at 0 (so <g, J u> = <J^T g, u>)
-        if ctx.padding_idx is not None:
-            backend.get_array_module(t_out).copyto(t_out, 0, where=(ctx.ids == ctx.padding_idx)[..., None])
-        return t_out
+        # out[n] = weight[ids[n]]  ->  t_out[n] = t_weight[ids[n]], the padding row held still
+        return math.embedding_tangent(backend.get_array_module(t_weight), t_weight, ctx.ids, ctx.padding_idx)
 
 
 class ScatterAddRowsFunction(Function):
     """rows (N, D) -> out (num_rows, D), out[v] = the sum of rows[n] over every n with ids[n] == v:
     the embedding's backward as an op (its differentiable backward), run by the kernel table
-    scatter_add_rows (on the CPU: sorted runs, >10x numpy's add.at). It is linear in rows and the
+    scatter_add_rows (on the CPU: sorted runs, cpu.py). It is linear in rows and the
     transpose of the lookup: its backward is the lookup g[ids], its jvp the scatter-add of the tangent."""
 
     @staticmethod
     def forward(ctx, rows, ids, num_rows):
         ctx.ids, ctx.num_rows = ids, num_rows
-        return scatter_add_rows(ids, rows, num_rows)
+        return scatter_add_rows(backend.get_array_module(rows), ids, rows, num_rows)
 
     @staticmethod
     def backward(ctx, grad):
@@ -92,31 +80,7 @@ class ScatterAddRowsFunction(Function):
 
     @staticmethod
     def jvp(ctx, t_rows):
-        return scatter_add_rows(ctx.ids, t_rows, ctx.num_rows)
-
-
-def id_counts(ids, num_embeddings, dtype):
-    """(V, 1): how often each id occurs in `ids` (at least 1, so ids that never occur divide by 1)."""
-    xp = backend.get_array_module(ids)
-    counts = xp.bincount(ids, minlength=num_embeddings)[:, None]
-    return xp.maximum(counts, 1).astype(dtype)
-
-
-def renormalize_rows(weight, ids, max_norm, norm_type):
-    """torch's embedding_renorm_: in place, each row of the raw array `weight` that `ids` refers to
-    and whose p-norm (p = norm_type) exceeds max_norm is multiplied by max_norm / (norm + 1e-7)."""
-    xp = backend.get_array_module(weight)
-    if ids.size == 0 or weight.shape[1] == 0:            # no row to rescale
-        return
-    rows = xp.unique(ids.reshape(-1))                    # (K,) each referenced row once
-    picked = weight[rows]                                # (K, D)
-    if math.isinf(norm_type):
-        norms = xp.abs(picked).max(axis=1)
-    else:
-        norms = (xp.abs(picked) ** norm_type).sum(axis=1) ** (1.0 / norm_type)   # (K,)
-    scale = xp.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0).astype(weight.dtype)
-    weight[rows] = picked * scale[:, None]
-
+        return scatter_add_rows(backend.get_array_module(t_rows), ctx.ids, t_rows, ctx.num_rows)
 
 
 def check_token_ids(ids, num, op, name="input"):
@@ -162,5 +126,8 @@ def embedding(input: Tensor | ArrayLike, weight: Tensor | Array, padding_idx: in
         padding_idx = check_int(padding_idx, "padding_idx", "embedding", at_least=-num, at_most=num - 1) % num
     max_norm, norm_type, scale_grad_by_freq = check_embedding_options(max_norm, norm_type, scale_grad_by_freq)
     if max_norm is not None:  # on the raw array: outside the graph
-        renormalize_rows(w, ids, max_norm, norm_type)
+        math.renormalize_rows(backend.get_array_module(w), w, ids, max_norm, norm_type)
     return EmbeddingFunction.apply(weight, ids=ids, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+
+
+from . import cpu, cuda  # noqa: E402,F401  (register the fast variants)

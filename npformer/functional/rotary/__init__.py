@@ -6,7 +6,8 @@ from autograd.backend import Array, DType
 from autograd.checks import check_float_dtype, check_int, check_real
 from autograd.forward_ad import unpack_dual
 
-from ._common import broadcasts_to, check_tensor, has_twin, on_device_of
+from .._common import broadcasts_to, check_tensor, has_twin, on_device_of
+from . import math
 
 
 class RotaryEmbeddingFunction(Function):
@@ -18,27 +19,13 @@ class RotaryEmbeddingFunction(Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        xp = backend.get_array_module(x)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]                  # (..., T, hd/2) each
-        y = xp.empty_like(x)
-        y[..., :half] = x1 * cos - x2 * sin                    # y1 = x1 cos - x2 sin
-        y[..., half:] = x2 * cos + x1 * sin                    # y2 = x2 cos + x1 sin
         ctx.save_for_backward(cos, sin)
-        return y
+        return math.rotary_forward(backend.get_array_module(x), x, cos, sin)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        xp = backend.get_array_module(dy)
-        half = dy.shape[-1] // 2
-        dy1, dy2 = dy[..., :half], dy[..., half:]
-        dx = xp.empty_like(dy)
-        # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin  ->  dx1 = dy1 cos + dy2 sin
-        dx[..., :half] = dy1 * cos + dy2 * sin
-        # ... and dx2 = dy2 cos - dy1 sin (the transpose of the rotation)
-        dx[..., half:] = dy2 * cos - dy1 * sin
-        return dx
+        return math.rotary_backward(backend.get_array_module(dy), dy, cos, sin)
 
     @staticmethod
     def differentiable_backward(ctx, dy):
@@ -50,8 +37,8 @@ class RotaryEmbeddingFunction(Function):
 
     @staticmethod
     def jvp(ctx, t):
-        # y = R x, a rotation linear in x  ->  t_y = R t_x: the forward on the tangent (saving the same tables)
-        return RotaryEmbeddingFunction.forward(ctx, t, *ctx.saved_tensors)
+        # y = R x, a rotation linear in x  ->  t_y = R t_x
+        return math.rotary_tangent(backend.get_array_module(t), t, *ctx.saved_tensors)
 
 
 @has_twin
@@ -110,7 +97,4 @@ def rotary_cos_sin(seq_len: int, head_dim: int, base: float = 10000.0, dtype: DT
 def cos_sin_at(positions: Array, head_dim: int, base: float, dtype: DType) -> tuple[Array, Array]:
     """rotary_cos_sin's tables at integer `positions` (any shape P, on their device, checked by
     the caller): cos and sin (*P, head_dim // 2), computed in float64 and cast to `dtype`."""
-    xp = backend.get_array_module(positions)
-    inv_freq = base ** (-xp.arange(0, head_dim, 2, dtype="float64") / head_dim)   # (hd/2,)
-    angles = positions.astype("float64")[..., None] * inv_freq                    # (*P, hd/2)
-    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+    return math.cos_sin_at(backend.get_array_module(positions), positions, head_dim, base, dtype)

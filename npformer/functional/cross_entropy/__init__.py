@@ -2,7 +2,7 @@
 with class-probability targets (soft labels) composed of log_softmax and primitives."""
 from __future__ import annotations
 
-import math
+from math import prod
 
 from autograd import Function, Tensor, backend, forward_ad, is_grad_enabled, raw_computation
 from autograd.backend import Array, ArrayLike
@@ -10,58 +10,15 @@ from autograd.checks import check_int, check_real
 from npformer.runtime import deferred
 from npformer.runtime.kernels import kernel_table
 
-from ._common import check_index_range, check_one_dtype, check_tensor, data_of, has_twin, on_device_of
-from .softmax import SoftmaxFunction, log_softmax, stable_row_max
+from .._common import check_index_range, check_one_dtype, check_tensor, data_of, has_twin, on_device_of
+from ..softmax import SoftmaxFunction, log_softmax
+from . import math
 
 
-@kernel_table
-def cross_entropy_forward(logits, target, valid, weight, label_smoothing):
-    """logits (M, C), target (M,) class ids (any id where valid is False), valid (M,) bool, weight
-    (C,) or None -> (loss (M,), probs (M, C)): loss_i = -sum_c a_ic logp_ic, 0 where not valid, with
-    a = ((1 - e) onehot(target) + e / C) * weight; probs = softmax(logits), saved for backward."""
-    xp = backend.get_array_module(logits)
-    m, c = logits.shape
-    e = label_smoothing
-    z = logits - stable_row_max(logits, 1)                      # (M, C) shifted, max 0
-    z_target = z[xp.arange(m), target]                          # (M,)
-    # logp = z - log(total): the smoothing term sum_c w_c logp_c = z @ w - log(total) sum(w)
-    # (einsum, not BLAS: OpenBLAS's gemv can raise a spurious invalid-value flag, numpy#24067)
-    z_smooth = (xp.einsum("mc,c->m", z, weight) if weight is not None else z.sum(axis=1)) if e else None
-    probs = xp.exp(z)
-    total = probs.sum(axis=1, keepdims=True)                    # (M, 1)
-    xp.copyto(total, 1.0, where=total == 0)                     # fully -inf row: log 1 = 0, logp -inf
-    probs /= total                                              # softmax
-    log_total = xp.log(total[:, 0])                             # (M,)
-    # loss_i = -(1 - e) w_t logp_it - (e / C) sum_c w_c logp_ic
-    loss = (z_target - log_total) * (-(1.0 - e))
-    if weight is not None:
-        loss *= weight[target]
-    if e:
-        loss -= (e / c) * (z_smooth - log_total * (weight.sum() if weight is not None else c))
-    return xp.where(valid, loss, 0), probs                      # ignored rows add nothing
-
-
-def smoothed_weighted_targets(target, weight, label_smoothing, c, dtype):
-    """target (M,) class ids, weight (C,) or None -> (a (M, C), sum_c a (M, 1)): a_ic = q_ic w_c with
-    q_ic = (1 - e) [c = t_i] + e / C, the coefficients of logp in each row's loss."""
-    xp = backend.get_array_module(target)
-    m, e = target.shape[0], label_smoothing
-    w_target = weight[target][:, None] if weight is not None else 1.0               # (M, 1)
-    # a_ic = (1 - e) w_t [c == t] + (e / C) w_c  ->  sum_c a_ic = (1 - e) w_t + (e / C) sum(w)
-    a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
-    a = xp.zeros((m, c), dtype=dtype)                                               # (M, C)
-    a[xp.arange(m), target] = ((1.0 - e) * w_target * xp.ones((m, 1), dtype=dtype))[:, 0]
-    a += (e / c) * (weight if weight is not None else 1.0)
-    return a, a_sum.astype(dtype, copy=False) if weight is not None else a_sum  # a number: no host-to-device copy
-
-
-@kernel_table
-def cross_entropy_backward(probs, target, weight, label_smoothing, dloss):
-    """probs (M, C) softmax, target (M,), weight (C,) or None, dloss (M,) the upstream gradient of each
-    row's loss (0 on ignored rows) -> dlogits (M, C) = (probs * sum_c a_ic - a_i) * dloss_i."""
-    a, a_sum = smoothed_weighted_targets(target, weight, label_smoothing, probs.shape[1], probs.dtype)
-    # loss_i = -sum_c a_ic logp_ic, logp = log_softmax(logits)  ->  dlogits = (softmax * sum(a) - a) dloss
-    return (probs * a_sum - a) * dloss[:, None]
+# the kernel tables: math.py's formulas as the reference, the CPU's row blocks on threads (cpu.py) and
+# CUDA's kernels (cuda.py) beside them
+cross_entropy_forward = kernel_table(math.cross_entropy_forward)
+cross_entropy_backward = kernel_table(math.cross_entropy_backward)
 
 
 class CrossEntropyFunction(Function):
@@ -71,15 +28,17 @@ class CrossEntropyFunction(Function):
     loss_i = -sum_c a_ic logp_ic on valid rows (target != ignore_index), 0 elsewhere;
     "mean" divides by sum of w[target] over valid rows (n_valid without weights).
     dlogits_i = (softmax_i * sum_c a_ic - a_i) * valid_i * dloss_i (/ the mean's divisor).
-    The kernel table cross_entropy_forward / cross_entropy_backward runs it (cpu: row blocks on
-    threads, npformer/functional/cpu/loss.py; cuda: hand-written kernels); the softmax is saved for backward.
+    The kernel table cross_entropy_forward / cross_entropy_backward runs it (the formulas: math.py;
+    cpu: row blocks on threads, cpu.py; cuda: hand-written kernels, cuda.py); the softmax is saved for
+    backward.
     """
 
     @staticmethod
     def forward(ctx, logits, weight, safe_target, valid, divisor, reduction, label_smoothing):
         # safe_target: ignored rows point at class 0; divisor: "mean"'s sum of w[target] (or n_valid)
-        loss, probs = cross_entropy_forward(logits, safe_target, valid, weight, label_smoothing)
-        out = loss if reduction == "none" else loss.sum() if divisor is None else loss.sum() / divisor
+        loss, probs = cross_entropy_forward(backend.get_array_module(logits), logits, safe_target, valid, weight,
+                                            label_smoothing)
+        out = math.reduced(loss, divisor, reduction)
         ctx.save_for_backward(probs, weight, safe_target, valid, divisor)
         ctx.label_smoothing, ctx.reduction = label_smoothing, reduction
         return out
@@ -91,7 +50,7 @@ class CrossEntropyFunction(Function):
         # out = loss, sum(loss) or sum(loss) / divisor  ->  dloss_i = dout (/ divisor), 0 on ignored rows
         dloss = dout / divisor if divisor is not None else dout
         dloss = xp.where(valid, dloss, 0).astype(probs.dtype, copy=False)   # (M,)
-        return cross_entropy_backward(probs, target, weight, ctx.label_smoothing, dloss), None
+        return cross_entropy_backward(xp, probs, target, weight, ctx.label_smoothing, dloss), None
 
     @staticmethod
     def differentiable_backward(ctx, dout):
@@ -103,8 +62,8 @@ class CrossEntropyFunction(Function):
         # dloss_i = dout (/ divisor), 0 on ignored rows: dout times a constant per row
         per_row = xp.where(valid, 1.0 if divisor is None else 1.0 / divisor, 0.0).astype(probs_saved.dtype)
         dloss = (dout * Tensor(per_row)).reshape(-1, 1)                                  # (M, 1)
-        a, a_sum = smoothed_weighted_targets(target, weight, ctx.label_smoothing, probs_saved.shape[1],
-                                             probs_saved.dtype)
+        a, a_sum = math.smoothed_weighted_targets(xp, target, weight, ctx.label_smoothing, probs_saved.shape[1],
+                                                  probs_saved.dtype)
         # dlogits = (softmax * sum(a) - a) dloss, the softmax formed again in the graph:
         #   d/d(dout) <dlogits, u> = sum_c u_ic (softmax_ic sum(a_i) - a_ic) per row, times the constant;
         #   d/dlogits <dlogits, u> = softmax's backward of u * sum(a_i) dloss_i (softmax's Jacobian)
@@ -115,24 +74,8 @@ class CrossEntropyFunction(Function):
     def jvp(ctx, t_logits, t_weight):
         # t_weight is None: cross_entropy refuses class weights that carry a tangent
         probs, weight, target, valid, divisor = ctx.saved_tensors
-        xp = backend.get_array_module(probs)
-        m, c = probs.shape
-        e = ctx.label_smoothing
-        w_target = weight[target] if weight is not None else 1.0                  # (M,)
-        # logp = x - lse(x)  ->  t_logp_ic = t_x_ic - t_lse_i,  t_lse_i = sum_j softmax_ij t_x_ij
-        t_lse = xp.einsum("mc,mc->m", probs, t_logits)                            # (M,)
-        # a_ic = (1 - e) w_target [c == target] + (e / C) w_c  ->  a_i . t_x_i, the one-hot part ...
-        a_t = (1.0 - e) * w_target * t_logits[xp.arange(m), target]               # (M,)
-        if e:                                                                     # ... and the e / C part
-            a_t += (e / c) * (xp.einsum("mc,c->m", t_logits, weight) if weight is not None else t_logits.sum(axis=1))
-        # A_i = sum_c a_ic = (1 - e) w_target + (e / C) sum(w)
-        a_sum = (1.0 - e) * w_target + (e / c) * (weight.sum() if weight is not None else c)
-        # loss_i = -sum_c a_ic logp_ic  ->  t_loss_i = -sum_c a_ic (t_x_ic - t_lse_i) = A_i t_lse_i - a_i . t_x_i
-        t_loss = xp.where(valid, a_sum * t_lse - a_t, 0)                          # ignored rows add nothing
-        # out = loss, sum(loss) or sum(loss) / divisor  ->  the same of t_loss
-        if ctx.reduction == "none":
-            return t_loss
-        return t_loss.sum() if divisor is None else t_loss.sum() / divisor
+        return math.cross_entropy_tangent(backend.get_array_module(probs), probs, target, valid, weight,
+                                          ctx.label_smoothing, divisor, ctx.reduction, t_logits)
 
 
 def _every_target_ignored(ignore_index):
@@ -267,7 +210,7 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
                                "constants and get none; pass forward_ad.unpack_dual(weight).primal")
         if not isinstance(weight, Tensor):  # a plain array of class weights follows the logits
             weight = on_device_of(weight, logits, "weight", "cross_entropy").astype(logits.dtype, copy=False)
-    if reduction == "mean" and math.prod(expected) == 0:
+    if reduction == "mean" and prod(expected) == 0:
         raise ValueError(f"cross_entropy: no targets (input shape {tuple(logits.shape)}), so the mean is "
                          "undefined; skip empty batches or use reduction='sum'")
     x = classes_last(input if isinstance(input, Tensor) else Tensor(input))       # (M, C)
@@ -279,3 +222,6 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
     loss = CrossEntropyFunction.apply(x, weight, safe_target=safe_target, valid=valid, divisor=divisor,
                                       reduction=reduction, label_smoothing=label_smoothing)
     return loss.reshape(tgt.shape) if reduction == "none" else loss
+
+
+from . import cpu, cuda  # noqa: E402,F401  (register the fast variants)
