@@ -133,4 +133,4 @@ def entry_grid(size, threads):
     return max(1, min(-(-size // threads), MAX_ENTRY_BLOCKS))
 
 
-from . import activation, adam, cross_entropy, dropout, embedding, flash_attention, layer_norm, softmax  # noqa: E402,F401
+from . import activation, adam, cross_entropy, dropout, embedding, layer_norm, softmax  # noqa: E402,F401
