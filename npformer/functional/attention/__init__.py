@@ -156,7 +156,8 @@ def _choose_path(call, return_weights, backend_name, memory_efficient, op):
     if asked == "naive":
         return "naive", "backend='naive' was asked for"
     # the memory-efficient path's table says whether its flash kernels take the call
-    args = (backend.get_array_module(call.q), call.q, call.k, call.v, None, _data(call.additive), call.causal, call.scale, 1, None, call.mask_grad)
+    args = (backend.get_array_module(call.q), call.q, call.k, call.v, None, _data(call.additive), call.causal,
+            call.scale, 1, None, call.mask_grad)
     implementation, why = attention_blockwise_forward.choose(*args)
     reason = None
     if attention_blockwise_forward.runs_reference(implementation):   # the reference, or it on threads

@@ -15,6 +15,8 @@ from .math import PLAIN
 def lead_shape(q, k, v):
     """The leading (batch, head) shape of q, k and v broadcast together (they are checked to broadcast)."""
     shapes = [a.shape[:-2] for a in (q, k, v)]
+    if shapes[0] == shapes[1] == shapes[2]:                 # the common case
+        return shapes[0]
     ndim = max(len(s) for s in shapes)
     padded = [(1,) * (ndim - len(s)) + tuple(s) for s in shapes]
     return tuple(next((n for n in sizes if n != 1), 1) for sizes in zip(*padded))
@@ -180,7 +182,8 @@ def attention_blockwise_jvp(xp, q, k, v, out, lse, tq, tk, tv, tmask, blocked, a
                 acc += dropped @ tv[..., ks:ke, :]
             if not moves_scores:
                 continue
-            tscores = score_tangent(xp, ops, q_scaled, k[..., ks:ke, :], tq_scaled, None if tk is None else tk[..., ks:ke, :],
+            tscores = score_tangent(xp, ops, q_scaled, k[..., ks:ke, :], tq_scaled,
+                                    None if tk is None else tk[..., ks:ke, :],
                                      None if tmask is None else mask_block(tmask, qs, qe, ks, ke))
             # P = softmax(S)  ->  t_P = P (t_S - r), r = rowsum(P t_S) over every key block
             tscores = p * tscores                                       # (..., bq, bk) P t_S
@@ -268,7 +271,8 @@ def attention_blockwise_double_backward(xp, q, k, v, out, lse, dout, blocked, ad
             c = p * (w - r)
             if z is not None:
                 c *= z
-            # S = s Q K^T + mask, and dQ = s dS K, dK = s dS^T Q:  dQ += s (Sbar K + dS gk), dK += s (Sbar^T Q + dS^T gq)
+            # S = s Q K^T + mask, and dQ = s dS K, dK = s dS^T Q:
+            #   dQ += s (Sbar K + dS gk), dK += s (Sbar^T Q + dS^T gq)
             dq[..., qs:qe, :] += s_bar @ k[..., ks:ke, :]
             if gk is not None:
                 dq[..., qs:qe, :] += ds @ gk[..., ks:ke, :]

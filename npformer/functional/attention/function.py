@@ -254,7 +254,8 @@ class MemoryEfficientAttentionBackward(Function):
             gmask = gmask.reshape(mask.shape)
         need_mask = ctx.needs_input_grad[3]
         dq, dk, dv, dmask, ddout = attention_blockwise_double_backward(
-            backend.get_array_module(dout), q, k, v, out, lse, dout, blocked, mask, *ctx.options, gq, gk, gv, gmask, need_mask)
+            backend.get_array_module(dout), q, k, v, out, lse, dout, blocked, mask, *ctx.options, gq, gk, gv, gmask,
+            need_mask)
         return (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape),
                 dmask.reshape(ctx.mask_shape) if need_mask else None, ddout)
 

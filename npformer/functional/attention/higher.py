@@ -68,7 +68,7 @@ def attention_double_backward(xp, q, k, v, probs, keep, dout, dweights, scale, d
         w = plus(w, gmask)                                                  # (out of place: never into gmask)
     p_bar = w_centered = None
     if w is not None:
-        w_centered = w - ops.row_dot(xp, w, probs)                                   # (..., Tq, Tk) W - r, r = rowsum(W P)
+        w_centered = w - ops.row_dot(xp, w, probs)                       # (..., Tq, Tk) W - r, r = rowsum(W P)
         # P enters dS = P (dP - D) and D = rowsum(dP P):  Pbar = W (dP - D) - r dP = (W - r) dP - W D
         p_bar = w_centered * dprobs
         p_bar -= w * delta
