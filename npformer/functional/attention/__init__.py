@@ -35,6 +35,7 @@ from npformer.runtime import kernels, random
 
 from .._common import broadcast_shapes, broadcasts_to, check_tensor, has_twin, on_device_of
 from ..activation import dropout_scale, dropout_stream
+# (besides what runs here, the names that other modules and tests import from npformer.functional.attention)
 from .dropout import attention_keep_block, attention_keep_mask, drawn_keep_mask
 from .function import (AttentionBackward, AttentionFunction, MemoryEfficientAttentionBackward,
                        MemoryEfficientAttentionFunction, by_attention_input, naive_attention_gradients)

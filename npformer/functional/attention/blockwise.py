@@ -211,7 +211,7 @@ def attention_blockwise_double_backward(xp, q, k, v, out, lse, dout, blocked, ad
     dS = P (dP - D), W = s (gq K^T + Q gk^T) + gmask (what reaches dS) and Y = dO gv^T (what
     reaches Pd):  Pbar = W (dP - D) - r dP + Y Z,  Sbar = P (Pbar - e),  C = P (W - r) Z, with
     the row sums r = rowsum(W P) and e = rowsum(Pbar P) = rowsum(W dS) - r D + rowsum(Pd Y),
-    taken in a first pass over the key blocks of each query block (docs/backprop.md derives it)."""
+    taken in a first pass over the key blocks of each query block (derivation.md derives it)."""
     tq, tk = q.shape[-2], k.shape[-2]
     lead = out.shape[:-2]
     kept_scale = _kept_scale(dropout)                                   # 1 / (1 - p)

@@ -28,7 +28,7 @@ class AttentionFunction(Function):
     dV = Pd^T dO, dPd = dO V^T (+ dP from the returned weights), dS = P (dP - rowsum(dP P)),
     dQ = s dS K, dK = s dS^T Q, and d(additive mask) = dS summed over its broadcast axes.
     The kernel tables attention_forward / attention_backward run it (cpu: blocks of a batch axis
-    on the threads of `npformer.runtime.threads`, see npformer/functional/cpu/attention.py).
+    on the threads of `npformer.runtime.threads`, see cpu.py).
     """
 
     @staticmethod

@@ -53,7 +53,7 @@ def attention_double_backward(xp, q, k, v, probs, keep, dout, dweights, scale, d
     dS = P (dP - D), W = s (gq K^T + Q gk^T) + gmask (what reaches dS), r = rowsum(W P) and
     Y = dO gv^T (what reaches Pd):  Pbar = (W - r) dP - W D + Y Z,  Sbar = P (Pbar - rowsum(Pbar P)),
     C = P (W - r) Z;  then dq = s (Sbar K + dS gk), dk = s (Sbar^T Q + dS^T gq), dv = C^T dO,
-    d dO = C V + Pd gv, dmask = Sbar, d dweights = C (docs/backprop.md derives them)."""
+    d dO = C V + Pd gv, dmask = Sbar, d dweights = C (derivation.md derives them)."""
     z, dprobs, delta = _first_order_dp(xp, ops, v, probs, keep, dout, dweights, dropout_scale)
     # W = s (gq K^T + Q gk^T) + gmask: the gradient reaching dS through dQ = s dS K, dK = s dS^T Q, dMask = dS
     w = None
