@@ -12,7 +12,7 @@ q (B, H, Tq, hd), k (B, H, Tk, hd), v (B, H, Tk, hdv): any leading axes that bro
 
 Three steps have faster kernels than their plain xp lines (npformer.functional.softmax's row
 sums and softmax, a Q K^T on a contiguous K^T): the formulas call them through `ops`, whose
-default PLAIN is the plain xp code below; the binding (kernels.py) passes its kernel tables.
+default PLAIN is the plain xp code below; the binding (tables.py) passes its kernel tables.
 The double backward and the jvps: higher.py; the memory-efficient path: blockwise.py; the masks
 (bool, float, causal) as one -inf bias: masks.py.
 """
