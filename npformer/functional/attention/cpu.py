@@ -4,6 +4,7 @@ copy of it; the naive path's forward, its jvp, backward, double backward and the
 the memory-efficient path's blockwise reference on blocks of one batch axis (the batch, or the heads),
 each block running the reference; the causal dropout mask drawn under the diagonal only;
 split_heads' backward by blocks of the batch."""
+import inspect
 from math import prod
 
 from autograd import backend
@@ -24,20 +25,29 @@ def _splits(probs):
     return probs.size >= threads.MIN_PARALLEL_ENTRIES
 
 
-def _reference_on_batch_blocks(table, xp, like, **args):
-    """table.reference(xp, **args) on blocks of a batch axis (batch_blocks of args q, k, v, over the
-    leading shape of args probs, the (..., Tq, Tk) probabilities), each
+def _on_batch_blocks(table, like):
+    """The "cpu" implementation of a naive-path table: its reference on blocks of a batch axis
+    (batch_blocks of its arguments q, k, v, over the leading shape of its argument probs), each
     block writing its part of the outputs: every array argument cut to the block (batch_block: one
-    that broadcasts along the axis passes whole), the others (scale, causal, ...) as they are. A
-    block's results come from its own rows, so the naive path's tables all split this way."""
-    lead = args["probs"].shape[:-2]
-    axis, blocks = batch_blocks(lead, (args["q"], args["k"], args["v"]), args["probs"].size, like)
+    that broadcasts along the axis passes whole), the others (scale, causal, ...) as they are; the
+    threads' blocks sized for the argument named `like`. A block's results come from its own rows,
+    so the naive path's tables all split this way."""
+    names = [name for name in inspect.signature(table.reference).parameters if name not in ("xp", "ops")]
 
-    def block(start, stop):
-        part = batch_block(lead, axis, start, stop)
-        table.reference(xp, **{name: part(a) if backend.is_array(a) else a for name, a in args.items()})
+    def implementation(xp, *args):
+        named = dict(zip(names, args))                                   # the table's parameters by name
+        probs = named["probs"]
+        lead = probs.shape[:-2]
+        axis, blocks = batch_blocks(lead, (named["q"], named["k"], named["v"]), probs.size, named[like])
 
-    run_blocks(block, blocks)
+        def block(start, stop):
+            part = batch_block(lead, axis, start, stop)
+            table.reference(xp, **{name: part(a) if backend.is_array(a) else a for name, a in named.items()})
+
+        run_blocks(block, blocks)
+
+    implementation.__name__ = implementation.__qualname__ = f"{table.__name__}_cpu"
+    return implementation
 
 
 @matmul_transposed.register("cpu", supports=lambda xp, a, b, out=None: b.ndim > 2)
@@ -47,55 +57,23 @@ def matmul_transposed_cpu(xp, a, b, out=None):
     return xp.matmul(a, xp.ascontiguousarray(b.swapaxes(-1, -2)), out=out)
 
 
-@attention_forward.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, mask, blocked, causal, scale,
-                            keep, dropout_scale, probs, out, weights: _splits(probs))
-def attention_forward_cpu(xp, q, k, v, mask, blocked, causal, scale, keep, dropout_scale, probs, out, weights):
-    """The reference on blocks of a batch axis."""
-    _reference_on_batch_blocks(attention_forward, xp, q, q=q, k=k, v=v, mask=mask, blocked=blocked,
-                               causal=causal, scale=scale, keep=keep, dropout_scale=dropout_scale, probs=probs,
-                               out=out, weights=weights)
-
-
-@attention_jvp.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, probs, keep, scale, dropout_scale,
-                        tq, tk, tv, tmask, tout, tweights: _splits(probs))
-def attention_jvp_cpu(xp, q, k, v, probs, keep, scale, dropout_scale, tq, tk, tv, tmask, tout, tweights):
-    """The reference on blocks of a batch axis (the tangents split like the inputs they belong to)."""
-    _reference_on_batch_blocks(attention_jvp, xp, probs, q=q, k=k, v=v, probs=probs, keep=keep, scale=scale,
-                               dropout_scale=dropout_scale, tq=tq, tk=tk, tv=tv, tmask=tmask, tout=tout,
-                               tweights=tweights)
-
-
-@attention_backward.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, probs, keep, dout, dweights,
-                             scale, dropout_scale, dq, dk, dv, dmask: _splits(probs))
-def attention_backward_cpu(xp, q, k, v, probs, keep, dout, dweights, scale, dropout_scale, dq, dk, dv, dmask):
-    """The reference on blocks of a batch axis."""
-    _reference_on_batch_blocks(attention_backward, xp, probs, q=q, k=k, v=v, probs=probs, keep=keep, dout=dout,
-                               dweights=dweights, scale=scale, dropout_scale=dropout_scale, dq=dq, dk=dk, dv=dv,
-                               dmask=dmask)
-
-
-@attention_double_backward.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, probs, keep, dout,
-                                    dweights, scale, dropout_scale, gq, gk, gv, gmask, dq, dk, dv, dmask, ddout,
-                                    ddweights: _splits(probs))
-def attention_double_backward_cpu(xp, q, k, v, probs, keep, dout, dweights, scale, dropout_scale, gq, gk, gv, gmask,
-                                  dq, dk, dv, dmask, ddout, ddweights):
-    """The reference on blocks of a batch axis (the incoming gradients split like the inputs they
-    belong to)."""
-    _reference_on_batch_blocks(attention_double_backward, xp, probs, q=q, k=k, v=v, probs=probs, keep=keep,
-                               dout=dout, dweights=dweights, scale=scale, dropout_scale=dropout_scale, gq=gq, gk=gk,
-                               gv=gv, gmask=gmask, dq=dq, dk=dk, dv=dv, dmask=dmask, ddout=ddout, ddweights=ddweights)
-
-
-@attention_backward_jvp.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, probs, keep, dout,
-                                 dweights, scale, dropout_scale, tq, tk, tv, tmask, tdout, tdweights, dq_tangent,
-                                 dk_tangent, dv_tangent, dmask_tangent: _splits(probs))
-def attention_backward_jvp_cpu(xp, q, k, v, probs, keep, dout, dweights, scale, dropout_scale, tq, tk, tv, tmask, tdout,
-                               tdweights, dq_tangent, dk_tangent, dv_tangent, dmask_tangent):
-    """The reference on blocks of a batch axis (the tangents split like the inputs they belong to)."""
-    _reference_on_batch_blocks(attention_backward_jvp, xp, probs, q=q, k=k, v=v, probs=probs, keep=keep,
-                               dout=dout, dweights=dweights, scale=scale, dropout_scale=dropout_scale, tq=tq, tk=tk,
-                               tv=tv, tmask=tmask, tdout=tdout, tdweights=tdweights, dq_tangent=dq_tangent,
-                               dk_tangent=dk_tangent, dv_tangent=dv_tangent, dmask_tangent=dmask_tangent)
+attention_forward.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, mask, blocked, causal, scale,
+                           keep, dropout_scale, probs, out, weights: _splits(probs))(
+    _on_batch_blocks(attention_forward, like="q"))
+attention_jvp.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, probs, keep, scale, dropout_scale,
+                       tq, tk, tv, tmask, tout, tweights: _splits(probs))(
+    _on_batch_blocks(attention_jvp, like="probs"))    # (the tangents split like the inputs they belong to)
+attention_backward.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, probs, keep, dout, dweights,
+                            scale, dropout_scale, dq, dk, dv, dmask: _splits(probs))(
+    _on_batch_blocks(attention_backward, like="probs"))
+attention_double_backward.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, probs, keep, dout,
+                                   dweights, scale, dropout_scale, gq, gk, gv, gmask, dq, dk, dv, dmask, ddout,
+                                   ddweights: _splits(probs))(
+    _on_batch_blocks(attention_double_backward, like="probs"))   # (the incoming gradients split like the inputs)
+attention_backward_jvp.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, probs, keep, dout,
+                                dweights, scale, dropout_scale, tq, tk, tv, tmask, tdout, tdweights, dq_tangent,
+                                dk_tangent, dv_tangent, dmask_tangent: _splits(probs))(
+    _on_batch_blocks(attention_backward_jvp, like="probs"))
 
 
 def batch_blocks(lead, inputs, entries, like):
