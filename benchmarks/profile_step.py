@@ -36,7 +36,7 @@ TIMES = collections.defaultdict(float)
 def instrument():
     time_functions(TIMES)
     activation.keep_mask = timed(TIMES, "dropout masks", activation.keep_mask)
-    attention.attention_keep_mask = timed(TIMES, "attention dropout masks", attention.attention_keep_mask)
+    attention.dropout.attention_keep_mask = timed(TIMES, "attention dropout masks", attention.attention_keep_mask)
     optim.Adam.step = timed(TIMES, "Adam.step", optim.Adam.step)
 
 

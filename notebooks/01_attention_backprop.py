@@ -299,6 +299,6 @@ print(f"memory: P would be {T}x{S} per head; the blocks hold {T}x2 at a time, pl
 # %% [markdown]
 # ## Where this lives in npformer
 #
-# `AttentionFunction` in `npformer/functional/attention.py` is steps 1 to 5 (its kernel table
-# `attention_backward`, with the comments you just derived), `MemoryEfficientAttentionFunction`
-# the blockwise version. docs/backprop.md derives every other op the same way.
+# `attention_backward` in `npformer/functional/attention/math.py` is steps 1 to 5, with the comments you
+# just derived (`AttentionFunction` runs it); `npformer/functional/attention/blockwise.py` is the
+# blockwise version. docs/backprop.md derives every other op the same way.

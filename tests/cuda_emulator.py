@@ -7,7 +7,7 @@ the data):
         y = layer_norm_forward_cuda(x, w, b, 1e-5)  # numpy arrays in, the real launcher and kernel run
 
     emulator = build_or_skip()                    # or an Emulator: .function(source, kernel, dtype, extra),
-    monkeypatch.setattr(flash_attention, "function", emulator.function)   # .launches, .seed
+    monkeypatch.setattr(npformer.functional.attention.cuda, "function", emulator.function)   # .launches, .seed
 
 Arguments follow CuPy's RawKernel conventions: an array passes its pointer, a numpy scalar its
 bytes, a Python int a long long, a float a double, a bool a bool; each is checked against the type

@@ -106,6 +106,21 @@ def test_importing_npformer_imports_no_optional_package():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+MATH_FILES = sorted((ROOT / "npformer" / "functional").glob("*/math.py"))
+
+
+@pytest.mark.parametrize("path", MATH_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_math_files_import_no_engine(path):
+    """An op's math.py (its formulas, on the xp it is given) imports nothing from the engine: no
+    autograd, no npformer.runtime, no array library; only the standard library and other math."""
+    for imported, line, _ in imports(path):
+        root = imported.split(".")[0]
+        where = f"{path.relative_to(ROOT)}:{line} imports {imported}"
+        assert root in sys.stdlib_module_names or root == "__future__" or imported.startswith("npformer.functional."), \
+            where
+        assert not imported.startswith(("autograd", "npformer.runtime")), f"{where}: math takes no engine"
+
+
 CORE_FILES = sorted((ROOT / "autograd").rglob("*.py"))
 
 

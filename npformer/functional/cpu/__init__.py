@@ -8,4 +8,4 @@ block, so results do not depend on the thread count (but for the GEMMs' last bit
 faster numpy calls for the same values (einsum row sums, the dropout mask made in cache-sized
 chunks). Each is tested against its reference (tests/functional/cpu/test_cpu_implementations.py).
 """
-from . import adam, attention  # noqa: F401
+from . import adam  # noqa: F401

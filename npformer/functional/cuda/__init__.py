@@ -133,4 +133,4 @@ def entry_grid(size, threads):
     return max(1, min(-(-size // threads), MAX_ENTRY_BLOCKS))
 
 
-from . import adam, flash_attention  # noqa: E402,F401
+from . import adam  # noqa: E402,F401

@@ -1,6 +1,6 @@
 // Flash attention forward and backward (the FlashAttention-2 scheme: Dao, 2023): the CUDA twin of
-// attention_blockwise_forward / attention_blockwise_backward in npformer/functional/attention.py,
-// the reference these kernels are tested against; the derivation is in docs/backprop.md.
+// attention_blockwise_forward / attention_blockwise_backward in npformer/functional/attention/blockwise.py,
+// the reference these kernels are tested against; the derivation is in npformer/functional/attention/derivation.md.
 //
 // Layout: q (BH, Tq, D), k and v (BH, Tk, D), out and dout (BH, Tq, D), lse and delta (BH, Tq),
 // all contiguous; BH is the flattened leading (batch, head) shape. D is a template argument

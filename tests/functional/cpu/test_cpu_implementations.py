@@ -33,7 +33,7 @@ def cases(rng):
     attn_keep = rng.random((2, 3, 4, 6)) > 0.3
     probs = _softmax_rows(rng, (2, 3, 4, 6))
     zeros = lambda *shape: np.zeros(shape)  # noqa: E731  (outputs the implementations write)
-    out, lse = attention.attention_blockwise_forward.reference(q, k, v, None, additive, True, 0.4, 2, None, False)
+    out, lse = attention.attention_blockwise_forward.reference(np, q, k, v, None, additive, True, 0.4, 2, None, False)
     logits, target = rng.standard_normal((6, 5)), rng.integers(0, 5, 6)
     valid = np.array([True, True, False, True, True, True])
     ln_x = big.reshape(-1, 256)
@@ -64,39 +64,39 @@ def cases(rng):
     yield softmax.softmax_backward, (np, probs, rng.standard_normal(probs.shape), -1)
     yield softmax.softmax_backward, (np, probs, rng.standard_normal(probs.shape), -1, zeros(*probs.shape))
     yield softmax.log_softmax_forward, (np, big, -1)
-    yield attention.matmul_transposed, (q, k)
-    yield attention.matmul_transposed, (q, k_shared, zeros(2, 3, 4, 6))
+    yield attention.matmul_transposed, (np, q, k)
+    yield attention.matmul_transposed, (np, q, k_shared, zeros(2, 3, 4, 6))
     for mask, hidden, causal, dropped in [(None, None, False, None), (additive, None, True, attn_keep),
                                           (None, blocked, False, attn_keep), (additive, blocked, True, None)]:
         weights = None if dropped is None else zeros(2, 3, 4, 6)
-        yield attention.attention_forward, (q, k, v, mask, hidden, causal, 0.4, dropped, 1 / 0.7, zeros(2, 3, 4, 6),
+        yield attention.attention_forward, (np, q, k, v, mask, hidden, causal, 0.4, dropped, 1 / 0.7, zeros(2, 3, 4, 6),
                                             zeros(2, 3, 4, 4), weights)
-        yield attention.attention_forward, (q, k_shared, v, mask, hidden, causal, 0.4, dropped, 1 / 0.7,
+        yield attention.attention_forward, (np, q, k_shared, v, mask, hidden, causal, 0.4, dropped, 1 / 0.7,
                                             zeros(2, 3, 4, 6), zeros(2, 3, 4, 4), weights)
-        yield attention.attention_backward, (q, k, v, probs, dropped, rng.standard_normal((2, 3, 4, 4)), weights, 0.4,
+        yield attention.attention_backward, (np, q, k, v, probs, dropped, rng.standard_normal((2, 3, 4, 4)), weights, 0.4,
                                              1 / 0.7, zeros(2, 3, 4, 5), zeros(2, 3, 6, 5), zeros(2, 3, 6, 4),
                                              zeros(2, 3, 4, 6))
-    yield attention.attention_backward, (q, k, v, probs, None, rng.standard_normal((2, 3, 4, 4)), None, 0.4, 1.0,
+    yield attention.attention_backward, (np, q, k, v, probs, None, rng.standard_normal((2, 3, 4, 4)), None, 0.4, 1.0,
                                          None, None, zeros(2, 3, 6, 4), None)
     like_qkv = lambda: [rng.standard_normal(a.shape) for a in (q, k_shared, v)]  # noqa: E731  (gradients, tangents)
     for dropped, dweights, mask_part in [(None, None, None), (attn_keep, rng.standard_normal((2, 3, 4, 6)), additive)]:
         dout = rng.standard_normal((2, 3, 4, 4))
         yield attention.attention_double_backward, (
-            q, k_shared, v, probs, dropped, dout, dweights, 0.4, 1 / 0.7, *like_qkv(), mask_part, zeros(2, 3, 4, 5),
+            np, q, k_shared, v, probs, dropped, dout, dweights, 0.4, 1 / 0.7, *like_qkv(), mask_part, zeros(2, 3, 4, 5),
             zeros(2, 3, 6, 5), zeros(2, 3, 6, 4), zeros(2, 3, 4, 6), zeros(2, 3, 4, 4),
             None if dweights is None else zeros(2, 3, 4, 6))
         yield attention.attention_backward_jvp, (
-            q, k_shared, v, probs, dropped, dout, dweights, 0.4, 1 / 0.7, *like_qkv(), mask_part,
+            np, q, k_shared, v, probs, dropped, dout, dweights, 0.4, 1 / 0.7, *like_qkv(), mask_part,
             rng.standard_normal(dout.shape), dweights, zeros(2, 3, 4, 5), zeros(2, 3, 6, 5), zeros(2, 3, 6, 4),
             zeros(2, 3, 4, 6))
     for dropped, tmask in [(None, None), (attn_keep, rng.standard_normal((4, 6)))]:
-        yield attention.attention_jvp, (q, k_shared, v, probs, dropped, 0.4, 1 / 0.7, *like_qkv(), tmask,
+        yield attention.attention_jvp, (np, q, k_shared, v, probs, dropped, 0.4, 1 / 0.7, *like_qkv(), tmask,
                                         zeros(2, 3, 4, 4), zeros(2, 3, 4, 6))
-    yield attention.attention_jvp, (q, k_shared, v, probs, None, 0.4, 1.0, None, None, rng.standard_normal(v.shape),
+    yield attention.attention_jvp, (np, q, k_shared, v, probs, None, 0.4, 1.0, None, None, rng.standard_normal(v.shape),
                                     None, zeros(2, 3, 4, 4), None)
-    yield attention.attention_blockwise_forward, (q, k, v, None, additive, True, 0.4, 2, None, False)
-    yield attention.attention_blockwise_forward, (q, k_shared, v, blocked, None, False, 0.4, 3, None, False)
-    yield attention.attention_blockwise_backward, (q, k, v, out, lse, rng.standard_normal(out.shape), None, additive,
+    yield attention.attention_blockwise_forward, (np, q, k, v, None, additive, True, 0.4, 2, None, False)
+    yield attention.attention_blockwise_forward, (np, q, k_shared, v, blocked, None, False, 0.4, 3, None, False)
+    yield attention.attention_blockwise_backward, (np, q, k, v, out, lse, rng.standard_normal(out.shape), None, additive,
                                                    True, 0.4, 2, None, False)
     yield attention.attention_keep_mask, (q, (2, 3, 4, 6), 0.3, 7, 11, True)
     yield attention.split_heads_backward, (zeros(2, 3, 2, 2, 4), [rng.standard_normal((2, 2, 3, 4)) for _ in range(2)])

@@ -20,7 +20,7 @@ from autograd import Tensor, backend
 from npformer import nn
 from npformer.functional import composite
 from npformer.functional.attention import attention_blockwise_backward, attention_blockwise_forward
-from npformer.functional.cuda import flash_attention
+from npformer.functional.attention import cuda as flash_attention
 from npformer.runtime import random
 
 from cuda_emulator import build_or_skip
@@ -34,7 +34,7 @@ def emulator(tmp_path_factory):
 
 @pytest.fixture
 def kernels(emulator, monkeypatch):
-    """The launchers of flash_attention.py with their kernels run by the emulator."""
+    """The launchers of npformer/functional/attention/cuda.py with their kernels run by the emulator."""
     monkeypatch.setattr(flash_attention, "function", emulator.function)
     emulator.launches.clear()
     return emulator
@@ -87,11 +87,11 @@ def assert_close(ours, ref, dtype, terms, what):
 
 def run_kernels_and_reference(q, k, v, blocked, additive, causal, dropout, rng):
     d = q.shape[-1]
-    forward = (q, k, v, blocked, additive, causal, d ** -0.5, 16, dropout, False)
+    forward = (np, q, k, v, blocked, additive, causal, d ** -0.5, 16, dropout, False)
     out, lse = flash_attention.attention_flash_forward(*forward)
     ref_out, ref_lse = attention_blockwise_forward.reference(*forward)
     dout = rng.standard_normal(ref_out.shape).astype(q.dtype)
-    backward = (q, k, v, ref_out, ref_lse, dout, blocked, additive, causal, d ** -0.5, 16, dropout, False)
+    backward = (np, q, k, v, ref_out, ref_lse, dout, blocked, additive, causal, d ** -0.5, 16, dropout, False)
     grads = flash_attention.attention_flash_backward(*backward)
     ref_grads = attention_blockwise_backward.reference(*backward)
     terms = max(q.shape[-2], k.shape[-2]) * d
@@ -156,7 +156,7 @@ def test_kernels_give_a_nan_row_the_nan_logsumexp_of_the_reference(kernels):
         q[0, 0, 1, 3] = np.nan
         blocked = np.zeros((5, 6), bool)
         blocked[2] = True
-        forward = (q, k, v, blocked, None, False, 0.25, 16, None, False)
+        forward = (np, q, k, v, blocked, None, False, 0.25, 16, None, False)
         (out, lse), (ref_out, ref_lse) = (flash_attention.attention_flash_forward(*forward),
                                           attention_blockwise_forward.reference(*forward))
         np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
@@ -173,8 +173,8 @@ def test_kernels_decline_a_bool_and_a_float_mask_together(monkeypatch):
     blocked, additive = rng.random((5, 6)) < 0.3, rng.standard_normal((5, 6))
     out, lse = q[..., :1] * 0, q[..., 0] * 0
     for masks, expected in (((blocked, None), True), ((None, additive), True), ((blocked, additive), False)):
-        assert flash_attention._forward_supported(q, k, v, *masks, False, 0.2, 16, None, False) is expected
-        assert flash_attention._backward_supported(q, k, v, out, lse, q, *masks, False, 0.2, 16, None, False) \
+        assert flash_attention._forward_supported(np, q, k, v, *masks, False, 0.2, 16, None, False) is expected
+        assert flash_attention._backward_supported(np, q, k, v, out, lse, q, *masks, False, 0.2, 16, None, False) \
             is expected
 
 
@@ -187,7 +187,7 @@ def test_a_missing_barrier_would_be_caught(kernels):
     results = []
     for seed in (0, 1, 2):
         kernels.seed = seed
-        results.append(flash_attention.attention_flash_forward(q, k, v, None, None, True, 0.125, 16, None, False)[0])
+        results.append(flash_attention.attention_flash_forward(np, q, k, v, None, None, True, 0.125, 16, None, False)[0])
     assert all(np.array_equal(r, results[0]) for r in results[1:])
 
 
@@ -440,11 +440,11 @@ def test_cuda_kernels_equal_the_reference(cuda, head_dim, dtype):
             arrays = [backend.to_device(a, cuda) for a in qkv(rng, b, h, tq, tk, head_dim, dtype)]
             masks = [None if m is None else backend.to_device(m if m.dtype == bool else m.astype(dtype), cuda)
                      for m in (blocked, additive)]
-            forward = (*arrays, *masks, causal, head_dim ** -0.5, 32, dropout, False)
+            forward = (backend.module_for(cuda), *arrays, *masks, causal, head_dim ** -0.5, 32, dropout, False)
             out, lse = flash_attention.attention_flash_forward(*forward)
             ref_out, ref_lse = attention_blockwise_forward.reference(*forward)
             dout = backend.to_device(rng.standard_normal(ref_out.shape).astype(dtype), cuda)
-            backward = (*arrays, ref_out, ref_lse, dout, *masks, causal, head_dim ** -0.5, 32, dropout, False)
+            backward = (backend.module_for(cuda), *arrays, ref_out, ref_lse, dout, *masks, causal, head_dim ** -0.5, 32, dropout, False)
             grads = flash_attention.attention_flash_backward(*backward)
             ref_grads = attention_blockwise_backward.reference(*backward)
             for name, ours, ref in [("out", out, ref_out), ("lse", lse, ref_lse),

@@ -1,6 +1,6 @@
 """Launchers of flash_attention.cu: the CUDA implementation of the memory-efficient attention's
-kernel tables (`attention_blockwise_forward`, `attention_blockwise_backward` in
-npformer/functional/attention.py), registered for "cuda" wherever `flash_unsupported` finds
+kernel tables (`attention_blockwise_forward`, `attention_blockwise_backward` of tables.py, whose
+references are blockwise.py's), registered for "cuda" wherever `flash_unsupported` finds
 nothing against the call (head dims 32/64/128, float32/float64, no mask that needs a gradient) and
 at most one of the bool and float masks is given (the kernels read one mask). Forward mode has no
 kernel here: after their forward, `attention_blockwise_jvp` (the blockwise reference, in CuPy)
@@ -11,13 +11,13 @@ shape: the kernels read it through one offset per (batch, head) and its strides 
 and keys (0 on a broadcast axis). The array module comes from the data, so the launchers also
 run on host arrays, with the kernels run by the CUDA emulator of the test suite.
 """
-import math
-
-from autograd import backend
+from math import prod
 
 from ..activation import dropout_scale, dropout_threshold
-from ..attention import _lead_shape, attention_blockwise_backward, attention_blockwise_forward, flash_unsupported
-from . import function
+from ..cuda import function
+from . import flash_unsupported
+from .blockwise import lead_shape
+from .tables import attention_blockwise_backward, attention_blockwise_forward
 
 # FlashTile<T> of flash_attention.cu: rows per block and dimensions per lane (threads = ROWS D / DIMS)
 ROWS = {"float32": 64, "float64": 32}
@@ -47,7 +47,7 @@ def mask_arguments(xp, blocked, additive, lead, dtype):
         return (xp.int32(NO_MASK), hidden, added, xp.zeros(1, dtype="int64"), xp.int64(0), xp.int64(0))
     mask = xp.ascontiguousarray(mask)                                   # (mask lead..., Mq, Mk)
     mq, mk = mask.shape[-2:]
-    per_head = xp.arange(math.prod(mask.shape[:-2]), dtype="int64") * (mq * mk)
+    per_head = xp.arange(prod(mask.shape[:-2]), dtype="int64") * (mq * mk)
     per_head = per_head.reshape((1,) * (len(lead) - mask.ndim + 2) + mask.shape[:-2])
     base = xp.ascontiguousarray(xp.broadcast_to(per_head, lead)).reshape(-1)   # (BH,)
     if blocked is not None:
@@ -67,19 +67,18 @@ def _common_arguments(xp, dtype, tq, tk, causal, scale, dropout):
             xp.uint64(seed), xp.uint64(offset), xp.uint32(threshold), cast(dropout_scale(p)))
 
 
-def _forward_supported(q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
+def _forward_supported(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
     return (blocked is None or additive is None) and flash_unsupported(q, k, v, additive, mask_grad) is None
 
 
-def _backward_supported(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout, need_mask):
+def _backward_supported(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout, need_mask):
     return (blocked is None or additive is None) and flash_unsupported(q, k, v, additive, need_mask) is None
 
 
 @attention_blockwise_forward.register("cuda", supports=_forward_supported)
-def attention_flash_forward(q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
+def attention_flash_forward(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
     """(O, L) of flash_attention_forward: one block per 64 (float) or 32 (double) query rows."""
-    xp = backend.get_array_module(q)
-    lead, (tq, d), tk = _lead_shape(q, k, v), q.shape[-2:], k.shape[-2]
+    lead, (tq, d), tk = lead_shape(q, k, v), q.shape[-2:], k.shape[-2]
     qr, kr, vr = (_rows(xp, a, lead) for a in (q, k, v))
     heads = qr.shape[0]
     out = xp.empty((heads, tq, d), dtype=q.dtype)
@@ -93,12 +92,11 @@ def attention_flash_forward(q, k, v, blocked, additive, causal, scale, block_siz
 
 
 @attention_blockwise_backward.register("cuda", supports=_backward_supported)
-def attention_flash_backward(q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
+def attention_flash_backward(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
                              need_mask):
     """(dQ, dK, dV, None): flash_attention_backward_dq (which also writes D = rowsum(dO O)) over
     blocks of query rows, then flash_attention_backward_dkdv over blocks of key rows."""
-    xp = backend.get_array_module(q)
-    lead, (tq, d), tk = _lead_shape(q, k, v), q.shape[-2:], k.shape[-2]
+    lead, (tq, d), tk = lead_shape(q, k, v), q.shape[-2:], k.shape[-2]
     qr, kr, vr = (_rows(xp, a, lead) for a in (q, k, v))
     heads = qr.shape[0]
     outr, doutr = (xp.ascontiguousarray(a).reshape(heads, tq, d) for a in (out, dout))
