@@ -23,7 +23,8 @@ LAYERS = [
      "npformer.progress", "npformer.distributed", "npformer.cuda", "npformer.recording",
      "npformer.exercises"),
 ]
-# op math lives here: only the backend switch and its CuPy stand-in may import numpy or cupy
+# op math lives here: only the backend switch and its CuPy stand-in may import numpy or cupy (and an op
+# folder's cases.py, whose registry cases draw host inputs)
 NO_ARRAY_LIBRARY = ("autograd", "npformer.runtime", "npformer.functional", "npformer.nn", "npformer.models", "npformer.optim")
 # optional packages: imported only inside functions (lazily) of these modules
 OPTIONAL = {"torch": ("npformer.interop",), "transformers": ("npformer.interop",),
@@ -36,6 +37,8 @@ def module_name(path):
 
 
 def layer_of(name):
+    if name.startswith("npformer.functional.") and name.endswith(".cases"):
+        return layer_of("npformer.opcases")   # an op folder's registry cases: the registry's layer, imported by it
     for i, prefixes in enumerate(LAYERS):
         if any(name == p or name.startswith(p + ".") for p in prefixes):
             return i
@@ -74,7 +77,8 @@ def test_imports_point_left_and_op_math_uses_the_backend_switch(path):
         where = f"{path.relative_to(ROOT)}:{line} imports {imported}"
         if root in ("numpy", "cupy", "cupyx"):
             assert not any(name == p or name.startswith(p + ".") for p in NO_ARRAY_LIBRARY) \
-                or name in ("autograd.backend", "npformer.runtime.testdevice"), \
+                or name in ("autograd.backend", "npformer.runtime.testdevice") \
+                or name.endswith(".cases"), \
                 f"{where}: get xp from autograd.backend instead"
         if root in OPTIONAL:
             assert any(name == p or name.startswith(p + ".") for p in OPTIONAL[root]) and not top, \

@@ -1,21 +1,30 @@
 """npformer.functional (imported as F): ops with hand-derived backward passes, mirroring
-torch.nn.functional. `npformer.functional.composite` holds slow twins built from autograd
-primitives, used as test references. Fused computations run from kernel tables
-(`npformer.runtime.kernels`): a plain reference, and faster implementations per device (row blocks on
-the CPU threads in `npformer.functional.cpu`, hand-written CUDA kernels in `npformer.functional.cuda`)."""
-from .softmax import log_softmax, softmax  # first: its cuda.py loads npformer.functional.cuda, whose launchers load the ops
-from .activation import dropout, gelu, relu
-from .attention import attention_backend, scaled_dot_product_attention, split_heads
-from .embedding import embedding
-from .layer_norm import layer_norm
-from .linear import linear
-from .cross_entropy import cross_entropy
-from .dropout_add import dropout_add
-from .rotary import apply_rotary_emb, rotary_cos_sin
+torch.nn.functional. Each op family is one folder, `npformer/functional/<op>/`:
 
-from . import cpu  # noqa: E402,F401  (registers the CPU implementations in the kernel tables)
-from . import cuda  # noqa: E402,F401  (registers the CUDA kernels in the kernel tables; runs only on a GPU)
+- `math.py`: the formulas, forward, backward, double backward and JVP side by side, on the array
+  module `xp` they are given (numpy, CuPy): the file to read; it imports nothing of the engine;
+- `__init__.py`: the binding: each formula the reference of a kernel table
+  (`npformer.runtime.kernels`), the `autograd.Function`s, the public ops (its `__all__`);
+- `cpu.py`, `cuda.py`: faster implementations registered in those tables beside the reference
+  (row blocks on threads, hand-written CUDA kernels), each tested against it;
+- `cases.py`: its registry cases (npformer.opcases: inputs and edge cases, torch references);
+- `twin.py`: its composite twin, the same math from autograd primitives (a test reference);
+- `derivation.md`: its section of docs/backprop.md, with a check that runs.
 
-__all__ = ["apply_rotary_emb", "attention_backend", "cross_entropy", "dropout", "dropout_add", "embedding", "gelu",
-           "layer_norm", "linear", "log_softmax", "relu", "rotary_cos_sin", "scaled_dot_product_attention", "softmax",
-           "split_heads"]
+Adding an op is one folder and its name in OPS below.
+"""
+import importlib as _importlib
+
+# the op folders, in the order a Transformer meets them (and docs/backprop.md derives them)
+OPS = ("linear", "activation", "dropout_add", "softmax", "cross_entropy", "layer_norm", "embedding", "attention",
+       "rotary")
+
+__all__ = []
+for _folder in OPS:  # each folder's public ops: F.softmax, F.layer_norm, ...
+    _module = _importlib.import_module(f"{__name__}.{_folder}")
+    globals().update({name: getattr(_module, name) for name in _module.__all__})
+    __all__ += _module.__all__
+__all__ = sorted(__all__)
+
+from . import cpu  # noqa: E402,F401  (registers the CPU implementations of the optimizer's kernel tables)
+from . import cuda  # noqa: E402,F401  (registers their CUDA kernels; runs only on a GPU)

@@ -28,6 +28,11 @@ def has_twin(op):
     return dispatch
 
 
+def tensor_of(x):
+    """`x` as a Tensor: itself, or a new leaf holding the array."""
+    return x if isinstance(x, Tensor) else Tensor(x)
+
+
 def data_of(x):
     """The raw array of a Tensor, or `x` itself."""
     return x.data if isinstance(x, Tensor) else x

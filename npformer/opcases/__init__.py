@@ -13,19 +13,19 @@ reference, the twin, the tolerances), which drives
         opcases.gradgradcheck_case(case, np.random.default_rng(0))  # second derivatives (higher.py)
         print(opcases.compare_jvp_with_torch(case, torch, np.random.default_rng(0)))  # forward mode
 
-Every case gets in through `register` (registry.py), the library's own (ops.py, modules.py)
-as a user's. A new op of the library adds its `Family` and cases to ops.py (or modules.py
-for an nn module) and a section in docs/backprop.md; a family without a test file of its own
-is tested by tests/opcases/test_registered_cases.py.
+Every case gets in through `register` (registry.py), the library's own (each op folder's
+cases.py, which ops.py imports; modules.py) as a user's. A new op of the library registers its
+`Family` and cases in its folder's cases.py (an nn module in modules.py); a family without a
+test file of its own is tested by tests/opcases/test_registered_cases.py.
 """
 import re
 
 from .case import (COMPOSITE, TOLERANCE, Comparison, Instance, OpCase, compare, compare_with_torch, compare_with_twin,
                    gradcheck_case, instantiate, torch_args)
-from .higher import (FORWARD_MODE_CHECKS, case_jvp, compare_hvp, create_graph_case, compare_hvp_with_torch, compare_jvp_with_torch, forward_mode_case,
-                     gradgradcheck_case, hvp)
+from .higher import (FORWARD_MODE_CHECKS, case_jvp, compare_hvp, compare_hvp_with_torch, compare_jvp_with_torch,
+                     create_graph_case, forward_mode_case, gradgradcheck_case, hvp)
 from .registry import CASES, FAMILIES, Family, cases, from_module, register, select
-from . import modules, ops  # noqa: E402,F401  (the library's cases register themselves)
+from . import ops, modules  # noqa: E402,F401  (the library's cases register themselves: the ops' first)
 
 
 def anchor(heading: str) -> str:

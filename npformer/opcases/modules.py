@@ -3,9 +3,10 @@ parameter, against the same module converted to torch (`interop.to_torch`)."""
 import numpy as np
 
 from npformer import nn
+from npformer.functional.rotary.cases import ROTARY_POSITIONS, torch_rope
 from npformer.runtime import random
 
-from .ops import ROTARY_POSITIONS, normal, op_case, torch_rope
+from .inputs import normal, op_case
 from .registry import Family, register
 
 B, T, E = 2, 4, 8

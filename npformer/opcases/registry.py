@@ -1,5 +1,5 @@
 """The registry of op cases and op families: `register` is the one way in, for the library's
-own ops (npformer/opcases/ops.py, modules.py) and for a user's module of Functions alike.
+own ops (each op folder's cases.py, npformer/opcases/modules.py) and a user's module of Functions alike.
 
     from npformer.opcases import OpCase, register
     register(OpCase("my_swish", lambda rng: [rng.standard_normal((3, 4))], Swish.apply,

@@ -34,10 +34,22 @@ def test_every_snippet_runs(snippet):
 
 @pytest.mark.parametrize("section", SECTIONS, ids=heading)
 def test_every_section_ends_with_a_check(section):
-    body = section.split("\n---")[0].rstrip()
+    body = re.sub(r"(?m)^<!-- .* -->$", "", section.split("\n---")[0]).rstrip()   # the generator's markers aside
     assert body.endswith("```") and "```python" in body, (
         f"section {heading(section)!r} must end with a ```python snippet that checks its formula "
         "(autograd.gradcheck.check_formula) or its kernel against the reference")
+
+
+def test_the_page_is_what_scripts_backprop_doc_makes_of_the_derivations():
+    """Each op's section is its folder's derivation.md, and the op table the registry's:
+    `python scripts/backprop_doc.py` rewrites the page; this fails when it was not run."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("backprop_doc", ROOT / "scripts" / "backprop_doc.py")
+    backprop_doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backprop_doc)
+    assert DOC == backprop_doc.render(DOC), "docs/backprop.md is out of date: python scripts/backprop_doc.py"
+    folders = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "npformer" / "functional").glob("*/derivation.md"))
+    assert sorted(backprop_doc.derivations(DOC)) == folders, "every op folder's derivation.md is in the page once"
 
 
 def test_the_op_table_is_the_registrys():

@@ -24,7 +24,7 @@ from autograd import forward_ad as fwAD
 from npformer.functional.activation import dropout_scale
 from npformer.functional.attention import AttentionBackward
 from npformer.opcases import OpCase, TOLERANCE, compare, instantiate
-from npformer.opcases.ops import B, H, HD, TK, TQ, attention_masks
+from npformer.functional.attention.cases import B, H, HD, TK, TQ, attention_masks
 
 from helpers import (DTYPES, HYPOTHESIS, assert_clear_error, case_hvp, compare_runs, compare_with_torch,
                      double_backward_tests, forward_mode_tests, leaf, op_tests, tolerance)

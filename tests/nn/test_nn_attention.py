@@ -12,7 +12,7 @@ import npformer.functional as F
 from autograd import Tensor
 from npformer import interop, nn
 from npformer.opcases.modules import randomize_vectors
-from npformer.opcases.ops import torch_rope
+from npformer.functional.rotary.cases import torch_rope
 
 from helpers import F32, F64, assert_torch_parity, gradcheck_module, leaf, op_tests, to_torch_kwargs
 from tolerances import Rounded, assert_close, attention_chain, scaled, spread

@@ -42,7 +42,7 @@ def test_every_library_case_names_its_inputs():
 
 @pytest.mark.parametrize("family", opcases.FAMILIES.values(), ids=lambda f: f.name)
 def test_each_family_has_its_code_and_the_test_file_it_names_runs_its_cases(family):
-    module = importlib.import_module(family.source.removesuffix("/__init__.py").removesuffix(".py").replace("/", "."))
+    module = importlib.import_module(family.source.removesuffix(".py").rstrip("/").replace("/", "."))   # a file or a folder
     for name in family.functions:
         assert hasattr(module, name), f"{family.source} has no {name}"
     if family.tests is None:  # tests/opcases/test_registered_cases.py runs its cases
@@ -64,6 +64,10 @@ def test_cases_can_be_selected_by_name_or_family():
 
 
 def test_the_library_cases_come_in_through_register():
-    assert {c.name for c in opcases.from_module("npformer.opcases.ops")} == {
+    """Each op folder's cases.py registers its op's cases; npformer.opcases.modules the modules'."""
+    assert {c.name for c in opcases.from_module("npformer.functional")} == {
         c.name for c in opcases.CASES if c.module is None}
-    assert len(opcases.from_module("npformer.opcases")) == len(opcases.CASES)
+    assert {c.name for c in opcases.from_module("npformer.functional.softmax")} == {
+        c.name for c in opcases.cases("softmax")}
+    assert len(opcases.from_module("npformer.functional")) + len(opcases.from_module("npformer.opcases")) \
+        == len(opcases.CASES)

@@ -18,6 +18,8 @@ from . import math
 from .erf import INV_SQRT_2PI
 from .math import ACTIVATIONS, TANH_C, TANH_K, dropout_scale, dropout_threshold  # noqa: F401  (re-exported)
 
+__all__ = ["dropout", "gelu", "relu"]  # its public ops, which npformer.functional exports
+
 # the kernel tables: the math functions as references (xp first), the fast variants in cpu.py / cuda.py
 erf = kernel_table(_erf_math.erf)  # (after `from . import erf`: the name is the table from here on)
 bias_activation_forward = kernel_table(math.bias_activation_forward)

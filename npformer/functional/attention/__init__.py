@@ -46,6 +46,8 @@ from .tables import (attention_backward, attention_backward_jvp, attention_block
                      attention_blockwise_double_backward, attention_blockwise_forward, attention_blockwise_jvp,
                      attention_double_backward, attention_forward, attention_jvp, matmul_transposed)
 
+__all__ = ["attention_backend", "scaled_dot_product_attention", "split_heads"]  # its public ops, which npformer.functional exports
+
 BACKENDS = ("naive", "memory_efficient", "flash")
 FLASH_HEAD_DIMS = (32, 64, 128)       # head dims the flash kernels are compiled for
 FLASH_DTYPES = ("float32", "float64")

@@ -14,6 +14,8 @@ from .._common import check_index_range, check_one_dtype, check_tensor, data_of,
 from ..softmax import SoftmaxFunction, log_softmax
 from . import math
 
+__all__ = ["cross_entropy"]  # its public ops, which npformer.functional exports
+
 
 # the kernel tables: math.py's formulas as the reference, the CPU's row blocks on threads (cpu.py) and
 # CUDA's kernels (cuda.py) beside them

@@ -13,6 +13,8 @@ from npformer.runtime.random import Philox
 from .._common import check_one_dtype, check_tensor, has_twin
 from ..activation import DropoutFunction, dropout_forward, dropout_stream
 
+__all__ = ["dropout_add"]  # its public ops, which npformer.functional exports
+
 
 @kernel_table
 def dropout_add_forward(xp, x, residual, seed, offset, p, state=None):

@@ -10,6 +10,8 @@ from npformer.runtime.kernels import kernel_table
 from .._common import check_index_range, check_tensor, has_twin, on_device_of
 from . import math
 
+__all__ = ["embedding"]  # its public ops, which npformer.functional exports
+
 # the kernel table of the backward's scatter-add: math.py's as the reference, the CPU's sorted runs
 # (cpu.py) and CUDA's atomics (cuda.py) beside it
 scatter_add_rows = kernel_table(math.scatter_add_rows)

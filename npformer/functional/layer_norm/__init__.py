@@ -13,6 +13,8 @@ from npformer.runtime.kernels import kernel_table
 from .._common import check_one_dtype, check_tensor, has_twin
 from . import math
 
+__all__ = ["layer_norm"]  # its public ops, which npformer.functional exports
+
 layer_norm_forward = kernel_table(math.layer_norm_forward)
 layer_norm_backward = kernel_table(math.layer_norm_backward)
 layer_norm_jvp = kernel_table(math.layer_norm_jvp)

@@ -13,6 +13,8 @@ from ..activation import (ACTIVATIONS, activation_tangent, bias_activation_backw
                           bias_activation_grad)
 from . import math
 
+__all__ = ["linear"]  # its public ops, which npformer.functional exports
+
 
 # the kernel tables: math.py's formulas as the reference, the CPU's threaded GEMMs (cpu.py) beside them
 linear_forward = kernel_table(math.linear_forward)

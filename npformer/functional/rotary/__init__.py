@@ -9,6 +9,8 @@ from autograd.forward_ad import unpack_dual
 from .._common import broadcasts_to, check_tensor, has_twin, on_device_of
 from . import math
 
+__all__ = ["apply_rotary_emb", "rotary_cos_sin"]  # its public ops, which npformer.functional exports
+
 
 class RotaryEmbeddingFunction(Function):
     """x (..., T, hd) with halves x1, x2; cos, sin (T, hd/2) (broadcastable) ->

@@ -10,6 +10,8 @@ from .._common import check_tensor, has_twin, normalize_dim
 from . import math
 from .rows import row_dot, row_max, row_sum, stable_row_max  # noqa: F401  (other ops' row reductions)
 
+__all__ = ["log_softmax", "softmax"]  # its public ops, which npformer.functional exports
+
 softmax_forward = kernel_table(math.softmax_forward)
 softmax_backward = kernel_table(math.softmax_backward)
 log_softmax_forward = kernel_table(math.log_softmax_forward)
