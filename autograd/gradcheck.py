@@ -32,7 +32,8 @@ from typing import Any
 
 from . import backend
 from .modes import enable_grad, no_grad
-from .tensor import Tensor, grad
+from .create_graph import grad
+from .tensor import Tensor
 
 __all__ = ["GradcheckError", "check_create_graph", "check_formula", "gradcheck", "gradgradcheck", "judge", "numeric_gradient",
            "random_generator", "vjp"]
@@ -231,11 +232,11 @@ def _disagreeing_ops(outs, seed):
     """One wrong verdict per op of the graph behind `outs` whose two forms of the gradient differ:
     each node's `backward` and `differentiable_backward` run on the same random gradients of its
     outputs, compared input by input (the op, its input and the worst entry named)."""
-    from .function import _topological_nodes, op_name
+    from .function import backward_order, op_name
 
     rng = random_generator(seed, stream=4)
     verdicts = []
-    for node in _topological_nodes([o.creator for o in outs if o.creator is not None]):
+    for node in backward_order([o.creator for o in outs if o.creator is not None]):
         if getattr(node, "differentiable_backward", None) is None:
             continue  # differentiable once: create_graph runs its backward itself
         grads = [backend.to_device(rng.standard_normal(shape).astype(dtype), node.inputs[0].device
