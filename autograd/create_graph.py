@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import backend, hooks
+from .backend import ArrayLike
 from .checks import check_bool
 from .forward_ad import carries_tangents
 from .function import BackwardPass, Function, run_backward, tensor_gradients
@@ -137,13 +138,8 @@ class GraphPass(BackwardPass):
         self.wanted_outputs = {} if self.targets is None else {
             (id(t.creator), t.output_index): t for t in self.targets.values() if t.creator is not None}
 
-    def wanted(self, t):
-        return t.requires_grad if self.targets is None else id(t) in self.targets
-
     def needed(self, nodes):
-        """The ids of the nodes whose backward leads to a wanted tensor (None: every node)."""
-        if self.targets is None:
-            return None
+        """The ids of the nodes whose backward leads to a wanted tensor."""
         needed = self.needed_ids = set()
         for node in reversed(nodes):  # inputs' creators first
             if any(t is not None and (id(t) in self.targets or t.creator is not None and id(t.creator) in needed)

@@ -1,17 +1,12 @@
-"""`Function`, the base of every op, and the backward pass (the first read, with tensor.py and
-gradcheck.py).
+"""`Function`, the base of every op, and the backward pass (the first read, with tensor.py, gradcheck.py).
 
-A `Function` subclass writes `forward(ctx, *arrays)` and `backward(ctx, *grads)` on raw arrays of
-the active backend. `apply` unwraps Tensors, runs forward and, when some input requires grad,
-records the call as a node of the graph: its inputs, and a slot per output where gradients sum.
-`run_backward` walks the nodes in reverse topological order (`backward_order`, iteratively, so
-deep graphs never hit the recursion limit): each node's backward turns its outputs' summed
-gradients into its inputs', checked like torch's engine; a leaf's go into `.grad`, another
-tensor's into its creator's slot; each node is freed once used.
-
-The second read, each in its own file: what ops give the engine, checked (op_checks.py),
-versions and views (versions.py), forward mode (forward_ad.py), hooks and callbacks of a pass
-(hooks.py), gradients that are graphs and `autograd.grad` (create_graph.py), the modes (modes.py).
+A `Function` subclass writes `forward(ctx, *arrays)` and `backward(ctx, *grads)` on raw arrays.
+`apply` unwraps Tensors, runs forward and, when some input requires grad, records the call as a
+node of the graph: its inputs, and a slot per output where gradients sum. `run_backward` walks the
+nodes in reverse topological order (`backward_order`, iteratively: deep graphs never hit the
+recursion limit): each node's backward turns its outputs' summed gradients into its inputs',
+checked like torch's engine; a leaf's go into `.grad`, another tensor's into its creator's slot.
+Second read: op_checks.py, versions.py, forward_ad.py, hooks.py, create_graph.py, modes.py.
 """
 from __future__ import annotations
 
@@ -22,14 +17,12 @@ from . import backend, hooks
 from .forward_ad import propagate_tangents
 from .hooks import queue_callback  # noqa: F401  (autograd.function.queue_callback, torch's place for it)
 from .modes import _forward, _state, check_finite, enable_grad, no_grad, where_created
-from .op_checks import check_same_device_and_dtype, checked_gradients, op_name, output_arrays
+from .op_checks import op_name  # noqa: F401  (autograd.function.op_name too)
+from .op_checks import check_same_device_and_dtype, checked_gradients, output_arrays
 from .versions import check_versions
 
 if TYPE_CHECKING:
     from .tensor import Tensor
-
-__all__ = ["Function", "backward_order", "op_name", "output_gradients", "raw_computation", "run_backward"]
-
 
 class Function:
     """Base class of every differentiable op. Subclasses define
@@ -39,14 +32,11 @@ class Function:
         @staticmethod
         def backward(ctx, *grad_outputs) -> one gradient (or None) per positional input
 
-    and are called as `MyOp.apply(*inputs, **options)`. Non-Tensor inputs get no gradient.
+    and are called as `MyOp.apply(*inputs, **options)`. Non-Tensor inputs get no gradient;
     `ctx.needs_input_grad[i]` says whether input i needs one. What backward returns is checked
-    like torch's engine does (count, shape, dtype, device; a gradient of a shape the input
-    broadcasts to is summed back): a mistake raises an error naming the op and the input.
-    Optional: `jvp(ctx, *tangents)`, the forward-mode rule (forward_ad.py), and
-    `differentiable_backward(ctx, *grad_outputs)`, the gradient as differentiable Tensor ops, for
-    second derivatives (create_graph.py); `view = True` for an op whose output may share its first
-    input's memory (versions.py).
+    (op_checks.checked_gradients): a mistake raises an error naming the op and the input.
+    Optional: `jvp(ctx, *tangents)`, the forward-mode rule (forward_ad.py); `differentiable_backward`
+    for second derivatives (create_graph.py); `view = True`: the output may be a view (versions.py).
     """
 
     saved_tensors = ()
@@ -69,10 +59,9 @@ class Function:
     @classmethod
     def apply(cls, *args: Any, **options: Any) -> Tensor | tuple[Tensor, ...]:
         """Run the op: unwrap the Tensors among `args`, call `forward(ctx, *arrays, **options)`,
-        wrap its array (or tuple of arrays) in Tensors and, when grad mode is on and an input
-        requires grad, record the call for backward. Returns a Tensor, or a tuple of Tensors when
-        forward returns a tuple. Raises TypeError / RuntimeError when the Tensor inputs differ in
-        dtype or device, and TypeError when forward returns something that is not an array."""
+        wrap its array (or tuple of arrays) in Tensors (a tuple of Tensors for a tuple) and, when
+        grad mode is on and an input requires grad, record the call for backward (op_checks.py
+        names the errors: inputs of several dtypes or devices, a forward output not an array)."""
         Tensor = _tensor_class()
         ctx = cls()
         # one pass over the arguments (an apply runs for every op of every step: no generators here)
@@ -122,10 +111,8 @@ class Function:
 
 
 def raw_computation(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args): a computation on raw arrays that is no op, made from what an op or a module got
-    (a mask or a count from a step's inputs, a check of ids, a dropout keep mask's draw). Code that
-    watches a step's ops sees it through `hooks.raw_computation` (npformer's recorded steps repeat
-    it at each replay); without such code it is just fn(*args)."""
+    """fn(*args): a computation on raw arrays that is no op (a mask from a step's inputs, a check of
+    ids, a dropout mask's draw), which code watching a step's ops sees (hooks.raw_computation)."""
     if hooks.raw_computation:
         return hooks.raw_computation[-1](fn, args)
     return fn(*args)
@@ -169,18 +156,13 @@ def backward_order(nodes: Sequence[Function]) -> list[Function]:
 def run_backward(roots: Sequence[Tensor], grads: Sequence[Any], *, retain_graph: bool = False,
                  create_graph: bool = False, inputs: Sequence[Tensor] | None = None, accumulate: bool = True,
                  order: list[Function] | None = None) -> dict:
-    """Propagate each `grads[k]` (d loss / d roots[k], a raw array, or a Tensor when
-    `tensor_gradients(create_graph)`) back through the graph, then run the callbacks queued
-    during the pass (hooks.queue_callback). Returns {id(t): gradient} for `inputs` when not
-    accumulating. `Tensor.backward()` and `autograd.grad` check their arguments and call it.
-
-    inputs: None (every leaf that requires grad) or the Tensors, leaves or not, whose gradients
-    are wanted; accumulate: add into `.grad` or return the gradients (`autograd.grad`): both in
-    create_graph.py's GraphPass, as is create_graph (gradients that are graphs). order: the
-    pass's nodes, `backward_order([t.creator for t in roots])` of a retained graph, run again
-    (npformer's recorded steps). Without create_graph the pass, its hooks and callbacks run with
-    grad mode off (ops in a hook record no graph) on raw arrays: the fast first-order path.
-    """
+    """Propagate each `grads[k]` (d loss / d roots[k]: a raw array, or a Tensor when
+    `tensor_gradients(create_graph)`) back through the graph, then run the callbacks queued during
+    the pass (hooks.py). `Tensor.backward()` and `autograd.grad` check their arguments and call it.
+    Without create_graph, inputs or accumulate=False (create_graph.py's GraphPass) it is a
+    first-order BackwardPass into `.grad` on raw arrays, run with grad mode off (ops in a hook
+    record no graph). order: `backward_order([t.creator for t in roots])` of a graph retained,
+    run again (npformer's recorded steps). Returns {id(t): gradient} when not accumulating."""
     # autograd.functional.linearize records the level: its tangent steps read what the ops saved
     retain_graph = retain_graph or bool(_forward.stack and _forward.stack[-1] in _forward.records)
     tensors = tensor_gradients(create_graph)
@@ -215,7 +197,7 @@ class BackwardPass:
         creators = []
         for t, g in zip(roots, grads):
             if t.creator is None:
-                if self.wanted(t):
+                if self.targets is None or id(t) in self.targets:
                     self.deliver(t, g)
                     hooks.run_post_accumulate_grad_hooks([t], self.hooked)
             elif t.creator.inputs is None:  # an earlier backward freed this graph
@@ -236,7 +218,7 @@ class BackwardPass:
 
     def run_nodes(self, nodes):
         last_uses = hooks.last_uses_of_hooked_leaves(nodes)  # {} unless a leaf has a hook
-        needed = self.needed(nodes)
+        needed = None if self.targets is None else self.needed(nodes)  # GraphPass: the nodes leading to targets
         for i, node in enumerate(nodes):
             grads = output_gradients(node, self.tensors)
             if node.retained or self.targets is not None:  # retain_grad(); autograd.grad of a non-leaf
@@ -256,14 +238,6 @@ class BackwardPass:
             else:  # free the graph: everything the op saved, and the links to its inputs
                 node.__dict__.clear()
                 node.inputs = None
-
-    def wanted(self, t):
-        """Whether the gradient of the root leaf `t` is wanted."""
-        return t.requires_grad
-
-    def needed(self, nodes):
-        """The ids of the nodes whose backward must run; None: all."""
-        return None
 
     def deliver(self, t, grad):
         """One contribution to the gradient of the leaf `t`: into `.grad`."""

@@ -10,25 +10,16 @@ methods (reshape, sum, numpy(), comparisons, ...) it inherits from `TensorMethod
 """
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 from typing import Any
 
 from . import backend, hooks
 from .backend import ArrayLike, DType
-from .checks import as_array, check_bool
+from .checks import check_bool
 from .function import run_backward, tensor_gradients
 from .ops import Add, Div, GetItem, MatMul, Mul, Neg, Pow, Sub
-from .tensor_methods import (TensorMethods, _checked_inputs, _operands, _raw_key,  # noqa: F401 (where, ...:
-                             _upstream_gradient, concatenate, stack, where)         # autograd.tensor's too)
-
-
-def _as_array(data):
-    """Arrays keep their dtype; Python scalars and lists of floats become float32 (torch's default)."""
-    if backend.is_array(data):
-        return data
-    arr = as_array(data, "data", "Tensor", backend.get_array_module(data))
-    return arr.astype("float32") if arr.dtype == "float64" else arr
+from .tensor_methods import (TensorMethods, _as_array, _checked_inputs, _operands, _raw_key,  # noqa: F401 (where,
+                             _upstream_gradient, concatenate, stack, where)  # ...: autograd.tensor's too)
 
 
 class Tensor(TensorMethods):
@@ -37,13 +28,10 @@ class Tensor(TensorMethods):
     data: an array (kept as it is, dtype included), a Tensor (its array is shared), or
     numbers / nested lists (float64 values become float32, torch's default). dtype and device
     ("cpu", "cuda", "test"), when given, convert the array. requires_grad=True asks for `.grad`
-    after backward and needs a floating dtype (TypeError otherwise).
-
-    Attributes: `data` (numpy/cupy array), `grad` (a Tensor or None), `requires_grad`,
-    `creator` (the Function node that made it; None for leaves), `_version` (torch's: how many
-    in-place changes it had, see `bump_version`; a view counts on its base). Arithmetic
-    (`+ - * / @ **`, unary `-`), indexing and the methods below are differentiable; comparisons
-    (`<`, `eq`, ...) give boolean Tensors outside the graph.
+    after backward and needs a floating dtype (TypeError otherwise). Attributes: `data`, `grad`
+    (a Tensor or None), `requires_grad`, `creator` (the Function node that made it; None for
+    leaves), `_version` (in-place changes: versions.py). Arithmetic (`+ - * / @ **`, unary `-`),
+    indexing and TensorMethods' methods are differentiable; comparisons give boolean Tensors.
     """
 
     __array_priority__ = 1000  # numpy array (op) Tensor defers to Tensor's reflected op
@@ -82,41 +70,14 @@ class Tensor(TensorMethods):
         return self.data.shape
 
     @property
-    def ndim(self) -> int:
-        """The number of dimensions."""
-        return self.data.ndim
-
-    @property
     def dtype(self) -> Any:
         """The array's dtype (a numpy dtype, e.g. float32)."""
         return self.data.dtype
 
     @property
-    def size(self) -> int:
-        """The number of elements (an int, as numpy's `size`; torch's `numel()`)."""
-        return self.data.size
-
-    @property
     def device(self) -> str:
         """Where the array lives: "cpu", "cuda" or "test"."""
         return backend.device_of(self.data)
-
-    @property
-    def xp(self) -> types.ModuleType:
-        """The array module of the data (numpy, cupy or the test device's), for raw array math."""
-        return backend.get_array_module(self.data)
-
-    @property
-    def is_leaf(self) -> bool:
-        """True for a tensor made by the user (not by an op): leaves keep `.grad` after backward."""
-        return self.creator is None
-
-    def __len__(self):
-        return len(self.data)
-
-    def __repr__(self):
-        grad = ", requires_grad=True" if self.requires_grad else ""
-        return f"Tensor({backend.as_numpy(self.data)!r}, device='{self.device}'{grad})"
 
     # -- autograd ----------------------------------------------------------------------
     @property
@@ -127,14 +88,7 @@ class Tensor(TensorMethods):
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
-        if value is not None:
-            if not isinstance(value, Tensor):
-                raise TypeError(f"grad: expected a Tensor or None, got {type(value).__name__}; wrap an array: "
-                                "Tensor(array)")
-            if value.shape != self.shape or value.dtype != self.dtype or value.device != self.device:
-                raise ValueError(f"grad: expected a Tensor of shape {self.shape}, dtype {self.dtype} on "
-                                 f"'{self.device}', got shape {value.shape}, dtype {value.dtype} on '{value.device}'")
-        self._grad = value
+        self._grad = self._checked_grad(value)  # a Tensor of this one's shape, dtype and device, or None
 
     def backward(self, gradient: ArrayLike | None = None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs: Sequence[Tensor] | None = None) -> None:

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,14 +16,61 @@ from .backend import Array, ArrayLike, DType
 from .forward_ad import set_tangent
 from .function import _tensor_class
 from .ops import BroadcastTo, Concatenate, Exp, Log, Max, Mean, Permute, Relu, Reshape, Sqrt, Sum, Tanh, To, Where
-from .checks import check_bool
+from .checks import as_array, check_bool
 
 if TYPE_CHECKING:
     from .tensor import Tensor
 
 
+def _as_array(data):
+    """Arrays keep their dtype; Python scalars and lists of floats become float32 (torch's default)."""
+    if backend.is_array(data):
+        return data
+    arr = as_array(data, "data", "Tensor", backend.get_array_module(data))
+    return arr.astype("float32") if arr.dtype == "float64" else arr
+
+
 class TensorMethods:
     """What `Tensor` does beyond its core (autograd/tensor.py): see the module's docstring."""
+
+    # -- properties ------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions."""
+        return self.data.ndim
+
+    @property
+    def size(self) -> int:
+        """The number of elements (an int, as numpy's `size`; torch's `numel()`)."""
+        return self.data.size
+
+    @property
+    def xp(self) -> types.ModuleType:
+        """The array module of the data (numpy, cupy or the test device's), for raw array math."""
+        return backend.get_array_module(self.data)
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for a tensor made by the user (not by an op): leaves keep `.grad` after backward."""
+        return self.creator is None
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor({backend.as_numpy(self.data)!r}, device='{self.device}'{grad})"
+
+    def _checked_grad(self, value):
+        """`value`, to be set as `.grad`, or TypeError / ValueError."""
+        if value is not None:
+            if not isinstance(value, TensorMethods):
+                raise TypeError(f"grad: expected a Tensor or None, got {type(value).__name__}; wrap an array: "
+                                "Tensor(array)")
+            if value.shape != self.shape or value.dtype != self.dtype or value.device != self.device:
+                raise ValueError(f"grad: expected a Tensor of shape {self.shape}, dtype {self.dtype} on "
+                                 f"'{self.device}', got shape {value.shape}, dtype {value.dtype} on '{value.device}'")
+        return value
 
     def bump_version(self) -> None:
         """Count one in-place change of this tensor's values (torch's version counter, `_version`;
