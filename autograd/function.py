@@ -219,18 +219,19 @@ class BackwardPass:
     def run_nodes(self, nodes):
         last_uses = hooks.last_uses_of_hooked_leaves(nodes)  # {} unless a leaf has a hook
         needed = None if self.targets is None else self.needed(nodes)  # GraphPass: the nodes leading to targets
+        targets, tensors, input_grads, deliver = self.targets, self.tensors, self.input_grads, self.deliver
         for i, node in enumerate(nodes):
-            grads = output_gradients(node, self.tensors)
-            if node.retained or self.targets is not None:  # retain_grad(); autograd.grad of a non-leaf
+            grads = output_gradients(node, tensors)
+            if node.retained or targets is not None:  # retain_grad(); autograd.grad of a non-leaf
                 self.deliver_outputs(node, grads)
             if needed is None or id(node) in needed:
-                for t, g in zip(node.inputs, self.input_grads(node, grads)):
+                for t, g in zip(node.inputs, input_grads(node, grads)):
                     if t is None or g is None or not t.requires_grad:
                         continue
                     if t.creator is not None:
                         _accumulate(t.creator.output_grads, t.output_index, g)
-                    elif self.targets is None or id(t) in self.targets:
-                        self.deliver(t, g)
+                    elif targets is None or id(t) in targets:
+                        deliver(t, g)
             if i in last_uses:  # leaves whose gradients are now final
                 hooks.run_post_accumulate_grad_hooks(last_uses[i], self.hooked)
             if self.retain_graph:

@@ -23,6 +23,11 @@ def check_versions(node: Any) -> None:
     """Raise RuntimeError (torch's words) when an input that the op saved for backward was changed
     in place since the forward pass (an optimizer step, load_state_dict, ...: its `_version` moved):
     its backward would mix the new values with the old ones, a silently wrong gradient."""
+    for t, version in zip(node.inputs, node.versions):  # the common case, cheaply: no version moved
+        if t is not None and (t if t._base is None else t._base)._version != version:
+            break
+    else:
+        return
     for i, (t, version) in enumerate(zip(node.inputs, node.versions)):
         if t is None:
             continue

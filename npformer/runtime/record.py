@@ -148,8 +148,10 @@ class _Op:
                     options["dropout"] = (p, seed, offset, state)
         ctx = self.ctx
         outputs = self.op.forward(ctx, *raw, **options)
-        for t, o in zip(self.outputs, output_arrays(self.op, outputs if isinstance(outputs, tuple) else (outputs,),
-                                                    raw)):  # numbers become arrays, as in apply
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if not all(map(backend.is_array, outputs)):  # numbers become arrays, as in apply
+            outputs = output_arrays(self.op, outputs, raw)
+        for t, o in zip(self.outputs, outputs):
             t.data = o
         if self.node:  # what backward reads: the arrays forward got, the versions it saw
             ctx.input_arrays = raw
