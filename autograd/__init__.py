@@ -8,14 +8,15 @@ in through `autograd.hooks` and `backend.register_device`.
 """
 from . import backend, hooks
 from .backend import get_array_module
-from . import forward_ad, functional
 from .function import Function, raw_computation
+from .tensor import Tensor, concatenate, stack, where
+from .create_graph import grad
+from . import forward_ad, functional
 from . import gradcheck  # the module, callable as the function (autograd.gradcheck(fn, inputs))
 from .gradcheck import GradcheckError, gradgradcheck
-from .modes import detect_anomaly, enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from .modes import detect_anomaly, enable_grad, is_anomaly_enabled, is_grad_enabled, no_grad, set_grad_enabled
 from .ops import unbroadcast
-from .tensor import Tensor, concatenate, grad, stack, where
 
-__all__ = ["backend", "hooks", "get_array_module", "Function", "raw_computation", "detect_anomaly", "enable_grad", "is_grad_enabled",
-           "no_grad", "set_grad_enabled", "GradcheckError", "gradcheck", "gradgradcheck", "Tensor", "concatenate",
+__all__ = ["backend", "hooks", "get_array_module", "Function", "raw_computation", "detect_anomaly", "enable_grad",
+           "is_anomaly_enabled", "is_grad_enabled", "no_grad", "set_grad_enabled", "GradcheckError", "gradcheck", "gradgradcheck", "Tensor", "concatenate",
            "grad", "stack", "unbroadcast", "where", "forward_ad", "functional"]

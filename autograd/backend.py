@@ -113,6 +113,14 @@ def is_array(x):
             or isinstance(x, _registered_types))
 
 
+def memory_owner(array: Any) -> Any:
+    """The array that owns `array`'s memory (numpy's and CuPy's views name it in `.base`): two
+    arrays with one owner may share memory (a view and its base, two views of one array)."""
+    while getattr(array, "base", None) is not None:
+        array = array.base
+    return array
+
+
 def to_device(array, device):
     """Copy (or view) an array onto a device."""
     _check_device(device)

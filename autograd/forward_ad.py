@@ -17,16 +17,22 @@ Levels are per thread (the grad mode is too); tangents belong to the innermost l
 dropped when it exits. Tangents are raw arrays: forward mode is first order here, and forward
 over reverse (an HVP: the tangent of a gradient) works because the gradient's ops, run by their
 `differentiable_backward`, carry tangents like any other op.
+
+In the engine (a second read of the core): `Function.apply` calls `propagate_tangents` when a
+level is active (`modes._forward`, the levels of this thread), which runs the op's `jvp` rule.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import backend
-from .function import _forward
-from .tensor import Tensor
+from .modes import _forward
+from .op_checks import op_name
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
 
 _level_ids = itertools.count(1)  # unique across threads: a tensor's tangents never mix two levels
 
@@ -62,6 +68,8 @@ def _level(level, where):
 def make_dual(tensor: Tensor, tangent: Any, *, level: int | None = None) -> Tensor:
     """A new Tensor with `tensor`'s values (shared) and graph, carrying `tangent` (an array or
     Tensor of the same shape, dtype and device) at the innermost dual level. torch's make_dual."""
+    from .tensor import Tensor
+
     level = _level(level, "make_dual")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"make_dual: tensor must be a Tensor, got {type(tensor).__name__}")
@@ -88,6 +96,8 @@ class UnpackedDualTensor(NamedTuple):
 def unpack_dual(tensor: Tensor, *, level: int | None = None) -> UnpackedDualTensor:
     """(primal, tangent): the values as a Tensor without tangent (sharing the graph), and the
     tangent at the innermost level as an array (None when there is none). torch's unpack_dual."""
+    from .tensor import Tensor
+
     if not isinstance(tensor, Tensor):
         raise TypeError(f"unpack_dual: tensor must be a Tensor, got {type(tensor).__name__}")
     level = current_level() if level is None else level
@@ -96,3 +106,61 @@ def unpack_dual(tensor: Tensor, *, level: int | None = None) -> UnpackedDualTens
     if primal is not tensor:
         primal._set_tangent(level, None)
     return UnpackedDualTensor(primal, tangent)
+
+
+# -- in the engine ---------------------------------------------------------------------------------
+def propagate_tangents(op: type, ctx: Any, args: tuple, results: tuple) -> None:
+    """Give the outputs of `op` their tangents at the innermost level: `op.jvp(ctx, *tangents)`
+    with one tangent (raw array or None) per positional input. Nothing happens when no input
+    has one; an op without a jvp rule is an error naming it (never a silent zero tangent)."""
+    from .tensor import Tensor
+
+    level = _forward.stack[-1]
+    tangents = [a._tangents.get(level) if isinstance(a, Tensor) and a._tangents else None for a in args]
+    if all(t is None for t in tangents):
+        return
+    jvp = getattr(op, "jvp", None)
+    if jvp is None:
+        raise RuntimeError(f"{op_name(op)} has no forward-mode rule: give it a `jvp(ctx, *tangents)` staticmethod "
+                           "returning the tangent of each output (see docs/backprop.md, \"Forward mode\")")
+    out = jvp(ctx, *tangents)
+    out = out if isinstance(out, tuple) else (out,)
+    if len(out) != len(results):
+        raise RuntimeError(f"{op_name(op)}.jvp returned {len(out)} tangents, expected one per output ({len(results)})")
+    ctx.output_tangents = level, out  # for ctx.as_output: forward over reverse
+    if level in _forward.records:
+        _forward.records[level].append((op, ctx, args, results))
+    for i, (r, t) in enumerate(zip(results, out)):
+        if t is not None:
+            r._set_tangent(level, output_tangent(op, i, r, t))
+
+
+def output_tangent(op: type, index: int, result: Tensor, t: Any) -> Any:
+    """`t`, what op.jvp returned for output `index` (the Tensor `result`), as its tangent: a numpy
+    scalar becomes an array; anything but an array of the output's shape and dtype is an error
+    naming the op."""
+    if not backend.is_array(t) and getattr(t, "shape", None) == () and hasattr(t, "dtype"):  # a numpy scalar
+        t = result.xp.asarray(t)
+    if not backend.is_array(t) or tuple(t.shape) != result.shape or t.dtype != result.dtype:
+        got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if backend.is_array(t) else type(t).__name__
+        raise RuntimeError(f"{op_name(op)}.jvp returned an invalid tangent for output {index}: expected an array of "
+                           f"shape {result.shape} and dtype {result.dtype}, got {got}")
+    return t
+
+
+def carries_tangents(*groups: Any) -> bool:
+    """Whether a Tensor of `groups` (iterables of Tensors or None) has a tangent at the innermost level."""
+    level = _forward.stack[-1]
+    return any(t is not None and t._tangents and level in t._tangents for group in groups for t in group)
+
+
+def set_tangent(tensor: Tensor, level: int, tangent: Any) -> None:
+    """`tensor` carries `tangent` (an array, or None for none) at the dual `level` (Tensor._set_tangent)."""
+    if tangent is None:
+        if tensor._tangents:
+            tensor._tangents.pop(level, None)
+        return
+    if tensor._tangents is None:
+        tensor._tangents = {}
+    tensor._tangents[level] = tangent
+    _forward.duals[level].add(tensor)

@@ -24,8 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 from . import forward_ad
-from .function import _forward, _output_tangent, _tangent_only_gradients
-from .tensor import Tensor, grad, stack
+from .create_graph import grad, tangent_only_gradients
+from .forward_ad import output_tangent
+from .modes import _forward
+from .tensor import Tensor, stack
 
 
 def _as_tuple(value, what, fn_name):
@@ -179,7 +181,7 @@ def hvp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, 
     with forward_ad.dual_level():
         duals = [forward_ad.make_dual(x, u.data) for x, u in zip(xs, vs)]
         out = _scalar_output(func(*duals), "hvp")
-        with _tangent_only_gradients():  # the gradients' values are not read: the ops may skip them
+        with tangent_only_gradients():  # the gradients' values are not read: the ops may skip them
             gs = _grads([out], duals, [Tensor(out.xp.ones_like(out.data))], False, strict, "hvp")
         products = tuple(_tangent_or_zeros(g) for g in gs)
         value = forward_ad.unpack_dual(out).primal.detach()
@@ -251,7 +253,7 @@ def linearize(func: Callable, *primals: Tensor):
 
         for op, ctx, inputs, results in records:
             out = op.jvp(ctx, *map(tangent_of, inputs))
-            out = tuple(None if t is None else _output_tangent(op, i, r, t)
+            out = tuple(None if t is None else output_tangent(op, i, r, t)
                         for i, (r, t) in enumerate(zip(results, out if isinstance(out, tuple) else (out,))))
             by_step[id(ctx)] = out
             by_tensor.update((id(r), t) for r, t in zip(results, out) if t is not None)

@@ -1,15 +1,18 @@
 """Grad mode and anomaly mode: `no_grad`, `enable_grad`, `set_grad_enabled`, `is_grad_enabled`,
-`detect_anomaly`.
+`detect_anomaly`, `is_anomaly_enabled`; and the dual levels of forward mode entered.
 
-Both modes are per thread, like torch's. `Function.apply` (autograd/function.py) reads them:
-with grad mode off an op records no graph; with anomaly mode on every forward and backward
-output is checked for NaN and Inf.
+All are per thread, like torch's. `Function.apply` (autograd/function.py) reads them: with grad
+mode off an op records no graph; with anomaly mode on every forward and backward output is
+checked for NaN and Inf (`check_finite`) and each op keeps the user's line that created it;
+inside a dual level (autograd/forward_ad.py) each op also computes its outputs' tangents.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
+import traceback
 from collections.abc import Callable
 
 from .checks import check_bool
@@ -28,6 +31,21 @@ class _Modes(threading.local):
 
 
 _state = _Modes()
+
+
+class _ForwardLevels(threading.local):
+    """The dual levels of forward mode entered in this thread (autograd.forward_ad), innermost
+    last; {level: tensors carrying a tangent at it}, whose tangents go when the level exits; and
+    {level: [(op, ctx, inputs, outputs), ...]}, the tangent steps taken at a level that
+    autograd.functional.linearize records, to take them again along other tangents."""
+
+    def __init__(self):
+        self.stack = []
+        self.duals = {}
+        self.records = {}
+
+
+_forward = _ForwardLevels()
 
 
 def is_grad_enabled() -> bool:
@@ -137,3 +155,37 @@ class detect_anomaly(_ModeSwitch):
 
     name, value = "anomaly", True
 
+
+
+def is_anomaly_enabled() -> bool:
+    """Whether anomaly detection is on in the calling thread (inside `detect_anomaly()`); torch's."""
+    return _state.anomaly
+
+
+def check_finite(arrays, ctx, phase):
+    """Anomaly mode: FloatingPointError naming the op (`ctx`, its node) and the line that created it
+    when one of `arrays` (its forward's outputs or backward's gradients: `phase`) holds NaN or Inf."""
+    from . import backend
+    from .op_checks import op_name
+
+    for a in arrays:
+        if a is not None and a.dtype.kind in "fc":
+            xp = backend.get_array_module(a)
+            if not bool(xp.isfinite(a).all()):
+                raise FloatingPointError(
+                    f"{op_name(type(ctx))} {phase} produced NaN or Inf; the op was created at\n"
+                    f"{ctx.created_at}")
+
+
+# the packages whose frames are library code, not the user's line: autograd and npformer,
+# found by their own directories (a checkout may itself be called "npformer")
+_LIBRARY_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name) + os.sep
+                      for name in ("autograd", "npformer"))
+
+
+def where_created():
+    """Anomaly mode: the innermost stack frame outside the autograd and npformer packages, the
+    user's line that created an op (called by Function.apply)."""
+    frames = [f for f in traceback.extract_stack()[:-3]
+              if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
+    return "".join(traceback.format_list(frames[-1:])) or "(unknown)"

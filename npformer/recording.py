@@ -39,9 +39,8 @@ from typing import Any
 
 import numpy
 
-from autograd import Tensor, backend, forward_ad, is_grad_enabled
-from autograd.function import _memory_owner
-from autograd.modes import _state as _modes_state
+from autograd import Tensor, backend, forward_ad, is_anomaly_enabled, is_grad_enabled
+from autograd.backend import memory_owner
 from npformer.functional._common import _twins
 from npformer.runtime import random, record
 
@@ -53,20 +52,17 @@ _PLAIN = (bool, int, float, str, type(None))
 class _Recording:
     """One recorded call: its ops (a record.Recorder), its inputs, which each replay rewrites, its
     loss and what fn returned after it (rewritten by each replay), and its graph's backward
-    (record.Backward, or None: the engine's)."""
+    (record.Backward)."""
 
     def __init__(self, recorder, static, loss, extras):
         self.recorder, self.static, self.loss, self.extras = recorder, static, loss, extras
-        self.backward = record.Backward.of(loss)
+        self.backward = record.Backward(loss)
 
     def replay(self, inputs):
         for static, value in zip(self.static, inputs):
             numpy.copyto(_data(static), _data(value))
         self.recorder.replay()
-        if self.backward is not None:
-            self.backward.run()
-        else:
-            self.loss.backward(retain_graph=True)
+        self.backward.run()
         return _returned(self.loss, self.extras)
 
 
@@ -139,12 +135,12 @@ class RecordedStep:
                 values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
                     else (value,)
                 known.extend(_data(v) for v in values if isinstance(v, Tensor) or backend.is_array(v))
-        return {id(_memory_owner(a)) for a in known}
+        return {id(memory_owner(a)) for a in known}
 
     def _signature(self, inputs):
         """What the recorded ops were chosen by, or None when a call cannot be recorded at all
         (inputs that are not CPU arrays or Tensors without grad)."""
-        if not is_grad_enabled() or forward_ad.current_level() is not None or _modes_state.anomaly:
+        if not is_grad_enabled() or forward_ad.current_level() is not None or is_anomaly_enabled():
             return None
         shapes = []
         for value in inputs:

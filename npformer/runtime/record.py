@@ -14,10 +14,10 @@ the loss function once under a `Recorder`, which keeps, in order:
 `Recorder.replay()` then runs the same computations again: each op's `forward` on the arrays its
 arguments hold now (the step's inputs rewritten in place, the parameters as the optimizer left
 them), its outputs put into the same Tensors, its node's saved arrays and versions renewed, so
-the graph recorded the first time is the graph of this step, and `Backward` walks it again as
-the engine would. Each raw computation is repeated and its result copied into the arrays the
-ops were given; each dropout takes the next values of its stream with the seed of the moment,
-as the eager step would: the same numbers, bit for bit.
+the graph recorded the first time is the graph of this step, and `Backward` runs the engine's
+backward pass through it again, in the order worked out once. Each raw computation is repeated
+and its result copied into the arrays the ops were given; each dropout takes the next values of
+its stream with the seed of the moment, as the eager step would: the same numbers, bit for bit.
 
 What a replay cannot see is refused while recording (`Recorder.check`): an array that an op
 (as an input or option) or a recomputed call (as an argument) reads, or that the step returns,
@@ -30,9 +30,10 @@ Recording is per thread; ops applied inside `recomputed` belong to it and are no
 """
 import threading
 
-from autograd import Tensor, backend, hooks, no_grad
-from autograd.function import (_accumulate, _checked_gradients, _memory_owner, _output_array, _topological_nodes,
-                               op_name, output_gradients)
+from autograd import Tensor, backend, hooks
+from autograd.backend import memory_owner
+from autograd.function import backward_order, run_backward
+from autograd.op_checks import op_name, output_arrays
 
 
 class _Local(threading.local):
@@ -95,7 +96,7 @@ def _check_arrays(named, owner, known, produced, params):
                 continue
             value = value.data
         for array in _arrays(value):
-            if id(_memory_owner(array)) not in known:
+            if id(memory_owner(array)) not in known:
                 raise RuntimeError(
                     f"recorded step: {name} of {owner} is an array {array.shape} {array.dtype} computed outside the "
                     "recorded ops (not an input of the step, a parameter or buffer of the model, an op's output or "
@@ -147,10 +148,11 @@ class _Op:
                     options["dropout"] = (p, seed, offset, state)
         ctx = self.ctx
         outputs = self.op.forward(ctx, *raw, **options)
-        if not isinstance(outputs, tuple):
-            outputs = (outputs,)
-        for i, (t, o) in enumerate(zip(self.outputs, outputs)):  # numbers become arrays, as in apply
-            t.data = o if backend.is_array(o) else _output_array(self.op, i, o, backend.get_array_module(*raw))
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if not all(map(backend.is_array, outputs)):  # numbers become arrays, as in apply
+            outputs = output_arrays(self.op, outputs, raw)
+        for t, o in zip(self.outputs, outputs):
+            t.data = o
         if self.node:  # what backward reads: the arrays forward got, the versions it saw
             ctx.input_arrays = raw
             ctx.versions = tuple([0 if a is None else (a if a._base is None else a._base)._version
@@ -239,7 +241,7 @@ class Recorder:
             elif isinstance(event, _Raw):
                 _check_arrays([(f"argument {i}", a) for i, a in enumerate(event.args)],
                               f"the recomputed {getattr(event.fn, '__name__', event.fn)}", known, produced, params)
-                known.update(id(_memory_owner(a)) for a in _arrays(event.result))
+                known.update(id(memory_owner(a)) for a in _arrays(event.result))
             else:
                 self._check_op(event, known, produced, params)
                 for draw in pending:
@@ -249,14 +251,14 @@ class Recorder:
                         event.draws.append((name, draw))
                 pending = [d for d in pending if not d.taken]
                 produced.update(id(t) for t in event.outputs)
-                known.update(id(_memory_owner(t.data)) for t in event.outputs)
+                known.update(id(memory_owner(t.data)) for t in event.outputs)
         if pending:
             raise RuntimeError(f"recorded step: {pending[0].n} random values were drawn outside an op's options "
                                "(each replay would reuse the same mask); draw them inside recomputed(...)")
         for i, value in enumerate(outputs, 1):
             if isinstance(value, Tensor) and id(value) in produced:
                 continue
-            if backend.is_array(value) and id(_memory_owner(value)) in known:
+            if backend.is_array(value) and id(memory_owner(value)) in known:
                 continue
             raise RuntimeError(f"recorded step: output {i} ({_describe(value)}) is not an op's output or a "
                                "recomputed array: a replay would return its first value")
@@ -274,53 +276,18 @@ class Recorder:
 
 
 class Backward:
-    """The backward pass of a recorded graph, retained (`run()` for each replay): the engine's
-    walk (autograd.function.run_backward, first order, into `.grad`), in its order, with its
-    gradient checks and sums, without working the order out again. What the engine checks
-    between a forward pass and its backward (versions of saved inputs) cannot change in a
-    replay, which runs them back to back. `Backward.of(loss)` is None for a graph the walk needs
-    the engine for (retained gradients, post-accumulate-grad hooks)."""
+    """The backward pass of a recorded graph, retained (`run()` for each replay): the engine's own
+    pass (autograd.function.run_backward, first order, into `.grad`, hooks and retained gradients
+    included), given the order of its nodes worked out once (`autograd.function.backward_order`)."""
 
-    def __init__(self, loss, plan):
-        self.loss, self.plan = loss, plan
+    def __init__(self, loss):
+        self.loss, self.order = loss, backward_order([loss.creator])
 
     @classmethod
     def of(cls, loss):
-        plan = []
-        for node in _topological_nodes([loss.creator]):
-            if node.retained:
-                return None
-            routes = []  # (input index, leaf or creator node, None for a leaf or the creator's output index)
-            for i, t in enumerate(node.inputs):
-                if t is None or not t.requires_grad:
-                    continue
-                if t.creator is None and t._post_accumulate_grad_hooks:
-                    return None
-                routes.append((i, t, None) if t.creator is None else (i, t.creator, t.output_index))
-            plan.append((node, routes))
-        return cls(loss, plan)
+        return cls(loss)
 
     def run(self):
         loss = self.loss
         hooks.run(hooks.backward_started)
-        _accumulate(loss.creator.output_grads, loss.output_index, loss.xp.ones_like(loss.data))
-        try:
-            with no_grad():
-                for node, routes in self.plan:
-                    grads = output_gradients(node, False)   # zeros for an output that did not reach the loss
-                    input_grads = node.backward(node, *grads)
-                    input_grads = _checked_gradients(node, input_grads if isinstance(input_grads, tuple)
-                                                     else (input_grads,))
-                    for i, target, index in routes:
-                        g = input_grads[i]
-                        if g is None:
-                            continue
-                        if index is None:
-                            target._accumulate_grad(g)
-                        else:
-                            _accumulate(target.output_grads, index, g)
-                    node.output_grads = [None] * len(grads)
-        except BaseException:  # as the engine: no partial sums left in the graph
-            for node, _ in self.plan:
-                node.output_grads = [None] * len(node.output_meta)
-            raise
+        run_backward([loss], [loss.xp.ones_like(loss.data)], retain_graph=True, order=self.order)

@@ -87,3 +87,25 @@ def test_the_reading_order_of_the_core_names_each_of_its_files_once():
     listed = re.findall(r"^\| \d+ \| `autograd/(\w+\.py)` \|", section, re.M)
     files = sorted(p.name for p in (ROOT / "autograd").glob("*.py") if p.name != "__init__.py")
     assert sorted(listed) == files and len(set(listed)) == len(listed), (listed, files)
+
+
+def test_the_line_counts_the_reading_order_states_are_true():
+    """README's "Reading the core": each file's line count within 10% of what it has, and the first
+    read (the table before the second read's) at most 3 files and 650 lines, the README's own total
+    the true one within 10%."""
+    section = README.split("## Reading the core", 1)[1].split("\n## ", 1)[0]
+    first, second = section.split("**second read**", 1)
+    row = re.compile(r"^\| \d+ \| `autograd/(\w+\.py)` \| ~?([\d,]+) \|", re.M)
+    for name, stated in row.findall(section):
+        lines = len((ROOT / "autograd" / name).read_text().splitlines())
+        assert abs(int(stated.replace(",", "")) - lines) <= 0.1 * lines, \
+            f"autograd/{name}: README says {stated} lines, it has {lines}"
+    first_read = row.findall(first)
+    total = sum(len((ROOT / "autograd" / name).read_text().splitlines()) for name, _ in first_read)
+    assert 1 <= len(first_read) <= 3 and total <= 650, (first_read, total)
+    stated = int(re.search(r"Three files, about ([\d,]+)\s+lines", first).group(1).replace(",", ""))
+    assert abs(stated - total) <= 0.1 * total, f"the first read: README says {stated} lines, it is {total}"
+    whole = sum(len(p.read_text().splitlines()) for p in (ROOT / "autograd").glob("*.py"))
+    layout_row = next(line for line in README.splitlines() if line.startswith("| `autograd/` |"))
+    for said in re.findall(r"~([\d,]+) lines", layout_row)[:1] + re.findall(r"about ([\d,]+) lines that import", section):
+        assert abs(int(said.replace(",", "")) - whole) <= 0.1 * whole, f"README says autograd/ has {said} lines: {whole}"

@@ -1,5 +1,5 @@
 """npformer.runtime.record: what a recorded step keeps (ops, recomputed calls, draws) and how a
-replay runs it again; the backward of a recorded graph walked as the engine walks it."""
+replay runs it again; the backward of a recorded graph, the engine's pass in an order worked out once."""
 import numpy as np
 import pytest
 
@@ -65,15 +65,19 @@ def test_each_replay_reserves_a_draws_values_at_the_streams_offset_then():
     np.testing.assert_array_equal(y.data, first)                  # reseeded: the recorded call's mask again
 
 
-def test_a_graph_the_engine_must_walk_has_no_recorded_backward():
+def test_a_recorded_backward_is_the_engines_pass_hooks_and_retained_gradients_included():
+    """record.Backward runs autograd's own pass in an order worked out once: a retained gradient
+    and a post-accumulate-grad hook (registered after the recording too) work as in the engine."""
     w = Tensor(np.ones(3), requires_grad=True)
     h = w * 2.0
     h.retain_grad()
-    assert record.Backward.of((h * h).sum()) is None
-    v = Tensor(np.ones(3), requires_grad=True)
-    v.register_post_accumulate_grad_hook(lambda t: None)
-    assert record.Backward.of((v * v).sum()) is None
-    assert record.Backward.of((w * w).sum()) is not None
+    backward = record.Backward.of((h * h).sum())
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.data.copy()))
+    backward.run()
+    np.testing.assert_array_equal(h.grad.data, [4.0, 4.0, 4.0])
+    np.testing.assert_array_equal(w.grad.data, [8.0, 8.0, 8.0])
+    assert len(seen) == 1 and np.array_equal(seen[0], [8.0, 8.0, 8.0])
 
 
 def test_recording_twice_in_one_thread_is_an_error():

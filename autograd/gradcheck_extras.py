@@ -1,0 +1,234 @@
+"""The rest of gradient checking (a second read): forward mode, create_graph, second derivatives,
+and formulas written on paper. `autograd.gradcheck` (autograd/gradcheck.py) re-exports them:
+`autograd.gradcheck.check_formula`, `autograd.gradcheck.check_create_graph`, `autograd.gradgradcheck`.
+
+`random_direction_verdict`: gradcheck's check of one random direction u over all inputs
+together, v^T J u against the central difference along u. With `check_forward_ad=True`,
+gradcheck also checks forward mode (`forward_mode_verdicts`): each
+jvp rule against central differences and against the backward (the transpose identity).
+`check_create_graph` checks that the first derivative taken with `create_graph=True` (each op's
+`differentiable_backward`) equals the plain backward's: two forms of one gradient that could
+otherwise drift apart unseen. `gradgradcheck` checks second derivatives: `gradcheck` of the map
+from (inputs, upstream gradients) to the gradient, built with create_graph (after
+check_create_graph). `check_formula` checks a gradient written on paper against an op's backward
+and against central differences.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import backend
+from .create_graph import grad
+from .gradcheck import (_checked, _outputs, _raise_if_wrong, gradcheck, judge,
+                        numeric_gradient, random_generator, vjp)
+from .modes import enable_grad, no_grad
+from .tensor import Tensor
+
+
+def random_direction_verdict(loss, inputs, checked, analytic, eps, atol, rtol, seed, report):
+    """gradcheck's verdict on one random direction u over all `checked` inputs together: the
+    backward's gradients (`analytic`) along u, v^T J u, against the central difference of `loss`."""
+    directions = _directions(inputs, checked, seed, stream=1)
+    expected = sum(float((analytic[i] * directions[i]).sum()) for i in checked)
+    plus, minus = _along(inputs, checked, directions, eps, loss)
+    xp = inputs[checked[0]].xp
+    return judge("random direction over all inputs", xp.asarray([expected]), xp.asarray([(plus - minus) / (2 * eps)]),
+                 atol, rtol, report)
+
+
+def _directions(inputs, checked, seed, stream):
+    """{i: a standard normal direction of input i's shape, on its device} for the checked inputs."""
+    rng = random_generator(seed, stream)
+    return {i: backend.to_device(rng.standard_normal(inputs[i].shape), inputs[i].device) for i in checked}
+
+
+def _along(inputs, chosen, directions, eps, evaluate):
+    """(evaluate() with each chosen input moved by +eps along its direction, the same with -eps);
+    the inputs' values restored."""
+    originals = {i: inputs[i].data.copy() for i in chosen}
+    values = []
+    for sign in (1, -1):
+        for i in chosen:
+            inputs[i].data[...] = originals[i] + sign * eps * directions[i]
+        values.append(evaluate())
+    for i in chosen:
+        inputs[i].data[...] = originals[i]
+    return values
+
+
+def forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, atol, rtol, seed, report):
+    """gradcheck's forward-mode part (check_forward_ad=True): for each input alone and for all
+    together, J u by the ops' jvp rules against central differences along a random u, and the
+    transpose identity <g, J u> = <J^T g, u> between the jvp rules and the backward (a wrong rule
+    in either mode cannot hide behind the other). One verdict per output and direction."""
+    from .forward_ad import dual_level, make_dual, unpack_dual
+
+    directions = _directions(inputs, checked, seed, stream=3)
+    verdicts = []
+    for chosen in [[i] for i in checked] + ([checked] if len(checked) > 1 else []):
+        along = names[chosen[0]] if len(chosen) == 1 else "all inputs"
+        with dual_level():
+            duals = [make_dual(t, directions[i]) if i in chosen else t for i, t in enumerate(inputs)]
+            outs = _outputs(fn(*duals))
+            tangents = [unpack_dual(o).tangent for o in outs]
+        tangents = [o.xp.zeros_like(o.data) if t is None else t for o, t in zip(outs, tangents)]
+        def outputs():
+            with no_grad():
+                return [o.data.copy() for o in _outputs(fn(*inputs))]
+
+        values = _along(inputs, chosen, directions, eps, outputs)
+        for k, (t, plus, minus) in enumerate(zip(tangents, *values)):
+            verdicts.append(judge(f"forward mode, output {k} along {along}: J u", t, (plus - minus) / (2 * eps),
+                                  atol, rtol, report))
+        if len(chosen) == len(checked):  # <g, J u> = <J^T g, u>: the jvp rules against the backward
+            xp = inputs[chosen[0]].xp
+            forward = sum(float((g * t).sum()) for g, t in zip(upstream, tangents))
+            reverse = sum(float((analytic[i] * directions[i]).sum()) for i in chosen)
+            scale = sum(float(abs(g * t).sum()) for g, t in zip(upstream, tangents)) + 1.0
+            verdicts.append(judge("the transpose identity <g, J u> = <J^T g, u>", xp.asarray([forward]),
+                                  xp.asarray([reverse]), 1e-10 * scale, 0.0, report))
+    return verdicts
+
+
+CREATE_GRAPH_RTOL = 1e-10  # the two forms of a gradient round differently, by a few ulps of the largest entry
+
+
+def check_create_graph(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, seed: int = 0,
+                       report: list | None = None, names: Sequence[str] | None = None) -> bool:
+    """Check that the first derivative taken with `create_graph=True` equals the plain backward's.
+
+    Both are d/d input of L = sum_k sum(fn(*inputs)[k] * g_k) for one random upstream gradient
+    g (gradcheck's): the plain one from each op's `backward` (raw arrays), the other from each
+    op's `differentiable_backward` (the graph that second derivatives differentiate). A Function
+    whose two forms disagree has second derivatives of a gradient it does not compute; finite
+    differences of either form alone cannot see it. Pass when, for every input,
+    |create_graph - plain| <= CREATE_GRAPH_RTOL * max(1, max |plain|). Returns True, or raises
+    GradcheckError naming the input and the worst entry (see `judge`). names, report: as gradcheck's.
+    """
+    inputs, names, checked = _checked(inputs, names)
+    _, upstream, plain = vjp(fn, inputs, seed=seed)
+    with enable_grad():
+        outs = _outputs(fn(*inputs))
+        pairs = [(o, Tensor(g)) for o, g in zip(outs, upstream) if o.requires_grad]
+        built = grad([o for o, _ in pairs], [inputs[i] for i in checked], [g for _, g in pairs],
+                     create_graph=True, allow_unused=True)
+    verdicts = []
+    for i, g in zip(checked, built):
+        reference = plain[i]
+        yours = backend.get_array_module(reference).zeros_like(reference) if g is None else g.data
+        verdicts.append(judge(f"{names[i]}: create_graph's gradient", yours, reference,
+                              CREATE_GRAPH_RTOL * _magnitude(reference), 0.0, report))
+    if not all(passed for passed, _ in verdicts):
+        with enable_grad():
+            verdicts += _disagreeing_ops(_outputs(fn(*inputs)), seed)
+    _raise_if_wrong("check_create_graph: the gradient taken with create_graph=True (yours: differentiable_backward) "
+                    "against the plain backward's (reference)", verdicts)
+    return True
+
+
+def _magnitude(array):
+    """max(1, max |array|): the scale of a tolerance relative to an array's largest entry."""
+    return max(1.0, float(abs(array).max())) if array.size else 1.0
+
+
+def _disagreeing_ops(outs, seed):
+    """One wrong verdict per op of the graph behind `outs` whose two forms of the gradient differ:
+    each node's `backward` and `differentiable_backward` run on the same random gradients of its
+    outputs, compared input by input (the op, its input and the worst entry named)."""
+    from .function import backward_order, op_name
+
+    rng = random_generator(seed, stream=4)
+    verdicts = []
+    for node in backward_order([o.creator for o in outs if o.creator is not None]):
+        if getattr(node, "differentiable_backward", None) is None:
+            continue  # differentiable once: create_graph runs its backward itself
+        grads = [backend.to_device(rng.standard_normal(shape).astype(dtype), node.inputs[0].device
+                                   if node.inputs[0] is not None else "cpu") for shape, dtype in node.output_meta]
+        raw = node.backward(node, *[g.copy() for g in grads])
+        raw = raw if isinstance(raw, tuple) else (raw,)
+        built = node.differentiable_backward(node, *[Tensor(g) for g in grads])
+        built = built if isinstance(built, tuple) else (built,)
+        for k, (r, b) in enumerate(zip(raw, built)):
+            if r is None or b is None or not node.needs_input_grad[k]:
+                continue
+            b = b.data if isinstance(b, Tensor) else b
+            if b.shape != r.shape:
+                continue  # a broadcast gradient: the engine sums it back; the totals were compared above
+            passed, line = judge(f"op {op_name(type(node))}, its input {k}", b, r, CREATE_GRAPH_RTOL * _magnitude(r), 0.0)
+            if not passed:
+                verdicts.append((False, line))
+    return verdicts
+
+
+def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any],
+                  grad_outputs: Sequence[Any] | None = None, *, eps: float = 1e-6, atol: float = 1e-5,
+                  rtol: float = 1e-3, seed: int = 0, report: list | None = None,
+                  names: Sequence[str] | None = None, check_first_derivative: bool = True) -> bool:
+    """Check second derivatives (torch.autograd.gradgradcheck): `gradcheck` of the map
+
+        (inputs, grad_outputs) -> sum_k grad_outputs[k]^T d fn(inputs)[k] / d inputs
+
+    whose value is the first derivative built with `create_graph=True`, so that its own backward
+    is the op's double backward. That first derivative is first checked against the plain
+    backward's (`check_create_graph`): second derivatives of a gradient the ops do not compute
+    would be checked in vain (check_first_derivative=False leaves that to the caller). grad_outputs: one float64 array or Tensor per output of fn that
+    requires grad; None: random ones drawn from `random_generator(seed, stream=2)`. They require
+    grad, so the derivative with respect to the upstream gradient is checked too. names: the
+    inputs' names; the upstream gradients are "grad_outputs[k]". Returns True, or raises
+    GradcheckError (or the error of an op that is differentiable only once, naming it).
+    """
+    inputs, names, checked = _checked(inputs, names)
+    if check_first_derivative:
+        check_create_graph(fn, inputs, seed=seed, names=names)
+    outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
+    if grad_outputs is None:
+        rng = random_generator(seed, stream=2)
+        grad_outputs = [backend.to_device(rng.standard_normal(o.shape), o.device) for o in outs]
+    if len(grad_outputs) != len(outs):
+        raise ValueError(f"gradgradcheck: grad_outputs has {len(grad_outputs)} entries, expected one per output "
+                         f"that requires grad ({len(outs)})")
+    upstream = [Tensor(g.data if isinstance(g, Tensor) else g, requires_grad=True) for g in grad_outputs]
+    n = len(inputs)
+
+    def first_derivative(*args):  # with grad mode on, also where gradcheck evaluates it under no_grad
+        xs, gs = list(args[:n]), list(args[n:])
+        with enable_grad():
+            outs = [o for o in _outputs(fn(*xs)) if o.requires_grad]
+            return grad(outs, [xs[i] for i in checked], gs, create_graph=True, allow_unused=True)
+
+    return gradcheck(first_derivative, inputs + upstream, eps=eps, atol=atol, rtol=rtol, seed=seed, report=report,
+                     names=names + [f"grad_outputs[{k}]" for k in range(len(upstream))])
+
+
+def check_formula(fn: Callable[..., Tensor], arrays: Sequence[Any], upstream: Any, expected: Sequence[Any], *,
+                  rtol: float = 1e-10, eps: float = 1e-6, names: Sequence[str] | None = None) -> bool:
+    """Check gradients written on paper: `expected[i]` (yours: an array, the formula's dL/d
+    arrays[i] for L = sum(fn(*arrays) * upstream)) must equal the op's backward to rounding
+    (rtol * the largest |expected|) and central differences to gradcheck's tolerance.
+
+    fn: a function of float64 Tensors returning one Tensor; arrays, upstream: float64 arrays
+    (host or device); names: what to call each input ("q", "k", ...). Every input is judged
+    against both references; returns True, or raises GradcheckError with one line per input
+    and reference (see `judge`).
+    """
+    inputs, names, _ = _checked([Tensor(backend.get_array_module(a).asarray(a, dtype="float64"), requires_grad=True,
+                                        device=backend.device_of(a)) for a in arrays], names)
+    _, (g,), backward = vjp(fn, inputs, [upstream])
+
+    def loss():
+        with no_grad():
+            return float((fn(*inputs).data * g).sum())
+
+    verdicts = []
+    for name, t, formula, theirs in zip(names, inputs, expected, backward):
+        formula = t.xp.asarray(formula, dtype="float64")
+        if formula.shape != t.shape:
+            verdicts.append((False, f"{name}: wrong: your formula has shape {formula.shape}, the input {t.shape}"))
+            continue
+        verdicts.append(judge(f"{name} (reference: the op's backward)", formula, theirs, rtol * _magnitude(formula),
+                              0.0))
+        verdicts.append(judge(f"{name} (reference: finite differences)", formula, numeric_gradient(loss, t, eps),
+                              1e-5, 1e-3))
+    _raise_if_wrong("check_formula: your formula (yours) against the op's backward and finite differences", verdicts)
+    return True
