@@ -28,12 +28,13 @@ import npformer  # noqa: E402
 from npformer.training import Seq2SeqTrainer  # noqa: E402
 
 
-def trainer(batch_size, settings):
-    """A recorded trainer of the demo's model, optimizer and schedule (seed 0), without evaluations."""
+def trainer(batch_size, settings, record_steps=True):
+    """A trainer of the demo's model, optimizer and schedule (seed 0), without evaluations; its steps
+    recorded (record_steps=False: eager, as benchmarks/machinery.py compares)."""
     model, optimizer, scheduler = reverse.build(settings, 0, "cpu")
     return Seq2SeqTrainer(model, optimizer, reverse.make_task(settings, 0), scheduler=scheduler,
                           batch_size=batch_size, clip_norm=settings["clip_norm"], eval_every=0, progress=False,
-                          record_steps=True)
+                          record_steps=record_steps)
 
 
 def run(trainer, steps):

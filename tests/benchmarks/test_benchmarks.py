@@ -481,3 +481,38 @@ def test_demo_step_refuses_bad_arguments_in_one_line(args, message):
     result = subprocess.run([sys.executable, str(BENCHMARKS / "demo_step.py"), *args], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)
     assert result.returncode == 2 and message in result.stderr.splitlines()[-1]
+
+
+def test_machinery_measures_each_piece_on_and_off_and_tabulates_the_ratios():
+    """machinery.py on tiny, one alternation of two pieces: one switched in the process (lookahead)
+    and one in two worker processes (host-memory): a row each (on, off, off/on, alternations) and
+    the markdown table with the verdict that the ratio gives."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "machinery.py"), "--configs", "tiny", "--steps", "1",
+                             "--pieces", "lookahead,host-memory"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    rows = [line.split() for line in lines if line.endswith("(1 alternation)")]
+    assert [row[:2] for row in rows] == [["tiny", "lookahead"], ["tiny", "host-memory"]], result.stdout
+    ratios = {}
+    for row in rows:
+        on, off, ratio = float(row[3]), float(row[6]), float(row[9])
+        assert row[2:10:3] == ["on", "off", "off/on"] and on > 0 and off > 0
+        assert ratio == pytest.approx(off / on, abs=2e-3)
+        ratios[row[1]] = ratio
+    table = [line for line in lines if line.startswith("|")]
+    assert table[:2] == ["| piece | tiny | verdict |", "|---|---:|---|"]
+    assert len(table) == 4
+    for line in table[2:]:
+        name, ratio, verdict = (cell.strip() for cell in line.strip("|").split("|"))
+        assert float(ratio) == pytest.approx(ratios[name], abs=6e-3)
+        if abs(ratios[name] - 1.03) > 1e-3:
+            assert verdict == ("KEEP" if ratios[name] >= 1.03 else "candidate to delete")
+
+
+@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps: expected a positive integer, got 0"),
+                                           (["--configs", "tiny,paper"], "--configs: expected some of"),
+                                           (["--pieces", "lookahead,nope"], "--pieces: unknown nope")])
+def test_machinery_refuses_bad_arguments_in_one_line(args, message):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "machinery.py"), *args], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
