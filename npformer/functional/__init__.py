@@ -26,5 +26,4 @@ for _folder in OPS:  # each folder's public ops: F.softmax, F.layer_norm, ...
     __all__ += _module.__all__
 __all__ = sorted(__all__)
 
-from . import cpu  # noqa: E402,F401  (registers the CPU implementations of the optimizer's kernel tables)
-from . import cuda  # noqa: E402,F401  (registers their CUDA kernels; runs only on a GPU)
+from . import adam  # noqa: E402,F401  (the optimizer's kernel table, a folder beside the ops')

@@ -408,7 +408,7 @@ class Adam(Optimizer):
         state["step"] += 1
         settings = self._settings(group, state["step"])
         replayed = graphs.replayed(p.device, settings.step_scalars, lambda: self._next_step_scalars(group, state))
-        adam_update(p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p.data), settings, replayed)
+        adam_update(p.xp, p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p.data), settings, replayed)
 
     def _settings(self, group, t):
         """The AdamSettings of step t of `group`: its hyperparameters, and the bias corrections
@@ -488,7 +488,7 @@ class _Together:
         for p in self.params:
             optimizer.state[id(p)]["step"] += 1
         settings = optimizer._settings(group, optimizer.state[id(self.params[0])]["step"])
-        adam_update(self.p, self.g, self.m, self.v, optimizer._scratch_like(self.p), settings)
+        adam_update(backend.get_array_module(self.p), self.p, self.g, self.m, self.v, optimizer._scratch_like(self.p), settings)
         for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
             xp.copyto(p.data, self.p[a:b].reshape(p.data.shape))
 

@@ -133,4 +133,3 @@ def entry_grid(size, threads):
     return max(1, min(-(-size // threads), MAX_ENTRY_BLOCKS))
 
 
-from . import adam  # noqa: E402,F401

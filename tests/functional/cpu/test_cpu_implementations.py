@@ -1,4 +1,4 @@
-"""Every "cpu" implementation of npformer.functional's kernel tables (npformer/functional/cpu/)
+"""Every "cpu" implementation of npformer.functional's kernel tables (each op folder's cpu.py)
 equals its reference on arguments it is chosen for, on 1 and 3 threads with every op split
 (the `threads` fixture): the same outputs, and the same writes into the arrays it is given."""
 import copy
@@ -54,7 +54,7 @@ def cases(rng):
     for variant in ("plain", "l2", "decoupled"):  # param, grad, m, v >= 0, scratch; a step at t = 3
         settings = adam.AdamSettings(0.1, 0.999, 0.001, 1e-8, 0.01, variant, 1e-3 / (1 - 0.9 ** 3),
                                      (1 - 0.999 ** 3) ** 0.5, 1 - 1e-3 * 0.01)
-        yield adam.adam_update, (rng.standard_normal(300), rng.standard_normal(300), rng.standard_normal(300),
+        yield adam.adam_update, (np, rng.standard_normal(300), rng.standard_normal(300), rng.standard_normal(300),
                                  rng.random(300), zeros(300), settings)
     yield softmax.row_max, (big, -1)
     yield softmax.row_sum, (big, -1)

@@ -106,9 +106,9 @@ def test_activation_dropout_embedding_adam_kernels_equal_their_references(kind, 
                             1 - 1e-5)
     ours = [a.copy() for a in (x, dy, x, abs(dy))]
     refs = [a.copy() for a in (x, dy, x, abs(dy))]
-    adam_update(*ours, backend.cupy.empty_like(x), settings)
+    adam_update(backend.cupy, *ours, backend.cupy.empty_like(x), settings)
     with kernels.reference_only():
-        adam_update(*refs, backend.cupy.empty_like(x), settings)
+        adam_update(backend.cupy, *refs, backend.cupy.empty_like(x), settings)
     for a, b in zip(ours, refs):
         close(a, b, dtype, 1, 4)
 

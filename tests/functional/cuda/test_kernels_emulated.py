@@ -210,8 +210,8 @@ def test_adam_kernel_equals_the_host_arithmetic_bit_for_bit(variant, wd, dtype, 
     for row in (None, replayed):
         arrays = [rng.standard_normal(1003).astype(dtype) for _ in range(3)] + [rng.uniform(0, 1, 1003).astype(dtype)]
         ours = [a.copy() for a in arrays]
-        cuda(adam_update, ours[0], ours[1], ours[2], ours[3], np.empty_like(ours[0]), settings, row)
-        adam_update.reference(arrays[0], arrays[1], arrays[2], arrays[3], np.empty_like(arrays[0]), settings, row)
+        cuda(adam_update, np, ours[0], ours[1], ours[2], ours[3], np.empty_like(ours[0]), settings, row)
+        adam_update.reference(np, arrays[0], arrays[1], arrays[2], arrays[3], np.empty_like(arrays[0]), settings, row)
         for a, b in zip(ours, arrays):
             np.testing.assert_array_equal(a, b)
 

@@ -1,18 +1,15 @@
 """Launcher of adam.cu: Adam's update (the kernel table npformer.functional.adam.adam_update) on a
 GPU, one kernel per parameter instead of ~13 array operations."""
-from autograd import backend
-
-from ..adam import adam_update
-from . import contiguous_floats, entry_grid, function, null
+from ..cuda import contiguous_floats, entry_grid, function, null
+from . import adam_update
 
 THREADS = 256
 VARIANTS = {"plain": 0, "l2": 1, "decoupled": 2}  # ADAM_PLAIN, ADAM_L2, ADAM_DECOUPLED in adam.cu
 
 
-@adam_update.register("cuda", supports=lambda param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None:
+@adam_update.register("cuda", supports=lambda xp, param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None:
                       contiguous_floats(param, grad, exp_avg, exp_avg_sq))
-def adam_update_cuda(param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None):
-    xp = backend.get_array_module(param)
+def adam_update_cuda(xp, param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None):
     if param.size:
         s = settings
         function("adam", "adam_step", param.dtype)(

@@ -1,14 +1,6 @@
-"""Adam's update of one parameter, entry by entry: the kernel table that `optim.Adam` and
-`optim.AdamW` step with (torch.optim's functional Adam, `torch.optim._functional.adam`).
-
-It is a kernel table like those of the fused ops, so it lives in their layer: its CUDA kernel
-(npformer/functional/cuda/adam.cu, launched by cuda/adam.py) registers here as theirs do, which it
-could not do with a table in npformer.optim, a layer to the right of the kernels.
-"""
+"""Adam's update of one parameter, entry by entry, on `xp` (torch.optim's functional Adam,
+`torch.optim._functional.adam`): the formula that `optim.Adam` and `optim.AdamW` step with."""
 from typing import NamedTuple
-
-from autograd import backend
-from npformer.runtime.kernels import kernel_table
 
 
 class AdamSettings(NamedTuple):
@@ -32,13 +24,11 @@ class AdamSettings(NamedTuple):
         return self.step_size, self.bias_correction2_sqrt, self.decay
 
 
-@kernel_table
-def adam_update(param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None):
+def adam_update(xp, param, grad, exp_avg, exp_avg_sq, scratch, settings, replayed=None):
     """One Adam/AdamW step of one parameter in place (param, exp_avg = m, exp_avg_sq = v; scratch: a
     temporary of the parameter's shape), lines m, v and theta of the paper's Algorithm 1 with the
     arithmetic of torch.optim.Adam. replayed: None, or (under graph capture) a float64 device
     array (3,) holding settings.step_scalars, rewritten before each replay, which then replace them."""
-    xp = backend.get_array_module(param)
     s, g, m, v, tmp = settings, grad, exp_avg, exp_avg_sq, scratch
     step_size, bias_correction2_sqrt, decay = s.step_scalars
     if replayed is not None:  # read on the device, in the parameter's dtype (as a float argument would be)
