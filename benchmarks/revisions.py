@@ -53,6 +53,10 @@ def worker(checkout, config, steps):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # one run, in a process of its own: --worker CHECKOUT CONFIG STEPS
+        print(json.dumps(worker(argv[1], argv[2], int(argv[3]))))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("old")
     parser.add_argument("new")
@@ -60,11 +64,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=0, help="steps timed per run (default: tiny 100, demo 60, "
                                                              "gpt_char 20, base 6)")
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1], args.steps)))
-        return 0
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or args.rounds < 1 or args.steps < 0:
@@ -83,7 +83,7 @@ def main(argv=None):
             for side in order:
                 folder = os.path.abspath(getattr(args, side))
                 out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", folder, config,
-                                      "--steps", str(args.steps or default_steps[config])],
+                                      str(args.steps or default_steps[config])],
                                      capture_output=True, text=True, check=True)
                 result[side] = json.loads(out.stdout.strip().splitlines()[-1])
             for mode in ("eager", "recorded"):
