@@ -63,7 +63,7 @@ __all__ = ["Loss", "token_loss", "seq2seq_loss", "causal_lm_loss", "classificati
            "Seq2SeqTrainer", "layer_of"]
 
 LossFunction = Callable[[Module, Any], "Loss | Tensor"]  # (model, batch) -> Loss, or a scalar Tensor (a mean)
-StepCallback = Callable[["Trainer", dict], None]  # (trainer, the step's record), after every train_step
+StepCallback = Callable[["Trainer", dict], None]  # (trainer, the step's stats), after every train_step
 
 
 def layer_of(name: str) -> str:
@@ -240,7 +240,7 @@ class Trainer:
     evaluate: (model) -> {name: number}, run every `eval_every` steps (0: only when `fit`
         ends) and at the end of `fit`; e.g. `evaluate_loss(loss_fn, heldout_batches)`.
     clip_norm: max global gradient norm (None: no clipping; the norm is still recorded).
-    grad_norm_every: record per-layer gradient norms every N steps (0: never).
+    grad_norm_every: keep per-layer gradient norms every N steps (0: never).
     progress: show the progress line (rank 0 only). log_every: refresh it every N steps.
     extra_state: a dict saved into every checkpoint of `save` (e.g. the run's settings).
     shard_optimizer: with a DistributedDataParallel model, split the optimizer's state across
@@ -252,8 +252,8 @@ class Trainer:
         ready-made ones: token_loss); with another, or batches that are not arrays (or a tuple
         or dataclass of them), steps stay eager.
 
-    callbacks: functions `callback(trainer, record)`, called in order at the end of every
-        `train_step` with the step's record (the step is done and in `history`): Lightning's
+    callbacks: functions `callback(trainer, stats)`, called in order at the end of every
+        `train_step` with the step's stats (the step is done and in `history`): Lightning's
         `on_train_batch_end(trainer, ...)`, HF's `on_step_end`. One may save the trainer, or raise
         to stop training between two steps (the exception leaves `fit`).
 
@@ -289,10 +289,10 @@ class Trainer:
         if extra_state is not None and not isinstance(extra_state, dict):
             raise TypeError(f"extra_state: expected a dict or None, got {type(extra_state).__name__}")
         if not isinstance(callbacks, (list, tuple)):
-            raise TypeError(f"callbacks: expected a list of functions (trainer, record), got {type(callbacks).__name__}")
+            raise TypeError(f"callbacks: expected a list of functions (trainer, stats), got {type(callbacks).__name__}")
         for i, callback in enumerate(callbacks):
             if not callable(callback):
-                raise TypeError(f"callbacks[{i}]: expected a function (trainer, record), got {type(callback).__name__}")
+                raise TypeError(f"callbacks[{i}]: expected a function (trainer, stats), got {type(callback).__name__}")
         self.clip_norm = None if clip_norm is None else check_real(clip_norm, "clip_norm", "Trainer", at_least=0)
         self.eval_every = check_int(eval_every, "eval_every", "Trainer", at_least=0)
         self.grad_norm_every = check_int(grad_norm_every, "grad_norm_every", "Trainer", at_least=0)
@@ -328,7 +328,7 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------
     def train_step(self, batch: Any = None) -> dict[str, Any]:
         """One optimisation step on `batch` (default: the next one from `data`). Returns the
-        step's record: step, loss, lr, grad_norm, items, seconds and the loss's metrics (also
+        step's stats: step, loss, lr, grad_norm, items, seconds and the loss's metrics (also
         appended to `history`, then given to each callback). ValueError when no rank's batch has
         an item to average over."""
         start = time.perf_counter()
@@ -362,15 +362,15 @@ class Trainer:
             self._say(f"step {self.step}: gradient norm {total}, update skipped")
         if self.scheduler is not None:
             self.scheduler.step()
-        record = {"step": self.step, "loss": totals[0] / count, "lr": lr, "grad_norm": total,
+        stats = {"step": self.step, "loss": totals[0] / count, "lr": lr, "grad_norm": total,
                   "items": int(count) if float(count).is_integer() else count,
                   "seconds": time.perf_counter() - start}
-        record.update({name: value / count for name, value in zip(names, totals[2:])})
-        for key, value in record.items():
+        stats.update({name: value / count for name, value in zip(names, totals[2:])})
+        for key, value in stats.items():
             self.history.setdefault(key, []).append(value)
         for callback in self.callbacks:
-            callback(self, record)
-        return record
+            callback(self, stats)
+        return stats
 
     def _recorded_step(self, batch):
         """(totals, metric names) of a step run by the recorded step (its gradients in .grad), or
@@ -442,9 +442,9 @@ class Trainer:
         last_eval = ""
         try:
             while self.step < steps:
-                record = self.train_step()
-                window_items += record["items"]
-                window_seconds += record["seconds"]
+                stats = self.train_step()
+                window_items += stats["items"]
+                window_seconds += stats["seconds"]
                 if self.eval_every and self.step % self.eval_every == 0 and self.step < steps:
                     result = self._periodic_evaluation()
                     self._record_eval(result)
@@ -453,8 +453,8 @@ class Trainer:
                 if checkpoint_path is not None and checkpoint_every and self.step % checkpoint_every == 0:
                     self.save(checkpoint_path)
                 if self.step % self.log_every == 0 or self.step == steps:
-                    metrics = "".join(f" | {k} {record[k]:.3f}" for k in record if k not in _CORE_KEYS)
-                    self._bar.update(self.step, f"loss {record['loss']:.4f}{metrics} | lr {record['lr']:.2e} | "
+                    metrics = "".join(f" | {k} {stats[k]:.3f}" for k in stats if k not in _CORE_KEYS)
+                    self._bar.update(self.step, f"loss {stats['loss']:.4f}{metrics} | lr {stats['lr']:.2e} | "
                                                 f"{window_items / max(window_seconds, 1e-9):,.0f} items/s" + last_eval)
                     window_items, window_seconds = 0, 0.0
         finally:

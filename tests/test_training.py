@@ -305,8 +305,8 @@ def test_a_callback_that_raises_stops_fit_between_two_steps(tmp_path):
 
 
 @pytest.mark.parametrize("callbacks, message", [
-    (print, "callbacks: expected a list of functions (trainer, record), got builtin_function_or_method"),
-    ([print, "save"], "callbacks[1]: expected a function (trainer, record), got str"),
+    (print, "callbacks: expected a list of functions (trainer, stats), got builtin_function_or_method"),
+    ([print, "save"], "callbacks[1]: expected a function (trainer, stats), got str"),
 ], ids=["a function, not a list", "not a function"])
 def test_bad_callbacks_fail_at_construction(callbacks, message):
     with pytest.raises(TypeError, match=re.escape(message)):
