@@ -1,5 +1,5 @@
 """Adam's update of one parameter: the kernel table that `optim.Adam` and `optim.AdamW` step with,
-its formula in math.py, its faster implementations in cpu.py and cuda.py.
+its formula in math.py, its CUDA kernel in cuda.py.
 
 It is a kernel table like those of the fused ops, so it lives in their layer: its CUDA kernel
 (npformer/functional/cuda/adam.cu, launched by cuda.py) registers here as theirs do, which it could
@@ -15,4 +15,4 @@ __all__ = []  # no public op
 
 adam_update = kernel_table(math.adam_update)
 
-from . import cpu, cuda  # noqa: E402,F401  (register the fast variants)
+from . import cuda  # noqa: E402,F401  (registers the CUDA kernels)

@@ -8,13 +8,10 @@ import inspect
 from math import prod
 
 from autograd import backend
-from npformer.runtime import random, threads
-from npformer.runtime.threads import for_rows, row_blocks, run_blocks
+from npformer.runtime import threads
+from npformer.runtime.threads import row_blocks, run_blocks
 
-from ..activation import dropout_threshold
 from .blockwise import lead_shape
-from .dropout import attention_keep_mask
-from .split_heads import split_heads_backward
 from .tables import (attention_backward, attention_backward_jvp, attention_blockwise_backward,
                      attention_blockwise_forward, attention_double_backward, attention_forward, attention_jvp,
                      matmul_transposed)
@@ -149,27 +146,3 @@ def attention_blockwise_backward_cpu(xp, q, k, v, out, lse, dout, blocked, addit
 
     run_blocks(block, blocks)
     return dq, dk, dv, None
-
-
-@attention_keep_mask.register("cpu", supports=lambda like, shape, p, seed, offset, causal, state=None:
-                              causal and p < 1.0 and state is None)
-def attention_keep_mask_cpu(like, shape, p, seed, offset, causal, state=None):
-    """Draws only the counters under the causal diagonal: row i of every (Tq, Tk) block needs its
-    first min(i + 1, Tk) entries (~56% of the values at T = 64, ~50% for long sequences); an entry
-    to their right is False, or its own test where it shares a counter with them."""
-    xp = backend.get_array_module(like)
-    tq, tk = shape[-2], shape[-1]
-    rows = xp.arange(prod(shape[:-1]), dtype="int64")                          # flat (b, i) = b Tq + i
-    lengths = xp.minimum(rows % tq + 1, tk)                                          # keys j <= i
-    keep = random.bits16_at_least_in_runs(seed, offset, prod(shape), dropout_threshold(p), rows * tk, lengths)
-    return keep.reshape(shape)
-
-
-@split_heads_backward.register("cpu", splits_reference=True,
-                               supports=lambda dx, grads: dx.size >= threads.MIN_PARALLEL_ENTRIES)
-def split_heads_backward_cpu(dx, grads):
-    """The reference on blocks of the batch."""
-    def rows(start, stop):
-        split_heads_backward.reference(dx[start:stop], [g[start:stop] for g in grads])
-
-    for_rows(rows, dx.shape[0], dx.size, dx)

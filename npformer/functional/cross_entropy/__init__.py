@@ -226,4 +226,4 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
     return loss.reshape(tgt.shape) if reduction == "none" else loss
 
 
-from . import cpu, cuda  # noqa: E402,F401  (register the fast variants)
+from . import cuda  # noqa: E402,F401  (registers the CUDA kernels)

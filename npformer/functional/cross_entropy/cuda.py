@@ -1,7 +1,6 @@
 """Launchers of npformer/functional/cuda/cross_entropy.cu: cross-entropy of (M, C) logits, and
 log-softmax along the last axis (the file's other kernels, registered with softmax's tables
 log_softmax_forward / log_softmax_backward, in their signature)."""
-from autograd import backend
 
 from ..cuda import contiguous_floats, entry_grid, function, null, row_grid, row_shape, row_threads, short_rows
 from ..softmax import log_softmax_backward, log_softmax_forward

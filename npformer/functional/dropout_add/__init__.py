@@ -84,4 +84,4 @@ def dropout_add(input: Tensor | Array, residual: Tensor | Array, p: float = 0.5,
     return DropoutAddFunction.apply(input, residual, seed=draw.seed, offset=draw.offset, p=p, state=draw.state)
 
 
-from . import cpu, cuda  # noqa: E402,F401  (register the fast variants)
+from . import cuda  # noqa: E402,F401  (registers the CUDA kernels)

@@ -1,16 +1,12 @@
 """The CPU's fast dropout paths give the bits of the references, for any thread count: the Philox
 rounds shortened for fresh counters (across a multiple of 2^32 counters too), the keep test drawn
-in cache-sized chunks, dropout (and dropout + residual) applied and differentiated chunk by
-chunk, and causal attention drawing only the counters under its diagonal. Chunks are made
+in cache-sized chunks, dropout applied and differentiated chunk by chunk (and dropout + residual,
+which runs it). Chunks are made
 tiny here (random._CHUNK) so that odd sizes, offsets and chunk and block boundaries all occur."""
 import numpy as np
 import pytest
 
-from autograd import Tensor
-from autograd.gradcheck import vjp
-from npformer import functional as F
 from npformer.functional.activation import dropout_backward, dropout_forward, keep_mask
-from npformer.functional.attention import attention_keep_mask
 from npformer.functional.dropout_add import dropout_add_forward
 from npformer.runtime import threads as _threads
 from npformer.runtime import random
@@ -85,37 +81,3 @@ def test_cpu_dropout_equals_the_reference_bit_for_bit(shape, offset, p, dtype, s
     for ours, ref in ((y, y_ref), (add, add_ref), (dx, dx_ref)):
         assert ours.dtype == dtype and ours.shape == shape
         np.testing.assert_array_equal(ours.view(f"u{ours.itemsize}"), ref.view(f"u{ref.itemsize}"))
-
-
-@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (2, 9, 4), (1, 1, 1), (4, 64, 64), (3, 6, 6)])
-@pytest.mark.parametrize("offset", [0, 3, 8 * (2**32 - 1) - 16])
-def test_causal_attention_mask_draws_only_under_the_diagonal(shape, offset, small_chunks):
-    """The CPU mask equals the contract's under the causal diagonal (key j <= query i); above it
-    an entry is False or its own test (its probability is 0, so it does not matter)."""
-    like = np.zeros(1)
-    ours = attention_keep_mask(like, shape, 0.2, 5, offset, True)
-    with reference_only():
-        ref = attention_keep_mask(like, shape, 0.2, 5, offset, True)
-    tq, tk = shape[-2:]
-    lower = np.arange(tk)[None, :] <= np.arange(tq)[:, None]
-    np.testing.assert_array_equal(ours[..., lower], ref[..., lower])
-    assert not (ours[..., ~lower] & ~ref[..., ~lower]).any()
-    np.testing.assert_array_equal(attention_keep_mask(like, shape, 0.2, 5, offset, False), ref)   # not causal: all
-
-
-@pytest.mark.parametrize("tq, tk", [(6, 6), (5, 9), (9, 4)])
-def test_causal_attention_with_dropout_gives_the_reference_outputs_and_gradients(tq, tk, small_chunks, monkeypatch):
-    """The same outputs, weights and gradients, to the bit, with the causal draw and the full one."""
-    rng = np.random.default_rng(tq * tk)
-    arrays = [rng.standard_normal((2, 3, t, 4)) for t in (tq, tk, tk)]
-
-    def attention(q, k, v):
-        out, weights = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True, return_weights=True,
-                                                      generator=random.Philox(4, offset=8 * 2**32 - 32))
-        return out, weights
-
-    outs, upstream, grads = vjp(attention, [Tensor(a, requires_grad=True) for a in arrays], seed=3)
-    monkeypatch.delitem(attention_keep_mask.implementations, "cpu")            # the reference mask: all drawn
-    outs_ref, _, grads_ref = vjp(attention, [Tensor(a, requires_grad=True) for a in arrays], upstream)
-    for ours, ref in zip([o.data for o in outs] + grads, [o.data for o in outs_ref] + grads_ref):
-        np.testing.assert_array_equal(ours, ref)
