@@ -34,6 +34,8 @@ library's own settings, or monkeypatches in this process.
   implementation (a thread split or a CPU variant), grouped by the module of its reference: the
   module's tables lose their "cpu" implementation, so the reference runs.
 - adam-grouping: Adam's _Together.step returns nothing: every parameter is updated alone.
+- optimizer-scratch: Optimizer._scratch_like returns a new array instead of a view of the shared
+  scratch buffer.
 - philox-fresh-rounds: random._counter_words_cpu replaced by the generic _counter_words (the ten
   Philox rounds in full, without _fresh_rounds' cheaper first three).
 - philox-scratch: random._scratch replaced by an object that keeps nothing, so each mask draw
@@ -69,6 +71,7 @@ import demo_step  # noqa: E402
 import train_step  # noqa: E402
 
 import npformer  # noqa: E402
+from autograd import backend  # noqa: E402
 from npformer.optim import optimizer as optimizers  # noqa: E402
 from npformer.runtime import kernels, lookahead, random, threads  # noqa: E402
 
@@ -159,6 +162,11 @@ def kernels_switch(tables):
     return switch
 
 
+def new_scratch(self, data):
+    """Optimizer._scratch_like without the shared buffer: a new array each time."""
+    return backend.get_array_module(data).empty_like(data)
+
+
 class KeepsNothing:
     """A stand-in for random._scratch: what a draw leaves there is forgotten."""
 
@@ -201,6 +209,8 @@ def all_pieces():
     pieces += [
         Piece("adam-grouping", "Adam's _Together.step does nothing",
               attribute_switch(optimizers._Together, "step", classmethod(lambda cls, optimizer, index, group: []))),
+        Piece("optimizer-scratch", "Optimizer._scratch_like a new array",
+              attribute_switch(optimizers.Optimizer, "_scratch_like", new_scratch)),
         Piece("philox-fresh-rounds", "random._counter_words_cpu = random._counter_words",
               function_switch(random._counter_words_cpu, random._counter_words)),
         Piece("philox-scratch", "random._scratch keeps nothing", attribute_switch(random, "_scratch", KeepsNothing())),

@@ -111,7 +111,18 @@ class Optimizer:
             self._check_group(group)
             self.param_groups.append(group)
         self.state = {}  # id(param) -> {name: array or number}
+        self._scratch = {}
         self._together = {}  # group index -> {parameter ids: _Together} (Adam's small CPU parameters)
+
+    def _scratch_like(self, data):
+        """A scratch array shaped like the array `data`, a view of one flat buffer per (device, dtype):
+        no allocation per parameter and step (on a GPU, none inside a captured step)."""
+        key = (type(data), data.dtype)  # the array type tells the device (numpy, cupy, test)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < data.size:
+            buf = backend.get_array_module(data).empty(data.size, dtype=data.dtype)
+            self._scratch[key] = buf
+        return buf[:data.size].reshape(data.shape)
 
     def _check_group(self, group):
         """Check a group's hyperparameters (in place) and make each number a Python float (a numpy float64
@@ -305,7 +316,7 @@ class SGD(Optimizer):
     def _update(self, p, grad, group, state):
         xp = p.xp
         lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
-        g = p.xp.empty_like(p.data)
+        g = self._scratch_like(p.data)
         if wd != 0:
             # g = grad + weight_decay * p
             xp.multiply(p.data, wd, out=g)
@@ -398,7 +409,7 @@ class Adam(Optimizer):
         state["step"] += 1
         settings = self._settings(group, state["step"])
         replayed = graphs.replayed(p.device, settings.step_scalars, lambda: self._next_step_scalars(group, state))
-        adam_update(p.xp, p.data, grad, state["exp_avg"], state["exp_avg_sq"], p.xp.empty_like(p.data), settings, replayed)
+        adam_update(p.xp, p.data, grad, state["exp_avg"], state["exp_avg_sq"], self._scratch_like(p.data), settings, replayed)
 
     def _settings(self, group, t):
         """The AdamSettings of step t of `group`: its hyperparameters, and the bias corrections
@@ -478,7 +489,7 @@ class _Together:
         for p in self.params:
             optimizer.state[id(p)]["step"] += 1
         settings = optimizer._settings(group, optimizer.state[id(self.params[0])]["step"])
-        adam_update(xp, self.p, self.g, self.m, self.v, xp.empty_like(self.p), settings)
+        adam_update(xp, self.p, self.g, self.m, self.v, optimizer._scratch_like(self.p), settings)
         for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
             xp.copyto(p.data, self.p[a:b].reshape(p.data.shape))
 
