@@ -239,7 +239,7 @@ class Trainer:
     loss_fn: (model, batch) -> `Loss` or a scalar Tensor (a mean); see the module docstring.
     evaluate: (model) -> {name: number}, run every `eval_every` steps (0: only when `fit`
         ends) and at the end of `fit`; e.g. `evaluate_loss(loss_fn, heldout_batches)`.
-    clip_norm: max global gradient norm (None: no clipping; the norm is still recorded).
+    clip_norm: max global gradient norm (None: no clipping; the norm is still reported).
     grad_norm_every: keep per-layer gradient norms every N steps (0: never).
     progress: show the progress line (rank 0 only). log_every: refresh it every N steps.
     extra_state: a dict saved into every checkpoint of `save` (e.g. the run's settings).

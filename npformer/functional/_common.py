@@ -77,8 +77,8 @@ def on_device_of(array, like, name, op, check=None):
 def check_index_range(ids, high, error, skip=None):
     """Check 0 <= ids < high (ids equal to `skip` aside) without a host round trip: host ids now,
     device ids on the device, the verdict read with the next result (npformer.runtime.deferred).
-    `error(lo, hi)` makes the exception from the smallest and largest id. A recorded step checks
-    again at each replay (npformer.runtime.record)."""
+    `error(lo, hi)` makes the exception from the smallest and largest id. It is a raw
+    computation (autograd.raw_computation): a recorded step checks again at each replay."""
     raw_computation(_check_index_range, ids, high, error, skip)
 
 

@@ -38,7 +38,7 @@ def normal_density(h):
 
 def activation_tangent(ctx, t_h, kind):
     """t_y = act'(h) * t_h, the tangent of y = act(h) (jvp of linear's epilogue and of gelu), from
-    what bias_activation_forward saved (ctx.activation_saved). The exact GELU of a recorded node
+    what bias_activation_forward saved (ctx.activation_saved). The exact GELU of a node in the graph
     also keeps phi(h) on ctx (ctx.activation_density, h's size): forward over reverse runs the
     node's differentiable backward next, whose GELU backward and its tangent need phi(h) again
     (bias_activation_grad's `density`), so one step takes exp(-h^2 / 2) once, not three times."""

@@ -101,7 +101,7 @@ def erf(xp, x):
 
     Every interval's formula runs on the whole array (each fed |x| clamped into its interval) and
     `where` picks each entry's: no data-dependent sizes, so nothing waits for the device (and a
-    graph capture can record it). NaN stays NaN.
+    graph capture can capture it). NaN stays NaN.
     """
     flat_x = x.reshape(-1)                                              # 1-D, so 0-d inputs stay arrays
     a = xp.abs(flat_x)

@@ -114,7 +114,7 @@ class LinearFunction(Function):
         if ctx.activation is None:
             return t_h.reshape(y_shape)
         if ctx.activation != "relu" and ctx.inputs is not None:
-            # recorded: its differentiable backward forms h again, whose jvp takes this t_h (class docstring)
+            # a node of the graph: its differentiable backward forms h again, whose jvp takes this t_h (class docstring)
             ctx.pre_activation_tangent = tangents, t_h
         # y = act(h)  ->  t_y = act'(h) * t_h (the exact GELU keeps phi(h) for the differentiable backward)
         t_y = activation_tangent(ctx, t_h, ctx.activation)
