@@ -30,6 +30,10 @@ library's own settings, or monkeypatches in this process.
   recorded one (a second model, built the same way).
 - thread-pool: npformer.set_num_threads(1) against its default (with 1 thread BLAS gets its own
   threads back, and nothing is drawn ahead).
+- blas-threads: threads.run_on_blas_threads replaced by a plain call (products too small to
+  split run on BLAS's one thread; MIN_BLAS_THREADS_MACS).
+- side-by-side: threads.side_by_side replaced by its own fallback (each piece of work on its
+  row blocks, one after the other).
 - cpu:<module>: every kernel table in npformer.runtime.kernels.TABLES that has a "cpu"
   implementation (a thread split or a CPU variant), grouped by the module of its reference: the
   module's tables lose their "cpu" implementation, so the reference runs.
@@ -162,6 +166,12 @@ def kernels_switch(tables):
     return switch
 
 
+def one_after_the_other(pieces, entries, like=None):
+    """threads.side_by_side's fallback for every call: each piece on its own row blocks, in turn."""
+    for kernel, rows, own in pieces:
+        threads.for_rows(kernel, rows, own, like)
+
+
 def new_scratch(self, data):
     """Optimizer._scratch_like without the shared buffer: a new array each time."""
     return backend.get_array_module(data).empty_like(data)
@@ -201,6 +211,10 @@ def all_pieces():
         Piece("host-memory", "NPFORMER_HOST_MEMORY=release (two worker processes)", kind="process"),
         Piece("recorded", "the eager step", kind="runner"),
         Piece("thread-pool", f"npformer.set_num_threads(1), its default {default}", threads_switch(default)),
+        Piece("blas-threads", "threads.run_on_blas_threads a plain call",
+              function_switch(threads.run_on_blas_threads, lambda kernel, *args: kernel(*args))),
+        Piece("side-by-side", "threads.side_by_side one piece after the other",
+              function_switch(threads.side_by_side, one_after_the_other)),
     ]
     for module, tables in kernel_families().items():
         name = module.removeprefix("npformer.")

@@ -80,6 +80,7 @@ def threads(monkeypatch):
     saved = _parallel.get_num_threads()
     monkeypatch.setattr(_parallel, "MIN_PARALLEL_ENTRIES", 0)
     monkeypatch.setattr(_parallel, "MIN_PARALLEL_MACS", 0)
+    monkeypatch.setattr(_parallel, "MIN_BLAS_THREADS_MACS", 0)
     yield _parallel.set_num_threads
     _parallel.set_num_threads(saved)
 

@@ -12,7 +12,9 @@ Because npformer then splits the GEMMs itself, numpy's BLAS must run one thread:
 own threads the two pools would compete for the cores (OpenBLAS's idle workers spin for a
 while after every GEMM). set_num_threads(n > 1) does that through threadpoolctl when it is
 installed (and restores BLAS's threads at set_num_threads(1)); without it, set
-OPENBLAS_NUM_THREADS=1 (or MKL_NUM_THREADS=1) yourself (set_num_threads(n > 1) warns).
+OPENBLAS_NUM_THREADS=1 (or MKL_NUM_THREADS=1) yourself (set_num_threads(n > 1) warns). A product
+of linear too small to split but big enough (MIN_BLAS_THREADS_MACS) runs whole in the caller with
+BLAS's threads given back for the call (run_on_blas_threads).
 
 Default, like torch's intra-op threads: NPFORMER_NUM_THREADS when set, else one thread per
 core this process may run on (len(os.sched_getaffinity(0)), os.cpu_count() where that is
@@ -41,10 +43,15 @@ MIN_PARALLEL_ENTRIES = 1 << 18
 # a product (m, k) @ (k, n) is split when it has at least this many multiply-adds m k n, whatever its
 # output's size (a weight gradient (out, N) @ (N, in) has few entries and many multiply-adds)
 MIN_PARALLEL_MACS = 1 << 24
+# linear's products too small to split but with at least this many multiply-adds run whole on numpy's
+# BLAS threads (run_on_blas_threads), whose idle workers spin and so start at once
+MIN_BLAS_THREADS_MACS = 1 << 21
 
-# blas_callers: thread ident -> depth of its open blas_threads_in_caller blocks; blas_limit: threadpoolctl's
-# limit of BLAS to one thread while npformer splits the products
-_state = {"threads": None, "pool": None, "blas_limit": None, "blas_callers": {}}
+# blas_callers: thread ident -> depth of its open blas_threads_in_caller blocks
+# blas_products: run_on_blas_threads calls in flight; blas_libs: threadpoolctl's BLAS controllers while
+# npformer limits BLAS, and blas_own_threads BLAS's thread count before it did
+_state = {"threads": None, "pool": None, "blas_limit": None, "blas_callers": {}, "blas_products": 0, "blas_libs": (),
+          "blas_own_threads": 1}
 _lock = threading.Lock()     # guards _state: set_num_threads may run while other threads run ops
 
 
@@ -127,17 +134,52 @@ def blas_threads_in_caller():
             _settle_blas_threads()
 
 
+def run_on_blas_threads(kernel, *args):
+    """kernel(*args) whole in the caller, its products on numpy's BLAS with get_num_threads() threads
+    (at most BLAS's own count) instead of the one that npformer holds it to: for products too small
+    to split and big enough for BLAS's threads (MIN_BLAS_THREADS_MACS). As in blas_threads_in_caller,
+    BLAS's thread count is one setting per process: other threads' products get the threads too
+    meanwhile. Inside a block of a split, or where BLAS is not held to one thread, kernel(*args) as
+    it is."""
+    if _state["blas_limit"] is None or _local.busy:
+        return kernel(*args)
+    with _lock:
+        _state["blas_products"] += 1
+        if _state["blas_products"] == 1 and _state["blas_limit"] is not None:
+            _set_blas_threads(min(_state["threads"], _state["blas_own_threads"]))
+    try:
+        return kernel(*args)
+    finally:
+        with _lock:
+            _state["blas_products"] -= 1
+            if not _state["blas_products"] and _state["blas_limit"] is not None:
+                _set_blas_threads(1)
+
+
+def _set_blas_threads(n):
+    """(holding _lock) numpy's BLAS on n threads, while npformer's limit stays in place to restore."""
+    _take_blas_control()
+    for library in _state["blas_libs"]:
+        library.set_num_threads(n)
+
+
 def _settle_blas_threads():
     """(holding _lock) numpy's BLAS on one thread while npformer splits the products (threads > 1)
     and no blas_threads_in_caller block is open; its own threads otherwise."""
     split = _state["threads"] > 1 and not _state["blas_callers"]
     if split and _state["blas_limit"] is None:
         _take_blas_control()
+        libs = _blas_controllers()
+        # their counts before the limit, the fewest (numpy's OpenBLAS and a BLAS another package loads may
+        # differ): what the limit's get_original_num_threads returns, without the warning it gives then
+        own = min((lib.num_threads for lib in libs), default=1) or 1
         _state["blas_limit"] = _limit_blas_threads()
+        if _state["blas_limit"] is not None:
+            _state["blas_libs"], _state["blas_own_threads"] = libs, own
     elif not split and _state["blas_limit"] is not None:
         _take_blas_control()
         _state["blas_limit"].restore_original_limits()
-        _state["blas_limit"] = None
+        _state["blas_limit"], _state["blas_libs"] = None, ()
 
 
 def _take_blas_control():
@@ -147,6 +189,15 @@ def _take_blas_control():
     controller = getattr(sys.modules.get("threadpoolctl"), "OpenBLASController", None)
     if hasattr(controller, "clear_controlling_thread"):
         controller.clear_controlling_thread(force=True)
+
+
+def _blas_controllers():
+    """threadpoolctl's controllers of the BLAS libraries loaded, () without threadpoolctl."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return ()
+    return ThreadpoolController().select(user_api="blas").lib_controllers
 
 
 def _limit_blas_threads():
@@ -165,7 +216,7 @@ def _forget_pool():  # a forked child has none of the parent's threads (and a lo
     _lock = threading.Lock()
     if _state["pool"] is not None:
         _state["pool"].forget()
-    _state["pool"] = None
+    _state["pool"], _state["blas_products"] = None, 0
     me = threading.get_ident()  # the one thread the child has; other threads' blocks never close there
     _state["blas_callers"] = {me: _state["blas_callers"][me]} if me in _state["blas_callers"] else {}
 
@@ -327,6 +378,30 @@ def _pool():
         if _state["pool"] is None:
             _state["pool"] = Pool(max(_state["threads"] - 1, 1))
         return _state["pool"]
+
+
+def split_blocks(threads, sizes):
+    """Share `threads` (>= 2) between len(sizes) independent pieces of work of about equal cost,
+    piece i covering range(sizes[i]): [blocks of piece 0, blocks of piece 1, ...], each piece cut
+    into threads // len(sizes) blocks (at least one), for run_tasks."""
+    share = max(threads // len(sizes), 1)
+    return [[(n * i // share, n * (i + 1) // share) for i in range(share)] for n in sizes]
+
+
+def side_by_side(pieces, entries, like=None):
+    """Independent pieces of work of about equal cost, each (kernel, rows, entries of its own) with
+    kernel(start, stop) covering range(rows) (e.g. two GEMMs): when the whole work (`entries`)
+    splits on the first piece's rows (row_blocks), one hand-off with the threads shared between the
+    pieces (split_blocks; on 2 threads each piece whole on its own thread, where blocks of each, one
+    piece after the other, would join twice and run four smaller calls); else each piece by
+    for_rows on its own entries, one after the other."""
+    threads = len(row_blocks(pieces[0][1], entries, like))
+    if threads < 2:
+        for kernel, rows, own in pieces:
+            for_rows(kernel, rows, own, like)
+        return
+    shares = split_blocks(threads, [rows for _, rows, _ in pieces])
+    run_tasks([(kernel, *block) for (kernel, _, _), blocks in zip(pieces, shares) for block in blocks])
 
 
 def for_rows(kernel, rows, entries, like=None):

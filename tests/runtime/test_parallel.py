@@ -90,6 +90,24 @@ def test_dropout_mask_is_on_the_device(threads, device):
     assert backend.device_of(mask) == device and mask.shape == (64, 33) and mask.dtype == bool
 
 
+def test_side_by_side_shares_the_threads_or_runs_each_piece_by_itself(threads, monkeypatch):
+    """Two pieces in one hand-off, the threads shared between them; without enough work, each
+    piece by for_rows on its own entries."""
+    ran = []
+
+    def piece(name):
+        return lambda a, b: ran.append((name, a, b))
+
+    threads(4)
+    _parallel.side_by_side([(piece("x"), 10, 10), (piece("w"), 6, 6)], 16)
+    assert sorted(ran) == [("w", 0, 3), ("w", 3, 6), ("x", 0, 5), ("x", 5, 10)]
+    ran.clear()
+    monkeypatch.setattr(_parallel, "MIN_PARALLEL_ENTRIES", 12)
+    _parallel.side_by_side([(piece("x"), 10, 4), (piece("w"), 6, 20)], 8)   # the whole work: too small
+    assert ran[0] == ("x", 0, 10) and sorted(ran[1:]) == [("w", a, b) for a, b in _parallel.row_blocks(6, 20)]
+    assert len(ran) == 1 + 4
+
+
 def test_run_blocks_order_errors_and_nesting(threads):
     threads(3)
     blocks = _parallel.row_blocks(10, 10)
@@ -100,7 +118,9 @@ def test_run_blocks_order_errors_and_nesting(threads):
         return _parallel.for_rows(lambda c, d: (c, d), 4, 4)
     assert _parallel.run_blocks(inner, blocks) == [[(0, 4)]] * 3
 
-    # tasks of different kernels
+    # tasks of different kernels: linear's backward runs dx and dW side by side
+    assert _parallel.split_blocks(4, (10, 6)) == [[(0, 5), (5, 10)], [(0, 3), (3, 6)]]
+    assert _parallel.split_blocks(3, (10, 6)) == [[(0, 10)], [(0, 6)]]
     assert _parallel.run_tasks([(lambda a, b: ("x", a, b), 0, 5), (lambda a, b: ("w", a, b), 0, 6)]) == [
         ("x", 0, 5), ("w", 0, 6)]
 

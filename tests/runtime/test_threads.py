@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from autograd import Tensor
 from npformer import optim
 from npformer.data import PAD, SequenceTask
 from npformer.functional import composite
+from npformer.functional.linear import linear_backward, linear_forward
 from npformer.models import Seq2SeqTransformer
 from npformer.runtime import threads
 from npformer.training import Seq2SeqTrainer
@@ -279,6 +281,78 @@ def test_blas_threads_in_caller_blocks_nest_and_overlap_across_threads(restore_n
     left.set()
     worker.finish()
     assert freed != limited and blas_threads() == limited  # the last block to close limits BLAS again
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_products_too_small_to_split_run_on_blas_threads_and_give_them_back(restore_num_threads, monkeypatch,
+                                                                           direction, rng):
+    """A product of linear between MIN_BLAS_THREADS_MACS and the split's threshold runs whole in
+    the caller with numpy's BLAS on npformer's threads; BLAS is held to one thread again after it,
+    after an error inside it too, and in a block of a split (busy) nothing changes."""
+    pytest.importorskip("threadpoolctl")
+    threads.set_num_threads(2)
+    limited = blas_threads()
+    table = {"forward": linear_forward, "backward": linear_backward}[direction]
+    x = rng.standard_normal((256, 64)).astype(np.float32)       # 256 * 64 * 128 = 2^21 multiply-adds
+    w = rng.standard_normal((128, 64)).astype(np.float32)
+    dy = rng.standard_normal((256, 128)).astype(np.float32)
+    args = (np, x, w, None) if direction == "forward" else (np, dy, x, w, True, True, True)
+    assert threads.MIN_BLAS_THREADS_MACS <= 256 * 64 * 128 < threads.MIN_PARALLEL_MACS
+    assert dy.size + x.size < threads.MIN_PARALLEL_ENTRIES
+    seen, reference = [], table.reference
+
+    def watched(*a):
+        seen.append(blas_threads())
+        return reference(*a)
+
+    monkeypatch.setattr(table, "reference", watched)
+    got = table(*args)
+    given = min(2, threads._state["blas_own_threads"])   # BLAS's own count caps it (every core by default)
+    assert seen == [[given] * len(limited)] and blas_threads() == limited
+    expected = reference(*args)
+    as_tuple = (lambda r: r if isinstance(r, tuple) else (r,))
+    for g, e in zip(as_tuple(got), as_tuple(expected)):
+        scale = np.abs(e).max()   # float32 sums of 64-256 terms of unit size: BLAS's threads may round differently
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-5 * scale)
+
+    def failing(*a):
+        raise FloatingPointError("inside the product")
+
+    monkeypatch.setattr(table, "reference", failing)
+    with pytest.raises(FloatingPointError):
+        table(*args)
+    assert blas_threads() == limited
+
+    monkeypatch.setattr(table, "reference", watched)
+    seen.clear()
+    monkeypatch.setattr(threads._local, "busy", True)   # as inside a block of a split
+    table(*args)
+    assert seen == [limited]
+
+
+def test_blas_libraries_with_different_thread_counts_settle_on_the_fewest_without_a_warning(restore_num_threads,
+                                                                                          monkeypatch):
+    """Two BLAS libraries loaded with different thread counts (numpy's OpenBLAS beside another
+    library's): holding BLAS to one thread keeps the fewest as its own count, and warns nothing
+    (threadpoolctl's get_original_num_threads warns there, an error under `-W error`: generate()
+    failed so inside a test that turns warnings into errors)."""
+    class Library:
+        def __init__(self, n):
+            self.num_threads = n
+
+    class Limit:
+        def restore_original_limits(self):
+            pass
+
+    libraries = [Library(4), Library(2)]
+    threads.set_num_threads(1)
+    monkeypatch.setattr(threads, "_blas_controllers", lambda: libraries)
+    monkeypatch.setattr(threads, "_limit_blas_threads", Limit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads.set_num_threads(2)
+    assert threads._state["blas_own_threads"] == 2 and list(threads._state["blas_libs"]) == libraries
+    threads.set_num_threads(1)                                # the fake limit given back before the fixture's
 
 
 def test_set_num_threads_from_another_thread_sets_blas_threads_too(restore_num_threads):

@@ -96,6 +96,9 @@ def cases(rng):
     yield linear.linear_tangent, (np, x, w, rng.standard_normal(x.shape), rng.standard_normal(w.shape),
                                   rng.standard_normal(3))
     yield linear.linear_tangent, (np, x, w, rng.standard_normal(x.shape), rng.standard_normal(w.shape), None)
+    short, deep = rng.standard_normal((3, 8)), rng.standard_normal((4, 8))   # fewer rows than depth: dW's tangent
+    yield linear.linear_tangent, (np, short, deep, rng.standard_normal(short.shape), rng.standard_normal(deep.shape),
+                                  None)
     for needs in [(True, True, True), (True, False, False), (False, True, True), (False, False, True)]:
         yield linear.linear_backward, (np, rng.standard_normal((6, 3)), x, w, *needs)
     yield normalization.layer_norm_forward, (np, ln_x, ln_w, ln_b, 1e-5)
