@@ -337,34 +337,6 @@ def philox_at_least_cpu(counters, key, threshold):
     return keep
 
 
-def for_keep_chunks(seed, offset, n, threshold, kernel):
-    """On the CPU: kernel(start, stop, keep) over consecutive pieces [start, stop) of the n values
-    from `offset` of the stream of `seed`, keep (stop - start,) bool = their bits16 >= threshold,
-    the pieces in blocks on the threads of `npformer.runtime.threads` and in cache-sized chunks, so that a
-    kernel applying the mask reads it while it is in the cache (keep is reused: copy what must
-    outlive the call). Which values each piece holds does not change the bits, so the results are
-    the same for any thread count. A mask drawn ahead (npformer.runtime.lookahead) is handed out in pieces."""
-    ahead = _at_least_ahead(seed, offset, n, threshold)
-    if ahead is not None:
-        piece = _CHUNK * VALUES_PER_COUNTER
-
-        def pieces(start, stop):
-            for lo in range(start, stop, piece):
-                kernel(lo, min(lo + piece, stop), ahead[lo:min(lo + piece, stop)])
-
-        threads.for_rows(pieces, int(n), int(n))
-        return
-    counters, key, skip = _covering_counters(seed, offset, n, "cpu", None)
-
-    def block(start, stop, chunk):
-        for lo, hi, words in _words_in_chunks(counters, key, start, stop, chunk):
-            keep = words.view("uint16").reshape(-1) >= threshold          # values 8 lo, ..., 8 hi - 1
-            a, b = max(8 * lo - skip, 0), min(8 * hi - skip, int(n))      # as entries of the mask
-            kernel(a, b, keep[a - (8 * lo - skip):b - (8 * lo - skip)])
-
-    _run_counter_blocks(block, counters.shape[0])
-
-
 def _run_counter_blocks(block, count):
     """block(start, stop, chunk) over blocks of `count` counters: one block in chunks of _CHUNK, or,
     when every thread of `npformer.runtime.threads` gets at least _PARALLEL_CHUNK counters, one block per
@@ -478,7 +450,7 @@ def bits16_at_least(seed, offset, n, threshold, device="cpu", state=None):
 
 def _at_least_ahead(seed, offset, n, threshold):
     """bits16_at_least's CPU mask when npformer.runtime.lookahead drew it ahead, else None; the request is
-    recorded either way (for_keep_chunks and bits16_at_least ask for the same mask)."""
+    recorded either way."""
     finish = lambda values, skip: values[skip:skip + n] >= threshold  # noqa: E731
     return lookahead.take(("at_least", int(seed), int(n), int(threshold)), int(offset),
                           lambda at: _at_least_now(seed, at, n, threshold), _Joint(int(seed), int(n), finish))

@@ -3,7 +3,7 @@
 numpy releases the GIL inside its loops (ufuncs, reductions, BLAS, random draws), so a
 kernel run on n blocks of rows in n threads takes about 1/n of the time on n cores. With
 n > 1 threads the ops of npformer.functional split their work into row blocks: the GEMMs
-of linear and attention, softmax, layer norm, dropout (masks too), ReLU, cross-entropy.
+of linear and attention, softmax, layer norm, GELU, ReLU, the dropout masks.
 A kernel covers rows [start, stop) and writes only there (or returns a partial result),
 so row-wise results do not depend on n (column sums, e.g. a bias gradient, add one partial
 sum per block). CuPy arrays and small work (under MIN_PARALLEL_ENTRIES) run as one block.

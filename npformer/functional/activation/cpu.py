@@ -1,16 +1,13 @@
 """Activations and dropout on the CPU (the "cpu" implementations of this folder's kernel tables,
 same signatures as the math.py references, xp first): ReLU in flat blocks on the threads of
-`npformer.runtime.threads` (its backward a bitwise AND), GELU in blocks and cache-sized chunks, erf
-by one rational function (float32) or each interval's formula on its own entries (float64), the
-dropout mask drawn and applied chunk by chunk while it is in the cache."""
-from npformer.runtime import random, threads
+`npformer.runtime.threads` (its backward a bitwise AND), GELU in blocks and cache-sized chunks (float32:
+Phi by one rational function), dropout's elementwise products in flat blocks."""
+from npformer.runtime import threads
 from npformer.runtime.threads import for_rows
 
-from . import (TANH_C, TANH_K, bias_activation_backward, bias_activation_forward, dropout_backward,  # the tables
-               dropout_forward, dropout_scale, dropout_threshold, elementwise_product, erf, gelu_backward_density,
-               gelu_backward_jvp, gelu_double_backward, math)
-from .erf import (BOUNDS, INV_SQRT_2PI, PP, QQ, SQRT_2, erf_far, erf_float32, erf_middle, erf_near, horner_inplace,
-                  normal_cdf_float32)
+from . import (TANH_C, TANH_K, bias_activation_backward, bias_activation_forward,  # the tables
+               elementwise_product, erf, gelu_backward_density, gelu_backward_jvp, gelu_double_backward, math)
+from .erf import INV_SQRT_2PI, SQRT_2, normal_cdf_float32
 
 # entries per pass of GELU's many-pass blocks (512 KiB of float32): erf's ~25 passes stay in the core's cache
 CACHE_CHUNK = 1 << 17
@@ -32,32 +29,6 @@ def _bias_rows(x, bias):
     bias, of single entries (rows counted, not -1 in reshape: n may be 0)."""
     n = x.shape[-1] if bias is not None else 1
     return (x.size // n if n else 0, n)
-
-
-@erf.register("cpu")
-def erf_cpu(xp, x):
-    """float32: `erf_float32`. Otherwise the small-|x| formula in place over the whole array; each
-    other interval's formula only on the entries in it (gathered with take, written back with
-    put): a quarter of the reference's work."""
-    if x.dtype == xp.float32:
-        return erf_float32(xp, x)
-    flat_x = x.reshape(-1)                           # 1-D, so 0-d inputs stay arrays
-    a = xp.abs(flat_x)
-    out = xp.minimum(a, BOUNDS[0])                   # right on [0, 0.84375); clamped elsewhere
-    z = out * out
-    ratio = horner_inplace(PP, z)
-    ratio /= horner_inplace(QQ, z)
-    ratio *= out
-    out += ratio                                     # a + a P(a^2) / Q(a^2)
-    branches = ((BOUNDS[0], BOUNDS[1], erf_middle),
-                (BOUNDS[1], BOUNDS[2], lambda t: erf_near(t, xp.exp)),
-                (BOUNDS[2], BOUNDS[3], lambda t: erf_far(t, xp.exp)))
-    for lo, hi, formula in branches:
-        index = xp.flatnonzero((a >= lo) & (a < hi))
-        if index.size:
-            out.put(index, formula(a.take(index)))
-    xp.copyto(out, 1.0, where=a >= BOUNDS[3])
-    return xp.copysign(out, flat_x, out=out).reshape(x.shape)
 
 
 @bias_activation_forward.register("cpu")
@@ -184,53 +155,6 @@ def gelu_backward_density_cpu(xp, dy, h, cdf, density=None):
 
     for_rows(block, hf.size, hf.size, h)
     return dh.reshape(h.shape), phi.reshape(h.shape)
-
-
-@dropout_forward.register("cpu", supports=lambda xp, x, seed, offset, p, state=None: state is None and p < 1.0)
-def dropout_forward_cpu(xp, x, seed, offset, p, state=None):
-    """The mask drawn and applied chunk by chunk while it is in the cache, in blocks on the threads
-    (random.for_keep_chunks)."""
-    return dropout_apply_cpu(xp, x, seed, offset, p)
-
-
-def dropout_apply_cpu(xp, x, seed, offset, p, residual=None):
-    """(x * keep / (1 - p) (+ residual), keep) on the CPU in cache-sized chunks: each chunk's mask
-    is copied out for the backward and applied as the multiplier m = keep / (1 - p) (a chunk-sized
-    buffer): x * m has the bits of (x * keep) / (1 - p), a kept entry being x / (1 - p) and a
-    dropped one x * 0 either way."""
-    xf = x.reshape(-1)
-    rf = None if residual is None else residual.reshape(-1)
-    y, keep = xp.empty_like(xf), xp.empty(x.size, dtype=bool)
-    scale = dropout_scale(p)
-
-    def apply(start, stop, piece):
-        keep[start:stop] = piece
-        out = y[start:stop]
-        xp.multiply(piece, scale, out=out, dtype=out.dtype)        # m = keep / (1 - p)
-        out *= xf[start:stop]
-        if rf is not None:
-            out += rf[start:stop]
-
-    random.for_keep_chunks(seed, offset, x.size, dropout_threshold(p), apply)
-    return y.reshape(x.shape), keep.reshape(x.shape)
-
-
-@dropout_backward.register("cpu", supports=lambda xp, dy, keep, seed, offset, p, state=None: keep is not None)
-def dropout_backward_cpu(xp, dy, keep, seed, offset, p, state=None):
-    """dy * m, m = keep / (1 - p) made chunk by chunk in the cache (the bits of (dy * keep) / (1 - p)),
-    in flat blocks on the threads."""
-    df, kf = dy.reshape(-1), keep.reshape(-1)
-    dx = xp.empty_like(df)
-    scale = dropout_scale(p)
-
-    @in_cache_chunks
-    def block(start, stop):
-        out = dx[start:stop]
-        xp.multiply(kf[start:stop], scale, out=out, dtype=out.dtype)
-        out *= df[start:stop]
-
-    for_rows(block, df.size, df.size, dy)
-    return dx.reshape(dy.shape)
 
 
 @elementwise_product.register("cpu", splits_reference=True, supports=lambda xp, a, b, scale=None:

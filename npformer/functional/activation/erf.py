@@ -6,9 +6,9 @@ ratio of two polynomials approximates erf (small |x|) or log(x erfc(x)) + x^2 (l
 Each branch is written with arithmetic operators and an `exp` callable only, so the same
 formulas run on arrays (the fused GELU's reference) and on autograd Tensors (its composite twin).
 On a GPU the GELU kernels call CUDA's erf instead (npformer/functional/cuda/activation.cu). On the
-CPU, float32 arrays take `erf_float32`: one rational function, within 7.5 float32 ulps (4.5e-7).
-Array functions take the array module `xp` (numpy or CuPy) first; the kernel table `erf` made from
-`erf` here is in this folder's __init__.py, its CPU variant in cpu.py.
+CPU, float32 GELU takes Phi from one rational function of erf (ALPHA / BETA below, within 7.5 float32
+ulps, 4.5e-7), `normal_cdf_float32`. Array functions take the array module `xp` (numpy or CuPy)
+first; the kernel table `erf` made from `erf` here is in this folder's __init__.py.
 """
 import math
 
@@ -40,9 +40,9 @@ SB = (1.0, 3.03380607434824582924e+01, 3.25792512996573918826e+02, 1.53672958608
       3.19985821950859553908e+03, 2.55305040643316442583e+03, 4.74528541206955367215e+02,
       -2.24409524465858183362e+01)
 
-# float32 on the CPU: one odd rational function on [-4, 4] (beyond, erf = +-1 in float32), the fast
-# erf of Eigen and XLA: erf(x) = x ALPHA(x^2) / BETA(x^2); within 7.5 float32 ulps (4.5e-7 absolute)
-# of the float64 formulas above (tests/functional/cpu/test_fast_paths.py) in about a third of their array passes
+# float32 on the CPU (GELU's Phi, normal_cdf_float32 below): one odd rational function on [-4, 4] (beyond,
+# erf = +-1 in float32), the fast erf of Eigen and XLA: erf(x) = x ALPHA(x^2) / BETA(x^2), within 7.5
+# float32 ulps (4.5e-7 absolute) of the float64 formulas above, in about a third of their array passes
 ALPHA = (-1.60960333262415e-02, -2.95459980854025e-03, -7.34990630326855e-04, -5.69250639462346e-05,
          -2.10102402082508e-06, 2.77068142495902e-08, -2.72614225801306e-10)
 BETA = (-1.42647390514189e-02, -7.37332916720468e-03, -1.68282697438203e-03, -2.13374055278905e-04,
@@ -59,16 +59,6 @@ def horner(coefficients, z):
     result = coefficients[-1]
     for c in coefficients[-2::-1]:
         result = result * z + c
-    return result
-
-
-def horner_inplace(coefficients, z):
-    """horner() for arrays, in place: two passes over a new array per coefficient, no temporaries."""
-    result = z * coefficients[-1]
-    result += coefficients[-2]
-    for c in coefficients[-3::-1]:
-        result *= z
-        result += c
     return result
 
 
@@ -114,18 +104,8 @@ def erf(xp, x):
     return xp.copysign(out, flat_x, out=out).reshape(x.shape)
 
 
-def erf_float32(xp, x):
-    """erf of a float32 array: x ALPHA(x^2) / BETA(x^2) on x clipped to [-4, 4], clipped to
-    [-1, 1]. NaN stays NaN."""
-    clipped = xp.clip(x, -FLOAT32_BOUND, FLOAT32_BOUND)
-    z = clipped * clipped
-    out = horner_inplace(ALPHA, z)
-    out *= clipped
-    out /= horner_inplace(BETA, z)
-    return xp.clip(out, -1.0, 1.0, out=out)          # the rational function overshoots 1 by an ulp near 4
-
-
-# Phi(h) = 1/2 + 1/2 erf(h / sqrt 2) by erf_float32's rational function with its constants folded in,
+# Phi(h) = 1/2 + 1/2 erf(h / sqrt 2) by erf's float32 rational function x ALPHA(x^2) / BETA(x^2) on x in
+# [-FLOAT32_BOUND, FLOAT32_BOUND] (within 4.5e-7 of erf) with its constants folded in,
 # for GELU's CPU kernel: with t = h clipped to [-4 sqrt 2, 4 sqrt 2] and z = t^2, erf(t / sqrt 2) =
 # (t / sqrt 2) ALPHA(z / 2) / BETA(z / 2), so 1/2 erf(t / sqrt 2) = t NUM(z) / DEN(z) where
 # coefficient k of NUM is ALPHA_k / 2^k / (2 sqrt 2) and of DEN is BETA_k / 2^k, both divided by
@@ -138,7 +118,7 @@ PHI_DEN = tuple(b / 2 ** k / _DEN_TOP for k, b in enumerate(BETA))[:-1] + (1.0,)
 
 def normal_cdf_float32(xp, h, out):
     """Phi(h), the standard normal CDF, of a float32 array h written into `out` (h's shape and
-    dtype), in 25 array passes: erf_float32's accuracy (erf within 4.5e-7, so Phi within ~2.3e-7)
+    dtype), in 25 array passes: the rational function's accuracy (erf within 4.5e-7, so Phi within ~2.3e-7)
     in [0, 1]. NaN stays NaN."""
     t = xp.clip(h, -PHI_BOUND, PHI_BOUND)
     z = xp.multiply(t, t)

@@ -45,22 +45,6 @@ def test_cpu_philox_equals_the_reference(first, seed, small_chunks):
     np.testing.assert_array_equal(random.philox_bits16(shuffled, key), expected)
 
 
-@pytest.mark.parametrize("offset, n", [(0, 1), (3, 5), (8, 320), (13, 2001), (8 * (2**32 - 40) + 5, 777)])
-def test_keep_chunks_cover_the_mask_once_with_the_contract_bits(offset, n, small_chunks):
-    threshold = round(0.3 * 2**16)
-    seen = np.zeros(n, dtype=int)
-    keep = np.zeros(n, dtype=bool)
-
-    def kernel(start, stop, piece):
-        seen[start:stop] += 1
-        keep[start:stop] = piece
-
-    random.for_keep_chunks(11, offset, n, threshold, kernel)
-    assert (seen == 1).all()
-    np.testing.assert_array_equal(keep, random.bits16(11, offset, n) >= threshold)
-    np.testing.assert_array_equal(random.bits16_at_least(11, offset, n, threshold), keep)
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape, offset", [((7,), 0), ((3, 1001), 5), ((2, 37, 41), 8 * 2**32 - 24)])
 @pytest.mark.parametrize("p", [0.1, 0.5])
