@@ -1,8 +1,7 @@
-"""Hand-written CUDA kernels, plugged into the kernel tables of npformer.functional: the one home
-of npformer's CUDA code.
+"""Hand-written CUDA kernels' sources, their loader and compiler check: what every op folder's
+`cuda.py` launches (Adam's too: adam.cu, launched by npformer/functional/adam/cuda.py).
 
-Every kernel source and its launcher live here, Adam's too (adam.cu, adam.py: the table
-npformer.functional.adam.adam_update). Here, and not beside the user's `npformer.cuda`, because a
+The CUDA code lives in npformer.functional, and not beside the user's `npformer.cuda`, because a
 launcher registers with the kernel table of its op, and the tables are in npformer.functional:
 from a layer further right the kernels could not be imported by the ops that dispatch to them.
 `npformer.cuda` keeps only the public API of CUDA graphs (`graphed`), and what a captured step
@@ -18,9 +17,9 @@ nothing here runs on a GPU, but every source is compiled in the test suite (`nvr
 typo cannot land, and tests/cuda_emulator.py runs every kernel on the CPU through its launcher
 (tests/functional/cuda/test_kernels_emulated.py, test_dropout.py, test_flash_attention.py).
 
-The Python side of each family (`softmax.py`, ...) registers its launchers with the tables,
-e.g. `@softmax_forward.register("cuda", supports=...)`; arguments the kernels do not support
-fall back to the reference.
+The Python side of each family, its folder's `cuda.py` (`softmax/cuda.py`, ...), registers its
+launchers with the tables, e.g. `@softmax_forward.register("cuda", supports=...)`; arguments the
+kernels do not support fall back to the reference.
 """
 import pathlib
 
