@@ -101,7 +101,7 @@ def _check_arrays(named, owner, known, produced, params):
                     f"recorded step: {name} of {owner} is an array {array.shape} {array.dtype} computed outside the "
                     "recorded ops (not an input of the step, a parameter or buffer of the model, an op's output or "
                     "a recomputed result): a replay would reuse its first values. Make it with ops, compute it "
-                    "inside npformer.runtime.record.recomputed(fn, *arrays), or run this step eagerly")
+                    "inside autograd.raw_computation(fn, *arrays), or run this step eagerly")
 
 
 def _arrays(value):
@@ -254,7 +254,7 @@ class Recorder:
                 known.update(id(memory_owner(t.data)) for t in event.outputs)
         if pending:
             raise RuntimeError(f"recorded step: {pending[0].n} random values were drawn outside an op's options "
-                               "(each replay would reuse the same mask); draw them inside recomputed(...)")
+                               "(each replay would reuse the same mask); draw them inside autograd.raw_computation(...)")
         for i, value in enumerate(outputs, 1):
             if isinstance(value, Tensor) and id(value) in produced:
                 continue

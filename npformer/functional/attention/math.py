@@ -18,6 +18,7 @@ The double backward and the jvps: higher.py; the memory-efficient path: blockwis
 """
 from typing import Callable, NamedTuple
 
+from ..softmax import math as softmax_math
 from .masks import masked_scores
 
 
@@ -35,16 +36,9 @@ def matmul_transposed(xp, a, b, out=None):
 
 
 def softmax(xp, x, out=None):
-    """exp(x - max) / rowsum(exp(x - max)) over the last axis; a row that is entirely -inf (every
-    key hidden) gives zeros. out=x: in place."""
-    top = x.max(axis=-1, keepdims=True)                  # (..., 1)
-    xp.copyto(top, 0.0, where=top == -xp.inf)            # an all -inf row: never -inf - (-inf)
-    y = xp.subtract(x, top, out=out)                     # (..., n) <= 0
-    xp.exp(y, out=y)
-    total = y.sum(axis=-1, keepdims=True)                # (..., 1)
-    xp.copyto(total, 1.0, where=total == 0)              # an all -inf row: 0 / 1 = 0
-    y /= total
-    return y
+    """Softmax over the last axis (npformer/functional/softmax/math.py): a row that is entirely -inf
+    (every key hidden) gives zeros. out=x: in place."""
+    return softmax_math.softmax_forward(xp, x, -1, out=out)
 
 
 def row_dot(xp, a, b):

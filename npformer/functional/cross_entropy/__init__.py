@@ -10,7 +10,8 @@ from autograd.checks import check_int, check_real
 from npformer.runtime import deferred
 from npformer.runtime.kernels import kernel_table
 
-from .._common import check_index_range, check_one_dtype, check_tensor, data_of, has_twin, on_device_of
+from .._common import (check_index_range, check_one_dtype, check_tensor, data_of, has_twin, on_device_of,
+                       tensor_of)
 from ..softmax import SoftmaxFunction, log_softmax
 from . import math
 
@@ -215,7 +216,7 @@ def cross_entropy(input: Tensor | Array, target: Tensor | ArrayLike, weight: Ten
     if reduction == "mean" and prod(expected) == 0:
         raise ValueError(f"cross_entropy: no targets (input shape {tuple(logits.shape)}), so the mean is "
                          "undefined; skip empty batches or use reduction='sum'")
-    x = classes_last(input if isinstance(input, Tensor) else Tensor(input))       # (M, C)
+    x = classes_last(tensor_of(input))       # (M, C)
     if probabilities:
         loss = probability_cross_entropy(log_softmax(x, dim=1), classes_last(tgt), weight, label_smoothing, reduction)
         return loss.reshape(expected) if reduction == "none" else loss

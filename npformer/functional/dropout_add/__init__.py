@@ -10,7 +10,7 @@ from autograd.checks import check_bool, check_real
 from npformer.runtime.kernels import kernel_table
 from npformer.runtime.random import Philox
 
-from .._common import check_one_dtype, check_tensor, has_twin
+from .._common import check_one_dtype, check_tensor, has_twin, tensor_of
 from ..activation import DropoutFunction, dropout_forward, dropout_stream
 
 __all__ = ["dropout_add"]  # its public ops, which npformer.functional exports
@@ -77,9 +77,8 @@ def dropout_add(input: Tensor | Array, residual: Tensor | Array, p: float = 0.5,
     shape, e.g. (B, T, E). Raises ValueError unless 0 <= p <= 1 or when the shapes differ, TypeError
     for a `training` that is not a bool."""
     x, p, training = check_dropout_add(input, residual, p, training, "dropout_add")
-    as_tensor = lambda t: t if isinstance(t, Tensor) else Tensor(t)  # noqa: E731
     if not training or p == 0.0:
-        return as_tensor(residual) + input
+        return tensor_of(residual) + input
     draw = dropout_stream(generator, "dropout_add").draw(x.size, backend.device_of(x))
     return DropoutAddFunction.apply(input, residual, seed=draw.seed, offset=draw.offset, p=p, state=draw.state)
 

@@ -6,7 +6,7 @@ from autograd import Function, Tensor, backend
 from autograd.backend import Array
 from npformer.runtime.kernels import kernel_table
 
-from .._common import check_tensor, has_twin, normalize_dim
+from .._common import check_tensor, has_twin, normalize_dim, tensor_of
 from . import math
 from .rows import row_dot, row_max, row_sum, stable_row_max  # noqa: F401  (other ops' row reductions)
 
@@ -86,7 +86,7 @@ def _along(function, op, input, dim):
     x = check_tensor("input", input, op)
     dim = normalize_dim(dim, x.ndim, op)
     if x.ndim == 0:
-        row = (input if isinstance(input, Tensor) else Tensor(input)).reshape(1)
+        row = tensor_of(input).reshape(1)
         return function.apply(row, dim=0).reshape(())
     return function.apply(input, dim=dim)
 
