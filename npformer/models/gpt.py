@@ -70,7 +70,7 @@ class CausalLM(EncoderOnlyModel):
                            attention_dropout=attention_dropout, activation_dropout=activation_dropout,
                            bias=bias, norm=norm, num_kv_heads=num_kv_heads, sliding_window=sliding_window,
                            qkv_bias=qkv_bias, rotary_base=rotary_base,
-                           rope_scaling=None if rope_scaling is None else dict(rope_scaling),
+                           rope_scaling=rope_scaling,
                            residual_init=residual_init)
         self._build_trunk(self.config, attention_settings(memory_efficient, block_size, attention_backend))
         self.tie_weights = self.config["tie_weights"]
