@@ -233,3 +233,21 @@ def test_weight_decay_groups_leave_out_frozen_parameters_and_check_arguments():
         optim.weight_decay_groups(model, -0.1)
     with pytest.raises(TypeError, match="expected a module with named_parameters"):
         optim.weight_decay_groups([model.tok_embed.weight], 0.1)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gqa", "rope linear"])
+def test_generation_with_the_options_equals_the_uncached_loop(name):
+    """Greedy generation on the KV cache (grouped-query heads, a cache bounded by the sliding
+    window, scaled rotary tables) gives the tokens of the whole prefix re-run at every step, past
+    max_len (rotary positions are not cropped; learned ones see the last max_len tokens)."""
+    from npformer.decoding import generate
+    model = model_of(OPTIONS[name])
+    prompt = np.array([[3, 1, 4, 1, 5, 9, 2]])
+    cached = generate(model, prompt, 16, temperature=0.0)            # 23 tokens, max_len 12
+    np.testing.assert_array_equal(cached, generate(model, prompt, 16, temperature=0.0, use_cache=False))
+    ids = prompt
+    with npformer.no_grad():
+        for _ in range(16):
+            context = ids if model.config["positional"] == "rope" else ids[:, -12:]
+            ids = np.append(ids, [[int(model(context).numpy()[0, -1].argmax())]], axis=1)
+    np.testing.assert_array_equal(cached, ids)
