@@ -178,12 +178,14 @@ def to_nanogpt(model: CausalLM) -> dict[str, Any]:
         raise TypeError(f"to_nanogpt: expected an npformer CausalLM, got {type(model).__name__}")
     c = model.config
     dropout = c["dropout"]
-    for name, wanted in (("positional", "learned"), ("norm_first", True), ("activation", "gelu"),
-                         ("dim_feedforward", 4 * c["d_model"]), ("layer_norm_eps", 1e-5), ("tie_weights", True),
-                         ("pad_idx", None), ("norm", "layernorm"), ("num_kv_heads", (None, c["nhead"])),
-                         ("sliding_window", None), ("qkv_bias", (None, c.get("bias", True))),
-                         ("attention_dropout", (None, dropout)), ("activation_dropout", (0.0, 0) + (None,) * (dropout == 0))):
-        allowed = wanted if isinstance(wanted, tuple) else (wanted,)
+    # activation_dropout None means `dropout`: nanoGPT has none inside its MLP
+    no_activation_dropout = (0.0, None) if dropout == 0 else (0.0,)
+    for name, allowed in (("positional", ("learned",)), ("norm_first", (True,)), ("activation", ("gelu",)),
+                          ("dim_feedforward", (4 * c["d_model"],)), ("layer_norm_eps", (1e-5,)),
+                          ("tie_weights", (True,)), ("pad_idx", (None,)), ("norm", ("layernorm",)),
+                          ("num_kv_heads", (None, c["nhead"])), ("sliding_window", (None,)),
+                          ("qkv_bias", (None, c.get("bias", True))), ("attention_dropout", (None, dropout)),
+                          ("activation_dropout", no_activation_dropout)):
         if c.get(name) not in allowed:
             raise ValueError(f"to_nanogpt: CausalLM({name}={c.get(name)!r}) has no nanoGPT counterpart (nanoGPT: "
                              f"{name} in {list(dict.fromkeys(allowed))})")
