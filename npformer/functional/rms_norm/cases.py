@@ -9,11 +9,13 @@ from npformer.opcases.inputs import op_case, op_family
 def rms_norm_case(label, shape, normalized_shape, weight, offset=0.0, **kwargs):
     """F.rms_norm over the trailing `normalized_shape`, with a weight or without; x standard normal
     plus `offset` (a row far from zero mean: the mean is not subtracted, and must not be)."""
+    torch_shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape   # torch's: a tuple
+
     def inputs(rng):
         return [offset + rng.standard_normal(shape)] + ([1 + rng.standard_normal(normalized_shape)] if weight else [])
     return op_case(f"F.rms_norm{label}", "rms_norm", inputs,
                    lambda x, *w: F.rms_norm(x, normalized_shape, *w, **kwargs),
-                   lambda t, x, *w: t.nn.functional.rms_norm(x, normalized_shape, *w, **kwargs),
+                   lambda t, x, *w: t.nn.functional.rms_norm(x, torch_shape, *w, **kwargs),
                    input_names=("x", "weight")[:1 + weight])
 
 
