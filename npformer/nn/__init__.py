@@ -2,7 +2,7 @@
 from . import init
 from .attention import MultiheadAttention
 from .config import TransformerConfig
-from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU
+from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU, RMSNorm, SiLU, SwiGLU
 from .module import Module, ModuleList, Parameter, Sequential, inference_mode, is_inference_mode_enabled
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from .recording import AttentionRecord, AttentionRecorder, record_attention
@@ -10,7 +10,7 @@ from .transformer import (DecoderCache, Transformer, TransformerDecoder, Transfo
                           TransformerEncoder, TransformerEncoderLayer)
 
 __all__ = ["init", "Module", "ModuleList", "Parameter", "Sequential", "Linear", "Embedding", "LayerNorm",
-           "Dropout", "ReLU", "GELU", "Identity", "MultiheadAttention", "SinusoidalPositionalEncoding",
-           "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer", "TransformerDecoderLayer",
+           "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU", "SwiGLU", "Identity", "MultiheadAttention",
+           "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer", "TransformerDecoderLayer",
            "TransformerEncoder", "TransformerDecoder", "Transformer", "TransformerConfig", "DecoderCache", "record_attention",
            "AttentionRecorder", "AttentionRecord", "inference_mode", "is_inference_mode_enabled"]
