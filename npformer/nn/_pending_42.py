@@ -1,0 +1,111 @@
+"""TEMPORARY (issue 42): stand-ins for ops that other branches add, so that the nn layer can be
+built and tested before they land. DELETE THIS FILE AT MERGE and switch the shims:
+
+  npformer/nn/attention.py   `from ._pending_42 import sdpa`       -> F.scaled_dot_product_attention
+  npformer/nn/recording.py   `from ._pending_42 import sdpa`       -> F.scaled_dot_product_attention
+  npformer/nn/transformer.py `from ._pending_42 import RMSNorm, silu, swiglu`
+                                                                  -> nn.RMSNorm (layers.py), F.silu, F.swiglu
+
+Each name below already prefers the real op when it exists (F.rms_norm, F.silu, F.swiglu,
+F.scaled_dot_product_attention(enable_gqa=, sliding_window=)); only the fallbacks are stand-ins,
+written from autograd primitives (composites, no hand-written gradient).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import npformer.functional as F
+from autograd import Tensor
+from autograd.checks import check_real, check_shape
+
+from . import init
+from .layers import new_parameter
+from .module import Module
+
+
+# -- F.silu, F.swiglu ----------------------------------------------------------------------------
+def _silu(input: Tensor) -> Tensor:
+    """Stand-in: x sigmoid(x) = x / (1 + exp(-x)) as a composite of autograd ops."""
+    return input / (1.0 + (-input).exp())
+
+
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """Stand-in: silu(gate) * up."""
+    return _silu(gate) * up
+
+
+silu = getattr(F, "silu", _silu)
+swiglu = getattr(F, "swiglu", _swiglu)
+
+
+# -- nn.RMSNorm ----------------------------------------------------------------------------------
+def _rms_norm(input, normalized_shape, weight=None, eps=None):
+    """Stand-in: x / sqrt(mean(x^2 over the normalized dims) + eps) * weight (eps None: finfo(dtype).eps)."""
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    if eps is None:
+        eps = float(input.xp.finfo(input.dtype).eps)
+    y = input / ((input * input).mean(axis=axes, keepdims=True) + eps).sqrt()
+    return y if weight is None else y * weight
+
+
+class _RMSNorm(Module):
+    """Stand-in for nn.RMSNorm (torch's signature; state_dict key `weight`)."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = check_shape(normalized_shape, "normalized_shape", "RMSNorm")
+        self.eps = None if eps is None else check_real(eps, "eps", "RMSNorm", above=0)
+        self.elementwise_affine = elementwise_affine
+        self.register_parameter("weight", None)
+        if elementwise_affine:
+            self.weight = init.ones_(new_parameter(self.normalized_shape, device, dtype))
+
+    def forward(self, input):
+        rms_norm = getattr(F, "rms_norm", _rms_norm)
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+def _real_rms_norm_module():
+    from . import layers
+    return getattr(layers, "RMSNorm", None)
+
+
+RMSNorm = _real_rms_norm_module() or _RMSNorm
+
+
+# -- F.scaled_dot_product_attention(..., enable_gqa=, sliding_window=) ---------------------------
+_REAL_SDPA = "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+
+
+def _window_mask(attn_mask, xp, T, S, window):
+    """attn_mask (None, bool True = takes part, float added; array or Tensor) combined with the
+    causal sliding window over (T, S), top-left aligned: key j takes part for i - W < j <= i."""
+    i, j = xp.arange(T)[:, None], xp.arange(S)[None, :]
+    band = (j <= i) & (j > i - window)                                              # (T, S)
+    if attn_mask is None:
+        return band
+    if attn_mask.dtype == bool:
+        return (attn_mask.data if isinstance(attn_mask, Tensor) else attn_mask) & band
+    return attn_mask + xp.where(band, 0.0, -math.inf).astype(attn_mask.dtype)
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+         sliding_window=None, **options):
+    """F.scaled_dot_product_attention with the contract's enable_gqa and sliding_window: the real
+    op when it has them, else a stand-in that repeats the key/value heads and masks the window."""
+    if _REAL_SDPA:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                              sliding_window=sliding_window, **options)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        from .attention import repeat_kv_heads
+        key, value = repeat_kv_heads(key, query.shape[-3]), repeat_kv_heads(value, query.shape[-3])
+    if sliding_window is not None:
+        if not is_causal:
+            raise ValueError("scaled_dot_product_attention: sliding_window needs is_causal=True")
+        attn_mask = _window_mask(attn_mask, query.xp, query.shape[-2], key.shape[-2], sliding_window)
+        is_causal = False
+    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, **options)
