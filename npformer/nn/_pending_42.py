@@ -49,7 +49,7 @@ def _rms_norm(input, normalized_shape, weight=None, eps=None):
     return y if weight is None else y * weight
 
 
-class _RMSNorm(Module):
+class RMSNorm(Module):
     """Stand-in for nn.RMSNorm (torch's signature; state_dict key `weight`)."""
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None):
@@ -74,7 +74,7 @@ def _real_rms_norm_module():
     return getattr(layers, "RMSNorm", None)
 
 
-RMSNorm = _real_rms_norm_module() or _RMSNorm
+RMSNorm = _real_rms_norm_module() or RMSNorm
 
 
 # -- F.scaled_dot_product_attention(..., enable_gqa=, sliding_window=) ---------------------------
