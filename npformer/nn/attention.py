@@ -256,9 +256,10 @@ class MultiheadAttention(Module):
         else:
             for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
                 init.xavier_uniform_(w)
-        for b in (self.in_proj_bias, self.out_proj.bias) if self.in_proj_bias is not None else ():
-            if b is not None:  # torch zeroes both (one `bias` flag); with qkv_bias, out_proj may have none
-                init.zeros_(b)
+        if self.in_proj_bias is not None:  # torch zeroes both (one `bias` flag); with qkv_bias=True,
+            init.zeros_(self.in_proj_bias)  # bias=False out_proj has none
+            if self.out_proj.bias is not None:
+                init.zeros_(self.out_proj.bias)
         if self.bias_k is not None:
             init.xavier_normal_(self.bias_k)
             init.xavier_normal_(self.bias_v)
@@ -323,7 +324,8 @@ class MultiheadAttention(Module):
         """torch's add_bias_kv and add_zero_attn on heads k, v (B, H_kv, S, hd): bias_k / bias_v
         (split into heads), then zero vectors, appended as keys S (and S + 1) -> (k, v, mask) with
         (B, H, S + n, hd). The mask gains a column per appended key that every query may attend
-        to; a causal mask (mask.is_causal) is materialised over the first S keys of the tgt_len queries."""
+        to; a causal mask (mask.is_causal) is materialised over the first S keys of the tgt_len
+        queries (with the config's sliding window)."""
         B, H, S, hd = k.shape
         extra_k, extra_v = [], []
         if self.bias_k is not None:
@@ -337,8 +339,10 @@ class MultiheadAttention(Module):
             return k, v, mask
         k, v = concatenate([k] + extra_k, axis=2), concatenate([v] + extra_v, axis=2)  # (B, H, S + n, hd)
         xp, array = k.xp, mask.mask
-        if mask.is_causal:  # key j <= query i takes part (top-left aligned, as in SDPA)
+        if mask.is_causal:  # key j <= query i takes part (top-left aligned, as in SDPA), and j > i - W
             causal = xp.tril(xp.ones((tgt_len, S), dtype=bool))[None, None]            # (1, 1, T, S)
+            if self.causal_window(mask) is not None:
+                causal = xp.triu(causal, 1 - self.causal_window(mask))
             if array is None:
                 array = causal
             elif array.dtype == bool:

@@ -254,6 +254,17 @@ def test_window_applies_to_causal_self_attention_only(rng):
                                plain(x, x, x, attn_mask=blocked)[0].numpy(), **F64)
 
 
+def test_window_with_appended_keys(rng):
+    """add_bias_kv / add_zero_attn materialise the causal mask: the window stays in it."""
+    options = dict(add_bias_kv=True, add_zero_attn=True)
+    narrow = randomize_vectors(nn.MultiheadAttention(config=config(sliding_window=2, num_kv_heads=2), **options), rng)
+    plain = nn.MultiheadAttention(config=config(num_kv_heads=2), **options)
+    plain.load_state_dict(narrow.state_dict())
+    x = Tensor(rng.standard_normal((B, T, E)))
+    np.testing.assert_allclose(narrow(x, x, x, is_causal=True)[0].numpy(),
+                               plain(x, x, x, attn_mask=~band(T, T, 2))[0].numpy(), **F64)
+
+
 @pytest.mark.parametrize("with_padding", [False, True])
 def test_sliding_window_stacks_equal_the_explicit_mask(with_padding, rng):
     """Encoder and decoder stacks with a window, is_causal, equal the same weights without a
