@@ -1,14 +1,15 @@
 """TEMPORARY (issue 42): stand-ins for ops that other branches add, so that the nn layer can be
-built and tested before they land. DELETE THIS FILE AT MERGE and switch the shims:
+built and tested before they land. DELETE THIS FILE AT MERGE and switch the three shims (checked
+against branches ops + attn merged: tests/nn and tests/test_layering.py pass after this switch):
 
-  npformer/nn/attention.py   `from ._pending_42 import sdpa`       -> F.scaled_dot_product_attention
-  npformer/nn/recording.py   `from ._pending_42 import sdpa`       -> F.scaled_dot_product_attention
-  npformer/nn/transformer.py `from ._pending_42 import RMSNorm, silu, swiglu`
-                                                                  -> nn.RMSNorm (layers.py), F.silu, F.swiglu
+  npformer/nn/attention.py   drop `from ._pending_42 import sdpa`; `sdpa(` -> `F.scaled_dot_product_attention(`
+  npformer/nn/recording.py   likewise
+  npformer/nn/transformer.py drop `from ._pending_42 import RMSNorm, silu, swiglu`; import RMSNorm
+                             from .layers; `_PLAIN = {"silu": F.silu, "swiglu": F.swiglu}`
 
 Each name below already prefers the real op when it exists (F.rms_norm, F.silu, F.swiglu,
-F.scaled_dot_product_attention(enable_gqa=, sliding_window=)); only the fallbacks are stand-ins,
-written from autograd primitives (composites, no hand-written gradient).
+nn.RMSNorm in .layers, F.scaled_dot_product_attention(enable_gqa=, sliding_window=)); only the
+fallbacks are stand-ins, written from autograd primitives (composites, no hand-written gradient).
 """
 from __future__ import annotations
 
