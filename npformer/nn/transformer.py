@@ -139,11 +139,13 @@ class _FeedForwardLayer(Module):
 class TransformerEncoderLayer(_FeedForwardLayer):
     """Self-attention and feed-forward sublayers (torch.nn.TransformerEncoderLayer, batch first).
 
-    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh" or a callable;
-    norm_first=True is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention,
-    memory_efficient=True uses the blockwise attention kernel (blocks of block_size keys),
-    attention_backend chooses F.scaled_dot_product_attention's path; `config=TransformerConfig(...)`
-    instead of the settings gives every other option too (attention and activation dropout).
+    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh", "silu",
+    "swiglu" (a gated feed-forward with linear3) or a callable; norm_first=True is pre-LN.
+    Extras beyond torch: rotary=True applies RoPE in self-attention, memory_efficient=True uses
+    the blockwise attention kernel (blocks of block_size keys), attention_backend chooses
+    F.scaled_dot_product_attention's path; `config=TransformerConfig(...)` instead of the
+    settings gives every other option too (attention and activation dropout; norm="rmsnorm",
+    num_kv_heads, sliding_window, qkv_bias: see TransformerConfig).
     `self.config` holds the config either way. Raises TypeError / ValueError naming a bad argument."""
 
     def __init__(self, d_model: int | None = None, nhead: int | None = None, dim_feedforward: int = 2048,
@@ -216,9 +218,10 @@ class TransformerDecoderLayer(_FeedForwardLayer):
     """Masked self-attention, cross-attention over memory, feed-forward
     (torch.nn.TransformerDecoderLayer, batch first).
 
-    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh" or a callable;
-    norm_first=True is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention
-    (not cross-attention), memory_efficient=True uses the blockwise attention kernel;
+    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh", "silu",
+    "swiglu" or a callable; norm_first=True is pre-LN. Extras beyond torch: rotary=True applies
+    RoPE in self-attention (not cross-attention, nor does the config's sliding_window),
+    memory_efficient=True uses the blockwise attention kernel;
     `config=TransformerConfig(...)` instead of the settings (see TransformerEncoderLayer).
     Raises TypeError / ValueError naming a bad argument."""
 
@@ -358,8 +361,9 @@ class TransformerEncoder(_LayerStack):
         positions <= i. key_padding_mask (B, L) bool, True = padding, marks new positions that no
         later query attends to (left padding); it is kept in `cache` for the later steps.
         position_ids (B, L): RoPE's positions of the new tokens per row (rotary layers; default
-        len(cache) .. len(cache) + L - 1). Appends this step's keys/values to `cache`; equals
-        forward(prefix, is_causal=True) on the whole prefix for the real positions."""
+        len(cache) .. len(cache) + L - 1). Appends this step's keys/values to `cache` (with a
+        sliding window W, each layer then keeps the last W - 1); equals forward(prefix,
+        is_causal=True) on the whole prefix for the real positions."""
         if not isinstance(cache, DecoderCache):
             raise TypeError(f"TransformerEncoder.step: cache must come from init_cache, got {type(cache).__name__}")
         check_sequence(x, self.layers[0].d_model, "TransformerEncoder.step", "x")
