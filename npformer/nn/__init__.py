@@ -7,10 +7,11 @@ from .module import Module, ModuleList, Parameter, Sequential, inference_mode, i
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from .recording import AttentionRecord, AttentionRecorder, record_attention
 from .transformer import (DecoderCache, Transformer, TransformerDecoder, TransformerDecoderLayer,
-                          TransformerEncoder, TransformerEncoderLayer)
+                          TransformerEncoder, TransformerEncoderLayer, make_norm)
 
 __all__ = ["init", "Module", "ModuleList", "Parameter", "Sequential", "Linear", "Embedding", "LayerNorm",
            "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU", "SwiGLU", "Identity", "MultiheadAttention",
-           "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer", "TransformerConfig", "DecoderCache", "record_attention",
+           "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer",
+           "TransformerDecoderLayer", "TransformerEncoder", "TransformerDecoder", "Transformer", "TransformerConfig",
+           "DecoderCache", "make_norm", "record_attention",
            "AttentionRecorder", "AttentionRecord", "inference_mode", "is_inference_mode_enabled"]
