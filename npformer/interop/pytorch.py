@@ -3,7 +3,7 @@
 `to_torch(module)` builds the equivalent torch module (same dtype, training mode and
 state_dict) and `from_torch(torch_module)` builds ours. Supported: nn.Transformer,
 TransformerEncoder/DecoderLayer, TransformerEncoder/Decoder, MultiheadAttention, Linear,
-LayerNorm, Embedding, and npformer's models, whose torch counterparts are the compositions of
+LayerNorm, RMSNorm, Embedding, and npformer's models, whose torch counterparts are the compositions of
 torch.nn modules in `torch_modules` (identical state_dict keys and forward math).
 npformer is batch-first only: torch modules built with batch_first=False are refused (the
 error says how to rebuild them). torch is imported inside these functions only.
@@ -142,6 +142,11 @@ def _norm_options(norm):
     return dict(eps=norm.eps, elementwise_affine=norm.weight is not None, bias=norm.bias is not None)
 
 
+def _rms_norm_options(norm):
+    """RMSNorm arguments, read off ours or torch's (same names; eps None: the dtype's epsilon in both)."""
+    return dict(eps=norm.eps, elementwise_affine=norm.weight is not None)
+
+
 def _build_torch(module, dtype):
     torch = _torch()
     tnn = torch.nn
@@ -169,6 +174,8 @@ def _build_torch(module, dtype):
         return tnn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
     if isinstance(module, nn.LayerNorm):
         return tnn.LayerNorm(module.normalized_shape, dtype=dtype, **_norm_options(module))
+    if isinstance(module, nn.RMSNorm):
+        return tnn.RMSNorm(module.normalized_shape, dtype=dtype, **_rms_norm_options(module))
     if isinstance(module, nn.Embedding):
         return tnn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx, dtype=dtype)
     raise TypeError(f"to_torch: no torch counterpart for {type(module).__name__}")
@@ -221,6 +228,8 @@ def _build_ours(module):
         return nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
     if isinstance(module, tnn.LayerNorm):
         return nn.LayerNorm(module.normalized_shape, **_norm_options(module))
+    if isinstance(module, tnn.RMSNorm):
+        return nn.RMSNorm(module.normalized_shape, **_rms_norm_options(module))
     if isinstance(module, tnn.Embedding):
         return nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx)
     raise TypeError(f"from_torch: no npformer counterpart for {type(module).__name__}")

@@ -224,15 +224,6 @@ def transformer_config(config, owner, attention, **layers):
         **options, **layers, **attention)
 
 
-def final_norm(config, d_model):
-    """The final norm of a stack: nn.LayerNorm (with a bias unless config's bias is False), or
-    nn.RMSNorm when config's norm is "rmsnorm"; eps layer_norm_eps."""
-    eps = config["layer_norm_eps"]
-    if config.get("norm", "layernorm") == "rmsnorm":
-        return nn.RMSNorm(d_model, eps=eps)
-    return nn.LayerNorm(d_model, eps=eps, bias=config.get("bias", True))
-
-
 class ScaledRotaryEmbedding(RotaryEmbedding):
     """nn.RotaryEmbedding with its frequencies scaled by a rope scaling dict ("linear":
     positions / factor; "llama3": Llama 3.1's; see functional.rotary.check_rope_scaling). A
@@ -318,7 +309,7 @@ class EncoderOnlyModel(nn.Module):
         if c.get("rope_scaling") is not None:  # (checked_layer_options: positional="rope")
             layer.self_attn.rotary_emb = ScaledRotaryEmbedding(layer.self_attn.head_dim, c["rotary_base"],
                                                                c["rope_scaling"])
-        norm = final_norm(c, d_model) if c.get("final_norm", True) else None
+        norm = nn.make_norm(self.transformer_config) if c.get("final_norm", True) else None  # follows `norm`
         self.encoder = nn.TransformerEncoder(layer, c["num_layers"], norm)
 
     @staticmethod
