@@ -265,7 +265,8 @@ def _type_vocab_size(config, owner):
 
 class EncoderOnlyModel(nn.Module):
     """Token embedding (+ token-type embedding) + positions (+ LayerNorm) + dropout + a
-    TransformerEncoder (with a final LayerNorm unless final_norm=False): the trunk of CausalLM,
+    TransformerEncoder (with a final norm unless final_norm=False: LayerNorm, or RMSNorm with
+    config norm="rmsnorm", as the layers' own): the trunk of CausalLM,
     BidirectionalEncoder and EncoderClassifier, built from the model's `config` dict.
 
     state_dict keys: tok_embed.weight, pos_embed.weight (positional="learned" only),
