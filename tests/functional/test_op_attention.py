@@ -840,8 +840,8 @@ def test_grouped_query_views_make_no_copy_of_key_and_value():
     assert all(np.shares_memory(a, b) for a, b in ((gq, q), (gk, k), (gv, v)))
     out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).numpy()
     for h in range(6):
-        np.testing.assert_allclose(out[:, h], F.scaled_dot_product_attention(q[:, h], k[:, h // 2], v[:, h // 2]).numpy(),
-                                   rtol=1e-14, atol=1e-14)
+        one_head = F.scaled_dot_product_attention(q[:, h], k[:, h // 2], v[:, h // 2]).numpy()
+        np.testing.assert_allclose(out[:, h], one_head, rtol=1e-14, atol=1e-14)
     assert _GroupedHeads.of(q, k[:, :1], v[:, :1], None, "test") is None      # multi-query: plain broadcasting
 
 

@@ -36,6 +36,7 @@ from npformer.runtime import kernels, random
 from .._common import broadcast_shapes, broadcasts_to, check_tensor, data_of, has_twin, on_device_of
 from ..activation import dropout_scale, dropout_stream
 # (besides what runs here, the names that other modules and tests import from npformer.functional.attention)
+from .blockwise import window_option
 from .dropout import attention_keep_block, attention_keep_mask, drawn_keep_mask
 from .function import (AttentionBackward, AttentionFunction, MemoryEfficientAttentionBackward,
                        MemoryEfficientAttentionFunction, by_attention_input, naive_attention_gradients)
@@ -232,7 +233,7 @@ def _choose_path(call, return_weights, backend_name, memory_efficient, op):
     # the memory-efficient path's table says whether its flash kernels take the call
     args = (backend.get_array_module(call.q), call.q, call.k, call.v, None, _data(call.additive), call.causal,
             call.scale, 1, None, call.mask_grad)
-    implementation, why = attention_blockwise_forward.choose(*args, window=call.window)
+    implementation, why = attention_blockwise_forward.choose(*args, **window_option(call.window))
     reason = None
     if attention_blockwise_forward.runs_reference(implementation):   # the reference, or it on threads
         if kernels.is_reference_only():
@@ -306,7 +307,7 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
     attn_mask: bool (True = takes part) or float (added to the scores), broadcastable to
     (..., Tq, Tk); is_causal hides keys j > i (combined with attn_mask when both are given).
     A float mask Tensor with requires_grad=True gets its gradient (dS, as torch gives it).
-    scale defaults to 1/sqrt(hd).
+    scale defaults to 1/sqrt(hd). A query row with every key hidden gives 0 and zero gradients.
     enable_gqa=True (grouped-query and multi-query attention, as torch's): key and value have
     H_kv heads on dim -3 where query has H, H % H_kv == 0, and query head h uses kv head
     h // (H / H_kv); their gradients sum over each group. No copy of K or V is made (broadcast
@@ -314,7 +315,7 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
     sliding_window=W (an int >= 1, with is_causal=True): query i sees only keys i - W < j <= i,
     the last W keys (the causal diagonal aligned as is_causal aligns it). The naive path masks
     the rest; the memory-efficient path skips the key blocks outside the window, so that its time
-    and memory grow as T W, not T^2 (the flash kernels have no window: the blockwise reference runs). A query row with every key hidden gives 0 and zero gradients.
+    and memory grow as T W, not T^2 (the flash kernels have no window: the blockwise reference runs).
     dropout_p: dropout on the attention probabilities, drawn from `generator` (an
     npformer.runtime.random.Philox; None: the global dropout stream): entry i of the flat (..., Tq, Tk)
     index is kept iff value offset + i of the stream passes the keep test, on every path and device.

@@ -14,6 +14,13 @@ from .masks import mask_block, masked_scores
 from .math import PLAIN
 
 
+def window_option(window):
+    """The keyword arguments that pass a sliding window to the blockwise tables: none without one,
+    so that every call without a window is the call it was (implementations registered with a
+    fixed signature take it)."""
+    return {} if window is None else {"window": window}
+
+
 def lead_shape(q, k, v):
     """The leading (batch, head) shape of q, k and v broadcast together (they are checked to broadcast)."""
     shapes = [a.shape[:-2] for a in (q, k, v)]

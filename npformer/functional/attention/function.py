@@ -11,7 +11,7 @@ Both write their third derivative with differentiable ops (graph.py)."""
 from autograd import Function, Tensor, backend, unbroadcast
 
 from ..activation import dropout_scale
-from .blockwise import lead_shape
+from .blockwise import lead_shape, window_option
 from .dropout import attention_keep_block
 from .graph import graph_attention_double_backward
 from .masks import at_least_2d
@@ -194,7 +194,7 @@ class MemoryEfficientAttentionFunction(Function):
     def forward(ctx, q, k, v, additive, blocked, causal, scale, block_size, dropout, mask_grad, window=None):
         mask = at_least_2d(additive)
         out, lse = attention_blockwise_forward(backend.get_array_module(q), q, k, v, blocked, mask, causal, scale,
-                                               block_size, dropout, mask_grad, window=window)
+                                               block_size, dropout, mask_grad, **window_option(window))
         ctx.save_for_backward(q, k, v, out, lse, blocked, mask)
         ctx.options = (causal, scale, block_size, dropout)
         ctx.window = window
@@ -206,7 +206,8 @@ class MemoryEfficientAttentionFunction(Function):
         q, k, v, out, lse, blocked, mask = ctx.saved_tensors
         need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
         dq, dk, dv, dmask = attention_blockwise_backward(backend.get_array_module(dout), q, k, v, out, lse, dout,
-                                                         blocked, mask, *ctx.options, need_mask, window=ctx.window)
+                                                         blocked, mask, *ctx.options, need_mask,
+                                                         **window_option(ctx.window))
         return (unbroadcast(dq, q.shape) if need_q else None,
                 unbroadcast(dk, k.shape) if need_k else None,
                 unbroadcast(dv, v.shape) if need_v else None,
@@ -229,7 +230,7 @@ class MemoryEfficientAttentionFunction(Function):
         """t_O block by block from the saved O and L (`attention_blockwise_jvp`), never a (Tq, Tk) matrix."""
         q, k, v, out, lse, blocked, mask = ctx.saved_tensors
         return attention_blockwise_jvp(backend.get_array_module(out), q, k, v, out, lse, tq, tk, tv,
-                                       at_least_2d(tmask), blocked, mask, *ctx.options, window=ctx.window)
+                                       at_least_2d(tmask), blocked, mask, *ctx.options, **window_option(ctx.window))
 
 
 class MemoryEfficientAttentionBackward(Function):
@@ -244,7 +245,7 @@ class MemoryEfficientAttentionBackward(Function):
     def forward(ctx, q, k, v, additive, dout, out, lse, blocked, options, need_mask, window=None):
         mask = at_least_2d(additive)
         dq, dk, dv, dmask = attention_blockwise_backward(backend.get_array_module(dout), q, k, v, out, lse, dout,
-                                                         blocked, mask, *options, need_mask, window=window)
+                                                         blocked, mask, *options, need_mask, **window_option(window))
         ctx.save_for_backward(q, k, v, out, lse, dout, blocked, mask)
         ctx.options, ctx.mask_shape, ctx.window = options, None if additive is None else additive.shape, window
         grads = (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape))
@@ -258,7 +259,7 @@ class MemoryEfficientAttentionBackward(Function):
         need_mask = ctx.needs_input_grad[3]
         dq, dk, dv, dmask, ddout = attention_blockwise_double_backward(
             backend.get_array_module(dout), q, k, v, out, lse, dout, blocked, mask, *ctx.options, gq, gk, gv, gmask,
-            need_mask, window=ctx.window)
+            need_mask, **window_option(ctx.window))
         return (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape),
                 dmask.reshape(ctx.mask_shape) if need_mask else None, ddout)
 
