@@ -17,8 +17,10 @@
 (b) The grouped-query attention step: F.scaled_dot_product_attention(q, k, v, is_causal=True,
     enable_gqa=True) forward + backward on npformer's default path (on the CPU the naive one) against
     torch eager's torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True), for
-    --gqa B H H_kv T head_dim, both on the same float32 inputs and upstream gradient, alternating,
-    median of --repeats; the ratio ours / torch (the target: at most 1.0).
+    --gqa B H H_kv T head_dim, both on the same float32 inputs and upstream gradient: three rounds,
+    in each --repeats runs of each implementation back to back (after a pause and one untimed run:
+    torch's OpenMP threads spin for milliseconds after its calls and slow whatever runs next),
+    the median of all; the ratio ours / torch (the target: at most 1.0).
 
 Threads: npformer.set_num_threads(--threads) and torch.set_num_threads(--threads) (default 2; BLAS
 as the environment sets it). --json prints one JSON object instead of the text.
@@ -111,14 +113,15 @@ def grouped_query(args, rng):
         np.testing.assert_allclose(a.numpy(), ref.numpy(), rtol=1e-4, atol=1e-4)
     runs = {"ours": ours, "ours_memory_efficient": lambda: ours(memory_efficient=True, block_size=args.block_size),
             "torch": theirs}
-    for fn in runs.values():
-        fn()
     times = {name: [] for name in runs}
-    for _ in range(args.repeats):                                              # alternating
+    for _ in range(3):                      # rounds; in each, every implementation's runs back to back
         for name, fn in runs.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            time.sleep(0.2)                 # torch's OpenMP threads spin after its calls: let them settle
+            fn()                            # untimed
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
     result = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
     result["ratio"] = result["ours"] / result["torch"]
     result["ratio_memory_efficient"] = result["ours_memory_efficient"] / result["torch"]
@@ -170,7 +173,7 @@ def main(argv=None):
     g = report["gqa"]
     b, h, h_kv, t, hd = args.gqa
     print(f"(b) grouped-query attention step (causal, B={b}, H={h}, H_kv={h_kv}, T={t}, head dim {hd}, float32, "
-          f"forward + backward), median of {args.repeats}: ours (naive) {g['ours']:.1f} ms, ours memory-efficient "
+          f"forward + backward), median of 3 x {args.repeats}: ours (naive) {g['ours']:.1f} ms, ours memory-efficient "
           f"{g['ours_memory_efficient']:.1f} ms, torch eager SDPA(enable_gqa=True) {g['torch']:.1f} ms: "
           f"ratio {g['ratio']:.2f} (memory-efficient {g['ratio_memory_efficient']:.2f})")
     return report

@@ -842,7 +842,10 @@ def test_grouped_query_views_make_no_copy_of_key_and_value():
     for h in range(6):
         one_head = F.scaled_dot_product_attention(q[:, h], k[:, h // 2], v[:, h // 2]).numpy()
         np.testing.assert_allclose(out[:, h], one_head, rtol=1e-14, atol=1e-14)
-    assert _GroupedHeads.of(q, k[:, :1], v[:, :1], None, "test") is None      # multi-query: plain broadcasting
+    assert _GroupedHeads.of(q, k[:, :1], v[:, :1], None, "test").kv_heads == 1     # multi-query
+    assert _GroupedHeads.of(q, q, q, None, "test") is None                          # nothing to group
+    # the naive path folds each group's queries into the query axis: a view of a contiguous query
+    assert np.shares_memory(grouped.folded(q, 4), q) and grouped.folded(q, 4).shape == (2, 3, 8, 3)
 
 
 @pytest.mark.parametrize("tq, tk, window, block", [(64, 64, 16, 8), (40, 64, 9, 8), (64, 40, 5, 8), (33, 33, 1, 4),

@@ -87,13 +87,21 @@ def _as_dtype(mask, dtype):
 
 
 class _GroupedHeads:
-    """Grouped-query attention (enable_gqa=True) as views: query (..., H, Tq, hd) becomes
-    (..., H_kv, G, Tq, hd) and key, value (..., H_kv, Tk, hd) become (..., H_kv, 1, Tk, hd), with
-    G = H / H_kv, so that query head h = kv G + g meets kv head h // G (torch's repeat_interleave)
-    by broadcasting: no copy of K or V; the backward's unbroadcast sums dK and dV over each group,
-    at every order and in forward mode, on every path. A mask (..., H or 1, Tq, Tk) is split the
-    same way; the outputs' (..., H_kv, G) axes are merged back into H. The flat (..., Tq, Tk)
-    index is unchanged, so the dropout contract drops the same entries as with K, V repeated."""
+    """Grouped-query attention (enable_gqa=True) without copies of K or V, with G = H / H_kv and
+    query head h = kv G + g meeting kv head h // G (torch's repeat_interleave), two ways:
+
+    - views (`inputs`, every path): query (..., H, Tq, hd) as (..., H_kv, G, Tq, hd), key and value
+      (..., H_kv, Tk, hd) as (..., H_kv, 1, Tk, hd): broadcasting pairs the heads, and the backward's
+      unbroadcast sums dK and dV over each group, at every order and in forward mode. A mask
+      (..., H or 1, Tq, Tk) is split the same way; `output` merges (H_kv, G) back into H;
+    - folded (`folded`, the naive path): each group's queries stacked on the query axis, query as
+      (..., H_kv, G Tq, hd) against the unchanged key and value, so that S = Q K^T, dK = dS^T Q and
+      dV = Pd^T dO are one product per kv head, the group sum inside the product; the masks
+      (causality and the window among them, whose rows are positions i, not G Tq rows) folded the
+      same way as bool masks; `output_folded` unstacks.
+
+    Either way the flat (..., Tq, Tk) index is that of (..., H, Tq, Tk), so the dropout contract
+    drops the same entries as with K and V repeated."""
 
     def __init__(self, heads, kv_heads):
         self.heads, self.kv_heads = heads, kv_heads
@@ -101,7 +109,7 @@ class _GroupedHeads:
     @staticmethod
     def of(query, key, value, attn_mask, op):
         """The grouping of a call with enable_gqa=True (ValueError for head counts that do not
-        group), or None when broadcasting alone already shares the heads (H_kv = 1 or H_kv = H)."""
+        group), or None when there is nothing to group (H_kv = H)."""
         q, k, v = (check_tensor(name, x, op) for name, x in (("query", query), ("key", key), ("value", value)))
         if min(q.ndim, k.ndim, v.ndim) < 3:
             raise ValueError(f"{op}: enable_gqa=True needs query, key and value with a head axis (..., H, T, hd), "
@@ -111,7 +119,7 @@ class _GroupedHeads:
             raise ValueError(f"{op}: enable_gqa=True needs key and value with the same number of heads H_kv "
                              f"(dim -3) dividing the query's H = {heads}, got shapes {tuple(q.shape)}, "
                              f"{tuple(k.shape)}, {tuple(v.shape)}")
-        if kv_heads in (1, heads):
+        if kv_heads == heads:
             return None
         grouped = _GroupedHeads(heads, kv_heads)
         if attn_mask is not None:
@@ -140,8 +148,28 @@ class _GroupedHeads:
                 value.reshape(value.shape[:-3] + (self.kv_heads, 1) + value.shape[-2:]), mask)
 
     def output(self, out):
-        """An output (..., H_kv, G, Tq, n) as (..., H, Tq, n)."""
+        """An output (..., H_kv, G, Tq, n) of the views as (..., H, Tq, n)."""
         return out.reshape(out.shape[:-4] + (self.heads,) + out.shape[-2:])
+
+    def folded(self, query, tq):
+        """query (..., H, Tq, hd) as (..., H_kv, G Tq, hd) (a view where its strides allow)."""
+        return query.reshape(query.shape[:-3] + (self.kv_heads, self.heads // self.kv_heads * tq, query.shape[-1]))
+
+    def fold_mask(self, mask, tq):
+        """A mask broadcastable to the views' (..., H_kv, G, Tq, Tk) scores (an array, or a float
+        mask Tensor: differentiably) as one broadcastable to the folded (..., H_kv, G Tq, Tk):
+        repeated over the axes of G and Tq it was broadcast along, unless it was along both."""
+        shape = (1,) * max(0, 3 - mask.ndim) + tuple(mask.shape)
+        mask = mask.reshape(shape)
+        if shape[-3] == shape[-2] == 1:
+            return mask.reshape(shape[:-3] + (1, shape[-1]))
+        full = shape[:-3] + (self.heads // self.kv_heads, tq, shape[-1])
+        mask = mask.expand(full) if isinstance(mask, Tensor) else backend.get_array_module(mask).broadcast_to(mask, full)
+        return mask.reshape(shape[:-3] + (full[-3] * tq, shape[-1]))
+
+    def output_folded(self, out, tq):
+        """An output (..., H_kv, G Tq, n) of the folded path as (..., H, Tq, n)."""
+        return out.reshape(out.shape[:-3] + (self.heads, tq, out.shape[-1]))
 
 
 class _Call:
@@ -276,22 +304,22 @@ def attention_backend(query: Tensor | Array, key: Tensor | Array, value: Tensor 
 
 
 def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sliding_window, op):
-    """(call, grouped, (query, key, value, attn_mask)): the checked arguments, the grouping of
-    grouped-query attention (None without one) and the inputs as the paths take them."""
-    grouped = None
+    """(call, grouped, given, views): the checked arguments (of the grouped views with grouped-query
+    attention), the grouping (None without one), (query, key, value) as given and as the views."""
+    grouped, given = None, (query, key, value)
     if check_bool(enable_gqa, "enable_gqa", op):
         grouped = _GroupedHeads.of(query, key, value, attn_mask, op)
         if grouped is not None:
             query, key, value, attn_mask = grouped.inputs(query, key, value, attn_mask)
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, op, sliding_window)
-    return call, grouped, (query, key, value, attn_mask)
+    return call, grouped, given, (query, key, value)
 
 
-def _window_blocked(blocked, q, k, window):
-    """The naive path's bool mask with the sliding window's part (keys j <= i - W) added."""
-    xp = backend.get_array_module(q)
-    outside = xp.arange(k.shape[-2])[None, :] <= xp.arange(q.shape[-2])[:, None] - window   # (Tq, Tk)
-    return outside if blocked is None else blocked | outside
+def _hidden_by_position(blocked, q, k, window):
+    """The naive path's bool mask with causality's part (keys j > i) and the sliding window's
+    (keys j <= i - W) added: causal_blocked over the whole (Tq, Tk)."""
+    hidden = causal_blocked(backend.get_array_module(q), 0, q.shape[-2], 0, k.shape[-2], window)
+    return hidden if blocked is None else blocked | hidden
 
 
 @has_twin
@@ -334,32 +362,45 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
     a sliding window without is_causal or a path that cannot run.
     """
     op = "scaled_dot_product_attention"
-    call, grouped, (query, key, value, _) = _call(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                  enable_gqa, sliding_window, op)
+    call, grouped, given, views = _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        sliding_window, op)
     path, _ = _choose_path(call, return_weights, backend, memory_efficient, op)
     p = call.dropout_p
     if path == "naive":
+        query, key, value = given
+        blocked, additive, causal, score_shape, tq = call.blocked, call.additive, call.causal, call.score_shape, \
+            call.q.shape[-2]
+        if call.window is not None or (causal and grouped is not None):
+            # the positions' mask as a bool mask: keys j > i (and j <= i - W) hidden
+            blocked = raw_computation(_hidden_by_position, blocked, call.q, call.k, call.window)
+            causal = False
+        if grouped is not None:  # each group's queries folded into the query axis
+            query = grouped.folded(query, tq)
+            if blocked is not None:
+                blocked = raw_computation(grouped.fold_mask, blocked, tq)
+            if additive is not None:
+                additive = grouped.fold_mask(additive, tq)                  # (a Tensor: differentiably)
+            score_shape = score_shape[:-4] + (grouped.kv_heads, score_shape[-4] * tq, score_shape[-1])
         keep = None
         if p > 0:  # drawn again at each replay of a recorded step
-            keep = raw_computation(drawn_keep_mask, call.q, call.score_shape, p, call.causal, generator, op)
-        blocked = call.blocked
-        if call.window is not None:  # the window's mask: keys j <= i - W hidden too
-            blocked = raw_computation(_window_blocked, blocked, call.q, call.k, call.window)
-        out = AttentionFunction.apply(query, key, value, call.additive, blocked=blocked, causal=call.causal,
+            keep = raw_computation(drawn_keep_mask, call.q, score_shape, p, causal, generator, op)
+        out = AttentionFunction.apply(query, key, value, additive, blocked=blocked, causal=causal,
                                       scale=call.scale, keep=keep, dropout_scale=dropout_scale(p),
                                       return_weights=bool(return_weights))
-    else:
-        block_size = check_int(block_size, "block_size", op, at_least=1)
-        dropout = None
-        if p > 0:
-            draw = dropout_stream(generator, op).draw(prod(call.score_shape), _device(call.q))
-            dropout = (p, draw.seed, draw.offset, draw.state)
-        out = MemoryEfficientAttentionFunction.apply(query, key, value, call.additive, blocked=call.blocked,
-                                                     causal=call.causal, scale=call.scale, block_size=block_size,
-                                                     dropout=dropout, mask_grad=call.mask_grad, window=call.window)
-    if grouped is None:
-        return out
-    return tuple(map(grouped.output, out)) if isinstance(out, tuple) else grouped.output(out)
+        if grouped is None:
+            return out
+        return tuple(grouped.output_folded(o, tq) for o in out) if isinstance(out, tuple) else \
+            grouped.output_folded(out, tq)
+    block_size = check_int(block_size, "block_size", op, at_least=1)
+    dropout = None
+    if p > 0:
+        draw = dropout_stream(generator, op).draw(prod(call.score_shape), _device(call.q))
+        dropout = (p, draw.seed, draw.offset, draw.state)
+    # (grouped-query attention: the views, so that the blocks keep their causal and window skipping)
+    out = MemoryEfficientAttentionFunction.apply(*views, call.additive, blocked=call.blocked, causal=call.causal,
+                                                 scale=call.scale, block_size=block_size, dropout=dropout,
+                                                 mask_grad=call.mask_grad, window=call.window)
+    return out if grouped is None else grouped.output(out)
 
 
 from . import cpu, cuda  # noqa: E402,F401  (register the fast variants)
