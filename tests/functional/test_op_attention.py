@@ -762,42 +762,49 @@ def repeated_heads(key, value, heads):
 
 GROUPED_OPTIONS = {
     "naive, causal": {"is_causal": True},
+    "naive, causal, dropout, return_weights": {"is_causal": True, "dropout_p": 0.3, "return_weights": True},
     "naive, padding, dropout": {"attn_mask": np.arange(TK) < TK - 2, "dropout_p": 0.3},
+    "naive, per-head float mask, window 3, dropout": {"attn_mask": np.random.default_rng(4).standard_normal((6, TQ, TK)),
+                                                      "is_causal": True, "sliding_window": 3, "dropout_p": 0.3},
     "memory-efficient, causal, window 2": {"is_causal": True, "sliding_window": 2, **PATHS["memory_efficient"]},
-    "memory-efficient, per-head mask, dropout": {"attn_mask": np.random.default_rng(3).random((B, 4, TQ, TK)) > 0.3,
+    "memory-efficient, per-head mask, dropout": {"attn_mask": np.random.default_rng(3).random((B, 6, TQ, TK)) > 0.3,
                                                  "dropout_p": 0.3, **PATHS["memory_efficient"]},
 }
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("kv_heads", [1, 2, 3])
 @pytest.mark.parametrize("options", GROUPED_OPTIONS)
 def test_grouped_query_gradients_are_those_through_explicitly_repeated_heads(options, kv_heads):
-    """enable_gqa=True against the same call on K and V repeated per query head (dropout from one
-    generator state): outputs, first derivatives (dK, dV: the sum over each group), the second
-    derivative (create_graph) and J u all agree to float64 rounding."""
+    """enable_gqa=True (H = 6 query heads, groups of 6, 3 and 2) against the same call on K and V
+    repeated per query head (dropout from one generator state): outputs, first derivatives (dK, dV:
+    the sum over each group), the second derivative (create_graph) and J u all agree to float64
+    rounding."""
     kwargs = GROUPED_OPTIONS[options]
     rng = np.random.default_rng(31)
-    arrays = [rng.standard_normal((B, 4, TQ, HD))] + [rng.standard_normal((B, kv_heads, TK, HD)) for _ in range(2)]
-    dout, u = rng.standard_normal((B, 4, TQ, HD)), [rng.standard_normal(a.shape) for a in arrays]
+    arrays = [rng.standard_normal((B, 6, TQ, HD))] + [rng.standard_normal((B, kv_heads, TK, HD)) for _ in range(2)]
+    dout, u = rng.standard_normal((B, 6, TQ, HD)), [rng.standard_normal(a.shape) for a in arrays]
 
     def sdpa(q, k, v, grouped):
         generator = npformer.runtime.random.Philox(4)
         if grouped:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, generator=generator, **kwargs)
-        return F.scaled_dot_product_attention(q, *repeated_heads(k, v, 4), generator=generator, **kwargs)
+        return F.scaled_dot_product_attention(q, *repeated_heads(k, v, 6), generator=generator, **kwargs)
 
+    dweights = rng.standard_normal((B, 6, TQ, TK))
     results = []
     for grouped in (True, False):
         xs = [leaf(a) for a in arrays]
-        out = sdpa(*xs, grouped)
-        first = autograd.grad(out, xs, Tensor(dout), create_graph=True)
+        outs = sdpa(*xs, grouped)
+        outs = outs if isinstance(outs, tuple) else (outs,)               # (out, weights) with return_weights
+        first = autograd.grad(list(outs), xs, [Tensor(dout), Tensor(dweights)][:len(outs)], create_graph=True)
         second = autograd.grad(first, xs, [Tensor(a) for a in u])
         with fwAD.dual_level():
-            tangent = fwAD.unpack_dual(sdpa(*(fwAD.make_dual(Tensor(a), t) for a, t in zip(arrays, u)),
-                                            grouped)).tangent
-        results.append([out.numpy(), *(g.numpy() for g in first + second), tangent])
-    assert results[0][2].shape == (B, kv_heads, TK, HD)
-    for name, ours, ref in zip(["out", "dq", "dk", "dv", "d2q", "d2k", "d2v", "t_out"], *results):
+            tangent = sdpa(*(fwAD.make_dual(Tensor(a), t) for a, t in zip(arrays, u)), grouped)
+            tangent = fwAD.unpack_dual(tangent[0] if isinstance(tangent, tuple) else tangent).tangent
+        results.append([o.numpy() for o in outs] + [g.numpy() for g in first + second] + [tangent])
+    assert results[0][-5].shape == (B, kv_heads, TK, HD)
+    names = ["out"] + ["weights"] * ("return_weights" in kwargs) + ["dq", "dk", "dv", "d2q", "d2k", "d2v", "t_out"]
+    for name, ours, ref in zip(names, *results):
         assert ours.shape == ref.shape, name
         assert_close(ours, ref, scaled(1e-13, ref), rtol=1e-12, err_msg=name)
 

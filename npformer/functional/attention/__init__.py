@@ -380,7 +380,7 @@ def scaled_dot_product_attention(query: Tensor | Array, key: Tensor | Array, val
                 blocked = raw_computation(grouped.fold_mask, blocked, tq)
             if additive is not None:
                 additive = grouped.fold_mask(additive, tq)                  # (a Tensor: differentiably)
-            score_shape = score_shape[:-4] + (grouped.kv_heads, score_shape[-4] * tq, score_shape[-1])
+            score_shape = score_shape[:-4] + (score_shape[-4], score_shape[-3] * tq, score_shape[-1])
         keep = None
         if p > 0:  # drawn again at each replay of a recorded step
             keep = raw_computation(drawn_keep_mask, call.q, score_shape, p, causal, generator, op)
