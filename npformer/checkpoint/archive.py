@@ -199,7 +199,8 @@ class Archive:
                                           f"({count * dtype.itemsize} bytes) but holds {data_size} bytes")
                 flat = np.empty(count, dtype=dtype)
                 self._fill(member, flat.view(np.uint8), what)
-        except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as e:  # a damaged stream or a CRC mismatch
+        # a damaged stream, a CRC mismatch, or a local header whose name is not the UTF-8 it claims to be
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, UnicodeDecodeError) as e:
             raise _corrupted(self.path, f"{what}: {type(e).__name__}: {e}") from e
         if not dtype.isnative:  # e.g. a big-endian member: the values, in this machine's byte order
             flat = flat.astype(dtype.newbyteorder("="))

@@ -7,14 +7,12 @@ from autograd import Tensor, backend, raw_computation
 from autograd.backend import Array, ArrayLike
 from autograd.checks import as_array, check_bool, check_int, check_optional_int, check_real
 
-import npformer.functional as F
 from .. import nn
 from ..functional._common import check_index_range
-from ..functional.rotary import check_rope_scaling, cos_sin_at
+from ..functional.rotary import check_rope_scaling
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
 from ..nn.config import TransformerConfig, check_d_model_nhead
-from ..nn.positional import RotaryEmbedding, check_position_ids
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -24,7 +22,7 @@ RESIDUAL_INITS = ("normal", "gpt2")
 # the layer options of a model's config beyond the original ones (CausalLM's), passed on to
 # TransformerConfig under these names, with their defaults there
 LAYER_OPTIONS = {"bias": True, "norm": "layernorm", "num_kv_heads": None, "sliding_window": None, "qkv_bias": None,
-                 "rotary_base": 10000.0}
+                 "rotary_base": 10000.0, "rope_scaling": None}
 
 
 def check_choice(value, choices, name, owner):
@@ -224,40 +222,6 @@ def transformer_config(config, owner, attention, **layers):
         **options, **layers, **attention)
 
 
-class ScaledRotaryEmbedding(RotaryEmbedding):
-    """nn.RotaryEmbedding with its frequencies scaled by a rope scaling dict ("linear":
-    positions / factor; "llama3": Llama 3.1's; see functional.rotary.check_rope_scaling). A
-    model with rope_scaling puts one in each self-attention in place of the plain one."""
-
-    def __init__(self, head_dim: int, base: float, scaling: dict):
-        super().__init__(head_dim, base)
-        self.scaling = check_rope_scaling(scaling, "ScaledRotaryEmbedding", "scaling")
-
-    def cos_sin(self, length: int, like: Array) -> tuple[Array, Array]:
-        key = (str(like.dtype), backend.device_of(like))
-        cached = self._tables.get(key)
-        if cached is None or cached[0].shape[0] < length:
-            size = max(length, 2 * cached[0].shape[0] if cached else 0)
-            cached = self._tables[key] = F.rotary_cos_sin(size, self.head_dim, base=self.base, dtype=like.dtype,
-                                                          device=backend.device_of(like), scaling=self.scaling)
-        return cached[0][:length], cached[1][:length]
-
-    def forward(self, x: Tensor, offset: int = 0, position_ids: ArrayLike | None = None) -> Tensor:
-        if position_ids is None:
-            return super().forward(x, offset)                                      # tables of cos_sin
-        if not isinstance(x, Tensor) or x.ndim != 4:
-            raise ValueError(f"RotaryEmbedding: with position_ids, x must be a Tensor (B, H, T, head_dim), "
-                             f"got {getattr(x, 'shape', type(x).__name__)}")
-        ids = check_position_ids(position_ids, (x.shape[0], x.shape[2]), x.data, None, "RotaryEmbedding")
-        cos, sin = cos_sin_at(ids, self.head_dim, self.base, x.dtype, self.scaling)  # (B, T, hd/2) or (T, hd/2)
-        if ids.ndim == 2:                                      # (B, 1, T, hd/2): the same over the heads
-            cos, sin = cos[:, None], sin[:, None]
-        return F.apply_rotary_emb(x, cos, sin)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, scaling={self.scaling}"
-
-
 def _type_vocab_size(config, owner):
     """config's type_vocab_size (default 0: no token types) as an integer >= 0."""
     return check_int(config.get("type_vocab_size", 0), "type_vocab_size (0: no token types)", owner, at_least=0)
@@ -307,9 +271,6 @@ class EncoderOnlyModel(nn.Module):
         self.transformer_config = transformer_config(c, owner, attention, num_encoder_layers=c["num_layers"],
                                                      num_decoder_layers=0)
         layer = nn.TransformerEncoderLayer(config=self.transformer_config)
-        if c.get("rope_scaling") is not None:  # (checked_layer_options: positional="rope")
-            layer.self_attn.rotary_emb = ScaledRotaryEmbedding(layer.self_attn.head_dim, c["rotary_base"],
-                                                               c["rope_scaling"])
         norm = nn.make_norm(self.transformer_config) if c.get("final_norm", True) else None  # follows `norm`
         self.encoder = nn.TransformerEncoder(layer, c["num_layers"], norm)
 

@@ -248,7 +248,7 @@ class MultiheadAttention(Module):
             self.bias_k = self.bias_v = None
         self.add_zero_attn = check_bool(add_zero_attn, "add_zero_attn", "MultiheadAttention")
         self.out_proj = Linear(embed_dim, embed_dim, bias=config.bias, device=device, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.rotary_base) if config.rotary else None
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.rotary_base, config.rope_scaling) if config.rotary else None
         self._reset_parameters()
 
     def _reset_parameters(self):

@@ -79,6 +79,7 @@ class TransformerConfig:
     qkv_bias: bool | None = None
     rotary: bool = False
     rotary_base: float = 10000.0
+    rope_scaling: dict | None = None
     memory_efficient: bool = False
     block_size: int = 512
     attention_backend: str | None = None
@@ -271,6 +272,11 @@ def _checked(settings, owner, names):
     if out.get("num_kv_heads") is not None:
         out["num_kv_heads"] = check_num_kv_heads(out.get("nhead", _DEFAULTS["nhead"]), out["num_kv_heads"], owner,
                                                  names)
+    if out.get("rope_scaling") is not None:
+        out["rope_scaling"] = F.rotary.check_rope_scaling(out["rope_scaling"], owner, name("rope_scaling"))
+        if not out.get("rotary", False):
+            raise ValueError(f"{owner}: {name('rope_scaling')} scales RoPE's frequencies; it needs "
+                             f"{name('rotary')}=True")
     if "norm" in out and out["norm"] not in NORMS:
         raise ValueError(f"{owner}: {name('norm')} must be one of {NORMS}, got {out['norm']!r}")
     if out.get("batch_first") is False:

@@ -119,14 +119,17 @@ class RotaryEmbedding(Module):
     """RoPE (half-split layout) for attention heads: x (B, H, T, head_dim) at positions
     offset .. offset+T-1 -> x*cos + rotate_half(x)*sin. No parameters and no state_dict
     entries; the cos/sin tables are cached per (length, dtype, device) and grow on demand.
-    ValueError for an odd head_dim or base <= 0."""
+    scaling: None, or a rope scaling dict that scales the frequencies ({"rope_type": "linear",
+    "factor": f}: positions / f; "llama3": Llama 3.1's; see functional.rotary.check_rope_scaling).
+    ValueError for an odd head_dim, base <= 0 or a scaling it does not know."""
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0, scaling: dict | None = None):
         super().__init__()
         self.head_dim = check_int(head_dim, "head_dim", "RotaryEmbedding", at_least=1)
         if head_dim % 2:
             raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
         self.base = check_real(base, "base", "RotaryEmbedding", above=0)
+        self.scaling = F.rotary.check_rope_scaling(scaling, "RotaryEmbedding", "scaling")
         self._tables = {}
 
     def cos_sin(self, length: int, like: Array) -> tuple[Array, Array]:
@@ -136,7 +139,7 @@ class RotaryEmbedding(Module):
         if cached is None or cached[0].shape[0] < length:
             size = max(length, 2 * cached[0].shape[0] if cached else 0)
             cached = self._tables[key] = F.rotary_cos_sin(size, self.head_dim, base=self.base, dtype=like.dtype,
-                                                          device=backend.device_of(like))
+                                                          device=backend.device_of(like), scaling=self.scaling)
         return cached[0][:length], cached[1][:length]
 
     def forward(self, x: Tensor, offset: int = 0, position_ids: ArrayLike | None = None) -> Tensor:
@@ -152,10 +155,11 @@ class RotaryEmbedding(Module):
             raise ValueError(f"RotaryEmbedding: with position_ids, x must be a Tensor (B, H, T, head_dim), "
                              f"got {getattr(x, 'shape', type(x).__name__)}")
         ids = check_position_ids(position_ids, (x.shape[0], x.shape[2]), x.data, None, "RotaryEmbedding")
-        cos, sin = cos_sin_at(ids, self.head_dim, self.base, x.dtype)                # (B, T, hd/2) or (T, hd/2)
+        cos, sin = cos_sin_at(ids, self.head_dim, self.base, x.dtype, self.scaling)              # (B, T, hd/2) or (T, hd/2)
         if ids.ndim == 2:                                      # (B, 1, T, hd/2): the same over the heads
             cos, sin = cos[:, None], sin[:, None]
         return F.apply_rotary_emb(x, cos, sin)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}"
+        scaling = "" if self.scaling is None else f", scaling={self.scaling}"
+        return f"head_dim={self.head_dim}, base={self.base}{scaling}"
