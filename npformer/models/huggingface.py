@@ -9,7 +9,7 @@ names, as plain dicts.
   qkv_bias=True, Mistral's sliding_window). Every option npformer does not compute is refused
   by name (ValueError), never ignored: another hidden_act, a head_dim other than
   hidden_size / num_attention_heads, Llama's attention_bias / mlp_bias, a rotary scaling other
-  than "linear", per-layer sliding windows.
+  than "linear" and "llama3", per-layer sliding windows.
 - `hf_config(model)`: the reverse, a config.json dict with "model_type" and "architectures"
   (a Llama-style CausalLM is Qwen2 when it has qkv_bias, Mistral when it has a sliding_window,
   else Llama).
@@ -142,7 +142,8 @@ _LLAMA_DEFAULTS = {
                     sliding_window=4096, layer_types=None),
 }
 # rotary scalings npformer applies (CausalLM's rope_scaling), with the keys each takes besides rope_type
-ROPE_SCALINGS = {"linear": ("factor",)}
+ROPE_SCALINGS = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 # rope_parameters keys that every rope type may hold
 _ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
@@ -153,10 +154,11 @@ def _number(value, name, owner, positive=True):
     return value
 
 
-def _rope(c, owner):
+def _rope(c, owner, max_len):
     """(rotary_base, rope_scaling or None) of a Llama-family config: transformers 5's
     rope_parameters, or the rope_theta / rope_scaling of older config.json files (both read;
-    values given twice must agree). Every entry is applied or refused by name."""
+    values given twice must agree). Every entry is applied or refused by name. max_len: the
+    config's max_position_embeddings, Llama 3's original_max_position_embeddings when absent."""
     params = c.get("rope_parameters")
     scaling = c.get("rope_scaling")
     for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
@@ -191,10 +193,11 @@ def _rope(c, owner):
     base = _number(values.get("rope_theta", 10000.0), "rope_theta", owner)
     if kind == "default":
         return float(base), None
+    if kind == "llama3" and "original_max_position_embeddings" not in values:  # as transformers' standardize
+        values["original_max_position_embeddings"] = max_len
     for key in ROPE_SCALINGS[kind]:
         _require(key in values, f"{owner}: rope_type={kind!r} needs {key}")
-    return float(base), {"rope_type": kind, **{key: float(_number(values[key], key, owner))
-                                              for key in ROPE_SCALINGS[kind]}}
+    return float(base), {"rope_type": kind, **{key: _number(values[key], key, owner) for key in ROPE_SCALINGS[kind]}}
 
 
 def _window(value, owner):
@@ -258,7 +261,7 @@ def _llama_config(c, family):
             _require(not _flag(c, option, False, name), f"{owner}: {option}=True is not supported (npformer's "
                                                          f"Llama-style CausalLM has bias=False)")
     num_kv_heads = get("num_key_value_heads")
-    base, scaling = _rope(c, owner)
+    base, scaling = _rope(c, owner, get("max_position_embeddings"))
     window = _llama_window(c, family, owner, num_layers)
     return dict(vocab_size=c["vocab_size"], d_model=d_model, nhead=nhead, num_layers=num_layers,
                 dim_feedforward=c["intermediate_size"], dropout=0.0, max_len=get("max_position_embeddings"),
@@ -357,6 +360,9 @@ def _llama_hf_config(model, architecture):
     nhead, kv, head_dim = _head_counts(c)
     attention_dropout = c["dropout"] if c.get("attention_dropout") is None else c["attention_dropout"]
     base, scaling = float(c.get("rotary_base", 10000.0)), c.get("rope_scaling")
+    if scaling is not None:  # numbers as transformers writes them (npformer's config holds floats)
+        scaling = {key: int(value) if key == "original_max_position_embeddings" and value == int(value) else value
+                   for key, value in scaling.items()}
     rope = {"rope_type": "default", "rope_theta": base} if scaling is None else {**scaling, "rope_theta": base}
     config = dict(model_type=family, architectures=[architecture], vocab_size=c["vocab_size"],
                   hidden_size=c["d_model"], intermediate_size=c["dim_feedforward"],

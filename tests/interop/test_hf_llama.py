@@ -18,6 +18,7 @@ transformers the same two forwards in the input dtype (`float64_shim`, the same 
 without the casts); in float32 transformers runs as it is.
 """
 import json
+import math
 import types
 
 import numpy as np
@@ -34,12 +35,16 @@ SMALL = dict(vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_lay
              num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, bos_token_id=None,
              eos_token_id=None, pad_token_id=None)
 # family, options: grouped-query (2 kv heads of 4), multi-query with tied embeddings and linear rotary scaling,
+# Llama 3.1's rotary scaling (head_dim 4: one frequency between its two wavelength bounds, one above),
 # Qwen2's q/k/v biases (full attention, and every layer sliding), Mistral's window of 3 < the sequences' 9
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-mqa-tied-linear": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True,
                                             rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                              "rope_theta": 500.0})),
+    "llama3-rope": ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 16})),
     "qwen2": ("qwen2", {}),
     "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=0)),
     "mistral": ("mistral", dict(sliding_window=3)),
@@ -69,7 +74,8 @@ def float64_shim(torch, hf_model):
     the angles, cos and sin in float32, so a float64 transformers model is float32 in those
     two places (~1e-7 relative). These replacements are the same formulas without the casts:
     weight * (x * rsqrt(mean(x^2) + eps)), and cos/sin of position * inv_freq with
-    inv_freq = 1 / theta^(2i / head_dim) (divided by the factor for rope_type "linear"),
+    inv_freq = 1 / theta^(2i / head_dim) (scaled as transformers scales it for rope_type "linear"
+    and "llama3"),
     computed in float64 and cast to the input's dtype."""
     def rms_norm(self, hidden):
         variance = hidden.pow(2).mean(-1, keepdim=True)
@@ -80,9 +86,18 @@ def float64_shim(torch, hf_model):
         rope = c.rope_parameters
         dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-        assert rope["rope_type"] in ("default", "linear")
+        assert rope["rope_type"] in ("default", "linear", "llama3")
         if rope["rope_type"] == "linear":
             inv_freq = inv_freq / rope["factor"]
+        elif rope["rope_type"] == "llama3":  # transformers' _compute_llama3_parameters, in float64
+            factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+            context = rope["original_max_position_embeddings"]
+            wavelength = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+            smooth = (context / wavelength - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            middle = ~(wavelength < context / high) * ~(wavelength > context / low)
+            inv_freq = torch.where(middle, smoothed, scaled)
         freqs = position_ids[..., None].to(torch.float64) * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
@@ -164,6 +179,9 @@ def test_configs_map_to_the_contracts_options(variant, transformers):
                     num_kv_heads=2, sliding_window=None, qkv_bias=None, rotary_base=10000.0, rope_scaling=None)
     expected.update({"llama-mqa-tied-linear": dict(num_kv_heads=1, tie_weights=True, rotary_base=500.0,
                                                    rope_scaling={"rope_type": "linear", "factor": 2.0}),
+                     "llama3-rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 16}),
                      "qwen2": dict(qkv_bias=True), "qwen2-sliding": dict(qkv_bias=True, sliding_window=3),
                      "mistral": dict(sliding_window=3)}.get(variant, {}))
     assert config == expected
@@ -205,9 +223,9 @@ REFUSED = [
      r"Llama config: rope_type='yarn' \(rope_parameters\) is not supported"),
     ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      r"rope_type='dynamic'"),
-    ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-     r"rope_type='llama3'"),
+    ("llama", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.0],
+                                    "long_factor": [1.0, 1.0], "original_max_position_embeddings": 16}),
+     r"rope_type='longrope'"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
      r"Qwen2 config: layer_types=\['full_attention', 'sliding_attention'\] gives some layers a sliding window of 3"),
 ]
@@ -331,7 +349,7 @@ def test_the_model_has_the_contracts_keys(variant, transformers):
     assert models.CausalLM.state_shapes(config) == contract_shapes(config)
     model = models.CausalLM(**config)
     assert {k: v.shape for k, v in model.state_dict().items()} == contract_shapes(config)
-    assert model.config == config
+    assert {key: model.config[key] for key in config} == config
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
