@@ -93,7 +93,7 @@ def config_from_hf(hf_config: dict, architecture: str | None = None, pooler: boo
         classifier = architecture == "BertForSequenceClassification"
         name = "EncoderClassifier" if classifier else "BidirectionalEncoder"
         return name, _bert_config(hf_config, classifier, pooler)
-    if model_type in LLAMA_FAMILY:
+    if isinstance(model_type, str) and model_type in LLAMA_FAMILY:
         return "CausalLM", _llama_config(hf_config, model_type)
     raise ValueError(f"config_from_hf: model_type {model_type!r} is not supported; npformer converts "
                      f"'gpt2' (GPT2LMHeadModel), 'bert' (BertModel, BertForSequenceClassification), 'llama' "

@@ -364,6 +364,10 @@ def test_logits_match(variant, dtype, torch, transformers, rng):
     assert_close(got, want, TOLERANCE[dtype], "logits")
     full = hf_model(torch.tensor(ids)).logits.detach().numpy()
     assert_close(ours(ids).numpy(), full, TOLERANCE[dtype], "logits without a mask")
+    if ours.config["sliding_window"] is not None:  # the window (3 of 9 positions) changes the numbers
+        unbounded = models.CausalLM(**{**ours.config, "sliding_window": None}).to(dtype=dtype).eval()
+        unbounded.load_state_dict(ours.state_dict())
+        assert np.abs(unbounded(ids).numpy() - full).max() > 1e3 * TOLERANCE[dtype] * np.abs(full).max()
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
