@@ -25,7 +25,8 @@ Llama's q/k/v_proj likewise into ((H + 2 H_kv) head_dim, E) (grouped-query atten
 have H_kv heads). Llama's rotary layout is npformer's (half-split, transformers' rotate_half):
 q_proj and k_proj need no permutation.
 Causal-mask buffers of old GPT-2 files (h.{i}.attn.bias, masked_bias), BERT's position_ids
-buffer and the rotary inv_freq buffers of old Llama files are not weights and are skipped; BERT pretraining heads (cls.*) are returned as skipped.
+buffer and the rotary inv_freq buffers of old Llama files are not weights and are skipped;
+BERT pretraining heads (cls.*) are returned as skipped.
 No transformers or torch here: npformer.interop and npformer.models.pretrained use this.
 """
 import re
