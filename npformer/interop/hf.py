@@ -28,7 +28,8 @@ def from_hf(hf_model: HFModel) -> models.CausalLM | models.BidirectionalEncoder 
     """The npformer model equivalent to a transformers GPT2LMHeadModel, BertModel,
     BertForSequenceClassification, LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM,
     with its weights (copied), dtype (float32/float64) and training mode. Raises ValueError
-    naming the config option or the first weight key that has no npformer counterpart, TypeError for another kind of model."""
+    naming the config option or the first weight key that has no npformer counterpart, TypeError
+    for another kind of model."""
     transformers = _transformers()
     name = type(hf_model).__name__
     if name not in ARCHITECTURES or not isinstance(hf_model, getattr(transformers, name)):
@@ -48,7 +49,8 @@ def to_hf(model: models.CausalLM | models.BidirectionalEncoder | models.EncoderC
     one: LlamaForCausalLM, Qwen2ForCausalLM with qkv_bias=True, MistralForCausalLM with a
     sliding_window), BidirectionalEncoder (BertModel) or EncoderClassifier
     (BertForSequenceClassification), with its weights (copied), dtype and training mode. Raises
-    ValueError naming an option that the Hugging Face architecture cannot express (see npformer.models.huggingface.hf_config)."""
+    ValueError naming an option that the Hugging Face architecture cannot express (see
+    npformer.models.huggingface.hf_config)."""
     transformers, torch = _transformers(), _torch()
     config = hf_config(model)
     architecture = config["architectures"][0]
