@@ -438,6 +438,12 @@ def test_save_pretrained_is_read_by_transformers(variant, torch, transformers, r
     assert again.config == ours.config and not again.training
     for key, value in ours.state_dict().items():
         np.testing.assert_array_equal(again.state_dict()[key], value, err_msg=key)
+    # a single safetensors file: Hugging Face's names, the model rebuilt from its own metadata
+    path = models.save_safetensors(ours, tmp_path / "lm.safetensors")
+    rebuilt = models.load_safetensors(path)
+    assert rebuilt.config == ours.config
+    for key, value in ours.state_dict().items():
+        np.testing.assert_array_equal(rebuilt.state_dict()[key], value, err_msg=key)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
