@@ -16,8 +16,8 @@ Adding an op is one folder and its name in OPS below.
 import importlib as _importlib
 
 # the op folders, in the order a Transformer meets them (and docs/backprop.md derives them)
-OPS = ("linear", "activation", "dropout_add", "softmax", "cross_entropy", "layer_norm", "embedding", "attention",
-       "rotary")
+OPS = ("linear", "activation", "silu", "dropout_add", "softmax", "cross_entropy", "layer_norm", "rms_norm", "embedding",
+       "attention", "rotary")
 
 __all__ = []
 for _folder in OPS:  # each folder's public ops: F.softmax, F.layer_norm, ...

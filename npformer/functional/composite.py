@@ -4,17 +4,15 @@ than from a hand-written backward: each op folder's `twin.py`, gathered here und
 signatures of npformer.functional. The test suite uses them as a second reference next to torch
 and finite differences."""
 import contextlib
+import importlib as _importlib
 
+from . import OPS
 from ._common import _twins
-from .activation.twin import dropout, erf, gelu, relu  # noqa: F401  (the twins, by op name)
-from .attention.twin import scaled_dot_product_attention, split_heads  # noqa: F401
-from .cross_entropy.twin import cross_entropy  # noqa: F401
-from .dropout_add.twin import dropout_add  # noqa: F401
-from .embedding.twin import embedding  # noqa: F401
-from .layer_norm.twin import layer_norm  # noqa: F401
-from .linear.twin import linear  # noqa: F401
-from .rotary.twin import apply_rotary_emb  # noqa: F401
-from .softmax.twin import log_softmax, softmax  # noqa: F401
+
+for _folder in OPS:  # each folder's twins, under its public ops' names: layer_norm, softmax, ...
+    _twin = _importlib.import_module(f"{__package__}.{_folder}.twin")
+    _public = _importlib.import_module(f"{__package__}.{_folder}").__all__
+    globals().update({name: getattr(_twin, name) for name in _public if hasattr(_twin, name)})
 
 
 @contextlib.contextmanager

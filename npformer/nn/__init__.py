@@ -2,15 +2,16 @@
 from . import init
 from .attention import MultiheadAttention
 from .config import TransformerConfig
-from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU
+from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU, RMSNorm, SiLU, SwiGLU
 from .module import Module, ModuleList, Parameter, Sequential, inference_mode, is_inference_mode_enabled
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from .recording import AttentionRecord, AttentionRecorder, record_attention
 from .transformer import (DecoderCache, Transformer, TransformerDecoder, TransformerDecoderLayer,
-                          TransformerEncoder, TransformerEncoderLayer)
+                          TransformerEncoder, TransformerEncoderLayer, make_norm)
 
 __all__ = ["init", "Module", "ModuleList", "Parameter", "Sequential", "Linear", "Embedding", "LayerNorm",
-           "Dropout", "ReLU", "GELU", "Identity", "MultiheadAttention", "SinusoidalPositionalEncoding",
-           "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer", "TransformerConfig", "DecoderCache", "record_attention",
+           "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU", "SwiGLU", "Identity", "MultiheadAttention",
+           "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer",
+           "TransformerDecoderLayer", "TransformerEncoder", "TransformerDecoder", "Transformer", "TransformerConfig",
+           "DecoderCache", "make_norm", "record_attention",
            "AttentionRecorder", "AttentionRecord", "inference_mode", "is_inference_mode_enabled"]

@@ -30,6 +30,7 @@ from .config import TransformerConfig
 from .layers import Linear, new_parameter
 from .module import Module
 from .positional import RotaryEmbedding
+from ._pending_42 import sdpa  # PENDING-42: F.scaled_dot_product_attention once it has enable_gqa, sliding_window
 
 
 class AttentionMask(NamedTuple):
@@ -66,7 +67,8 @@ def _mask_array(mask, name, like):
 
 def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | None, like: Array,
                    shape: tuple[int, int, int, int], is_causal: bool = False,
-                   names: tuple[str, str] = ("attn_mask", "key_padding_mask")) -> AttentionMask:
+                   names: tuple[str, str] = ("attn_mask", "key_padding_mask"),
+                   sliding_window: int | None = None) -> AttentionMask:
     """torch.nn-convention masks converted, once, to one AttentionMask (SDPA convention).
 
     attn_mask: (T, S) or (B*H, T, S), bool True = may not attend, or float added.
@@ -76,6 +78,10 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
     j > query i may not attend. The result's is_causal is True only when no mask is needed
     besides causality (SDPA applies it without materialising a mask). Float mask Tensors that
     require grad are combined with Tensor ops: their gradients flow.
+    sliding_window: W (with is_causal only, then even beside an attn_mask): key j <= query i - W
+    may not attend either. When the causal mask is the only one, the result is
+    AttentionMask(None, True) all the same: the attention module applies its window then
+    (F.scaled_dot_product_attention(sliding_window=W), which never materialises it).
     """
     batch, heads, tgt_len, src_len = shape
     attn_name, padding_name = names
@@ -96,7 +102,9 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
         parts.append(mask.reshape(batch, 1, 1, src_len))                       # (B, 1, 1, S)
     if not parts:
         return AttentionMask(None, bool(is_causal))
-    causal = (tgt_len, src_len) if is_causal and attn_mask is None else None   # the causal mask too
+    causal = None  # or (T, S, hide the future, window): the causal mask and / or the sliding window too
+    if is_causal and (attn_mask is None or sliding_window is not None):
+        causal = (tgt_len, src_len, attn_mask is None, sliding_window)
     if all(p.dtype == bool for p in parts):
         return AttentionMask(raw_computation(_allowed, tuple(parts), causal), False)  # again at each replay
     if any(isinstance(p, Tensor) for p in parts):  # combined with ops: their gradients flow
@@ -105,11 +113,18 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
 
 
 def _with_causal(parts, causal):
-    """The bool masks `parts` (True = blocked) and, when `causal` is (T, S), the causal one."""
+    """The bool masks `parts` (True = blocked) and, when `causal` is (T, S, future, window), the
+    causal one (future: keys j > i blocked; window W: keys j <= i - W blocked; top-left aligned)."""
     if causal is None:
         return parts
     xp = backend.get_array_module(parts[0].data if isinstance(parts[0], Tensor) else parts[0])
-    return parts + (xp.triu(xp.ones(causal, dtype=bool), 1)[None, None],)               # (1, 1, T, S)
+    tgt_len, src_len, future, window = causal
+    blocked = xp.zeros((tgt_len, src_len), dtype=bool)
+    if future:
+        blocked |= xp.triu(xp.ones((tgt_len, src_len), dtype=bool), 1)
+    if window is not None:
+        blocked |= xp.tril(xp.ones((tgt_len, src_len), dtype=bool), -window)
+    return parts + (blocked[None, None],)                                                # (1, 1, T, S)
 
 
 def _allowed(parts, causal):
@@ -130,6 +145,17 @@ def _added(parts, causal, dtype):
             p = backend.get_array_module(p).where(p, -math.inf, 0.0).astype(dtype)
         added = p if added is None else added + p  # a Tensor once one part is (array + Tensor defers to it)
     return added
+
+
+def repeat_kv_heads(x: Tensor, num_heads: int) -> Tensor:
+    """Key or value heads (B, H_kv, S, hd) repeated for `num_heads` query heads -> (B, num_heads,
+    S, hd): query head h reads kv head h // (num_heads / H_kv), as F.scaled_dot_product_attention's
+    enable_gqa groups them (autograd ops, so the gradient of each kv head sums over its group)."""
+    B, kv_heads, S, hd = x.shape
+    groups = num_heads // kv_heads
+    if groups == 1:
+        return x
+    return x.reshape(B, kv_heads, 1, S, hd).expand(B, kv_heads, groups, S, hd).reshape(B, num_heads, S, hd)
 
 
 _NAMES = {"d_model": "embed_dim", "nhead": "num_heads", "attention_backend": "backend"}  # torch's argument names
@@ -161,9 +187,19 @@ class MultiheadAttention(Module):
     as inside the Transformer layers): None (flash attention on a GPU where it applies, else naive), "naive",
     "memory_efficient" (blocks of `block_size`; also `memory_efficient=True`) or "flash".
 
+    Grouped-query attention (not in torch.nn.MultiheadAttention): `num_kv_heads=H_kv` (None =
+    num_heads; 1 = multi-query; it must divide num_heads) projects keys and values to H_kv heads
+    of the same head_dim, each shared by num_heads / H_kv query heads (query head h reads kv head
+    h // (num_heads / H_kv), F.scaled_dot_product_attention(enable_gqa=True)). in_proj_weight is
+    then ((H + 2 H_kv) hd, E): rows [W_q (H hd); W_k (H_kv hd); W_v (H_kv hd)] (Hugging Face's
+    q_proj, k_proj, v_proj stacked), in_proj_bias likewise; k_proj_weight / v_proj_weight are
+    (H_kv hd, kdim / vdim), bias_k / bias_v (1, 1, H_kv hd); KV caches hold H_kv heads.
+
     `config=TransformerConfig(...)` instead of the settings (as the Transformer layers build it:
-    d_model, nhead, attention_dropout (else dropout), bias, rotary, the attention path, device,
-    dtype); `self.config` holds it either way. Masks: see the module docstring. Raises
+    d_model, nhead, num_kv_heads, attention_dropout (else dropout), bias (out_proj's) and
+    qkv_bias (in_proj's, default: bias), rotary, sliding_window (with is_causal: each query sees
+    the last `sliding_window` keys), the attention path, device, dtype); `self.config` holds it
+    either way. Masks: see the module docstring. Raises
     TypeError / ValueError naming a bad argument.
     """
 
@@ -172,36 +208,40 @@ class MultiheadAttention(Module):
                  vdim: int | None = None, batch_first: bool = True, device: str | None = None,
                  dtype: DType | None = None, rotary: bool = False, rotary_base: float = 10000.0,
                  memory_efficient: bool = False, block_size: int = 512, backend: str | None = None, *,
-                 config: TransformerConfig | None = None):
+                 num_kv_heads: int | None = None, config: TransformerConfig | None = None):
         super().__init__()
         config = TransformerConfig.from_arguments(
             config, "MultiheadAttention", MultiheadAttention.__init__, _NAMES, d_model=embed_dim, nhead=num_heads,
             dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype, rotary=rotary,
             rotary_base=rotary_base, memory_efficient=memory_efficient, block_size=block_size,
-            attention_backend=backend)
+            attention_backend=backend, num_kv_heads=num_kv_heads)
         self.config = config
         embed_dim, device, dtype = config.d_model, config.device, config.dtype
-        self.embed_dim, self.num_heads = embed_dim, config.nhead
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, config.nhead, config.kv_heads
         self.head_dim = embed_dim // config.nhead
+        self.kv_dim = kv_dim = self.num_kv_heads * self.head_dim    # width of the k and v projections
         self.kdim = embed_dim if kdim is None else check_int(kdim, "kdim", "MultiheadAttention", at_least=1)
         self.vdim = embed_dim if vdim is None else check_int(vdim, "vdim", "MultiheadAttention", at_least=1)
         self.dropout = config.attention_dropout_p   # torch's attribute; may be changed after construction
         self.backend = config.attention_backend     # likewise (F.scaled_dot_product_attention's backend)
         self.batch_first = True
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        # rows of the packed projection: q [0, E), k [E, E + kv_dim), v [E + kv_dim, E + 2 kv_dim)
+        self._rows = (0, embed_dim, embed_dim + kv_dim, embed_dim + 2 * kv_dim)
         if self._qkv_same_embed_dim:
-            self.in_proj_weight = new_parameter((3 * embed_dim, embed_dim), device, dtype)
+            self.in_proj_weight = new_parameter((embed_dim + 2 * kv_dim, embed_dim), device, dtype)
         else:
             self.register_parameter("in_proj_weight", None)
-            for name, features in (("q", embed_dim), ("k", self.kdim), ("v", self.vdim)):
-                setattr(self, f"{name}_proj_weight", new_parameter((embed_dim, features), device, dtype))
-        if config.bias:
-            self.in_proj_bias = new_parameter((3 * embed_dim,), device, dtype)
+            for name, rows, features in (("q", embed_dim, embed_dim), ("k", kv_dim, self.kdim),
+                                         ("v", kv_dim, self.vdim)):
+                setattr(self, f"{name}_proj_weight", new_parameter((rows, features), device, dtype))
+        if config.qkv_bias_p:
+            self.in_proj_bias = new_parameter((embed_dim + 2 * kv_dim,), device, dtype)
         else:
             self.register_parameter("in_proj_bias", None)
         if check_bool(add_bias_kv, "add_bias_kv", "MultiheadAttention"):
-            self.bias_k = new_parameter((1, 1, embed_dim), device, dtype)
-            self.bias_v = new_parameter((1, 1, embed_dim), device, dtype)
+            self.bias_k = new_parameter((1, 1, kv_dim), device, dtype)
+            self.bias_v = new_parameter((1, 1, kv_dim), device, dtype)
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = check_bool(add_zero_attn, "add_zero_attn", "MultiheadAttention")
@@ -216,9 +256,10 @@ class MultiheadAttention(Module):
         else:
             for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
                 init.xavier_uniform_(w)
-        if self.in_proj_bias is not None:
-            init.zeros_(self.in_proj_bias)
-            init.zeros_(self.out_proj.bias)
+        if self.in_proj_bias is not None:  # torch zeroes both (one `bias` flag); with qkv_bias=True,
+            init.zeros_(self.in_proj_bias)  # bias=False out_proj has none
+            if self.out_proj.bias is not None:
+                init.zeros_(self.out_proj.bias)
         if self.bias_k is not None:
             init.xavier_normal_(self.bias_k)
             init.xavier_normal_(self.bias_v)
@@ -228,16 +269,24 @@ class MultiheadAttention(Module):
         """Whether RoPE rotates q and k (config.rotary)."""
         return self.rotary_emb is not None
 
+    @property
+    def grouped(self) -> bool:
+        """Whether keys and values have fewer heads than queries (grouped-query attention)."""
+        return self.num_kv_heads != self.num_heads
+
     # -- pieces, shared by forward and the cached decoding step --------------------------
     def _heads(self, x):
         """(B, L, E) -> (B, H, L, hd)."""
         return F.split_heads(x, self.num_heads)
 
+    def _kv_heads(self, x):
+        """(B, L, H_kv hd) -> (B, H_kv, L, hd)."""
+        return F.split_heads(x, self.num_kv_heads)
+
     def _weights(self, first, last):
-        """Projections first..last (0 = q, 1 = k, 2 = v) as one matrix: W ((last-first+1) E, in),
-        b or None. With separate q/k/v_proj_weight (kdim/vdim != embed_dim): first == last."""
-        E = self.embed_dim
-        rows = slice(first * E, (last + 1) * E)
+        """Projections first..last (0 = q, 1 = k, 2 = v) as one matrix: W (their rows, in), b or
+        None. With separate q/k/v_proj_weight (kdim/vdim != embed_dim): first == last."""
+        rows = slice(self._rows[first], self._rows[last + 1])
         b = self.in_proj_bias[rows] if self.in_proj_bias is not None else None
         if self.in_proj_weight is not None:
             return self.in_proj_weight[rows], b
@@ -245,11 +294,15 @@ class MultiheadAttention(Module):
 
     def project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """query (B, T, E), key (B, S, kdim), value (B, S, vdim) projected and split into heads:
-        q (B, H, T, hd), k and v (B, H, S, hd). Self-attention (query is key is value) uses one
+        q (B, H, T, hd), k and v (B, H_kv, S, hd). Self-attention (query is key is value) uses one
         packed GEMM."""
         if query is key and key is value and self.in_proj_weight is not None:  # one packed GEMM (B, T, 3E)
-            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)              # (B, T, 3E)
-            return F.split_heads(qkv, self.num_heads, chunks=3)                        # 3 x (B, H, T, hd)
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)              # (B, T, E + 2 kv_dim)
+            if not self.grouped:
+                return F.split_heads(qkv, self.num_heads, chunks=3)                    # 3 x (B, H, T, hd)
+            E = self.embed_dim
+            k, v = F.split_heads(qkv[:, :, E:], self.num_kv_heads, chunks=2)           # 2 x (B, H_kv, T, hd)
+            return self._heads(qkv[:, :, :E]), k, v
         q = self.project_q(query)
         k, v = self.project_kv(key, value)
         return q, k, v
@@ -259,24 +312,25 @@ class MultiheadAttention(Module):
         return self._heads(F.linear(query, *self._weights(0, 0)))                     # (B, H, T, hd)
 
     def project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """key (B, S, kdim), value (B, S, vdim) -> key and value heads (B, H, S, hd); one GEMM
+        """key (B, S, kdim), value (B, S, vdim) -> key and value heads (B, H_kv, S, hd); one GEMM
         when key is value (cross-attention)."""
         if key is value and self.in_proj_weight is not None:
-            kv = F.linear(key, *self._weights(1, 2))                                   # (B, S, 2E)
-            return F.split_heads(kv, self.num_heads, chunks=2)                         # 2 x (B, H, S, hd)
-        return (self._heads(F.linear(key, *self._weights(1, 1))),
-                self._heads(F.linear(value, *self._weights(2, 2))))
+            kv = F.linear(key, *self._weights(1, 2))                                   # (B, S, 2 kv_dim)
+            return F.split_heads(kv, self.num_kv_heads, chunks=2)                      # 2 x (B, H_kv, S, hd)
+        return (self._kv_heads(F.linear(key, *self._weights(1, 1))),
+                self._kv_heads(F.linear(value, *self._weights(2, 2))))
 
     def append_keys(self, k: Tensor, v: Tensor, mask: AttentionMask, tgt_len: int) -> tuple[Tensor, Tensor, AttentionMask]:
-        """torch's add_bias_kv and add_zero_attn on heads k, v (B, H, S, hd): bias_k / bias_v
+        """torch's add_bias_kv and add_zero_attn on heads k, v (B, H_kv, S, hd): bias_k / bias_v
         (split into heads), then zero vectors, appended as keys S (and S + 1) -> (k, v, mask) with
         (B, H, S + n, hd). The mask gains a column per appended key that every query may attend
-        to; a causal mask (mask.is_causal) is materialised over the first S keys of the tgt_len queries."""
+        to; a causal mask (mask.is_causal) is materialised over the first S keys of the tgt_len
+        queries (with the config's sliding window)."""
         B, H, S, hd = k.shape
         extra_k, extra_v = [], []
         if self.bias_k is not None:
-            extra_k.append(self._heads(self.bias_k).expand(B, H, 1, hd))               # (B, H, 1, hd)
-            extra_v.append(self._heads(self.bias_v).expand(B, H, 1, hd))
+            extra_k.append(self._kv_heads(self.bias_k).expand(B, H, 1, hd))            # (B, H_kv, 1, hd)
+            extra_v.append(self._kv_heads(self.bias_v).expand(B, H, 1, hd))
         if self.add_zero_attn:
             zeros = Tensor(k.xp.zeros((B, H, 1, hd), dtype=k.dtype))
             extra_k.append(zeros)
@@ -285,8 +339,10 @@ class MultiheadAttention(Module):
             return k, v, mask
         k, v = concatenate([k] + extra_k, axis=2), concatenate([v] + extra_v, axis=2)  # (B, H, S + n, hd)
         xp, array = k.xp, mask.mask
-        if mask.is_causal:  # key j <= query i takes part (top-left aligned, as in SDPA)
+        if mask.is_causal:  # key j <= query i takes part (top-left aligned, as in SDPA), and j > i - W
             causal = xp.tril(xp.ones((tgt_len, S), dtype=bool))[None, None]            # (1, 1, T, S)
+            if self.causal_window(mask) is not None:
+                causal = xp.triu(causal, 1 - self.causal_window(mask))
             if array is None:
                 array = causal
             elif array.dtype == bool:
@@ -303,21 +359,27 @@ class MultiheadAttention(Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask = AttentionMask(), *,
                need_weights: bool = False, average_attn_weights: bool = True) -> tuple[Tensor, Tensor | None]:
-        """Heads q (B, H, T, hd), k, v (B, H, S, hd) through F.scaled_dot_product_attention (with
-        `mask`, dropout when training_active, the config's attention path) and out_proj -> (output (B, T, E),
+        """Heads q (B, H, T, hd), k, v (B, H_kv, S, hd) through F.scaled_dot_product_attention (with
+        `mask`, dropout when training_active, the config's attention path; enable_gqa when H_kv < H;
+        the config's sliding_window when mask.is_causal) and out_proj -> (output (B, T, E),
         weights (B, T, S), or (B, H, T, S) with average_attn_weights=False, or None)."""
         B, H, T, hd = q.shape
         # the memory-efficient and flash paths never form the weights: they run when none are asked for
-        result = F.scaled_dot_product_attention(
+        result = sdpa(
             q, k, v, attn_mask=mask.mask, dropout_p=self.dropout if self.training_active else 0.0,
-            is_causal=mask.is_causal, return_weights=need_weights,
-            memory_efficient=self.config.memory_efficient and not need_weights,
+            is_causal=mask.is_causal, enable_gqa=self.grouped, sliding_window=self.causal_window(mask),
+            return_weights=need_weights, memory_efficient=self.config.memory_efficient and not need_weights,
             block_size=self.config.block_size, backend=None if need_weights else self.backend)
         out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
         if weights is not None and average_attn_weights:
             weights = weights.mean(axis=1)                                             # (B, T, S)
         return out, weights
+
+    def causal_window(self, mask: AttentionMask) -> int | None:
+        """The sliding window SDPA applies for `mask`: config.sliding_window when the mask is
+        the causal one alone (mask.is_causal), else None (a materialised mask has it folded in)."""
+        return self.config.sliding_window if mask.is_causal else None
 
     # -- public API ------------------------------------------------------------------------
     def check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
@@ -347,14 +409,16 @@ class MultiheadAttention(Module):
         Returns (output (B, T, E), weights): weights (B, T, S) averaged over heads, or
         (B, H, T, S) with average_attn_weights=False, or None when need_weights=False.
         Masks in torch.nn's convention (module docstring), converted here once. Unlike torch,
-        is_causal=True without attn_mask applies the causal mask itself. A query whose keys are
+        is_causal=True without attn_mask applies the causal mask itself; with the config's
+        sliding_window W, is_causal=True also hides keys j <= i - W. A query whose keys are
         all masked gets output out_proj.bias (attention 0), like torch's SDPA path."""
         self.check_inputs(query, key, value)
         need_weights = check_bool(need_weights, "need_weights", "MultiheadAttention")
         average_attn_weights = check_bool(average_attn_weights, "average_attn_weights", "MultiheadAttention")
         is_causal = check_bool(is_causal, "is_causal", "MultiheadAttention")
         B, T, S = query.shape[0], query.shape[1], key.shape[1]
-        mask = attention_mask(attn_mask, key_padding_mask, query.data, (B, self.num_heads, T, S), is_causal)
+        mask = attention_mask(attn_mask, key_padding_mask, query.data, (B, self.num_heads, T, S), is_causal,
+                              sliding_window=self.config.sliding_window)
         return self.forward_masked(query, key, value, mask, need_weights=need_weights,
                                    average_attn_weights=average_attn_weights)
 
@@ -374,7 +438,8 @@ class MultiheadAttention(Module):
         """embed_dim, num_heads, dropout, and the options that differ from their defaults."""
         extra = "".join(f", {name}={value}" for name, value, default in (
             ("kdim", self.kdim, self.embed_dim), ("vdim", self.vdim, self.embed_dim),
+            ("num_kv_heads", self.num_kv_heads, self.num_heads),
             ("add_bias_kv", self.bias_k is not None, False), ("add_zero_attn", self.add_zero_attn, False),
-            ("rotary", self.rotary, False)) if value != default)
+            ("rotary", self.rotary, False), ("sliding_window", self.config.sliding_window, None)) if value != default)
         extra += f", backend={self.backend!r}" if self.backend else ""
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"

@@ -26,7 +26,10 @@ import npformer.functional as F
 from autograd import Tensor, backend
 from autograd.checks import check_bool, check_float_dtype, check_int, check_real, is_real
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # gelu: exact; gelu_tanh: GPT-2's "gelu_new"
+# gelu: exact; gelu_tanh: GPT-2's "gelu_new"; silu: x sigmoid(x); swiglu: a gated feed-forward
+# linear2(silu(linear1 x) * linear3 x) (Llama's w2(silu(w1 x) * w3 x))
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +42,16 @@ class TransformerConfig:
     given, on the attention probabilities and after the feed-forward activation:
     attention_dropout, activation_dropout, None = `dropout`). activation: "relu", "gelu",
     "gelu_tanh" or a callable (not storable by to_dict). layer_norm_eps, norm_first (pre-LN),
-    bias (linear and LayerNorm biases), as torch's. rotary: RoPE in self-attention, with
-    rotary_base. Attention paths: memory_efficient (blockwise, blocks of block_size keys) and
+    bias (linear and LayerNorm biases), as torch's. activation "silu" is x sigmoid(x); "swiglu"
+    makes the feed-forward gated, linear2(dropout(silu(linear1 x) * linear3 x)) (Llama's
+    w2(silu(w1 x) * w3 x), a third d_model x dim_feedforward matrix linear3). norm: "layernorm"
+    or "rmsnorm" (nn.RMSNorm with eps=layer_norm_eps, no bias) for every norm of the layers and
+    stacks. num_kv_heads: the key/value heads of grouped-query attention (None = nhead; 1 =
+    multi-query), each shared by nhead / num_kv_heads query heads, so nhead must be divisible by
+    it. sliding_window: None, or W >= 1: causal self-attention sees the last W positions only
+    (Mistral's), and the KV cache keeps no more. qkv_bias: whether the q, k, v projections have
+    a bias (None = `bias`; Qwen2 has bias=False, qkv_bias=True). rotary: RoPE in self-attention,
+    with rotary_base. Attention paths: memory_efficient (blockwise, blocks of block_size keys) and
     attention_backend (None, "naive", "memory_efficient", "flash": see
     F.scaled_dot_product_attention). batch_first must be True (npformer is batch-first).
     device ("cpu", "cuda", "test" or None: cpu) and dtype (a floating dtype name or None:
@@ -62,6 +73,10 @@ class TransformerConfig:
     layer_norm_eps: float = 1e-5
     norm_first: bool = False
     bias: bool = True
+    norm: str = "layernorm"
+    num_kv_heads: int | None = None
+    sliding_window: int | None = None
+    qkv_bias: bool | None = None
     rotary: bool = False
     rotary_base: float = 10000.0
     memory_efficient: bool = False
@@ -88,6 +103,16 @@ class TransformerConfig:
     def attention_dropout_p(self) -> float:
         """The dropout probability on attention weights: attention_dropout, or dropout when it is None."""
         return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def kv_heads(self) -> int:
+        """The number of key/value heads: num_kv_heads, or nhead when it is None."""
+        return self.nhead if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def qkv_bias_p(self) -> bool:
+        """Whether the q, k, v projections have a bias: qkv_bias, or bias when it is None."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def activation_dropout_p(self) -> float:
@@ -202,6 +227,19 @@ def check_d_model_nhead(d_model: Any, nhead: Any, owner: str, names: dict[str, s
     return d_model, nhead
 
 
+def check_num_kv_heads(nhead: int, num_kv_heads: Any, owner: str, names: dict[str, str] | None = None) -> int:
+    """num_kv_heads as an int >= 1 that divides nhead (each key/value head serves nhead /
+    num_kv_heads query heads); errors name `owner` and the arguments (as `names` spells them)."""
+    names = names or {}
+    k, h = names.get("num_kv_heads", "num_kv_heads"), names.get("nhead", "nhead")
+    num_kv_heads = check_int(num_kv_heads, k, owner, at_least=1)
+    if nhead % num_kv_heads:
+        choices = [n for n in range(1, nhead + 1) if nhead % n == 0]
+        raise ValueError(f"{owner}: {h}={nhead} is not divisible by {k}={num_kv_heads}; each key/value head is "
+                         f"shared by {h} / {k} query heads, so {k} must divide {h}: choose {k} in {choices}")
+    return num_kv_heads
+
+
 def _checked(settings, owner, names):
     """`settings` ({field: value}, any subset of the fields) checked and normalised; errors name
     `owner` and each field as names[field] (default: the field's name)."""
@@ -226,6 +264,15 @@ def _checked(settings, owner, names):
     for field in ("norm_first", "bias", "rotary", "memory_efficient", "batch_first"):
         if field in out:
             out[field] = check_bool(out[field], name(field), owner)
+    if out.get("qkv_bias") is not None:
+        out["qkv_bias"] = check_bool(out["qkv_bias"], name("qkv_bias"), owner)
+    if out.get("sliding_window") is not None:
+        out["sliding_window"] = check_int(out["sliding_window"], name("sliding_window"), owner, at_least=1)
+    if out.get("num_kv_heads") is not None:
+        out["num_kv_heads"] = check_num_kv_heads(out.get("nhead", _DEFAULTS["nhead"]), out["num_kv_heads"], owner,
+                                                 names)
+    if "norm" in out and out["norm"] not in NORMS:
+        raise ValueError(f"{owner}: {name('norm')} must be one of {NORMS}, got {out['norm']!r}")
     if out.get("batch_first") is False:
         raise ValueError(f"{owner}: npformer is batch-first only; pass {name('batch_first')}=True and inputs "
                          f"shaped (batch, seq, feature)")

@@ -1,4 +1,5 @@
-"""Basic layers mirroring torch.nn: Linear, Embedding, LayerNorm, Dropout, ReLU, GELU, Identity."""
+"""Basic layers mirroring torch.nn: Linear, Embedding, LayerNorm, RMSNorm, Dropout, ReLU, GELU, SiLU,
+Identity; and SwiGLU, the gated feed-forward of Llama, Qwen2 and Mistral."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,8 @@ from typing import Any
 import npformer.functional as F
 from autograd import Tensor, backend
 from autograd.backend import ArrayLike, DType
-from autograd.checks import as_array, check_float_dtype, check_int, check_optional_int, check_real, check_shape
+from autograd.checks import (as_array, check_bool, check_float_dtype, check_int, check_optional_int, check_real,
+                             check_shape)
 
 from . import init
 from .module import Module, Parameter
@@ -157,6 +159,44 @@ class LayerNorm(Module):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
+class RMSNorm(Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the trailing `normalized_shape` dims
+    (torch.nn.RMSNorm; Llama's, Qwen2's and Mistral's norm): no mean subtracted and no bias; weight
+    starts at ones, elementwise_affine=False has none. eps=None takes the machine epsilon of the
+    input's dtype (torch's default). Input (..., *normalized_shape), e.g. (B, T, E), same shape out.
+    Raises ValueError for eps <= 0, TypeError / ValueError for a normalized_shape that is not
+    integers >= 1."""
+
+    def __init__(self, normalized_shape: int | tuple[int, ...], eps: float | None = None,
+                 elementwise_affine: bool = True, device: str | None = None, dtype: DType | None = None):
+        super().__init__()
+        self.normalized_shape = check_shape(normalized_shape, "normalized_shape", "RMSNorm")
+        self.eps = None if eps is None else check_real(eps, "eps", "RMSNorm", above=0)
+        self.elementwise_affine = check_bool(elementwise_affine, "elementwise_affine", "RMSNorm")
+        self.register_parameter("weight", None)
+        if self.elementwise_affine:
+            self.weight = init.ones_(new_parameter(self.normalized_shape, device, dtype))
+
+    def reset_parameters(self) -> None:
+        """The weight back to ones (in place)."""
+        if self.weight is not None:
+            init.ones_(self.weight)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """input (..., *normalized_shape) normalized over its trailing dims, same shape. TypeError
+        unless input is a Tensor, ValueError for other trailing dimensions."""
+        if not isinstance(input, Tensor):
+            raise TypeError(f"RMSNorm: input must be an autograd.Tensor, got {type(input).__name__}")
+        n = len(self.normalized_shape)
+        if input.shape[input.ndim - n:] != self.normalized_shape or input.ndim < n:
+            raise ValueError(f"RMSNorm: input's trailing dimensions must be {self.normalized_shape}, "
+                             f"got shape {input.shape}")
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
 class Dropout(Module):
     """Zero each element with probability p and scale the rest by 1/(1-p) in training mode. The
     masks come from the global dropout stream (npformer.runtime.random.dropout_stream(), seeded by
@@ -200,3 +240,42 @@ class GELU(Module):
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
+
+
+class SiLU(Module):
+    """x * sigmoid(x) elementwise (torch.nn.SiLU, swish), any shape."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        """silu(input), same shape."""
+        return F.silu(input)
+
+
+class SwiGLU(Module):
+    """The gated feed-forward of Llama, Qwen2 and Mistral: out = linear2(silu(linear1(x)) * linear3(x)),
+    the product one fused op (F.swiglu). linear1 is the gate (in_features -> hidden_features; Meta's
+    w1, Hugging Face's gate_proj), linear3 the up projection (w3, up_proj), linear2 the down
+    projection (hidden_features -> out_features, default in_features; w2, down_proj), each an
+    nn.Linear with `bias`. Input (..., in_features) -> (..., out_features). Raises TypeError /
+    ValueError for sizes that are not integers >= 1."""
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, bias: bool = True,
+                 device: str | None = None, dtype: DType | None = None):
+        super().__init__()
+        self.in_features = check_int(in_features, "in_features", "SwiGLU", at_least=1)
+        self.hidden_features = check_int(hidden_features, "hidden_features", "SwiGLU", at_least=1)
+        out_features = self.in_features if out_features is None else out_features
+        self.out_features = check_int(out_features, "out_features", "SwiGLU", at_least=1)
+        bias = check_bool(bias, "bias", "SwiGLU")
+        self.linear1 = Linear(self.in_features, self.hidden_features, bias, device, dtype)    # gate
+        self.linear3 = Linear(self.in_features, self.hidden_features, bias, device, dtype)    # up
+        self.linear2 = Linear(self.hidden_features, self.out_features, bias, device, dtype)   # down
+
+    def forward(self, input: Tensor) -> Tensor:
+        """input (..., in_features) -> (..., out_features). TypeError unless input is a Tensor,
+        ValueError for another last dimension."""
+        check_features(input, self.in_features, "SwiGLU")
+        return self.linear2(F.swiglu(self.linear1(input), self.linear3(input)))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
+                f"out_features={self.out_features}, bias={self.linear1.bias is not None}")

@@ -28,8 +28,9 @@ import npformer.functional as F
 from autograd import Tensor
 from autograd.backend import Array
 
-from .attention import AttentionMask, MultiheadAttention
+from .attention import AttentionMask, MultiheadAttention, repeat_kv_heads
 from .module import Module
+from ._pending_42 import sdpa  # PENDING-42: F.scaled_dot_product_attention once it has enable_gqa, sliding_window
 
 
 class AttentionRecord:
@@ -126,11 +127,12 @@ class record_attention:
                 return type(module).attend(module, q, k, v, mask, need_weights=need_weights,
                                            average_attn_weights=average_attn_weights)
             B, H, T, _ = q.shape
-            _, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, is_causal=mask.is_causal,
-                                                      return_weights=True)     # (B, H, T, S) P
+            _, probs = sdpa(q, k, v, attn_mask=mask.mask, is_causal=mask.is_causal, enable_gqa=module.grouped,
+                            sliding_window=module.causal_window(mask), return_weights=True)  # (B, H, T, S) P
             probs.retain_grad()
             self.recorder.records.append(AttentionRecord(name, module, probs))
             dropped = F.dropout(probs, module.dropout, training=module.training)  # Pd
+            v = repeat_kv_heads(v, H)                                           # (B, H, S, hd) (grouped: shared)
             out = (dropped @ v).transpose(1, 2).reshape(B, T, module.embed_dim)  # O = Pd V, heads joined (B, T, E)
             weights = None
             if need_weights:

@@ -3,18 +3,25 @@
 Post-LN (norm_first=False):  x = norm1(x + SA(x));  x = norm2(x + FF(x))
 Pre-LN  (norm_first=True):   x = x + SA(norm1(x));  x = x + FF(norm2(x))
 (the decoder adds cross-attention with norm2, and its feed-forward uses norm3).
-FF(x) = linear2(dropout(activation(linear1(x)))); each sublayer output goes through its own
+FF(x) = linear2(dropout(activation(linear1(x)))), or with activation="swiglu" the gated
+FF(x) = linear2(dropout(silu(linear1(x)) * linear3(x))) (Llama's); each sublayer output goes through its own
 dropout before the residual add (one fused op, F.dropout_add; a named activation runs fused with
 linear1's bias, F.linear(..., activation=...)). Every layer and attention module is built from
-one TransformerConfig (npformer.nn.config), passed down whole. Masks: torch.nn's convention at
-each forward, converted once into the internal one (see npformer.nn.attention's docstring).
+one TransformerConfig (npformer.nn.config), passed down whole; its `norm` picks LayerNorm or
+RMSNorm for every norm (`make_norm`). Masks: torch.nn's convention at each forward, converted
+once into the internal one (see npformer.nn.attention's docstring); with the config's
+sliding_window W, causal self-attention (is_causal=True) sees the last W positions only.
 
 Cached decoding: `TransformerDecoder.init_cache(memory)` projects the cross-attention keys
 and values of every layer once; `TransformerDecoder.step(x, cache)` runs one new target
 position through every layer, reusing and extending each layer's self-attention K/V.
 `TransformerEncoder.init_cache()` / `step(x, cache, key_padding_mask)` do the same for a
 causal encoder stack (a GPT-style decoder-only model): new positions, one or a whole prompt
-at a time, attend causally to the cached ones and to each other.
+at a time, attend causally to the cached ones and to each other. The caches hold the
+num_kv_heads key/value heads of grouped-query attention; with a sliding window W they keep only
+the last W - 1 positions of each layer after every step (all that later queries can see), so
+decoding memory is bounded by W however long the sequence grows (positions, e.g. RoPE's, keep
+counting from the start: `len(cache)` is every position decoded).
 """
 from __future__ import annotations
 
@@ -32,10 +39,26 @@ from npformer.functional._common import check_index_range
 from . import init
 from .attention import AttentionMask, MultiheadAttention, attention_mask
 from .config import TransformerConfig
-from .layers import Dropout, LayerNorm, Linear
+from .layers import Dropout, LayerNorm, Linear, RMSNorm
 from .module import Module, ModuleList
 
-_FUSED = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}  # by name
+# activations by name: F.linear runs these fused with linear1's bias (activation=name); "silu" is
+# applied after linear1; "swiglu" is the gated feed-forward (linear3 too)
+_FUSED = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_PLAIN = {"silu": F.silu, "swiglu": F.swiglu}
+
+
+def make_norm(config: TransformerConfig) -> Module:
+    """The norm of config.norm over config.d_model features, as every layer and stack of `config`
+    builds it (models call it for their final norms): "layernorm" -> LayerNorm(d_model,
+    eps=layer_norm_eps, bias=bias); "rmsnorm" -> RMSNorm(d_model, eps=layer_norm_eps) (a weight,
+    no bias); on config.device, in config.dtype."""
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"make_norm: config must be a TransformerConfig, got {type(config).__name__}")
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, eps=config.layer_norm_eps, device=config.device, dtype=config.dtype)
+    return LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias, device=config.device,
+                     dtype=config.dtype)
 
 
 def check_sequence(x: Tensor, d_model: int, owner: str, name: str) -> None:
@@ -74,7 +97,8 @@ def layer_config(config, owner, function, arguments, names=LAYER_ARGUMENTS):
 
 class _FeedForwardLayer(Module):
     """Shared parts of the encoder and decoder layers, built from one TransformerConfig: linear1,
-    dropout, linear2, activation, `n` LayerNorms norm1..n and residual dropouts dropout1..n."""
+    dropout, linear2 (and linear3, the up projection, with activation="swiglu"), activation, `n`
+    norms norm1..n (make_norm: LayerNorm or RMSNorm) and residual dropouts dropout1..n."""
 
     def _build(self, config, n):
         self.config = config
@@ -84,15 +108,19 @@ class _FeedForwardLayer(Module):
         self.dropout = Dropout(config.activation_dropout_p)
         self.linear2 = Linear(config.dim_feedforward, d_model, bias=config.bias, device=device, dtype=dtype)
         self.activation_name = config.activation if isinstance(config.activation, str) else None
-        self.activation = _FUSED.get(self.activation_name, config.activation)
+        if self.activation_name == "swiglu":  # the up projection, beside linear1 (the gate)
+            self.linear3 = Linear(d_model, config.dim_feedforward, bias=config.bias, device=device, dtype=dtype)
+        self.activation = _FUSED.get(self.activation_name) or _PLAIN.get(self.activation_name, config.activation)
         for i in range(1, n + 1):
-            setattr(self, f"norm{i}", LayerNorm(d_model, eps=config.layer_norm_eps, bias=config.bias, device=device,
-                                                dtype=dtype))
+            setattr(self, f"norm{i}", make_norm(config))
             setattr(self, f"dropout{i}", Dropout(config.dropout))
 
     def _ff_block(self, x):
-        """linear2(dropout(activation(linear1(x)))), before the last dropout; a named activation runs
-        fused with linear1's bias (F.linear(..., activation=...))."""
+        """linear2(dropout(activation(linear1(x)))), before the last dropout; relu and the gelus run
+        fused with linear1's bias (F.linear(..., activation=...)). swiglu: linear2(dropout(
+        swiglu(linear1(x), linear3(x)))), swiglu(gate, up) = silu(gate) * up."""
+        if self.activation_name == "swiglu":
+            return self.linear2(self.dropout(self.activation(self.linear1(x), self.linear3(x))))
         if type(self.linear1) is Linear and self.activation is _FUSED.get(self.activation_name):
             hidden = F.linear(x, self.linear1.weight, self.linear1.bias, activation=self.activation_name)
         else:
@@ -110,11 +138,13 @@ class _FeedForwardLayer(Module):
 class TransformerEncoderLayer(_FeedForwardLayer):
     """Self-attention and feed-forward sublayers (torch.nn.TransformerEncoderLayer, batch first).
 
-    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh" or a callable;
-    norm_first=True is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention,
-    memory_efficient=True uses the blockwise attention kernel (blocks of block_size keys),
-    attention_backend chooses F.scaled_dot_product_attention's path; `config=TransformerConfig(...)`
-    instead of the settings gives every other option too (attention and activation dropout).
+    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh", "silu",
+    "swiglu" (a gated feed-forward with linear3) or a callable; norm_first=True is pre-LN.
+    Extras beyond torch: rotary=True applies RoPE in self-attention, memory_efficient=True uses
+    the blockwise attention kernel (blocks of block_size keys), attention_backend chooses
+    F.scaled_dot_product_attention's path; `config=TransformerConfig(...)` instead of the
+    settings gives every other option too (attention and activation dropout; norm="rmsnorm",
+    num_kv_heads, sliding_window, qkv_bias: see TransformerConfig).
     `self.config` holds the config either way. Raises TypeError / ValueError naming a bad argument."""
 
     def __init__(self, d_model: int | None = None, nhead: int | None = None, dim_feedforward: int = 2048,
@@ -144,7 +174,8 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         once to the convention of F.scaled_dot_product_attention (True = takes part), checked."""
         B, S = src.shape[:2]
         return attention_mask(src_mask, src_key_padding_mask, src.data, (B, self.self_attn.num_heads, S, S),
-                              is_causal, names=("src_mask", "src_key_padding_mask"))
+                              is_causal, names=("src_mask", "src_key_padding_mask"),
+                              sliding_window=self.self_attn.config.sliding_window)
 
     def forward_masked(self, x: Tensor, mask: AttentionMask, position_ids: ArrayLike | None = None) -> Tensor:
         """forward() of x (B, S, d) with the self-attention mask already converted (`self_attn_mask`);
@@ -186,9 +217,10 @@ class TransformerDecoderLayer(_FeedForwardLayer):
     """Masked self-attention, cross-attention over memory, feed-forward
     (torch.nn.TransformerDecoderLayer, batch first).
 
-    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh" or a callable;
-    norm_first=True is pre-LN. Extras beyond torch: rotary=True applies RoPE in self-attention
-    (not cross-attention), memory_efficient=True uses the blockwise attention kernel;
+    d_model must be divisible by nhead; activation "relu", "gelu", "gelu_tanh", "silu",
+    "swiglu" or a callable; norm_first=True is pre-LN. Extras beyond torch: rotary=True applies
+    RoPE in self-attention (not cross-attention, nor does the config's sliding_window),
+    memory_efficient=True uses the blockwise attention kernel;
     `config=TransformerConfig(...)` instead of the settings (see TransformerEncoderLayer).
     Raises TypeError / ValueError naming a bad argument."""
 
@@ -201,7 +233,8 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         super().__init__()
         config = layer_config(config, "TransformerDecoderLayer", TransformerDecoderLayer.__init__, locals())
         self.self_attn = MultiheadAttention(config=config)
-        self.multihead_attn = MultiheadAttention(config=dataclasses.replace(config, rotary=False))  # no RoPE across
+        # cross-attention: no RoPE, no sliding window (both are about positions within one sequence)
+        self.multihead_attn = MultiheadAttention(config=dataclasses.replace(config, rotary=False, sliding_window=None))
         self._build(config, 3)
 
     def forward(self, tgt: Tensor, memory: Tensor, tgt_mask: ArrayLike | None = None,
@@ -216,7 +249,8 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         check_sequence(memory, self.d_model, "TransformerDecoderLayer", "memory")
         check_same_batch(tgt, memory, "TransformerDecoderLayer", ("tgt", "memory"))
         masks = decoder_masks(tgt, memory, self.self_attn.num_heads, tgt_mask, memory_mask, tgt_key_padding_mask,
-                              memory_key_padding_mask, tgt_is_causal, memory_is_causal, "TransformerDecoderLayer")
+                              memory_key_padding_mask, tgt_is_causal, memory_is_causal, "TransformerDecoderLayer",
+                              self.self_attn.config.sliding_window)
         return self.forward_masked(tgt, memory, *masks)
 
     def forward_masked(self, x: Tensor, memory: Tensor, self_mask: AttentionMask, cross_mask: AttentionMask) -> Tensor:
@@ -251,14 +285,14 @@ class TransformerDecoderLayer(_FeedForwardLayer):
 
 
 def decoder_masks(tgt, memory, nhead, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
-                  tgt_is_causal, memory_is_causal, owner):
+                  tgt_is_causal, memory_is_causal, owner, sliding_window=None):
     """(self_mask, cross_mask): the decoder's torch.nn-convention masks as AttentionMasks
-    (errors name `owner`)."""
+    (errors name `owner`); sliding_window: the self-attention's (with tgt_is_causal)."""
     B, T, S = tgt.shape[0], tgt.shape[1], memory.shape[1]
     tgt_is_causal = causal_flag(tgt_is_causal, "tgt_is_causal", owner)
     memory_is_causal = causal_flag(memory_is_causal, "memory_is_causal", owner)
     self_mask = attention_mask(tgt_mask, tgt_key_padding_mask, tgt.data, (B, nhead, T, T), tgt_is_causal,
-                               names=("tgt_mask", "tgt_key_padding_mask"))
+                               names=("tgt_mask", "tgt_key_padding_mask"), sliding_window=sliding_window)
     cross_mask = attention_mask(memory_mask, memory_key_padding_mask, tgt.data, (B, nhead, T, S), memory_is_causal,
                                 names=("memory_mask", "memory_key_padding_mask"))
     return self_mask, cross_mask
@@ -316,7 +350,8 @@ class TransformerEncoder(_LayerStack):
     # -- cached causal decoding (decoder-only models) --------------------------------------------
     def init_cache(self) -> DecoderCache:
         """An empty DecoderCache (self-attention keys/values of every layer, no memory) for `step`."""
-        return DecoderCache([LayerCache() for _ in self.layers])
+        window = self.layers[0].self_attn.config.sliding_window
+        return DecoderCache([LayerCache(window=window) for _ in self.layers], window=window)
 
     def step(self, x: Tensor, cache: DecoderCache, key_padding_mask: ArrayLike | None = None,
              position_ids: ArrayLike | None = None) -> Tensor:
@@ -325,8 +360,9 @@ class TransformerEncoder(_LayerStack):
         positions <= i. key_padding_mask (B, L) bool, True = padding, marks new positions that no
         later query attends to (left padding); it is kept in `cache` for the later steps.
         position_ids (B, L): RoPE's positions of the new tokens per row (rotary layers; default
-        len(cache) .. len(cache) + L - 1). Appends this step's keys/values to `cache`; equals
-        forward(prefix, is_causal=True) on the whole prefix for the real positions."""
+        len(cache) .. len(cache) + L - 1). Appends this step's keys/values to `cache` (with a
+        sliding window W, each layer then keeps the last W - 1); equals forward(prefix,
+        is_causal=True) on the whole prefix for the real positions."""
         if not isinstance(cache, DecoderCache):
             raise TypeError(f"TransformerEncoder.step: cache must come from init_cache, got {type(cache).__name__}")
         check_sequence(x, self.layers[0].d_model, "TransformerEncoder.step", "x")
@@ -369,7 +405,7 @@ class TransformerDecoder(_LayerStack):
         check_same_batch(tgt, memory, "TransformerDecoder", ("tgt", "memory"))
         masks = decoder_masks(tgt, memory, self.layers[0].self_attn.num_heads, tgt_mask, memory_mask,
                               tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal, memory_is_causal,
-                              "TransformerDecoder")
+                              "TransformerDecoder", self.layers[0].self_attn.config.sliding_window)
         x = tgt
         for layer in self.layers:
             x = layer.forward_masked(x, memory, *masks)
@@ -382,8 +418,9 @@ class TransformerDecoder(_LayerStack):
         B, S = memory.shape[:2]
         cross_mask = attention_mask(None, memory_key_padding_mask, memory.data, (B, 1, 1, S),
                                     names=("memory_mask", "memory_key_padding_mask"))
-        layers = [LayerCache(*layer.multihead_attn.project_kv(memory, memory)) for layer in self.layers]
-        return DecoderCache(layers, cross_mask)
+        window = self.layers[0].self_attn.config.sliding_window
+        layers = [LayerCache(*layer.multihead_attn.project_kv(memory, memory), window=window) for layer in self.layers]
+        return DecoderCache(layers, cross_mask, window)
 
     def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
         """x (B, 1, d): the embedded newest target position -> (B, 1, d) decoder output for it
@@ -401,53 +438,96 @@ class TransformerDecoder(_LayerStack):
 
 
 class LayerCache:
-    """Keys/values of one layer: cross_k, cross_v (B, H, S, hd) fixed (None without a memory);
-    self_k, self_v (B, H, t, hd) growing with every step (None before the first)."""
+    """Keys/values of one layer: cross_k, cross_v (B, H_kv, S, hd) fixed (None without a memory);
+    self_k, self_v (B, H_kv, t, hd) growing with every step (None before the first). With a
+    sliding `window` W (the self-attention's), self_k / self_v keep only the last W - 1
+    positions after each step: the next query (at the next position) sees those and itself."""
 
-    def __init__(self, cross_k=None, cross_v=None):
+    def __init__(self, cross_k=None, cross_v=None, *, window=None):
         self.cross_k, self.cross_v = cross_k, cross_v
         self.self_k = self.self_v = None
-        self.buffers = None  # (keys, values) arrays (B, H, capacity, hd) that self_k/self_v view
+        self.keep = None if window is None else window - 1  # positions kept after each step (None: all)
+        self.buffers = None  # (keys, values) arrays (B, H_kv, capacity, hd) that self_k/self_v view
+        self.start = 0       # self_k is buffers[0][:, :, start:start + t]
 
     def tensors(self):
         return {name: getattr(self, name) for name in ("cross_k", "cross_v", "self_k", "self_v")}
 
     def append_self(self, k, v):
-        """Append new self-attention keys/values (B, H, L, hd); returns all of them (B, H, t+L, hd).
-        When nothing needs a gradient they go into buffers of doubling capacity (no copy of the
-        cached positions per step); otherwise through autograd's concatenate."""
-        if self.self_k is None:
-            self.self_k, self.self_v = k, v
-            return k, v
-        if k.requires_grad or v.requires_grad or self.self_k.requires_grad or self.self_v.requires_grad:
+        """Append new self-attention keys/values (B, H_kv, L, hd); returns the cached ones and
+        them, (B, H_kv, t+L, hd), for this step's queries; keeps the last `keep` of those (all
+        without a window). When nothing needs a gradient they go into buffers (doubling capacity
+        without a window, at most about 2 (W - 1 + L) positions with one: no copy of the cached
+        positions per step, and a long prompt's keys are not held past its step); otherwise
+        through autograd's concatenate (and slicing)."""
+        grad = k.requires_grad or v.requires_grad or (
+            self.self_k is not None and (self.self_k.requires_grad or self.self_v.requires_grad))
+        if self.self_k is None and (self.keep is None or grad):
             self.buffers = None
-            self.self_k = concatenate([self.self_k, k], axis=2)
-            self.self_v = concatenate([self.self_v, v], axis=2)
-            return self.self_k, self.self_v
+            self.self_k, self.self_v = self._kept(k), self._kept(v)
+            return k, v
+        if grad:
+            self.buffers = None
+            keys, values = concatenate([self.self_k, k], axis=2), concatenate([self.self_v, v], axis=2)
+            self.self_k, self.self_v = self._kept(keys), self._kept(values)
+            return keys, values
+        if self.self_k is None:  # a window's first step: its keys, and a copy of the last W - 1 of them
+            keys, values = k, v
+            kept = min(k.shape[2], self.keep)
+            self._store(k.data, v.data, kept, kept + 1)
+            return keys, values
         t, new = self.self_k.shape[2], k.shape[2]
-        if self.buffers is None or self.buffers[0].shape[2] < t + new:
-            xp, shape = k.xp, self.self_k.shape
-            capacity = max(2 * (t + new), 16)
-            self.buffers = tuple(xp.empty(shape[:2] + (capacity,) + shape[3:], dtype=k.dtype) for _ in range(2))
-            self.buffers[0][:, :, :t], self.buffers[1][:, :, :t] = self.self_k.data, self.self_v.data
+        if self.buffers is None or self.buffers[0].shape[2] < self.start + t + new:
+            self._store(self.self_k.data, self.self_v.data, t, t + new)
         keys, values = self.buffers
-        keys[:, :, t:t + new], values[:, :, t:t + new] = k.data, v.data
-        self.self_k, self.self_v = Tensor(keys[:, :, :t + new]), Tensor(values[:, :, :t + new])
-        return self.self_k, self.self_v
+        end = self.start + t
+        keys[:, :, end:end + new], values[:, :, end:end + new] = k.data, v.data
+        everything = (Tensor(keys[:, :, self.start:end + new]), Tensor(values[:, :, self.start:end + new]))
+        kept = t + new if self.keep is None else min(t + new, self.keep)
+        self.start = end + new - kept
+        self.self_k, self.self_v = Tensor(keys[:, :, self.start:end + new]), Tensor(values[:, :, self.start:end + new])
+        return everything
+
+    def _kept(self, x):
+        """The positions of x (B, H_kv, n, hd) to keep: all, or the last `keep`."""
+        if self.keep is None or x.shape[2] <= self.keep:
+            return x
+        return x[:, :, x.shape[2] - self.keep:]
+
+    def _store(self, keys, values, kept, room):
+        """New buffers of capacity max(2 room, 16) positions holding the last `kept` positions of
+        keys / values (arrays (B, H_kv, n, hd)) at their start; self_k / self_v view those."""
+        xp, shape = backend.get_array_module(keys), keys.shape
+        capacity = max(2 * room, 16)
+        self.buffers = tuple(xp.empty(shape[:2] + (capacity,) + shape[3:], dtype=keys.dtype) for _ in range(2))
+        n = keys.shape[2]
+        self.buffers[0][:, :, :kept], self.buffers[1][:, :, :kept] = keys[:, :, n - kept:], values[:, :, n - kept:]
+        self.start = 0
+        self.self_k, self.self_v = Tensor(self.buffers[0][:, :, :kept]), Tensor(self.buffers[1][:, :, :kept])
 
 
 class DecoderCache:
     """State of cached step-wise decoding: `layers` (one LayerCache per layer), `cross_mask`
     (memory padding, an AttentionMask over (B, 1, 1, S)), `length` (positions decoded so
-    far), `attendable` (B, length) bool in the internal (SDPA) convention, True = a key later
-    queries may attend to, False = padding (None: no padding so far), `next_positions` (B, 1)
+    far), `window` (the self-attention's sliding window W, or None: then the layers keep the
+    last W - 1 positions only, `held` of them), `attendable` (B, held) bool in the internal
+    (SDPA) convention, True = a cached key later queries may attend to, False = padding (None:
+    no padding so far), `next_positions` (B, 1)
     ints, each row's next position when rows' positions differ (padding, or position_ids given
     per row; None: every row continues at `length`). `reorder(indices)` selects batch rows
     (beam search). Made by `init_cache`; `len(cache)` is `length`."""
 
-    def __init__(self, layers: list[LayerCache], cross_mask: AttentionMask = AttentionMask()):
+    def __init__(self, layers: list[LayerCache], cross_mask: AttentionMask = AttentionMask(),
+                 window: int | None = None):
         self.layers, self.cross_mask, self.length = layers, cross_mask, 0
+        self.window = None if window is None else check_int(window, "window", "DecoderCache", at_least=1)
         self.attendable = self.next_positions = None
+
+    @property
+    def held(self) -> int:
+        """How many positions each layer's self-attention cache holds: length, or with a
+        window W the last min(length, W - 1)."""
+        return self.length if self.window is None else min(self.length, self.window - 1)
 
     @property
     def batch_size(self) -> int | None:
@@ -465,7 +545,9 @@ class DecoderCache:
     def extend_padding(self, key_padding_mask: ArrayLike | None, batch: int, new: int, like: Array) -> AttentionMask:
         """Append the padding of `new` positions (key_padding_mask (batch, new), torch.nn's
         convention True = padding, converted here once; or None) and return the self-attention
-        mask of those queries over every key so far (batch, 1, new, length + new)."""
+        mask of those queries over the cached keys and theirs (batch, 1, new, held + new):
+        causal, and within the window (query i sees keys j with i - W < j <= i). `attendable`
+        then keeps the columns of the positions the layers keep."""
         xp = backend.get_array_module(like)
         if key_padding_mask is not None:
             padding = key_padding_mask.data if isinstance(key_padding_mask, Tensor) else key_padding_mask
@@ -475,14 +557,19 @@ class DecoderCache:
                 raise ValueError(f"key_padding_mask must be a bool array of shape (batch, new positions) = "
                                  f"{(batch, new)}, got {padding.dtype} {padding.shape}")
             if self.attendable is None:
-                self.attendable = xp.ones((batch, self.length), dtype=bool)
+                self.attendable = xp.ones((batch, self.held), dtype=bool)
             self.attendable = xp.concatenate([self.attendable, ~padding], axis=1)      # (B, t + L)
         elif self.attendable is not None:
             self.attendable = xp.concatenate([self.attendable, xp.ones((batch, new), dtype=bool)], axis=1)
-        causal = _causal_allowed(xp, self.length, new)[None, None]                   # (1, 1, L, t + L)
+        held = self.held
+        causal = _causal_allowed(xp, held, new, self.window)[None, None]             # (1, 1, L, t + L)
         if self.attendable is not None:
-            return AttentionMask(causal & self.attendable[:, None, None, :])          # (B, 1, L, t + L)
-        if new == 1:  # one new query sees every key: no mask
+            mask = AttentionMask(causal & self.attendable[:, None, None, :])          # (B, 1, L, t + L)
+            if self.window is not None:  # the columns of the positions kept after this step
+                kept = min(held + new, self.window - 1)
+                self.attendable = self.attendable[:, held + new - kept:]
+            return mask
+        if new == 1:  # one new query sees every cached key (with a window: the last W - 1): no mask
             return AttentionMask()
         return AttentionMask(None, True) if self.length == 0 else AttentionMask(causal)
 
@@ -516,9 +603,12 @@ class DecoderCache:
         return self
 
 
-def _causal_allowed(xp, cached, new):
-    """(new, cached + new) bool, True where new query i (at position cached + i) may attend to key j <= cached + i."""
-    return xp.arange(cached + new)[None, :] <= (cached + xp.arange(new))[:, None]
+def _causal_allowed(xp, cached, new, window=None):
+    """(new, cached + new) bool, True where new query i (at position cached + i) may attend to key
+    j <= cached + i (and, with a window W, j > cached + i - W)."""
+    keys, queries = xp.arange(cached + new)[None, :], (cached + xp.arange(new))[:, None]
+    allowed = keys <= queries
+    return allowed if window is None else allowed & (keys > queries - window)
 
 
 class Transformer(Module):
@@ -549,16 +639,12 @@ class Transformer(Module):
         for name in ("num_encoder_layers", "num_decoder_layers"):  # both stacks are built
             check_int(config[name], name, "Transformer", at_least=1)
         self.config = config
-
-        def final_norm():
-            return LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias, device=config.device,
-                             dtype=config.dtype)
         if custom_encoder is None:
             custom_encoder = TransformerEncoder(TransformerEncoderLayer(config=config), config.num_encoder_layers,
-                                                final_norm())
+                                                make_norm(config))
         if custom_decoder is None:
             custom_decoder = TransformerDecoder(TransformerDecoderLayer(config=config), config.num_decoder_layers,
-                                                final_norm())
+                                                make_norm(config))
         self.encoder, self.decoder = custom_encoder, custom_decoder
         self._reset_parameters()
         self.d_model, self.nhead, self.batch_first = config.d_model, config.nhead, True

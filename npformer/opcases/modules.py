@@ -104,6 +104,17 @@ CASES = [
                  normal((2, 3, 4), scale=3.0, offset=2.0), _call, _torch_call),
     _module_case("nn.LayerNorm (eps=1e-3)", "layer_norm", lambda: nn.LayerNorm(4, eps=1e-3),
                  normal((2, 3, 4), scale=3.0, offset=2.0), _call, _torch_call),
+    _module_case("nn.RMSNorm (no affine)", "rms_norm", lambda: nn.RMSNorm(4, elementwise_affine=False),
+                 normal((2, 3, 4), scale=3.0, offset=2.0), _call, lambda t, m, x: t.nn.functional.rms_norm(x, (4,)),
+                 convert=False),
+    # interop.to_torch has no RMSNorm or SwiGLU yet: tests/functional/test_op_rms_norm.py and test_op_swiglu.py
+    # compare these with torch.nn.RMSNorm and Llama's feed-forward written in torch
+    _module_case("nn.RMSNorm", "rms_norm", lambda: nn.RMSNorm((3, 4), eps=1e-3), normal((2, 3, 4), offset=1.0), _call),
+    _module_case("nn.SiLU", "silu", nn.SiLU, _activation_inputs, _call, lambda t, m, x: t.nn.functional.silu(x),
+                 convert=False),
+    _module_case("nn.SwiGLU", "swiglu", lambda: nn.SwiGLU(4, 6), normal((2, 3, 4)), _call),
+    _module_case("nn.SwiGLU (bias=False, out_features=3)", "swiglu", lambda: nn.SwiGLU(4, 5, 3, bias=False),
+                 normal((2, 4)), _call),
     _embedding_case(None),
     _embedding_case(1),
     _embedding_case(-1),

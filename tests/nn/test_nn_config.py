@@ -32,8 +32,8 @@ SMALL = dict(d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim
     (dict(block_size=2.0), TypeError, r"block_size must be an integer >= 1, got 2\.0 of type float"),
     (dict(norm_first=1), TypeError, r"TransformerConfig: norm_first must be True or False, got 1 of type int"),
     (dict(batch_first=False), ValueError, r"batch-first only"),
-    (dict(activation="swish"), ValueError, r"activation must be one of \('relu', 'gelu', 'gelu_tanh'\) or a "
-                                           r"callable, got 'swish'"),
+    (dict(activation="swish"), ValueError, r"activation must be one of \('relu', 'gelu', 'gelu_tanh', 'silu', "
+                                           r"'swiglu'\) or a callable, got 'swish'"),
     (dict(attention_backend="fast"), ValueError, r"attention_backend must be None or one of .*got 'fast'"),
     (dict(device="tpu"), ValueError, r"device must be None or one of \('cpu', 'cuda', 'test'\), got 'tpu'"),
     (dict(dtype="int32"), TypeError, r"dtype must be a floating dtype or its name .*got 'int32'"),
