@@ -400,7 +400,7 @@ def _check_sampling(temperature, top_k, top_p, max_new_tokens, eos, seed, vocab)
 def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos: int | None = None,
              seed: int | None = None, *, key_padding_mask: ArrayLike | None = None, pad: int | None = None,
-             use_cache: bool = True) -> np.ndarray:
+             use_cache: bool = True, crop: bool = True) -> np.ndarray:
     """Continue prompts with a causal LM (`CausalLM`, e.g. GPT-2 from `load_pretrained`), like
     Hugging Face's `model.generate`. Returns prompt + new ids.
 
@@ -422,8 +422,15 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
     use_cache=False recomputes the whole prefix at every step instead of using the KV cache.
     The model runs in `nn.inference_mode()`: without a graph and with dropout off in this thread
     only, `model.training` untouched (like Hugging Face's generate, which never changes the mode;
-    another thread may train the model meanwhile). The positional table must hold the prompt and
-    every new token but the last (which is never fed back): P + max_new_tokens - 1 positions.
+    another thread may train the model meanwhile).
+    Context longer than the positional table (learned or sinusoidal positions, max_len): with
+    crop=True (the default) the model sees the last max_len tokens only, as nanoGPT's generate
+    (idx[:, -block_size:]): once a row's prompt and new tokens exceed max_len, every step
+    recomputes the cache from that window (its first token at position 0), so each step costs a
+    forward over max_len tokens. crop=False refuses (ValueError) unless the table holds the
+    prompt and every new token but the last (which is never fed back): P + max_new_tokens - 1
+    positions. Rotary positions ("rope") and "none" have no table: generation goes on, the KV
+    cache growing with the context (or bounded by the model's sliding_window).
 
     Returns an int64 numpy array (B, P + n), n <= max_new_tokens, keeping the prompt's left
     padding; for a list of prompts, a list of 1-D arrays, each its prompt and its new tokens
@@ -437,6 +444,7 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
     temperature, top_k, top_p, max_new_tokens, eos, seed = _check_sampling(temperature, top_k, top_p,
                                                                            max_new_tokens, eos, seed, vocab)
     use_cache = check_bool(use_cache, "use_cache", "generate")
+    crop = check_bool(crop, "crop", "generate")
     pad = (eos if eos is not None else 0) if pad is None else check_int(pad, "pad", "generate", at_least=0,
                                                                         at_most=vocab - 1)
     prompt, mask, ragged = _prompts(ids, key_padding_mask, pad, vocab, pad_idx)
@@ -444,10 +452,11 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
     config = getattr(model, "config", None) or {}
     table = config.get("max_len") if config.get("positional") in ("learned", "sinusoidal") else None
     longest = width if mask is None else int((~mask).sum(axis=1).max())
-    if table is not None and longest + max_new_tokens - 1 > table:  # the last new token is never fed back
+    if not crop and table is not None and longest + max_new_tokens - 1 > table:  # the last new token is never fed back
         raise ValueError(f"generate: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
                          f"{longest + max_new_tokens - 1} positions but the model's positional table has "
-                         f"max_len={table}")
+                         f"max_len={table}; crop=True continues on the last {table} tokens (as nanoGPT does)")
+    window = table if crop else None  # None: the context always fits
     # a model with pad_idx would take pad ids for padding: it gets explicit masks (new tokens never are)
     step_mask = None if pad_idx is None else np.zeros((batch, 1), dtype=bool)
     if mask is None and pad_idx is not None:
@@ -459,10 +468,10 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
     with inference_mode(), _blas_threads(device):
         if use_cache:
             cache = model.init_cache()
-            logits = model.decode_step(backend.to_device(prompt, device), cache, key_padding_mask=mask)
+            logits = _cached_logits(model, prompt, mask, window, cache)
         for t in range(max_new_tokens):
             if not use_cache:
-                logits = _full_prefix_logits(model, np.column_stack([prompt, *columns]), mask, t)
+                logits = _full_prefix_logits(model, np.column_stack([prompt, *columns]), mask, t, window)
             tokens = _choose(logits.data, rng, temperature, top_k, top_p, f"generate: step {t}")
             tokens[finished] = pad
             columns.append(tokens)
@@ -471,8 +480,13 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
             if finished.all():
                 break
             if use_cache and t + 1 < max_new_tokens:
-                logits = model.decode_step(backend.to_device(tokens[:, None], device), cache,
-                                           key_padding_mask=step_mask)
+                if window is not None and longest + t + 1 > window:  # past the table: recompute on the window
+                    cache = model.init_cache()
+                    logits = _cached_logits(model, np.column_stack([prompt, *columns]),
+                                            _context_mask(mask, len(columns)), window, cache)
+                else:
+                    logits = model.decode_step(backend.to_device(tokens[:, None], device), cache,
+                                               key_padding_mask=step_mask)
     out = np.stack(columns, axis=1)                                                 # (B, n)
     result = np.concatenate([prompt, out], axis=1)
     if not ragged:
@@ -486,13 +500,38 @@ def generate(model: Module, ids: ArrayLike | list[ArrayLike], max_new_tokens: in
     return rows
 
 
-def _full_prefix_logits(model, prefix, prompt_mask, generated):
-    """The uncached path: next-token logits (B, V) of the whole prefix (prompt + `generated`
-    new tokens) with its padding mask and per-row positions."""
-    device = model.tok_embed.weight.device
+def _context_mask(prompt_mask, generated):
+    """The padding mask (B, P + generated) of the prompt and `generated` new tokens (never padding), or None."""
     if prompt_mask is None:
+        return None
+    return np.concatenate([prompt_mask, np.zeros((len(prompt_mask), generated), dtype=bool)], axis=1)
+
+
+def _cropped(ids, mask, window):
+    """(ids, mask) of the last `window` columns when they are wider (window None: as they are).
+    Every row keeps its last `window` tokens: the prompts are left-padded and new tokens are
+    never padding, so a row with fewer real tokens loses padding only."""
+    if window is None or ids.shape[1] <= window:
+        return ids, mask
+    return ids[:, -window:], (None if mask is None else mask[:, -window:])
+
+
+def _cached_logits(model, context, mask, window, cache):
+    """The next-token logits (B, V) after `context` (B, L) (cropped to its last `window`
+    columns), its keys and values filling the empty `cache`."""
+    device = model.tok_embed.weight.device
+    context, mask = _cropped(context, mask, window)
+    return model.decode_step(backend.to_device(context, device), cache, key_padding_mask=mask)
+
+
+def _full_prefix_logits(model, prefix, prompt_mask, generated, window=None):
+    """The uncached path: next-token logits (B, V) of the whole prefix (prompt + `generated`
+    new tokens; its last `window` columns when window is not None) with its padding mask and
+    per-row positions."""
+    device = model.tok_embed.weight.device
+    prefix, mask = _cropped(prefix, _context_mask(prompt_mask, generated), window)
+    if mask is None:
         return model(backend.to_device(prefix, device))[:, -1]
-    mask = np.concatenate([prompt_mask, np.zeros((len(prefix), generated), dtype=bool)], axis=1)
     positions = np.maximum(np.cumsum(~mask, axis=1) - 1, 0)
     return model(backend.to_device(prefix, device), key_padding_mask=backend.to_device(mask, device),
                  position_ids=backend.to_device(positions, device))[:, -1]

@@ -3,7 +3,7 @@
 `to_torch(module)` builds the equivalent torch module (same dtype, training mode and
 state_dict) and `from_torch(torch_module)` builds ours. Supported: nn.Transformer,
 TransformerEncoder/DecoderLayer, TransformerEncoder/Decoder, MultiheadAttention, Linear,
-LayerNorm, Embedding, and npformer's models, whose torch counterparts are the compositions of
+LayerNorm, RMSNorm, Embedding, and npformer's models, whose torch counterparts are the compositions of
 torch.nn modules in `torch_modules` (identical state_dict keys and forward math).
 npformer is batch-first only: torch modules built with batch_first=False are refused (the
 error says how to rebuild them). torch is imported inside these functions only.
@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from .. import models, nn
-from .torch_modules import torch_model_classes
+from .torch_modules import torch_model_classes, torch_unsupported
 
 TorchModule = Any  # a torch.nn.Module (for type hints: torch is imported lazily, never at import time)
 MODELS = (models.Seq2SeqTransformer, models.CausalLM, models.BidirectionalEncoder, models.EncoderClassifier)
@@ -58,7 +58,23 @@ def _no_rotary(module):
     for m in module.modules():
         if isinstance(m, nn.MultiheadAttention) and m.rotary:
             raise NotImplementedError("to_torch: rotary position embeddings (RoPE) have no torch.nn "
-                                      "counterpart; only sinusoidal, learned or no positions convert")
+                                      "counterpart; only sinusoidal, learned or no positions convert"
+                                      + _HF_HINT * isinstance(module, models.CausalLM))
+
+
+_HF_HINT = "; npformer.interop.to_hf converts Llama-style models to transformers (Llama, Qwen2, Mistral)"
+
+
+def _torch_expressible(module):
+    """NotImplementedError naming the first option of a model's config that torch.nn's
+    Transformer layers cannot express (torch_modules.torch_unsupported)."""
+    if isinstance(module, MODELS):
+        unsupported = torch_unsupported(module.config)
+        if unsupported:
+            raise NotImplementedError(f"to_torch: {type(module).__name__}({unsupported}) has no torch.nn "
+                                      f"counterpart (torch.nn's Transformer layers have no RMSNorm, SwiGLU, "
+                                      f"grouped-query or sliding-window attention, separate q/k/v biases or "
+                                      f"rotary positions){_HF_HINT}")
 
 
 def _layer_options(layer):
@@ -126,6 +142,11 @@ def _norm_options(norm):
     return dict(eps=norm.eps, elementwise_affine=norm.weight is not None, bias=norm.bias is not None)
 
 
+def _rms_norm_options(norm):
+    """RMSNorm arguments, read off ours or torch's (same names; eps None: the dtype's epsilon in both)."""
+    return dict(eps=norm.eps, elementwise_affine=norm.weight is not None)
+
+
 def _build_torch(module, dtype):
     torch = _torch()
     tnn = torch.nn
@@ -153,6 +174,8 @@ def _build_torch(module, dtype):
         return tnn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
     if isinstance(module, nn.LayerNorm):
         return tnn.LayerNorm(module.normalized_shape, dtype=dtype, **_norm_options(module))
+    if isinstance(module, nn.RMSNorm):
+        return tnn.RMSNorm(module.normalized_shape, dtype=dtype, **_rms_norm_options(module))
     if isinstance(module, nn.Embedding):
         return tnn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx, dtype=dtype)
     raise TypeError(f"to_torch: no torch counterpart for {type(module).__name__}")
@@ -162,10 +185,13 @@ def to_torch(module: nn.Module) -> TorchModule:
     """The equivalent torch module with `module`'s weights (copied), dtype and training mode:
     torch.nn's own class for nn layers, the composition in `torch_model_classes()` for models.
     Raises TypeError for a module that has no torch counterpart (or is not an npformer module),
-    ValueError for an activation given as a callable, NotImplementedError for rotary embeddings."""
+    ValueError for an activation given as a callable, NotImplementedError for rotary embeddings
+    and the options torch.nn's layers cannot express (RMSNorm, SwiGLU, grouped-query or
+    sliding-window attention: npformer.interop.to_hf converts Llama-style models)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"to_torch: expected an npformer nn.Module, got {type(module).__name__}")
     _no_rotary(module)
+    _torch_expressible(module)
     torch = _torch()
     with warnings.catch_warnings():  # torch warns that norm_first disables its nested-tensor fast path
         warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
@@ -202,6 +228,8 @@ def _build_ours(module):
         return nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
     if isinstance(module, tnn.LayerNorm):
         return nn.LayerNorm(module.normalized_shape, **_norm_options(module))
+    if isinstance(module, tnn.RMSNorm):
+        return nn.RMSNorm(module.normalized_shape, **_rms_norm_options(module))
     if isinstance(module, tnn.Embedding):
         return nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx)
     raise TypeError(f"from_torch: no npformer counterpart for {type(module).__name__}")

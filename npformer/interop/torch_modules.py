@@ -22,6 +22,24 @@ def _arguments(local_variables, function):
     return {name: local_variables[name] for name in code.co_varnames[1:count]}
 
 
+def torch_unsupported(config: dict) -> str | None:
+    """The first option of a model's config that torch.nn's Transformer layers cannot express,
+    as "name=value" (None when every one can): RMSNorm layers, the SwiGLU feed-forward,
+    grouped-query attention (num_kv_heads < nhead), sliding windows, q/k/v biases that differ
+    from the other biases, and rotary positions (torch.nn has no RoPE)."""
+    nhead = config.get("nhead")
+    qkv_bias = config.get("qkv_bias")
+    for name, supported in (("positional", config.get("positional") != "rope"),
+                            ("norm", config.get("norm", "layernorm") == "layernorm"),
+                            ("activation", config.get("activation") != "swiglu"),
+                            ("num_kv_heads", config.get("num_kv_heads") in (None, nhead)),
+                            ("sliding_window", config.get("sliding_window") is None),
+                            ("qkv_bias", qkv_bias is None or qkv_bias == config.get("bias", True))):
+        if not supported:
+            return f"{name}={config[name]!r}"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def torch_model_classes() -> dict[str, Any]:
     """{"Seq2SeqTransformer": ..., "CausalLM": ..., "BidirectionalEncoder": ...,
@@ -59,6 +77,8 @@ def torch_model_classes() -> dict[str, Any]:
         return LearnedPositionalEmbedding(max_len, d_model) if kind == "learned" else None
 
     def activation_of(name):
+        if name == "silu":
+            return tF.silu
         return tnn.GELU(approximate="tanh") if name == "gelu_tanh" else name
 
     def causal_mask(length, device):
@@ -137,14 +157,15 @@ def torch_model_classes() -> dict[str, Any]:
             if c.get("embed_norm"):
                 self.embed_norm = tnn.LayerNorm(d_model, eps=eps)
             self.dropout = tnn.Dropout(c["dropout"])
+            bias = c.get("bias", True)
             layer = tnn.TransformerEncoderLayer(d_model, c["nhead"], c["dim_feedforward"], c["dropout"],
                                                 activation_of(c["activation"]), eps, batch_first=True,
-                                                norm_first=c["norm_first"])
+                                                norm_first=c["norm_first"], bias=bias)
             def rate(name):  # None: the model's dropout
                 return c["dropout"] if c.get(name) is None else c[name]
             layer.self_attn.dropout = rate("attention_dropout")
             layer.dropout = tnn.Dropout(rate("activation_dropout"))
-            norm = tnn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
+            norm = tnn.LayerNorm(d_model, eps=eps, bias=bias) if c.get("final_norm", True) else None
             self.encoder = tnn.TransformerEncoder(layer, c["num_layers"], norm, enable_nested_tensor=False)
 
         def _build_pooled_encoder(self, c):
@@ -179,9 +200,14 @@ def torch_model_classes() -> dict[str, Any]:
     class CausalLM(EncoderOnly):
         def __init__(self, vocab_size, d_model=512, nhead=8, num_layers=6, dim_feedforward=2048, dropout=0.1,
                      max_len=1024, norm_first=True, activation="gelu", positional="learned", tie_weights=False,
-                     pad_idx=None, layer_norm_eps=1e-5, *, attention_dropout=None, activation_dropout=None):
+                     pad_idx=None, layer_norm_eps=1e-5, *, attention_dropout=None, activation_dropout=None,
+                     bias=True, norm="layernorm", num_kv_heads=None, sliding_window=None, qkv_bias=None,
+                     rotary_base=10000.0, rope_scaling=None, residual_init="normal"):
             super().__init__()
             self.config = _arguments(locals(), type(self).__init__)
+            unsupported = torch_unsupported(self.config)
+            if unsupported:
+                raise NotImplementedError(f"CausalLM({unsupported}) has no torch.nn counterpart")
             self._build_trunk(self.config)
             self.tie_weights = tie_weights
             if not tie_weights:

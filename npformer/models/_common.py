@@ -1,18 +1,30 @@
 """Pieces shared by the models: argument checks, token ids, padding masks, positions, the encoder trunk."""
 from __future__ import annotations
 
+import math
+
 from autograd import Tensor, backend, raw_computation
 from autograd.backend import Array, ArrayLike
 from autograd.checks import as_array, check_bool, check_int, check_optional_int, check_real
 
+import npformer.functional as F
 from .. import nn
 from ..functional._common import check_index_range
+from ..functional.rotary import check_rope_scaling, cos_sin_at
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
 from ..nn.config import TransformerConfig, check_d_model_nhead
+from ..nn.positional import RotaryEmbedding, check_position_ids
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+CAUSAL_ACTIVATIONS = ACTIVATIONS + ("silu", "swiglu")  # CausalLM's (swiglu: a gated feed-forward, linear3)
+NORMS = ("layernorm", "rmsnorm")
+RESIDUAL_INITS = ("normal", "gpt2")
+# the layer options of a model's config beyond the original ones (CausalLM's), passed on to
+# TransformerConfig under these names, with their defaults there
+LAYER_OPTIONS = {"bias": True, "norm": "layernorm", "num_kv_heads": None, "sliding_window": None, "qkv_bias": None,
+                 "rotary_base": 10000.0}
 
 
 def check_choice(value, choices, name, owner):
@@ -45,9 +57,49 @@ def check_config(config, owner):
         if config.get(name) is not None:
             config[name] = check_real(config[name], name, owner, at_least=0, at_most=1)
     config["layer_norm_eps"] = check_real(config["layer_norm_eps"], "layer_norm_eps", owner, above=0)
+    config.update(check_layer_options(config, owner))
     vocab = min(config[name] for name in ("vocab_size", "src_vocab_size", "tgt_vocab_size") if name in config)
     config["pad_idx"] = check_optional_int(config["pad_idx"], "pad_idx", owner, at_least=0, at_most=vocab - 1)
     return config
+
+
+def check_layer_options(config, owner):
+    """{option: checked value} of the layer options in `config` (those of LAYER_OPTIONS,
+    rope_scaling and residual_init that it holds; absent ones stay absent): bias a bool, norm
+    in NORMS, num_kv_heads None or an int >= 1 dividing nhead, sliding_window None or an int
+    >= 1, qkv_bias None or a bool, rotary_base > 0, rope_scaling None or a dict
+    (functional.rotary.check_rope_scaling), residual_init in RESIDUAL_INITS. rotary_base and
+    rope_scaling only act on positional="rope": set for other positions they are refused
+    rather than ignored."""
+    out = {}
+    if "bias" in config:
+        out["bias"] = check_bool(config["bias"], "bias", owner)
+    if "qkv_bias" in config and config["qkv_bias"] is not None:
+        out["qkv_bias"] = check_bool(config["qkv_bias"], "qkv_bias (None: the value of bias)", owner)
+    if "norm" in config:
+        out["norm"] = check_choice(config["norm"], NORMS, "norm", owner)
+    if "residual_init" in config:
+        out["residual_init"] = check_choice(config["residual_init"], RESIDUAL_INITS, "residual_init", owner)
+    if "sliding_window" in config:
+        out["sliding_window"] = check_optional_int(config["sliding_window"], "sliding_window", owner, at_least=1)
+    if config.get("num_kv_heads") is not None:
+        nhead = check_int(config["nhead"], "nhead", owner, at_least=1)
+        heads = out["num_kv_heads"] = check_int(config["num_kv_heads"], "num_kv_heads", owner, at_least=1)
+        if nhead % heads:
+            raise ValueError(f"{owner}: num_kv_heads={heads} must divide nhead={nhead} (each key/value head serves "
+                             f"nhead / num_kv_heads query heads): choose one of "
+                             f"{[n for n in range(1, nhead + 1) if nhead % n == 0]}")
+    if "rotary_base" in config:
+        out["rotary_base"] = check_real(config["rotary_base"], "rotary_base", owner, above=0)
+    if "rope_scaling" in config:
+        out["rope_scaling"] = check_rope_scaling(config["rope_scaling"], owner)
+    if config.get("positional") != "rope":
+        for name, default in (("rotary_base", 10000.0), ("rope_scaling", None)):
+            if out.get(name, default) != default:
+                raise ValueError(f"{owner}: {name}={out[name]!r} only acts on rotary positions, but "
+                                 f"positional={config.get('positional')!r}; use positional='rope' or leave {name} "
+                                 f"at {default!r}")
+    return out
 
 
 def additive_positions(positional, d_model, max_len):
@@ -66,8 +118,12 @@ def dims(config, names, owner):
     return [check_int(config[name], name, owner, at_least=1) for name in names]
 
 
-def layer_norm_shapes(prefix, d_model):
-    return {f"{prefix}.weight": (d_model,), f"{prefix}.bias": (d_model,)}
+def layer_norm_shapes(prefix, d_model, bias=True, norm="layernorm"):
+    """A LayerNorm's weight and bias (none with bias=False), or an RMSNorm's weight (norm="rmsnorm")."""
+    shapes = {f"{prefix}.weight": (d_model,)}
+    if bias and norm == "layernorm":
+        shapes[f"{prefix}.bias"] = (d_model,)
+    return shapes
 
 
 def linear_shapes(prefix, in_features, out_features, bias=True):
@@ -77,22 +133,32 @@ def linear_shapes(prefix, in_features, out_features, bias=True):
     return shapes
 
 
-def stack_shapes(prefix, num_layers, d_model, dim_feedforward, cross_attention, final_norm=True):
+def stack_shapes(prefix, num_layers, d_model, dim_feedforward, cross_attention, final_norm=True, *, nhead=1,
+                 bias=True, norm="layernorm", num_kv_heads=None, qkv_bias=None, gated=False):
     """nn.TransformerEncoder (cross_attention=False) or nn.TransformerDecoder, with its final
-    norm when final_norm."""
+    norm when final_norm. bias: the linears' and LayerNorms' biases (qkv_bias, None = bias: the
+    packed in_proj's); norm: "layernorm" or "rmsnorm" (no bias); num_kv_heads (None = nhead):
+    in_proj packs nhead query heads and num_kv_heads key and value heads of d_model / nhead;
+    gated: a SwiGLU feed-forward (linear3 beside linear1)."""
     shapes = {}
+    qkv_bias = bias if qkv_bias is None else qkv_bias
+    head_dim = d_model // nhead
+    packed = (nhead + 2 * (nhead if num_kv_heads is None else num_kv_heads)) * head_dim
     for i in range(num_layers):
         layer = f"{prefix}.layers.{i}"
         for attention in ("self_attn", "multihead_attn") if cross_attention else ("self_attn",):
-            shapes[f"{layer}.{attention}.in_proj_weight"] = (3 * d_model, d_model)
-            shapes[f"{layer}.{attention}.in_proj_bias"] = (3 * d_model,)
-            shapes.update(linear_shapes(f"{layer}.{attention}.out_proj", d_model, d_model))
-        shapes.update(linear_shapes(f"{layer}.linear1", d_model, dim_feedforward))
-        shapes.update(linear_shapes(f"{layer}.linear2", dim_feedforward, d_model))
-        for norm in ("norm1", "norm2", "norm3") if cross_attention else ("norm1", "norm2"):
-            shapes.update(layer_norm_shapes(f"{layer}.{norm}", d_model))
+            shapes[f"{layer}.{attention}.in_proj_weight"] = (packed, d_model)
+            if qkv_bias:
+                shapes[f"{layer}.{attention}.in_proj_bias"] = (packed,)
+            shapes.update(linear_shapes(f"{layer}.{attention}.out_proj", d_model, d_model, bias))
+        shapes.update(linear_shapes(f"{layer}.linear1", d_model, dim_feedforward, bias))
+        if gated:
+            shapes.update(linear_shapes(f"{layer}.linear3", d_model, dim_feedforward, bias))
+        shapes.update(linear_shapes(f"{layer}.linear2", dim_feedforward, d_model, bias))
+        for name in ("norm1", "norm2", "norm3") if cross_attention else ("norm1", "norm2"):
+            shapes.update(layer_norm_shapes(f"{layer}.{name}", d_model, bias, norm))
     if final_norm:
-        shapes.update(layer_norm_shapes(f"{prefix}.norm", d_model))
+        shapes.update(layer_norm_shapes(f"{prefix}.norm", d_model, bias, norm))
     return shapes
 
 
@@ -148,12 +214,48 @@ def transformer_config(config, owner, attention, **layers):
     runs, not stored in the model's config: like Hugging Face's attn_implementation), as
     attention_settings gives them."""
     c = config
+    # LAYER_OPTIONS the config sets to other than TransformerConfig's defaults (a default is the default)
+    options = {name: c[name] for name, default in LAYER_OPTIONS.items() if c.get(name, default) != default}
     return TransformerConfig.from_arguments(
         None, owner, d_model=c["d_model"], nhead=c["nhead"], dim_feedforward=c["dim_feedforward"],
         dropout=c["dropout"], attention_dropout=c.get("attention_dropout"),
         activation_dropout=c.get("activation_dropout"), activation=c["activation"],
         layer_norm_eps=c["layer_norm_eps"], norm_first=c["norm_first"], rotary=c["positional"] == "rope",
-        **layers, **attention)
+        **options, **layers, **attention)
+
+
+class ScaledRotaryEmbedding(RotaryEmbedding):
+    """nn.RotaryEmbedding with its frequencies scaled by a rope scaling dict ("linear":
+    positions / factor; "llama3": Llama 3.1's; see functional.rotary.check_rope_scaling). A
+    model with rope_scaling puts one in each self-attention in place of the plain one."""
+
+    def __init__(self, head_dim: int, base: float, scaling: dict):
+        super().__init__(head_dim, base)
+        self.scaling = check_rope_scaling(scaling, "ScaledRotaryEmbedding", "scaling")
+
+    def cos_sin(self, length: int, like: Array) -> tuple[Array, Array]:
+        key = (str(like.dtype), backend.device_of(like))
+        cached = self._tables.get(key)
+        if cached is None or cached[0].shape[0] < length:
+            size = max(length, 2 * cached[0].shape[0] if cached else 0)
+            cached = self._tables[key] = F.rotary_cos_sin(size, self.head_dim, base=self.base, dtype=like.dtype,
+                                                          device=backend.device_of(like), scaling=self.scaling)
+        return cached[0][:length], cached[1][:length]
+
+    def forward(self, x: Tensor, offset: int = 0, position_ids: ArrayLike | None = None) -> Tensor:
+        if position_ids is None:
+            return super().forward(x, offset)                                      # tables of cos_sin
+        if not isinstance(x, Tensor) or x.ndim != 4:
+            raise ValueError(f"RotaryEmbedding: with position_ids, x must be a Tensor (B, H, T, head_dim), "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+        ids = check_position_ids(position_ids, (x.shape[0], x.shape[2]), x.data, None, "RotaryEmbedding")
+        cos, sin = cos_sin_at(ids, self.head_dim, self.base, x.dtype, self.scaling)  # (B, T, hd/2) or (T, hd/2)
+        if ids.ndim == 2:                                      # (B, 1, T, hd/2): the same over the heads
+            cos, sin = cos[:, None], sin[:, None]
+        return F.apply_rotary_emb(x, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scaling={self.scaling}"
 
 
 def _type_vocab_size(config, owner):
@@ -163,7 +265,8 @@ def _type_vocab_size(config, owner):
 
 class EncoderOnlyModel(nn.Module):
     """Token embedding (+ token-type embedding) + positions (+ LayerNorm) + dropout + a
-    TransformerEncoder (with a final LayerNorm unless final_norm=False): the trunk of CausalLM,
+    TransformerEncoder (with a final norm unless final_norm=False: LayerNorm, or RMSNorm with
+    config norm="rmsnorm", as the layers' own): the trunk of CausalLM,
     BidirectionalEncoder and EncoderClassifier, built from the model's `config` dict.
 
     state_dict keys: tok_embed.weight, pos_embed.weight (positional="learned" only),
@@ -174,7 +277,10 @@ class EncoderOnlyModel(nn.Module):
     the feed-forward activation and its second linear (both default to `dropout`, as in
     torch.nn.TransformerEncoderLayer; GPT-2 and BERT have activation_dropout=0).
     Init: N(0, 0.02^2) on every parameter matrix, other biases zero, LayerNorm 1/0,
-    the padding row zero."""
+    the padding row zero.
+    `activations`: the activation names the model takes."""
+
+    activations = ACTIVATIONS
 
     def _build_trunk(self, config, attention):
         """Build the trunk from `config` (the model's config dict), whose numbers are checked
@@ -184,7 +290,7 @@ class EncoderOnlyModel(nn.Module):
         config.update(check_config(config, owner))
         c = config
         check_choice(c["positional"], POSITIONAL, "positional", owner)
-        check_choice(c["activation"], ACTIVATIONS, "activation", owner)
+        check_choice(c["activation"], self.activations, "activation", owner)
         check_d_model_nhead(c["d_model"], c["nhead"], owner)
         type_vocab_size = c.get("type_vocab_size", 0)
         d_model, eps = c["d_model"], c["layer_norm_eps"]
@@ -201,14 +307,17 @@ class EncoderOnlyModel(nn.Module):
         self.transformer_config = transformer_config(c, owner, attention, num_encoder_layers=c["num_layers"],
                                                      num_decoder_layers=0)
         layer = nn.TransformerEncoderLayer(config=self.transformer_config)
-        final_norm = nn.LayerNorm(d_model, eps=eps) if c.get("final_norm", True) else None
-        self.encoder = nn.TransformerEncoder(layer, c["num_layers"], final_norm)
+        if c.get("rope_scaling") is not None:  # (checked_layer_options: positional="rope")
+            layer.self_attn.rotary_emb = ScaledRotaryEmbedding(layer.self_attn.head_dim, c["rotary_base"],
+                                                               c["rope_scaling"])
+        norm = nn.make_norm(self.transformer_config) if c.get("final_norm", True) else None  # follows `norm`
+        self.encoder = nn.TransformerEncoder(layer, c["num_layers"], norm)
 
     @staticmethod
     def _trunk_shapes(config, owner, persistent):
         """state_dict shapes of the trunk that _build_trunk builds from `config` (with
         persistent=False also the sinusoidal table, a non-persistent buffer)."""
-        c = config
+        c = dict(config, **check_layer_options(config, owner))
         check_choice(c["positional"], POSITIONAL, "positional", owner)
         check_d_model_nhead(c["d_model"], c["nhead"], owner)
         vocab_size, max_len, num_layers, dim_feedforward = dims(
@@ -224,13 +333,23 @@ class EncoderOnlyModel(nn.Module):
         if c.get("embed_norm", False):
             shapes.update(layer_norm_shapes("embed_norm", d_model))
         shapes.update(stack_shapes("encoder", num_layers, d_model, dim_feedforward, cross_attention=False,
-                                   final_norm=c.get("final_norm", True)))
+                                   final_norm=c.get("final_norm", True), nhead=c["nhead"],
+                                   bias=c.get("bias", True), norm=c.get("norm", "layernorm"),
+                                   num_kv_heads=c.get("num_kv_heads"), qkv_bias=c.get("qkv_bias"),
+                                   gated=c["activation"] == "swiglu"))
         return shapes
 
     def _reset_parameters(self):
+        """N(0, 0.02^2) on every matrix, zero biases (norms keep their ones); with
+        config residual_init="gpt2" each layer's residual projections (self_attn.out_proj.weight
+        and linear2.weight) at std 0.02 / sqrt(2 num_layers), as GPT-2 and nanoGPT."""
+        residual_std = None
+        if self.config.get("residual_init", "normal") == "gpt2":
+            residual_std = 0.02 / math.sqrt(2 * self.config["num_layers"])
         for name, p in self.named_parameters():
             if p.ndim > 1:
-                init.normal_(p, std=0.02)
+                residual = name.endswith((".self_attn.out_proj.weight", ".linear2.weight"))
+                init.normal_(p, std=residual_std if residual and residual_std is not None else 0.02)
             elif name.endswith("bias"):
                 init.zeros_(p)
         self.tok_embed.zero_padding_row()

@@ -9,20 +9,41 @@ from autograd.backend import ArrayLike
 
 from .. import nn
 from ..nn.positional import check_position_ids
-from ._common import EncoderOnlyModel, attention_settings, padding_mask_from_ids, token_ids, valid_positions
+from ._common import (CAUSAL_ACTIVATIONS, EncoderOnlyModel, attention_settings, check_choice, padding_mask_from_ids,
+                      token_ids, valid_positions)
 
 
 class CausalLM(EncoderOnlyModel):
     """ids (B, T) -> next-token logits (B, T, vocab_size); position t sees positions <= t.
 
-    h = encoder(dropout(tok_embed(ids) + positions), causal mask) with a final LayerNorm,
+    h = encoder(dropout(tok_embed(ids) + positions), causal mask) with a final norm,
     logits = lm_head(h) (no bias), or h tok_embed.weight^T with tie_weights=True (then no
     lm_head key). Pre-LN by default (norm_first=True), GELU, learned positions.
-    activation: "relu", "gelu" (exact) or "gelu_tanh" (GPT-2's "gelu_new"). attention_dropout
+    activation: "relu", "gelu" (exact), "gelu_tanh" (GPT-2's "gelu_new"), "silu", or "swiglu"
+    (a gated feed-forward linear2(silu(linear1 x) * linear3 x), Llama's). attention_dropout
     and activation_dropout default to `dropout` (see EncoderOnlyModel).
+
+    Layer options (nn.TransformerConfig's, under the same names): bias (False: no bias in any
+    linear or LayerNorm, as nanoGPT's bias=False), qkv_bias (None = bias; Qwen2 has
+    bias=False, qkv_bias=True), norm ("layernorm" or "rmsnorm", also the final norm),
+    num_kv_heads (None = nhead; fewer: grouped-query attention, 1: multi-query), sliding_window
+    (None, or each position attends to the last W positions: Mistral's), rotary_base (RoPE's
+    base) and rope_scaling (None, {"rope_type": "linear", "factor": f}: positions divided by f,
+    or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}: Llama 3.1's; any other type or key is refused),
+    both for positional="rope" only. residual_init: "normal" (N(0, 0.02^2) on every matrix) or
+    "gpt2" (the residual projections self_attn.out_proj and linear2 at std
+    0.02 / sqrt(2 num_layers), as GPT-2 and nanoGPT).
+
     GPT-2 is CausalLM(activation="gelu_tanh", tie_weights=True, activation_dropout=0.0):
     npformer.interop.from_hf / to_hf and npformer.models.load_pretrained convert its weights.
-    Equivalent torch composition: npformer.interop.to_torch(model).
+    nanoGPT is CausalLM(dim_feedforward=4 d_model, tie_weights=True, activation_dropout=0.0,
+    bias=..., residual_init="gpt2"): npformer.interop.from_nanogpt / to_nanogpt.
+    A Llama-style model is CausalLM(norm="rmsnorm", activation="swiglu", positional="rope",
+    bias=False, tie_weights=False, dropout=0.0, num_kv_heads=...) (Qwen2: qkv_bias=True;
+    Mistral: sliding_window=W).
+    Equivalent torch composition: npformer.interop.to_torch(model) (torch.nn has no RMSNorm
+    transformer layer, SwiGLU, grouped-query or sliding-window attention: those are refused).
     Generation: npformer.decoding.generate(model, ids, max_new_tokens, ...) on the KV cache of
     init_cache() / decode_step() (the seq2seq decoder's machinery: nn.DecoderCache).
     How attention runs (not stored in `config`, like Hugging Face's attn_implementation):
@@ -31,18 +52,26 @@ class CausalLM(EncoderOnlyModel):
     `config` holds the others: CausalLM(**model.config) rebuilds the model.
     """
 
+    activations = CAUSAL_ACTIVATIONS
+
     def __init__(self, vocab_size: int, d_model: int = 512, nhead: int = 8, num_layers: int = 6,
                  dim_feedforward: int = 2048, dropout: float = 0.1, max_len: int = 1024, norm_first: bool = True,
                  activation: str = "gelu", positional: str = "learned", tie_weights: bool = False,
                  pad_idx: int | None = None, layer_norm_eps: float = 1e-5, *, attention_dropout: float | None = None,
-                 activation_dropout: float | None = None, memory_efficient: bool = False, block_size: int = 512,
-                 attention_backend: str | None = None):
+                 activation_dropout: float | None = None, bias: bool = True, norm: str = "layernorm",
+                 num_kv_heads: int | None = None, sliding_window: int | None = None, qkv_bias: bool | None = None,
+                 rotary_base: float = 10000.0, rope_scaling: dict | None = None, residual_init: str = "normal",
+                 memory_efficient: bool = False, block_size: int = 512, attention_backend: str | None = None):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, d_model=d_model, nhead=nhead, num_layers=num_layers,
                            dim_feedforward=dim_feedforward, dropout=dropout, max_len=max_len,
                            norm_first=norm_first, activation=activation, positional=positional,
                            tie_weights=tie_weights, pad_idx=pad_idx, layer_norm_eps=layer_norm_eps,
-                           attention_dropout=attention_dropout, activation_dropout=activation_dropout)
+                           attention_dropout=attention_dropout, activation_dropout=activation_dropout,
+                           bias=bias, norm=norm, num_kv_heads=num_kv_heads, sliding_window=sliding_window,
+                           qkv_bias=qkv_bias, rotary_base=rotary_base,
+                           rope_scaling=rope_scaling,
+                           residual_init=residual_init)
         self._build_trunk(self.config, attention_settings(memory_efficient, block_size, attention_backend))
         self.tie_weights = self.config["tie_weights"]
         if not self.tie_weights:
@@ -52,8 +81,9 @@ class CausalLM(EncoderOnlyModel):
     @classmethod
     def state_shapes(cls, config: dict[str, Any], persistent: bool = True) -> dict[str, tuple[int, ...]]:
         """{name: shape} of `CausalLM(**config).state_dict()` from the config alone (config holds
-        every constructor argument), building nothing; persistent=False adds the non-persistent
-        buffers (named as in named_buffers)."""
+        every constructor argument; the options added later may be absent: their defaults),
+        building nothing; persistent=False adds the non-persistent buffers (named as in named_buffers)."""
+        check_choice(config["activation"], cls.activations, "activation", cls.__name__)
         shapes = cls._trunk_shapes(config, cls.__name__, persistent)
         if not config["tie_weights"]:
             shapes["lm_head.weight"] = shapes["tok_embed.weight"]

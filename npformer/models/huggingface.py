@@ -410,6 +410,7 @@ def hf_config(model) -> dict:
     attention_dropout = c["dropout"] if c.get("attention_dropout") is None else c["attention_dropout"]
     if architecture == "GPT2LMHeadModel":
         _require(c["norm_first"], "hf_config: GPT-2 is pre-LN: CausalLM(norm_first=False) has no GPT-2 counterpart")
+        _gpt2_options(c)
         vocab = c["vocab_size"]
         token = 50256 if vocab > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
         return dict(model_type="gpt2", architectures=[architecture], vocab_size=vocab, n_positions=c["max_len"],
@@ -432,6 +433,26 @@ def hf_config(model) -> dict:
     if architecture == "BertForSequenceClassification":
         config.update(num_labels=c["num_classes"], classifier_dropout=c["classifier_dropout"])
     return config
+
+
+# CausalLM options GPT-2 has only at their defaults (nanoGPT's bias=False models too: interop.to_nanogpt)
+_GPT2_DEFAULTS = (("bias", True), ("norm", "layernorm"), ("sliding_window", None))
+
+
+def _gpt2_options(c):
+    """ValueError naming the first option of a CausalLM config that GPT-2 cannot express."""
+    for option, default in _GPT2_DEFAULTS:
+        _require(c.get(option, default) == default,
+                 f"hf_config: CausalLM({option}={c[option]!r}) has no GPT-2 counterpart (GPT-2 has "
+                 f"{option}={default!r})" + ("; npformer.interop.to_nanogpt writes nanoGPT's bias-free checkpoints"
+                                             if option == "bias" else ""))
+    heads = c.get("num_kv_heads")
+    _require(heads in (None, c["nhead"]), f"hf_config: CausalLM(num_kv_heads={heads!r}) has no GPT-2 counterpart "
+                                          f"(GPT-2 has one key/value head per query head)")
+    qkv_bias = c.get("qkv_bias")
+    _require(qkv_bias in (None, c.get("bias", True)),
+             f"hf_config: CausalLM(qkv_bias={qkv_bias!r}) has no GPT-2 counterpart (its q/k/v biases are its other "
+             f"biases)")
 
 
 # -- weights ---------------------------------------------------------------------------------

@@ -327,7 +327,9 @@ def test_left_padded_batch_equals_huggingface_generate(torch, transformers, rng)
     (dict(eos="x"), TypeError, "generate: eos must be an integer"),
     (dict(seed=1.5), TypeError, "generate: seed must be an integer"),
     (dict(pad=-0.5), TypeError, "generate: pad must be an integer"),
-    (dict(max_new_tokens=40), ValueError, r"needs 43 positions but the model's positional table has max_len=40"),
+    (dict(max_new_tokens=40, crop=False), ValueError,
+     r"needs 43 positions but the model's positional table has max_len=40; crop=True continues"),
+    (dict(crop=1), TypeError, "generate: crop must be True or False"),
 ])
 def test_bad_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -509,7 +511,7 @@ def test_the_positional_table_is_filled_to_its_last_position():
         np.testing.assert_array_equal(out, generate(model, prompt, new, temperature=0.0, use_cache=False))
         np.testing.assert_array_equal(out[0], argmax_loop(model, prompt[0], new))
     with pytest.raises(ValueError, match="a prompt of 40 tokens plus max_new_tokens=2 needs 41 positions"):
-        generate(model, np.ones((1, 40), dtype=np.int64), 2)
+        generate(model, np.ones((1, 40), dtype=np.int64), 2, crop=False)
 
 
 def test_generation_runs_without_dropout_in_train_mode():
@@ -605,3 +607,42 @@ def test_nan_logits_raise_naming_the_step_and_row(temperature, use_cache):
 def test_greedy_sampling_refuses_nan_logits():
     with pytest.raises(ValueError, match=r"sample_logits: .*rows \[1\] hold NaN"):
         sample_logits(np.array([[0.0, 1.0], [np.nan, 0.0]]), np.random.default_rng(0), temperature=0.0)
+
+
+# -- past the positional table: crop to the last max_len tokens (nanoGPT's generate) ---------------
+def cropped_argmax_loop(model, prompt, steps, window):
+    """The reference: at every step the last `window` tokens through forward() from position 0."""
+    model.eval()
+    ids = np.asarray(prompt)[None]
+    with npformer.no_grad():
+        for _ in range(steps):
+            ids = np.append(ids, [[int(model(ids[:, -window:]).numpy()[0, -1].argmax())]], axis=1)
+    return ids[0]
+
+
+@pytest.mark.parametrize("positional", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_past_the_table_crops_to_the_last_max_len_tokens(positional, use_cache):
+    model = lm(positional, max_len=8)
+    for width in (3, 11):  # a prompt inside the table, one already past it
+        prompt = (np.arange(width) * 7 + 1) % 50
+        out = generate(model, prompt[None], 12, temperature=0.0, use_cache=use_cache)
+        np.testing.assert_array_equal(out[0], cropped_argmax_loop(model, prompt, 12, 8))
+
+
+def test_cropped_generation_of_a_padded_batch_equals_each_prompt_alone():
+    model = lm(max_len=6)
+    prompts = [np.array([5, 9, 2, 7]), np.array([3]), np.array([1, 2, 3, 4, 5, 6, 7, 8])]
+    together = generate(model, prompts, 9, temperature=0.0)
+    for prompt, row in zip(prompts, together):
+        alone = generate(model, prompt[None], 9, temperature=0.0)[0]
+        np.testing.assert_array_equal(row, alone)
+        np.testing.assert_array_equal(row, cropped_argmax_loop(model, prompt, 9, 6))
+
+
+def test_rotary_generation_goes_past_max_len_without_cropping():
+    """RoPE has no table: max_len does not bound generation, and nothing is cropped."""
+    model = lm("rope", max_len=4)
+    prompt = np.array([4, 8, 15, 16, 23])
+    out = generate(model, prompt[None], 6, temperature=0.0)
+    np.testing.assert_array_equal(out[0], argmax_loop(model, prompt, 6))

@@ -83,20 +83,57 @@ def rotary_tables(x, cos, sin):
     return tables
 
 
+ROPE_SCALING = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def check_rope_scaling(scaling: dict | None, owner: str, name: str = "rope_scaling") -> dict | None:
+    """None, or `scaling` as a new dict of plain numbers: {"rope_type": "linear", "factor": f}
+    (positions divided by f) or {"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"} (Llama 3.1's, as transformers'). Every
+    number > 0 (factor >= 1 is usual, not required), high_freq_factor > low_freq_factor.
+    ValueError naming another rope_type, a missing key or an unknown one (never ignored)."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise TypeError(f"{owner}: {name} must be None or a dict such as {{'rope_type': 'linear', 'factor': 2.0}}, "
+                        f"got {type(scaling).__name__}")
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING:
+        raise ValueError(f"{owner}: {name} rope_type {kind!r} is not supported (supported: {sorted(ROPE_SCALING)})")
+    keys = ROPE_SCALING[kind]
+    unknown = sorted(str(k) for k in scaling if k != "rope_type" and k not in keys)
+    missing = [k for k in keys if k not in scaling]
+    if unknown or missing:
+        raise ValueError(f"{owner}: {name} of rope_type {kind!r} takes the keys {list(keys)}"
+                         + (f"; unknown {unknown}" if unknown else "") + (f"; missing {missing}" if missing else ""))
+    checked = {"rope_type": kind}
+    for key in keys:
+        checked[key] = check_real(scaling[key], f"{name}[{key!r}]", owner, above=0)
+    if kind == "llama3" and checked["high_freq_factor"] <= checked["low_freq_factor"]:
+        raise ValueError(f"{owner}: {name} needs high_freq_factor > low_freq_factor, got "
+                         f"{checked['high_freq_factor']} and {checked['low_freq_factor']}")
+    return checked
+
+
 def rotary_cos_sin(seq_len: int, head_dim: int, base: float = 10000.0, dtype: DType = "float32",
-                   device: str = "cpu") -> tuple[Array, Array]:
+                   device: str = "cpu", scaling: dict | None = None) -> tuple[Array, Array]:
     """cos and sin tables (seq_len, head_dim // 2) of angle t * base^(-2i/head_dim) for position t
-    and pair i, computed in float64 and cast to `dtype`, as arrays on `device`."""
+    and pair i, computed in float64 and cast to `dtype`, as arrays on `device`. scaling: None or
+    a rope scaling dict (see check_rope_scaling: "linear", "llama3"), which scales the frequencies."""
     head_dim = check_int(head_dim, "head_dim", "rotary_cos_sin", at_least=1)
     if head_dim % 2:
         raise ValueError(f"rotary_cos_sin: head_dim must be a positive even number, got {head_dim}")
     seq_len = check_int(seq_len, "seq_len", "rotary_cos_sin", at_least=0)
     base = check_real(base, "base", "rotary_cos_sin", above=0)
     dtype = check_float_dtype(dtype, "dtype", "rotary_cos_sin")
-    return cos_sin_at(backend.module_for(device).arange(seq_len), head_dim, base, dtype)
+    scaling = check_rope_scaling(scaling, "rotary_cos_sin", "scaling")
+    return cos_sin_at(backend.module_for(device).arange(seq_len), head_dim, base, dtype, scaling)
 
 
-def cos_sin_at(positions: Array, head_dim: int, base: float, dtype: DType) -> tuple[Array, Array]:
+def cos_sin_at(positions: Array, head_dim: int, base: float, dtype: DType,
+               scaling: dict | None = None) -> tuple[Array, Array]:
     """rotary_cos_sin's tables at integer `positions` (any shape P, on their device, checked by
-    the caller): cos and sin (*P, head_dim // 2), computed in float64 and cast to `dtype`."""
-    return math.cos_sin_at(backend.get_array_module(positions), positions, head_dim, base, dtype)
+    the caller): cos and sin (*P, head_dim // 2), computed in float64 and cast to `dtype`;
+    scaling: None or a dict checked by check_rope_scaling."""
+    return math.cos_sin_at(backend.get_array_module(positions), positions, head_dim, base, dtype, scaling)

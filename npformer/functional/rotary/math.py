@@ -31,9 +31,34 @@ def rotary_tangent(xp, t_x, cos, sin):
     return rotary_forward(xp, t_x, cos, sin)
 
 
-def cos_sin_at(xp, positions, head_dim, base, dtype):
-    """The tables at integer `positions` (any shape P): cos and sin (*P, head_dim // 2) of the angle
-    p * base^(-2i/head_dim) for position p and pair i, computed in float64 and cast to `dtype`."""
+def inverse_frequencies(xp, head_dim, base, scaling=None):
+    """The angle per position of each pair i (hd/2,), float64: base^(-2i/head_dim), then scaled.
+    scaling: None, or a checked dict (functional.rotary.check_rope_scaling):
+    "linear": every frequency / factor (positions divided by factor: a position interpolation);
+    "llama3" (Llama 3.1, as transformers' _compute_llama3_parameters): with wavelengths 2 pi / f,
+    frequencies of wavelength above L / low_freq_factor (L = original_max_position_embeddings)
+    / factor, below L / high_freq_factor kept, and in between
+    (1 - s) f / factor + s f with s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
     inv_freq = base ** (-xp.arange(0, head_dim, 2, dtype="float64") / head_dim)   # (hd/2,)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * xp.pi / inv_freq                                              # (hd/2,)
+    smooth = (context / wavelength - low) / (high - low)                           # 0 at L/low, 1 at L/high
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = xp.where(wavelength > context / low, inv_freq / factor, inv_freq)    # long waves / factor
+    middle = (wavelength >= context / high) & (wavelength <= context / low)
+    return xp.where(middle, blended, scaled)
+
+
+def cos_sin_at(xp, positions, head_dim, base, dtype, scaling=None):
+    """The tables at integer `positions` (any shape P): cos and sin (*P, head_dim // 2) of the angle
+    p * inverse_frequencies(head_dim, base, scaling)_i for position p and pair i (base^(-2i/head_dim)
+    unscaled), computed in float64 and cast to `dtype`."""
+    inv_freq = inverse_frequencies(xp, head_dim, base, scaling)                    # (hd/2,)
     angles = positions.astype("float64")[..., None] * inv_freq                    # (*P, hd/2)
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
