@@ -338,8 +338,8 @@ def _head_counts(c):
 
 
 def _check_plain(c, owner, family):
-    """ValueError naming the first option of a GPT-2/BERT-bound model that GPT-2/BERT do not have
-    (the options of Llama-style models, when the model carries them)."""
+    """ValueError naming the first option of a BERT-bound model that BERT does not have (the
+    options of Llama-style models, when the model carries them)."""
     nhead, kv, _ = _head_counts(c)
     for option, value, wanted in (("bias", c.get("bias", True), True), ("norm", c.get("norm", "layernorm"),
                                   "layernorm"), ("num_kv_heads", kv, nhead),
@@ -402,7 +402,8 @@ def hf_config(model) -> dict:
     c, owner = model.config, type(model).__name__
     if ARCHITECTURES[architecture][0] in LLAMA_FAMILY:
         return _llama_hf_config(model, architecture)
-    _check_plain(c, owner, "GPT-2" if architecture == "GPT2LMHeadModel" else "BERT")
+    if architecture != "GPT2LMHeadModel":  # (GPT-2's: _gpt2_options)
+        _check_plain(c, owner, "BERT")
     _require(c["positional"] == "learned", f"hf_config: {owner}(positional={c['positional']!r}) has no Hugging Face "
                                            f"counterpart: GPT-2 and BERT learn their positions (positional='learned'); "
                                            f"Llama needs norm='rmsnorm' and activation='swiglu' too")
