@@ -354,10 +354,13 @@ def _llama_hf_config(model, architecture):
     or MistralForCausalLM (sliding_window)."""
     c, family = model.config, ARCHITECTURES[architecture][0]
     name = LLAMA_FAMILY[family][0]
+    # what made it Llama-style rather than GPT-2 (named: the model may have been meant as a GPT-2)
+    trigger = "norm='rmsnorm'" if c.get("norm") == "rmsnorm" else f"activation={c.get('activation')!r}"
     for option, wanted in (("norm", "rmsnorm"), ("activation", "swiglu"), ("positional", "rope"), ("bias", False),
                            ("norm_first", True)):
-        _require(c.get(option) == wanted, f"hf_config: {name} ({architecture}) needs CausalLM({option}={wanted!r}), "
-                                          f"got {option}={c.get(option)!r}")
+        _require(c.get(option) == wanted, f"hf_config: CausalLM({trigger}) has no GPT-2 counterpart, and {name} "
+                                          f"({architecture}) needs CausalLM({option}={wanted!r}), got "
+                                          f"{option}={c.get(option)!r}")
     nhead, kv, head_dim = _head_counts(c)
     attention_dropout = c["dropout"] if c.get("attention_dropout") is None else c["attention_dropout"]
     base, scaling = float(c.get("rotary_base", 10000.0)), c.get("rope_scaling")
