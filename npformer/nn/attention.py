@@ -30,7 +30,6 @@ from .config import TransformerConfig
 from .layers import Linear, new_parameter
 from .module import Module
 from .positional import RotaryEmbedding
-from ._pending_42 import sdpa  # PENDING-42: F.scaled_dot_product_attention once it has enable_gqa, sliding_window
 
 
 class AttentionMask(NamedTuple):
@@ -78,13 +77,16 @@ def attention_mask(attn_mask: ArrayLike | None, key_padding_mask: ArrayLike | No
     j > query i may not attend. The result's is_causal is True only when no mask is needed
     besides causality (SDPA applies it without materialising a mask). Float mask Tensors that
     require grad are combined with Tensor ops: their gradients flow.
-    sliding_window: W (with is_causal only, then even beside an attn_mask): key j <= query i - W
+    sliding_window: W (needs is_causal=True, ValueError otherwise; applied even beside an attn_mask): key j <= query i - W
     may not attend either. When the causal mask is the only one, the result is
     AttentionMask(None, True) all the same: the attention module applies its window then
     (F.scaled_dot_product_attention(sliding_window=W), which never materialises it).
     """
     batch, heads, tgt_len, src_len = shape
     attn_name, padding_name = names
+    if sliding_window is not None and not is_causal:  # a window without causality would be dropped unseen
+        raise ValueError(f"the config's sliding_window={sliding_window} applies to causal self-attention only; "
+                         f"pass is_causal=True (with or without {attn_name}), or build the layer without it")
     parts = []
     if attn_mask is not None:
         mask = _mask_array(attn_mask, attn_name, like)
@@ -365,7 +367,7 @@ class MultiheadAttention(Module):
         weights (B, T, S), or (B, H, T, S) with average_attn_weights=False, or None)."""
         B, H, T, hd = q.shape
         # the memory-efficient and flash paths never form the weights: they run when none are asked for
-        result = sdpa(
+        result = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask.mask, dropout_p=self.dropout if self.training_active else 0.0,
             is_causal=mask.is_causal, enable_gqa=self.grouped, sliding_window=self.causal_window(mask),
             return_weights=need_weights, memory_efficient=self.config.memory_efficient and not need_weights,

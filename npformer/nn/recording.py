@@ -30,7 +30,6 @@ from autograd.backend import Array
 
 from .attention import AttentionMask, MultiheadAttention, repeat_kv_heads
 from .module import Module
-from ._pending_42 import sdpa  # PENDING-42: F.scaled_dot_product_attention once it has enable_gqa, sliding_window
 
 
 class AttentionRecord:
@@ -127,7 +126,7 @@ class record_attention:
                 return type(module).attend(module, q, k, v, mask, need_weights=need_weights,
                                            average_attn_weights=average_attn_weights)
             B, H, T, _ = q.shape
-            _, probs = sdpa(q, k, v, attn_mask=mask.mask, is_causal=mask.is_causal, enable_gqa=module.grouped,
+            _, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, is_causal=mask.is_causal, enable_gqa=module.grouped,
                             sliding_window=module.causal_window(mask), return_weights=True)  # (B, H, T, S) P
             probs.retain_grad()
             self.recorder.records.append(AttentionRecord(name, module, probs))

@@ -403,6 +403,24 @@ def test_hvp_attention_memory_runs_both_paths_and_the_memory_efficient_one_holds
     assert memory["memory_efficient"]["traced_mb"] < memory["naive"]["traced_mb"] / 4
 
 
+def test_attention_modern_measures_the_window_and_the_grouped_query_step(torch):
+    """attention_modern.py at tiny sizes: the window path's time and peak at each length, the
+    naive path's peak in (T, T) matrices (it holds at least P), the window path's peak far below
+    one (T, T) matrix once T is many windows long, and the grouped-query step against torch (the
+    script first checks that both give the same gradients)."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "attention_modern.py"), "--lengths", "256", "1024",
+                             "--window", "16", "--head-dim", "8", "--block-size", "16", "--full-length", "256",
+                             "--gqa", "1", "4", "2", "16", "8", "--repeats", "1", "--threads", "1", "--json"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(report["lengths"]) == {"256", "1024"} and report["length_ratio"] == 4
+    assert report["full_path"]["matrices"] >= 1                    # the naive path keeps P, one (T, T) matrix
+    assert report["full_path"]["window_peak_mb"] < report["full_path"]["peak_mb"]
+    assert report["memory_ratio"] < 0.1                            # T = 1024 is 64 windows of 16
+    assert report["gqa"]["ours"] > 0 and report["gqa"]["torch"] > 0 and report["gqa"]["ratio"] > 0
+
+
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 def test_hvp_model_runs_every_runner_and_ours_agree_with_torch(torch):
     """hvp.py's default mode on tiny_gpt: both of ours' HVPs agree with torch's reverse over reverse

@@ -750,3 +750,203 @@ def test_naive_double_backward_is_differentiable_itself(mask):
         np.testing.assert_allclose(composed.numpy(), raw.numpy(), rtol=0,
                                    atol=1e-12 * max(1.0, np.abs(raw.numpy()).max()))
     assert autograd.gradgradcheck(first_derivative, xs)
+
+
+# -- grouped-query attention (enable_gqa) and the sliding window ------------------------------------
+def repeated_heads(key, value, heads):
+    """key and value with each of their H_kv heads repeated for its H / H_kv query heads (torch's
+    repeat_interleave over dim -3), as differentiable Tensor indexing."""
+    index = np.arange(heads) // (heads // key.shape[-3])
+    return key[..., index, :, :], value[..., index, :, :]
+
+
+GROUPED_OPTIONS = {
+    "naive, causal": {"is_causal": True},
+    "naive, causal, dropout, return_weights": {"is_causal": True, "dropout_p": 0.3, "return_weights": True},
+    "naive, padding, dropout": {"attn_mask": np.arange(TK) < TK - 2, "dropout_p": 0.3},
+    "naive, per-head float mask, window 3, dropout": {"attn_mask": np.random.default_rng(4).standard_normal((6, TQ, TK)),
+                                                      "is_causal": True, "sliding_window": 3, "dropout_p": 0.3},
+    "memory-efficient, causal, window 2": {"is_causal": True, "sliding_window": 2, **PATHS["memory_efficient"]},
+    "memory-efficient, per-head mask, dropout": {"attn_mask": np.random.default_rng(3).random((B, 6, TQ, TK)) > 0.3,
+                                                 "dropout_p": 0.3, **PATHS["memory_efficient"]},
+}
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 3])
+@pytest.mark.parametrize("options", GROUPED_OPTIONS)
+def test_grouped_query_gradients_are_those_through_explicitly_repeated_heads(options, kv_heads):
+    """enable_gqa=True (H = 6 query heads, groups of 6, 3 and 2) against the same call on K and V
+    repeated per query head (dropout from one generator state): outputs, first derivatives (dK, dV:
+    the sum over each group), the second derivative (create_graph) and J u all agree to float64
+    rounding."""
+    kwargs = GROUPED_OPTIONS[options]
+    rng = np.random.default_rng(31)
+    arrays = [rng.standard_normal((B, 6, TQ, HD))] + [rng.standard_normal((B, kv_heads, TK, HD)) for _ in range(2)]
+    dout, u = rng.standard_normal((B, 6, TQ, HD)), [rng.standard_normal(a.shape) for a in arrays]
+
+    def sdpa(q, k, v, grouped):
+        generator = npformer.runtime.random.Philox(4)
+        if grouped:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, generator=generator, **kwargs)
+        return F.scaled_dot_product_attention(q, *repeated_heads(k, v, 6), generator=generator, **kwargs)
+
+    dweights = rng.standard_normal((B, 6, TQ, TK))
+    results = []
+    for grouped in (True, False):
+        xs = [leaf(a) for a in arrays]
+        outs = sdpa(*xs, grouped)
+        outs = outs if isinstance(outs, tuple) else (outs,)               # (out, weights) with return_weights
+        first = autograd.grad(list(outs), xs, [Tensor(dout), Tensor(dweights)][:len(outs)], create_graph=True)
+        second = autograd.grad(first, xs, [Tensor(a) for a in u])
+        with fwAD.dual_level():
+            tangent = sdpa(*(fwAD.make_dual(Tensor(a), t) for a, t in zip(arrays, u)), grouped)
+            tangent = fwAD.unpack_dual(tangent[0] if isinstance(tangent, tuple) else tangent).tangent
+        results.append([o.numpy() for o in outs] + [g.numpy() for g in first + second] + [tangent])
+    assert results[0][-5].shape == (B, kv_heads, TK, HD)
+    names = ["out"] + ["weights"] * ("return_weights" in kwargs) + ["dq", "dk", "dv", "d2q", "d2k", "d2v", "t_out"]
+    for name, ours, ref in zip(names, *results):
+        assert ours.shape == ref.shape, name
+        assert_close(ours, ref, scaled(1e-13, ref), rtol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_grouped_query_third_derivative_matches_torch(path, torch):
+    """Third order through the double backward's differentiable_backward, with grouped heads."""
+    rng = np.random.default_rng(32)
+    arrays = [rng.standard_normal((1, 4, 5, 3))] + [rng.standard_normal((1, 2, 5, 3)) for _ in range(2)]
+    g = rng.standard_normal(arrays[0].shape)
+    u, w = ([rng.standard_normal(a.shape) for a in arrays] for _ in range(2))
+
+    def third(library, sdpa):
+        if library is None:
+            xs, grad, wrap = [leaf(a) for a in arrays], autograd.grad, Tensor
+        else:
+            xs, grad, wrap = [torch.tensor(a, requires_grad=True) for a in arrays], torch.autograd.grad, torch.tensor
+        first = grad(sdpa(*xs), xs, wrap(g), create_graph=True)
+        second = grad(first, xs, [wrap(a) for a in u], create_graph=True)
+        return [t.numpy() for t in grad(second, xs, [wrap(a) for a in w])]
+
+    ours = third(None, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                                       **PATHS[path]))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        theirs = third(torch, lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True))
+    comparison = compare(ours, theirs, ["d/dq", "d/dk", "d/dv"], TOLERANCE["torch", "float64"])
+    assert comparison.passed, comparison
+
+
+def test_grouped_query_views_make_no_copy_of_key_and_value():
+    """The grouped heads are views: query (B, H, T, hd) as (B, H_kv, G, T, hd), key and value as
+    (B, H_kv, 1, T, hd); torch's head order (query head h reads kv head h // G)."""
+    from npformer.functional.attention import _GroupedHeads
+    rng = np.random.default_rng(33)
+    q, k, v = rng.standard_normal((2, 6, 4, 3)), rng.standard_normal((2, 3, 5, 3)), rng.standard_normal((2, 3, 5, 3))
+    grouped = _GroupedHeads.of(q, k, v, None, "test")
+    gq, gk, gv, _ = grouped.inputs(q, k, v, None)
+    assert gq.shape == (2, 3, 2, 4, 3) and gk.shape == gv.shape == (2, 3, 1, 5, 3)
+    assert all(np.shares_memory(a, b) for a, b in ((gq, q), (gk, k), (gv, v)))
+    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).numpy()
+    for h in range(6):
+        one_head = F.scaled_dot_product_attention(q[:, h], k[:, h // 2], v[:, h // 2]).numpy()
+        np.testing.assert_allclose(out[:, h], one_head, rtol=1e-14, atol=1e-14)
+    assert _GroupedHeads.of(q, k[:, :1], v[:, :1], None, "test").kv_heads == 1     # multi-query
+    assert _GroupedHeads.of(q, q, q, None, "test") is None                          # nothing to group
+    # the naive path folds each group's queries into the query axis: a view of a contiguous query
+    assert np.shares_memory(grouped.folded(q, 4), q) and grouped.folded(q, 4).shape == (2, 3, 8, 3)
+
+
+@pytest.mark.parametrize("tq, tk, window, block", [(64, 64, 16, 8), (40, 64, 9, 8), (64, 40, 5, 8), (33, 33, 1, 4),
+                                                   (20, 20, 50, 8)])
+def test_sliding_window_visits_only_the_key_blocks_that_meet_the_window(tq, tk, window, block, monkeypatch):
+    """Each query block visits exactly the key blocks holding a key that one of its queries sees
+    (i - W < j <= i), in forward, backward, the double backward and J u; the result equals the
+    naive path with the window's bool mask (fully hidden rows too, where Tq > Tk)."""
+    from npformer.functional.attention import blockwise
+    visits = []
+    starts = blockwise.key_starts
+
+    def counted(q_start, q_stop, *args):
+        blocks = starts(q_start, q_stop, *args)
+        visits.append((q_start, tuple(blocks)))
+        return blocks
+
+    monkeypatch.setattr(blockwise, "key_starts", counted)
+    i, j = np.arange(tq)[:, None], np.arange(tk)[None, :]
+    allowed = (j <= i) & (j > i - window)
+    expected = {qs: tuple(ks for ks in range(0, tk, block) if allowed[qs:qs + block, ks:ks + block].any())
+                for qs in range(0, tq, block)}
+    rng = np.random.default_rng(34)
+    arrays = qkv(rng, tq, tk, 4, (1, 2))
+    dout, g = rng.standard_normal((1, 2, tq, 4)), [rng.standard_normal(a.shape) for a in arrays]
+    results = []
+    for kwargs in ({"is_causal": True, "sliding_window": window, "memory_efficient": True, "block_size": block},
+                   {"attn_mask": allowed}):
+        visits.clear()
+        xs = [leaf(a) for a in arrays]
+        out = F.scaled_dot_product_attention(*xs, **kwargs)
+        first = autograd.grad(out, xs, Tensor(dout), create_graph=True)
+        second = autograd.grad(first, xs, [Tensor(a) for a in g])
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(F.scaled_dot_product_attention(
+                *(fwAD.make_dual(Tensor(a), t) for a, t in zip(arrays, g)), **kwargs)).tangent
+        results.append([out.numpy(), *(a.numpy() for a in first + second), tangent])
+        if "sliding_window" in kwargs:
+            # forward, backward (create_graph: MemoryEfficientAttentionBackward's forward), the double
+            # backward's two passes, then forward mode's forward and J u: each walks every query block once
+            assert len(visits) == 6 * len(expected), len(visits)
+            for q_start, blocks in visits:
+                assert blocks == expected[q_start], (q_start, blocks, expected[q_start])
+    for ours, ref in zip(*results):
+        assert_close(ours, ref, scaled(1e-13, ref), rtol=1e-12)
+
+
+def test_sliding_window_work_grows_with_the_window_not_the_length():
+    """Key blocks visited per forward: W / bk + 1 per query block once the window is full (the
+    first W / bk query blocks see fewer), so doubling T doubles them (causal without the window:
+    about four times)."""
+    from npformer.functional.attention.blockwise import key_starts
+
+    def visited(t, window, block=64):
+        return sum(len(key_starts(qs, min(qs + block, t), t, block, True, window)) for qs in range(0, t, block))
+
+    for t in (4096, 8192):   # 9 blocks for each query block from 512 on, 1 + 2 + ... + 8 before
+        assert visited(t, 512) == 9 * (t // 64 - 8) + 36
+    assert visited(8192, None) > 3.9 * visited(4096, None)
+
+
+def test_the_window_of_attention_backend_and_the_flash_kernels():
+    """attention_backend takes enable_gqa and sliding_window; the flash kernels refuse a window."""
+    from npformer.functional.attention import flash_unsupported
+    rng = np.random.default_rng(35)
+    q, k = rng.standard_normal((1, 4, 8, 32)), rng.standard_normal((1, 2, 8, 32))
+    assert F.attention_backend(q, k, k, is_causal=True, enable_gqa=True, sliding_window=4)[0] == "naive"
+    path, reason = F.attention_backend(q, k, k, is_causal=True, enable_gqa=True, sliding_window=4,
+                                       backend="memory_efficient")
+    assert path == "memory_efficient" and "sliding_window=4" in reason
+    assert "sliding_window=4" in flash_unsupported(q, q, q, None, False, 4)
+    assert flash_unsupported(q, q, q, None, False, None) != flash_unsupported(q, q, q, None, False, 4)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"sliding_window": 2}, ValueError, ["sliding_window=2", "is_causal=True"]),
+    ({"sliding_window": 0, "is_causal": True}, ValueError, ["sliding_window", ">= 1", "0"]),
+    ({"sliding_window": 2.5, "is_causal": True}, TypeError, ["sliding_window", "2.5"]),
+    ({"sliding_window": True, "is_causal": True}, TypeError, ["sliding_window", "bool"]),
+    ({"enable_gqa": "yes"}, TypeError, ["enable_gqa"]),
+    ({"key": np.zeros((B, 3, TK, HD)), "value": np.zeros((B, 3, TK, HD)), "enable_gqa": True}, ValueError,
+     ["enable_gqa=True", "dividing", "H = 4", "(2, 3, 6, 3)"]),
+    ({"value": np.zeros((B, 1, TK, HD)), "enable_gqa": True}, ValueError, ["enable_gqa=True", "same number of heads"]),
+    ({"query": np.zeros((TQ, HD)), "key": np.zeros((TK, HD)), "value": np.zeros((TK, HD)), "enable_gqa": True},
+     ValueError, ["enable_gqa=True", "head axis", "(5, 3)"]),
+    ({"attn_mask": np.ones((B, 2, TQ, TK), dtype=bool), "enable_gqa": True}, ValueError,
+     ["attn_mask", "(2, 4, 5, 6)", "(2, 2, 5, 6)"]),
+    ({}, ValueError, ["broadcast", "(2, 4, 5, 3)", "(2, 2, 6, 3)", "enable_gqa=True"]),
+])
+def test_grouped_query_and_window_arguments_raise_clear_errors(kwargs, error, words):
+    """Without enable_gqa, mismatched head counts are the broadcast error they were (with a hint)."""
+    args = {"query": np.zeros((B, 4, TQ, HD)), "key": np.zeros((B, 2, TK, HD)), "value": np.zeros((B, 2, TK, HD))}
+    if "enable_gqa" not in kwargs and "sliding_window" in kwargs:
+        args["key"] = args["value"] = np.zeros((B, 4, TK, HD))
+    args.update(kwargs)
+    for op in (F.scaled_dot_product_attention, F.attention_backend):
+        assert_clear_error(lambda: op(**args), error, words)

@@ -239,7 +239,7 @@ def test_sliding_window_attention_matches_the_masked_reference(window, with_padd
 
 
 def test_window_applies_to_causal_self_attention_only(rng):
-    """A window as wide as the sequence changes nothing; without is_causal the window does not apply."""
+    """A window as wide as the sequence changes nothing; without is_causal a window is an error (never dropped unseen)."""
     wide = randomize_vectors(nn.MultiheadAttention(config=config(sliding_window=T)), rng)
     narrow = nn.MultiheadAttention(config=config(sliding_window=2))
     plain = nn.MultiheadAttention(config=config())
@@ -248,7 +248,8 @@ def test_window_applies_to_causal_self_attention_only(rng):
     x = Tensor(rng.standard_normal((B, T, E)))
     np.testing.assert_allclose(wide(x, x, x, is_causal=True)[0].numpy(), plain(x, x, x, is_causal=True)[0].numpy(),
                                **F64)
-    np.testing.assert_allclose(narrow(x, x, x)[0].numpy(), plain(x, x, x)[0].numpy(), **F64)
+    with pytest.raises(ValueError, match="sliding_window=2 applies to causal self-attention only"):
+        narrow(x, x, x)
     blocked = ~band(T, T, 2)  # torch.nn's convention: True = may not attend
     np.testing.assert_allclose(narrow(x, x, x, is_causal=True)[0].numpy(),
                                plain(x, x, x, attn_mask=blocked)[0].numpy(), **F64)

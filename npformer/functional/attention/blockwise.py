@@ -3,13 +3,22 @@ blocks of `block_size` queries x keys, never a (Tq, Tk) matrix. The forward keep
 softmax (running max m, sum l) and saves one logsumexp L per query row; the backward, its tangent
 and the double backward recompute P = exp(S - L) block by block. The same math as the naive path
 (math.py, higher.py); `ops` as there, with ops.keep_block for dropout (the dropout contract's mask
-of one block: `dropout` = (p, seed, offset, state), regenerated, never stored).
+of one block: `dropout` = (p, seed, offset, state), regenerated, never stored). A causal sliding
+`window` W (keyword, None: none) hides keys j <= i - W too: each query block visits only the key
+blocks that meet its band (key_starts), so time and memory grow as T W, not T^2.
 derivation.md derives each formula."""
 import math
 
 from .higher import score_tangent
 from .masks import mask_block, masked_scores
 from .math import PLAIN
+
+
+def window_option(window):
+    """The keyword arguments that pass a sliding window to the blockwise tables: none without one,
+    so that every call without a window is the call it was (implementations registered with a
+    fixed signature take it)."""
+    return {} if window is None else {"window": window}
 
 
 def lead_shape(q, k, v):
@@ -40,7 +49,7 @@ def _kept_scale(dropout):
 
 
 def attention_blockwise_forward(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad, *,
-                                ops=PLAIN):
+                                window=None, ops=PLAIN):
     """(O (..., Tq, hdv), L (..., Tq)): attention by blocks of `block_size` queries x keys with
     an online softmax, and the logsumexp L = m + log(l) of every query row (-inf where every key
     is hidden). dropout: None or (p, seed, offset, state) of the dropout contract (state: the device
@@ -60,9 +69,9 @@ def attention_blockwise_forward(xp, q, k, v, blocked, additive, causal, scale, b
         row_max = xp.full(lead + (qe - qs, 1), -math.inf, dtype=q.dtype)  # m
         row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)           # l
         acc = out[..., qs:qe, :]                                         # (..., bq, hdv) view
-        for ks in _key_starts(qs, qe, tk, block_size, causal):
+        for ks in key_starts(qs, qe, tk, block_size, causal, window):
             ke = min(ks + block_size, tk)
-            p = masked_scores(xp, ops, q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks)
+            p = masked_scores(xp, ops, q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks, window=window)
             new_max = xp.maximum(row_max, p.max(axis=-1, keepdims=True))   # running max, may be -inf
             shift = xp.where(xp.isfinite(new_max), new_max, 0)              # never -inf - (-inf)
             # rescale what was accumulated against the old max: exp(m_old - m_new)
@@ -99,7 +108,7 @@ def _blockwise_backward_start(xp, q, k, v, out, lse, dout, additive, need_mask):
 
 
 def attention_blockwise_backward(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
-                                 need_mask, *, ops=PLAIN):
+                                 need_mask, *, window=None, ops=PLAIN):
     """(dQ, dK, dV, dMask) of `attention_blockwise_forward`, all with the broadcast leading shape
     (dMask: the shape of `additive`, None unless need_mask), recomputing P = exp(S - L) block by
     block. D = rowsum(dO O) = rowsum(dP P) replaces the softmax's row sum over all keys."""
@@ -112,10 +121,10 @@ def attention_blockwise_backward(xp, q, k, v, out, lse, dout, blocked, additive,
         q_block = q[..., qs:qe, :]
         q_scaled = q_block * scale
         do_block = dout[..., qs:qe, :]
-        for ks in _key_starts(qs, qe, tk, block_size, causal):
+        for ks in key_starts(qs, qe, tk, block_size, causal, window):
             ke = min(ks + block_size, tk)
             p = recomputed_probabilities(xp, ops, q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks,
-                                         lse[..., qs:qe, :])             # (..., bq, bk)
+                                         lse[..., qs:qe, :], window)             # (..., bq, bk)
             dropped, keep = p, None
             if dropout is not None:                                      # the forward's mask, regenerated
                 keep = ops.keep_block(xp, dropout, lead, tq, tk, qs, qe, ks, ke, q)
@@ -145,7 +154,7 @@ def attention_blockwise_backward(xp, q, k, v, out, lse, dout, blocked, additive,
 
 
 def attention_blockwise_jvp(xp, q, k, v, out, lse, tq, tk, tv, tmask, blocked, additive, causal, scale, block_size,
-                            dropout, *, ops=PLAIN):
+                            dropout, *, window=None, ops=PLAIN):
     """t_O (..., Tq, hdv) of `attention_blockwise_forward` along the tangents tq, tk, tv, tmask (each
     None when that input does not move), recomputing P = exp(S - L) block by block (on "cuda" too,
     after the flash kernels' forward: their O and L are the reference's):
@@ -168,10 +177,10 @@ def attention_blockwise_jvp(xp, q, k, v, out, lse, tq, tk, tv, tmask, blocked, a
         tq_scaled = None if tq is None else tq[..., qs:qe, :] * scale   # (..., bq, hd)
         acc = tout[..., qs:qe, :]                                       # (..., bq, hdv) view
         row_sum = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)         # r = rowsum(P t_S)
-        for ks in _key_starts(qs, qe, tk_len, block_size, causal):
+        for ks in key_starts(qs, qe, tk_len, block_size, causal, window):
             ke = min(ks + block_size, tk_len)
             p = recomputed_probabilities(xp, ops, q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks,
-                                         lse[..., qs:qe, :])            # (..., bq, bk)
+                                         lse[..., qs:qe, :], window)            # (..., bq, bk)
             dropped, keep = p, None
             if dropout is not None:                                     # Pd = P * keep / (1 - p)
                 keep = ops.keep_block(xp, dropout, lead, tq_len, tk_len, qs, qe, ks, ke, q)
@@ -200,7 +209,7 @@ def attention_blockwise_jvp(xp, q, k, v, out, lse, tq, tk, tv, tmask, blocked, a
 
 
 def attention_blockwise_double_backward(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size,
-                                        dropout, gq, gk, gv, gmask, need_mask, *, ops=PLAIN):
+                                        dropout, gq, gk, gv, gmask, need_mask, *, window=None, ops=PLAIN):
     """(dQ, dK, dV, dMask, d dO) of L = <gq, dQ> + <gk, dK> + <gv, dV> + <gmask, dMask>, where
     (dQ, dK, dV, dMask) is `attention_blockwise_backward` of (q, k, v, mask, dO): its backward,
     block by block, recomputing P = exp(S - L) and never holding a (Tq, Tk) matrix. gq, gk, gv, gmask:
@@ -227,7 +236,7 @@ def attention_blockwise_double_backward(xp, q, k, v, out, lse, dout, blocked, ad
             """P, Z (None without dropout), dP, dS, W, Y of the tile (query block, key block at ks)."""
             ke = min(ks + block_size, tk)
             p = recomputed_probabilities(xp, ops, q_scaled, k[..., ks:ke, :], blocked, additive, causal, qs, ks,
-                                         lse[..., qs:qe, :])             # P = exp(S - L)  (..., bq, bk)
+                                         lse[..., qs:qe, :], window)             # P = exp(S - L)  (..., bq, bk)
             z = None
             if dropout is not None:                                      # Z = keep / (1 - p), the forward's mask
                 z = ops.keep_block(xp, dropout, lead, tq, tk, qs, qe, ks, ke, q) * kept_scale
@@ -251,7 +260,7 @@ def attention_blockwise_double_backward(xp, q, k, v, out, lse, dout, blocked, ad
         # first pass: the row sums r = rowsum(W P) and e = rowsum(W dS) - r D + rowsum(Pd Y)
         r = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)
         e = xp.zeros(lead + (qe - qs, 1), dtype=q.dtype)
-        for ks in _key_starts(qs, qe, tk, block_size, causal):
+        for ks in key_starts(qs, qe, tk, block_size, causal, window):
             _, p, z, dp, ds, w, y = tile(ks)
             r += (w * p).sum(axis=-1, keepdims=True)
             e += (w * ds).sum(axis=-1, keepdims=True)
@@ -259,7 +268,7 @@ def attention_blockwise_double_backward(xp, q, k, v, out, lse, dout, blocked, ad
                 e += (p * y if z is None else p * z * y).sum(axis=-1, keepdims=True)
         e -= r * d_block
         # second pass: the gradients
-        for ks in _key_starts(qs, qe, tk, block_size, causal):
+        for ks in key_starts(qs, qe, tk, block_size, causal, window):
             ke, p, z, dp, ds, w, y = tile(ks)
             # P enters dS = P (dP - D) (with D = rowsum(dP P)) and Pd = P Z:  Pbar = W (dP - D) - r dP + Y Z
             p_bar = w * (dp - d_block) - r * dp
@@ -293,16 +302,23 @@ def attention_blockwise_double_backward(xp, q, k, v, out, lse, dout, blocked, ad
     return dq, dk, dv, dmask, ddout
 
 
-def recomputed_probabilities(xp, ops, q_scaled, k, blocked, additive, causal, q_start, k_start, lse):
+def recomputed_probabilities(xp, ops, q_scaled, k, blocked, additive, causal, q_start, k_start, lse, window=None):
     """P = exp(S - L) of one block, from the forward's logsumexp L (..., bq, 1): the blockwise
     backward, double backward and jvp recompute P block by block instead of keeping it."""
-    p = masked_scores(xp, ops, q_scaled, k, blocked, additive, causal, q_start, k_start)
+    p = masked_scores(xp, ops, q_scaled, k, blocked, additive, causal, q_start, k_start, window=window)
     p -= lse
     xp.exp(p, out=p)
     return p
 
 
-def _key_starts(q_start, q_stop, tk, block_size, causal):
-    """Key block starts; with a causal mask, blocks entirely right of the diagonal are skipped."""
+def key_starts(q_start, q_stop, tk, block_size, causal, window=None):
+    """The starts of the key blocks that the query block [q_start, q_stop) visits. With a causal
+    mask, blocks entirely right of the diagonal are skipped (every key j > q_stop - 1); with a
+    sliding window W too, blocks entirely left of it (every key j <= q_start - W, the first query's
+    first key q_start - W + 1 lies in the block starting at floor((q_start - W + 1) / bk) bk):
+    about (bq + W) / bk + 1 blocks per query block, whatever Tk (derivation.md)."""
     stop = min(tk, q_stop) if causal else tk
-    return range(0, stop, block_size)
+    start = 0
+    if causal and window is not None:
+        start = max(0, (q_start - window + 1) // block_size * block_size)
+    return range(start, stop, block_size)

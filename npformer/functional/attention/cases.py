@@ -42,6 +42,26 @@ def torch_dropout_attention(t, q, k, v, p=0.3, seed=7):
     return dropped @ v, dropped
 
 
+def window_allowed(tq, tk, window):
+    """The sliding window as an explicit bool mask (True = takes part): query i sees keys
+    i - W < j <= i (causal, top-left aligned like torch's is_causal)."""
+    i, j = np.arange(tq)[:, None], np.arange(tk)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def torch_window(t, q, k, v, window, **kwargs):
+    """torch's attention with the window as an explicit bool mask."""
+    return t.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=t.tensor(window_allowed(q.shape[-2], k.shape[-2], window)), **kwargs)
+
+
+def torch_grouped_dropout_attention(t, q, k, v, p=0.3, seed=7):
+    """torch_dropout_attention with key and value heads repeated for their query heads (torch's
+    enable_gqa is repeat_interleave over dim -3)."""
+    group = q.shape[-3] // k.shape[-3]
+    return torch_dropout_attention(t, q, k.repeat_interleave(group, -3), v.repeat_interleave(group, -3), p, seed)
+
+
 def mix_heads(q, k, v):
     """Every chunk of split_heads reaches the output, so the backward assembles all three gradients."""
     return q * k + 2.0 * v
@@ -128,6 +148,53 @@ ATTENTION = [attention_case(f"{path}({mask})", kwargs, PATHS[path])
                    ((2, 2, 3, 2), (2, 1, 4, 2), (1, 2, 4, 2))),
 ]]
 
+# grouped-query (H = 4 query heads over H_kv = 2 key/value heads) and multi-query (H_kv = 1) attention
+_GQA = ((B, 4, TQ, HD), (B, 2, TK, HD), (B, 2, TK, HD))
+_MQA = ((B, 4, TQ, HD), (B, 1, TK, HD), (B, 1, TK, HD))
+_GQA_MASK = CONSTANTS.random((B, 4, TQ, TK)) > 0.3                # a bool mask per query head
+
+
+def _grouped_float_mask_inputs(rng):
+    """q, k, v of _GQA and a float mask (B, 1, Tq, Tk) broadcast over the heads, differentiated."""
+    mask = rng.standard_normal((B, 1, TQ, TK))
+    mask[1, 0, 2, 3:] = -np.inf
+    return normal(*_GQA)(rng) + [mask]
+
+
+def _window_case(label, path, shapes, window, **kwargs):
+    return op_case(f"F.sdpa {path}(sliding window {window}, {label})", "attention", normal(*shapes),
+                   lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, sliding_window=window,
+                                                                  **kwargs, **PATHS[path]),
+                   lambda t, q, k, v: torch_window(t, q, k, v, window, **kwargs))
+
+
+GROUPED = [case for path in PATHS for case in [
+    attention_case(f"{path}(grouped-query H=4, H_kv=2, causal)", {"is_causal": True, "enable_gqa": True},
+                   PATHS[path], _GQA),
+    attention_case(f"{path}(multi-query H=4, H_kv=1, causal)", {"is_causal": True, "enable_gqa": True},
+                   PATHS[path], _MQA),
+    attention_case(f"{path}(grouped-query H=4, H_kv=2, a bool mask per query head)",
+                   {"attn_mask": _GQA_MASK, "enable_gqa": True}, PATHS[path], _GQA),
+    op_case(f"F.sdpa {path}(grouped-query H=4, H_kv=2, causal, float mask (B, 1, Tq, Tk) that requires grad)",
+            "attention", _grouped_float_mask_inputs,
+            lambda q, k, v, m, path=path: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True,
+                                                                          enable_gqa=True, **PATHS[path]),
+            lambda t, q, k, v, m: torch_sdpa(t, q, k, v, attn_mask=m, is_causal=True, enable_gqa=True)),
+    # the window: a query block of 2 at q_start 4 skips key block 0 (Tq == Tk), and Tq < Tk
+    _window_case("Tq == Tk = 7", path, ((B, H, 7, HD),) * 3, 3),
+    _window_case("Tq = 5 < Tk = 8", path, ((B, H, 5, HD), (B, H, 8, HD), (B, H, 8, HD)), 2),
+]] + [
+    op_case("F.sdpa (grouped-query H=4, H_kv=2, seeded dropout, return_weights)", "attention", normal(*_GQA),
+            lambda q, k, v: _dropout_attention(q, k, v, enable_gqa=True, return_weights=True),
+            torch_grouped_dropout_attention),
+    op_case("F.sdpa memory-efficient (grouped-query H=4, H_kv=2, seeded dropout)", "attention", normal(*_GQA),
+            lambda q, k, v: _dropout_attention(q, k, v, enable_gqa=True, memory_efficient=True, block_size=2),
+            lambda t, q, k, v: torch_grouped_dropout_attention(t, q, k, v)[0]),
+    # Mistral's attention: grouped-query heads and a sliding window, blocks skipped
+    _window_case("grouped-query H=4, H_kv=2, Tq == Tk = 7", "memory-efficient ",
+                 ((B, 4, 7, HD), (B, 2, 7, HD), (B, 2, 7, HD)), 3, enable_gqa=True),
+]
+
 SPLIT_HEADS = [
     op_case("F.split_heads (3 chunks)", "split_heads", normal((2, 4, 12)),
             lambda x: mix_heads(*F.split_heads(x, 2, chunks=3)),
@@ -140,4 +207,4 @@ SPLIT_HEADS = [
 register(op_family("attention", ("F.scaled_dot_product_attention", "F.attention_backend"), "attention",
                    ("AttentionFunction", "MemoryEfficientAttentionFunction"), "Scaled dot-product attention"),
          op_family("split_heads", ("F.split_heads",), "attention", ("SplitHeadsFunction",), "Splitting heads"),
-         *ATTENTION, *SPLIT_HEADS)
+         *ATTENTION, *GROUPED, *SPLIT_HEADS)

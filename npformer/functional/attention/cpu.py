@@ -105,44 +105,46 @@ def _blockwise_split(q, k, v):
 
 
 @attention_blockwise_forward.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, blocked, additive,
-                                      causal, scale, block_size, dropout, mask_grad: dropout is None)
-def attention_blockwise_forward_cpu(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
+                                      causal, scale, block_size, dropout, mask_grad, window=None: dropout is None)
+def attention_blockwise_forward_cpu(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad,
+                                    window=None):
     """The reference on blocks of a batch axis in the threads (each block's rows are independent);
     with dropout, whose mask is numbered over the whole leading shape, the reference whole."""
     lead, axis, blocks = _blockwise_split(q, k, v)
     if len(blocks) == 1:
         return attention_blockwise_forward.reference(xp, q, k, v, blocked, additive, causal, scale, block_size,
-                                                     None, mask_grad)
+                                                     None, mask_grad, window=window)
     out = xp.empty(lead + (q.shape[-2], v.shape[-1]), dtype=q.dtype)   # (..., Tq, hdv)
     lse = xp.empty(lead + (q.shape[-2], 1), dtype=q.dtype)             # (..., Tq, 1) L
 
     def block(start, stop):
         part = batch_block(lead, axis, start, stop)
         part(out)[...], part(lse)[..., 0] = attention_blockwise_forward.reference(
-            xp, part(q), part(k), part(v), part(blocked), part(additive), causal, scale, block_size, None, mask_grad)
+            xp, part(q), part(k), part(v), part(blocked), part(additive), causal, scale, block_size, None, mask_grad,
+            window=window)
 
     run_blocks(block, blocks)
     return out, lse[..., 0]
 
 
 @attention_blockwise_backward.register("cpu", splits_reference=True, supports=lambda xp, q, k, v, out, lse, dout,
-                                       blocked, additive, causal, scale, block_size, dropout, need_mask:
+                                       blocked, additive, causal, scale, block_size, dropout, need_mask, window=None:
                                        dropout is None and not need_mask)
 def attention_blockwise_backward_cpu(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
-                                     need_mask):
+                                     need_mask, window=None):
     """The reference on blocks of a batch axis in the threads: a block's dQ, dK, dV come from its
     own rows only (not d(mask), which sums over the mask's broadcast axes: then the reference whole)."""
     lead, axis, blocks = _blockwise_split(q, k, v)
     if len(blocks) == 1:
         return attention_blockwise_backward.reference(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale,
-                                                      block_size, None, False)
+                                                      block_size, None, False, window=window)
     dq, dk, dv = (xp.empty(lead + a.shape[-2:], dtype=q.dtype) for a in (q, k, v))
 
     def block(start, stop):
         part = batch_block(lead, axis, start, stop)
         part(dq)[...], part(dk)[...], part(dv)[...], _ = attention_blockwise_backward.reference(
             xp, part(q), part(k), part(v), part(out), part(lse[..., None])[..., 0], part(dout), part(blocked),
-            part(additive), causal, scale, block_size, None, False)
+            part(additive), causal, scale, block_size, None, False, window=window)
 
     run_blocks(block, blocks)
     return dq, dk, dv, None

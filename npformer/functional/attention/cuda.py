@@ -1,7 +1,8 @@
 """Launchers of flash_attention.cu: the CUDA implementation of the memory-efficient attention's
 kernel tables (`attention_blockwise_forward`, `attention_blockwise_backward` of tables.py, whose
 references are blockwise.py's), registered for "cuda" wherever `flash_unsupported` finds
-nothing against the call (head dims 32/64/128, float32/float64, no mask that needs a gradient) and
+nothing against the call (head dims 32/64/128, float32/float64, no mask that needs a gradient, no
+sliding window: the kernels have none, so the blockwise reference skips its blocks) and
 at most one of the bool and float masks is given (the kernels read one mask). Forward mode has no
 kernel here: after their forward, `attention_blockwise_jvp` (the blockwise reference, in CuPy)
 gives J u from their O and L and regenerates their dropout mask, the same contract's.
@@ -67,16 +68,17 @@ def _common_arguments(xp, dtype, tq, tk, causal, scale, dropout):
             xp.uint64(seed), xp.uint64(offset), xp.uint32(threshold), cast(dropout_scale(p)))
 
 
-def _forward_supported(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
-    return (blocked is None or additive is None) and flash_unsupported(q, k, v, additive, mask_grad) is None
+def _forward_supported(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad, window=None):
+    return (blocked is None or additive is None) and flash_unsupported(q, k, v, additive, mask_grad, window) is None
 
 
-def _backward_supported(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout, need_mask):
-    return (blocked is None or additive is None) and flash_unsupported(q, k, v, additive, need_mask) is None
+def _backward_supported(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout, need_mask,
+                        window=None):
+    return (blocked is None or additive is None) and flash_unsupported(q, k, v, additive, need_mask, window) is None
 
 
 @attention_blockwise_forward.register("cuda", supports=_forward_supported)
-def attention_flash_forward(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad):
+def attention_flash_forward(xp, q, k, v, blocked, additive, causal, scale, block_size, dropout, mask_grad, window=None):
     """(O, L) of flash_attention_forward: one block per 64 (float) or 32 (double) query rows."""
     lead, (tq, d), tk = lead_shape(q, k, v), q.shape[-2:], k.shape[-2]
     qr, kr, vr = (_rows(xp, a, lead) for a in (q, k, v))
@@ -93,7 +95,7 @@ def attention_flash_forward(xp, q, k, v, blocked, additive, causal, scale, block
 
 @attention_blockwise_backward.register("cuda", supports=_backward_supported)
 def attention_flash_backward(xp, q, k, v, out, lse, dout, blocked, additive, causal, scale, block_size, dropout,
-                             need_mask):
+                             need_mask, window=None):
     """(dQ, dK, dV, None): flash_attention_backward_dq (which also writes D = rowsum(dO O)) over
     blocks of query rows, then flash_attention_backward_dkdv over blocks of key rows."""
     lead, (tq, d), tk = lead_shape(q, k, v), q.shape[-2:], k.shape[-2]

@@ -11,7 +11,7 @@ Both write their third derivative with differentiable ops (graph.py)."""
 from autograd import Function, Tensor, backend, unbroadcast
 
 from ..activation import dropout_scale
-from .blockwise import lead_shape
+from .blockwise import lead_shape, window_option
 from .dropout import attention_keep_block
 from .graph import graph_attention_double_backward
 from .masks import at_least_2d
@@ -186,15 +186,18 @@ class MemoryEfficientAttentionFunction(Function):
     The work is done by the kernel tables `attention_blockwise_forward` and
     `attention_blockwise_backward` (the blockwise reference, or the flash kernels on a GPU).
     Dropout: the contract's mask, regenerated from (seed, offset) in backward, never stored.
+    window: a causal sliding window W (keys j <= i - W hidden too; the key blocks outside it are
+    skipped at every order), or None.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, additive, blocked, causal, scale, block_size, dropout, mask_grad):
+    def forward(ctx, q, k, v, additive, blocked, causal, scale, block_size, dropout, mask_grad, window=None):
         mask = at_least_2d(additive)
         out, lse = attention_blockwise_forward(backend.get_array_module(q), q, k, v, blocked, mask, causal, scale,
-                                               block_size, dropout, mask_grad)
+                                               block_size, dropout, mask_grad, **window_option(window))
         ctx.save_for_backward(q, k, v, out, lse, blocked, mask)
         ctx.options = (causal, scale, block_size, dropout)
+        ctx.window = window
         ctx.mask_shape = None if additive is None else additive.shape
         return out
 
@@ -203,7 +206,8 @@ class MemoryEfficientAttentionFunction(Function):
         q, k, v, out, lse, blocked, mask = ctx.saved_tensors
         need_q, need_k, need_v, need_mask = ctx.needs_input_grad[:4]
         dq, dk, dv, dmask = attention_blockwise_backward(backend.get_array_module(dout), q, k, v, out, lse, dout,
-                                                         blocked, mask, *ctx.options, need_mask)
+                                                         blocked, mask, *ctx.options, need_mask,
+                                                         **window_option(ctx.window))
         return (unbroadcast(dq, q.shape) if need_q else None,
                 unbroadcast(dk, k.shape) if need_k else None,
                 unbroadcast(dv, v.shape) if need_v else None,
@@ -217,7 +221,7 @@ class MemoryEfficientAttentionFunction(Function):
         operands = [t if t is not None else raw for t, raw in zip(ctx.inputs, (q, k, v, mask))]
         need = ctx.needs_input_grad[:4]
         grads = MemoryEfficientAttentionBackward.apply(*operands, dout, out=out, lse=lse, blocked=blocked,
-                                                       options=ctx.options, need_mask=need[3])
+                                                       options=ctx.options, need_mask=need[3], window=ctx.window)
         grads = grads + (None,) * (4 - len(grads))                             # no dMask without need_mask
         return tuple(g if wanted else None for g, wanted in zip(grads, need))
 
@@ -226,7 +230,7 @@ class MemoryEfficientAttentionFunction(Function):
         """t_O block by block from the saved O and L (`attention_blockwise_jvp`), never a (Tq, Tk) matrix."""
         q, k, v, out, lse, blocked, mask = ctx.saved_tensors
         return attention_blockwise_jvp(backend.get_array_module(out), q, k, v, out, lse, tq, tk, tv,
-                                       at_least_2d(tmask), blocked, mask, *ctx.options)
+                                       at_least_2d(tmask), blocked, mask, *ctx.options, **window_option(ctx.window))
 
 
 class MemoryEfficientAttentionBackward(Function):
@@ -238,12 +242,12 @@ class MemoryEfficientAttentionBackward(Function):
     its differentiable_backward the same formulas on whole matrices (third order and above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, additive, dout, out, lse, blocked, options, need_mask):
+    def forward(ctx, q, k, v, additive, dout, out, lse, blocked, options, need_mask, window=None):
         mask = at_least_2d(additive)
         dq, dk, dv, dmask = attention_blockwise_backward(backend.get_array_module(dout), q, k, v, out, lse, dout,
-                                                         blocked, mask, *options, need_mask)
+                                                         blocked, mask, *options, need_mask, **window_option(window))
         ctx.save_for_backward(q, k, v, out, lse, dout, blocked, mask)
-        ctx.options, ctx.mask_shape = options, None if additive is None else additive.shape
+        ctx.options, ctx.mask_shape, ctx.window = options, None if additive is None else additive.shape, window
         grads = (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape))
         return (grads + (dmask.reshape(ctx.mask_shape),)) if need_mask else grads
 
@@ -255,7 +259,7 @@ class MemoryEfficientAttentionBackward(Function):
         need_mask = ctx.needs_input_grad[3]
         dq, dk, dv, dmask, ddout = attention_blockwise_double_backward(
             backend.get_array_module(dout), q, k, v, out, lse, dout, blocked, mask, *ctx.options, gq, gk, gv, gmask,
-            need_mask)
+            need_mask, **window_option(ctx.window))
         return (unbroadcast(dq, q.shape), unbroadcast(dk, k.shape), unbroadcast(dv, v.shape),
                 dmask.reshape(ctx.mask_shape) if need_mask else None, ddout)
 
@@ -276,5 +280,5 @@ class MemoryEfficientAttentionBackward(Function):
             z = attention_keep_block(dropout, lead, tq, tk, 0, tq, 0, tk, out) * dropout_scale(dropout[0])
         dq, dk, dv, s_bar, ddout, _ = graph_attention_double_backward(
             q, k, v, additive, dout, None, blocked, causal, scale, z, gq, gk, gv,
-            None if gmask is None else gmask.reshape(mask.shape))
+            None if gmask is None else gmask.reshape(mask.shape), window=ctx.window)
         return dq, dk, dv, s_bar if ctx.needs_input_grad[3] else None, ddout

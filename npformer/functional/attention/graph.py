@@ -10,17 +10,18 @@ from .higher import plus
 from .masks import causal_blocked
 
 
-def graph_probabilities(q, k, additive, blocked, causal, scale):
+def graph_probabilities(q, k, additive, blocked, causal, scale, window=None):
     """P = softmax(s Q K^T + mask) of the Tensors q, k (and a float mask Tensor or array), built
     from differentiable primitives for the differentiable backwards: S is -inf where the bool mask
-    or causality hides a key; exp(S - m) / rowsum with the row max m taken as a constant (the
-    softmax does not depend on it), and 0 for a fully hidden row (its sum replaced by 1, never NaN)."""
+    or causality (with a sliding `window` W, also keys j <= i - W) hides a key; exp(S - m) / rowsum
+    with the row max m taken as a constant (the softmax does not depend on it), and 0 for a fully
+    hidden row (its sum replaced by 1, never NaN)."""
     scores = (q * scale) @ k.swapaxes(-1, -2)                                 # (..., Tq, Tk)
     if additive is not None:
         scores = scores + additive
     hidden = blocked
     if causal:
-        above = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2])          # (Tq, Tk) key j > query i
+        above = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2], window)  # (Tq, Tk) key j > query i
         hidden = above if blocked is None else blocked | above
     if hidden is not None:
         scores = where(hidden, -math.inf, scores)
@@ -29,7 +30,8 @@ def graph_probabilities(q, k, additive, blocked, causal, scale):
     return shifted / where(total.data == 0, 1.0, total)
 
 
-def graph_attention_double_backward(q, k, v, additive, dout, dweights, blocked, causal, scale, z, gq, gk, gv, gmask):
+def graph_attention_double_backward(q, k, v, additive, dout, dweights, blocked, causal, scale, z, gq, gk, gv, gmask,
+                                    window=None):
     """(Qbar, Kbar, Vbar, Mbar, dObar, dWbar): the gradients of <gq, dQ> + <gk, dK> + <gv, dV> +
     <gmask, dMask> with respect to (q, k, v, mask, dO, dweights), where (dQ, dK, dV, dMask) is the
     attention backward, on whole (Tq, Tk) matrices of Tensors with P recomputed in the graph from q,
@@ -37,9 +39,9 @@ def graph_attention_double_backward(q, k, v, additive, dout, dweights, blocked, 
     again, to any order: the differentiable_backward of AttentionBackward and of
     MemoryEfficientAttentionBackward. dweights: the gradient reaching the returned weights, or None;
     z: keep / (1 - p), the forward's dropout mask (a constant), or None; gq, gk, gv, gmask: Tensors or
-    None (gv or one of the others given). Vbar and dWbar are None (0) without gq, gk, gmask; Mbar is
-    (..., Tq, Tk), over the broadcast leading shape."""
-    p = graph_probabilities(q, k, additive, blocked, causal, scale)            # P = softmax(s Q K^T + mask)
+    None (gv or one of the others given); window: the causal sliding window or None. Vbar and
+    dWbar are None (0) without gq, gk, gmask; Mbar is (..., Tq, Tk), over the broadcast leading shape."""
+    p = graph_probabilities(q, k, additive, blocked, causal, scale, window)    # P = softmax(s Q K^T + mask)
     dropped = p if z is None else p * z
     # dP = (dO V^T + dweights) Z, D = rowsum(dP P), dS = P (dP - D)
     dp = dout @ v.swapaxes(-1, -2)

@@ -13,10 +13,14 @@ from . import _lead_shape, _prepare_mask, causal_blocked
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, *, return_weights=False, backend=None, memory_efficient=False,
-                                 block_size=512, generator=None):
+                                 scale=None, enable_gqa=False, *, sliding_window=None, return_weights=False,
+                                 backend=None, memory_efficient=False, block_size=512, generator=None):
     q, k, v = tensor_of(query), tensor_of(key), tensor_of(value)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        # torch's repeat_interleave: query head h reads kv head h // (H / H_kv), gathered by index
+        heads = q.xp.arange(q.shape[-3]) // (q.shape[-3] // k.shape[-3])
+        k, v = k[..., heads, :, :], v[..., heads, :, :]
     lead = _lead_shape(q.data, k.data, v.data)
     score_shape = lead + (q.shape[-2], k.shape[-2])
     scores = (q @ k.swapaxes(-1, -2)) * scale
@@ -25,7 +29,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask_grad = isinstance(attn_mask, Tensor) and attn_mask.requires_grad
         scores = scores + (attn_mask if mask_grad else Tensor(additive))
     if is_causal:
-        causal = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2])
+        causal = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2], sliding_window)
         blocked = causal if blocked is None else blocked | causal
     if blocked is not None:
         scores = where(blocked, -math.inf, scores)

@@ -43,11 +43,14 @@ def kernels(emulator, monkeypatch):
 @pytest.fixture
 def flash_on_cpu(kernels, monkeypatch):
     """The emulated flash kernels as the "cpu" implementation of the memory-efficient path's
-    tables (as they are on "cuda"), declining a mask that needs a gradient like the real ones."""
+    tables (as they are on "cuda"), declining a mask that needs a gradient and a sliding window
+    like the real ones."""
     monkeypatch.setitem(attention_blockwise_forward.implementations, "cpu",
-                        (flash_attention.attention_flash_forward, lambda *args: not args[-1]))
+                        (flash_attention.attention_flash_forward, lambda *args, window=None: not args[-1]
+                         and window is None))
     monkeypatch.setitem(attention_blockwise_backward.implementations, "cpu",
-                        (flash_attention.attention_flash_backward, lambda *args: not args[-1]))
+                        (flash_attention.attention_flash_backward, lambda *args, window=None: not args[-1]
+                         and window is None))
     return kernels
 
 
@@ -480,3 +483,29 @@ def test_cuda_dropout_kernel_draws_the_contract_mask(cuda):
     np.testing.assert_array_equal(y.numpy().reshape(-1) != 0, keep)
     y.backward(backend.to_device(np.full(x.shape, 2.0, dtype=np.float32), cuda))
     np.testing.assert_allclose(x.grad.numpy(), 2 * y.numpy(), rtol=1e-6)
+
+
+def test_grouped_query_attention_through_the_kernels_passes_gradcheck(flash_on_cpu):
+    """enable_gqa=True on the flash path: the kernels take the grouped views (key and value made
+    contiguous per query head by the launchers) and dK, dV are summed over each group."""
+    rng = np.random.default_rng(16)
+    ins = [leaf(rng.standard_normal((1, 4, 3, 32)))] + [leaf(rng.standard_normal((1, 2, 4, 32))) for _ in range(2)]
+    assert autograd.gradcheck(lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True, backend="flash"), ins)
+    assert "flash_attention_backward_dkdv" in {name.split("_float")[0].split("_double")[0]
+                                               for name, _, _ in flash_on_cpu.launches}
+
+
+def test_a_sliding_window_never_runs_the_kernels(flash_on_cpu):
+    """The kernels have no window: backend='flash' refuses it by name, the memory-efficient path
+    runs the blockwise reference (no launch) and matches the naive path."""
+    rng = np.random.default_rng(17)
+    q, k, v = qkv(rng, 1, 2, 9, 9, 32)
+    with pytest.raises(ValueError, match="sliding_window=3"):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, sliding_window=3, backend="flash")
+    flash_on_cpu.launches.clear()
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, sliding_window=3, backend="memory_efficient",
+                                         block_size=4).numpy()
+    assert not flash_on_cpu.launches
+    np.testing.assert_allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, sliding_window=3).numpy(),
+                               rtol=1e-12, atol=1e-12)
