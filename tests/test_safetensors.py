@@ -574,10 +574,10 @@ def test_wrong_typed_bert_config_fields_are_named(changes, message, tmp_path):
 
 def test_the_huggingface_page_examples_run(tmp_path, monkeypatch, capsys, transformers):
     """docs/huggingface.md's python blocks as written: the GPT-2 one on a GPT-2-shaped folder (it
-    needs the download), the in-memory conversion and the safetensors files."""
+    needs the download), the in-memory conversion, the Llama one and the safetensors files."""
     page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "huggingface.md").read_text()
     gpt2, *others = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert 'load_pretrained("gpt2")' in gpt2 and len(others) == 2
+    assert 'load_pretrained("gpt2")' in gpt2 and len(others) == 3
     tiny = models.CausalLM(50257, d_model=8, nhead=2, num_layers=1, dim_feedforward=32, max_len=16, **GPT2)
     gpt2_download(tmp_path / "gpt2", tiny)
     monkeypatch.chdir(tmp_path)

@@ -1,9 +1,11 @@
 """Hugging Face transformers models <-> npformer models, with the same weights and numbers.
 
 from_hf(GPT2LMHeadModel) -> CausalLM, from_hf(BertModel) -> BidirectionalEncoder,
-from_hf(BertForSequenceClassification) -> EncoderClassifier, and to_hf back. The configs and
-weight names are mapped by npformer.models.huggingface (shared with the safetensors files);
-this module only moves tensors between transformers objects and npformer.
+from_hf(BertForSequenceClassification) -> EncoderClassifier, from_hf(LlamaForCausalLM,
+Qwen2ForCausalLM or MistralForCausalLM) -> a Llama-style CausalLM (RMSNorm, SwiGLU, RoPE,
+grouped-query attention, no biases; Qwen2's q/k/v biases, Mistral's sliding window), and to_hf
+back. The configs and weight names are mapped by npformer.models.huggingface (shared with
+the safetensors files); this module only moves tensors between transformers objects and npformer.
 transformers (and torch) are imported inside these functions only.
 """
 from __future__ import annotations
@@ -23,10 +25,11 @@ def _transformers():
 
 
 def from_hf(hf_model: HFModel) -> models.CausalLM | models.BidirectionalEncoder | models.EncoderClassifier:
-    """The npformer model equivalent to a transformers GPT2LMHeadModel, BertModel or
-    BertForSequenceClassification, with its weights (copied), dtype (float32/float64) and
-    training mode. Raises ValueError naming the config option or the first weight key that
-    has no npformer counterpart, TypeError for another kind of model."""
+    """The npformer model equivalent to a transformers GPT2LMHeadModel, BertModel,
+    BertForSequenceClassification, LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM,
+    with its weights (copied), dtype (float32/float64) and training mode. Raises ValueError
+    naming the config option or the first weight key that has no npformer counterpart, TypeError
+    for another kind of model."""
     transformers = _transformers()
     name = type(hf_model).__name__
     if name not in ARCHITECTURES or not isinstance(hf_model, getattr(transformers, name)):
@@ -42,10 +45,12 @@ def from_hf(hf_model: HFModel) -> models.CausalLM | models.BidirectionalEncoder 
 
 
 def to_hf(model: models.CausalLM | models.BidirectionalEncoder | models.EncoderClassifier) -> HFModel:
-    """The transformers model equivalent to an npformer CausalLM (GPT2LMHeadModel),
-    BidirectionalEncoder (BertModel) or EncoderClassifier (BertForSequenceClassification), with
-    its weights (copied), dtype and training mode. Raises ValueError naming an option that the
-    Hugging Face architecture cannot express (see npformer.models.huggingface.hf_config)."""
+    """The transformers model equivalent to an npformer CausalLM (GPT2LMHeadModel; a Llama-style
+    one: LlamaForCausalLM, Qwen2ForCausalLM with qkv_bias=True, MistralForCausalLM with a
+    sliding_window), BidirectionalEncoder (BertModel) or EncoderClassifier
+    (BertForSequenceClassification), with its weights (copied), dtype and training mode. Raises
+    ValueError naming an option that the Hugging Face architecture cannot express (see
+    npformer.models.huggingface.hf_config)."""
     transformers, torch = _transformers(), _torch()
     config = hf_config(model)
     architecture = config["architectures"][0]

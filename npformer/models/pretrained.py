@@ -1,14 +1,16 @@
-"""Models in safetensors files: npformer's own, and Hugging Face GPT-2/BERT folders.
+"""Models in safetensors files: npformer's own, and Hugging Face GPT-2, BERT, Llama, Qwen2 and
+Mistral folders.
 
 - `save_safetensors(model, path)` / `load_safetensors(path, model=None)`: any npformer model.
-  A model with a Hugging Face counterpart (CausalLM -> GPT-2, BidirectionalEncoder -> BertModel,
-  EncoderClassifier -> BertForSequenceClassification; see npformer.models.huggingface) is
+  A model with a Hugging Face counterpart (CausalLM -> GPT-2, or Llama / Qwen2 / Mistral for a
+  Llama-style one; BidirectionalEncoder -> BertModel, EncoderClassifier ->
+  BertForSequenceClassification; see npformer.models.huggingface) is
   stored under Hugging Face's names and layouts, anything else under its state_dict names.
   The metadata holds {"format": "pt"} (what transformers expects) and "npformer": a JSON
   string with the model's class, config and which names the file uses, so load_safetensors
   rebuilds the model from the file alone.
 - `load_pretrained(folder)`: a Hugging Face folder (config.json + model.safetensors, e.g. a
-  GPT-2 download) as an npformer model in eval mode; `save_pretrained(model, folder)` writes
+  GPT-2, Llama, Qwen2 or Mistral download) as an npformer model in eval mode; `save_pretrained(model, folder)` writes
   one that transformers' from_pretrained and load_pretrained both read. The weights' metadata
   records the sha256 of the config.json saved beside them ("config_sha256"), so a torn folder
   (a save interrupted between the two files) is refused instead of loading wrong numbers.
@@ -62,7 +64,7 @@ def _has_hf_counterpart(model):
 def save_safetensors(model: Module, path: str | os.PathLike, hf_names: bool | None = None) -> str:
     """Write `model`'s weights to a safetensors file at `path` (atomically; an existing file
     keeps its mode), with its class and config in the metadata. hf_names: store Hugging Face
-    names and layouts (default: when the model has a GPT-2/BERT counterpart), else the
+    names and layouts (default: when the model has a Hugging Face counterpart), else the
     model's state_dict names. Returns path."""
     if hf_names is None:
         hf_names = _has_hf_counterpart(model)
@@ -170,7 +172,7 @@ def load_safetensors(path: str | os.PathLike, model: Module | None = None, devic
     """Load a safetensors file into `model`, or rebuild the model from the file's npformer
     metadata when `model` is None (in the file's floating dtype, on `device`, default cpu).
     A file without npformer metadata (e.g. a Hugging Face model.safetensors) loads into a given
-    model with a GPT-2/BERT counterpart (see load_pretrained for whole folders). Succeeds whole
+    model with a Hugging Face counterpart (see load_pretrained for whole folders). Succeeds whole
     or leaves `model` unchanged. Returns the model. Raises FileNotFoundError or SafetensorsError."""
     path = os.fspath(path)
     header, metadata = read_header(path)
@@ -230,13 +232,16 @@ def _check_same_save(config_path, weights_path, raw, info):
 
 def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype: str | None = None) -> Module:
     """The npformer model of a Hugging Face folder holding config.json and model.safetensors
-    (GPT-2: CausalLM; BertForSequenceClassification: EncoderClassifier; other BERT models:
+    (GPT-2: CausalLM; LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM: a Llama-style
+    CausalLM; BertForSequenceClassification: EncoderClassifier; other BERT models:
     BidirectionalEncoder, with the pooler when the file has one), in eval mode, on `device`
     (default cpu), in `dtype` (default: float64 if the file is, else float32).
     BERT pretraining heads (cls.*) are skipped with a warning. A folder written by
     save_pretrained whose config.json is not the one saved with its weights (a torn save) is
-    refused. Raises FileNotFoundError, SafetensorsError naming the file, or ValueError for an
-    unsupported config (and NotADirectoryError when `folder` is not a folder)."""
+    refused, and so is a config option npformer does not compute (e.g. a rope_type other than
+    'default' and 'linear'), by name. Raises FileNotFoundError, SafetensorsError naming the file
+    (a ValueError, also for an unsupported config), or NotADirectoryError when `folder` is not a
+    folder."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise NotADirectoryError(f"load_pretrained: {folder} is not a folder (expected one holding "
@@ -270,8 +275,9 @@ def load_pretrained(folder: str | os.PathLike, device: str | None = None, dtype:
 
 def save_pretrained(model: Module, folder: str | os.PathLike) -> str:
     """Write `folder`/config.json (the Hugging Face config) and `folder`/model.safetensors
-    (Hugging Face names, npformer metadata) for a model with a GPT-2/BERT counterpart, so that
-    transformers' from_pretrained(folder) and load_pretrained(folder) both read it. Returns folder.
+    (Hugging Face names, npformer metadata) for a model with a Hugging Face counterpart (GPT-2,
+    BERT, Llama, Qwen2, Mistral; tied embeddings stored once, as transformers writes them), so
+    that transformers' from_pretrained(folder) and load_pretrained(folder) both read it. Returns folder.
     ValueError (before writing anything) for a model without such a counterpart.
 
     Each file is written atomically, the weights first, recording the sha256 of the config.json
