@@ -6,6 +6,8 @@ then the data bytes, every tensor C-ordered little-endian at [begin, end) of the
 Reading checks the whole header before allocating anything: a known dtype, a shape of
 non-negative ints, end - begin = bytes of the shape, tensors tiling the data exactly, and the
 data ending where the file ends; then the `safetensors` package's NumPy API reads the arrays.
+bfloat16 tensors (most Hugging Face Llama-family downloads), which NumPy cannot hold, are read
+here and widened exactly to float32 (a bfloat16 is the upper half of a float32's bits).
 A file that fails raises SafetensorsError naming it. Nothing in a file is executed (no pickle).
 Writing is atomic (npformer.files.atomic_write). The `safetensors` package (the optional
 extra `npformer[safetensors]`) is imported inside these functions only.
@@ -20,6 +22,7 @@ from .files import atomic_write, loads_json
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32", "I16": "int16",
           "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
+BFLOAT16 = "bfloat16"  # read_header's name for a BF16 tensor, which read_safetensors gives as float32
 
 
 class SafetensorsError(ValueError):
@@ -42,10 +45,8 @@ def _entry(path, name, entry):
         raise SafetensorsError(f"{path}: header entry {name!r} must have exactly dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES and dtype != "BF16":
-        raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype {dtype!r} (known: {sorted(DTYPES)})")
-    if dtype == "BF16":
-        raise SafetensorsError(f"{path}: tensor {name!r} is bfloat16, which NumPy cannot hold; convert the file "
-                               f"to float32 (e.g. in torch: model.float() then save_pretrained)")
+        raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype {dtype!r} (known: "
+                               f"{sorted(DTYPES) + ['BF16']})")
 
     def counts(value):
         return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -55,18 +56,23 @@ def _entry(path, name, entry):
     if not counts(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
         raise SafetensorsError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, expected [begin, end] "
                                f"with 0 <= begin <= end")
-    size = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
+    size = math.prod(shape) * (2 if dtype == "BF16" else np.dtype(DTYPES[dtype]).itemsize)
     if offsets[1] - offsets[0] != size:
         raise SafetensorsError(f"{path}: tensor {name!r} ({dtype} {shape}) needs {size} bytes but its data_offsets "
                                f"{offsets} span {offsets[1] - offsets[0]}")
-    return DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
+    return DTYPES.get(dtype, BFLOAT16), tuple(shape), offsets[0], offsets[1]
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
-    """({name: (numpy dtype name, shape)}, metadata {str: str}) of a safetensors file, after
-    checking every entry against the file's size (see the module docstring). Reads only the
-    header. Raises FileNotFoundError, IsADirectoryError or SafetensorsError."""
-    path = os.fspath(path)
+    """({name: (numpy dtype name, or "bfloat16", shape)}, metadata {str: str}) of a safetensors
+    file, after checking every entry against the file's size (see the module docstring). Reads
+    only the header. Raises FileNotFoundError, IsADirectoryError or SafetensorsError."""
+    entries, metadata, _ = _checked_header(os.fspath(path))
+    return {name: (dtype, shape) for name, (dtype, shape, _, _) in entries.items()}, metadata
+
+
+def _checked_header(path):
+    """({name: (dtype name, shape, begin, end)}, metadata, where the data starts in the file)."""
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
         if file_size < 8:
@@ -99,17 +105,27 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     if position != data_size:
         raise SafetensorsError(f"{path}: truncated or damaged: the header describes {position} bytes of data, "
                                f"the file holds {data_size}")
-    return {name: (dtype, shape) for name, (dtype, shape, _, _) in entries.items()}, metadata
+    return entries, metadata, 8 + length
 
 
 def read_safetensors(path: str | os.PathLike) -> tuple[dict, dict]:
     """({name: numpy array (a copy)}, metadata) of a safetensors file whose header checks out
-    (read_header). Raises FileNotFoundError, IsADirectoryError or SafetensorsError."""
+    (read_header); bfloat16 tensors come back as float32 (exactly). Raises FileNotFoundError,
+    IsADirectoryError or SafetensorsError."""
     path = os.fspath(path)
-    header, metadata = read_header(path)
+    entries, metadata, data_start = _checked_header(path)
+    header = {name: ("float32" if dtype == BFLOAT16 else dtype, shape) for name, (dtype, shape, _, _) in entries.items()}
     try:
-        loaded = _safetensors_numpy().load_file(path)
-        arrays = {name: np.array(loaded[name], copy=True) for name in header}
+        arrays = {}
+        with _safetensors_numpy().safe_open(path, framework="np") as f:
+            for name, (dtype, shape, begin, end) in entries.items():
+                if dtype != BFLOAT16:
+                    arrays[name] = np.array(f.get_tensor(name), copy=True)
+        with open(path, "rb") as f:
+            for name, (dtype, shape, begin, end) in entries.items():
+                if dtype == BFLOAT16:
+                    f.seek(data_start + begin)
+                    arrays[name] = _widened_bfloat16(f.read(end - begin), shape)
     except Exception as e:
         raise SafetensorsError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from e
     for name, (dtype, shape) in header.items():
@@ -117,6 +133,13 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict, dict]:
             raise SafetensorsError(f"{path}: tensor {name!r} read as {arrays[name].dtype} {arrays[name].shape}, "
                                    f"the header says {dtype} {shape}")
     return arrays, metadata
+
+
+def _widened_bfloat16(raw, shape):
+    """Little-endian bfloat16 bytes as float32 of `shape`: a bfloat16 is the upper 16 bits of
+    the float32 with the same value, so widening is exact."""
+    halves = np.frombuffer(raw, dtype="<u2")                                       # (n,) bfloat16 bits
+    return (halves.astype(np.uint32) << 16).view(np.float32).reshape(shape)       # exact float32
 
 
 def write_safetensors(path: str | os.PathLike, arrays: dict, metadata: dict | None = None) -> str:

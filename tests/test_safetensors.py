@@ -190,8 +190,8 @@ DAMAGED = {
     "header_not_utf8": (struct.pack("<Q", 2) + b"\xff\xfe", "not JSON: UnicodeDecodeError"),
     "unknown_dtype": (safetensors_bytes({"w": {"dtype": "F8", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
                       "unknown dtype 'F8'"),
-    "bfloat16": (safetensors_bytes({"w": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}, b"\0\0"),
-                 "bfloat16"),
+    "bfloat16_short": (safetensors_bytes({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 2]}}, b"\0\0"),
+                       "needs 4 bytes"),
     "negative_shape": (safetensors_bytes({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
                        "list of ints >= 0"),
     "size_mismatch": (safetensors_bytes({"w": {"dtype": "F32", "shape": [10 ** 9], "data_offsets": [0, 4]}},
@@ -587,3 +587,20 @@ def test_the_huggingface_page_examples_run(tmp_path, monkeypatch, capsys, transf
     printed = json.loads(capsys.readouterr().out)
     assert printed[:5] == [15496, 11, 616, 3290, 318] and len(printed) == 13
     assert sorted(os.listdir(tmp_path / "runs" / "lm-hf")) == ["config.json", "model.safetensors"]
+
+
+def test_bfloat16_tensors_read_exactly_as_float32(tmp_path):
+    """BF16 entries (bits written by hand: 1.5, -2**-10, the largest bfloat16, a NaN) come back as
+    float32 with the same values; the header names them bfloat16; other dtypes in the file are untouched."""
+    bits = np.array([0x3FC0, 0xBA80, 0x7F7F, 0x7FC0], dtype="<u2")
+    data = bits.tobytes() + np.arange(3, dtype="<f8").tobytes()
+    path = tmp_path / "bf16.safetensors"
+    path.write_bytes(safetensors_bytes({"w": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]},
+                                        "v": {"dtype": "F64", "shape": [3], "data_offsets": [8, 32]}}, data))
+    header, _ = read_header(path)
+    assert header == {"w": ("bfloat16", (2, 2)), "v": ("float64", (3,))}
+    arrays, _ = read_safetensors(path)
+    assert arrays["w"].dtype == np.float32 and arrays["w"].shape == (2, 2)
+    expected = np.array([1.5, -2.0 ** -10, np.float32(3.3895314e38), np.nan], dtype=np.float32).reshape(2, 2)
+    np.testing.assert_array_equal(arrays["w"], expected)
+    np.testing.assert_array_equal(arrays["v"], np.arange(3.0))

@@ -485,3 +485,19 @@ def test_load_pretrained_refuses_an_unsupported_config_by_name(torch, transforme
     with pytest.raises(ValueError, match=r"missing key 'model\.layers\.1\.self_attn\.k_proj\.weight' \(npformer's "
                                          r"encoder\.layers\.1\.self_attn\.in_proj_weight\)"):
         load_pretrained(tmp_path / "theirs")
+
+
+def test_load_pretrained_reads_a_bfloat16_download_as_float32(torch, transformers, rng, tmp_path):
+    """Most Llama-family downloads are bfloat16, which NumPy cannot hold: each weight is widened
+    exactly to float32 (a bfloat16 is the upper half of a float32), so npformer holds the very
+    numbers of the file, and its logits match transformers' model of those numbers in float32."""
+    hf_model = hf_model_of(torch, transformers, "llama", "float32").to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path / "theirs")
+    ours = load_pretrained(tmp_path / "theirs")
+    assert ours.tok_embed.weight.dtype == np.float32
+    widened = hf_model.float()  # the same bfloat16 values, exactly, as float32
+    reference = interop.from_hf(widened)
+    for key, value in reference.state_dict().items():
+        np.testing.assert_array_equal(ours.state_dict()[key], value, err_msg=key)
+    ids = rng.integers(0, 61, size=(2, 9))
+    assert_close(ours(ids).numpy(), widened(torch.tensor(ids)).logits.detach().numpy(), TOLERANCE["float32"], "logits")
