@@ -150,6 +150,12 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
             numeric = numeric_gradient(loss, inputs[i], eps)
             verdicts.append(judge(names[i], analytic[i], numeric, atol, rtol, report,
                                   explain=lambda index, t=inputs[i]: kink_note(loss, t, index, eps, atol, rtol)))
+        wrong = [i for i, (passed, _) in zip(checked, verdicts) if not passed]
+        if wrong and _right_for_ones(fn, inputs, wrong, eps, atol, rtol):
+            verdicts.append((False, "the kind of mistake: your backward is right for an all-ones upstream gradient "
+                                    "(the gradient of sum()) but not for this random one: check how it uses the "
+                                    "gradient it is given (dy): that it multiplies by it, and over which axes it "
+                                    "sums it"))
         verdicts.append(gradcheck_extras.random_direction_verdict(loss, inputs, checked, analytic, eps, atol, rtol,
                                                                   seed, report))
         if written:
@@ -164,6 +170,19 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
         raise GradcheckError("\n".join(f"gradcheck: {what}:\n" + "\n".join(f"  {line}" for _, line in verdicts)
                                        for what, verdicts in failed))
     return True
+
+
+def _right_for_ones(fn, inputs, wrong, eps, atol, rtol) -> bool:
+    """Whether the backward's gradients of the `wrong` inputs are right for an all-ones upstream
+    gradient (L = the sum of the outputs), to gradcheck's tolerance."""
+    ones = [o.xp.ones_like(o.data) for o in _outputs(fn(*inputs))]
+    _, _, grads = vjp(fn, inputs, ones)
+
+    def total():
+        with no_grad():
+            return sum(float(o.data.sum()) for o in _outputs(fn(*inputs)))
+
+    return all(judge("", grads[i], numeric_gradient(total, inputs[i], eps), atol, rtol)[0] for i in wrong)
 
 
 def _in_place_verdict(fn, inputs, written, seed):

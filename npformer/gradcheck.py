@@ -125,9 +125,12 @@ def run_case(case: opcases.OpCase, torch: Any = None, seed: int = 0, device: str
              second_order: bool = True, forward_mode: bool = True, require: Sequence[str] = (),
              seconds: float | None = None) -> dict:
     """One row: {"name", "fd", "torch", "torch32", "twin", "create_graph", "second", "forward": (abs,
-    rel, passed), "ERROR", "NOT DEFINED", "TIME LIMIT" or None (not run), "messages": what
-    failed (or is not defined), by column, "passed"}. A column that raises is an ERROR cell and
-    its exception a message: the row fails, the table goes on.
+    rel, passed), "ERROR", "NOT DEFINED", "NOT JUDGED", "TIME LIMIT" or None (not run), "messages":
+    what failed (or was not judged), by column, "passed"}. A column that raises is an ERROR cell
+    and its exception a message: the row fails, the table goes on; a later column that raises the
+    same error (a backward that returns a wrong dtype, in every column that runs it) is "not
+    judged", so that the mistake fails one column. Floating-point warnings are off: a NaN or inf
+    shows in its cell and its message names the entry.
     second_order, forward_mode: run those columns (gradgradcheck and the HVP against torch;
     forward mode judged on its own and the JVP against torch.func.jvp). require: higher columns
     that must be defined (opcases.REQUIREMENTS), besides the case's own `require`: a case whose
@@ -151,7 +154,7 @@ def run_case(case: opcases.OpCase, torch: Any = None, seed: int = 0, device: str
     }
     required = set(case.require) | set(require)
     row = {"name": case.name, "messages": [], **{column: None for column in COLUMNS}}
-    column, timed_out = None, False
+    column, timed_out, raised = None, False, {}
     try:
         with time_limit(seconds):
             undefined = _undefined(case, seed, device, [r for r in opcases.REQUIREMENTS if r not in required
@@ -164,9 +167,13 @@ def run_case(case: opcases.OpCase, torch: Any = None, seed: int = 0, device: str
                     row["messages"].append(f"{COLUMNS[column]}: {undefined[column]}")
                     continue
                 try:
-                    row[column], message = check(np.random.default_rng(seed))
+                    with np.errstate(all="ignore"):   # a NaN or inf is judged where it lands, its entry named
+                        row[column], message = check(np.random.default_rng(seed))
                 except Exception as e:  # noqa: BLE001  (a broken case is a row of the table, never its end)
                     row[column], message = "ERROR", f"{type(e).__name__}: {e}"
+                    if message in raised:   # the same error again (the backward's, in every column that runs it)
+                        row[column], message = "NOT JUDGED", f"not judged: the error of {COLUMNS[raised[message]]}"
+                    raised.setdefault(message, column)
                 if message:
                     row["messages"].append(f"{COLUMNS[column]}: {message}")
     except TimeLimitExceeded:
@@ -175,7 +182,7 @@ def run_case(case: opcases.OpCase, torch: Any = None, seed: int = 0, device: str
             row[column] = "TIME LIMIT"
         row["messages"].append(f"{COLUMNS[column] if column else 'the case'}: did not return within {seconds:g} s "
                                "(the time limit: --time-limit)")
-    row["passed"] = not timed_out and all(row[c] in (None, "NOT DEFINED") or isinstance(row[c], tuple) and row[c][2]
+    row["passed"] = not timed_out and all(row[c] in (None, "NOT DEFINED", "NOT JUDGED") or isinstance(row[c], tuple) and row[c][2]
                                           for c in COLUMNS)
     return row
 
@@ -208,7 +215,7 @@ def summary(row: dict, name: bool = True) -> str:
     names an input and an entry ("x: wrong at index (2, 1): yours 0.505194, reference 0.00657986"),
     the column and the other failing columns, after the case's name (name=False: without it).
     "<case>: passed" for a row that passed."""
-    failing = [c for c in COLUMNS if row[c] not in (None, "NOT DEFINED") and not (isinstance(row[c], tuple) and row[c][2])]
+    failing = [c for c in COLUMNS if row[c] not in (None, "NOT DEFINED", "NOT JUDGED") and not (isinstance(row[c], tuple) and row[c][2])]
     prefix = f"{row['name']}: " if name else ""
     if not failing and row["passed"]:
         return f"{prefix}passed"
@@ -233,8 +240,8 @@ def _cell(result):
         return f"{'-':>9} {'-':>9} "
     if result in ("ERROR", "TIME LIMIT"):
         return f"{result:>19} "
-    if result == "NOT DEFINED":
-        return f"{'not defined':>19} "
+    if result in ("NOT DEFINED", "NOT JUDGED"):
+        return f"{result.lower():>19} "
     return f"{result[0]:9.1e} {result[1]:9.1e}" + (" " if result[2] else "!")
 
 
