@@ -26,7 +26,8 @@ from .modes import enable_grad, no_grad
 from .tensor import Tensor
 
 __all__ = ["GradcheckError", "check_create_graph", "check_formula", "gradcheck", "gradgradcheck", "judge",
-           "kink_note", "numeric_gradient", "random_generator", "vjp", "writers_of_upstream"]
+           "kink_note", "layout_verdicts", "numeric_gradient", "random_generator", "strided", "vjp",
+           "writers_of_upstream"]
 
 
 class GradcheckError(AssertionError):
@@ -48,7 +49,7 @@ def random_generator(seed: int, stream: int = 0) -> Any:
 
 
 def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = None, *,
-        seed: int = 0, written: list | None = None) -> tuple[list, list, list]:
+        seed: int = 0, written: list | None = None, layout: str = "contiguous") -> tuple[list, list, list]:
     """Run fn(*inputs) and backpropagate L = sum_k sum(out_k * g_k): (outputs, upstream, gradients).
     outputs: the output Tensors (None entries dropped). upstream: one array g_k per output;
     when None, standard normal ones drawn from `random_generator(seed)`, on the outputs' device
@@ -56,7 +57,8 @@ def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = No
     where no gradient arrived), None for the other inputs. The inputs' .grad are reset first and
     hold the gradients afterwards. The backward gets a copy of each g_k: a backward that writes
     into its upstream gradient leaves the returned `upstream` as drawn, and `written` (a list,
-    or None) gets the index k of each output whose copy it changed."""
+    or None) gets the index k of each output whose copy it changed. layout: "contiguous" copies,
+    or "strided" (non-contiguous: `strided`) ones."""
     for t in inputs:
         if getattr(t, "requires_grad", False):
             t.grad = None
@@ -68,7 +70,7 @@ def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = No
     differentiable = [(k, o, g) for k, (o, g) in enumerate(zip(outs, upstream)) if o.requires_grad]
     # one backward per output: a summed loss would compute inf - inf = NaN beside an infinite output
     for n, (k, o, g) in enumerate(differentiable):
-        given = g.copy()
+        given = strided(g) if layout == "strided" else g.copy()
         o.backward(given, retain_graph=n + 1 < len(differentiable))
         if written is not None and not _same(given, g):
             written.append(k)
@@ -160,6 +162,7 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
                                                                   seed, report))
         if written:
             verdicts.append(_in_place_verdict(fn, inputs, written, seed))
+        verdicts += layout_verdicts(fn, inputs, names, checked, outs, upstream, analytic)
         sections.append(("your backward (yours) against central finite differences (reference)", verdicts))
     if check_forward_ad:
         sections.append(("your jvp rules (yours) against central finite differences and the backward (reference)",
@@ -170,6 +173,45 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
         raise GradcheckError("\n".join(f"gradcheck: {what}:\n" + "\n".join(f"  {line}" for _, line in verdicts)
                                        for what, verdicts in failed))
     return True
+
+
+LAYOUT_RTOL = 1e-10  # the same values in another memory layout: BLAS may round differently, by a few ulps
+
+
+def strided(array: Any) -> Any:
+    """A non-contiguous array of `array`'s values in the other memory order: every other element
+    of a buffer twice its size, its axes reversed (a transposed, strided view)."""
+    view = backend.get_array_module(array).empty(array.shape[::-1] + (2,), dtype=array.dtype)[..., 0].transpose()
+    view[...] = array
+    return view
+
+
+def layout_verdicts(fn, inputs, names, checked, outs, upstream, analytic) -> list:
+    """The failed verdicts of fn run again on non-contiguous inputs (every Tensor input's and
+    parameter's values as a strided view: `strided`) and backpropagated from non-contiguous
+    copies of the same upstream gradients: outputs and gradients must equal the contiguous run's
+    (`outs`, `analytic`) to LAYOUT_RTOL of their largest entry. [] when they do."""
+    tensors = [t for t in inputs if isinstance(t, Tensor)]
+    originals = [t.data for t in tensors]
+    try:
+        for t in tensors:
+            t.data = strided(t.data)
+        again, _, grads = vjp(fn, inputs, upstream, layout="strided")
+    finally:
+        for t, data in zip(tensors, originals):
+            t.data = data
+    pairs = [(f"output {k}", a.data, o.data) for k, (a, o) in enumerate(zip(again, outs))]
+    pairs += [(f"the gradient of {names[i]}", grads[i], analytic[i]) for i in checked]
+    failed = []
+    for what, yours, reference in pairs:
+        scale = max(1.0, _max(abs(reference)) if math.isfinite(_max(abs(reference))) else 1.0)
+        passed, line = judge(f"layout: {what} with non-contiguous inputs and upstream gradients", yours, reference,
+                             LAYOUT_RTOL * scale, 0.0)
+        if not passed:
+            failed.append((False, line + "; the kind of mistake: the op depends on memory layout (ravel(order='K'), "
+                                         "raw buffers, writes through a reshape that copied): the same values in a "
+                                         "strided array must give the same results"))
+    return failed
 
 
 def _right_for_ones(fn, inputs, wrong, eps, atol, rtol) -> bool:

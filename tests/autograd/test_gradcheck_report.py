@@ -233,3 +233,29 @@ def test_a_backward_that_writes_into_its_upstream_gradient_is_named_an_in_place_
     # torch's columns and the create_graph check get the upstream gradient as drawn
     outs, upstream, grads = autograd.gradcheck.vjp(WritesIntoUpstream.apply, [_x()], written=(written := []))
     assert written == [0] and np.allclose(grads[0], 2.0 * _x().data * upstream[0])
+
+
+class MemoryOrderSquare(Function):
+    """y = x^2 whose backward reads dy in memory order: right for contiguous arrays only."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, = ctx.saved_tensors
+        return (2.0 * x.ravel() * dy.ravel(order="K")).reshape(x.shape)
+
+
+def test_an_op_that_depends_on_memory_layout_fails_naming_the_input_and_entry():
+    assert not autograd.gradcheck.strided(np.ones((2, 3))).flags["C_CONTIGUOUS"]
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(MemoryOrderSquare.apply, [_x()], names=["x"])
+    message = str(info.value)
+    assert "x: close" in message     # contiguous arrays: right
+    assert re.search(r"layout: the gradient of x with non-contiguous inputs and upstream gradients: wrong, max diff "
+                     r"\S+, worst at index \(\d, \d\)", message)
+    assert "the op depends on memory layout" in message
+    assert autograd.gradcheck(SquareWrongJvp.apply, [_x()])      # a right backward passes the layout check

@@ -148,6 +148,21 @@ class WrongShapeGradient(Function):
         return 3.0 * dy[:1]
 
 
+class LayoutSquare(Function):
+    """x^2 whose backward reads dy in memory order (ravel(order="K")) and x in logical order: right
+    for contiguous arrays, scrambled for a non-contiguous upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, = ctx.saved_tensors
+        return (2.0 * x.ravel() * dy.ravel(order="K")).reshape(x.shape)
+
+
 def _x(rng):
     return {"x": rng.standard_normal((3, 4))}
 
@@ -190,6 +205,10 @@ MATRIX = {
         opcases.OpCase("wrong jvp", _x, WrongJvpSquare.apply, lambda t, x: x * x, require=BOTH),
         {"forward"}, ["forward mode, output 0 along x: J u: wrong", "worst at index (",
                       "tangent of output 0: max abs difference"]),
+    "non-contiguous arrays": (
+        opcases.OpCase("non-contiguous arrays", _x, LayoutSquare.apply, lambda t, x: x * x),
+        {"fd"}, ["layout: the gradient of x with non-contiguous inputs and upstream gradients: wrong",
+                 "worst at index (", "the op depends on memory layout"]),
     "float32 gradient for a float64 input": (
         opcases.OpCase("float32 gradient for a float64 input", _x, Float32Gradient.apply, lambda t, x: 3.0 * x,
                        float32=False),
