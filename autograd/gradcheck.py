@@ -11,7 +11,8 @@ or wrong, with its largest difference and worst index, "yours" (the backward's) 
 `autograd.gradcheck` is this module, and calling it calls `gradcheck` (as one calls
 `torch.autograd.gradcheck(...)`). The rest (a second read, autograd/gradcheck_extras.py,
 re-exported here): one random direction over all inputs together, forward mode
-(`check_forward_ad=True`), `check_create_graph`, `gradgradcheck`, `check_formula`.
+(`check_forward_ad=True`), `check_create_graph`, `gradgradcheck`, `check_formula`; and what
+kind of mistake a failure shows (autograd/gradcheck_diagnosis.py).
 """
 from __future__ import annotations
 
@@ -22,12 +23,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import backend
-from .modes import enable_grad, no_grad
+from .modes import no_grad
 from .tensor import Tensor
 
 __all__ = ["GradcheckError", "check_create_graph", "check_formula", "gradcheck", "gradgradcheck", "judge",
-           "kink_note", "layout_verdicts", "numeric_gradient", "random_generator", "strided", "vjp",
-           "writers_of_upstream"]
+           "numeric_gradient", "random_generator", "vjp"]
 
 
 class GradcheckError(AssertionError):
@@ -42,23 +42,19 @@ def _outputs(result):
 
 
 def random_generator(seed: int, stream: int = 0) -> Any:
-    """The host Generator of gradcheck's random draws (upstream gradients: stream 0, directions:
-    stream 1): independent of `default_rng(seed)`, from which the inputs are often drawn (an
-    upstream gradient equal to the input would make LayerNorm's input gradient zero)."""
+    """The host Generator of gradcheck's random draws (upstream gradients: stream 0, directions: 1),
+    independent of `default_rng(seed)`, which often draws the inputs (g = x zeroes LayerNorm's dx)."""
     return backend.module_for("cpu").random.default_rng([seed, stream, 0x67726164])
 
 
 def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = None, *,
         seed: int = 0, written: list | None = None, layout: str = "contiguous") -> tuple[list, list, list]:
     """Run fn(*inputs) and backpropagate L = sum_k sum(out_k * g_k): (outputs, upstream, gradients).
-    outputs: the output Tensors (None entries dropped). upstream: one array g_k per output;
-    when None, standard normal ones drawn from `random_generator(seed)`, on the outputs' device
-    in their dtype. gradients: for every input Tensor that requires grad, dL/d input (zeros
-    where no gradient arrived), None for the other inputs. The inputs' .grad are reset first and
-    hold the gradients afterwards. The backward gets a copy of each g_k: a backward that writes
-    into its upstream gradient leaves the returned `upstream` as drawn, and `written` (a list,
-    or None) gets the index k of each output whose copy it changed. layout: "contiguous" copies,
-    or "strided" (non-contiguous: `strided`) ones."""
+    outputs: the output Tensors (None entries dropped). upstream: one array g_k per output; when
+    None, standard normal ones from `random_generator(seed)`, on the outputs' device in their dtype.
+    gradients: for every input Tensor that requires grad, dL/d input (zeros where no gradient
+    arrived; also in .grad), None for the others. The backward gets a copy of each g_k (layout
+    "contiguous" or "strided"); `written` (a list, or None) gets each k whose copy it changed."""
     for t in inputs:
         if getattr(t, "requires_grad", False):
             t.grad = None
@@ -70,36 +66,13 @@ def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = No
     differentiable = [(k, o, g) for k, (o, g) in enumerate(zip(outs, upstream)) if o.requires_grad]
     # one backward per output: a summed loss would compute inf - inf = NaN beside an infinite output
     for n, (k, o, g) in enumerate(differentiable):
-        given = strided(g) if layout == "strided" else g.copy()
+        given = gradcheck_diagnosis.strided(g) if layout == "strided" else g.copy()
         o.backward(given, retain_graph=n + 1 < len(differentiable))
-        if written is not None and not _same(given, g):
+        if written is not None and not gradcheck_diagnosis.same(given, g):
             written.append(k)
     grads = [None if not getattr(t, "requires_grad", False) else t.xp.zeros_like(t.data) if t.grad is None else t.grad.data
              for t in inputs]
     return outs, upstream, grads
-
-
-def _same(a, b) -> bool:
-    """Whether two arrays hold the same values (NaN equal to NaN)."""
-    xp = backend.get_array_module(a)
-    return a.shape == b.shape and bool(((a == b) | (xp.isnan(a) & xp.isnan(b))).all())
-
-
-def writers_of_upstream(outs: Sequence[Tensor], seed: int = 0) -> list[str]:
-    """The ops of the graph behind `outs` whose backward writes into the gradient it is given:
-    each node's backward run on fresh random gradients, which are then compared with copies."""
-    from .function import backward_order, op_name
-
-    rng = random_generator(seed, stream=5)
-    names = []
-    for node in backward_order([o.creator for o in outs if o.creator is not None]):
-        device = next((t.device for t in node.inputs if t is not None), "cpu")
-        grads = [backend.to_device(rng.standard_normal(shape).astype(dtype), device) for shape, dtype in node.output_meta]
-        given = [g.copy() for g in grads]
-        node.backward(node, *given)
-        if not all(_same(a, b) for a, b in zip(given, grads)):
-            names.append(op_name(type(node)))
-    return names
 
 
 def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, eps: float = 1e-6,
@@ -112,17 +85,13 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
     deterministic (seed any dropout inside it). inputs: Tensors (or other arguments passed
     through); each Tensor with requires_grad=True must be float64 and is checked.
     names: what to call each input in messages ("q", "k", ...; default "input 0", ...).
-    Pass when |yours - reference| <= atol + rtol * |reference| everywhere (yours: the
-    backward's gradient; reference: the central differences). Returns True, or
-    raises GradcheckError after judging every input (one line each: see `judge`). A wrong entry
-    where the one-sided slopes differ (a kink, ReLU at 0) says so; a backward that writes into
-    its upstream gradient fails as an in-place write, naming the op.
-    report: a list, or None; when given, one (what, max abs error, max |numeric|) tuple is
-    appended per comparison (each input, then the random direction), so a caller can show how
-    close a check came. check_forward_ad: also check forward mode (torch's name; see
-    gradcheck_extras.forward_mode_verdicts), judged on its own: a wrong backward does not fail
-    it. check_backward_ad=False (torch's name) leaves the backward unjudged (forward mode alone).
-    Raises ValueError when no input requires grad (raw arrays must be wrapped:
+    Pass when |yours - reference| <= atol + rtol * |reference| everywhere (yours: the backward's
+    gradient; reference: the central differences). Returns True, or raises GradcheckError after
+    judging every input (see `judge`), with the kind of mistake it sees (gradcheck_diagnosis).
+    report: a list, or None; one (what, max abs error, max |numeric|) tuple is appended per
+    comparison (each input, then the random direction). check_forward_ad: also check forward
+    mode, on its own (torch's name; gradcheck_extras.forward_mode_verdicts); check_backward_ad=False:
+    forward mode alone. Raises ValueError when no input requires grad (wrap raw arrays:
     `Tensor(a, requires_grad=True)`), TypeError for a checked one not float64."""
     inputs, names, checked = _checked(inputs, names)
     for i in checked:
@@ -130,134 +99,29 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
             raise TypeError(f"gradcheck: {names[i]} must be float64 for finite differences, got {inputs[i].dtype}")
     if not (check_backward_ad or check_forward_ad):
         raise ValueError("gradcheck: check_backward_ad=False and check_forward_ad=False leave nothing to check")
-    sections = []
-    written = []
-    try:
-        outs, upstream, analytic = vjp(fn, inputs, seed=seed, written=written)
-    except Exception:  # noqa: BLE001  (forward mode alone is judged without the backward)
-        if check_backward_ad:
-            raise
-        outs, upstream, analytic = _outputs(fn(*inputs)), None, None
-    if upstream is None:
-        rng = random_generator(seed)
-        upstream = [backend.to_device(rng.standard_normal(o.shape).astype(o.dtype), o.device) for o in outs]
+    sections, written = [], []
+    outs, upstream, analytic = (vjp(fn, inputs, seed=seed, written=written) if check_backward_ad else
+                                gradcheck_extras.vjp_where_it_runs(fn, inputs, seed))   # forward mode alone
 
     def loss():
         with no_grad():
             return sum(float((o.data * g).sum()) for o, g in zip(_outputs(fn(*inputs)), upstream))
 
     if check_backward_ad:
-        verdicts = []
-        for i in checked:
-            numeric = numeric_gradient(loss, inputs[i], eps)
-            verdicts.append(judge(names[i], analytic[i], numeric, atol, rtol, report,
-                                  explain=lambda index, t=inputs[i]: kink_note(loss, t, index, eps, atol, rtol)))
-        wrong = [i for i, (passed, _) in zip(checked, verdicts) if not passed]
-        if wrong and _right_for_ones(fn, inputs, wrong, eps, atol, rtol):
-            verdicts.append((False, "the kind of mistake: your backward is right for an all-ones upstream gradient "
-                                    "(the gradient of sum()) but not for this random one: check how it uses the "
-                                    "gradient it is given (dy): that it multiplies by it, and over which axes it "
-                                    "sums it"))
-        verdicts.append(gradcheck_extras.random_direction_verdict(loss, inputs, checked, analytic, eps, atol, rtol,
-                                                                  seed, report))
-        if written:
-            verdicts.append(_in_place_verdict(fn, inputs, written, seed))
-        verdicts += layout_verdicts(fn, inputs, names, checked, outs, upstream, analytic)
+        verdicts = [judge(names[i], analytic[i], numeric_gradient(loss, inputs[i], eps), atol, rtol, report,
+                          explain=gradcheck_diagnosis.kink_explainer(loss, inputs[i], eps, atol, rtol)) for i in checked]
+        verdicts += gradcheck_diagnosis.backward_verdicts(loss, fn, inputs, names, checked, outs, upstream, analytic,
+                                                          verdicts, written, eps, atol, rtol, seed, report)
         sections.append(("your backward (yours) against central finite differences (reference)", verdicts))
     if check_forward_ad:
         sections.append(("your jvp rules (yours) against central finite differences and the backward (reference)",
                          gradcheck_extras.forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps,
                                                                 atol, rtol, seed, report)))
-    failed = [(what, verdicts) for what, verdicts in sections if not all(passed for passed, _ in verdicts)]
+    failed = "\n".join(f"gradcheck: {what}:\n" + "\n".join(f"  {line}" for _, line in verdicts)
+                       for what, verdicts in sections if not all(passed for passed, _ in verdicts))
     if failed:
-        raise GradcheckError("\n".join(f"gradcheck: {what}:\n" + "\n".join(f"  {line}" for _, line in verdicts)
-                                       for what, verdicts in failed))
+        raise GradcheckError(failed)
     return True
-
-
-LAYOUT_RTOL = 1e-10  # the same values in another memory layout: BLAS may round differently, by a few ulps
-
-
-def strided(array: Any) -> Any:
-    """A non-contiguous array of `array`'s values in the other memory order: every other element
-    of a buffer twice its size, its axes reversed (a transposed, strided view)."""
-    view = backend.get_array_module(array).empty(array.shape[::-1] + (2,), dtype=array.dtype)[..., 0].transpose()
-    view[...] = array
-    return view
-
-
-def layout_verdicts(fn, inputs, names, checked, outs, upstream, analytic) -> list:
-    """The failed verdicts of fn run again on non-contiguous inputs (every Tensor input's and
-    parameter's values as a strided view: `strided`) and backpropagated from non-contiguous
-    copies of the same upstream gradients: outputs and gradients must equal the contiguous run's
-    (`outs`, `analytic`) to LAYOUT_RTOL of their largest entry. [] when they do."""
-    tensors = [t for t in inputs if isinstance(t, Tensor)]
-    originals = [t.data for t in tensors]
-    try:
-        for t in tensors:
-            t.data = strided(t.data)
-        again, _, grads = vjp(fn, inputs, upstream, layout="strided")
-    finally:
-        for t, data in zip(tensors, originals):
-            t.data = data
-    pairs = [(f"output {k}", a.data, o.data) for k, (a, o) in enumerate(zip(again, outs))]
-    pairs += [(f"the gradient of {names[i]}", grads[i], analytic[i]) for i in checked]
-    failed = []
-    for what, yours, reference in pairs:
-        scale = max(1.0, _max(abs(reference)) if math.isfinite(_max(abs(reference))) else 1.0)
-        passed, line = judge(f"layout: {what} with non-contiguous inputs and upstream gradients", yours, reference,
-                             LAYOUT_RTOL * scale, 0.0)
-        if not passed:
-            failed.append((False, line + "; the kind of mistake: the op depends on memory layout (ravel(order='K'), "
-                                         "raw buffers, writes through a reshape that copied): the same values in a "
-                                         "strided array must give the same results"))
-    return failed
-
-
-def _right_for_ones(fn, inputs, wrong, eps, atol, rtol) -> bool:
-    """Whether the backward's gradients of the `wrong` inputs are right for an all-ones upstream
-    gradient (L = the sum of the outputs), to gradcheck's tolerance."""
-    ones = [o.xp.ones_like(o.data) for o in _outputs(fn(*inputs))]
-    _, _, grads = vjp(fn, inputs, ones)
-
-    def total():
-        with no_grad():
-            return sum(float(o.data.sum()) for o in _outputs(fn(*inputs)))
-
-    return all(judge("", grads[i], numeric_gradient(total, inputs[i], eps), atol, rtol)[0] for i in wrong)
-
-
-def _in_place_verdict(fn, inputs, written, seed):
-    """The failed verdict of a backward that wrote into the upstream gradient of outputs `written`,
-    naming the ops that do (found by running each node's backward on gradients it may not change)."""
-    with enable_grad():
-        ops = writers_of_upstream(_outputs(fn(*inputs)), seed)
-    who = f"the backward of {', '.join(ops)}" if ops else "a backward"
-    outputs = ", ".join(str(k) for k in written)
-    return False, (f"in-place write: {who} wrote into its upstream gradient (the gradient of output {outputs} "
-                   "changed): a backward must not modify the gradients it is given, which the engine may pass to "
-                   "other ops too; compute a new array (dy * s, not dy *= s)")
-
-
-def kink_note(loss: Callable[[], float], tensor: Tensor, index: tuple, eps: float = 1e-6, atol: float = 1e-5,
-              rtol: float = 1e-3) -> str | None:
-    """Where `loss` has a kink in `tensor` at `index` (the one-sided slopes (L(x+eps) - L(x)) / eps and
-    (L(x) - L(x-eps)) / eps differ beyond tolerance, as ReLU's at 0), a note saying so: the central
-    difference is their average, which no backward gives. None where they agree."""
-    flat = tensor.data.reshape(-1)
-    j = int(backend.get_array_module(tensor.data).ravel_multi_index(index, tensor.shape)) if tensor.shape else 0
-    original = float(flat[j])
-    base = loss()
-    flat[j] = original + eps
-    plus = loss()
-    flat[j] = original - eps
-    minus = loss()
-    flat[j] = original
-    left, right = (base - minus) / eps, (plus - base) / eps
-    if not abs(right - left) > atol + rtol * max(abs(left), abs(right)):
-        return None
-    return (f"a kink there: the one-sided slopes differ (left {left:.6g}, right {right:.6g}) and the reference is "
-            f"their average; move the input away from the kink (as ReLU's at 0), or check a one-sided slope")
 
 
 def _checked(inputs, names):
@@ -297,12 +161,10 @@ def numeric_gradient(loss: Callable[[], float], tensor: Tensor, eps: float = 1e-
 def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
           report: list | None = None, explain: Callable[[tuple], str | None] | None = None) -> tuple[bool, str]:
     """(passed, line): one tensor's verdict, exact, close (|yours - reference| <= atol + rtol
-    |reference| everywhere) or wrong, with the largest difference and the worst entry (the
-    one furthest out of tolerance): its index, both values, and the relative error where the
-    reference is not 0 there. A NaN or infinity of yours (or of the reference) where the other
-    is not the same is wrong and counted, its entry named; equal infinities are equal.
-    explain: None, or a function of the worst index returning a note for a wrong verdict (a
-    kink there) or None. report: see `gradcheck`."""
+    |reference| everywhere) or wrong, with the largest difference and the worst entry (the one
+    furthest out of tolerance): its index, both values, and the relative error where the reference
+    is not 0 there; NaN and inf counted (equal infinities are equal). explain: None, or a function
+    of the worst index returning a note for a wrong verdict, or None. report: see `gradcheck`."""
     xp = backend.get_array_module(reference)
     with xp.errstate(invalid="ignore"):
         err = xp.where(yours == reference, 0.0, xp.abs(yours - reference))   # inf == inf: no inf - inf
@@ -318,14 +180,7 @@ def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
     passed = bool((excess <= 1).all())
     mine, theirs, diff = float(yours.reshape(-1)[worst]), float(reference.reshape(-1)[worst]), _max(err)
     verdict = "exact" if diff == 0 else "close" if passed else "wrong"
-    line = f"{name}: {verdict}, max diff {diff:.3g}"
-    for what, values in (("yours", yours), ("the reference", reference)):
-        finite = xp.isfinite(values) | (yours == reference)
-        if not bool(finite.all()):
-            first = tuple(int(k) for k in xp.unravel_index(int(xp.argmin(finite)), reference.shape))
-            kinds = " and ".join(kind for kind, bad in (("NaN", xp.isnan(values)), ("inf", xp.isinf(values)))
-                                 if bool(bad.any()))
-            line += f", {what} has {kinds} at {int((~finite).sum())} entries (the first at index {first})"
+    line = f"{name}: {verdict}, max diff {diff:.3g}" + gradcheck_diagnosis.nonfinite_note(yours, reference)
     if verdict == "close":
         line += f", worst at index {index}"
     if verdict == "wrong":
@@ -333,8 +188,7 @@ def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
                     f"rel {abs(mine - theirs) / abs(theirs):.3g}" if theirs else "the reference is 0 there")
         line += f", worst at index {index}: yours {mine:.10g}, reference {theirs:.10g} ({relative})"
         note = explain(index) if explain is not None else None
-        if note:
-            line += f"; {note}"
+        line += f"; {note}" if note else ""
     if not passed:
         tolerance = f"atol {atol:.3g}" + (f" + rtol {rtol:.3g} * |reference|" if rtol else "")
         line += f"; {int((~(excess <= 1)).sum())} of {err.size} entries beyond {tolerance}"
@@ -346,12 +200,6 @@ def _max(array) -> float:
     return float(array.max()) if array.size else 0.0
 
 
-def _raise_if_wrong(what, verdicts):
-    """Raise GradcheckError listing every verdict when any is wrong."""
-    if not all(passed for passed, _ in verdicts):
-        raise GradcheckError(f"{what}:\n" + "\n".join(f"  {line}" for _, line in verdicts))
-
-
 class _CallableModule(types.ModuleType):
     """This module, callable as `gradcheck` (torch users call `autograd.gradcheck(...)`)."""
 
@@ -361,5 +209,5 @@ class _CallableModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _CallableModule
 
-from . import gradcheck_extras  # noqa: E402  (the second read)
+from . import gradcheck_diagnosis, gradcheck_extras  # noqa: E402  (the second read)
 from .gradcheck_extras import check_create_graph, check_formula, gradgradcheck  # noqa: E402

@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -97,7 +97,7 @@ class TimeLimitExceeded(BaseException):
 
 
 @contextlib.contextmanager
-def time_limit(seconds: float | None):
+def time_limit(seconds: float | None) -> Iterator[None]:
     """Raise TimeLimitExceeded in the block after `seconds` (None or 0: no limit). A timer signal
     (SIGALRM): it interrupts Python code, such as a loop that never ends, not one long call into
     compiled code until that returns; off the main thread, or where there is no SIGALRM, no limit."""

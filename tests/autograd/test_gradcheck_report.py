@@ -250,7 +250,7 @@ class MemoryOrderSquare(Function):
 
 
 def test_an_op_that_depends_on_memory_layout_fails_naming_the_input_and_entry():
-    assert not autograd.gradcheck.strided(np.ones((2, 3))).flags["C_CONTIGUOUS"]
+    assert not autograd.gradcheck_diagnosis.strided(np.ones((2, 3))).flags["C_CONTIGUOUS"]
     with pytest.raises(GradcheckError) as info:
         autograd.gradcheck(MemoryOrderSquare.apply, [_x()], names=["x"])
     message = str(info.value)
