@@ -24,7 +24,7 @@ from .modes import enable_grad, no_grad
 from .tensor import Tensor
 
 __all__ = ["LAYOUT_RTOL", "backward_verdicts", "in_place_verdict", "kink_explainer", "kink_note", "layout_verdicts", "nonfinite_note",
-           "right_for_ones_verdict", "same", "strided", "writers_of_upstream"]
+           "right_for_ones_verdict", "same", "slopes_note", "strided", "writers_of_upstream"]
 
 
 def backward_verdicts(loss: Callable[[], float], fn: Callable, inputs: list, names: list, checked: list, outs: list,
@@ -171,6 +171,12 @@ def kink_note(loss: Callable[[], float], tensor: Tensor, index: tuple, eps: floa
     flat[j] = original - eps
     minus = loss()
     flat[j] = original
+    return slopes_note(base, plus, minus, eps, atol, rtol)
+
+
+def slopes_note(base: float, plus: float, minus: float, eps: float, atol: float, rtol: float) -> str | None:
+    """The kink note from f(x), f(x + eps) and f(x - eps) (along an entry or a direction): the
+    one-sided slopes, when they differ beyond tolerance; None when they agree."""
     left, right = (base - minus) / eps, (plus - base) / eps
     if not abs(right - left) > atol + rtol * max(abs(left), abs(right)):
         return None

@@ -22,6 +22,7 @@ from . import backend
 from .create_graph import grad
 from .gradcheck import (GradcheckError, _checked, _outputs, gradcheck, judge, numeric_gradient, random_generator,
                         vjp)
+from .gradcheck_diagnosis import slopes_note
 from .modes import enable_grad, no_grad
 from .tensor import Tensor
 
@@ -96,9 +97,11 @@ def forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, a
                 return [o.data.copy() for o in _outputs(fn(*inputs))]
 
         values = _along(inputs, chosen, directions, eps, outputs)
-        for k, (t, plus, minus) in enumerate(zip(tangents, *values)):
+        for k, (t, base, plus, minus) in enumerate(zip(tangents, outputs(), *values)):
+            kink = lambda index, b=base, p=plus, m=minus: slopes_note(  # noqa: E731  (at a kink, say so)
+                float(b[index]), float(p[index]), float(m[index]), eps, atol, rtol)
             verdicts.append(judge(f"forward mode, output {k} along {along}: J u", t, (plus - minus) / (2 * eps),
-                                  atol, rtol, report))
+                                  atol, rtol, report, explain=kink))
         if len(chosen) == len(checked):  # <g, J u> = <J^T g, u>: the jvp rules against the backward
             verdicts.append(_transpose_verdict(upstream, tangents, analytic, directions, chosen, values, eps, atol,
                                                rtol, report))

@@ -3,30 +3,42 @@ every functional op and nn module, on ordinary inputs and their edge cases), or 
 your own module.
 
     python -m npformer.gradcheck [-k SUBSTRING] [--module MODULE] [--no-torch] [--no-modules] [--device DEVICE]
-                                 [--no-second-order] [--no-forward-mode]
+                                 [--no-second-order] [--no-forward-mode] [--require COLUMNS]
+                                 [--time-limit SECONDS]
 
-One row per case: `autograd.gradcheck` in float64 (every input and parameter against central
-finite differences, eps 1e-6, pass when |yours - reference| <= 1e-5 + 1e-3 |reference|
-everywhere, yours the backward's gradient and the reference the differences; then one random direction over all inputs together), then outputs and gradients
+One row per case, each column judged on its own: `autograd.gradcheck` in float64 (every input
+and parameter against central finite differences, eps 1e-6, pass when |yours - reference| <=
+1e-5 + 1e-3 |reference| everywhere, yours the backward's gradient and the reference the
+differences; then one random direction over all inputs together, an in-place write into the
+upstream gradient and the same values in non-contiguous arrays), then outputs and gradients
 against torch in float64 and float32 (when torch is installed and the case has a torch
 reference) and against the case's twin (for npformer's own ops the composite twin: the same
 code run with npformer.functional's ops swapped for the slow versions built from autograd
 primitives), to the registry's tolerances; then "create_graph = plain": the first derivative taken
 with create_graph=True (each op's differentiable_backward, what second derivatives differentiate)
 against the plain backward's, to 1e-10 of the largest entry (`autograd.gradcheck.check_create_graph`;
-no torch needed); then "second order": `autograd.gradgradcheck` against
-finite differences and the Hessian-vector product against torch's double backward, and "forward
-mode": `gradcheck(check_forward_ad=True)` and J u against `torch.func.jvp` (float64, torch's
-attention on its math backend), each cell the worse of its two checks. An op that is
-differentiable once or has no jvp rule fails that column with the error naming it. "abs" is the largest absolute difference, "rel"
-that divided by the largest reference magnitude. Losses use a random upstream gradient, never
-a plain sum(). Under a failing row, the messages name the input, the worst index, yours and
-the reference's values; a case that raises is an ERROR row with the exception.
+no torch needed; where they differ and create_graph's agrees with finite differences, the plain
+backward is the wrong one and fails its own columns only); then "second order":
+`autograd.gradgradcheck` against finite differences and the Hessian-vector product against
+torch's double backward (not judged where the first derivative already differs), and "forward
+mode": the jvp rules against finite differences and the transpose identity (where the
+backward is right: `gradcheck(check_forward_ad=True, check_backward_ad=False)`) and J u against
+`torch.func.jvp` (float64, torch's attention on its math backend), each cell the worse of its
+two checks. An op that is differentiable once (has no jvp rule) shows "not defined" in the
+second-order (forward-mode) column and passes, unless the case (`OpCase.require`; npformer's
+own cases require both) or --require asks for it: then the column fails with the error naming
+the op. "abs" is the largest absolute difference (NaN where one is), "rel" that divided by the
+largest reference magnitude. Losses use a random upstream gradient, never a plain sum(). Under
+a row, the messages name the input, the worst index, yours and the reference's values and,
+where it can be told, the kind of mistake; a column that raises is an ERROR cell with the
+exception (a later column raising the same error is "not judged"), and a case that does not
+return within --time-limit seconds a TIME LIMIT cell: the table goes on.
 
---module MODULE imports your module (`mypkg.ops`: Functions and the cases it registers with
-`npformer.opcases.register`) and runs only its cases. Exit status 1 when any row fails, 2 for
-a usage error: -k matches no case, --module cannot be imported or registers no case, or
---device names a device that is not there.
+--module MODULE imports your module (a dotted name, `mypkg.ops`, or a path, `mypkg/ops.py`:
+Functions and the cases it registers with `npformer.opcases.register`) and runs only its cases.
+Exit status 1 when any row fails, 2 for a usage error: -k matches no case, --module cannot be
+imported (or does not return within the time limit) or registers no case, --require names an
+unknown column, or --device names a device that is not there.
 """
 import argparse
 import contextlib

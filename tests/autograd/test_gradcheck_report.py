@@ -259,3 +259,13 @@ def test_an_op_that_depends_on_memory_layout_fails_naming_the_input_and_entry():
                      r"\S+, worst at index \(\d, \d\)", message)
     assert "the op depends on memory layout" in message
     assert autograd.gradcheck(SquareWrongJvp.apply, [_x()])      # a right backward passes the layout check
+
+
+def test_a_forward_mode_failure_at_a_kink_says_so_too():
+    import npformer.functional as F
+
+    x = Tensor(np.array([[0.0, 1.0, -0.5]]), requires_grad=True)
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(F.relu, [x], names=["x"], check_forward_ad=True, check_backward_ad=False)
+    line = next(line for line in str(info.value).splitlines() if "J u: wrong" in line)
+    assert "worst at index (0, 0)" in line and "a kink there: the one-sided slopes differ" in line
