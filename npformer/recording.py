@@ -33,8 +33,11 @@ must not branch on its data, and `fn` must depend on nothing but its inputs and 
 """
 from __future__ import annotations
 
+import functools
+import threading
+import warnings
 from collections.abc import Callable
-from types import FunctionType
+from types import CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 import numpy
@@ -42,6 +45,7 @@ import numpy
 from autograd import Tensor, backend, forward_ad, is_anomaly_enabled, is_grad_enabled
 from autograd.backend import memory_owner
 from npformer.functional._common import _twins
+from npformer.nn.module import Module
 from npformer.runtime import random, record
 
 __all__ = ["recorded", "RecordedStep"]
@@ -70,7 +74,8 @@ class RecordedStep:
     """`fn(*inputs)` (a scalar loss Tensor) and its backward, recorded once per signature and
     replayed (see the module docstring). Made by `recorded`."""
 
-    def __init__(self, fn: Callable[..., Tensor], model: Any, warmup: int = 1, max_recordings: int = 8):
+    def __init__(self, fn: Callable[..., Tensor], model: Any, warmup: int = 1, max_recordings: int = 8,
+                 state: Callable[[], Any] | None = None):
         if not callable(fn):
             raise TypeError(f"recorded: fn must be callable, got {type(fn).__name__}")
         if not callable(getattr(model, "modules", None)) or not callable(getattr(model, "parameters", None)):
@@ -79,31 +84,37 @@ class RecordedStep:
         for name, value, least in (("warmup", warmup, 0), ("max_recordings", max_recordings, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"recorded: {name} must be an integer >= {least}, got {value!r}")
-        self.fn, self.model, self.warmup, self.max_recordings = fn, model, warmup, max_recordings
+        if state is not None and not callable(state):
+            raise TypeError(f"recorded: state must be None or a function () -> the Python values fn reads, "
+                            f"got {type(state).__name__}")
+        self.fn, self.model, self.warmup, self.max_recordings, self.state = fn, model, warmup, max_recordings, state
         self.calls = self.eager_calls = self.replays = 0
         # [(signature, _Recording)]: compared by equality, as a signature may hold what cannot be hashed
         # (a module's tuple of lists); at most max_recordings, each compared from its shapes on
         self.recordings = []
         self.modules = None     # the model's modules at the last recording (what _signature reads)
+        self.eager_reason = None  # why every call now runs eagerly (a warning said it once), or None
+        self._lock = threading.RLock()  # one call at a time: a replay rewrites the recording's arrays
 
     def __call__(self, *inputs: Any) -> Any:
         """Run the step on `inputs` (arrays or Tensors that do not require grad): the loss (a
         detached scalar Tensor), its gradients accumulated into the parameters' `.grad`. When fn
         returns a tuple (the loss first, then Tensors and arrays the step made), that tuple with
         the loss detached; after a call's recording the same objects, which each replay of its
-        signature rewrites."""
-        self.calls += 1
-        signature = self._signature(inputs)
-        if self.calls <= self.warmup or signature is None:
-            return self._eager(inputs)
-        recording = next((r for recorded, r in self.recordings if recorded == signature), None)
-        if recording is not None:
-            self.replays += 1
-            return recording.replay(inputs)
-        if len(self.recordings) >= self.max_recordings or \
-                not all(type(p.data) is numpy.ndarray for p in self.model.parameters()):
-            return self._eager(inputs)   # (a model on a GPU: npformer.cuda.graphed records there)
-        return self._record(inputs)
+        signature rewrites. Calls from several threads run one at a time."""
+        with self._lock:
+            self.calls += 1
+            signature = self._signature(inputs) if self.eager_reason is None else None
+            if self.calls <= self.warmup or signature is None:
+                return self._eager(inputs)
+            recording = next((r for recorded, r in self.recordings if recorded == signature), None)
+            if recording is not None:
+                self.replays += 1
+                return recording.replay(inputs)
+            if len(self.recordings) >= self.max_recordings or \
+                    not all(type(p.data) is numpy.ndarray for p in self.model.parameters()):
+                return self._eager(inputs)   # (a model on a GPU: npformer.cuda.graphed records there)
+            return self._record(inputs)
 
     def _eager(self, inputs):
         self.eager_calls += 1
@@ -114,22 +125,48 @@ class RecordedStep:
     def _record(self, inputs):
         self.modules = list(self.model.modules())   # as they are now (a module added changes the signature)
         signature = self._signature(inputs)
-        static = [Tensor(numpy.array(_data(v))) if isinstance(v, Tensor) else numpy.array(v) for v in inputs]
+        if signature is None:
+            return self._eager(inputs)
+        # C order whatever the first batch's: a view the step takes of an input (a reshape) stays a view
+        static = [Tensor(numpy.array(_data(v), order="C")) if isinstance(v, Tensor) else numpy.array(v, order="C")
+                  for v in inputs]
         recorder = record.Recorder()
         with recorder:
             loss, extras = _loss_and_extras(self.fn(*static))
         if loss.creator is None:
             raise TypeError("recorded: fn must return a scalar loss Tensor that requires grad, got one that does not")
-        recorder.check(self._known(static), self.model.parameters(), extras or ())
+        self.eager_calls += 1  # the recording call is an eager step
+        changed = None if recorder.host_read is not None else self._changed(signature, self._signature(inputs))
+        if recorder.host_read is not None or changed is not None:
+            self.eager_reason = f"it read a value on the host at {recorder.host_read}" if changed is None else \
+                f"running it changed {changed}"
+            warnings.warn(f"recorded step: {self.eager_reason}, which a replay would not do again: this step "
+                          "runs eagerly from now on", RuntimeWarning, stacklevel=3)
+            self.recordings.clear()
+            loss.backward()
+            return _returned(loss, extras)
+        recorder.check(self._known(static, signature), self.model.parameters(), extras or ())
         loss.backward(retain_graph=True)
         self.recordings.append((signature, _Recording(recorder, static, loss, extras)))
-        self.eager_calls += 1  # the recording call is an eager step
         return _returned(loss, extras)
 
-    def _known(self, static):
+    def _changed(self, before, after):
+        """What differs between the signatures before and after the recorded call (None: nothing):
+        Python state the step changes, which replays would not change."""
+        if before == after:
+            return None
+        for module, a, b in zip(self.modules, before[2], after[2]):
+            if a != b:
+                names = [name for name, x in a if (name, x) not in b] + [name for name, y in b if (name, y) not in a]
+                return f"the attribute {names[0]!r} of a {type(module).__name__}"
+        return "a value fn reads (in its closure or globals, or its state())"
+
+    def _known(self, static, signature):
         """The ids of the arrays owning the memory a replay may read as it is: the inputs, the
-        parameters, and the arrays and Tensors the model's modules hold."""
+        parameters, the arrays and Tensors the model's modules hold, and those the signature
+        holds by identity (fn's closure and globals: a replay of this signature reads the same)."""
         known = [_data(s) for s in static]
+        _arrays_held(signature, known)
         for module in self.modules:
             for value in vars(module).values():
                 values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
@@ -138,8 +175,9 @@ class RecordedStep:
         return {id(memory_owner(a)) for a in known}
 
     def _signature(self, inputs):
-        """What the recorded ops were chosen by, or None when a call cannot be recorded at all
-        (inputs that are not CPU arrays or Tensors without grad)."""
+        """What the recorded ops were chosen by and the Python values they were given (see the
+        module docstring), or None when a call cannot be recorded at all (inputs that are not CPU
+        arrays or Tensors without grad, a module whose forward is replaced on the instance)."""
         if not is_grad_enabled() or forward_ad.current_level() is not None or is_anomaly_enabled():
             return None
         shapes = []
@@ -149,7 +187,18 @@ class RecordedStep:
                 return None
             shapes.append((isinstance(value, Tensor), data.shape, data.dtype))
         modules = self.modules if self.modules is not None else list(self.model.modules())
-        return tuple(shapes), _twins.active, tuple([_settings(m) for m in modules])
+        states = []
+        for module in modules:
+            state = vars(module)
+            if "forward" in state:   # a forward wrapped on the instance (a hook): Python a replay would not run
+                self.eager_reason = f"a {type(module).__name__}'s forward is replaced on the instance"
+                warnings.warn(f"recorded step: {self.eager_reason} (a hook that a replay would not run): this step "
+                              "runs eagerly from now on", RuntimeWarning, stacklevel=4)
+                self.recordings.clear()
+                return None
+            states.append(_module_state(state))
+        return (tuple(shapes), _twins.active, tuple(states), _frozen(self.fn, _DEPTH),
+                None if self.state is None else _frozen(self.state(), _DEPTH))
 
 
 def _loss_and_extras(returned):
@@ -170,31 +219,135 @@ def _data(value):
     return value.data if isinstance(value, Tensor) else value
 
 
-def _settings(module):
-    """What a module's forward may be chosen by: its plain values (training, sizes, paths), its
-    functions, its parameters, buffers and children (which ones; a Tensor's requires_grad, shape,
-    dtype and array type) and the plain values of its config objects."""
+_DEPTH = 4   # how deep _frozen follows containers, objects and functions from fn, state() and a module
+
+
+class _Same:
+    """An object in a signature, equal to the same object only (an array, a Tensor, a function: its
+    identity; what it holds is frozen beside it where a replay would not read it anew)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return type(other) is _Same and other.obj is self.obj
+
+    __hash__ = None
+
+
+def _module_state(state):
+    """A module's attributes (`vars`) as a signature compares them: [(name, frozen value)]. Its
+    parameters by identity, requires_grad, shape, dtype and array type (a replay reads their
+    arrays anew); its children by identity (each is a module of the model, frozen itself)."""
     found = []
-    for value in vars(module).values():
-        kind = type(value)
-        if kind in _PLAIN or kind is tuple or kind is FunctionType:
-            found.append(value)
-        elif kind is dict:   # _parameters, _buffers, _modules, a config dict
-            for key, item in value.items():
-                if isinstance(item, Tensor):
-                    data = item.data
-                    found.append((key, id(item), item.requires_grad, data.shape, data.dtype, type(data)))
-                else:
-                    found.append((key, item if type(item) in _PLAIN else id(item)))
-        elif hasattr(value, "__dict__") and not isinstance(value, (Tensor, random.Philox)) and not callable(value):
-            found.append(tuple([v for v in vars(value).values() if type(v) in _PLAIN]))
+    for name, value in state.items():
+        if name == "_parameters":
+            value = tuple([(key, _Same(p), p.requires_grad, p.data.shape, p.data.dtype, type(p.data))
+                           if isinstance(p, Tensor) else (key, p) for key, p in value.items()])
+        elif name == "_modules":
+            value = tuple([(key, _Same(m)) for key, m in value.items()])
+        else:
+            value = _frozen(value, _DEPTH)
+        found.append((name, value))
     return tuple(found)
 
 
-def recorded(fn: Callable[..., Tensor], model: Any, warmup: int = 1, max_recordings: int = 8) -> RecordedStep:
+_LIBRARY_PACKAGES = ("npformer", "autograd", "numpy")
+
+
+def _frozen(value, depth):
+    """`value` as a signature compares it: plain values and numpy scalars (their bytes) as they
+    are; lists, tuples, dicts and sets by their items; a Tensor or array by identity (and a
+    Tensor's array's), shape and dtype (a replay reads its values anew); a function by identity,
+    the values its closure holds and, outside npformer, autograd and numpy, the globals its code
+    names; another object by identity and its attributes. Modules, classes, random streams and
+    whatever lies deeper than `depth` by identity alone."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if isinstance(value, Tensor):
+        data = value.data
+        return _Same(value), _Same(data), value.requires_grad, data.shape, data.dtype
+    if isinstance(value, numpy.generic):
+        return kind, value.tobytes()
+    if backend.is_array(value):
+        return _Same(value), value.shape, value.dtype
+    if depth <= 0:
+        return _Same(value)
+    if kind is tuple or kind is list:
+        return kind, tuple([_frozen(v, depth - 1) for v in value])
+    if kind is dict:
+        return kind, tuple([(k, _frozen(v, depth - 1)) for k, v in value.items()])
+    if kind is set or kind is frozenset:
+        return kind, frozenset(value)
+    if kind is FunctionType:
+        return _Same(value), _function_state(value, depth - 1)
+    if kind is MethodType:
+        return _Same(value.__func__), _Same(value.__self__), _function_state(value.__func__, depth - 1)
+    if kind is functools.partial:
+        return _Same(value.func), _frozen(value.func, depth - 1), _frozen(value.args, depth - 1), \
+            _frozen(value.keywords, depth - 1)
+    if isinstance(value, (Module, ModuleType, type, random.Philox)):
+        return _Same(value)
+    attributes = getattr(value, "__dict__", None)
+    if type(attributes) is dict:
+        return _Same(value), _frozen(attributes, depth - 1)
+    return _Same(value)
+
+
+def _arrays_held(frozen, found):
+    """Append to `found` the arrays (a Tensor's included) that the frozen value holds by identity."""
+    if type(frozen) is _Same:
+        obj = frozen.obj
+        if isinstance(obj, Tensor) or backend.is_array(obj):
+            found.append(_data(obj))
+    elif type(frozen) is tuple:
+        for item in frozen:
+            _arrays_held(item, found)
+
+
+_EMPTY = object()   # an empty closure cell
+_global_names_of = {}  # code object -> the names its code (and the code it defines) reads as globals
+
+
+def _function_state(fn, depth):
+    """What a function reads beside its arguments: the values of its closure cells and, for a
+    function defined outside npformer, autograd and numpy, of the globals its code names."""
+    cells = tuple([_frozen(_cell(c), depth) for c in fn.__closure__ or ()])
+    if (getattr(fn, "__module__", None) or "").split(".")[0] in _LIBRARY_PACKAGES:
+        return cells
+    code = fn.__code__
+    names = _global_names_of.get(code)
+    if names is None:
+        names = _global_names_of[code] = _code_names(code)
+    scope = fn.__globals__
+    return cells, tuple([(name, _frozen(scope[name], depth)) for name in names if name in scope])
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _EMPTY
+
+
+def _code_names(code):
+    """The names a code object and the code objects it defines (lambdas, inner functions) look up."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names.extend(_code_names(const))
+    return tuple(dict.fromkeys(names))
+
+
+def recorded(fn: Callable[..., Tensor], model: Any, warmup: int = 1, max_recordings: int = 8,
+             state: Callable[[], Any] | None = None) -> RecordedStep:
     """A callable that runs `fn(*inputs)` (the step's scalar loss) and its backward, recorded on
     the first call after `warmup` eager ones and replayed by later calls like it; a call of other
     shapes (or modes, parameters) records again, up to `max_recordings` recordings, then runs
     eagerly (see the module docstring). Raises TypeError for an fn that is not callable or a
-    model that is not a Module, ValueError for a negative warmup or max_recordings below 1."""
-    return RecordedStep(fn, model, warmup, max_recordings)
+    model that is not a Module, ValueError for a negative warmup or max_recordings below 1. state:
+    a function returning the Python values fn reads beyond what the signature follows from fn
+    (e.g. the attributes of a bound method's object), put in the signature."""
+    return RecordedStep(fn, model, warmup, max_recordings, state)
