@@ -261,7 +261,7 @@ def _frozen(value, depth):
     are; lists, tuples, dicts and sets by their items; a Tensor or array by identity (and a
     Tensor's array's), shape and dtype (a replay reads its values anew); a function by identity,
     the values its closure holds and, outside npformer, autograd and numpy, the globals its code
-    names; another object by identity and its attributes. Modules, classes, random streams and
+    names (and its default arguments); another object by identity and its attributes. Modules, classes, random streams and
     whatever lies deeper than `depth` by identity alone."""
     kind = type(value)
     if kind in _PLAIN:
@@ -312,9 +312,11 @@ _global_names_of = {}  # code object -> the names its code (and the code it defi
 
 
 def _function_state(fn, depth):
-    """What a function reads beside its arguments: the values of its closure cells and, for a
-    function defined outside npformer, autograd and numpy, of the globals its code names."""
-    cells = tuple([_frozen(_cell(c), depth) for c in fn.__closure__ or ()])
+    """What a function reads beside its arguments: its default arguments' values, its closure
+    cells' and, for a function defined outside npformer, autograd and numpy, the globals its code
+    names."""
+    cells = (_frozen(fn.__defaults__, depth), _frozen(fn.__kwdefaults__, depth),
+             tuple([_frozen(_cell(c), depth) for c in fn.__closure__ or ()]))
     if (getattr(fn, "__module__", None) or "").split(".")[0] in _LIBRARY_PACKAGES:
         return cells
     code = fn.__code__

@@ -317,7 +317,9 @@ class Trainer:
         self.history = self._empty_history()
         self._bar = None
         record_steps = check_bool(record_steps, "record_steps", "Trainer") and not self.distributed
-        self._recorded = RecordedStep(self._recorded_loss, self.module) if record_steps else None
+        # the signature follows the loss function (its closure, globals, defaults), whichever it is at each step
+        self._recorded = RecordedStep(self._recorded_loss, self.module, state=lambda: self.loss_fn) \
+            if record_steps else None
         self._metric_names = None   # the recorded loss function's metrics, in order
         self._batch_type = None     # the type of the batch the recorded step rebuilds from its arrays
 
