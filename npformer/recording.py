@@ -19,17 +19,39 @@ moment, then the recorded graph's backward. The numbers are those of the eager s
 bit: each dropout draws the next values of its stream, the padding masks and ignored targets
 are made from the new inputs, the ids are checked again.
 
-A recording is made for what the ops were chosen by (the call's signature): the inputs' shapes,
-dtypes and devices (the CPU only), the composite twins (grad mode off, forward-mode AD and
-anomaly detection: always eager), the model's parameters (which Tensors, their shapes, dtypes,
-requires_grad), and every plain setting of its modules (training/eval, an attention path, ...).
+A recording is replayed only by a call of the same signature, which covers what the step reads
+beside its inputs' values, and so what its ops were chosen by and the Python values they were given:
+- the inputs' shapes, dtypes and devices (the CPU only; not their memory order: the recorded
+  copies are C-ordered, each batch is copied into them);
+- the composite twins (`_twins`); grad mode off, forward-mode AD and anomaly detection: always eager;
+- every attribute of every module of the model, whatever it holds: its parameters (which Tensors,
+  their shapes, dtypes, requires_grad: a replay reads their values anew), other Tensors and arrays
+  by identity (their values are read anew: an in-place change is seen, a new object records
+  again), numbers, numpy scalars, strings, the items of lists, tuples, dicts and sets, the
+  attributes of other objects (a config), functions;
+- fn itself: its default arguments, its closure's values and, for a function written outside
+  npformer, the globals its code names, followed into the functions and objects they hold (to a
+  depth of 4); and what `state()` returns, for values fn reads otherwise (the attributes of a
+  bound method's object: `Trainer(record_steps=True)` gives its loss function).
 A call of another signature records again, up to `max_recordings` recordings (each keeps its
 graph and the arrays it saved, as torch.compile keeps a graph per shape up to its cache size
 limit), so that batches of a few shapes (an epoch's shorter last batch, a few sequence lengths)
-all replay; past the limit a call of a new signature runs eagerly. `eager_calls` and `replays`
-count what it did. Recording refuses (RuntimeError) a step whose ops read arrays computed outside
-them that a replay could not remake: see npformer.runtime.record. As in a CUDA graph, the step
-must not branch on its data, and `fn` must depend on nothing but its inputs and `model`.
+all replay, and a setting changed between steps (a module's attribute, a value fn reads) records
+anew; past the limit a call of a new signature runs eagerly. `eager_calls` and `replays` count what
+it did. A parameter's post-accumulate-grad hook runs at every replay (the engine's own backward).
+
+A replay does not run the Python of fn and of the modules' forward, so a step whose recording
+shows Python that a replay would need falls back to eager steps, with one RuntimeWarning, from
+then on (`eager_reason` says why): a value read on the host while recording (`item()`, `float()`,
+`numpy()`, `tolist()` or `np.asarray` of a Tensor: a branch on the data; the warning names the
+line), a change of the state the signature covers made by the recorded call itself (a counter
+that fn increments, an attribute a forward sets), a module whose forward is replaced on the
+instance (npformer's way of hooking a module). Recording refuses (RuntimeError) a step whose ops
+read arrays computed outside them that a replay could not remake: see npformer.runtime.record.
+Not seen, so not allowed in fn: a branch on the values of the raw input arrays (numpy's own
+reads), Python random numbers or the clock, state reached only deeper than the signature follows
+or through objects it does not follow (declare those with `state`). Calls from several threads
+run one at a time (each replay rewrites the recording's arrays).
 """
 from __future__ import annotations
 
