@@ -146,7 +146,8 @@ class RecordedStep:
 
     def _record(self, inputs):
         self.modules = list(self.model.modules())   # as they are now (a module added changes the signature)
-        signature = self._signature(inputs)
+        held = []   # the arrays the signature holds by identity: a replay of it reads them anew
+        signature = self._signature(inputs, held)
         if signature is None:
             return self._eager(inputs)
         # C order whatever the first batch's: a view the step takes of an input (a reshape) stays a view
@@ -167,7 +168,7 @@ class RecordedStep:
             self.recordings.clear()
             loss.backward()
             return _returned(loss, extras)
-        recorder.check(self._known(static, signature), self.model.parameters(), extras or ())
+        recorder.check(self._known(static, held), self.model.parameters(), extras or ())
         loss.backward(retain_graph=True)
         self.recordings.append((signature, _Recording(recorder, static, loss, extras)))
         return _returned(loss, extras)
@@ -183,12 +184,11 @@ class RecordedStep:
                 return f"the attribute {names[0]!r} of a {type(module).__name__}"
         return "a value fn reads (in its closure or globals, or its state())"
 
-    def _known(self, static, signature):
+    def _known(self, static, held):
         """The ids of the arrays owning the memory a replay may read as it is: the inputs, the
         parameters, the arrays and Tensors the model's modules hold, and those the signature
-        holds by identity (fn's closure and globals: a replay of this signature reads the same)."""
-        known = [_data(s) for s in static]
-        _arrays_held(signature, known)
+        holds by identity (`held`; fn's closure and globals: a replay of it reads the same)."""
+        known = [_data(s) for s in static] + held
         for module in self.modules:
             for value in vars(module).values():
                 values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
@@ -196,7 +196,7 @@ class RecordedStep:
                 known.extend(_data(v) for v in values if isinstance(v, Tensor) or backend.is_array(v))
         return {id(memory_owner(a)) for a in known}
 
-    def _signature(self, inputs):
+    def _signature(self, inputs, found=None):
         """What the recorded ops were chosen by and the Python values they were given (see the
         module docstring), or None when a call cannot be recorded at all (inputs that are not CPU
         arrays or Tensors without grad, a module whose forward is replaced on the instance)."""
@@ -218,9 +218,9 @@ class RecordedStep:
                               "runs eagerly from now on", RuntimeWarning, stacklevel=4)
                 self.recordings.clear()
                 return None
-            states.append(_module_state(state))
-        return (tuple(shapes), _twins.active, tuple(states), _frozen(self.fn, _DEPTH),
-                None if self.state is None else _frozen(self.state(), _DEPTH))
+            states.append(_module_state(state, found))
+        return (tuple(shapes), _twins.active, tuple(states), _frozen(self.fn, _DEPTH, found),
+                None if self.state is None else _frozen(self.state(), _DEPTH, found))
 
 
 def _loss_and_extras(returned):
@@ -244,101 +244,95 @@ def _data(value):
 _DEPTH = 4   # how deep _frozen follows containers, objects and functions from fn, state() and a module
 
 
-class _Same:
-    """An object in a signature, equal to the same object only (an array, a Tensor, a function: its
-    identity; what it holds is frozen beside it where a replay would not read it anew)."""
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __eq__(self, other):
-        return type(other) is _Same and other.obj is self.obj
-
-    __hash__ = None
-
-
-def _module_state(state):
-    """A module's attributes (`vars`) as a signature compares them: [(name, frozen value)]. Its
+def _module_state(state, found=None):
+    """A module's attributes (`vars`) as a signature compares them: ((name, frozen value), ...). Its
     parameters by identity, requires_grad, shape, dtype and array type (a replay reads their
     arrays anew); its children by identity (each is a module of the model, frozen itself)."""
-    found = []
+    frozen = []
     for name, value in state.items():
-        if name == "_parameters":
-            value = tuple([(key, _Same(p), p.requires_grad, p.data.shape, p.data.dtype, type(p.data))
-                           if isinstance(p, Tensor) else (key, p) for key, p in value.items()])
+        kind = type(value)
+        if kind in _PLAIN:
+            frozen.append((name, value))
+        elif (kind is dict or kind is set) and not value:   # (most modules' buffers, many's parameters)
+            frozen.append((name, kind))
+        elif name == "_parameters":
+            frozen.append((name, tuple([(key, id(p), p.requires_grad, p.data.shape, p.data.dtype, type(p.data))
+                                        if isinstance(p, Tensor) else (key, p) for key, p in value.items()])))
         elif name == "_modules":
-            value = tuple([(key, _Same(m)) for key, m in value.items()])
+            frozen.append((name, tuple([(key, id(m)) for key, m in value.items()])))
+        elif name == "_buffers":
+            frozen.append((name, tuple([(key, id(t), id(t.data), t.requires_grad) if isinstance(t, Tensor) else
+                                        (key, _frozen(t, _DEPTH, found)) for key, t in value.items()])))
+            if found is not None:
+                found.extend(t.data for t in value.values() if isinstance(t, Tensor))
+        elif kind is set:
+            frozen.append((name, frozenset(value)))
         else:
-            value = _frozen(value, _DEPTH)
-        found.append((name, value))
-    return tuple(found)
+            frozen.append((name, _frozen(value, _DEPTH, found)))
+    return tuple(frozen)
 
 
 _LIBRARY_PACKAGES = ("npformer", "autograd", "numpy")
+_ARRAY, _OBJECT = "array", "object"   # tags of what a signature holds by identity (its id)
 
 
-def _frozen(value, depth):
+def _frozen(value, depth, found=None):
     """`value` as a signature compares it: plain values and numpy scalars (their bytes) as they
     are; lists, tuples, dicts and sets by their items; a Tensor or array by identity (and a
-    Tensor's array's), shape and dtype (a replay reads its values anew); a function by identity,
-    the values its closure holds and, outside npformer, autograd and numpy, the globals its code
-    names (and its default arguments); another object by identity and its attributes. Modules, classes, random streams and
-    whatever lies deeper than `depth` by identity alone."""
+    Tensor's array's) and requires_grad (a replay reads its values anew); a function by identity,
+    its default arguments, the values its closure holds and, outside npformer, autograd and numpy,
+    the globals its code names; another object by identity and its attributes. Modules, classes,
+    random streams and whatever lies deeper than `depth` by identity alone. Identities are ids: an
+    id is reused only once its object is gone, and a recording holds what its ops read.
+    found: a list to which the arrays held by identity are appended (what a replay reads anew)."""
     kind = type(value)
     if kind in _PLAIN:
         return value
-    if isinstance(value, Tensor):
+    if kind is Tensor or isinstance(value, Tensor):
         data = value.data
-        return _Same(value), _Same(data), value.requires_grad, data.shape, data.dtype
+        if found is not None:
+            found.append(data)
+        return _ARRAY, id(value), id(data), value.requires_grad
+    if kind is numpy.ndarray or backend.is_array(value):
+        if found is not None:
+            found.append(value)
+        return _ARRAY, id(value)
     if isinstance(value, numpy.generic):
         return kind, value.tobytes()
-    if backend.is_array(value):
-        return _Same(value), value.shape, value.dtype
     if depth <= 0:
-        return _Same(value)
-    if kind is tuple or kind is list:
-        return kind, tuple([_frozen(v, depth - 1) for v in value])
+        return _OBJECT, id(value)
+    depth -= 1
+    if kind is tuple or kind is list:   # (plain items inline: the common case, cheaper than a call each)
+        return kind, tuple([v if type(v) in _PLAIN else _frozen(v, depth, found) for v in value])
     if kind is dict:
-        return kind, tuple([(k, _frozen(v, depth - 1)) for k, v in value.items()])
+        return kind, tuple([(k, v if type(v) in _PLAIN else _frozen(v, depth, found)) for k, v in value.items()])
     if kind is set or kind is frozenset:
         return kind, frozenset(value)
     if kind is FunctionType:
-        return _Same(value), _function_state(value, depth - 1)
+        return value, _function_state(value, depth, found)
     if kind is MethodType:
-        return _Same(value.__func__), _Same(value.__self__), _function_state(value.__func__, depth - 1)
+        return value.__func__, id(value.__self__), _function_state(value.__func__, depth, found)
     if kind is functools.partial:
-        return _Same(value.func), _frozen(value.func, depth - 1), _frozen(value.args, depth - 1), \
-            _frozen(value.keywords, depth - 1)
+        return _frozen(value.func, depth, found), _frozen(value.args, depth, found), \
+            _frozen(value.keywords, depth, found)
     if isinstance(value, (Module, ModuleType, type, random.Philox)):
-        return _Same(value)
+        return _OBJECT, id(value)
     attributes = getattr(value, "__dict__", None)
     if type(attributes) is dict:
-        return _Same(value), _frozen(attributes, depth - 1)
-    return _Same(value)
-
-
-def _arrays_held(frozen, found):
-    """Append to `found` the arrays (a Tensor's included) that the frozen value holds by identity."""
-    if type(frozen) is _Same:
-        obj = frozen.obj
-        if isinstance(obj, Tensor) or backend.is_array(obj):
-            found.append(_data(obj))
-    elif type(frozen) is tuple:
-        for item in frozen:
-            _arrays_held(item, found)
+        return _OBJECT, id(value), _frozen(attributes, depth, found)
+    return _OBJECT, id(value)
 
 
 _EMPTY = object()   # an empty closure cell
 _global_names_of = {}  # code object -> the names its code (and the code it defines) reads as globals
 
 
-def _function_state(fn, depth):
+def _function_state(fn, depth, found=None):
     """What a function reads beside its arguments: its default arguments' values, its closure
     cells' and, for a function defined outside npformer, autograd and numpy, the globals its code
     names."""
-    cells = (_frozen(fn.__defaults__, depth), _frozen(fn.__kwdefaults__, depth),
-             tuple([_frozen(_cell(c), depth) for c in fn.__closure__ or ()]))
+    cells = (_frozen(fn.__defaults__, depth, found), _frozen(fn.__kwdefaults__, depth, found),
+             tuple([_frozen(_cell(c), depth, found) for c in fn.__closure__ or ()]))
     if (getattr(fn, "__module__", None) or "").split(".")[0] in _LIBRARY_PACKAGES:
         return cells
     code = fn.__code__
@@ -346,7 +340,7 @@ def _function_state(fn, depth):
     if names is None:
         names = _global_names_of[code] = _code_names(code)
     scope = fn.__globals__
-    return cells, tuple([(name, _frozen(scope[name], depth)) for name in names if name in scope])
+    return cells, tuple([(name, _frozen(scope[name], depth, found)) for name in names if name in scope])
 
 
 def _cell(cell):
