@@ -55,6 +55,7 @@ run one at a time (each replay rewrites the recording's arrays).
 """
 from __future__ import annotations
 
+import dis
 import functools
 import threading
 import warnings
@@ -315,7 +316,7 @@ def _frozen(value, depth, found=None):
     if kind is functools.partial:
         return _frozen(value.func, depth, found), _frozen(value.args, depth, found), \
             _frozen(value.keywords, depth, found)
-    if isinstance(value, (Module, ModuleType, type, random.Philox)):
+    if isinstance(value, (Module, ModuleType, type, random.Philox, RecordedStep)):
         return _OBJECT, id(value)
     attributes = getattr(value, "__dict__", None)
     if type(attributes) is dict:
@@ -351,8 +352,9 @@ def _cell(cell):
 
 
 def _code_names(code):
-    """The names a code object and the code objects it defines (lambdas, inner functions) look up."""
-    names = list(code.co_names)
+    """The global names a code object and the code objects it defines (lambdas, inner functions)
+    load (not the attribute names beside them in co_names: `optimizer.step` is no global `step`)."""
+    names = [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
     for const in code.co_consts:
         if isinstance(const, CodeType):
             names.extend(_code_names(const))

@@ -205,6 +205,9 @@ def test_bad_arguments_are_errors():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match=rf"recorded: max_recordings must be an integer >= 1, got {bad!r}"):
             npformer.recorded(lambda: None, model, max_recordings=bad)
+    with pytest.raises(TypeError, match=r"recorded: state must be None or a function \(\) -> the Python values fn "
+                                        r"reads, got int"):
+        npformer.recorded(lambda: None, model, state=3)
     step = npformer.recorded(lambda x: model(Tensor(x)), model, warmup=0)
     with pytest.raises(TypeError, match=r"recorded: fn must return a scalar loss Tensor that requires grad \(or a "
                                         r"tuple that starts with one\), got Tensor \(3, 2\)"):
@@ -417,3 +420,23 @@ def test_a_fortran_ordered_first_batch_records_the_readme_loss():
             run.append(loss.item())
         losses.append(run)
     assert losses[0] == losses[1] and step.replays == 3
+
+
+class _Counter:
+    calls = 0
+
+
+_calls = _Counter()   # a module global named as an attribute the step below reads
+
+
+def test_only_the_globals_a_function_loads_are_in_its_signature():
+    """`holder._calls` in fn's code is an attribute, not the global `_calls` (whose count changes
+    before every call here): the signature leaves that global out, and the step replays."""
+    model = nn.Linear(2, 2)
+    holder = _Counter()
+    holder._calls = 2.0
+    step = npformer.recorded(lambda x: (model(Tensor(x)) * holder._calls).sum(), model)
+    for _ in range(5):
+        _calls.calls += 1
+        step(np.ones((3, 2), dtype=np.float32))
+    assert (step.eager_calls, step.replays) == (2, 3)
