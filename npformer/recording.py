@@ -44,8 +44,10 @@ A replay does not run the Python of fn and of the modules' forward, so a step wh
 shows Python that a replay would need falls back to eager steps, with one RuntimeWarning, from
 then on (`eager_reason` says why): a value read on the host while recording (`item()`, `float()`,
 `numpy()`, `tolist()` or `np.asarray` of a Tensor: a branch on the data; the warning names the
-line), a change of the state the signature covers made by the recorded call itself (a counter
-that fn increments, an attribute a forward sets), a module whose forward is replaced on the
+line), a change of the state the signature covers made by recording calls themselves, at the
+`max_recordings`-th such call (a counter that fn increments, an attribute a forward sets at every
+call; until then each is an eager step and a later call records again: a cache a forward builds
+or grows changes it once), a module whose forward is replaced on the
 instance (npformer's way of hooking a module). Recording refuses (RuntimeError) a step whose ops
 read arrays computed outside them that a replay could not remake: see npformer.runtime.record.
 Not seen, so not allowed in fn: a branch on the values of the raw input arrays (numpy's own
@@ -117,6 +119,7 @@ class RecordedStep:
         self.recordings = []
         self.modules = None     # the model's modules at the last recording (what _signature reads)
         self.eager_reason = None  # why every call now runs eagerly (a warning said it once), or None
+        self._changed_calls = 0  # recording calls that changed the state they read (each an eager step)
         self._lock = threading.RLock()  # one call at a time: a replay rewrites the recording's arrays
 
     def __call__(self, *inputs: Any) -> Any:
@@ -161,6 +164,11 @@ class RecordedStep:
             raise TypeError("recorded: fn must return a scalar loss Tensor that requires grad, got one that does not")
         self.eager_calls += 1  # the recording call is an eager step
         changed = None if recorder.host_read is not None else self._changed(signature, self._signature(inputs))
+        if changed is not None:   # an eager step; a cache built by a forward changes once: a later call records
+            self._changed_calls += 1
+        if changed is not None and self._changed_calls < self.max_recordings:
+            loss.backward()
+            return _returned(loss, extras)
         if recorder.host_read is not None or changed is not None:
             self.eager_reason = f"it read a value on the host at {recorder.host_read}" if changed is None else \
                 f"running it changed {changed}"

@@ -348,8 +348,9 @@ def test_one_recorded_step_called_from_two_threads_gives_the_eager_losses():
 
 def test_python_values_the_loss_function_reads_are_in_the_signature():
     """A loss function whose label smoothing follows a counter it increments (a replay would not):
-    a warning when it records, eager steps from then on; one whose label smoothing is a module
-    global changed at step 4: a new recording. The eager losses either way."""
+    each call that would record is an eager step, the 8th (max_recordings) warns, eager from then
+    on; one whose label smoothing is a module global changed at step 4: a new recording. The eager
+    losses either way."""
     target = np.array([0, 1, 2, 1])
     counter = [0]
 
@@ -440,3 +441,30 @@ def test_only_the_globals_a_function_loads_are_in_its_signature():
         _calls.calls += 1
         step(np.ones((3, 2), dtype=np.float32))
     assert (step.eager_calls, step.replays) == (2, 3)
+
+
+def test_a_cache_the_first_forward_builds_records_at_the_next_call():
+    """Rotary tables built by the first forward (warmup=0: during the recording call) change the
+    state the signature covers once: that call is an eager step, the next one records, the later
+    ones replay (it raised before), with the eager losses."""
+    runs = []
+    for record in (False, True):
+        npformer.manual_seed(0)
+        model = models.CausalLM(VOCAB, d_model=16, nhead=2, num_layers=1, dim_feedforward=24, max_len=16,
+                                positional="rope").train()
+
+        def loss_fn(x, y):
+            return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        step = npformer.recorded(loss_fn, model, warmup=0)
+        rng = np.random.default_rng(0)
+        losses = []
+        for _ in range(5):
+            x, y = rng.integers(0, VOCAB, (2, 2, 8))
+            if record:
+                losses.append(step(x, y).item())
+            else:
+                loss = loss_fn(x, y)
+                loss.backward()
+                losses.append(loss.item())
+        runs.append(losses)
+    assert runs[0] == runs[1] and (step.eager_calls, step.replays) == (2, 3) and step.eager_reason is None
