@@ -50,10 +50,12 @@ call; until then each is an eager step and a later call records again: a cache a
 or grows changes it once), a module whose forward is replaced on the
 instance (npformer's way of hooking a module). Recording refuses (RuntimeError) a step whose ops
 read arrays computed outside them that a replay could not remake: see npformer.runtime.record.
-Not seen, so not allowed in fn: a branch on the values of the raw input arrays (numpy's own
-reads), Python random numbers or the clock, state reached only deeper than the signature follows
+Not seen, so not allowed in fn: a branch on the values of the raw input arrays or of a Tensor's
+`.data` (numpy's own reads), Python random numbers or the clock, state reached only deeper than the signature follows
 or through objects it does not follow (declare those with `state`). Calls from several threads
-run one at a time (each replay rewrites the recording's arrays).
+run one at a time (each replay rewrites the recording's arrays); what a call returns is its own
+(Tensors detached, arrays copied). The optimizer step runs after the call, eagerly: its state
+(learning rate, schedule, moments) is read by it as in an eager step, and is no part of a signature.
 """
 from __future__ import annotations
 
@@ -126,8 +128,8 @@ class RecordedStep:
         """Run the step on `inputs` (arrays or Tensors that do not require grad): the loss (a
         detached scalar Tensor), its gradients accumulated into the parameters' `.grad`. When fn
         returns a tuple (the loss first, then Tensors and arrays the step made), that tuple with
-        the loss detached; after a call's recording the same objects, which each replay of its
-        signature rewrites. Calls from several threads run one at a time."""
+        the loss detached, Tensors detached and arrays copied (the next call leaves them as they are).
+        Calls from several threads run one at a time."""
         with self._lock:
             self.calls += 1
             signature = self._signature(inputs) if self.eager_reason is None else None
@@ -243,7 +245,13 @@ def _loss_and_extras(returned):
 
 
 def _returned(loss, extras):
-    return loss.detach() if extras is None else (loss.detach(),) + extras
+    """The loss detached and what fn returned after it, as the caller keeps them: a Tensor detached
+    (a replay gives its op's output a new array), an array copied (a replay rewrites a recomputed
+    array in place), so that the next call (another thread's) leaves them as they are."""
+    if extras is None:
+        return loss.detach()
+    return (loss.detach(),) + tuple([v.detach() if isinstance(v, Tensor) else v.copy() if backend.is_array(v) else v
+                                     for v in extras])
 
 
 def _data(value):

@@ -256,9 +256,11 @@ class Trainer:
         ready-made ones make arrays: token_loss), batches that are not arrays (or a tuple or
         dataclass of them); they become eager for good, with one RuntimeWarning, when the
         recorded step reads a value on the host (`.item()`, `float()`: a branch on the data; the
-        warning names the line), changes Python state it reads (a counter in the loss function),
-        or a module's forward is replaced on the instance. Not seen: a branch on the raw batch
-        arrays' values, Python random numbers or the clock in the loss function.
+        warning names the line), changes Python state it reads at each step that would record
+        (a counter in the loss function: at the 8th such step, each of them eager), or a module's
+        forward is replaced on the instance. Not seen: a branch on the values of the
+        raw batch arrays or of a Tensor's `.data`, Python random numbers or the clock in the loss
+        function.
 
     callbacks: functions `callback(trainer, stats)`, called in order at the end of every
         `train_step` with the step's stats (the step is done and in `history`): Lightning's

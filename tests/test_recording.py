@@ -468,3 +468,27 @@ def test_a_cache_the_first_forward_builds_records_at_the_next_call():
                 losses.append(loss.item())
         runs.append(losses)
     assert runs[0] == runs[1] and (step.eager_calls, step.replays) == (2, 3) and step.eager_reason is None
+
+
+def _argmax_rows(x):
+    return np.argmax(x, axis=1)
+
+
+def test_what_a_call_returns_is_not_rewritten_by_the_next_call():
+    """fn returns the loss, a Tensor and a recomputed array: what a replay returned keeps its values
+    after the next replay (another thread's call included), the eager values of its batch."""
+    npformer.manual_seed(0)
+    model = _Stateful()
+
+    def loss_fn(x):
+        out = model(x)
+        return (out * out).mean(), out.sum(axis=1), raw_computation(_argmax_rows, x)
+    step = npformer.recorded(loss_fn, model)
+    rng = np.random.default_rng(3)
+    data = [rng.standard_normal((4, 3)).astype(np.float32) for _ in range(4)]
+    eager = [[np.asarray(v.data if isinstance(v, Tensor) else v).copy() for v in loss_fn(x)] for x in data]
+    returned = [step(x) for x in data]
+    assert (step.eager_calls, step.replays) == (2, 2)
+    for got, want in zip(returned, eager):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a.data if isinstance(a, Tensor) else a, b)

@@ -28,7 +28,7 @@ recording (`Tensor.item()`, `float()`, `numpy()`, `tolist()`, `np.asarray`: the 
 hook) gives a Python number that a replay would not read again, as the branch taken on it: the
 recorder keeps where the first such read happened (`Recorder.host_read`, the line of the code
 outside npformer and autograd that made it) and `npformer.recorded` runs that step eagerly. A read
-of the step's raw input arrays (numpy's, not a Tensor's) is not seen.
+of the step's raw input arrays or of a Tensor's `.data` (numpy's own, not a Tensor's) is not seen.
 Recording is per thread; ops applied inside `recomputed` belong to it and are not recorded.
 """
 import os
