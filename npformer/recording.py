@@ -220,7 +220,7 @@ class RecordedStep:
                 return None
             shapes.append((isinstance(value, Tensor), data.shape, data.dtype))
         modules = self.modules if self.modules is not None else list(self.model.modules())
-        states = []
+        states, memo = [], {}
         for module in modules:
             state = vars(module)
             if "forward" in state:   # a forward wrapped on the instance (a hook): Python a replay would not run
@@ -229,9 +229,9 @@ class RecordedStep:
                               "runs eagerly from now on", RuntimeWarning, stacklevel=4)
                 self.recordings.clear()
                 return None
-            states.append(_module_state(state, found))
-        return (tuple(shapes), _twins.active, tuple(states), _frozen(self.fn, _DEPTH, found),
-                None if self.state is None else _frozen(self.state(), _DEPTH, found))
+            states.append(_module_state(state, found, memo))
+        return (tuple(shapes), _twins.active, tuple(states), _frozen(self.fn, _DEPTH, found, memo),
+                None if self.state is None else _frozen(self.state(), _DEPTH, found, memo))
 
 
 def _loss_and_extras(returned):
@@ -261,7 +261,7 @@ def _data(value):
 _DEPTH = 4   # how deep _frozen follows containers, objects and functions from fn, state() and a module
 
 
-def _module_state(state, found=None):
+def _module_state(state, found=None, memo=None):
     """A module's attributes (`vars`) as a signature compares them: ((name, frozen value), ...). Its
     parameters by identity, requires_grad, shape, dtype and array type (a replay reads their
     arrays anew); its children by identity (each is a module of the model, frozen itself)."""
@@ -279,13 +279,13 @@ def _module_state(state, found=None):
             frozen.append((name, tuple([(key, id(m)) for key, m in value.items()])))
         elif name == "_buffers":
             frozen.append((name, tuple([(key, id(t), id(t.data), t.requires_grad) if isinstance(t, Tensor) else
-                                        (key, _frozen(t, _DEPTH, found)) for key, t in value.items()])))
+                                        (key, _frozen(t, _DEPTH, found, memo)) for key, t in value.items()])))
             if found is not None:
                 found.extend(t.data for t in value.values() if isinstance(t, Tensor))
         elif kind is set:
             frozen.append((name, frozenset(value)))
         else:
-            frozen.append((name, _frozen(value, _DEPTH, found)))
+            frozen.append((name, _frozen(value, _DEPTH, found, memo)))
     return tuple(frozen)
 
 
@@ -293,7 +293,7 @@ _LIBRARY_PACKAGES = ("npformer", "autograd", "numpy")
 _ARRAY, _OBJECT = "array", "object"   # tags of what a signature holds by identity (its id)
 
 
-def _frozen(value, depth, found=None):
+def _frozen(value, depth, found=None, memo=None):
     """`value` as a signature compares it: plain values and numpy scalars (their bytes) as they
     are; lists, tuples, dicts and sets by their items; a Tensor or array by identity (and a
     Tensor's array's) and requires_grad (a replay reads its values anew); a function by identity,
@@ -301,7 +301,9 @@ def _frozen(value, depth, found=None):
     the globals its code names; another object by identity and its attributes. Modules, classes,
     random streams and whatever lies deeper than `depth` by identity alone. Identities are ids: an
     id is reused only once its object is gone, and a recording holds what its ops read.
-    found: a list to which the arrays held by identity are appended (what a replay reads anew)."""
+    found: a list to which the arrays held by identity are appended (what a replay reads anew);
+    memo: {id: frozen} of the objects frozen so far in this signature (a config many modules share
+    is frozen once, and compared by identity first)."""
     kind = type(value)
     if kind in _PLAIN:
         return value
@@ -320,23 +322,29 @@ def _frozen(value, depth, found=None):
         return _OBJECT, id(value)
     depth -= 1
     if kind is tuple or kind is list:   # (plain items inline: the common case, cheaper than a call each)
-        return kind, tuple([v if type(v) in _PLAIN else _frozen(v, depth, found) for v in value])
+        return kind, tuple([v if type(v) in _PLAIN else _frozen(v, depth, found, memo) for v in value])
     if kind is dict:
-        return kind, tuple([(k, v if type(v) in _PLAIN else _frozen(v, depth, found)) for k, v in value.items()])
+        return kind, tuple([(k, v if type(v) in _PLAIN else _frozen(v, depth, found, memo))
+                            for k, v in value.items()])
     if kind is set or kind is frozenset:
         return kind, frozenset(value)
     if kind is FunctionType:
-        return value, _function_state(value, depth, found)
+        return value, _function_state(value, depth, found, memo)
     if kind is MethodType:
-        return value.__func__, id(value.__self__), _function_state(value.__func__, depth, found)
+        return value.__func__, id(value.__self__), _function_state(value.__func__, depth, found, memo)
     if kind is functools.partial:
-        return _frozen(value.func, depth, found), _frozen(value.args, depth, found), \
-            _frozen(value.keywords, depth, found)
+        return _frozen(value.func, depth, found, memo), _frozen(value.args, depth, found, memo), \
+            _frozen(value.keywords, depth, found, memo)
     if isinstance(value, (Module, ModuleType, type, random.Philox, RecordedStep)):
         return _OBJECT, id(value)
     attributes = getattr(value, "__dict__", None)
     if type(attributes) is dict:
-        return _OBJECT, id(value), _frozen(attributes, depth, found)
+        if memo is None:
+            return _OBJECT, id(value), _frozen(attributes, depth, found)
+        frozen = memo.get(id(value))
+        if frozen is None:
+            frozen = memo[id(value)] = _OBJECT, id(value), _frozen(attributes, depth, found, memo)
+        return frozen
     return _OBJECT, id(value)
 
 
@@ -344,12 +352,12 @@ _EMPTY = object()   # an empty closure cell
 _global_names_of = {}  # code object -> the names its code (and the code it defines) reads as globals
 
 
-def _function_state(fn, depth, found=None):
+def _function_state(fn, depth, found=None, memo=None):
     """What a function reads beside its arguments: its default arguments' values, its closure
     cells' and, for a function defined outside npformer, autograd and numpy, the globals its code
     names."""
-    cells = (_frozen(fn.__defaults__, depth, found), _frozen(fn.__kwdefaults__, depth, found),
-             tuple([_frozen(_cell(c), depth, found) for c in fn.__closure__ or ()]))
+    cells = (_frozen(fn.__defaults__, depth, found, memo), _frozen(fn.__kwdefaults__, depth, found, memo),
+             tuple([_frozen(_cell(c), depth, found, memo) for c in fn.__closure__ or ()]))
     if (getattr(fn, "__module__", None) or "").split(".")[0] in _LIBRARY_PACKAGES:
         return cells
     code = fn.__code__
@@ -357,7 +365,7 @@ def _function_state(fn, depth, found=None):
     if names is None:
         names = _global_names_of[code] = _code_names(code)
     scope = fn.__globals__
-    return cells, tuple([(name, _frozen(scope[name], depth, found)) for name in names if name in scope])
+    return cells, tuple([(name, _frozen(scope[name], depth, found, memo)) for name in names if name in scope])
 
 
 def _cell(cell):
