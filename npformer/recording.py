@@ -20,10 +20,10 @@ bit: each dropout draws the next values of its stream, the padding masks and ign
 are made from the new inputs, the ids are checked again.
 
 A recording is replayed only by a call of the same signature, which covers what the step reads
-beside its inputs' values, and so what its ops were chosen by and the Python values they were given:
+beside its inputs' values: what its ops were chosen by and the Python values they were given:
 - the inputs' shapes, dtypes and devices (the CPU only; not their memory order: the recorded
   copies are C-ordered, each batch is copied into them);
-- the composite twins (`_twins`); grad mode off, forward-mode AD and anomaly detection: always eager;
+- the composite twins (`_twins`); (grad mode off, forward-mode AD, anomaly detection: eager);
 - every attribute of every module of the model, whatever it holds: its parameters (which Tensors,
   their shapes, dtypes, requires_grad: a replay reads their values anew), other Tensors and arrays
   by identity (their values are read anew: an in-place change is seen, a new object records
@@ -44,18 +44,19 @@ A replay does not run the Python of fn and of the modules' forward, so a step wh
 shows Python that a replay would need falls back to eager steps, with one RuntimeWarning, from
 then on (`eager_reason` says why): a value read on the host while recording (`item()`, `float()`,
 `numpy()`, `tolist()` or `np.asarray` of a Tensor: a branch on the data; the warning names the
-line), a change of the state the signature covers made by recording calls themselves, at the
+line); a change of the state the signature covers made by recording calls themselves, at the
 `max_recordings`-th such call (a counter that fn increments, an attribute a forward sets at every
 call; until then each is an eager step and a later call records again: a cache a forward builds
-or grows changes it once), a module whose forward is replaced on the
-instance (npformer's way of hooking a module). Recording refuses (RuntimeError) a step whose ops
-read arrays computed outside them that a replay could not remake: see npformer.runtime.record.
-Not seen, so not allowed in fn: a branch on the values of the raw input arrays or of a Tensor's
-`.data` (numpy's own reads), Python random numbers or the clock, state reached only deeper than the signature follows
-or through objects it does not follow (declare those with `state`). Calls from several threads
-run one at a time (each replay rewrites the recording's arrays); what a call returns is its own
+or grows changes it once); a module whose forward is replaced on the instance (npformer's way of
+hooking a module). Recording refuses (RuntimeError) a step whose ops read arrays computed outside
+them that a replay could not remake: see npformer.runtime.record. Not seen, so not allowed in fn:
+a branch on the values of the raw input arrays or of a Tensor's `.data` (numpy's own reads),
+Python random numbers or the clock, state reached only deeper than the signature follows or
+through objects it does not follow (declare those with `state`). Calls from several threads run
+one at a time (each replay rewrites the recording's arrays); what a call returns is its own
 (Tensors detached, arrays copied). The optimizer step runs after the call, eagerly: its state
-(learning rate, schedule, moments) is read by it as in an eager step, and is no part of a signature.
+(learning rate, schedule, moments) is read by it as in an eager step, and is no part of a
+signature.
 """
 from __future__ import annotations
 
