@@ -263,6 +263,28 @@ def test_record_steps_follow_the_python_state_of_the_loss_function():
             assert trainer._recorded.replays >= 4
 
 
+def test_record_steps_with_a_host_read_in_the_loss_function_train_eagerly():
+    """A loss function that branches on a value it reads on the host (the loss's .item()): with
+    record_steps=True a warning naming its line, then eager steps: the history of record_steps=False."""
+    def branching(model, batch):
+        out = npformer.training.seq2seq_loss()(model, batch)
+        scale = 0.5 if out.sum.item() / float(out.count) > 2.3 else 1.0      # the line the warning names
+        return Loss(out.sum * scale, out.count, out.metrics)
+    histories = []
+    for record_steps in (False, True):
+        trainer = _trainer(record_steps=record_steps)
+        trainer.loss_fn = branching
+        if record_steps:
+            with pytest.warns(RuntimeWarning, match=r"recorded step: it read a value on the host at "
+                                                    r".*test_training.py:\d+ \(in branching\)"):
+                trainer.fit(6)
+            assert trainer._recorded.replays == 0
+        else:
+            trainer.fit(6)
+        histories.append(trainer.history["loss"])
+    assert histories[0] == histories[1] and len(set(histories[0])) == 6
+
+
 def test_trainer_learns_classification():
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 10, (256, 6))
