@@ -31,6 +31,9 @@ import numpy as np
 import npformer.functional as F
 from autograd import Function, GradcheckError, Tensor, gradcheck
 from npformer.exercises import ForwardSteps, check
+from notebook_figures import figure_folder, show_figure  # notebooks/notebook_figures.py
+
+FIGURES = figure_folder("02_softmax_layernorm_ce")   # runs/notebooks/02_softmax_layernorm_ce/
 
 rng = np.random.default_rng(0)
 
@@ -166,7 +169,7 @@ fig, ax = plt.subplots(figsize=(4, 3.2))
 image = ax.imshow(jacobian, cmap="RdBu_r", vmin=-abs(jacobian).max(), vmax=abs(jacobian).max())
 fig.colorbar(image, ax=ax)
 ax.set(title="softmax Jacobian of one row: dy_j / dx_i", xlabel="j (output)", ylabel="i (input)")
-plt.show()
+show_figure(fig, FIGURES / "softmax_jacobian.png")
 print("every row of the Jacobian sums to", jacobian.sum(axis=1).round(15))
 
 # %% [markdown]
