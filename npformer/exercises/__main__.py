@@ -1,7 +1,7 @@
 """The exercises as a command.
 
     python -m npformer.exercises [-o PATH] [--force]   write the starter file (default my_backprop.py)
-    python -m npformer.exercises check PATH            check the backward functions PATH defines
+    python -m npformer.exercises check PATH [--timeout S]   check the backward functions PATH defines
 
 Exit status of `check`: 0 when every function is exact or close, 1 while one is wrong, raises,
 or is not written, or the file does not import; 2 for a usage error (a missing file, a starter
@@ -10,9 +10,9 @@ file that exists already).
 import argparse
 import pathlib
 import sys
-import traceback
 
-from .checker import check_file, summary
+from .checker import SolutionImportError, check_file, summary
+from .isolated import DEFAULT_TIMEOUT_S
 from .starter import write_starter
 
 
@@ -22,13 +22,17 @@ def main(argv=None):
         parser = argparse.ArgumentParser(prog="python -m npformer.exercises check",
                                          description="Check your backward functions against the engine.")
         parser.add_argument("path", help="your file, e.g. my_backprop.py")
+        parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                            help=f"seconds each function may run (default {DEFAULT_TIMEOUT_S:g})")
         args = parser.parse_args(argv[1:])
+        if not 0 < args.timeout < float("inf"):
+            parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout}")
         if not pathlib.Path(args.path).is_file():
             parser.error(f"{args.path}: no such file; write the starter with python -m npformer.exercises")
         try:
-            results = check_file(args.path)
-        except Exception as error:  # the learner's file does not import: say why, as Python would
-            print(f"cannot import {args.path}:\n" + "".join(traceback.format_exception_only(error)).rstrip())
+            results = check_file(args.path, timeout=args.timeout)
+        except SolutionImportError as error:  # the learner's file does not import: say why, as Python would
+            print(f"cannot import {args.path}:\n{error}")
             return 1
         print(summary(results))
         return 0 if all(r.passed for r in results) else 1
