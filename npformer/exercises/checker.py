@@ -22,7 +22,7 @@ import numpy as np
 
 from .diagnoses import SPECIFIC, diagnose, matches
 from .isolated import DEFAULT_TIMEOUT_S, Unsendable, run_isolated
-from .problems import EXERCISES, engine_gradients, finite_differences
+from .problems import EXERCISES, UPSTREAM, engine_gradients, finite_differences
 
 EXACT_RTOL = 1e-12
 ORDER = ("exact", "close", "wrong", "error", "timeout", "exited", "not written")   # a function's verdict: its worst output's
@@ -48,12 +48,14 @@ class Result:
     within the time limit), exited (it ended the program: sys.exit, os._exit, a kill) or not written.
 
     gradients: one GradientResult per returned gradient (empty when the function raised);
-    message: why there are none (the exception), or what is wrong with the returned values."""
+    message: why there are none (the exception), or what is wrong with the returned values;
+    warning: what about your inputs may hide a mistake (a constant upstream gradient)."""
 
     name: str
     verdict: str
     gradients: list = dataclasses.field(default_factory=list)
     message: str = ""
+    warning: str = ""
 
     @property
     def passed(self) -> bool:
@@ -63,7 +65,7 @@ class Result:
     def row(self) -> str:
         """The function's line of the table: name, verdict, largest differences, then what is wrong."""
         wrong = [g for g in self.gradients if g.verdict == "wrong"]
-        notes = [self.message] if self.message else []
+        notes = [n for n in (self.warning, self.message) if n]
         notes += [f"{g.worst or g.name}: {g.diagnosis}" for g in wrong]
         columns = [None, None] if any(g.max_diff is None for g in wrong) else [
             max((getattr(g, key) for g in self.gradients), default=None) for key in ("max_diff", "fd_diff")]
@@ -160,7 +162,11 @@ def check(name: str, mine: Callable, *inputs: object, stream: TextIO | None = No
     so it may change them, and runs in a child process for at most `timeout` seconds. What mine
     raises or returns wrongly, a run past the limit and an exit are reported in the Result. Raises
     KeyError for an unknown name (naming the exercises), TypeError when mine is not callable or
-    the number of inputs is wrong, ValueError for inputs the engine cannot take."""
+    the number of inputs is wrong, ValueError for inputs the engine cannot take.
+
+    An upstream gradient of yours (dy, dout) that is constant, e.g. all ones as sum() gives, hides
+    mistakes (every row of softmax's Jacobian sums to 0): the check then runs again with a
+    standard normal one, the Result takes the worse verdict, and its warning says so."""
     if not isinstance(name, str) or name not in EXERCISES:
         raise KeyError(f"check: no exercise {name!r}; the exercises are {', '.join(EXERCISES)}")
     exercise = EXERCISES[name]
@@ -172,11 +178,36 @@ def check(name: str, mine: Callable, *inputs: object, stream: TextIO | None = No
     if len(inputs) != len(exercise.arguments):
         raise TypeError(f"check: {name} takes {len(exercise.arguments)} inputs ({', '.join(exercise.arguments)}), "
                         f"got {len(inputs)}")
-    copies = [np.copy(a) if isinstance(a, np.ndarray) else a for a in inputs]
     code_file = getattr(getattr(mine, "__code__", None), "co_filename", None)
-    result = _run(exercise, lambda: mine(*copies), inputs, timeout, code_file)
+    result = _run(exercise, lambda: mine(*_copies(inputs)), inputs, timeout, code_file)
+    constant = _constant_upstream(exercise, inputs)
+    if constant:
+        index = exercise.arguments.index(UPSTREAM[name])
+        shape = np.shape(inputs[index])
+        randomised = list(inputs)
+        randomised[index] = np.random.default_rng(0).standard_normal(shape)
+        second = _run(exercise, lambda: mine(*_copies(randomised)), randomised, timeout, code_file)
+        words = (f"warning: your upstream gradient {UPSTREAM[name]} is {constant}, which hides mistakes (a "
+                 f"softmax's Jacobian rows sum to 0); with a random {UPSTREAM[name]}: {second.verdict}")
+        if ORDER.index(second.verdict) > ORDER.index(result.verdict):
+            result = second
+        result.warning = words
     (stream or sys.stdout).write(result.row() + "\n")
     return result
+
+
+def _copies(inputs):
+    return [np.copy(a) if isinstance(a, np.ndarray) else a for a in inputs]
+
+
+def _constant_upstream(exercise, inputs):
+    """"all ones" or "constant" when the learner's upstream gradient is one value repeated, else ""."""
+    if exercise.name not in UPSTREAM:
+        return ""
+    upstream = np.asarray(inputs[exercise.arguments.index(UPSTREAM[exercise.name])])
+    if upstream.size < 2 or upstream.dtype.kind not in "fiu" or not np.all(upstream == upstream.flat[0]):
+        return ""
+    return "all ones" if upstream.flat[0] == 1 else f"constant ({upstream.flat[0]:g} everywhere)"
 
 
 def _check_timeout(caller, timeout):

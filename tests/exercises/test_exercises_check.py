@@ -226,3 +226,19 @@ def test_write_starter_and_check_file_refuse_bad_arguments(tmp_path):
         check_file(tmp_path / "nowhere.py")
     with pytest.raises(KeyError, match="no exercise"):
         check(["softmax_backward"], solution_backprop.softmax_backward)
+
+
+def test_a_constant_upstream_gradient_is_warned_about_and_checked_with_a_random_one(capsys):
+    """The learner's own inputs with dy all ones (what sum() gives): a softmax backward without
+    its outer factor y gives 0 there, as the correct one does; the checker warns and checks again."""
+    y = F.softmax(np.random.default_rng(3).standard_normal((3, 5))).data
+    forgot_y = lambda y, dy: dy - (dy * y).sum(axis=-1, keepdims=True)  # noqa: E731
+    result = check("softmax_backward", forgot_y, y, np.ones_like(y))
+    assert result.verdict == "wrong" and result.warning == (
+        "warning: your upstream gradient dy is all ones, which hides mistakes (a softmax's Jacobian rows sum to 0); "
+        "with a random dy: wrong")
+    assert result.warning in capsys.readouterr().out
+    right = check("softmax_backward", solution_backprop.softmax_backward, y, np.full_like(y, 0.5))
+    assert right.verdict == "exact" and "is constant (0.5 everywhere)" in right.warning and \
+        right.warning.endswith("with a random dy: exact")
+    assert check("softmax_backward", solution_backprop.softmax_backward, y, np.ones_like(y) * y).warning == ""
