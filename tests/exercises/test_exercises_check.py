@@ -242,3 +242,18 @@ def test_a_constant_upstream_gradient_is_warned_about_and_checked_with_a_random_
     assert right.verdict == "exact" and "is constant (0.5 everywhere)" in right.warning and \
         right.warning.endswith("with a random dy: exact")
     assert check("softmax_backward", solution_backprop.softmax_backward, y, np.ones_like(y) * y).warning == ""
+
+
+def test_ds_at_q_without_a_transpose_is_named_when_t_equals_s():
+    """With T = S, dk = dS @ q has dk's shape: only the values tell the missing transpose."""
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((2, 3, 5, 6)) for _ in range(4))
+    mask = np.tril(np.ones((5, 5), dtype=bool))[None, None]
+    scale = 1 / np.sqrt(6)
+
+    def no_transpose(q, k, v, mask, dout, scale):
+        dq, dk, dv = solution_backprop.attention_backward(q, k, v, mask, dout, scale)
+        dS = dq / scale @ np.linalg.pinv(k)                     # dq = dS @ k * scale
+        return dq, dS @ q * scale, dv
+    result = check("attention_backward", no_transpose, q, k, v, mask, dout, scale)
+    assert gradient(result, "dk").diagnosis.startswith("dk = dS @ q: dS needs a transpose"), result
