@@ -201,7 +201,7 @@ print("gradient of sum(): wrong op", np.abs(xt.grad).max(), "- the right one is 
 try:
     gradcheck(WrongSoftmax.apply, [Tensor(x.copy(), requires_grad=True)])    # random upstream gradient
 except GradcheckError as error:
-    print("gradcheck with a random upstream gradient:", str(error).splitlines()[0])
+    print("gradcheck with a random upstream gradient says the op is wrong:\n" + str(error))
 
 # %% [markdown]
 # `autograd.gradcheck` contracts with a random upstream gradient for this reason, and so do
