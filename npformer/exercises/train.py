@@ -413,7 +413,10 @@ def train_file(path, steps=300, seed=0, out=os.path.join("runs", "exercises-trai
     parted, max_gap = parting(engine.losses, yours.losses)
     if yours.stopped:
         stream.write(f"your run {yours.stopped}\n")
-    if parted is None:
+    if parted is None and yours.stopped:
+        stream.write(f"before it stopped, the curves agree within {max_gap:.1e} (relative) over "
+                     f"{len(yours.losses)} steps\n")
+    elif parted is None:
         stream.write(f"the curves never part: the losses agree within {max_gap:.1e} (relative) over "
                      f"{len(yours.losses)} steps\n")
     else:

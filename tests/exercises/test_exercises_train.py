@@ -75,6 +75,17 @@ def test_a_planted_bug_in_any_function_parts_the_curves(tmp_path, capsys, name, 
     assert "the curves part at step " in out, out
 
 
+def test_a_function_that_breaks_a_step_stops_its_run_with_the_reason(tmp_path, capsys):
+    """A dweight of the transposed shape passes no step: the run stops there, the engine's goes on."""
+    path = learner_file(tmp_path, "\n\n_right_linear = linear_backward\n\n\ndef linear_backward(x, weight, dy):\n"
+                                  "    dx, dw, db = _right_linear(x, weight, dy)\n    return dx, dw.T, db\n")
+    assert main(["train", str(path), "--steps", "5", "--heldout", "10", "--out", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert "your run stopped at step 1: ValueError: your linear_backward dweight returned shape (32, 20), the " \
+           "model needs (20, 32)" in out
+    assert "never part" not in out and "before it stopped" in out
+
+
 def test_parting_names_the_first_step_and_the_gap():
     assert parting([3.0, 2.0, 1.0], [3.0, 2.001, 1.5]) == ((3, pytest.approx(0.5)), pytest.approx(0.5))
     assert parting([3.0, 2.0], [3.0, 2.0000001])[0] is None
