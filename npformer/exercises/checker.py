@@ -10,8 +10,10 @@ The learner's code runs in a child process under a time limit (`isolated`): a fu
 loops, exits the program or kills its process gets a verdict ("did not return within N s",
 "exited the program"), never a pass, and the checking goes on.
 """
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import os
 import sys
 import traceback
@@ -266,6 +268,13 @@ def load_solutions(path):
     return module
 
 
+def _quiet_import(path):
+    """The learner's module imported again in a function's child process, what its top level
+    prints swallowed (it was printed once, at the first import)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return load_solutions(path)
+
+
 def _kinds(path):
     """{exercise name: "function", "missing" or what the file's name holds instead}, read in the child."""
     module = load_solutions(path)
@@ -313,7 +322,7 @@ def check_file(path: str | os.PathLike, stream: TextIO | None = None,
         else:
             inputs = exercise.make_inputs(np.random.default_rng(0))
             copies = [np.copy(a) if isinstance(a, np.ndarray) else a for a in inputs]
-            result = _run(exercise, lambda: getattr(load_solutions(path), name)(*copies), inputs, timeout,
+            result = _run(exercise, lambda: getattr(_quiet_import(path), name)(*copies), inputs, timeout,
                           os.path.abspath(path))  # the file name its code objects carry
         stream.write(result.row() + "\n")
         results.append(result)

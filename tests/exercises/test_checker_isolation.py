@@ -88,3 +88,9 @@ def test_a_name_that_is_no_function_is_reported_alone(tmp_path, capsys):
     results = check_file(learner_file(tmp_path, "softmax_backward = 5\n"))
     assert verdicts(results) == {name: "error" if name == "softmax_backward" else "exact" for name in EXERCISES}
     assert results[0].message == "softmax_backward is int (5), expected a function"
+
+
+def test_what_the_file_prints_at_import_is_printed_once(tmp_path, capfd):
+    path = learner_file(tmp_path, "print('hello from the top level')\n")
+    check_file(path)
+    assert capfd.readouterr().out.count("hello from the top level") == 1
