@@ -20,6 +20,7 @@ checking. A correct file learns as the engine does, to float rounding; a wrong o
 """
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -267,22 +268,51 @@ def _boolean_mask(attn_mask, is_causal, t, s):
     return mask
 
 
+# the npformer.functional functions a learner's backward may stand in for, the engine's own
+NAMES = ("linear", "layer_norm", "gelu", "embedding", "cross_entropy", "scaled_dot_product_attention", "softmax",
+         "log_softmax")
+_ENGINE = {name: getattr(F, name) for name in NAMES}
+_THIS_THREAD = threading.local()    # .replaced: {name: replacement} of this thread's learner_backwards
+_INSTALLED = {"users": 0}           # how many learner_backwards are open, in all threads
+_INSTALL_LOCK = threading.Lock()
+
+
+def _dispatcher(name):
+    """npformer.functional.<name> while a learner_backwards is open somewhere: the learner's
+    replacement in the thread that opened it, the engine's function in every other thread."""
+    engine = _ENGINE[name]
+
+    @functools.wraps(engine)
+    def dispatch(*args, **kwargs):
+        replaced = getattr(_THIS_THREAD, "replaced", None) or {}
+        return replaced.get(name, engine)(*args, **kwargs)
+    return dispatch
+
+
 @contextlib.contextmanager
 def learner_backwards(mine: dict):
-    """While open, npformer.functional's linear, layer_norm, gelu, embedding, cross_entropy and
-    scaled_dot_product_attention run the learner's backward passes (`mine`: {exercise name:
-    function}); on exit, the engine's again. Module attributes are what nn looks up (F.linear)."""
-    names = ("linear", "layer_norm", "gelu", "embedding", "cross_entropy", "scaled_dot_product_attention",
-             "softmax", "log_softmax")
-    engine = {name: getattr(F, name) for name in names}
-    replaced = _replacements(mine, engine)
+    """While open, in this thread, npformer.functional's linear, layer_norm, gelu, embedding,
+    cross_entropy and scaled_dot_product_attention run the learner's backward passes (`mine`:
+    {exercise name: function}); other threads keep the engine's, and on exit this one does too.
+    nn looks the functions up as module attributes (F.linear), which dispatch per thread while
+    any learner_backwards is open. Yields the names of the functions replaced."""
+    replaced = _replacements(mine, _ENGINE)
+    with _INSTALL_LOCK:
+        if _INSTALLED["users"] == 0:
+            for name in NAMES:
+                setattr(F, name, _dispatcher(name))
+        _INSTALLED["users"] += 1
+    outer = getattr(_THIS_THREAD, "replaced", None)
+    _THIS_THREAD.replaced = replaced
     try:
-        for name, fn in replaced.items():
-            setattr(F, name, fn)
         yield sorted(replaced)
     finally:
-        for name in replaced:
-            setattr(F, name, engine[name])
+        _THIS_THREAD.replaced = outer
+        with _INSTALL_LOCK:
+            _INSTALLED["users"] -= 1
+            if _INSTALLED["users"] == 0:
+                for name in NAMES:
+                    setattr(F, name, _ENGINE[name])
 
 
 @dataclasses.dataclass
@@ -390,9 +420,7 @@ def train_file(path, steps=300, seed=0, out=os.path.join("runs", "exercises-trai
     module = load_solutions(path)
     mine = {name: getattr(module, name) for name in sorted(usable)}
     left_out = [f"{r.name} ({r.verdict})" for r in results if r.name not in usable and r.verdict != "not written"]
-    with learner_backwards(mine) as replaced:
-        pass
-    if not replaced:
+    if not _replacements(mine, _ENGINE):
         stream.write("\nno backward function of yours to train with (write one, then run this again)\n")
         return {"results": results, "used": [], "engine": None, "yours": None, "parted": None, "max_gap": None,
                 "figure": None}

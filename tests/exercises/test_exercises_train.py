@@ -3,11 +3,16 @@ learner's backward passes beside the engine's, same seed. A correct file learns 
 does (the curves never part, the same held-out accuracy); a planted bug in any one function
 makes the curves part and the checker's verdict names it. Short runs."""
 import pathlib
+import threading
 
+import numpy as np
 import pytest
 
+import npformer.functional as F
+from autograd import Tensor
 from npformer.exercises.__main__ import main
-from npformer.exercises.train import parting, train_file
+import npformer.exercises.train as train_module
+from npformer.exercises.train import learner_backwards, parting, train_file
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOLUTION = (HERE / "solution_backprop.py").read_text()
@@ -89,3 +94,32 @@ def test_a_function_that_breaks_a_step_stops_its_run_with_the_reason(tmp_path, c
 def test_parting_names_the_first_step_and_the_gap():
     assert parting([3.0, 2.0, 1.0], [3.0, 2.001, 1.5]) == ((3, pytest.approx(0.5)), pytest.approx(0.5))
     assert parting([3.0, 2.0], [3.0, 2.0000001])[0] is None
+
+
+def gelu_gradient():
+    x = Tensor(np.linspace(-2, 2, 5), requires_grad=True)
+    F.gelu(x).sum().backward()
+    return np.asarray(x.grad)
+
+
+def test_your_backward_replaces_the_engines_in_your_thread_only():
+    engine = gelu_gradient()
+    entered, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def learner():
+        with learner_backwards({"gelu_backward": lambda x, dy: np.zeros_like(x)}) as replaced:
+            seen["replaced"] = replaced
+            entered.set()
+            done.wait(30)
+            seen["inside"] = gelu_gradient()
+
+    thread = threading.Thread(target=learner)
+    thread.start()
+    assert entered.wait(30)
+    np.testing.assert_array_equal(gelu_gradient(), engine)       # this thread: the engine's, while it is open
+    done.set()
+    thread.join(30)
+    assert seen["replaced"] == ["gelu", "linear"] and not seen["inside"].any()
+    np.testing.assert_array_equal(gelu_gradient(), engine)
+    assert F.gelu is train_module._ENGINE["gelu"]                      # the engine's own function is back
