@@ -27,7 +27,8 @@ from .isolated import DEFAULT_TIMEOUT_S, Unsendable, run_isolated
 from .problems import EXERCISES, UPSTREAM, engine_gradients, finite_differences
 
 EXACT_RTOL = 1e-12
-ORDER = ("exact", "close", "wrong", "error", "timeout", "exited", "not written")   # a function's verdict: its worst output's
+# a function's verdict: its worst output's
+ORDER = ("exact", "close", "wrong", "error", "timeout", "exited", "not written")
 
 
 @dataclasses.dataclass

@@ -83,7 +83,8 @@ def _layer_norm(x, weight, dy, eps):
              {"dweight": dy * xhat}),
             ("bias gradient not summed over the batch: dbias = sum over the rows of dy", {"dbias": dy}),
             ("dweight uses x where xhat belongs", {"dweight": (dy * x).sum(axis=0)}),
-            ("dweight forgets dy: it is the sum over the rows of dy * xhat, not of xhat", {"dweight": xhat.sum(axis=0)}),
+            ("dweight forgets dy: it is the sum over the rows of dy * xhat, not of xhat",
+             {"dweight": xhat.sum(axis=0)}),
             (f"dbias counts the rows (a sum of ones, {x.shape[0]}): it is the sum over the rows of dy",
              {"dbias": np.full(dy.shape[-1], float(x.shape[0]))})]
             + _wrong_axes("dweight", dy * xhat, ("n", "d"), (0,))
@@ -159,7 +160,8 @@ def _attention(q, k, v, mask, dout, scale):
     transpose = [] if q.shape[-2] != k.shape[-2] else [
         ("dk = dS @ q: dS needs a transpose (dk = dS^T @ q * scale); with T = S the shapes cannot tell",
          {"dk": ds_right @ q * scale})]
-    return transpose + [("gradient on masked positions: the mask is not applied in backward", gradients(np.ones_like(mask))),
+    return transpose + [
+            ("gradient on masked positions: the mask is not applied in backward", gradients(np.ones_like(mask))),
             ("gradient on masked positions: the mask is inverted (True = takes part)", gradients(~mask)),
             ("gradient on masked positions: masked scores set to 0 instead of -inf still take part",
              dict(zip(("dq", "dk", "dv"), engine_gradients(Graph(
