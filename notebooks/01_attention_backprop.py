@@ -13,6 +13,10 @@
 # %% [markdown]
 # # Backprop through attention, one line at a time
 #
+# **Solutions ahead.** This notebook works out attention's whole backward, the last of the eight
+# exercises of `python -m npformer.exercises`. Write yours first (the README's Learn order), then
+# read on and compare.
+#
 # Scaled dot-product attention is six lines of forward:
 #
 # $$\text{scores} = Q K^\top,\quad S = s\,\text{scores} + M,\quad P = \mathrm{softmax}(S),\quad

@@ -13,6 +13,9 @@
 # %% [markdown]
 # # Softmax, LayerNorm and cross-entropy by hand
 #
+# **Solutions ahead.** This notebook works out the softmax, LayerNorm and cross-entropy backwards
+# of `python -m npformer.exercises`. Write yours first (the README's Learn order), then read on.
+#
 # Three ops every Transformer runs, each derived twice. First through its **atomic steps**
 # (max, subtract, exp, sum, reciprocal, multiply, log, index, mean), one line of backward per
 # line of forward, in the manner of Karpathy's *backprop ninja*, exercise 1. Then as the **one

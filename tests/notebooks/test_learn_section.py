@@ -38,3 +38,10 @@ def test_one_command_installs_the_learn_extra_without_torch():
 def test_the_demo_rows_name_the_folder_each_run_writes():
     row = next(line for line in README.splitlines() if line.startswith("| `python demos/reverse.py --steps 20`"))
     assert "`runs/reverse-steps20/`" in row and "never replaces `runs/reverse/`" in row
+
+
+def test_the_notebooks_that_solve_exercises_say_so_first():
+    for name in ("01_attention_backprop.py", "02_softmax_layernorm_ce.py"):
+        text = (ROOT / "notebooks" / name).read_text()
+        head = text[text.index("# # "):]
+        assert head.split("\n#\n")[1].startswith("# **Solutions ahead.**"), name
