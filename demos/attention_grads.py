@@ -9,11 +9,11 @@ probabilities P = softmax(Q K^T / sqrt(hd) + mask) of every attention module and
 teacher-forced cross-entropy's backward pass, dL/dP. Positive dL/dP (red): attending more to
 that key would raise the loss; negative (blue): lower it. Cells where P = 0 (masked keys: the
 decoder's future positions, padding) are grey: dL/dP is not 0 there, but nothing flows through
-them. The bottom row is dL/dS = P * (dL/dP - rowsum), the gradient that reaches the scores
-S = Q K^T / sqrt(hd) (the softmax's backward; it sums to 0 over each query's keys). The default model is the snapshot
-demos/reverse.py keeps after 150 steps: partly trained, so dL/dP is still large and shows
-which keys would help; in a fully trained model the loss is nearly 0 and so is dL/dP
-(about 1e-4). Without that file, the same 150 steps are trained first (~20 s).
+them. The bottom row is dL/dS = P * (dL/dP - r), r = sum over the keys of P dL/dP, the
+gradient that reaches the scores S = Q K^T / sqrt(hd) (the softmax's backward; it sums to 0
+over each query's keys). The default model is the snapshot demos/reverse.py keeps after 150
+steps: partly trained, so dL/dP is still large and shows which keys would help; in a fully
+trained model the loss is nearly 0 and so is dL/dP (about 1e-4). Without that file, the same 150 steps are trained first (~20 s).
 """
 import argparse
 import os

@@ -1,7 +1,7 @@
 """Train a Transformer to reverse sequences, then show what it learned.
 
     python demos/reverse.py                      # default preset: lengths 3..12 with padding -> runs/reverse/
-    python demos/reverse.py --steps 20           # a quick smoke run (the warmup scales with the steps)
+    python demos/reverse.py --steps 20           # a quick smoke run -> runs/reverse-steps20/ (the warmup scales)
     python demos/reverse.py --preset seed        # the seed tutorial's setup (vocab 20, length 6) -> runs/reverse-seed/
     python demos/reverse.py --steps 2000 --min-len 2 --max-len 16 --out runs/long
     python demos/reverse.py --resume runs/reverse/checkpoint.npz --steps 1500
@@ -10,7 +10,9 @@
 
 Symbols are the integers 1..vocab-3 (ids 0, 1, 2 are PAD, BOS, EOS). Each preset writes to its
 own folder (runs/reverse for the default, runs/reverse-<preset> for the others; --out to
-choose; --resume continues in the checkpoint's folder): metrics.json (held-out exact-sequence
+choose; --resume continues in the checkpoint's folder). A run shorter than its preset's
+(--steps below the preset's steps) never writes over the full run: without --out it goes to
+runs/reverse-steps<N> (runs/reverse-<preset>-steps<N>). Each folder holds metrics.json (held-out exact-sequence
 and token accuracy of greedy decoding on 1,000 sequences never trained on, steps, seconds,
 parameters), checkpoint.npz, checkpoint-step150.npz (the model after 150 steps, partly trained:
 what demos/attention_grads.py studies), curves.png (loss, accuracy, lr),
@@ -244,12 +246,22 @@ def write_figures(out, trainer, task):
     return files
 
 
+def default_out(preset, steps):
+    """The folder of a run without --out: runs/reverse (default preset) or runs/reverse-<preset>,
+    with -steps<N> added when the run is shorter than the preset's, so that a smoke run never
+    replaces the checkpoint, metrics and figures of a finished one."""
+    name = "reverse" if preset == "default" else f"reverse-{preset}"
+    if steps < PRESETS[preset]["steps"]:
+        name += f"-steps{steps}"
+    return os.path.join("runs", name)
+
+
 def run_settings(args):
     """(settings, seed, preset, out, resumed checkpoint or None) of a training run: from the
     command line, or, with --resume, the run's own (only --steps and --warmup may change)."""
     if not args.resume:
-        out = args.out or os.path.join("runs", "reverse" if args.preset == "default" else f"reverse-{args.preset}")
-        return settings_from(args), args.seed, args.preset, out, None
+        settings = settings_from(args)
+        return settings, args.seed, args.preset, args.out or default_out(args.preset, settings["steps"]), None
     demo = read_checkpoint(args.resume, "--resume")["demo"]
     settings = dict(demo["settings"])
     if args.steps is not None:

@@ -13,6 +13,10 @@
 # %% [markdown]
 # # Backprop through attention, one line at a time
 #
+# **Solutions ahead.** This notebook works out attention's whole backward, the last of the eight
+# exercises of `python -m npformer.exercises`. Write yours first (the README's Learn order), then
+# read on and compare.
+#
 # Scaled dot-product attention is six lines of forward:
 #
 # $$\text{scores} = Q K^\top,\quad S = s\,\text{scores} + M,\quad P = \mathrm{softmax}(S),\quad
@@ -32,10 +36,8 @@
 
 # %%
 import math
-import tempfile
 
 import numpy as np
-from IPython.display import Image, display
 
 import npformer.functional as F
 from autograd import Tensor
@@ -43,8 +45,11 @@ from npformer import plots
 from npformer.exercises import ForwardSteps, check
 from npformer.runtime import random
 
+import notebook_figures  # notebooks/notebook_figures.py: save each figure, show it inline or print its path
+from notebook_figures import figure_folder
+
 rng = np.random.default_rng(0)
-FIGURES = tempfile.TemporaryDirectory(prefix="npformer-notebook-").name   # removed when the kernel exits
+FIGURES = figure_folder("01_attention_backprop")   # runs/notebooks/01_attention_backprop/
 
 # %% [markdown]
 # ## The forward, step by step
@@ -194,7 +199,7 @@ for name, mine, leaf in zip(["dQ", "dK", "dV", "dmask"], [dQ, dK, dV, dmask], le
 labels_q, labels_k = [f"q{i}" for i in range(T)], [f"k{j}" for j in range(S)]
 show = plots.plot_attention_and_grads(P[0], dP[0], f"{FIGURES}/p_and_dp.png", "random inputs: P and dL/dP (batch 0)",
                                       labels_q, labels_k)
-display(Image(filename=show))
+notebook_figures.show(show)
 
 # %% [markdown]
 # ## The fused formula

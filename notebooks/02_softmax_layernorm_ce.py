@@ -13,6 +13,9 @@
 # %% [markdown]
 # # Softmax, LayerNorm and cross-entropy by hand
 #
+# **Solutions ahead.** This notebook works out the softmax, LayerNorm and cross-entropy backwards
+# of `python -m npformer.exercises`. Write yours first (the README's Learn order), then read on.
+#
 # Three ops every Transformer runs, each derived twice. First through its **atomic steps**
 # (max, subtract, exp, sum, reciprocal, multiply, log, index, mean), one line of backward per
 # line of forward, in the manner of Karpathy's *backprop ninja*, exercise 1. Then as the **one
@@ -31,6 +34,9 @@ import numpy as np
 import npformer.functional as F
 from autograd import Function, GradcheckError, Tensor, gradcheck
 from npformer.exercises import ForwardSteps, check
+from notebook_figures import figure_folder, show_figure  # notebooks/notebook_figures.py
+
+FIGURES = figure_folder("02_softmax_layernorm_ce")   # runs/notebooks/02_softmax_layernorm_ce/
 
 rng = np.random.default_rng(0)
 
@@ -166,7 +172,7 @@ fig, ax = plt.subplots(figsize=(4, 3.2))
 image = ax.imshow(jacobian, cmap="RdBu_r", vmin=-abs(jacobian).max(), vmax=abs(jacobian).max())
 fig.colorbar(image, ax=ax)
 ax.set(title="softmax Jacobian of one row: dy_j / dx_i", xlabel="j (output)", ylabel="i (input)")
-plt.show()
+show_figure(fig, FIGURES / "softmax_jacobian.png")
 print("every row of the Jacobian sums to", jacobian.sum(axis=1).round(15))
 
 # %% [markdown]
@@ -198,7 +204,7 @@ print("gradient of sum(): wrong op", np.abs(xt.grad).max(), "- the right one is 
 try:
     gradcheck(WrongSoftmax.apply, [Tensor(x.copy(), requires_grad=True)])    # random upstream gradient
 except GradcheckError as error:
-    print("gradcheck with a random upstream gradient:", str(error).splitlines()[0])
+    print("gradcheck with a random upstream gradient says the op is wrong:\n" + str(error))
 
 # %% [markdown]
 # `autograd.gradcheck` contracts with a random upstream gradient for this reason, and so do

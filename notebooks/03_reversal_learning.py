@@ -29,7 +29,6 @@
 # %%
 import pathlib
 import sys
-import tempfile
 
 HERE = pathlib.Path.cwd()
 ROOT = next(p for p in [HERE, *HERE.parents] if (p / "demos" / "reverse.py").is_file())
@@ -37,12 +36,12 @@ sys.path.insert(0, str(ROOT / "demos"))
 import attention_grads  # noqa: E402  (demos/attention_grads.py: P and dL/dP of one attention module)
 import reverse  # noqa: E402  (demos/reverse.py: the presets, the task, the model; one BLAS thread)
 import numpy as np  # noqa: E402
-from IPython.display import Image, display  # noqa: E402
 
 from npformer import plots  # noqa: E402
 from npformer.training import Seq2SeqTrainer  # noqa: E402
+from notebook_figures import figure_folder, show  # noqa: E402  (notebooks/notebook_figures.py)
 
-FIGURES = tempfile.TemporaryDirectory(prefix="npformer-notebook-").name   # removed when the kernel exits
+FIGURES = figure_folder("03_reversal_learning")   # runs/notebooks/03_reversal_learning/
 
 # %% [markdown]
 # ## The task and the model
@@ -100,7 +99,7 @@ print(f"held-out after {trainer.step} steps: exact-sequence accuracy {result['ex
 # held-out exact-sequence accuracy of greedy decoding every 100 steps, and the learning rate.
 
 # %%
-display(Image(filename=plots.plot_curves(trainer.history, f"{FIGURES}/curves.png", "sequence reversal")))
+show(plots.plot_curves(trainer.history, f"{FIGURES}/curves.png", "sequence reversal"))
 
 # %% [markdown]
 # ## Cross-attention: P and dL/dP at steps 0, 50, 150 and the last
@@ -122,7 +121,7 @@ for step, (P, dP, loss) in snapshots.items():                               # P,
                                           f"step {step}: cross-attention of {where}, loss {loss:.3g}",
                                           decoder_input, source, query_axis="query: decoder input",
                                           key_axis="key: source")
-    display(Image(filename=path))
+    show(path)
 
 # %% [markdown]
 # What to see (the numbers differ a little from machine to machine; the picture does not):

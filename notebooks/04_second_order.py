@@ -36,7 +36,6 @@
 import math
 import pathlib
 import sys
-import tempfile
 
 HERE = pathlib.Path.cwd()
 ROOT = next(p for p in [HERE, *HERE.parents] if (p / "demos" / "hessian.py").is_file())
@@ -44,18 +43,22 @@ sys.path.insert(0, str(ROOT / "demos"))
 import hessian as block_hessian  # noqa: E402  (demos/hessian.py: the blocks, power iteration, Lanczos; one BLAS thread)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from IPython.display import Image, display  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import autograd  # noqa: E402
 import npformer.functional as F  # noqa: E402
 from autograd import Tensor, forward_ad  # noqa: E402
 from autograd.functional import hessian, hvp, jacobian, vhp  # noqa: E402
+from notebook_figures import figure_folder, show, show_figure  # noqa: E402  (notebooks/notebook_figures.py)
+
+try:  # only the comparison with torch's Hessian needs torch; that cell says so and skips without it
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:
+    torch = None
 
 rng = np.random.default_rng(0)
 EPS = np.finfo(np.float64).eps
-FIGURES = tempfile.TemporaryDirectory(prefix="npformer-notebook-").name   # removed when the kernel exits
+FIGURES = figure_folder("04_second_order")   # runs/notebooks/04_second_order/
 
 
 def assert_close(mine, reference, what, scale=None, ulps=1000):
@@ -339,10 +342,13 @@ def assembled(blocks):
 hessians = {}
 for kind, loss_fn in LOSSES.items():
     ours = assembled([[b.numpy() for b in row] for row in hessian(loss_fn, tuple(Tensor(W) for W in weights))])
-    with sdpa_kernel(SDPBackend.MATH):
-        theirs = assembled([[b.numpy() for b in row] for row in torch.autograd.functional.hessian(
-            torch_loss(kind), tuple(torch.from_numpy(W) for W in weights))])
-    assert_close(ours, theirs, f"{kind} loss: Hessian vs torch's")
+    if torch is None:
+        print(f"{kind} loss: skipped the comparison with torch's Hessian: it needs torch (pip install torch)")
+    else:
+        with sdpa_kernel(SDPBackend.MATH):
+            theirs = assembled([[b.numpy() for b in row] for row in torch.autograd.functional.hessian(
+                torch_loss(kind), tuple(torch.from_numpy(W) for W in weights))])
+        assert_close(ours, theirs, f"{kind} loss: Hessian vs torch's")
     assert_close(ours, ours.T, f"{kind} loss: Hessian is symmetric")
     hessians[kind] = ours
 
@@ -368,7 +374,7 @@ for ax, (kind, H) in zip(axes, hessians.items()):
     fig.colorbar(image, ax=ax, shrink=0.8)
 fig.suptitle("Hessian of one attention head w.r.t. (W_Q, W_K, W_V), 27 x 27")
 fig.tight_layout()
-plt.show()
+show_figure(fig, FIGURES / "attention_hessian.png")
 
 # %% [markdown]
 # **The VV block.** $O = P X W_V^\top$ is linear in $W_V$ ($P$ does not depend on it): entry by
@@ -483,7 +489,7 @@ assert np.abs(block(H_residual, "V", "V")).max() <= 1000 * EPS * np.abs(H2).max(
 
 # %%
 args = block_hessian.parse_args(["--steps", "200", "--batch", "8", "--power-iters", "10", "--lanczos", "12",
-                                 "--probes", "1", "--out", FIGURES])
+                                 "--probes", "1", "--out", str(FIGURES)])
 model, batch = block_hessian.model_and_batch(args)
 hess, results, grid, densities, names, distances = block_hessian.analyse(model, batch, args)
 
@@ -548,7 +554,7 @@ print(f"block heterogeneity (mean JS distance) {distances[np.triu_indices(len(na
 # %%
 block_hessian.write_outputs(FIGURES, hess, results, grid, densities, names, distances)
 for figure in ("top_eigenvalues.png", "spectra.png", "block_distances.png"):
-    display(Image(filename=f"{FIGURES}/{figure}"))
+    show(FIGURES / figure)
 top_of = {name: abs(results[name]["top_eigenvalue"]) for name in names}
 by_family = {}
 for name in names:

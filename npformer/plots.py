@@ -12,6 +12,7 @@ every attention module of a Seq2SeqTransformer for one forward pass.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -294,10 +295,9 @@ def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str |
     fig = _figure(figsize=(cell * n_heads + 1.5, 3 * cell + 1.2), layout="constrained")
     axes = np.asarray(fig.subplots(3, n_heads, squeeze=False))
     colormaps = _matplotlib().colormaps
-    rows = [("P", dict(vmin=0.0, vmax=1.0, cmap=colormaps["viridis"].with_extremes(bad="lightgrey")),
-             "P (grey: masked, P = 0)"),
-            ("dL/dP", None, "dL/dP (red: attending more raises the loss)"),
-            ("dL/dS", None, "dL/dS = P (dL/dP - rowsum): what reaches the scores")]
+    # colour bar labels short enough for the smallest figure; what they mean is the caption's
+    rows = [("P", dict(vmin=0.0, vmax=1.0, cmap=colormaps["viridis"].with_extremes(bad="lightgrey")), "P"),
+            ("dL/dP", None, "dL/dP"), ("dL/dS", None, "dL/dS")]
     for r, (name, style, label) in enumerate(rows):
         if style is None:
             limit = _symmetric_limit(panels[name])
@@ -313,4 +313,8 @@ def plot_attention_and_grads(weights: np.ndarray, grads: np.ndarray, path: str |
     for ax in axes[:, 0]:
         ax.set_ylabel(query_axis, fontsize=8)
     fig.suptitle(title, fontsize=10)
+    width = max(20, int(fig.get_figwidth() * 72 / (8 * 0.6)))       # characters of 8 pt that fit across
+    caption = ["grey: masked keys (P = 0). red: raising P or S raises the loss.",
+               "dL/dS = P (dL/dP - r), r = sum over the keys of P dL/dP: what reaches the scores"]
+    fig.supxlabel("\n".join(textwrap.fill(line, width) for line in caption), fontsize=8)
     return _save(fig, path)

@@ -247,10 +247,20 @@ class Trainer:
         ranks (`distributed.ZeroRedundancyOptimizer`, ZeRO-1).
     record_steps: on the CPU, in one process, run each step's forward and backward as a
         recorded step (`npformer.recorded`): recorded at the second step, replayed for every batch
-        of the same shapes (a batch of new shapes is recorded too, up to 8 recordings), the same
-        numbers as eager steps. It needs a loss function whose count and metrics are arrays (the
-        ready-made ones: token_loss); with another, or batches that are not arrays (or a tuple
-        or dataclass of them), steps stay eager.
+        of the same signature, the same numbers as eager steps. The signature (npformer/recording.py)
+        covers the batch's shapes and dtypes (not its memory order), the modes, every attribute of
+        every module of the model, and the loss function's Python state: its default arguments,
+        closure and globals (a smoothing in a dict a callback changes records anew). A batch of new
+        shapes or a changed setting is recorded too, up to 8 recordings; past them steps run
+        eagerly. Steps stay eager with a loss function whose count or metrics are numbers (the
+        ready-made ones make arrays: token_loss), batches that are not arrays (or a tuple or
+        dataclass of them); they become eager for good, with one RuntimeWarning, when the
+        recorded step reads a value on the host (`.item()`, `float()`: a branch on the data; the
+        warning names the line), changes Python state it reads at each step that would record
+        (a counter in the loss function: at the 8th such step, each of them eager), or a module's
+        forward is replaced on the instance. Not seen: a branch on the values of the
+        raw batch arrays or of a Tensor's `.data`, Python random numbers or the clock in the loss
+        function.
 
     callbacks: functions `callback(trainer, stats)`, called in order at the end of every
         `train_step` with the step's stats (the step is done and in `history`): Lightning's
@@ -317,7 +327,9 @@ class Trainer:
         self.history = self._empty_history()
         self._bar = None
         record_steps = check_bool(record_steps, "record_steps", "Trainer") and not self.distributed
-        self._recorded = RecordedStep(self._recorded_loss, self.module) if record_steps else None
+        # the signature follows the loss function (its closure, globals, defaults), whichever it is at each step
+        self._recorded = RecordedStep(self._recorded_loss, self.module, state=lambda: self.loss_fn) \
+            if record_steps else None
         self._metric_names = None   # the recorded loss function's metrics, in order
         self._batch_type = None     # the type of the batch the recorded step rebuilds from its arrays
 

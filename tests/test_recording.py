@@ -3,12 +3,15 @@ numbers of the same steps run eagerly, bit for bit (dropout draws new masks, pad
 ignored targets follow the batch, the optimizer and its schedule run outside), a call that
 differs from every recording in shape, mode or parameters records anew (an eager step), up to
 max_recordings, and past them runs eagerly."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
 import npformer
 import npformer.functional as F
-from autograd import Tensor, hooks
+from autograd import Tensor, hooks, raw_computation
 from npformer import models, nn, optim
 from npformer.runtime import random
 
@@ -202,7 +205,290 @@ def test_bad_arguments_are_errors():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match=rf"recorded: max_recordings must be an integer >= 1, got {bad!r}"):
             npformer.recorded(lambda: None, model, max_recordings=bad)
+    with pytest.raises(TypeError, match=r"recorded: state must be None or a function \(\) -> the Python values fn "
+                                        r"reads, got int"):
+        npformer.recorded(lambda: None, model, state=3)
     step = npformer.recorded(lambda x: model(Tensor(x)), model, warmup=0)
     with pytest.raises(TypeError, match=r"recorded: fn must return a scalar loss Tensor that requires grad \(or a "
                                         r"tuple that starts with one\), got Tensor \(3, 2\)"):
         step(np.ones((3, 2), dtype=np.float32))
+
+
+# -- the state a step reads (issue 46): a change gives the eager numbers, by a new recording or an eager step
+class _Stateful(nn.Module):
+    """A Linear whose output goes through module state that is no parameter or buffer: a Tensor, a
+    raw array, a list of numbers and a numpy scalar."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.shift = Tensor(np.full(3, 0.5, np.float32))
+        self.offset = np.zeros(3, np.float32)
+        self.scales = [1.0, 2.0]
+        self.temperature = np.float32(1.0)
+
+    def forward(self, x):
+        h = (self.linear(Tensor(x)) + self.shift + self.offset) * self.scales[1]
+        return h / self.temperature
+
+
+def _stateful_losses(record, change=None, at=4, steps=10, fn=None, warn=None):
+    """Losses of `steps` SGD steps of a fresh _Stateful (recorded or eager), `change(model)` run
+    before step `at` (1-based); `fn(model, x)` the loss (default: the mean square of the output)."""
+    npformer.manual_seed(0)
+    model = _Stateful()
+    opt = optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = fn or (lambda m, x: (m(x) * m(x)).mean())
+    step = npformer.recorded(lambda x: loss_fn(model, x), model) if record else None
+    rng = np.random.default_rng(1)
+    losses = []
+    for i in range(1, steps + 1):
+        x = rng.standard_normal((4, 3)).astype(np.float32)
+        if change is not None and i == at:
+            change(model)
+        opt.zero_grad()
+        if record:
+            loss = step(x)
+        else:
+            loss = loss_fn(model, x)
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, step
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m, "shift", Tensor(np.full(3, -3.0, np.float32))),
+    lambda m: setattr(m, "offset", np.ones(3, np.float32)),
+    lambda m: m.scales.__setitem__(1, 5.0),
+    lambda m: setattr(m, "temperature", np.float32(0.25)),
+    lambda m: m.shift.data.__setitem__(0, 7.0),                          # in place: read anew by replays
+], ids=["tensor attribute", "array attribute", "list element", "numpy scalar", "tensor in place"])
+def test_a_module_attribute_changed_between_replays_gives_the_eager_losses(change):
+    """Step 4 of a recorded run changes a module's non-parameter Tensor, raw array, one element of
+    a list or a numpy scalar: the losses of the eager run, every step (the signature covers them)."""
+    eager = _stateful_losses(False, change)[0]
+    losses, step = _stateful_losses(True, change)
+    assert losses == eager and losses != _stateful_losses(False)[0]
+    assert step.replays >= 5
+
+
+def test_a_hook_registered_after_the_recording_runs_at_every_replay():
+    """A parameter's post-accumulate-grad hook registered at step 4 runs at steps 4 to 10, as eagerly."""
+    for record in (False, True):
+        calls = []
+
+        def change(model):
+            model.linear.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.sum()))
+        losses, step = _stateful_losses(record, change)
+        assert len(calls) == 7
+        if record:
+            assert step.replays >= 6
+
+
+def test_a_forward_wrapped_on_a_module_after_the_recording_runs_at_every_step():
+    """npformer's modules have no forward hooks: one wraps a module's forward on the instance. Wrapped
+    at step 4 of a recorded run, it runs at steps 4 to 10 as eagerly (those steps run eagerly, with
+    a warning naming the module), with the eager losses."""
+    runs = []
+    for record in (False, True):
+        calls = []
+
+        def change(model):
+            inner = model.linear.forward
+
+            def hooked(x):
+                calls.append(x.shape)
+                return inner(x)
+            model.linear.forward = hooked
+        if record:
+            with pytest.warns(RuntimeWarning, match=r"recorded step: a Linear's forward is replaced on the instance "
+                                                    r"\(a hook that a replay would not run\).*runs eagerly"):
+                runs.append(_stateful_losses(True, change)[0])
+        else:
+            runs.append(_stateful_losses(False, change)[0])
+        assert len(calls) == 14                                   # twice a step (the loss calls the model twice)
+    assert runs[0] == runs[1]
+
+
+def _pause(x):
+    """x * 2 after a millisecond's sleep (another thread runs meanwhile): a computation each replay repeats."""
+    time.sleep(0.001)
+    return x * 2
+
+
+def test_one_recorded_step_called_from_two_threads_gives_the_eager_losses():
+    """Two threads calling one recorded step at once (no optimizer step: each batch's loss is the
+    same whenever it runs; a recomputed call that sleeps lets the other thread run mid-replay):
+    every loss is the eager one of its batch."""
+    npformer.manual_seed(0)
+    model = _Stateful()
+
+    def loss_fn(x):
+        return (model(x) * Tensor(raw_computation(_pause, x))).mean()
+    step = npformer.recorded(loss_fn, model)
+    rng = np.random.default_rng(2)
+    data = [rng.standard_normal((8, 3)).astype(np.float32) for _ in range(40)]
+    eager = [loss_fn(x).item() for x in data]
+    step(data[0])
+    step(data[1])                                                 # recorded
+    got = {}
+
+    def work(indices):
+        for i in indices:
+            got[i] = step(data[i]).item()
+    threads = [threading.Thread(target=work, args=(range(k, 40, 2),)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(40)] == eager
+    assert step.replays == 40
+
+
+def test_python_values_the_loss_function_reads_are_in_the_signature():
+    """A loss function whose label smoothing follows a counter it increments (a replay would not):
+    each call that would record is an eager step, the 8th (max_recordings) warns, eager from then
+    on; one whose label smoothing is a module global changed at step 4: a new recording. The eager
+    losses either way."""
+    target = np.array([0, 1, 2, 1])
+    counter = [0]
+
+    def smoothed(model, x):
+        counter[0] += 1
+        return F.cross_entropy(model(x), target, label_smoothing=min(counter[0], 6) / 10)
+    counter[0] = 0
+    eager = _stateful_losses(False, fn=smoothed)[0]
+    counter[0] = 0
+    with pytest.warns(RuntimeWarning, match=r"recorded step: running it changed a value fn reads .*runs eagerly"):
+        losses, step = _stateful_losses(True, fn=smoothed)
+    assert losses == eager and step.replays == 0
+    global _SMOOTHING
+    runs = []
+    for record in (False, True):
+        _SMOOTHING = 0.0
+        runs.append(_stateful_losses(record, lambda m: globals().update(_SMOOTHING=0.3),
+                                     fn=lambda m, x: F.cross_entropy(m(x), target, label_smoothing=_SMOOTHING)))
+    assert runs[0][0] == runs[1][0] and runs[1][1].replays == 7
+
+
+_SMOOTHING = 0.0
+
+
+@pytest.mark.parametrize("read", ["item", "float", "numpy"])
+def test_a_host_read_inside_the_step_warns_naming_the_line_and_runs_eagerly(read):
+    """A step that reads a value on the host (a branch on the data) cannot be replayed: the call
+    that would record warns, naming the line that read, and every step runs eagerly."""
+    reads = {"item": lambda t: t.item(), "float": float, "numpy": lambda t: t.numpy().sum()}[read]
+
+    def branching(model, x):
+        loss = (model(x) * model(x)).mean()
+        return loss * 2 if reads(loss) > 0.6 else loss            # the line named
+    eager = _stateful_losses(False, fn=branching)[0]
+    with pytest.warns(RuntimeWarning, match=r"recorded step: it read a value on the host at .*test_recording.py:\d+ "
+                                            r"\(in (branching|<lambda>)\).*runs eagerly"):
+        losses, step = _stateful_losses(True, fn=branching)
+    assert losses == eager and step.replays == 0 and step.eager_calls == 10
+
+
+def test_a_fortran_ordered_first_batch_records_the_readme_loss():
+    """README's loss (tgt.reshape(-1)) on a Fortran-ordered first batch records (the step's inputs are
+    kept C-ordered) and replays batches of either order with the eager losses."""
+    losses = []
+    for record in (False, True):
+        npformer.manual_seed(0)
+        model = models.Seq2SeqTransformer(20, 20, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                          dim_feedforward=32, dropout=0.1, pad_idx=0)
+        opt = optim.Adam(model.parameters(), lr=1e-3)
+
+        def loss_fn(src, tgt_in, tgt):
+            return F.cross_entropy(model(src, tgt_in).reshape(-1, 20), tgt.reshape(-1), label_smoothing=0.1)
+        step = npformer.recorded(loss_fn, model)
+        rng = np.random.default_rng(0)
+        run = []
+        for i in range(5):
+            src = rng.integers(3, 20, size=(8, 6))
+            tgt = src[:, ::-1]
+            tgt_in = np.concatenate([np.ones((8, 1), int), tgt[:, :-1]], axis=1)
+            batch = [np.asfortranarray(a) if i % 2 == 1 else np.ascontiguousarray(a) for a in (src, tgt_in, tgt)]
+            opt.zero_grad()
+            if record:
+                loss = step(*batch)
+            else:
+                loss = loss_fn(*batch)
+                loss.backward()
+            opt.step()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0] == losses[1] and step.replays == 3
+
+
+class _Counter:
+    calls = 0
+
+
+_calls = _Counter()   # a module global named as an attribute the step below reads
+
+
+def test_only_the_globals_a_function_loads_are_in_its_signature():
+    """`holder._calls` in fn's code is an attribute, not the global `_calls` (whose count changes
+    before every call here): the signature leaves that global out, and the step replays."""
+    model = nn.Linear(2, 2)
+    holder = _Counter()
+    holder._calls = 2.0
+    step = npformer.recorded(lambda x: (model(Tensor(x)) * holder._calls).sum(), model)
+    for _ in range(5):
+        _calls.calls += 1
+        step(np.ones((3, 2), dtype=np.float32))
+    assert (step.eager_calls, step.replays) == (2, 3)
+
+
+def test_a_cache_the_first_forward_builds_records_at_the_next_call():
+    """Rotary tables built by the first forward (warmup=0: during the recording call) change the
+    state the signature covers once: that call is an eager step, the next one records, the later
+    ones replay (it raised before), with the eager losses."""
+    runs = []
+    for record in (False, True):
+        npformer.manual_seed(0)
+        model = models.CausalLM(VOCAB, d_model=16, nhead=2, num_layers=1, dim_feedforward=24, max_len=16,
+                                positional="rope").train()
+
+        def loss_fn(x, y):
+            return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        step = npformer.recorded(loss_fn, model, warmup=0)
+        rng = np.random.default_rng(0)
+        losses = []
+        for _ in range(5):
+            x, y = rng.integers(0, VOCAB, (2, 2, 8))
+            if record:
+                losses.append(step(x, y).item())
+            else:
+                loss = loss_fn(x, y)
+                loss.backward()
+                losses.append(loss.item())
+        runs.append(losses)
+    assert runs[0] == runs[1] and (step.eager_calls, step.replays) == (2, 3) and step.eager_reason is None
+
+
+def _argmax_rows(x):
+    return np.argmax(x, axis=1)
+
+
+def test_what_a_call_returns_is_not_rewritten_by_the_next_call():
+    """fn returns the loss, a Tensor and a recomputed array: what a replay returned keeps its values
+    after the next replay (another thread's call included), the eager values of its batch."""
+    npformer.manual_seed(0)
+    model = _Stateful()
+
+    def loss_fn(x):
+        out = model(x)
+        return (out * out).mean(), out.sum(axis=1), raw_computation(_argmax_rows, x)
+    step = npformer.recorded(loss_fn, model)
+    rng = np.random.default_rng(3)
+    data = [rng.standard_normal((4, 3)).astype(np.float32) for _ in range(4)]
+    eager = [[np.asarray(v.data if isinstance(v, Tensor) else v).copy() for v in loss_fn(x)] for x in data]
+    returned = [step(x) for x in data]
+    assert (step.eager_calls, step.replays) == (2, 2)
+    for got, want in zip(returned, eager):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a.data if isinstance(a, Tensor) else a, b)

@@ -226,6 +226,65 @@ def test_a_loss_function_counting_with_numbers_trains_eagerly_with_record_steps(
     assert histories[0] == histories[1] and recorded._recorded is None
 
 
+def test_record_steps_follow_the_python_state_of_the_loss_function():
+    """A loss function whose label smoothing follows a counter it increments: record_steps=True
+    trains eagerly (each recording call changes the counter; the 8th warns), the history of
+    record_steps=False; one whose smoothing a callback changes at step 3 (a dict the function
+    reads): a new recording, replays after it, the same history."""
+    def counting(model, batch, calls=[0]):
+        calls[0] += 1
+        return npformer.training.token_loss(model(batch.src, batch.tgt_in), batch.tgt_out, PAD,
+                                            label_smoothing=min(calls[0], 5) / 10)
+    settings = {"smoothing": 0.0}
+
+    def set_at_3(trainer, stats):
+        if stats["step"] == 3:
+            settings["smoothing"] = 0.2
+
+    def configured(model, batch):
+        return npformer.training.token_loss(model(batch.src, batch.tgt_in), batch.tgt_out, PAD,
+                                            label_smoothing=settings["smoothing"])
+    for loss_fn, callbacks in ((counting, ()), (configured, [set_at_3])):
+        histories = []
+        for record_steps in (False, True):
+            counting.__defaults__[0][0] = 0
+            settings["smoothing"] = 0.0
+            trainer = _trainer(record_steps=record_steps, callbacks=callbacks)
+            trainer.loss_fn = loss_fn
+            if record_steps and loss_fn is counting:   # each recording call changes the counter: eager at the 8th
+                with pytest.warns(RuntimeWarning, match="recorded step: running it changed a value fn reads"):
+                    trainer.fit(10)
+                assert trainer._recorded.replays == 0
+            else:
+                trainer.fit(10)
+            histories.append(trainer.history["loss"])
+        assert histories[0] == histories[1]
+        if loss_fn is configured:
+            assert trainer._recorded.replays >= 4
+
+
+def test_record_steps_with_a_host_read_in_the_loss_function_train_eagerly():
+    """A loss function that branches on a value it reads on the host (the loss's .item()): with
+    record_steps=True a warning naming its line, then eager steps: the history of record_steps=False."""
+    def branching(model, batch):
+        out = npformer.training.seq2seq_loss()(model, batch)
+        scale = 0.5 if out.sum.item() / float(out.count) > 2.3 else 1.0      # the line the warning names
+        return Loss(out.sum * scale, out.count, out.metrics)
+    histories = []
+    for record_steps in (False, True):
+        trainer = _trainer(record_steps=record_steps)
+        trainer.loss_fn = branching
+        if record_steps:
+            with pytest.warns(RuntimeWarning, match=r"recorded step: it read a value on the host at "
+                                                    r".*test_training.py:\d+ \(in branching\)"):
+                trainer.fit(6)
+            assert trainer._recorded.replays == 0
+        else:
+            trainer.fit(6)
+        histories.append(trainer.history["loss"])
+    assert histories[0] == histories[1] and len(set(histories[0])) == 6
+
+
 def test_trainer_learns_classification():
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 10, (256, 6))

@@ -9,9 +9,10 @@ returns it as a `Result`; `ForwardSteps` cuts a forward into named steps and jud
 intermediate gradient you derive (attention's dP, dS, ...) the same way. docs/exercises.md says
 what each verdict and diagnosis means.
 """
-from .checker import GradientResult, Result, check, check_file
+from .checker import GradientResult, Result, SolutionImportError, check, check_file
 from .problems import EXERCISES
 from .steps import ForwardSteps
 from .starter import write_starter
 
-__all__ = ["EXERCISES", "ForwardSteps", "GradientResult", "Result", "check", "check_file", "write_starter"]
+__all__ = ["EXERCISES", "ForwardSteps", "GradientResult", "Result", "SolutionImportError", "check", "check_file",
+           "write_starter"]

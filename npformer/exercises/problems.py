@@ -122,6 +122,12 @@ EXERCISES = {e.name: e for e in [
 ]}
 
 
+# the argument of each exercise that is the upstream gradient (dL/d(output)); cross-entropy's
+# dloss is a scalar, so it has none to vary
+UPSTREAM = {"softmax_backward": "dy", "log_softmax_backward": "dy", "layer_norm_backward": "dy",
+            "linear_backward": "dy", "gelu_backward": "dy", "embedding_backward": "dy", "attention_backward": "dout"}
+
+
 def _leaf_tensors(graph):
     return [Tensor(np.array(a, dtype=np.float64), requires_grad=True) for a in graph.leaves]
 

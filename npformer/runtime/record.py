@@ -23,11 +23,16 @@ What a replay cannot see is refused while recording (`Recorder.check`): an array
 (as an input or option) or a recomputed call (as an argument) reads, or that the step returns,
 which is none of the step's inputs, its parameters or state, an earlier op's output or a
 recomputed result (an array the step computed some other way would be frozen, a strided view's
-flattened copy included), and a draw that no op's options took. Python numbers computed from
-array values (a host read) cannot be told apart from constants: a step must not branch on its
-data (as in a CUDA graph).
+flattened copy included), and a draw that no op's options took. A value read on the host while
+recording (`Tensor.item()`, `float()`, `numpy()`, `tolist()`, `np.asarray`: the core's `host_read`
+hook) gives a Python number that a replay would not read again, as the branch taken on it: the
+recorder keeps where the first such read happened (`Recorder.host_read`, the line of the code
+outside npformer and autograd that made it) and `npformer.recorded` runs that step eagerly. A read
+of the step's raw input arrays or of a Tensor's `.data` (numpy's own, not a Tensor's) is not seen.
 Recording is per thread; ops applied inside `recomputed` belong to it and are not recorded.
 """
+import os
+import sys
 import threading
 
 from autograd import Tensor, backend, hooks
@@ -84,6 +89,27 @@ def _op_applied(op, ctx, args, options, outputs):
     recorder = current()
     if recorder is not None:
         recorder.events.append(_Op(op, ctx, args, options, outputs))
+
+
+_LIBRARY = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                 for m in (sys.modules["autograd"], sys.modules[__name__.split(".")[0]]))
+
+
+def _host_read():
+    """The core's host_read hook while recording: the first read of a step being recorded (outside
+    a recomputed() call) is kept as "file:line (in function)" of the first frame outside npformer
+    and autograd (the user's line; the library's own when none)."""
+    recorder = current()
+    if recorder is None or recorder.host_read is not None:
+        return
+    frame = where = sys._getframe(1)
+    while frame is not None:
+        if not os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY):
+            where = frame
+            break
+        frame = frame.f_back
+    code = where.f_code
+    recorder.host_read = f"{code.co_filename}:{where.f_lineno} (in {code.co_name})"
 
 
 def _check_arrays(named, owner, known, produced, params):
@@ -203,6 +229,7 @@ class Recorder:
 
     def __init__(self):
         self.events = []
+        self.host_read = None   # where the step first read a value on the host ("file:line (in function)"), or None
 
     def __enter__(self):
         if _local.recorder is not None:
@@ -213,6 +240,7 @@ class Recorder:
             if _recording[0] == 1:
                 hooks.op_applied.append(_op_applied)
                 hooks.raw_computation.append(_raw_computation)
+                hooks.host_read.append(_host_read)
         return self
 
     def __exit__(self, *exc):
@@ -222,6 +250,7 @@ class Recorder:
             if _recording[0] == 0:
                 hooks.op_applied.remove(_op_applied)
                 hooks.raw_computation.remove(_raw_computation)
+                hooks.host_read.remove(_host_read)
         return False
 
     def check(self, known, parameters, outputs=()):

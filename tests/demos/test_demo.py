@@ -70,8 +70,8 @@ def test_each_preset_writes_its_own_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     metrics = _demo("reverse").main(["--preset", "seed", "--steps", "2", "--batch-size", "4", "--quiet",
                                      "--no-plots"])
-    assert metrics["checkpoint"] == os.path.join("runs", "reverse-seed", "checkpoint.npz")
-    assert os.listdir(tmp_path / "runs") == ["reverse-seed"]
+    assert metrics["checkpoint"] == os.path.join("runs", "reverse-seed-steps2", "checkpoint.npz")
+    assert os.listdir(tmp_path / "runs") == ["reverse-seed-steps2"]
 
 
 def run_demo(*args, cwd):
@@ -83,13 +83,22 @@ def run_demo(*args, cwd):
 
 def test_a_quick_run_of_20_steps(tmp_path):
     """The default preset (warmup 100 of 1,000 steps) with --steps 20: the warmup scales to 2
-    steps; results on stdout, the header on stderr; the snapshot of --snapshot-step is kept."""
+    steps; results on stdout, the header on stderr; the snapshot of --snapshot-step is kept; the
+    run goes to runs/reverse-steps20 and leaves the finished run in runs/reverse byte for byte."""
+    finished = tmp_path / "runs" / "reverse"
+    finished.mkdir(parents=True)
+    before = {}
+    for name in ("checkpoint.npz", "checkpoint-step10.npz", "metrics.json", "curves.png"):
+        (finished / name).write_bytes(name.encode() * 3)
+        before[name] = (finished / name).read_bytes()
     code, out, err = run_demo("--steps", "20", "--batch-size", "8", "--snapshot-step", "10", "--no-plots", "--quiet",
                               cwd=tmp_path)
     assert code == 0, err
     assert out.startswith("example: ") and "held-out (1000 unseen sequences): exact-sequence accuracy" in out
     assert err.startswith("reverse: preset default, ") and "held-out" not in err
-    run = tmp_path / "runs" / "reverse"
+    assert {p.name: p.read_bytes() for p in finished.iterdir()} == before
+    run = tmp_path / "runs" / "reverse-steps20"
+    assert f"wrote {os.path.join('runs', 'reverse-steps20')}/" in out
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["steps"] == 20 and metrics["settings"]["warmup"] == 2
     assert {"checkpoint.npz", "checkpoint-step10.npz"} <= set(os.listdir(run))

@@ -226,3 +226,34 @@ def test_write_starter_and_check_file_refuse_bad_arguments(tmp_path):
         check_file(tmp_path / "nowhere.py")
     with pytest.raises(KeyError, match="no exercise"):
         check(["softmax_backward"], solution_backprop.softmax_backward)
+
+
+def test_a_constant_upstream_gradient_is_warned_about_and_checked_with_a_random_one(capsys):
+    """The learner's own inputs with dy all ones (what sum() gives): a softmax backward without
+    its outer factor y gives 0 there, as the correct one does; the checker warns and checks again."""
+    y = F.softmax(np.random.default_rng(3).standard_normal((3, 5))).data
+    forgot_y = lambda y, dy: dy - (dy * y).sum(axis=-1, keepdims=True)  # noqa: E731
+    result = check("softmax_backward", forgot_y, y, np.ones_like(y))
+    assert result.verdict == "wrong" and result.warning == (
+        "warning: your upstream gradient dy is all ones, which hides mistakes (a softmax's Jacobian rows sum to 0); "
+        "with a random dy: wrong")
+    assert result.warning in capsys.readouterr().out
+    right = check("softmax_backward", solution_backprop.softmax_backward, y, np.full_like(y, 0.5))
+    assert right.verdict == "exact" and "is constant (0.5 everywhere)" in right.warning and \
+        right.warning.endswith("with a random dy: exact")
+    assert check("softmax_backward", solution_backprop.softmax_backward, y, np.ones_like(y) * y).warning == ""
+
+
+def test_ds_at_q_without_a_transpose_is_named_when_t_equals_s():
+    """With T = S, dk = dS @ q has dk's shape: only the values tell the missing transpose."""
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((2, 3, 5, 6)) for _ in range(4))
+    mask = np.tril(np.ones((5, 5), dtype=bool))[None, None]
+    scale = 1 / np.sqrt(6)
+
+    def no_transpose(q, k, v, mask, dout, scale):
+        dq, dk, dv = solution_backprop.attention_backward(q, k, v, mask, dout, scale)
+        dS = dq / scale @ np.linalg.pinv(k)                     # dq = dS @ k * scale
+        return dq, dS @ q * scale, dv
+    result = check("attention_backward", no_transpose, q, k, v, mask, dout, scale)
+    assert gradient(result, "dk").diagnosis.startswith("dk = dS @ q: dS needs a transpose"), result

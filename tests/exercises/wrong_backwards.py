@@ -89,6 +89,28 @@ def _attention_masked_by_zero_scores(q, k, v, mask, dout, scale):
     return ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ dout
 
 
+def _attention_ds_leaks(q, k, v, mask, dout, scale):
+    """dS = dP at the masked cells: the softmax's P * (...) kept only where the mask lets keys in."""
+    p, dp = _attention_pieces(q, k, v, mask, dout, scale)
+    ds = np.where(mask, p * (dp - (dp * p).sum(axis=-1, keepdims=True)), dp)
+    return ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ dout
+
+
+def _attention_zero_scores_unmasked_ds(q, k, v, mask, dout, scale):
+    """Hidden scores set to 0 (not -inf), and dS left as it is at the hidden cells."""
+    p = _softmax(np.where(mask, q @ k.swapaxes(-1, -2) * scale, 0.0))
+    dp = dout @ v.swapaxes(-1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    return ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ dout
+
+
+def _ln_mean_of_dy(x, weight, dy, eps):
+    xhat, rstd = _xhat(x, eps)
+    g = dy * weight
+    dx = rstd * (g - dy.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    return dx, (dy * xhat).sum(axis=0), dy.sum(axis=0)
+
+
 def _swap(first, second, backward):
     def swapped(*args):
         grads = list(backward(*args))
@@ -108,7 +130,42 @@ def _change(index, change, backward):
     return changed
 
 
-CATALOGUE = [
+# the mistakes issue 44 found with no diagnosis ("none of the known mistakes"), each named now
+NAMED_SINCE_44 = [
+    Wrong("log_softmax_backward", lambda y, dy: dy - np.exp(y) * dy, "dx", "missing the row sum: exp(y) multiplies dy"),
+    Wrong("layer_norm_backward", _ln_mean_of_dy, "dx", "the mean term uses mean(dy) where mean(dxhat)"),
+    Wrong("attention_backward", _attention_ds_leaks, "dq",
+          "gradient on masked positions: your dq implies dS is not 0 at masked cells, e.g. dS[b=0, h=0, i="),
+    Wrong("attention_backward", _attention_ds_leaks, "dk",
+          "gradient on masked positions: your dk implies dS is not 0 at masked cells"),
+    Wrong("attention_backward", _attention_zero_scores_unmasked_ds, "dq",
+          "gradient on masked positions: masked scores set to 0 instead of -inf"),
+    Wrong("attention_backward", _attention_zero_scores_unmasked_ds, "dk",
+          "gradient on masked positions: masked scores set to 0 instead of -inf"),
+    Wrong("attention_backward", _attention_zero_scores_unmasked_ds, "dv",
+          "gradient on masked positions: masked scores set to 0 instead of -inf"),
+    Wrong("softmax_backward", lambda y, dy: y * (dy - 1), "dx", "the row sum sum(y * dy) is replaced by 1"),
+    Wrong("layer_norm_backward", _change(1, lambda dw, x, w, dy, eps: _xhat(x, eps)[0].sum(axis=0),
+                                         right.layer_norm_backward), "dweight", "dweight forgets dy"),
+    Wrong("layer_norm_backward", _change(2, lambda db, x, w, dy, eps: np.full(x.shape[1], float(x.shape[0])),
+                                         right.layer_norm_backward), "dbias", "dbias counts the rows (a sum of ones, 4)"),
+    Wrong("linear_backward", _change(2, lambda db, x, w, dy: np.ones(dy.shape).sum(axis=(0, 1)), right.linear_backward),
+          "dbias", "dbias counts the rows (a sum of ones, 6)"),
+    Wrong("attention_backward", _change(2, lambda dv, q, k, v, mask, dout, scale:
+                                        _attention_pieces(q, k, v, mask, dout, scale)[0].swapaxes(-1, -2)
+                                        @ np.ones_like(dout), right.attention_backward),
+          "dv", "dv = P^T @ ones: dout is missing"),
+    Wrong("layer_norm_backward", _change(2, lambda db, x, w, dy, eps: dy.sum(axis=-1), right.layer_norm_backward),
+          "dbias", "summed over the wrong axes: over (d), where the sum runs over (n)"),
+    Wrong("linear_backward", _change(2, lambda db, x, w, dy: dy.sum(axis=(0, 2)), right.linear_backward),
+          "dbias", "summed over the wrong axes: over (b, o), where the sum runs over (b, t)"),
+    Wrong("linear_backward", _change(1, lambda dw, x, w, dy: np.einsum("bto,bti->toi", dy, x), right.linear_backward),
+          "dweight", "summed over the wrong axes: over (b), where the sum runs over (b, t)"),
+    Wrong("linear_backward", _change(2, lambda db, x, w, dy: dy.sum(axis=(0, 1), keepdims=True), right.linear_backward),
+          "dbias", "summed over (b, t) as it should, but with keepdims"),
+]
+
+CATALOGUE = NAMED_SINCE_44 + [
     Wrong("softmax_backward", lambda y, dy: y * dy, "dx", "missing the row-sum term"),
     Wrong("softmax_backward", lambda y, dy: y * (1 - y) * dy, "dx", "missing the row-sum term"),
     Wrong("softmax_backward", _change(0, lambda dx, y, dy: -dx, right.softmax_backward), "dx", "sign flipped"),

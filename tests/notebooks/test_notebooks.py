@@ -27,6 +27,7 @@ def kernel_of_this_python(tmp_path_factory):
     write_kernel_spec(jupyter_path / "kernels" / KERNEL)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("JUPYTER_PATH", str(jupyter_path))
+        patch.setenv("NPFORMER_NOTEBOOK_FIGURES", str(tmp_path_factory.mktemp("figures")))  # not the checkout's runs/
         yield KERNEL
 
 
@@ -57,9 +58,9 @@ def test_make_notebooks_builds_ipynb_files(tmp_path):
         pytest.skip("no make on this machine")
     shutil.copy(ROOT / "Makefile", tmp_path)
     shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("*.ipynb"))
-    # the venv is this interpreter's: its stamp counts as made, so make installs nothing
+    # the venv is this interpreter's: its learn stamp counts as made, so make installs nothing
     bin_dir = pathlib.Path(sys.executable).parent
-    subprocess.run([make, "-o", ".venv/.stamp-dev", f"BIN={bin_dir}", "notebooks"], cwd=tmp_path, check=True,
+    subprocess.run([make, "-o", ".venv/.stamp-learn", f"BIN={bin_dir}", "notebooks"], cwd=tmp_path, check=True,
                    capture_output=True)
     for source in NOTEBOOKS:
         built = nbformat.read(tmp_path / "notebooks" / f"{source.stem}.ipynb", as_version=4)
