@@ -4,7 +4,7 @@ your own module.
 
     python -m npformer.gradcheck [-k SUBSTRING] [--module MODULE] [--no-torch] [--no-modules] [--device DEVICE]
                                  [--no-second-order] [--no-forward-mode] [--require COLUMNS]
-                                 [--time-limit SECONDS]
+                                 [--time-limit SECONDS (or --timeout, as python -m npformer.exercises)]
 
 One row per case, each column judged on its own: `autograd.gradcheck` in float64 (every input
 and parameter against central finite differences, eps 1e-6, pass when |yours - reference| <=
@@ -295,12 +295,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="higher columns every case must define, comma-separated: "
                              f"{','.join(opcases.REQUIREMENTS)} (else an op without a double backward or a jvp rule "
                              "shows 'not defined' there, unless its case requires it)")
-    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, metavar="SECONDS",
+    parser.add_argument("--time-limit", "--timeout", dest="time_limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        metavar="SECONDS",
                         help="a case (and importing --module) that does not return within this many seconds is a "
                              "failed row, and the table goes on (0: no limit; default %(default)g)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "test", "cuda"],
                         help="where npformer runs (torch runs on the CPU)")
     args = parser.parse_args(argv)
+    if not 0 <= args.time_limit < math.inf:
+        parser.error(f"--time-limit: expected a number of seconds >= 0 (0: no limit), got {args.time_limit}")
     require = [r.strip() for r in args.require.split(",") if r.strip()]
     unknown = [r for r in require if r not in opcases.REQUIREMENTS]
     if unknown:

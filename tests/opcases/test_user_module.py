@@ -133,8 +133,10 @@ def test_a_case_that_never_returns_is_a_verdict_not_a_hang(user_project):
     assert "finite differences: did not return within 2 s" in result.stdout
     assert rows["double"].rstrip().endswith("PASS")      # the table went on
     (folder / "mypkg" / "hangs.py").write_text("while True:\n    pass\n")
-    result = _command(folder, env, "--module", "mypkg.hangs", "--no-torch", "--time-limit", "2")
+    result = _command(folder, env, "--module", "mypkg.hangs", "--no-torch", "--timeout", "2")   # the checker's name
     assert result.returncode == 2 and "--module mypkg.hangs: importing it did not return within 2 s" in result.stderr
+    result = _command(folder, env, "--module", "mypkg.loops", "--time-limit", "-1")
+    assert result.returncode == 2 and "--time-limit: expected a number of seconds >= 0" in result.stderr
     result = _pytest(folder, env, "--gradcheck-module", "mypkg.loops", "--gradcheck-time-limit", "2")
     assert result.returncode == 1 and "1 failed, 1 passed" in result.stdout, result.stdout
     assert "did not return within 2 s" in result.stdout
