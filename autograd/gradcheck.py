@@ -11,10 +11,12 @@ or wrong, with its largest difference and worst index, "yours" (the backward's) 
 `autograd.gradcheck` is this module, and calling it calls `gradcheck` (as one calls
 `torch.autograd.gradcheck(...)`). The rest (a second read, autograd/gradcheck_extras.py,
 re-exported here): one random direction over all inputs together, forward mode
-(`check_forward_ad=True`), `check_create_graph`, `gradgradcheck`, `check_formula`.
+(`check_forward_ad=True`), `check_create_graph`, `gradgradcheck`, `check_formula`; and what
+kind of mistake a failure shows (autograd/gradcheck_diagnosis.py).
 """
 from __future__ import annotations
 
+import math
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -40,20 +42,19 @@ def _outputs(result):
 
 
 def random_generator(seed: int, stream: int = 0) -> Any:
-    """The host Generator of gradcheck's random draws (upstream gradients: stream 0, directions:
-    stream 1): independent of `default_rng(seed)`, from which the inputs are often drawn (an
-    upstream gradient equal to the input would make LayerNorm's input gradient zero)."""
+    """The host Generator of gradcheck's random draws (upstream gradients: stream 0, directions: 1),
+    independent of `default_rng(seed)`, which often draws the inputs (g = x zeroes LayerNorm's dx)."""
     return backend.module_for("cpu").random.default_rng([seed, stream, 0x67726164])
 
 
 def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = None, *,
-        seed: int = 0) -> tuple[list, list, list]:
+        seed: int = 0, written: list | None = None, layout: str = "contiguous") -> tuple[list, list, list]:
     """Run fn(*inputs) and backpropagate L = sum_k sum(out_k * g_k): (outputs, upstream, gradients).
-    outputs: the output Tensors (None entries dropped). upstream: one array g_k per output;
-    when None, standard normal ones drawn from `random_generator(seed)`, on the outputs' device
-    in their dtype. gradients: for every input Tensor that requires grad, dL/d input (zeros
-    where no gradient arrived), None for the other inputs. The inputs' .grad are reset first and
-    hold the gradients afterwards."""
+    outputs: the output Tensors (None entries dropped). upstream: one array g_k per output; when
+    None, standard normal ones from `random_generator(seed)`, on the outputs' device in their dtype.
+    gradients: for every input Tensor that requires grad, dL/d input (zeros where no gradient
+    arrived; also in .grad), None for the others. The backward gets a copy of each g_k (layout
+    "contiguous" or "strided"); `written` (a list, or None) gets each k whose copy it changed."""
     for t in inputs:
         if getattr(t, "requires_grad", False):
             t.grad = None
@@ -62,10 +63,13 @@ def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = No
         rng = random_generator(seed)
         upstream = [rng.standard_normal(o.shape).astype(o.dtype) for o in outs]
     upstream = [backend.to_device(g, o.device) for o, g in zip(outs, upstream)]
-    differentiable = [(o, g) for o, g in zip(outs, upstream) if o.requires_grad]
+    differentiable = [(k, o, g) for k, (o, g) in enumerate(zip(outs, upstream)) if o.requires_grad]
     # one backward per output: a summed loss would compute inf - inf = NaN beside an infinite output
-    for k, (o, g) in enumerate(differentiable):
-        o.backward(g, retain_graph=k + 1 < len(differentiable))
+    for n, (k, o, g) in enumerate(differentiable):
+        given = gradcheck_diagnosis.strided(g) if layout == "strided" else g.copy()
+        o.backward(given, retain_graph=n + 1 < len(differentiable))
+        if written is not None and not gradcheck_diagnosis.same(given, g):
+            written.append(k)
     grads = [None if not getattr(t, "requires_grad", False) else t.xp.zeros_like(t.data) if t.grad is None else t.grad.data
              for t in inputs]
     return outs, upstream, grads
@@ -73,41 +77,50 @@ def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = No
 
 def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, eps: float = 1e-6,
               atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0, report: list | None = None,
-              names: Sequence[str] | None = None, check_forward_ad: bool = False) -> bool:
+              names: Sequence[str] | None = None, check_forward_ad: bool = False,
+              check_backward_ad: bool = True) -> bool:
     """Check `fn`'s hand-written backward against central differences (torch.autograd.gradcheck).
 
     fn: callable taking `inputs` and returning a Tensor or a tuple of Tensors; it must be
     deterministic (seed any dropout inside it). inputs: Tensors (or other arguments passed
     through); each Tensor with requires_grad=True must be float64 and is checked.
     names: what to call each input in messages ("q", "k", ...; default "input 0", ...).
-    Pass when |yours - reference| <= atol + rtol * |reference| everywhere (yours: the
-    backward's gradient; reference: the central differences). Returns True, or
-    raises GradcheckError after judging every input (one line each: see `judge`).
-    report: a list, or None; when given, one (what, max abs error, max |numeric|) tuple is
-    appended per comparison (each input, then the random direction), so a caller can show how
-    close a check came. check_forward_ad: also check forward mode (torch's name; see
-    gradcheck_extras.forward_mode_verdicts). Raises ValueError when no input requires grad (raw
-    arrays must be wrapped: `Tensor(a, requires_grad=True)`), TypeError for a checked one not float64."""
+    Pass when |yours - reference| <= atol + rtol * |reference| everywhere (yours: the backward's
+    gradient; reference: the central differences). Returns True, or raises GradcheckError after
+    judging every input (see `judge`), with the kind of mistake it sees (gradcheck_diagnosis).
+    report: a list, or None; one (what, max abs error, max |numeric|) tuple is appended per
+    comparison (each input, then the random direction). check_forward_ad: also check forward
+    mode, on its own (torch's name; gradcheck_extras.forward_mode_verdicts); check_backward_ad=False:
+    forward mode alone. Raises ValueError when no input requires grad (wrap raw arrays:
+    `Tensor(a, requires_grad=True)`), TypeError for a checked one not float64."""
     inputs, names, checked = _checked(inputs, names)
     for i in checked:
         if str(inputs[i].dtype) != "float64":
             raise TypeError(f"gradcheck: {names[i]} must be float64 for finite differences, got {inputs[i].dtype}")
-    outs, upstream, analytic = vjp(fn, inputs, seed=seed)
+    if not (check_backward_ad or check_forward_ad):
+        raise ValueError("gradcheck: check_backward_ad=False and check_forward_ad=False leave nothing to check")
+    sections, written = [], []
+    outs, upstream, analytic = (vjp(fn, inputs, seed=seed, written=written) if check_backward_ad else
+                                gradcheck_extras.vjp_where_it_runs(fn, inputs, seed))   # forward mode alone
 
     def loss():
         with no_grad():
             return sum(float((o.data * g).sum()) for o, g in zip(_outputs(fn(*inputs)), upstream))
 
-    verdicts = [judge(names[i], analytic[i], numeric_gradient(loss, inputs[i], eps), atol, rtol, report)
-                for i in checked]
-
-    verdicts.append(gradcheck_extras.random_direction_verdict(loss, inputs, checked, analytic, eps, atol, rtol,
-                                                              seed, report))
-    _raise_if_wrong("gradcheck: your backward (yours) against central finite differences (reference)", verdicts)
+    if check_backward_ad:
+        verdicts = [judge(names[i], analytic[i], numeric_gradient(loss, inputs[i], eps), atol, rtol, report,
+                          explain=gradcheck_diagnosis.kink_explainer(loss, inputs[i], eps, atol, rtol)) for i in checked]
+        verdicts += gradcheck_diagnosis.backward_verdicts(loss, fn, inputs, names, checked, outs, upstream, analytic,
+                                                          verdicts, written, eps, atol, rtol, seed, report)
+        sections.append(("your backward (yours) against central finite differences (reference)", verdicts))
     if check_forward_ad:
-        _raise_if_wrong("gradcheck: your jvp rules (yours) against central finite differences and the backward "
-                        "(reference)", gradcheck_extras.forward_mode_verdicts(fn, inputs, names, checked, upstream,
-                                                                              analytic, eps, atol, rtol, seed, report))
+        sections.append(("your jvp rules (yours) against central finite differences and the backward (reference)",
+                         gradcheck_extras.forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps,
+                                                                atol, rtol, seed, report)))
+    failed = "\n".join(f"gradcheck: {what}:\n" + "\n".join(f"  {line}" for _, line in verdicts)
+                       for what, verdicts in sections if not all(passed for passed, _ in verdicts))
+    if failed:
+        raise GradcheckError(failed)
     return True
 
 
@@ -146,41 +159,45 @@ def numeric_gradient(loss: Callable[[], float], tensor: Tensor, eps: float = 1e-
 
 
 def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
-          report: list | None = None) -> tuple[bool, str]:
+          report: list | None = None, explain: Callable[[tuple], str | None] | None = None) -> tuple[bool, str]:
     """(passed, line): one tensor's verdict, exact, close (|yours - reference| <= atol + rtol
-    |reference| everywhere) or wrong, with the largest difference and the worst entry (the
-    one furthest out of tolerance): its index, both values, and the relative error where the
-    reference is not 0 there. report: see `gradcheck`."""
+    |reference| everywhere) or wrong, with the largest difference and the worst entry (the one
+    furthest out of tolerance): its index, both values, and the relative error where the reference
+    is not 0 there; NaN and inf counted (equal infinities are equal). explain: None, or a function
+    of the worst index returning a note for a wrong verdict, or None. report: see `gradcheck`."""
     xp = backend.get_array_module(reference)
-    err = xp.abs(yours - reference)
+    with xp.errstate(invalid="ignore"):
+        err = xp.where(yours == reference, 0.0, xp.abs(yours - reference))   # inf == inf: no inf - inf
     if report is not None:
-        report.append((name, float(err.max()) if err.size else 0.0,
-                       float(xp.abs(reference).max()) if reference.size else 0.0))
+        report.append((name, _max(err), _max(xp.abs(reference))))
     if not err.size:
         return True, f"{name}: exact (empty)"
     bound = atol + rtol * xp.abs(reference)
-    excess = err / xp.maximum(bound, xp.finfo(bound.dtype).tiny)   # a zero tolerance divides by no zero
+    with xp.errstate(invalid="ignore"):
+        excess = err / xp.maximum(bound, xp.finfo(bound.dtype).tiny)   # a zero tolerance divides by no zero
     worst = int(xp.argmax(xp.where(xp.isnan(excess), xp.inf, excess)))
     index = tuple(int(k) for k in xp.unravel_index(worst, reference.shape))
     passed = bool((excess <= 1).all())
-    mine, theirs, diff = float(yours.reshape(-1)[worst]), float(reference.reshape(-1)[worst]), float(err.max())
+    mine, theirs, diff = float(yours.reshape(-1)[worst]), float(reference.reshape(-1)[worst]), _max(err)
     verdict = "exact" if diff == 0 else "close" if passed else "wrong"
-    line = f"{name}: {verdict}, max diff {diff:.3g}"
+    line = f"{name}: {verdict}, max diff {diff:.3g}" + gradcheck_diagnosis.nonfinite_note(yours, reference)
     if verdict == "close":
         line += f", worst at index {index}"
     if verdict == "wrong":
-        relative = f"rel {abs(mine - theirs) / abs(theirs):.3g}" if theirs else "the reference is 0 there"
+        relative = ("not finite" if not (math.isfinite(mine) and math.isfinite(theirs)) else
+                    f"rel {abs(mine - theirs) / abs(theirs):.3g}" if theirs else "the reference is 0 there")
         line += f", worst at index {index}: yours {mine:.10g}, reference {theirs:.10g} ({relative})"
+        note = explain(index) if explain is not None else None
+        line += f"; {note}" if note else ""
     if not passed:
         tolerance = f"atol {atol:.3g}" + (f" + rtol {rtol:.3g} * |reference|" if rtol else "")
         line += f"; {int((~(excess <= 1)).sum())} of {err.size} entries beyond {tolerance}"
     return passed, line
 
 
-def _raise_if_wrong(what, verdicts):
-    """Raise GradcheckError listing every verdict when any is wrong."""
-    if not all(passed for passed, _ in verdicts):
-        raise GradcheckError(f"{what}:\n" + "\n".join(f"  {line}" for _, line in verdicts))
+def _max(array) -> float:
+    """The largest entry as a float, NaN when one is NaN (Python's max would depend on the order); 0 when empty."""
+    return float(array.max()) if array.size else 0.0
 
 
 class _CallableModule(types.ModuleType):
@@ -192,5 +209,5 @@ class _CallableModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _CallableModule
 
-from . import gradcheck_extras  # noqa: E402  (the second read)
+from . import gradcheck_diagnosis, gradcheck_extras  # noqa: E402  (the second read)
 from .gradcheck_extras import check_create_graph, check_formula, gradgradcheck  # noqa: E402

@@ -20,10 +20,17 @@ from typing import Any
 
 from . import backend
 from .create_graph import grad
-from .gradcheck import (_checked, _outputs, _raise_if_wrong, gradcheck, judge,
-                        numeric_gradient, random_generator, vjp)
+from .gradcheck import (GradcheckError, _checked, _outputs, gradcheck, judge, numeric_gradient, random_generator,
+                        vjp)
+from .gradcheck_diagnosis import slopes_note
 from .modes import enable_grad, no_grad
 from .tensor import Tensor
+
+
+def _raise_if_wrong(what, verdicts):
+    """Raise GradcheckError listing every verdict when any is wrong."""
+    if not all(passed for passed, _ in verdicts):
+        raise GradcheckError(f"{what}:\n" + "\n".join(f"  {line}" for _, line in verdicts))
 
 
 def random_direction_verdict(loss, inputs, checked, analytic, eps, atol, rtol, seed, report):
@@ -57,11 +64,23 @@ def _along(inputs, chosen, directions, eps, evaluate):
     return values
 
 
+def vjp_where_it_runs(fn, inputs, seed):
+    """gradcheck's vjp for forward mode alone (check_backward_ad=False): (outputs, upstream, the
+    backward's gradients, or None where the backward raises: forward mode is judged without it)."""
+    try:
+        return vjp(fn, inputs, seed=seed)
+    except Exception:  # noqa: BLE001  (a broken backward is the backward's check's business)
+        outs = _outputs(fn(*inputs))
+        rng = random_generator(seed)
+        return outs, [backend.to_device(rng.standard_normal(o.shape).astype(o.dtype), o.device) for o in outs], None
+
+
 def forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, atol, rtol, seed, report):
     """gradcheck's forward-mode part (check_forward_ad=True): for each input alone and for all
     together, J u by the ops' jvp rules against central differences along a random u, and the
-    transpose identity <g, J u> = <J^T g, u> between the jvp rules and the backward (a wrong rule
-    in either mode cannot hide behind the other). One verdict per output and direction."""
+    transpose identity <g, J u> = <J^T g, u> between the jvp rules and the backward (`analytic`,
+    J^T g; None when it was not computed) where the backward is right along u: a wrong backward
+    is the backward's failure, not forward mode's. One verdict per output and direction."""
     from .forward_ad import dual_level, make_dual, unpack_dual
 
     directions = _directions(inputs, checked, seed, stream=3)
@@ -78,17 +97,33 @@ def forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, a
                 return [o.data.copy() for o in _outputs(fn(*inputs))]
 
         values = _along(inputs, chosen, directions, eps, outputs)
-        for k, (t, plus, minus) in enumerate(zip(tangents, *values)):
+        for k, (t, base, plus, minus) in enumerate(zip(tangents, outputs(), *values)):
+            kink = lambda index, b=base, p=plus, m=minus: slopes_note(  # noqa: E731  (at a kink, say so)
+                float(b[index]), float(p[index]), float(m[index]), eps, atol, rtol)
             verdicts.append(judge(f"forward mode, output {k} along {along}: J u", t, (plus - minus) / (2 * eps),
-                                  atol, rtol, report))
+                                  atol, rtol, report, explain=kink))
         if len(chosen) == len(checked):  # <g, J u> = <J^T g, u>: the jvp rules against the backward
-            xp = inputs[chosen[0]].xp
-            forward = sum(float((g * t).sum()) for g, t in zip(upstream, tangents))
-            reverse = sum(float((analytic[i] * directions[i]).sum()) for i in chosen)
-            scale = sum(float(abs(g * t).sum()) for g, t in zip(upstream, tangents)) + 1.0
-            verdicts.append(judge("the transpose identity <g, J u> = <J^T g, u>", xp.asarray([forward]),
-                                  xp.asarray([reverse]), 1e-10 * scale, 0.0, report))
+            verdicts.append(_transpose_verdict(upstream, tangents, analytic, directions, chosen, values, eps, atol,
+                                               rtol, report))
     return verdicts
+
+
+def _transpose_verdict(upstream, tangents, analytic, directions, chosen, values, eps, atol, rtol, report):
+    """The transpose identity <g, J u> = <J^T g, u> between the jvp rules (tangents, J u) and the
+    backward (analytic, J^T g), judged when the backward agrees with the central difference
+    <g, (f(x + eps u) - f(x - eps u)) / 2 eps> along u (gradcheck's tolerance); otherwise a passed
+    verdict saying why it was not judged."""
+    what = "the transpose identity <g, J u> = <J^T g, u>"
+    if analytic is None:
+        return True, f"{what}: not judged (the backward did not run)"
+    xp = backend.get_array_module(upstream[0]) if upstream else None
+    reverse = sum(float((analytic[i] * directions[i]).sum()) for i in chosen)
+    along = sum(float((g * (plus - minus)).sum()) / (2 * eps) for g, plus, minus in zip(upstream, *values))
+    if not abs(reverse - along) <= atol + rtol * abs(along):
+        return True, f"{what}: not judged (the backward disagrees with finite differences along u: its own check)"
+    forward = sum(float((g * t).sum()) for g, t in zip(upstream, tangents))
+    scale = sum(float(abs(g * t).sum()) for g, t in zip(upstream, tangents)) + 1.0
+    return judge(what, xp.asarray([forward]), xp.asarray([reverse]), 1e-10 * scale, 0.0, report)
 
 
 CREATE_GRAPH_RTOL = 1e-10  # the two forms of a gradient round differently, by a few ulps of the largest entry

@@ -6,6 +6,7 @@ import sys
 from unittest import mock
 
 import numpy as np
+import pytest
 
 import autograd
 from npformer import gradcheck, opcases
@@ -29,7 +30,7 @@ def test_a_broken_op_shows_fail_in_every_column(torch):
     assert gradcheck.run([broken], torch, stream) is False
     row = next(line for line in stream.getvalue().splitlines() if line.startswith("broken softmax"))
     assert row.rstrip().endswith("FAIL") and row.count("!") == 3   # finite differences and torch (both dtypes) flag it
-    assert row.count("ERROR") == 2   # WrongSoftmax is differentiable once and has no jvp
+    assert row.count("not defined") == 2   # WrongSoftmax is differentiable once and has no jvp: not asked for
 
 
 def test_the_finite_differences_are_autograd_gradcheck_with_its_random_direction():
@@ -121,9 +122,9 @@ def _row(case, torch):
     return stream.getvalue()
 
 
-def test_a_once_differentiable_function_fails_the_second_order_column_naming_it(torch):
+def test_a_once_differentiable_function_fails_the_second_order_column_naming_it_where_required(torch):
     case = opcases.OpCase("once square", lambda rng: [rng.standard_normal((3, 4))], OnceSquare.apply,
-                          lambda t, x: x * x)
+                          lambda t, x: x * x, require=("second-order",))
     row = gradcheck.run_case(case, torch)
     assert row["second"] == "ERROR" and not row["passed"]
     assert all(row[c][2] for c in ("fd", "torch", "torch32", "forward"))
@@ -132,15 +133,44 @@ def test_a_once_differentiable_function_fails_the_second_order_column_naming_it(
     assert "| FAIL" in out
 
 
-def test_a_function_without_jvp_fails_the_forward_mode_column_naming_it(torch):
+def test_a_function_without_jvp_fails_the_forward_mode_column_naming_it_where_required(torch):
     case = opcases.OpCase("no-jvp square", lambda rng: [rng.standard_normal((3, 4))], NoJvpSquare.apply,
-                          lambda t, x: x * x)
+                          lambda t, x: x * x, require=("forward-mode",))
     row = gradcheck.run_case(case, torch)
     assert row["forward"] == "ERROR" and not row["passed"]
     assert all(row[c][2] for c in ("fd", "torch", "torch32", "second"))
     out = _row(case, torch)
     assert "forward mode: RuntimeError: " in out and "NoJvpSquare" in out and "no forward-mode rule" in out
     assert "| FAIL" in out
+
+
+class FirstOrderSquare(OnceSquare):
+    """x**2 with a right backward and nothing more."""
+
+    jvp = None
+
+
+def test_a_first_order_function_passes_with_its_higher_columns_not_defined_unless_required(torch):
+    """OnceSquare without a jvp: a right backward and nothing more (most users' ops) passes; the
+    command's --require (run's `require`) or the case's `require` asks for the higher columns."""
+    case = opcases.OpCase("first-order square", lambda rng: [rng.standard_normal((3, 4))], FirstOrderSquare.apply,
+                          lambda t, x: x * x)
+    row = gradcheck.run_case(case, torch)
+    assert row["passed"] and row["second"] == row["forward"] == "NOT DEFINED"   # was: two ERROR cells, FAIL
+    assert all(row[c][2] for c in ("fd", "torch", "torch32", "create_graph"))
+    stream = io.StringIO()
+    assert gradcheck.run([case], torch, stream) is True
+    out = stream.getvalue()
+    assert out.count("not defined  |") == 2 and "| PASS" in out
+    assert "second order: not defined: test_gradcheck_cli.FirstOrderSquare has no differentiable_backward (differentiable once); " \
+           "--require second-order" in out
+    assert "forward mode: not defined: test_gradcheck_cli.FirstOrderSquare has no jvp (no forward-mode rule)" in out
+    row = gradcheck.run_case(case, torch, require=("second-order", "forward-mode"))
+    assert not row["passed"] and row["second"] == row["forward"] == "ERROR"
+    assert all(c.require == opcases.REQUIREMENTS for c in opcases.CASES)   # npformer's own cases require both
+    with pytest.raises(ValueError, match=r"require must be a tuple of \('second-order', 'forward-mode'\), got "
+                                         r"\('second',\)"):
+        opcases.register(opcases.OpCase("bad require", lambda rng: [np.ones(2)], FirstOrderSquare.apply, require=("second",)))
 
 
 def test_the_new_columns_can_be_skipped():

@@ -20,11 +20,11 @@ test file of its own is tested by tests/opcases/test_registered_cases.py.
 """
 import re
 
-from .case import (COMPOSITE, TOLERANCE, Comparison, Instance, OpCase, compare, compare_with_torch, compare_with_twin,
+from .case import (COMPOSITE, REQUIREMENTS, TOLERANCE, Comparison, Instance, OpCase, compare, compare_with_torch, compare_with_twin,
                    gradcheck_case, instantiate, torch_args)
 from .higher import (FORWARD_MODE_CHECKS, case_jvp, compare_hvp, compare_hvp_with_torch, compare_jvp_with_torch,
-                     create_graph_case, forward_mode_case, gradgradcheck_case, hvp)
-from .registry import CASES, FAMILIES, Family, cases, from_module, register, select
+                     create_graph_case, forward_mode_case, gradgradcheck_case, hvp, undefined_rules)
+from .registry import CASES, FAMILIES, Family, cases, from_module, module_name, register, select
 from . import ops, modules  # noqa: E402,F401  (the library's cases register themselves: the ops' first)
 
 
@@ -44,7 +44,8 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["CASES", "COMPOSITE", "FAMILIES", "FORWARD_MODE_CHECKS", "TOLERANCE", "Comparison", "Family", "Instance", "OpCase", "anchor",
+__all__ = ["CASES", "COMPOSITE", "FAMILIES", "FORWARD_MODE_CHECKS", "REQUIREMENTS", "TOLERANCE", "Comparison", "Family", "Instance", "OpCase", "anchor",
            "case_jvp", "cases", "compare", "compare_hvp", "compare_hvp_with_torch", "compare_jvp_with_torch",
            "compare_with_torch", "compare_with_twin", "create_graph_case", "forward_mode_case", "from_module", "gradcheck_case",
-           "gradgradcheck_case", "hvp", "instantiate", "markdown_table", "register", "select", "torch_args"]
+           "gradgradcheck_case", "hvp", "instantiate", "markdown_table", "module_name", "register", "select", "torch_args",
+           "undefined_rules"]

@@ -29,6 +29,8 @@ TOLERANCE = {("torch", "float64"): 1e-10, ("torch", "float32"): 1e-5,
              ("twin", "float64"): 1e-12, ("twin", "float32"): 1e-5}
 
 
+REQUIREMENTS = ("second-order", "forward-mode")   # OpCase.require, gradcheck --require: the higher columns
+
 COMPOSITE = "composite"  # OpCase.twin: npformer's composite twin (npformer/functional/composite.py)
 
 
@@ -55,6 +57,10 @@ class OpCase:
     finite_differences: run gradcheck (False where the function deliberately is not smooth,
         such as an embedding's frozen padding row).
     float32: also compare with torch in float32.
+    require: which higher columns must be defined, among REQUIREMENTS ("second-order",
+        "forward-mode"). An op without a `differentiable_backward` (or a `jvp`) shows "not defined"
+        in a column that is not required, and passes: most ops are differentiated once. A required
+        column fails for it, naming the op. npformer's own cases require both (`inputs.op_case`).
     """
     name: str
     inputs: Callable
@@ -68,6 +74,7 @@ class OpCase:
     convert: bool = True
     finite_differences: bool = True
     float32: bool = True
+    require: tuple = ()
 
 
 def _parameter_names(fn, count, skip):
@@ -145,10 +152,12 @@ def torch_args(torch: Any, kwargs: dict, like: Any) -> dict:
 @dataclasses.dataclass
 class Comparison:
     """Outputs and gradients against a reference: the largest absolute difference, that relative
-    to the largest reference magnitude, and what failed (empty when everything passed)."""
+    to the largest reference magnitude, and what failed (empty when everything passed); notes:
+    what was not judged, and why."""
     max_abs: float
     max_rel: float
     failures: list
+    notes: list = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -161,7 +170,9 @@ class Comparison:
 
 def compare(ours: Sequence[Any], reference: Sequence[Any], labels: Sequence[str], tolerance: float) -> Comparison:
     """A Comparison of arrays `ours` against `reference` (pairs named by `labels`); equal
-    infinities count as equal, NaN never does."""
+    infinities count as equal, NaN never does: a NaN makes the largest difference NaN. A failure
+    names the worst entry (its index, yours and the reference's values) and any NaN or inf of
+    yours where the reference has none."""
     failures, max_abs, max_rel = [], 0.0, 0.0
     if len(ours) != len(reference):
         return Comparison(np.inf, np.inf, [f"{len(ours)} arrays, the reference has {len(reference)}"])
@@ -173,13 +184,27 @@ def compare(ours: Sequence[Any], reference: Sequence[Any], labels: Sequence[str]
         if not a.size:
             continue
         with np.errstate(invalid="ignore"):
-            err = float(np.where(a == b, 0.0, np.abs(a - b)).max())
+            diff = np.where(a == b, 0.0, np.abs(a - b))
+        err = float(diff.max())   # NaN when any entry is NaN
         magnitude = float(np.abs(b[np.isfinite(b)]).max(initial=0.0))
-        max_abs, max_rel = max(max_abs, err), max(max_rel, err / magnitude if magnitude else err)
+        max_abs, max_rel = _nan_max(max_abs, err), _nan_max(max_rel, err / magnitude if magnitude else err)
         if not err <= tolerance * max(1.0, magnitude):  # NaN fails too
-            failures.append(f"{label}: max abs difference {err:.3g} > {tolerance} * max(1, max |reference| "
-                            f"= {magnitude:.3g})")
+            worst = np.unravel_index(int(np.argmax(np.where(np.isnan(diff), np.inf, diff))), a.shape)
+            index = tuple(int(k) for k in worst)
+            line = (f"{label}: max abs difference {err:.3g} > {tolerance} * max(1, max |reference| = {magnitude:.3g}), "
+                    f"worst at index {index}: yours {a[worst]:.10g}, reference {b[worst]:.10g}")
+            bad = ~np.isfinite(a) & (a != b)
+            if bad.any():
+                kinds = " and ".join(k for k, m in (("NaN", np.isnan(a) & bad), ("inf", np.isinf(a) & bad)) if m.any())
+                first = tuple(int(k) for k in np.unravel_index(int(np.argmax(bad)), a.shape))
+                line += f"; yours has {kinds} at {int(bad.sum())} entries (the first at index {first})"
+            failures.append(line)
     return Comparison(max_abs, max_rel, failures)
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max(a, b), NaN when either is (Python's max keeps whichever came first)."""
+    return a if a != a else b if b != b else max(a, b)
 
 
 def _checked(instance, outs, grads, device, dtype):

@@ -6,7 +6,7 @@ import numpy as np
 
 from npformer.runtime import random
 
-from .case import COMPOSITE, OpCase
+from .case import COMPOSITE, REQUIREMENTS, OpCase
 from .registry import Family
 
 CONSTANTS = np.random.default_rng(1234)  # masks and class weights: drawn once, at import (the folders in order)
@@ -14,8 +14,9 @@ CONSTANTS = np.random.default_rng(1234)  # masks and class weights: drawn once, 
 
 def op_case(name, family, inputs, fn, torch=None, **options):
     """A case of one of npformer's own ops: in `family`, checked against its composite twin
-    (twin=None for an op that has none in npformer/functional/composite.py)."""
-    return OpCase(name, inputs, fn, torch, family=family, **{"twin": COMPOSITE, **options})
+    (twin=None for an op that has none in npformer/functional/composite.py), with every higher
+    column required (a missing double backward or jvp rule fails, never reads "not defined")."""
+    return OpCase(name, inputs, fn, torch, family=family, **{"twin": COMPOSITE, "require": REQUIREMENTS, **options})
 
 
 def normal(*shapes, scale=1.0, offset=0.0):

@@ -10,10 +10,12 @@ import the module and check the cases it registered (`from_module`).
 """
 import dataclasses
 import importlib
+import os
+import pathlib
 import sys
 from typing import Optional
 
-from .case import OpCase
+from .case import REQUIREMENTS, OpCase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,10 @@ def register(*items: OpCase | Family) -> OpCase | Family | tuple:
                 if not callable(getattr(item, field)):
                     raise TypeError(f"register: case {item.name!r}: {field} must be callable, "
                                     f"got {type(getattr(item, field)).__name__}")
+            unknown = [r for r in item.require if r not in REQUIREMENTS] if isinstance(item.require, tuple) else None
+            if unknown is None or unknown:
+                raise ValueError(f"register: case {item.name!r}: require must be a tuple of {REQUIREMENTS}, "
+                                 f"got {item.require!r}")
             CASES.append(item)
             _ORIGINS[item.name] = origin
         else:
@@ -79,8 +85,37 @@ def select(pattern: str = "", modules: bool = True, among: Optional[list] = None
             if (pattern in c.name.lower() or pattern in (c.family or "").lower()) and (modules or c.module is None)]
 
 
-def from_module(name: str) -> list:
+def module_name(spec: str, folder: str | os.PathLike | None = None) -> str:
+    """The dotted name of a module given as `spec`: a dotted name ("mypkg.ops") as it is, or a path
+    to its file ("mypkg/ops.py", relative to `folder`, by default the current one), whose name
+    counts the packages (folders with an __init__.py) above it. The folder holding the top
+    package (for a dotted name, `folder`) is put first on sys.path when it is not there, as
+    `python -m` does for the current folder. FileNotFoundError for a path that is not a file."""
+    folder = pathlib.Path(folder or os.getcwd()).resolve()
+    if not (spec.endswith(".py") or "/" in spec or os.sep in spec):
+        _on_path(folder)
+        return spec
+    path = (folder / spec).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{spec}: no such file (expected a module's .py file or a dotted name: mypkg.ops)")
+    parts, top = ([] if path.name == "__init__.py" else [path.stem]), path.parent
+    while (top / "__init__.py").is_file():
+        parts.insert(0, top.name)
+        top = top.parent
+    _on_path(top)
+    return ".".join(parts)
+
+
+def _on_path(folder: pathlib.Path) -> None:
+    """Put `folder` first on sys.path unless it is there (the current folder counts as "")."""
+    if all(pathlib.Path(entry or os.getcwd()).resolve() != folder for entry in sys.path):
+        sys.path.insert(0, str(folder))
+
+
+def from_module(name: str, folder: str | os.PathLike | None = None) -> list:
     """Import the module `name` (a user's module of Functions and their cases, by the user's
-    choice) and return the cases that it, or a module inside it, registered."""
+    choice: a dotted name or a path to its file, see `module_name`) and return the cases that
+    it, or a module inside it, registered."""
+    name = module_name(name, folder)
     importlib.import_module(name)
     return [c for c in CASES if _ORIGINS[c.name] == name or _ORIGINS[c.name].startswith(name + ".")]

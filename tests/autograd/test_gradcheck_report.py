@@ -119,3 +119,153 @@ def test_a_zero_tolerance_judges_without_dividing_by_zero():
     assert autograd.gradcheck.check_formula(lambda a: a * 2.0, [x], dy, [2 * dy], rtol=0.0)
     with pytest.raises(GradcheckError, match=r"input 0 \(reference: the op's backward\): wrong, .* beyond atol 0\n"):
         autograd.gradcheck.check_formula(lambda a: a * 2.0, [x], dy, [2 * dy + 1e-9], rtol=0.0)
+
+
+class SquareWrongBackward(Function):
+    """y = x^2 with a backward that forgets the 2 and a right jvp."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy * ctx.saved_tensors[0]
+
+    @staticmethod
+    def jvp(ctx, t):
+        return 2.0 * t * ctx.saved_tensors[0]
+
+
+class SquareWrongJvp(SquareWrongBackward):
+    """y = x^2 with a right backward and a jvp that forgets the 2."""
+
+    @staticmethod
+    def backward(ctx, dy):
+        return 2.0 * dy * ctx.saved_tensors[0]
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * ctx.saved_tensors[0]
+
+
+def _x(seed=4, shape=(2, 3)):
+    return Tensor(np.random.default_rng(seed).standard_normal(shape), requires_grad=True)
+
+
+def test_forward_mode_is_judged_on_its_own_when_the_backward_is_wrong():
+    """A right jvp beside a wrong backward: the forward-mode section passes (the transpose identity
+    is not judged against a backward that finite differences reject); forward mode alone
+    (check_backward_ad=False, torch's name) passes; a wrong jvp fails its own section only."""
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(SquareWrongBackward.apply, [_x()], names=["x"], check_forward_ad=True)
+    message = str(info.value)
+    assert "your backward (yours)" in message and "x: wrong" in message
+    assert "your jvp rules" not in message          # was: the forward-mode verdict repeated the backward's failure
+    assert autograd.gradcheck(SquareWrongBackward.apply, [_x()], check_forward_ad=True, check_backward_ad=False)
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(SquareWrongJvp.apply, [_x()], names=["x"], check_forward_ad=True)
+    message = str(info.value)
+    assert "your backward (yours)" not in message
+    assert "forward mode, output 0 along x: J u: wrong" in message and "worst at index (" in message
+    assert "the transpose identity <g, J u> = <J^T g, u>: wrong" in message   # judged: the backward is right
+    with pytest.raises(ValueError, match="leave nothing to check"):
+        autograd.gradcheck(SquareWrongJvp.apply, [_x()], check_backward_ad=False)
+
+
+class NaNBackward(SquareWrongJvp):
+    """y = x^2 whose backward gives NaN at entry (1, 2) (an unstable formula)."""
+
+    @staticmethod
+    def backward(ctx, dy):
+        result = 2.0 * dy * ctx.saved_tensors[0]
+        result[1, 2] = np.nan
+        return result
+
+
+def test_a_nan_is_named_with_its_entry():
+    report = []
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(NaNBackward.apply, [_x()], names=["x"], report=report)
+    line = next(line for line in str(info.value).splitlines() if line.strip().startswith("x:"))
+    assert "x: wrong, max diff nan, yours has NaN at 1 entries (the first at index (1, 2))" in line
+    assert "worst at index (1, 2): yours nan" in line and "(not finite)" in line
+    assert np.isnan(report[0][1])      # the largest difference is NaN, not the largest finite one
+
+
+def test_a_failure_at_a_kink_says_the_one_sided_slopes_differ():
+    import npformer.functional as F
+
+    x = Tensor(np.array([[0.0, 1.0, -0.5]]), requires_grad=True)
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(F.relu, [x], names=["x"])
+    line = next(line for line in str(info.value).splitlines() if line.strip().startswith("x:"))
+    assert "worst at index (0, 0): yours 0, reference" in line
+    assert re.search(r"a kink there: the one-sided slopes differ \(left 0, right -?\d", line)
+    assert "the reference is their average" in line
+    with pytest.raises(GradcheckError) as info:   # a smooth op's wrong backward has no such note
+        autograd.gradcheck(SquareWrongBackward.apply, [_x()], names=["x"])
+    assert "kink" not in str(info.value)
+
+
+class WritesIntoUpstream(Function):
+    """y = x^2 whose backward is right but multiplies into dy in place."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy *= 2.0 * ctx.saved_tensors[0]
+        return dy
+
+
+def test_a_backward_that_writes_into_its_upstream_gradient_is_named_an_in_place_write():
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(WritesIntoUpstream.apply, [_x()], names=["x"])
+    message = str(info.value)
+    assert "x: close" in message and "x: wrong" not in message   # was: wrong inputs, nothing said "in place"
+    assert "in-place write: the backward of test_gradcheck_report.WritesIntoUpstream wrote into its upstream " \
+           "gradient" in message
+    # torch's columns and the create_graph check get the upstream gradient as drawn
+    outs, upstream, grads = autograd.gradcheck.vjp(WritesIntoUpstream.apply, [_x()], written=(written := []))
+    assert written == [0] and np.allclose(grads[0], 2.0 * _x().data * upstream[0])
+
+
+class MemoryOrderSquare(Function):
+    """y = x^2 whose backward reads dy in memory order: right for contiguous arrays only."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, = ctx.saved_tensors
+        return (2.0 * x.ravel() * dy.ravel(order="K")).reshape(x.shape)
+
+
+def test_an_op_that_depends_on_memory_layout_fails_naming_the_input_and_entry():
+    assert not autograd.gradcheck_diagnosis.strided(np.ones((2, 3))).flags["C_CONTIGUOUS"]
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(MemoryOrderSquare.apply, [_x()], names=["x"])
+    message = str(info.value)
+    assert "x: close" in message     # contiguous arrays: right
+    assert re.search(r"layout: the gradient of x with non-contiguous inputs and upstream gradients: wrong, max diff "
+                     r"\S+, worst at index \(\d, \d\)", message)
+    assert "the op depends on memory layout" in message
+    assert autograd.gradcheck(SquareWrongJvp.apply, [_x()])      # a right backward passes the layout check
+
+
+def test_a_forward_mode_failure_at_a_kink_says_so_too():
+    import npformer.functional as F
+
+    x = Tensor(np.array([[0.0, 1.0, -0.5]]), requires_grad=True)
+    with pytest.raises(GradcheckError) as info:
+        autograd.gradcheck(F.relu, [x], names=["x"], check_forward_ad=True, check_backward_ad=False)
+    line = next(line for line in str(info.value).splitlines() if "J u: wrong" in line)
+    assert "worst at index (0, 0)" in line and "a kink there: the one-sided slopes differ" in line
