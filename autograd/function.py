@@ -19,7 +19,7 @@ from .hooks import queue_callback  # noqa: F401  (autograd.function.queue_callba
 from .modes import _forward, _state, check_finite, enable_grad, no_grad, where_created
 from .op_checks import op_name  # noqa: F401  (autograd.function.op_name too)
 from .op_checks import check_same_device_and_dtype, checked_gradients, output_arrays
-from .versions import check_versions
+from .versions import check_versions, reading_changed_inputs
 
 if TYPE_CHECKING:
     from .tensor import Tensor
@@ -255,8 +255,12 @@ class BackwardPass:
 
     def input_grads(self, node, grads):
         """The node's backward, on raw arrays, its gradients checked (op_checks.checked_gradients)."""
-        check_versions(node)
-        input_grads = node.backward(node, *grads)
+        changed = check_versions(node)
+        if changed:  # inputs changed in place that the op did not keep: reading them raises
+            with reading_changed_inputs(node, changed, node.versions):
+                input_grads = node.backward(node, *grads)
+        else:
+            input_grads = node.backward(node, *grads)
         input_grads = checked_gradients(node, input_grads if isinstance(input_grads, tuple) else (input_grads,))
         if _state.anomaly:
             check_finite(input_grads, node, "backward")
