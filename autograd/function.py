@@ -36,14 +36,14 @@ class Function:
     `ctx.needs_input_grad[i]` says whether input i needs one. What backward returns is checked
     (op_checks.checked_gradients): a mistake raises an error naming the op and the input.
     Optional: `jvp(ctx, *tangents)`, the forward-mode rule (forward_ad.py); `differentiable_backward`
-    for second derivatives (create_graph.py); `view = True`: the output may be a view (versions.py).
+    for second derivatives (create_graph.py); `view = True`: its outputs may be views of its first input (versions.py).
     """
 
     saved_tensors = ()
     tangent_only_grads = frozenset()  # see create_graph.py
     inputs = None
     versions = ()  # the input Tensors' `_version` when the node was recorded (versions.py)
-    view = False  # True for ops whose output may share its first input's memory (reshape, slicing, ...)
+    view = False  # True for ops whose outputs may share their first input's memory (reshape, slicing, ...)
 
     def save_for_backward(self, *arrays: Any) -> None:
         """Keep raw arrays (or anything) for backward, where `ctx.saved_tensors` gives them back
@@ -100,8 +100,11 @@ class Function:
             ctx.retained = {}
             for i, r in enumerate(results):
                 r.creator, r.output_index = ctx, i
-        if cls.view and backend.memory_owner(outputs[0]) is backend.memory_owner(raw[0]):  # a view: an in-place
-            results[0]._base = args[0] if args[0]._base is None else args[0]._base  # change of one is the other's
+        if cls.view:  # an output that shares the first input's memory: an in-place change of one is the other's
+            owner = backend.memory_owner(raw[0])
+            for r, o in zip(results, outputs):
+                if backend.memory_owner(o) is owner:
+                    r._base = args[0] if args[0]._base is None else args[0]._base
         if _forward.stack:  # forward mode: the outputs' tangents, by the op's jvp rule
             propagate_tangents(cls, ctx, args, results)
         if hooks.op_applied:  # a step being recorded (npformer.runtime.record)

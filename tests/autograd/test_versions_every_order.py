@@ -13,11 +13,15 @@ import npformer.functional as F
 from autograd import Tensor, grad
 from autograd import forward_ad as fwAD
 from autograd.functional import hvp, linearize
-from autograd.gradcheck import _outputs
 from npformer import nn, opcases, optim
 
 IN_PLACE = "one of the variables needed for gradient computation has been modified by an inplace operation"
 W0 = np.array([0.7, -0.4, 2.9])
+
+
+def _outputs(result):
+    """The output Tensors of a case's result (a Tensor or a tuple; None entries dropped)."""
+    return [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
 
 
 def sgd_step(t, lr=0.5, seed=7):
@@ -220,7 +224,6 @@ def test_every_op_raises_or_is_unchanged_after_an_in_place_step_at_every_order(c
     result without the change (the op kept nothing of that input), never another number."""
     reference = {mode: _outcome(run) for mode, run in
                  _modes(opcases.instantiate(case, np.random.default_rng(0)), lambda: None).items()}
-    raised = 0
     count = len(opcases.instantiate(case, np.random.default_rng(0)).tensors)
     for i in range(count):
         for mode in reference:
@@ -229,7 +232,6 @@ def test_every_op_raises_or_is_unchanged_after_an_in_place_step_at_every_order(c
             where = f"{case.name}, {mode}, {instance.labels[i]} changed"
             if kind == "error" and IN_PLACE in got:
                 assert _op_and_input(got), f"{where}: {got}"
-                raised += 1
                 continue
             ref_kind, expected = reference[mode]
             assert kind == ref_kind, f"{where}: {got if kind == 'error' else 'a value'}, unchanged: {expected}"
@@ -240,4 +242,3 @@ def test_every_op_raises_or_is_unchanged_after_an_in_place_step_at_every_order(c
             for k, (a, b) in enumerate(zip(got, expected)):
                 np.testing.assert_array_equal(a, b, err_msg=f"{where}: array {k} is neither the error nor the "
                                                             "unchanged result")
-    assert raised, f"{case.name}: no change raised anywhere"
