@@ -13,6 +13,8 @@ from a Philox stream: see derivation.md); its backward and its tangent are the s
 """
 import math
 
+import numpy
+
 from .erf import INV_SQRT_2PI, SQRT_2, erf
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
@@ -32,12 +34,28 @@ def bias_activation_forward(xp, x, bias, kind):
         keep = ~(h <= 0)                                    # NaN is kept: relu(NaN) = NaN, as torch's
         return xp.where(keep, h, 0), (keep,)                # relu(-inf) = 0
     if kind == "gelu_tanh":
-        t = xp.tanh(TANH_C * (h + TANH_K * h * h * h))      # t = tanh(u)
-        return 0.5 * h * (1.0 + t), (h, t)
+        t = tanh_of_cubic(xp, h)                            # t = tanh(u)
+        return 0.5 * h * (1.0 + t), (h, t)                  # 0.5 h first: h (1 + t) overflows for h > max / 2
     cdf = erf(xp, h / SQRT_2)                               # Phi(h) = (1 + erf(h / sqrt 2)) / 2
     cdf += 1.0
     cdf *= 0.5
     return h * cdf, (h, cdf)
+
+
+def tanh_of_cubic(xp, h, out=None):
+    """t = tanh(u), u = TANH_C (h + TANH_K h^3), of the tanh-form GELU: h^3 overflows to inf for
+    |h| > 7e12 in float32 (5e102 in float64), whose tanh is +-1, the limit (as torch's): numpy's
+    overflow warning is not raised for it."""
+    with numpy.errstate(over="ignore"):
+        return xp.tanh(TANH_C * (h + TANH_K * h * h * h), out=out)
+
+
+def tanh_gelu_slope(xp, h, t):
+    """gelu'(h) = 0.5 (1 + t) + s du/dh of the tanh form, s = 0.5 h (1 - t^2), du/dh = c (1 + 3 k h^2),
+    formed as c s + 3 c k (s h) h: s is 0 where tanh saturates, and h^2 is never formed, so at large
+    |h| (float32 h^2 overflows from 1.8e19) the slope is its limit, 1 or 0, not 0 * inf = NaN."""
+    s = 0.5 * h * (1.0 - t * t)
+    return 0.5 * (1.0 + t) + TANH_C * s + (3.0 * TANH_C * TANH_K) * (s * h) * h
 
 
 def bias_activation_backward(xp, dy, saved, kind):
@@ -50,9 +68,8 @@ def bias_activation_backward(xp, dy, saved, kind):
     h, aux = saved
     if kind == "gelu_tanh":
         # u = TANH_C (h + k h^3)  ->  du/dh = TANH_C (1 + 3 k h^2)
-        du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
         # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
-        return dy * (0.5 * (1.0 + aux) + 0.5 * h * (1.0 - aux * aux) * du)
+        return dy * tanh_gelu_slope(xp, h, aux)
     density = normal_density(xp, h)
     # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
     density *= h
@@ -95,8 +112,14 @@ def gelu_second_derivative(xp, h, aux, kind):
     if kind == "gelu_tanh":
         # u = c (h + k h^3), du = c (1 + 3 k h^2), t' = (1 - t^2) du;
         # y' = 0.5 (1 + t) + 0.5 h (1 - t^2) du  ->  y'' = (1 - t^2) (du (1 - h t du) + 3 c k h^2)
-        du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
-        return (1.0 - aux * aux) * (du * (1.0 - h * aux * du) + 3.0 * TANH_C * TANH_K * h * h)
+        #   = r du - h t (r du^2) + 3 c k (r h) h  with r = 1 - t^2, r du and r du^2 formed from r (as
+        # tanh_gelu_slope): 0 where tanh saturates, never 0 * inf at large |h|
+        r = 1.0 - aux * aux
+        ck3 = 3.0 * TANH_C * TANH_K
+        rh = r * h
+        r_du = TANH_C * r + ck3 * rh * h
+        r_du2 = TANH_C * r_du + ck3 * (r_du * h) * h
+        return r_du - h * aux * r_du2 + ck3 * rh * h
     # y' = Phi(h) + h phi(h), phi' = -h phi  ->  y'' = phi + phi + h phi' = phi(h) (2 - h^2)
     phi, hh = density_and_square(xp, h)
     xp.subtract(2.0, hh, out=hh)
