@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import autograd
-from autograd import Tensor
+from autograd import Tensor, backend
 import npformer.functional as F
 from npformer import nn
 
@@ -147,12 +147,13 @@ EXTREMES = {"float32": [3.4e38, 1.75e38, 1e20, 1e13, 1e10, 50.0, 6.0, 1.0, 1e-8,
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("bias", [False, True], ids=["gelu", "linear's epilogue"])
-def test_tanh_gelu_stays_finite_at_the_largest_inputs_as_torchs(dtype, bias, torch):
+def test_tanh_gelu_stays_finite_at_the_largest_inputs_as_torchs(dtype, bias, device, torch):
     """Issue 46, item 4: y = 0.5 x (1 + tanh(u)) was 0.5 * (x (1 + t)), inf for float32 x >= 1.75e38.
     The value matches torch's everywhere; the derivatives are finite where torch's are NaN (its
     du/dx = c (1 + 3 k x^2) overflows beside 1 - t^2 = 0) and there take their limits: gelu' is 1
     (x > 0) or 0, gelu'' is 0. Its backward, double backward, jvp and the jvp of the backward
-    (forward over reverse) alike; no overflow warning (RuntimeWarnings are errors here)."""
+    (forward over reverse) alike, on every device (the reference, the CPU's and CUDA's kernels);
+    no overflow warning (RuntimeWarnings are errors here)."""
     magnitudes = np.array(EXTREMES[dtype])
     x0 = np.concatenate([-magnitudes, magnitudes]).astype(dtype)
     tx = torch.tensor(x0, requires_grad=True)
@@ -164,20 +165,21 @@ def test_tanh_gelu_stays_finite_at_the_largest_inputs_as_torchs(dtype, bias, tor
     def gelu(a):
         if not bias:
             return F.gelu(a, approximate="tanh")
-        return F.linear(a.reshape(-1, 1), Tensor(np.ones((1, 1), dtype)), Tensor(np.zeros(1, dtype)),
+        return F.linear(a.reshape(-1, 1), Tensor(np.ones((1, 1), dtype), device=device),
+                        Tensor(np.zeros(1, dtype), device=device),
                         activation="gelu_tanh").reshape(-1)
 
-    x = Tensor(x0.copy(), requires_grad=True)
+    x = Tensor(x0.copy(), requires_grad=True, device=device)
     y = gelu(x)
-    ones = Tensor(np.ones_like(x0))  # (a sum of y would overflow)
+    ones = Tensor(np.ones_like(x0), device=device)  # (a sum of y would overflow)
     (g,) = autograd.grad(y, x, ones, create_graph=True)
     (gg,) = autograd.grad(g, x, ones)
     with autograd.forward_ad.dual_level():  # forward mode: t_y = gelu'(x) u, and forward over reverse
-        dual = autograd.forward_ad.make_dual(Tensor(x0.copy(), requires_grad=True), np.ones_like(x0))
+        dual = autograd.forward_ad.make_dual(Tensor(x0.copy(), requires_grad=True, device=device), ones.data)
         ty_dual = gelu(dual)
         (g_dual,) = autograd.grad(ty_dual, dual, ones)
-        jvp = autograd.forward_ad.unpack_dual(ty_dual).tangent
-        jvp_of_gradient = autograd.forward_ad.unpack_dual(g_dual).tangent
+        jvp = backend.as_numpy(autograd.forward_ad.unpack_dual(ty_dual).tangent)
+        jvp_of_gradient = backend.as_numpy(autograd.forward_ad.unpack_dual(g_dual).tangent)
     limit_g, limit_gg = np.where(x0 > 0, 1.0, 0.0), np.zeros_like(x0)
     rtol = 1e-6 if dtype == "float32" else 1e-14
     for name, ours, theirs, limit in [("y", y.numpy(), ty, None), ("gelu'", g.numpy(), tg, limit_g),

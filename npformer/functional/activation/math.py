@@ -54,8 +54,19 @@ def tanh_gelu_slope(xp, h, t):
     """gelu'(h) = 0.5 (1 + t) + s du/dh of the tanh form, s = 0.5 h (1 - t^2), du/dh = c (1 + 3 k h^2),
     formed as c s + 3 c k (s h) h: s is 0 where tanh saturates, and h^2 is never formed, so at large
     |h| (float32 h^2 overflows from 1.8e19) the slope is its limit, 1 or 0, not 0 * inf = NaN."""
-    s = 0.5 * h * (1.0 - t * t)
-    return 0.5 * (1.0 + t) + TANH_C * s + (3.0 * TANH_C * TANH_K) * (s * h) * h
+    s = t * t
+    xp.subtract(1.0, s, out=s)
+    s *= h
+    s *= 0.5                                                # s = 0.5 h (1 - t^2)
+    slope = s * h
+    slope *= h
+    slope *= 3.0 * TANH_C * TANH_K                          # 3 c k (s h) h
+    s *= TANH_C
+    slope += s                                              # + c s
+    s = xp.add(t, 1.0)
+    s *= 0.5
+    slope += s                                              # + 0.5 (1 + t)
+    return slope
 
 
 def bias_activation_backward(xp, dy, saved, kind):
