@@ -3,18 +3,19 @@
 
 Every Tensor counts its in-place changes in `_version` (torch's version counter; `bump_version()`
 adds one: optimizer steps, `load_state_dict`, `Module.to`, `nn.init`, gradient clipping call it).
-A tensor that shares another's memory counts on that one, its `_base`: the output of a view op
-(an op with `view = True`, e.g. `Reshape`, `GetItem`, whose output `Function.apply` finds to share
-its input's memory: `backend.memory_owner`) and a `detach()`ed or `Tensor(t)` alias. Each node
-records its inputs' versions when it is made (`ctx.versions`); before the node's backward, its
-differentiable backward (create_graph, forward over reverse) or, through
-`autograd.functional.linearize`, its jvp, the engine calls `check_versions(node)`, which:
+A tensor that shares another's memory counts on that one, its `_base`: an output of a view op
+(an op with `view = True`, e.g. `Reshape`, `GetItem`, `split_heads`, whose outputs `Function.apply`
+finds to share its first input's memory: `backend.memory_owner`) and a `detach()`ed or `Tensor(t)`
+alias (`make_dual`'s, `linearize`'s primals). Each node records its inputs' versions when it is
+made (`ctx.versions`); before the node's backward or its differentiable backward (create_graph,
+forward over reverse) the engine calls `check_versions(node)`, and `linearize`'s jvp_fn, before each
+tangent step it takes again, `changed_inputs` with the versions it recorded. Each:
 
 - raises torch's error, naming the op and the input, when an input changed since and the op kept
   it: any array (or Tensor) the op keeps on ctx shares the input's memory. That is anything the
   forward kept, in `save_for_backward` or in an attribute of its own (GELU's
   `ctx.activation_saved`): an op keeps on ctx only what its derivatives read;
-- returns the indices of the inputs that changed though the op did not keep them (an Add's: its
+- else returns the indices of the inputs that changed though the op did not keep them (an Add's: its
   gradient does not read them, as in torch). The call then runs with those inputs of `ctx.inputs`
   replaced by stand-ins (`reading_changed_inputs`) whose values raise the same error when read:
   a differentiable backward that builds its gradient from an input Tensor (cross-entropy's
@@ -38,25 +39,26 @@ _BOOKKEEPING = frozenset({"inputs", "input_arrays", "versions", "needs_input_gra
                           "retained", "created_at", "output_tangents", "tangent_only_grads"})
 
 
-def check_versions(node: Any, when: str = "backward") -> tuple[int, ...]:
+def check_versions(node: Any) -> tuple[int, ...]:
     """() when no input of `node` changed in place since its forward (an optimizer step,
     load_state_dict, ...: its `_version` moved). Else raise RuntimeError (torch's words) when the
     op kept a changed input (its derivative would mix the new values with the old ones, a silently
     wrong result), or return the indices of the changed inputs it did not keep (see the module
-    docstring). when: what is about to read the node ("backward", "jvp_fn of linearize")."""
+    docstring)."""
     for t, version in zip(node.inputs, node.versions):  # the common case, cheaply: no version moved
         if t is not None and (t if t._base is None else t._base)._version != version:
             break
     else:
         return ()
-    return changed_inputs(node, node.inputs, node.versions, node.input_arrays, when)
+    return changed_inputs(node, node.inputs, node.versions, node.input_arrays)
 
 
 def changed_inputs(ctx: Any, inputs: Sequence[Any], versions: Sequence[int], arrays: Sequence[Any],
                    when: str = "backward") -> tuple[int, ...]:
     """check_versions of the op whose node (or ctx) is `ctx`, whose inputs were the Tensors (or
     None) `inputs` holding the arrays `arrays` at the `versions` when it ran: raises for a changed
-    input the op kept, else the indices of the changed inputs."""
+    input the op kept, else the indices of the changed inputs. when: what is about to read the
+    op's values ("backward", "jvp_fn of linearize"), for the message."""
     changed = []
     for i, (t, version) in enumerate(zip(inputs, versions)):
         if t is None or version is None:  # not a Tensor
