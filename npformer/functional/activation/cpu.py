@@ -2,6 +2,7 @@
 same signatures as the math.py references, xp first): ReLU in flat blocks on the threads of
 `npformer.runtime.threads` (its backward a bitwise AND), GELU in blocks and cache-sized chunks (float32:
 Phi by one rational function), dropout's elementwise products in flat blocks."""
+from autograd.backend import overflow_ignored
 from npformer.runtime import threads
 from npformer.runtime.threads import for_rows
 
@@ -67,7 +68,8 @@ def _gelu_forward_cpu(xp, x, bias, kind):
         if bias is not None:
             xp.add(xf[start:stop], bias, out=hb)
         if kind == "gelu_tanh":
-            math.tanh_of_cubic(xp, hb, out=ab)                      # t = tanh(u)
+            with overflow_ignored():  # h^3 is inf for |h| > 7e12 in float32: tanh(inf) = 1, the limit (math.tanh_of_cubic)
+                xp.tanh(TANH_C * (hb + TANH_K * hb * hb * hb), out=ab)   # t = tanh(u)
             xp.add(ab, 1.0, out=yb)
             yb *= 0.5
             yb *= hb                                                # y = 0.5 h (1 + t): (1 + t) h overflows for h > max / 2

@@ -13,12 +13,11 @@ from a Philox stream: see derivation.md); its backward and its tangent are the s
 """
 import math
 
-import numpy
-
 from .erf import INV_SQRT_2PI, SQRT_2, erf
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
 TANH_K = 0.044715
+TANH_SATURATED = 1e4  # |h| beyond which tanh(u) is +-1 exactly in float32 and float64 (tanh_of_cubic)
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # bias_activation kinds (gelu: the exact form)
 
@@ -43,11 +42,11 @@ def bias_activation_forward(xp, x, bias, kind):
 
 
 def tanh_of_cubic(xp, h, out=None):
-    """t = tanh(u), u = TANH_C (h + TANH_K h^3), of the tanh-form GELU: h^3 overflows to inf for
-    |h| > 7e12 in float32 (5e102 in float64), whose tanh is +-1, the limit (as torch's): numpy's
-    overflow warning is not raised for it."""
-    with numpy.errstate(over="ignore"):
-        return xp.tanh(TANH_C * (h + TANH_K * h * h * h), out=out)
+    """t = tanh(u), u = TANH_C (h + TANH_K h^3), of the tanh-form GELU, h^3 formed from h clipped to
+    +-TANH_SATURATED: h^3 would overflow for |h| > 7e12 in float32, and past the clip tanh(u) is
+    +-1 exactly either way (u > 4e10), as torch's (whose h^3 overflows to an infinity)."""
+    hc = xp.clip(h, -TANH_SATURATED, TANH_SATURATED)
+    return xp.tanh(TANH_C * (hc + TANH_K * hc * hc * hc), out=out)
 
 
 def tanh_gelu_slope(xp, h, t):
