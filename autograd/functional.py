@@ -254,7 +254,7 @@ def linearize(func: Callable, *primals: Tensor):
             return t
 
         for op, ctx, inputs, results, seen in records:
-            changed = _changed_since(op, ctx, inputs, seen)
+            changed = _changed_since(ctx, inputs, seen)
             if changed:  # changed inputs the op did not keep (it raised for those it kept): reading one raises
                 with reading_changed_inputs(ctx, changed, [version for _, version in seen], "jvp_fn of linearize"):
                     out = op.jvp(ctx, *map(tangent_of, inputs))
@@ -271,7 +271,7 @@ def linearize(func: Callable, *primals: Tensor):
     return _result(values, outputs_tuple), jvp_fn
 
 
-def _changed_since(op, ctx, inputs, seen):
+def _changed_since(ctx, inputs, seen):
     """versions.check_versions for a step linearize recorded: () when no input Tensor changed in
     place since; raises when the op kept one that did; else the indices of those that did."""
     for a, (_, version) in zip(inputs, seen):
