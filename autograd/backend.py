@@ -113,6 +113,12 @@ def is_array(x):
             or isinstance(x, _registered_types))
 
 
+def overflow_ignored() -> Any:
+    """A context manager within which numpy warns of no overflow (CuPy warns of none anyway): for
+    math that overflows on purpose, e.g. to an infinity whose tanh is the limit wanted."""
+    return numpy.errstate(over="ignore")
+
+
 def memory_owner(array: Any) -> Any:
     """The array that owns `array`'s memory (numpy's and CuPy's views name it in `.base`): two
     arrays with one owner may share memory (a view and its base, two views of one array)."""

@@ -42,7 +42,7 @@ from .modes import _forward, _state, check_finite
 from .op_checks import checked_gradients, op_name
 from .tensor import Tensor
 from .tensor_methods import _checked_inputs, _upstream_gradient
-from .versions import check_versions
+from .versions import check_versions, reading_inputs
 
 
 def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
@@ -177,13 +177,13 @@ class GraphPass(BackwardPass):
         carrying tangents in forward mode)."""
         if not self.tensors:
             return super().input_grads(node, grads)
-        check_versions(node)
+        changed = check_versions(node)  # inputs changed in place that the op did not keep: reading them raises
         differentiable = getattr(node, "differentiable_backward", None)
         if differentiable is not None:
             if self.tangent_only:  # for this pass only (the graph may be retained for another)
                 node.tangent_only_grads = frozenset(i for i, t in enumerate(node.inputs) if self.ends_at(t))
             try:
-                input_grads = differentiable(node, *grads)
+                input_grads = reading_inputs(node, changed, differentiable, grads)
             finally:
                 node.__dict__.pop("tangent_only_grads", None)
             input_grads = input_grads if isinstance(input_grads, tuple) else (input_grads,)
@@ -191,7 +191,7 @@ class GraphPass(BackwardPass):
             if not self.create_graph and carries_tangents(grads, node.inputs):
                 raise RuntimeError(f"{op_name(type(node))} has no differentiable_backward, so forward mode cannot "
                                    "run through its gradient (forward over reverse); give it one")
-            raw = node.backward(node, *[g.data for g in grads])
+            raw = reading_inputs(node, changed, node.backward, [g.data for g in grads])
             raw = raw if isinstance(raw, tuple) else (raw,)
             input_grads = (_OnceDifferentiable.wrap(node, grads, raw) if self.create_graph else
                            tuple(None if r is None else Tensor(r) for r in raw))

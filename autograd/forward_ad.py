@@ -82,7 +82,7 @@ def make_dual(tensor: Tensor, tangent: Any, *, level: int | None = None) -> Tens
         raise ValueError(f"make_dual: tangent must have shape {tensor.shape}, dtype {tensor.dtype} on "
                          f"'{tensor.device}', got shape {tuple(array.shape)}, dtype {array.dtype} on "
                          f"'{backend.device_of(array)}'")
-    dual = tensor.view(tensor.shape) if tensor.requires_grad else Tensor(tensor.data)
+    dual = tensor.view(tensor.shape) if tensor.requires_grad else Tensor(tensor)  # sharing its version counter
     dual._set_tangent(level, array)
     return dual
 
@@ -128,8 +128,10 @@ def propagate_tangents(op: type, ctx: Any, args: tuple, results: tuple) -> None:
     if len(out) != len(results):
         raise RuntimeError(f"{op_name(op)}.jvp returned {len(out)} tangents, expected one per output ({len(results)})")
     ctx.output_tangents = level, out  # for ctx.as_output: forward over reverse
-    if level in _forward.records:
-        _forward.records[level].append((op, ctx, args, results))
+    if level in _forward.records:  # linearize: the step, and what its inputs held (versions.py)
+        seen = [(None, None) if not isinstance(a, Tensor) else
+                (a.data, (a if a._base is None else a._base)._version) for a in args]
+        _forward.records[level].append((op, ctx, args, results, seen))
     for i, (r, t) in enumerate(zip(results, out)):
         if t is not None:
             r._set_tangent(level, output_tangent(op, i, r, t))

@@ -19,7 +19,7 @@ from .hooks import queue_callback  # noqa: F401  (autograd.function.queue_callba
 from .modes import _forward, _state, check_finite, enable_grad, no_grad, where_created
 from .op_checks import op_name  # noqa: F401  (autograd.function.op_name too)
 from .op_checks import check_same_device_and_dtype, checked_gradients, output_arrays
-from .versions import check_versions
+from .versions import check_versions, reading_changed_inputs
 
 if TYPE_CHECKING:
     from .tensor import Tensor
@@ -36,14 +36,14 @@ class Function:
     `ctx.needs_input_grad[i]` says whether input i needs one. What backward returns is checked
     (op_checks.checked_gradients): a mistake raises an error naming the op and the input.
     Optional: `jvp(ctx, *tangents)`, the forward-mode rule (forward_ad.py); `differentiable_backward`
-    for second derivatives (create_graph.py); `view = True`: the output may be a view (versions.py).
+    for second derivatives (create_graph.py); `view = True`: its outputs may be views of its first input (versions.py).
     """
 
     saved_tensors = ()
     tangent_only_grads = frozenset()  # see create_graph.py
     inputs = None
     versions = ()  # the input Tensors' `_version` when the node was recorded (versions.py)
-    view = False  # True for ops whose output may share its first input's memory (reshape, slicing, ...)
+    view = False  # True for ops whose outputs may share their first input's memory (reshape, slicing, ...)
 
     def save_for_backward(self, *arrays: Any) -> None:
         """Keep raw arrays (or anything) for backward, where `ctx.saved_tensors` gives them back
@@ -100,8 +100,11 @@ class Function:
             ctx.retained = {}
             for i, r in enumerate(results):
                 r.creator, r.output_index = ctx, i
-        if cls.view and backend.memory_owner(outputs[0]) is backend.memory_owner(raw[0]):  # a view: an in-place
-            results[0]._base = args[0] if args[0]._base is None else args[0]._base  # change of one is the other's
+        if cls.view:  # an output that shares the first input's memory: an in-place change of one is the other's
+            owner = backend.memory_owner(raw[0])
+            for r, o in zip(results, outputs):
+                if backend.memory_owner(o) is owner:
+                    r._base = args[0] if args[0]._base is None else args[0]._base
         if _forward.stack:  # forward mode: the outputs' tangents, by the op's jvp rule
             propagate_tangents(cls, ctx, args, results)
         if hooks.op_applied:  # a step being recorded (npformer.runtime.record)
@@ -255,8 +258,12 @@ class BackwardPass:
 
     def input_grads(self, node, grads):
         """The node's backward, on raw arrays, its gradients checked (op_checks.checked_gradients)."""
-        check_versions(node)
-        input_grads = node.backward(node, *grads)
+        changed = check_versions(node)
+        if changed:  # inputs changed in place that the op did not keep: reading them raises
+            with reading_changed_inputs(node, changed, node.versions):
+                input_grads = node.backward(node, *grads)
+        else:
+            input_grads = node.backward(node, *grads)
         input_grads = checked_gradients(node, input_grads if isinstance(input_grads, tuple) else (input_grads,))
         if _state.anomaly:
             check_finite(input_grads, node, "backward")

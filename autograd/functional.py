@@ -28,6 +28,7 @@ from .create_graph import grad, tangent_only_gradients
 from .forward_ad import output_tangent
 from .modes import _forward
 from .tensor import Tensor, stack
+from .versions import changed_inputs, reading_changed_inputs
 
 
 def _as_tuple(value, what, fn_name):
@@ -219,7 +220,8 @@ def linearize(func: Callable, *primals: Tensor):
     forward over reverse: `linearize(gradient_of_loss, *params)` gives H u for each u by tangent
     steps alone. A tangent that reaches func's ops other than through the primals (a dual tensor
     of func's own) is an error: jvp_fn could not give it a value along other tangents."""
-    xs = tuple(Tensor(p.data, requires_grad=p.requires_grad) for p in _as_tuple(primals, "primals", "linearize")[0])
+    # the primals' values, sharing their version counters: jvp_fn raises after an in-place change of one
+    xs = tuple(Tensor(p, requires_grad=p.requires_grad) for p in _as_tuple(primals, "primals", "linearize")[0])
     with forward_ad.dual_level() as level:
         _forward.records[level] = records = []
         try:
@@ -229,9 +231,9 @@ def linearize(func: Callable, *primals: Tensor):
             del _forward.records[level]
         outs, outputs_tuple = _as_tuple(outputs, "the output of func", "linearize")
         values = [forward_ad.unpack_dual(o).primal.detach() for o in outs]
-        known = {id(d) for d in duals} | {id(r) for *_, results in records for r in results}
-        steps = {id(ctx) for _, ctx, _, _ in records}
-        for op, _, inputs, _ in records:
+        known = {id(d) for d in duals} | {id(r) for _, _, _, results, _ in records for r in results}
+        steps = {id(ctx) for _, ctx, _, _, _ in records}
+        for op, _, inputs, _, _ in records:
             for a in inputs:
                 if (isinstance(a, Tensor) and a._tangents and level in a._tangents and id(a) not in known
                         and id(a.creator) not in steps):
@@ -251,8 +253,13 @@ def linearize(func: Callable, *primals: Tensor):
                 t = by_step[id(a.creator)][a.output_index]
             return t
 
-        for op, ctx, inputs, results in records:
-            out = op.jvp(ctx, *map(tangent_of, inputs))
+        for op, ctx, inputs, results, seen in records:
+            changed = _changed_since(ctx, inputs, seen)
+            if changed:  # changed inputs the op did not keep (it raised for those it kept): reading one raises
+                with reading_changed_inputs(ctx, changed, [version for _, version in seen], "jvp_fn of linearize"):
+                    out = op.jvp(ctx, *map(tangent_of, inputs))
+            else:
+                out = op.jvp(ctx, *map(tangent_of, inputs))
             out = tuple(None if t is None else output_tangent(op, i, r, t)
                         for i, (r, t) in enumerate(zip(results, out if isinstance(out, tuple) else (out,))))
             by_step[id(ctx)] = out
@@ -262,6 +269,18 @@ def linearize(func: Callable, *primals: Tensor):
                        outputs_tuple)
 
     return _result(values, outputs_tuple), jvp_fn
+
+
+def _changed_since(ctx, inputs, seen):
+    """versions.check_versions for a step linearize recorded: () when no input Tensor changed in
+    place since; raises when the op kept one that did; else the indices of those that did."""
+    for a, (_, version) in zip(inputs, seen):
+        if version is not None and (a if a._base is None else a._base)._version != version:
+            break
+    else:
+        return ()
+    return changed_inputs(ctx, inputs, [version for _, version in seen], [array for array, _ in seen],
+                          "jvp_fn of linearize")
 
 
 def _forward_jacobian(func, inputs, create_graph, strict):

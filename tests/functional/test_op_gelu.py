@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import autograd
-from autograd import Tensor
+from autograd import Tensor, backend
 import npformer.functional as F
 from npformer import nn
 
@@ -138,3 +138,54 @@ def test_third_derivative_through_fused_linear_matches_torch(activation, torch):
 
     theirs = third(torch)
     np.testing.assert_allclose(third(None), theirs, rtol=0, atol=1e-12 * max(1.0, np.abs(theirs).max()))
+
+
+# float32's largest and smallest magnitudes (subnormal 1e-40 too), and float64's beside them
+EXTREMES = {"float32": [3.4e38, 1.75e38, 1e20, 1e13, 1e10, 50.0, 6.0, 1.0, 1e-8, 1e-30, 1e-40, 0.0],
+            "float64": [1.7e308, 1e200, 3.4e38, 1e20, 1e13, 50.0, 6.0, 1.0, 1e-8, 1e-200, 1e-310, 0.0]}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("bias", [False, True], ids=["gelu", "linear's epilogue"])
+def test_tanh_gelu_stays_finite_at_the_largest_inputs_as_torchs(dtype, bias, device, torch):
+    """Issue 46, item 4: y = 0.5 x (1 + tanh(u)) was 0.5 * (x (1 + t)), inf for float32 x >= 1.75e38.
+    The value matches torch's everywhere; the derivatives are finite where torch's are NaN (its
+    du/dx = c (1 + 3 k x^2) overflows beside 1 - t^2 = 0) and there take their limits: gelu' is 1
+    (x > 0) or 0, gelu'' is 0. Its backward, double backward, jvp and the jvp of the backward
+    (forward over reverse) alike, on every device (the reference, the CPU's and CUDA's kernels);
+    no overflow warning (RuntimeWarnings are errors here)."""
+    magnitudes = np.array(EXTREMES[dtype])
+    x0 = np.concatenate([-magnitudes, magnitudes]).astype(dtype)
+    tx = torch.tensor(x0, requires_grad=True)
+    ty = torch.nn.functional.gelu(tx, approximate="tanh")
+    (tg,) = torch.autograd.grad(ty.sum(), tx, create_graph=True)
+    (tgg,) = torch.autograd.grad(tg.sum(), tx)
+    ty, tg, tgg = (t.detach().numpy() for t in (ty, tg, tgg))
+
+    def gelu(a):
+        if not bias:
+            return F.gelu(a, approximate="tanh")
+        return F.linear(a.reshape(-1, 1), Tensor(np.ones((1, 1), dtype), device=device),
+                        Tensor(np.zeros(1, dtype), device=device),
+                        activation="gelu_tanh").reshape(-1)
+
+    x = Tensor(x0.copy(), requires_grad=True, device=device)
+    y = gelu(x)
+    ones = Tensor(np.ones_like(x0), device=device)  # (a sum of y would overflow)
+    (g,) = autograd.grad(y, x, ones, create_graph=True)
+    (gg,) = autograd.grad(g, x, ones)
+    with autograd.forward_ad.dual_level():  # forward mode: t_y = gelu'(x) u, and forward over reverse
+        dual = autograd.forward_ad.make_dual(Tensor(x0.copy(), requires_grad=True, device=device), ones.data)
+        ty_dual = gelu(dual)
+        (g_dual,) = autograd.grad(ty_dual, dual, ones)
+        jvp = backend.as_numpy(autograd.forward_ad.unpack_dual(ty_dual).tangent)
+        jvp_of_gradient = backend.as_numpy(autograd.forward_ad.unpack_dual(g_dual).tangent)
+    limit_g, limit_gg = np.where(x0 > 0, 1.0, 0.0), np.zeros_like(x0)
+    rtol = 1e-6 if dtype == "float32" else 1e-14
+    for name, ours, theirs, limit in [("y", y.numpy(), ty, None), ("gelu'", g.numpy(), tg, limit_g),
+                                      ("gelu''", gg.numpy(), tgg, limit_gg), ("jvp", jvp, tg, limit_g),
+                                      ("jvp of the gradient", jvp_of_gradient, tgg, limit_gg)]:
+        assert ours.dtype == dtype and np.isfinite(ours).all(), (name, x0[~np.isfinite(ours)])
+        expected = np.where(np.isfinite(theirs), theirs, limit if limit is not None else theirs)
+        np.testing.assert_allclose(ours, expected, rtol=rtol, atol=1e-30 if name == "y" else rtol,  # derivatives: at most about 1
+                                   err_msg=name)

@@ -2,6 +2,7 @@
 same signatures as the math.py references, xp first): ReLU in flat blocks on the threads of
 `npformer.runtime.threads` (its backward a bitwise AND), GELU in blocks and cache-sized chunks (float32:
 Phi by one rational function), dropout's elementwise products in flat blocks."""
+from autograd.backend import overflow_ignored
 from npformer.runtime import threads
 from npformer.runtime.threads import for_rows
 
@@ -67,10 +68,11 @@ def _gelu_forward_cpu(xp, x, bias, kind):
         if bias is not None:
             xp.add(xf[start:stop], bias, out=hb)
         if kind == "gelu_tanh":
-            xp.tanh(TANH_C * (hb + TANH_K * hb * hb * hb), out=ab)   # t = tanh(u)
+            with overflow_ignored():  # h^3 is inf for |h| > 7e12 in float32: tanh(inf) = 1, the limit (math.tanh_of_cubic)
+                xp.tanh(TANH_C * (hb + TANH_K * hb * hb * hb), out=ab)   # t = tanh(u)
             xp.add(ab, 1.0, out=yb)
-            yb *= hb
-            yb *= 0.5                                               # y = 0.5 h (1 + t)
+            yb *= 0.5
+            yb *= hb                                                # y = 0.5 h (1 + t): (1 + t) h overflows for h > max / 2
             return
         if hb.dtype == xp.float32:
             normal_cdf_float32(xp, hb, out=ab)                      # Phi(h)
@@ -114,10 +116,8 @@ def _gelu_backward_cpu(xp, dy, saved, kind):
     def block(start, stop):
         hb, ab, g = h[start:stop], aux[start:stop], dh[start:stop]
         if kind == "gelu_tanh":
-            # u = TANH_C (h + k h^3)  ->  du/dh = TANH_C (1 + 3 k h^2)
-            du = TANH_C * (1.0 + 3.0 * TANH_K * hb * hb)
-            # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
-            xp.multiply(dyf[start:stop], 0.5 * (1.0 + ab) + 0.5 * hb * (1.0 - ab * ab) * du, out=g)
+            # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh, du/dh = c (1 + 3 k h^2)
+            xp.multiply(dyf[start:stop], math.tanh_gelu_slope(xp, hb, ab), out=g)
             return
         _exact_gelu_backward_chunk(xp, dyf[start:stop], hb, ab, g, g, True)   # phi(h) not kept: in dh's array
 

@@ -17,6 +17,7 @@ from .erf import INV_SQRT_2PI, SQRT_2, erf
 
 TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh form: u = TANH_C * (x + 0.044715 x^3)
 TANH_K = 0.044715
+TANH_SATURATED = 1e4  # |h| beyond which tanh(u) is +-1 exactly in float32 and float64 (tanh_of_cubic)
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")  # bias_activation kinds (gelu: the exact form)
 
@@ -32,12 +33,39 @@ def bias_activation_forward(xp, x, bias, kind):
         keep = ~(h <= 0)                                    # NaN is kept: relu(NaN) = NaN, as torch's
         return xp.where(keep, h, 0), (keep,)                # relu(-inf) = 0
     if kind == "gelu_tanh":
-        t = xp.tanh(TANH_C * (h + TANH_K * h * h * h))      # t = tanh(u)
-        return 0.5 * h * (1.0 + t), (h, t)
+        t = tanh_of_cubic(xp, h)                            # t = tanh(u)
+        return 0.5 * h * (1.0 + t), (h, t)                  # 0.5 h first: h (1 + t) overflows for h > max / 2
     cdf = erf(xp, h / SQRT_2)                               # Phi(h) = (1 + erf(h / sqrt 2)) / 2
     cdf += 1.0
     cdf *= 0.5
     return h * cdf, (h, cdf)
+
+
+def tanh_of_cubic(xp, h, out=None):
+    """t = tanh(u), u = TANH_C (h + TANH_K h^3), of the tanh-form GELU, h^3 formed from h clipped to
+    +-TANH_SATURATED: h^3 would overflow for |h| > 7e12 in float32, and past the clip tanh(u) is
+    +-1 exactly either way (u > 4e10), as torch's (whose h^3 overflows to an infinity)."""
+    hc = xp.clip(h, -TANH_SATURATED, TANH_SATURATED)
+    return xp.tanh(TANH_C * (hc + TANH_K * hc * hc * hc), out=out)
+
+
+def tanh_gelu_slope(xp, h, t):
+    """gelu'(h) = 0.5 (1 + t) + s du/dh of the tanh form, s = 0.5 h (1 - t^2), du/dh = c (1 + 3 k h^2),
+    formed as c s + 3 c k (s h) h: s is 0 where tanh saturates, and h^2 is never formed, so at large
+    |h| (float32 h^2 overflows from 1.8e19) the slope is its limit, 1 or 0, not 0 * inf = NaN."""
+    s = t * t
+    xp.subtract(1.0, s, out=s)
+    s *= h
+    s *= 0.5                                                # s = 0.5 h (1 - t^2)
+    slope = s * h
+    slope *= h
+    slope *= 3.0 * TANH_C * TANH_K                          # 3 c k (s h) h
+    s *= TANH_C
+    slope += s                                              # + c s
+    s = xp.add(t, 1.0)
+    s *= 0.5
+    slope += s                                              # + 0.5 (1 + t)
+    return slope
 
 
 def bias_activation_backward(xp, dy, saved, kind):
@@ -50,9 +78,8 @@ def bias_activation_backward(xp, dy, saved, kind):
     h, aux = saved
     if kind == "gelu_tanh":
         # u = TANH_C (h + k h^3)  ->  du/dh = TANH_C (1 + 3 k h^2)
-        du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
         # y = 0.5 h (1 + tanh(u))  ->  dy/dh = 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh
-        return dy * (0.5 * (1.0 + aux) + 0.5 * h * (1.0 - aux * aux) * du)
+        return dy * tanh_gelu_slope(xp, h, aux)
     density = normal_density(xp, h)
     # y = h Phi(h)  ->  dy/dh = Phi(h) + h phi(h)
     density *= h
@@ -95,8 +122,14 @@ def gelu_second_derivative(xp, h, aux, kind):
     if kind == "gelu_tanh":
         # u = c (h + k h^3), du = c (1 + 3 k h^2), t' = (1 - t^2) du;
         # y' = 0.5 (1 + t) + 0.5 h (1 - t^2) du  ->  y'' = (1 - t^2) (du (1 - h t du) + 3 c k h^2)
-        du = TANH_C * (1.0 + 3.0 * TANH_K * h * h)
-        return (1.0 - aux * aux) * (du * (1.0 - h * aux * du) + 3.0 * TANH_C * TANH_K * h * h)
+        #   = r du - h t (r du^2) + 3 c k (r h) h  with r = 1 - t^2, r du and r du^2 formed from r (as
+        # tanh_gelu_slope): 0 where tanh saturates, never 0 * inf at large |h|
+        r = 1.0 - aux * aux
+        ck3 = 3.0 * TANH_C * TANH_K
+        rh = r * h
+        r_du = TANH_C * r + ck3 * rh * h
+        r_du2 = TANH_C * r_du + ck3 * (r_du * h) * h
+        return r_du - h * aux * r_du2 + ck3 * rh * h
     # y' = Phi(h) + h phi(h), phi' = -h phi  ->  y'' = phi + phi + h phi' = phi(h) (2 - h^2)
     phi, hh = density_and_square(xp, h)
     xp.subtract(2.0, hh, out=hh)

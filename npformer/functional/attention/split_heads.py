@@ -22,6 +22,8 @@ class SplitHeadsFunction(Function):
     [i E, (i + 1) E), a view of x. Backward writes the n head gradients into one (B, T, n E)
     array, the layout of x (one pass; no zero-filled copies to add up)."""
 
+    view = True  # the heads are views of x: an in-place change of x is theirs (autograd/versions.py)
+
     @staticmethod
     def forward(ctx, x, chunks, num_heads):
         ctx.shape, ctx.layout = x.shape, (chunks, num_heads)

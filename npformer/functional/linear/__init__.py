@@ -55,7 +55,6 @@ class LinearFunction(Function):
             y2d, ctx.activation_saved = bias_activation_forward(xp, linear_forward(xp, x2d, weight, None), bias, activation)
         ctx.save_for_backward(x2d, weight)
         ctx.x_shape, ctx.activation = x.shape, activation
-        ctx.bias = bias  # for the differentiable backward, which forms h again in the graph
         return y2d.reshape(x.shape[:-1] + (weight.shape[0],))
 
     @staticmethod
@@ -73,7 +72,7 @@ class LinearFunction(Function):
     def differentiable_backward(ctx, dy):
         x2d_saved, weight_saved = ctx.saved_tensors
         x, weight, bias = (t if t is not None else None if raw is None else Tensor(raw)
-                           for t, raw in zip(ctx.inputs, (x2d_saved, weight_saved, ctx.bias)))
+                           for t, raw in zip(ctx.inputs, (x2d_saved, weight_saved, ctx.input_arrays[2])))
         x2d = x.reshape(x2d_saved.shape)                                  # (N, in)
         dh = dy.reshape(x2d_saved.shape[0], weight_saved.shape[0])        # (N, out)
         if ctx.activation is not None:
