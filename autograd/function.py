@@ -100,11 +100,10 @@ class Function:
             ctx.retained = {}
             for i, r in enumerate(results):
                 r.creator, r.output_index = ctx, i
-        if cls.view:  # an output that shares the first input's memory: an in-place change of one is the other's
-            owner = backend.memory_owner(raw[0])
-            for r, o in zip(results, outputs):
-                if backend.memory_owner(o) is owner:
-                    r._base = args[0] if args[0]._base is None else args[0]._base
+        if cls.view and hasattr(args[0], "_version"):  # outputs sharing a Tensor input's memory: they count on it
+            owner, base = backend.memory_owner(raw[0]), (args[0] if args[0]._base is None else args[0]._base)
+            for r in [r for r, o in zip(results, outputs) if backend.memory_owner(o) is owner]:
+                r._base = base  # (an in-place change of one is the other's)
         if _forward.stack:  # forward mode: the outputs' tangents, by the op's jvp rule
             propagate_tangents(cls, ctx, args, results)
         if hooks.op_applied:  # a step being recorded (npformer.runtime.record)

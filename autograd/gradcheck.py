@@ -1,12 +1,10 @@
 """Gradient checking that can fail (the first read's last file): `gradcheck`.
 
 The outputs are contracted with a random upstream gradient g, L = sum(fn(*inputs) * g), never a
-plain sum (softmax rows and LayerNorm outputs have a zero gradient of sum(), which would hide a
-wrong backward). `vjp` runs the function and backpropagates L once; `numeric_gradient` finds
-every entry of every input's gradient by float64 central differences; `judge` compares the two.
-Every input is judged, not only the first wrong one: a failure lists each input as exact, close
-or wrong, with its largest difference and worst index, "yours" (the backward's) beside the
-"reference" (finite differences).
+plain sum (softmax rows and LayerNorm outputs have a zero gradient of sum(), hiding a wrong
+backward). `vjp` backpropagates L once; `numeric_gradient` finds every entry of every input's
+gradient by float64 central differences; `judge` compares the two, for every input: exact, close
+or wrong, the largest difference and worst index, "yours" (the backward's) beside the "reference".
 
 `autograd.gradcheck` is this module, and calling it calls `gradcheck` (as one calls
 `torch.autograd.gradcheck(...)`). The rest (a second read, autograd/gradcheck_extras.py,
@@ -31,8 +29,7 @@ __all__ = ["GradcheckError", "check_create_graph", "check_formula", "gradcheck",
 
 
 class GradcheckError(AssertionError):
-    """Raised by `gradcheck` and `check_formula`: one line per input (exact, close or wrong,
-    the largest difference, the worst index with yours and the reference's values)."""
+    """Raised by `gradcheck` and `check_formula`: one line per input (see `judge`)."""
 
 
 def _outputs(result):
@@ -42,8 +39,7 @@ def _outputs(result):
 
 
 def random_generator(seed: int, stream: int = 0) -> Any:
-    """The host Generator of gradcheck's random draws (upstream gradients: stream 0, directions: 1),
-    independent of `default_rng(seed)`, which often draws the inputs (g = x zeroes LayerNorm's dx)."""
+    """gradcheck's host Generator (upstream gradients: stream 0, directions: 1), not default_rng(seed)'s."""
     return backend.module_for("cpu").random.default_rng([seed, stream, 0x67726164])
 
 
@@ -125,8 +121,7 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
 
 
 def _checked(inputs, names):
-    """(the inputs as a list, their names: `names` or "input 0", ...; the indices of those that
-    require grad, the checked ones), or ValueError when none does or the names do not fit."""
+    """(inputs as a list, their names (default "input 0", ...), indices of those requiring grad), or ValueError."""
     inputs = list(inputs)
     names = [f"input {i}" for i in range(len(inputs))] if names is None else list(names)
     if len(names) != len(inputs):
