@@ -2,7 +2,7 @@
 tiny models built from configs in code (nothing downloaded).
 
 - The mapping alone (no npformer model built): config_from_hf of each family, the key table on
-  a stand-in model holding the contract's shapes (every key used once, q/k/v stacked as
+  a stand-in model holding the Llama-style CausalLM's shapes (written out in this file) (every key used once, q/k/v stacked as
   ((H + 2 H_kv) head_dim, E), back to transformers' state dict bit for bit), hf_config read
   back by transformers' config classes, and every option npformer does not compute refused by
   name.
@@ -137,8 +137,8 @@ def batch(rng, lengths, width, vocab=61):
 
 
 # -- the mapping alone: configs and the key table on dicts -------------------------------------------
-def contract_shapes(config):
-    """{key: shape} of a Llama-style CausalLM's state_dict as the contract names them."""
+def llama_style_shapes(config):
+    """{key: shape} of a Llama-style CausalLM's state_dict, written out from the key table of docs/huggingface.md."""
     E, V, F = config["d_model"], config["vocab_size"], config["dim_feedforward"]
     H, H_kv = config["nhead"], config["num_kv_heads"]
     rows = (H + 2 * H_kv) * (E // H)
@@ -158,18 +158,18 @@ def contract_shapes(config):
 
 
 class CausalLM:
-    """A stand-in for npformer's CausalLM with the contract's state_dict shapes: the mapping reads
+    """A stand-in for npformer's CausalLM with llama_style_shapes' state_dict: the mapping reads
     only a model's class name, config and state_dict, so the key table is tested without the model."""
 
     def __init__(self, config, state=None):
         self.config, self.state = config, state
 
     def state_dict(self):
-        return dict(self.state or {key: np.zeros(shape) for key, shape in contract_shapes(self.config).items()})
+        return dict(self.state or {key: np.zeros(shape) for key, shape in llama_style_shapes(self.config).items()})
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_configs_map_to_the_contracts_options(variant, transformers):
+def test_configs_map_to_causal_lm_options(variant, transformers):
     family, _ = VARIANTS[variant]
     name, config = huggingface.config_from_hf(hf_settings(transformers, variant).to_dict())
     assert name == "CausalLM"
@@ -277,7 +277,7 @@ def test_the_key_table_maps_every_weight_once(variant, torch, transformers):
     _, config = huggingface.config_from_hf(hf_model.config.to_dict())
     stand_in = CausalLM(config)
     state, skipped = huggingface.state_dict_from_hf(stand_in, tensors)
-    assert skipped == [] and {k: v.shape for k, v in state.items()} == contract_shapes(config)
+    assert skipped == [] and {k: v.shape for k, v in state.items()} == llama_style_shapes(config)
     for i in range(2):
         p = f"model.layers.{i}.self_attn."
         q, k, v = (tensors[f"{p}{n}_proj.weight"] for n in "qkv")
@@ -344,11 +344,11 @@ def test_hf_config_refuses_what_the_families_cannot_express():
 
 # -- end to end: npformer's CausalLM against transformers ----------------------------------------------
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_the_model_has_the_contracts_keys(variant, transformers):
+def test_the_model_has_the_key_tables_shapes(variant, transformers):
     _, config = huggingface.config_from_hf(hf_settings(transformers, variant).to_dict())
-    assert models.CausalLM.state_shapes(config) == contract_shapes(config)
+    assert models.CausalLM.state_shapes(config) == llama_style_shapes(config)
     model = models.CausalLM(**config)
-    assert {k: v.shape for k, v in model.state_dict().items()} == contract_shapes(config)
+    assert {k: v.shape for k, v in model.state_dict().items()} == llama_style_shapes(config)
     assert {key: model.config[key] for key in config} == config
 
 
