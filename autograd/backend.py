@@ -119,6 +119,12 @@ def overflow_ignored() -> Any:
     return numpy.errstate(over="ignore")
 
 
+def invalid_ignored() -> Any:
+    """A context manager within which numpy warns of no invalid operation (inf - inf, 0 / 0; CuPy
+    warns of none anyway): for comparisons that judge NaN and inf where they land."""
+    return numpy.errstate(invalid="ignore")
+
+
 def memory_owner(array: Any) -> Any:
     """The array that owns `array`'s memory (numpy's and CuPy's views name it in `.base`): two
     arrays with one owner may share memory (a view and its base, two views of one array)."""

@@ -161,14 +161,14 @@ def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
     is not 0 there; NaN and inf counted (equal infinities are equal). explain: None, or a function
     of the worst index returning a note for a wrong verdict, or None. report: see `gradcheck`."""
     xp = backend.get_array_module(reference)
-    with xp.errstate(invalid="ignore"):
+    with backend.invalid_ignored():  # (CuPy has no errstate)
         err = xp.where(yours == reference, 0.0, xp.abs(yours - reference))   # inf == inf: no inf - inf
     if report is not None:
         report.append((name, _max(err), _max(xp.abs(reference))))
     if not err.size:
         return True, f"{name}: exact (empty)"
     bound = atol + rtol * xp.abs(reference)
-    with xp.errstate(invalid="ignore"):
+    with backend.invalid_ignored():  # (CuPy has no errstate)
         excess = err / xp.maximum(bound, xp.finfo(bound.dtype).tiny)   # a zero tolerance divides by no zero
     worst = int(xp.argmax(xp.where(xp.isnan(excess), xp.inf, excess)))
     index = tuple(int(k) for k in xp.unravel_index(worst, reference.shape))
