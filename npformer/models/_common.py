@@ -1,6 +1,7 @@
 """Pieces shared by the models: argument checks, token ids, padding masks, positions, the encoder trunk."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from autograd import Tensor, backend, raw_computation
@@ -12,17 +13,17 @@ from ..functional._common import check_index_range
 from ..functional.rotary import check_rope_scaling
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
-from ..nn.config import TransformerConfig, check_d_model_nhead
+from ..nn.config import NORMS, TransformerConfig, check_d_model_nhead, check_num_kv_heads
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 CAUSAL_ACTIVATIONS = ACTIVATIONS + ("silu", "swiglu")  # CausalLM's (swiglu: a gated feed-forward, linear3)
-NORMS = ("layernorm", "rmsnorm")
 RESIDUAL_INITS = ("normal", "gpt2")
 # the layer options of a model's config beyond the original ones (CausalLM's), passed on to
-# TransformerConfig under these names, with their defaults there
-LAYER_OPTIONS = {"bias": True, "norm": "layernorm", "num_kv_heads": None, "sliding_window": None, "qkv_bias": None,
-                 "rotary_base": 10000.0, "rope_scaling": None}
+# TransformerConfig under these names: {name: its default there}
+LAYER_OPTIONS = {f.name: f.default for f in dataclasses.fields(TransformerConfig)
+                 if f.name in ("bias", "norm", "num_kv_heads", "sliding_window", "qkv_bias", "rotary_base",
+                               "rope_scaling")}
 
 
 def check_choice(value, choices, name, owner):
@@ -82,17 +83,14 @@ def check_layer_options(config, owner):
         out["sliding_window"] = check_optional_int(config["sliding_window"], "sliding_window", owner, at_least=1)
     if config.get("num_kv_heads") is not None:
         nhead = check_int(config["nhead"], "nhead", owner, at_least=1)
-        heads = out["num_kv_heads"] = check_int(config["num_kv_heads"], "num_kv_heads", owner, at_least=1)
-        if nhead % heads:
-            raise ValueError(f"{owner}: num_kv_heads={heads} must divide nhead={nhead} (each key/value head serves "
-                             f"nhead / num_kv_heads query heads): choose one of "
-                             f"{[n for n in range(1, nhead + 1) if nhead % n == 0]}")
+        out["num_kv_heads"] = check_num_kv_heads(nhead, config["num_kv_heads"], owner)
     if "rotary_base" in config:
         out["rotary_base"] = check_real(config["rotary_base"], "rotary_base", owner, above=0)
     if "rope_scaling" in config:
         out["rope_scaling"] = check_rope_scaling(config["rope_scaling"], owner)
     if config.get("positional") != "rope":
-        for name, default in (("rotary_base", 10000.0), ("rope_scaling", None)):
+        for name in ("rotary_base", "rope_scaling"):
+            default = LAYER_OPTIONS[name]
             if out.get(name, default) != default:
                 raise ValueError(f"{owner}: {name}={out[name]!r} only acts on rotary positions, but "
                                  f"positional={config.get('positional')!r}; use positional='rope' or leave {name} "

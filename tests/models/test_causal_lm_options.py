@@ -100,7 +100,7 @@ def test_configs_without_the_new_options_still_load():
     (dict(bias="no"), TypeError, "CausalLM: bias must be True or False"),
     (dict(qkv_bias=1), TypeError, "CausalLM: qkv_bias"),
     (dict(norm="batchnorm"), ValueError, r"CausalLM: norm must be one of \('layernorm', 'rmsnorm'\)"),
-    (dict(num_kv_heads=3), ValueError, "CausalLM: num_kv_heads=3 must divide nhead=4"),
+    (dict(num_kv_heads=3), ValueError, "CausalLM: nhead=4 is not divisible by num_kv_heads=3"),
     (dict(num_kv_heads=0), ValueError, "CausalLM: num_kv_heads must be an integer >= 1"),
     (dict(sliding_window=0), ValueError, "CausalLM: sliding_window must be an integer >= 1"),
     (dict(residual_init="xavier"), ValueError, r"CausalLM: residual_init must be one of \('normal', 'gpt2'\)"),
