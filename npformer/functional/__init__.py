@@ -27,3 +27,4 @@ for _folder in OPS:  # each folder's public ops: F.softmax, F.layer_norm, ...
 __all__ = sorted(__all__)
 
 from . import adam  # noqa: E402,F401  (the optimizer's kernel table, a folder beside the ops')
+from . import formulas  # noqa: E402,F401  (each op's backward_formula, for autograd.backward_steps)
