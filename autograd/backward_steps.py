@@ -35,7 +35,7 @@ from typing import Any
 
 from . import hooks
 from .backend import get_array_module
-from .function import BackwardPass, Function, _accumulate, backward_order
+from .function import BackwardPass, Function, _accumulate, _freed_graph_error, backward_order
 from .modes import no_grad
 from .tensor import Tensor
 from .tensor_methods import _upstream_gradient
@@ -100,7 +100,8 @@ def backward_steps(loss: Tensor, grad: Any = None, *, names: Any = None,
     """`loss.backward(grad, retain_graph=retain_graph)`, one node at a time: a generator of a
     BackwardStep per node, in the order the pass runs them; `.grad` fills as it goes and is
     complete when it ends. names: a model (anything with `named_parameters()`) or a {name: Tensor}
-    mapping, to name the leaves the gradients go to. The arguments are checked when it is called."""
+    mapping, to name the leaves the gradients go to. The arguments (and that the graph is still there)
+    are checked when it is called; the pass starts at the first step asked for."""
     if not isinstance(loss, Tensor):
         raise TypeError(f"backward_steps: loss must be a Tensor, got {type(loss).__name__}")
     if not loss.requires_grad:
@@ -108,6 +109,8 @@ def backward_steps(loss: Tensor, grad: Any = None, *, names: Any = None,
                            "or it was made under no_grad())")
     if not isinstance(retain_graph, bool):
         raise TypeError(f"backward_steps: retain_graph must be a bool, got {type(retain_graph).__name__}")
+    if loss.creator is not None and loss.creator.inputs is None:
+        raise _freed_graph_error()
     gradient = _upstream_gradient(loss, grad, False, "backward_steps(grad)")
     return _steps(loss, gradient, _names_by_id(names), retain_graph)
 
@@ -168,7 +171,8 @@ def _steps(loss, gradient, names, retain_graph):
             with _inside_pass(callbacks):
                 next(engine)
             yield _step(i, len(nodes), type(node), walker.seen, position, names)
-        next(engine, None)  # the engine's loop ends
+        with _inside_pass(callbacks):
+            next(engine, None)  # the engine's loop ends
         finished = True
     finally:
         if not finished:  # stopped midway, as BackwardPass.run after an error: no partial sums left in the graph
@@ -211,7 +215,7 @@ def _run_callbacks(callbacks):
         fn()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1024)
 def formula_location(op: type) -> tuple[str, int, str]:
     """(path, line, name) of the backward formula of the Function class `op`: its `backward_formula`
     (a function) if it has one, else its `backward`; the path relative to the folder holding the

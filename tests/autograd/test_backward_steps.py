@@ -140,6 +140,8 @@ def test_stopping_early_leaves_the_graph_as_a_failed_backward_does():
     steps.close()  # without retain_graph: the node run is freed, the rest cleared, and backward refuses
     with pytest.raises(RuntimeError, match="already freed"):
         loss.backward()
+    with pytest.raises(RuntimeError, match="already freed"):
+        autograd.backward_steps(loss)  # said when called, before any step
 
 
 def test_an_error_in_a_node_is_the_engines_and_the_caller_keeps_its_grad_mode():
@@ -163,7 +165,8 @@ def test_post_accumulate_grad_hooks_and_callbacks_run_as_in_backward():
         w, x, loss = small_graph()
         seen = []
         w.register_post_accumulate_grad_hook(
-            lambda t: (seen.append(("hook", t.grad.data.copy())), hooks.queue_callback(lambda: seen.append("done"))))
+            lambda t: (seen.append(("hook", t.grad.data.copy(), autograd.is_grad_enabled())),
+                       hooks.queue_callback(lambda: seen.append("done"))))
         if step_through:
             for step in autograd.backward_steps(loss):
                 seen.append(step.index)
@@ -174,6 +177,7 @@ def test_post_accumulate_grad_hooks_and_callbacks_run_as_in_backward():
     hooked = [k for k, s in enumerate(stepped) if isinstance(s, tuple)]
     assert len(hooked) == 1 and stepped[-1] == "done" and len(plain) == 2 and plain[1] == "done"
     np.testing.assert_array_equal(stepped[hooked[0]][1], plain[0][1])  # once, with the whole gradient
+    assert stepped[hooked[0]][2] is plain[0][2] is False  # in the pass's grad mode (off), as in backward()
     w, x, loss = small_graph()
     last_use = max(k for k, node in enumerate(backward_order([loss.creator])) if any(t is w for t in node.inputs))
     assert stepped[hooked[0] + 1] == last_use  # run by the step of w's last use, before it is handed over
