@@ -88,7 +88,8 @@ class BackwardStep:
             lines.append(f"    {label:<7} {str(t.shape):<18} {str(t.dtype):<8} {text}")
         return "\n".join(lines)
 
-    __repr__ = __str__
+    def __repr__(self) -> str:
+        return f"<BackwardStep #{self.index} of {self.count}: {self.name}>"
 
 
 def _number(x):

@@ -11,7 +11,8 @@ torch.nn.functional. Each op family is one folder, `npformer/functional/<op>/`:
 - `twin.py`: its composite twin, the same math from autograd primitives (a test reference);
 - `derivation.md`: its section of docs/backprop.md, with a check that runs.
 
-Adding an op is one folder and its name in OPS below.
+Adding an op is one folder and its name in OPS below (and its Functions in formulas.py, which
+names the formula of each backward for autograd.backward_steps).
 """
 import importlib as _importlib
 

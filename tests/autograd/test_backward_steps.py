@@ -70,6 +70,7 @@ def test_the_printout_lists_every_node_once_in_order_with_the_gradients_norms():
     assert [name for _, name, *_ in headers] == [type(node).__qualname__ for node in order]
     assert len({id(node) for node in order}) == len(order) == len(steps)
     assert text.splitlines()[-1] == f"{len(order)} nodes"
+    assert repr(steps[2]) == f"<BackwardStep #2 of {len(order)}: {type(order[2]).__qualname__}>"
     norms = [float(x) for x in re.findall(r"\|g\| = (\S+)", text)]
     expected = []
     for step in steps:  # the norms printed, in order: each output's arriving, then each input's leaving
