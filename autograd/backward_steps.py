@@ -19,9 +19,10 @@ hooks and queued callbacks run as there). First order only (no create_graph). St
 the partial sums cleared, the nodes already run freed (kept with retain_graph=True), the `.grad`
 delivered so far in place. Between two steps the caller's grad mode is its own.
 
-Where an op's formula is: the Function's class attribute `backward_formula` (a function: npformer
-sets it on each op of `npformer/functional/` to the formula of its folder's math.py), else its own
-`backward` (the primitive ops of ops.py, a Function of your own).
+Where an op's formula is: the Function's class attribute `backward_formula` (a function:
+each Function of `npformer/functional/` names there, beside its backward, the formula of its folder's
+math.py that the backward computes), else its own `backward` (the primitive ops of ops.py, a
+Function of your own).
 """
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ torch.nn.functional. Each op family is one folder, `npformer/functional/<op>/`:
 - `twin.py`: its composite twin, the same math from autograd primitives (a test reference);
 - `derivation.md`: its section of docs/backprop.md, with a check that runs.
 
-Adding an op is one folder and its name in OPS below (and its Functions in formulas.py, which
-names the formula of each backward for autograd.backward_steps).
+Adding an op is one folder and its name in OPS below.
 """
 import importlib as _importlib
 
@@ -28,4 +27,3 @@ for _folder in OPS:  # each folder's public ops: F.softmax, F.layer_norm, ...
 __all__ = sorted(__all__)
 
 from . import adam  # noqa: E402,F401  (the optimizer's kernel table, a folder beside the ops')
-from . import formulas  # noqa: E402,F401  (each op's backward_formula, for autograd.backward_steps)
