@@ -115,9 +115,7 @@ class Function:
 def raw_computation(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args): a computation on raw arrays that is no op (a mask from a step's inputs, a check of
     ids, a dropout mask's draw), which code watching a step's ops sees (hooks.raw_computation)."""
-    if hooks.raw_computation:
-        return hooks.raw_computation[-1](fn, args)
-    return fn(*args)
+    return hooks.raw_computation[-1](fn, args) if hooks.raw_computation else fn(*args)
 
 
 _Tensor = None  # autograd.tensor.Tensor once _tensor_class() has imported it
@@ -210,7 +208,8 @@ class BackwardPass:
         if creators:
             nodes = backward_order(creators) if order is None else order
             try:
-                self.run_nodes(nodes)
+                for _ in self.run_nodes(nodes):  # a generator, paused after each node by autograd.backward_steps
+                    pass
             except BaseException:  # a pass stopped midway: its partial sums must not stay in the graph
                 for node in nodes:  # (they held memory, and the next backward through it would add to them)
                     if node.inputs is not None:
@@ -241,6 +240,7 @@ class BackwardPass:
             else:  # free the graph: everything the op saved, and the links to its inputs
                 node.__dict__.clear()
                 node.inputs = None
+            yield
 
     def deliver(self, t, grad):
         """One contribution to the gradient of the leaf `t`: into `.grad`."""
