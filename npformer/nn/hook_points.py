@@ -31,31 +31,9 @@ import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from autograd import Function, Tensor, is_grad_enabled
+from autograd import Tensor, is_grad_enabled
 
 from .module import Module
-
-
-class _GradientHook(Function):
-    """Identity in the forward pass; in the backward pass the gradient goes through the backward
-    hooks of one HookPoint (each may replace it). The hooks are those the hook point had when the
-    forward pass ran."""
-
-    view = True  # the output shares its input's array
-
-    @staticmethod
-    def forward(ctx, x, hooks=(), point=None):
-        ctx.hooks, ctx.point = hooks, point
-        return x.view()
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = Tensor(grad)
-        for fn in ctx.hooks:
-            replaced = fn(grad, hook=ctx.point)
-            if replaced is not None:
-                grad = _replacement(replaced, grad, ctx.point, "backward")
-        return grad.data
 
 
 def _replacement(value, like, point, direction):
@@ -67,6 +45,17 @@ def _replacement(value, like, point, direction):
     if value.shape != like.shape:
         raise ValueError(f"{direction} hook at {point.name!r} returned shape {value.shape}; expected {like.shape}")
     return value
+
+
+class _GradientHook:
+    """A backward hook fn(grad, hook) of `point` as Tensor.register_hook's hook(grad)."""
+
+    def __init__(self, fn, point):
+        self.fn, self.point = fn, point
+
+    def __call__(self, grad):
+        replaced = self.fn(grad, hook=self.point)
+        return None if replaced is None else _replacement(replaced, grad, self.point, "backward")
 
 
 class HookHandle:
@@ -130,14 +119,17 @@ class HookPoint(Module):
             owner.hooks_active = any(getattr(owner, name).active for name in owner.hook_point_attributes)
 
     def forward(self, x: Tensor) -> Tensor:
-        """x through the forward hooks (each may replace it); with backward hooks, an identity
-        node of the graph whose backward runs them."""
+        """x through the forward hooks (each may replace it); the backward hooks go onto x's
+        gradient (Tensor.register_hook: bound to this graph, they run in its backward pass)."""
         for fn in self.fwd_hooks:
             replaced = fn(x, hook=self)
             if replaced is not None:
                 x = _replacement(replaced, x, self, "forward")
         if self.bwd_hooks and x.requires_grad and is_grad_enabled():
-            x = _GradientHook.apply(x, hooks=tuple(self.bwd_hooks), point=self)
+            if x.creator is None:  # a leaf would keep its hooks for every later pass: hook a node of this graph
+                x = x.reshape(x.shape)
+            for fn in self.bwd_hooks:
+                x.register_hook(_GradientHook(fn, self))
         return x
 
     def extra_repr(self) -> str:

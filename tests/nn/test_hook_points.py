@@ -329,3 +329,18 @@ def test_a_bare_attention_module_and_nn_transformer_have_hook_points(rng):
     assert "decoder.layers.0.multihead_attn.hook_pattern" in transformer.hook_point_names()
     assert transformer.state_dict().keys() == nn.Transformer(E, 2, 1, 1, FF).state_dict().keys()
     assert "hook" not in repr(transformer) and not any("hook" in n for n, _ in transformer.named_modules())
+
+
+def test_a_backward_hook_on_a_leaf_input_runs_in_that_forward_passs_backward_only(rng):
+    """nn.Transformer's first hook point sees the user's leaf src: the hook goes on a node of that
+    graph, so the leaf keeps no hook for later passes."""
+    transformer = nn.Transformer(E, 2, 1, 1, FF, dropout=0.0).double()
+    src = Tensor(rng.standard_normal((2, 4, E)), requires_grad=True)
+    tgt = Tensor(rng.standard_normal((2, 3, E)))
+    seen = []
+    out = transformer.run_with_hooks(src, tgt, bwd_hooks=[("encoder.layers.0.hook_resid_pre",
+                                                           lambda g, hook: seen.append(g.numpy()))])
+    out.sum().backward()
+    assert len(seen) == 1 and np.array_equal(seen[0], src.grad.numpy())
+    transformer(src, tgt).sum().backward()
+    assert len(seen) == 1 and np.allclose(src.grad.numpy(), 2 * seen[0])
