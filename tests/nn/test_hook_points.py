@@ -344,3 +344,15 @@ def test_a_backward_hook_on_a_leaf_input_runs_in_that_forward_passs_backward_onl
     assert len(seen) == 1 and np.array_equal(seen[0], src.grad.numpy())
     transformer(src, tgt).sum().backward()
     assert len(seen) == 1 and np.allclose(src.grad.numpy(), 2 * seen[0])
+
+
+def test_record_attention_and_the_cache_share_the_pattern_node():
+    """record_attention is a hook on hook_pattern: inside its block the cache's P is the record's
+    Tensor and dL/dP is the same array."""
+    model = build("causal").train()
+    with nn.record_attention(model) as recorder:
+        _, cache = model.run_with_cache(IDS, names_filter=lambda n: n.endswith("hook_pattern"), loss_fn=loss_of)
+    assert recorder.names() == [name.rsplit(".", 1)[0] for name in cache]
+    for record, name in zip(recorder, cache, strict=True):
+        assert record.weights is cache[name] and np.array_equal(record.grad, cache.grad(name).numpy())
+    assert not any(p.active for p in model.hook_points().values())
