@@ -209,6 +209,10 @@ class MultiheadAttention(Module):
     the last `sliding_window` keys), the attention path, device, dtype); `self.config` holds it
     either way. Masks: see the module docstring. Raises
     TypeError / ValueError naming a bad argument.
+
+    Hook points (npformer.nn.hook_points, docs/hook_points.md): hook_q, hook_k, hook_v (after
+    RoPE), hook_attn_scores, hook_pattern, hook_pattern_dropped, hook_z; while one of the scores'
+    and patterns' has a hook, S, P and dropout(P) are separate autograd ops (`attend_hooked`).
     """
 
     def __init__(self, embed_dim: int | None = None, num_heads: int | None = None, dropout: float = 0.0,

@@ -211,9 +211,11 @@ class ActivationCache(Mapping):
         self.activations, self.has_grads, self.loss = activations, has_grads, loss
 
     def __getitem__(self, name: str) -> Tensor:
+        if not isinstance(name, str):
+            raise KeyError(f"ActivationCache: names are str (hook point names), got {type(name).__name__}")
         if name in self.activations:
             return self.activations[name]
-        if isinstance(name, str) and name.endswith("_grad") and name[:-5] in self.activations:
+        if name.endswith("_grad") and name[:-5] in self.activations:
             return self.grad(name[:-5])
         raise _name_error(name, self.activations, "cached activation")
 

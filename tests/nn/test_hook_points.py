@@ -356,3 +356,19 @@ def test_record_attention_and_the_cache_share_the_pattern_node():
     for record, name in zip(recorder, cache, strict=True):
         assert record.weights is cache[name] and np.array_equal(record.grad, cache.grad(name).numpy())
     assert not any(p.active for p in model.hook_points().values())
+
+
+def test_the_cache_on_every_device(device):
+    """The separate attention ops and the cache on each backend: the outputs those of the fused
+    path (bit for bit on the host's numpy; within rounding on a GPU, whose kernels differ)."""
+    model = build("seq2seq").train().to(device)
+    npformer.manual_seed(4)
+    plain = model(IDS, IDS[:, :5]).numpy()
+    npformer.manual_seed(4)
+    output, cache = model.run_with_cache(IDS, IDS[:, :5], loss_fn=lambda out: out.sum())
+    if device == "cuda":
+        np.testing.assert_allclose(output.numpy(), plain, rtol=1e-12, atol=1e-12)
+    else:
+        assert np.array_equal(output.numpy(), plain)
+    P = cache["transformer.decoder.layers.1.multihead_attn.hook_pattern"]
+    assert P.device == device and cache.grad("transformer.decoder.layers.1.multihead_attn.hook_pattern").device == device
