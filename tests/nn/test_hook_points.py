@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import npformer
-import npformer.functional as F
 from autograd import Tensor
 from npformer import nn
 from npformer.models import BidirectionalEncoder, CausalLM, EncoderClassifier, Seq2SeqTransformer
@@ -370,5 +369,5 @@ def test_the_cache_on_every_device(device):
         np.testing.assert_allclose(output.numpy(), plain, rtol=1e-12, atol=1e-12)
     else:
         assert np.array_equal(output.numpy(), plain)
-    P = cache["transformer.decoder.layers.1.multihead_attn.hook_pattern"]
-    assert P.device == device and cache.grad("transformer.decoder.layers.1.multihead_attn.hook_pattern").device == device
+    name = "transformer.decoder.layers.1.multihead_attn.hook_pattern"
+    assert cache[name].device == device and cache.grad(name).device == device
