@@ -202,7 +202,7 @@ class RecordedStep:
         a tensor hook on a tensor it made, or a module hook."""
         if recorder.tensor_hooked():
             return "it registered a hook on a tensor it made (Tensor.register_hook)"
-        module = next((m for m in self.model.modules() if m._hooks), None)
+        module = next((m for m in self.model.modules() if m._module_hooks), None)
         return None if module is None else f"it registered a hook on a {type(module).__name__} (module hooks)"
 
     def _changed(self, before, after):
@@ -250,7 +250,7 @@ class RecordedStep:
                               "runs eagerly from now on", RuntimeWarning, stacklevel=4)
                 self.recordings.clear()
                 return None
-            if state.get("_hooks"):   # module hooks (nn/module_hooks.py): eager while one is registered
+            if state.get("_module_hooks"):   # module hooks (nn/module_hooks.py): eager while one is registered
                 return None
             states.append(_module_state(state, found, memo))
         return (tuple(shapes), _twins.active, tuple(states), _frozen(self.fn, _DEPTH, found, memo),
@@ -295,7 +295,7 @@ def _module_state(state, found=None, memo=None):
             frozen.append((name, value))
         elif (kind is dict or kind is set) and not value:   # (most modules' buffers, many's parameters)
             frozen.append((name, kind))
-        elif name == "_hooks":   # none registered (else no signature): a hook removed leaves an empty one
+        elif name == "_module_hooks":   # none registered (else no signature): a hook removed leaves an empty one
             continue
         elif name == "_parameters":
             frozen.append((name, tuple([(key, id(p), p.requires_grad, p.data.shape, p.data.dtype, type(p.data))

@@ -100,7 +100,7 @@ class Module:
     `zero_grad` follow torch. Hooks (`register_forward_hook`, ...: module_hooks.py) run in
     `module(...)` as torch's."""
 
-    _hooks = None  # a module_hooks.ModuleHooks once a hook is registered
+    _module_hooks = None  # a module_hooks.ModuleHooks once a hook is registered
 
     def __init__(self):
         object.__setattr__(self, "_parameters", {})
@@ -446,7 +446,7 @@ class Module:
         """`module(...)` runs `forward(...)` with the same arguments, and the module's hooks around
         it when it has some (module_hooks.py)."""
         try:
-            if self._hooks:
+            if self._module_hooks:
                 return module_hooks.call_with_hooks(self, args, kwargs)
             return self.forward(*args, **kwargs)
         except BaseException:  # the forward pass stops here: drop the dropout masks drawn ahead for it

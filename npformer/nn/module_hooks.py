@@ -55,9 +55,9 @@ def register(module: Any, kind: str, hook: Any, prepend: bool, with_kwargs: bool
         raise TypeError(f"{where}: hook must be callable, got {type(hook).__name__}")
     prepend, with_kwargs = check_bool(prepend, "prepend", where), check_bool(with_kwargs, "with_kwargs", where)
     always_call = check_bool(always_call, "always_call", where)
-    if module._hooks is None:
-        object.__setattr__(module, "_hooks", ModuleHooks())
-    hooks = getattr(module._hooks, kind)
+    if module._module_hooks is None:
+        object.__setattr__(module, "_module_hooks", ModuleHooks())
+    hooks = getattr(module._module_hooks, kind)
     entry = (hook, with_kwargs, always_call)
     if prepend:
         hooks.insert(0, entry)
@@ -66,9 +66,12 @@ def register(module: Any, kind: str, hook: Any, prepend: bool, with_kwargs: bool
     return HookHandle(hooks, entry)
 
 
-def call_with_hooks(module: Any, args: tuple, kwargs: dict) -> Any:
-    """`module(*args, **kwargs)` with its hooks (the module docstring's order)."""
-    hooks = module._hooks
+def call_with_hooks(module: Any, args: tuple, kwargs: dict, forward: Any = None) -> Any:
+    """`module(*args, **kwargs)` with its hooks (the module docstring's order). forward: what runs
+    in place of `module.forward` (the hooks see `args` and `kwargs` all the same): for a parent that
+    calls a child through another method (a stack's `layer.forward_masked(x, prepared_mask)`), to
+    run the child's hooks as torch's parent, which calls the child, would."""
+    hooks = module._module_hooks
     for hook, with_kwargs, _ in list(hooks.forward_pre):
         if with_kwargs:
             result = hook(module, args, kwargs)
@@ -87,7 +90,7 @@ def call_with_hooks(module: Any, args: tuple, kwargs: dict) -> Any:
         args = backward.wrap_inputs(args)
     output, ran = None, set()
     try:
-        output = module.forward(*args, **kwargs)
+        output = (module.forward if forward is None else forward)(*args, **kwargs)
         for entry in list(hooks.forward):
             ran.add(id(entry))
             hook, with_kwargs, _ = entry
@@ -219,7 +222,9 @@ def _identity(state, side, tensors):
 
 class _BackwardHookIdentity(Function):
     """The identity on a module's input or output Tensors, whose backward runs its backward hooks
-    (torch's BackwardHookFunction): `state.outputs_backward` or `state.inputs_backward`."""
+    (torch's BackwardHookFunction): `state.outputs_backward` or `state.inputs_backward`. A Tensor
+    that got no gradient in the pass (its slot in the engine's `output_grads` empty; the engine
+    gives backward zeros for it) is None to the hooks, as torch's."""
 
     @staticmethod
     def forward(ctx, *arrays, state, side):
@@ -228,12 +233,12 @@ class _BackwardHookIdentity(Function):
 
     @staticmethod
     def backward(ctx, *grads):  # first order: the hooks see Tensors outside any graph
-        result = ctx.run([Tensor(g) for g in grads])
+        result = ctx.run([None if got is None else Tensor(g) for g, got in zip(grads, ctx.output_grads)])
         return tuple(None if g is None else g.data for g in result)
 
     @staticmethod
     def differentiable_backward(ctx, *grads):  # create_graph, forward mode: Tensors of the graph
-        return tuple(ctx.run(list(grads)))
+        return tuple(ctx.run([None if got is None else g for g, got in zip(grads, ctx.output_grads)]))
 
     @staticmethod
     def jvp(ctx, *tangents):

@@ -13,6 +13,7 @@ import autograd
 from autograd import Tensor
 from autograd import forward_ad as fwAD
 from npformer import interop, nn
+from npformer.nn import module_hooks
 from npformer.opcases.modules import randomize_vectors
 
 B, S, T, D, H, FF = 2, 5, 4, 8, 2, 12
@@ -140,7 +141,7 @@ def test_removed_hooks_are_not_called_and_a_model_without_hooks_is_unchanged(tor
     for handle in watch("ours", torch, ours, seen):
         handle.remove()
     for m in ours.modules():
-        assert not m._hooks, m
+        assert not m._module_hooks, m
     src, tgt = tensors("ours", torch, inputs, requires_grad=True)
     ours(src, tgt).backward(Tensor(upstream))
     assert seen == {}
@@ -218,6 +219,39 @@ def test_full_backward_hooks_get_none_for_inputs_without_grad_and_run_when_no_in
         for a, b in zip(gi_t + go_t, gi_o + go_o):
             if a is not None:
                 np.testing.assert_allclose(b, a, rtol=1e-12)
+
+
+def test_an_output_without_gradient_is_none_to_the_backward_hooks_and_forward_may_be_another_method(torch):
+    """A module of two outputs, one unused: grad_output holds None for it, as torch's. And
+    call_with_hooks(..., forward=...) runs the hooks around another method (for a parent that calls
+    a child through one), with the args and output the hooks see as usual."""
+    class Two(nn.Module):
+        def forward(self, x):
+            return x * 2.0, x * 3.0
+
+    class TorchTwo(torch.nn.Module):
+        def forward(self, x):
+            return x * 2.0, x * 3.0
+
+    results = []
+    for lib, m in (("torch", TorchTwo()), ("ours", Two())):
+        seen = []
+        m.register_full_backward_pre_hook(lambda mod, go: seen.append(("pre", [array(g) for g in go])))
+        m.register_full_backward_hook(lambda mod, gi, go: seen.append(("full", [array(g) for g in gi + go])))
+        x, = tensors(lib, torch, [np.array([1.0, 2.0])], requires_grad=True)
+        a, b = m(x)
+        a.sum().backward()
+        results.append(seen)
+    assert [(k, [v is None for v in vs]) for k, vs in results[0]] == [(k, [v is None for v in vs]) for k, vs in results[1]]
+    assert [k for k, _ in results[1]] == ["pre", "full"] and results[1][0][1][1] is None
+
+    m, calls = nn.Linear(2, 2).double(), []
+    m.register_forward_pre_hook(lambda mod, args: calls.append(("pre", args)))
+    m.register_forward_hook(lambda mod, args, out: calls.append(("forward", out)) or out * 2.0)
+    x = Tensor(np.ones((1, 2)))
+    out = module_hooks.call_with_hooks(m, (x,), {}, forward=lambda t: t * 5.0)
+    assert [kind for kind, _ in calls] == ["pre", "forward"] and calls[0][1] == (x,)
+    np.testing.assert_array_equal(out.numpy(), np.full((1, 2), 10.0))
 
 
 def test_under_create_graph_what_a_backward_hook_returns_is_differentiated(torch):
