@@ -326,3 +326,31 @@ def test_bad_hooks_and_bad_returns_give_clear_errors():
     handle = m.register_full_backward_hook(lambda mod, gi, go: (3.0,))
     with pytest.raises(TypeError, match=r"grad_input\[0\] of type float: expected a Tensor or None"):
         m(x).sum().backward()
+
+
+def test_tensor_and_module_hooks_on_every_backend(device):
+    """The same hooks on each backend ("test" is numpy presented as another device, with CuPy's
+    API): what they see and the gradients equal the CPU's; a replacement on another device than
+    the tensor's is refused."""
+    def run(on):
+        rng = np.random.default_rng(5)
+        m = nn.Linear(3, 2).double()
+        m.weight.data[...], m.bias.data[...] = rng.standard_normal((2, 3)), rng.standard_normal(2)
+        m.to(on)
+        seen = []
+        m.register_full_backward_hook(lambda mod, gi, go: seen.append(gi[0].numpy()) or (gi[0] * 3.0,))
+        m.register_full_backward_pre_hook(lambda mod, go: seen.append(go[0].numpy()))
+        m.weight.register_hook(lambda g: seen.append(g.numpy()) or g * 0.5)
+        x = Tensor(rng.standard_normal((4, 3)), requires_grad=True, device=on)
+        y = m(x)
+        y.register_hook(lambda g: g + 1.0)
+        (y * y).sum().backward()
+        return seen + [x.grad.numpy(), m.weight.grad.numpy()]
+
+    for a, b in zip(run("cpu"), run(device)):
+        np.testing.assert_allclose(b, a, rtol=1e-12)
+    if device != "cpu":
+        x = Tensor(np.ones(2), requires_grad=True, device=device)
+        x.register_hook(lambda g: Tensor(np.ones(2)))
+        with pytest.raises(RuntimeError, match=f"on 'cpu': expected shape \\(2,\\), dtype float64 on '{device}'"):
+            (x * 2.0).sum().backward()
