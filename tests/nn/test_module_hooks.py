@@ -354,3 +354,27 @@ def test_tensor_and_module_hooks_on_every_backend(device):
         x.register_hook(lambda g: Tensor(np.ones(2)))
         with pytest.raises(RuntimeError, match=f"on 'cpu': expected shape \\(2,\\), dtype float64 on '{device}'"):
             (x * 2.0).sum().backward()
+
+
+def test_a_cuda_graph_replay_runs_no_hook_as_torchs():
+    """npformer.cuda.graphed (here on the "test" device, its emulation) replays a captured step
+    without its Python, as torch's CUDA graphs: hooks run in the warm-up call and the capture only."""
+    import npformer
+    from autograd import backend
+    from npformer import optim
+    m = nn.Linear(3, 2).to("test")
+    opt = optim.Adam(m.parameters(), lr=0.01)
+    calls = []
+    m.weight.register_hook(lambda g: calls.append("tensor hook"))
+    m.register_forward_hook(lambda mod, args, out: calls.append("forward hook"))
+
+    def step(x):
+        loss = (m(Tensor(x)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    graphed = npformer.cuda.graphed(step, device="test")
+    for _ in range(4):
+        graphed(backend.to_device(np.ones((4, 3), np.float32), "test"))
+    assert calls == ["forward hook", "tensor hook"] * 2
