@@ -378,3 +378,13 @@ def test_a_cuda_graph_replay_runs_no_hook_as_torchs():
     for _ in range(4):
         graphed(backend.to_device(np.ones((4, 3), np.float32), "test"))
     assert calls == ["forward hook", "tensor hook"] * 2
+
+
+def test_the_example_of_docs_hooks_md_runs():
+    import pathlib
+    import re
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "hooks.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/hooks.md", "exec"), {})
