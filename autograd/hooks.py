@@ -70,8 +70,10 @@ class HookHandle:
         self.hooks, self.hook = hooks, hook
 
     def remove(self) -> None:
-        if self.hook in self.hooks:
-            self.hooks.remove(self.hook)
+        for i, entry in enumerate(self.hooks):  # this handle's entry (the same function may be registered twice)
+            if entry is self.hook:
+                del self.hooks[i]
+                return
 
 
 def register_post_accumulate_grad_hook(leaf: Any, hook: Callable[[Any], Any]) -> HookHandle:

@@ -163,6 +163,19 @@ def test_autograd_grad_returns_what_the_hooks_return_for_leaves_and_non_leaves(b
     assert_same([run(lib) for lib in both])
 
 
+def test_backward_with_inputs_accumulates_what_the_hooks_return(both):
+    def run(lib, with_leaf):
+        x = lib.leaf([1.0, 2.0])
+        h = x * 2.0
+        h.register_hook(lambda g: g - 1.0)
+        x.register_hook(lambda g: g * 3.0)
+        (h * h * x).sum().backward(inputs=[h, x] if with_leaf else [h])
+        return [values(h.grad), values(x.grad)]
+
+    for with_leaf in (False, True):
+        assert_same([run(lib, with_leaf) for lib in both])
+
+
 def test_a_hook_sees_a_tensor_outside_any_graph_at_first_order(both):
     def run(lib):
         seen = []
