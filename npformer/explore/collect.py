@@ -54,7 +54,7 @@ def pick_examples(task: SequenceTask, count: int) -> list[int]:
     longest there is: the demo's figures use it), then the longest and the shortest."""
     heldout = task.heldout
     longest = max(len(s) for s in heldout)
-    wanted = [min(longest, 8), longest, min(len(s) for s in heldout)]
+    wanted = list(dict.fromkeys([min(longest, 8), longest, min(len(s) for s in heldout)]))
     picked = []
     for length in wanted:
         i = next((i for i, s in enumerate(heldout) if len(s) == length and i not in picked), None)
