@@ -41,18 +41,21 @@ def _checkpoint(path):
         raise ExploreError(f"{path}: a folder; give a run folder alone, or checkpoint files")
     try:
         ckpt = load_checkpoint(path, restore_rng=False)
+        if not isinstance(ckpt.get("demo"), dict) or "settings" not in ckpt["demo"]:
+            raise ExploreError(f"{path}: expected a checkpoint of demos/reverse.py (its 'demo' entry names the "
+                               "task's settings and seed, which give the held-out examples); this one has none")
         model = load_model(path)[0]
     except (CheckpointError, OSError, ValueError) as e:
-        raise ExploreError(f"{path}: not a checkpoint npformer can read ({e})") from None
-    if not isinstance(ckpt.get("demo"), dict) or "settings" not in ckpt["demo"]:
-        raise ExploreError(f"{path}: expected a checkpoint of demos/reverse.py (its 'demo' entry names the task's "
-                           "settings and seed, which give the held-out examples); this one has none")
+        if isinstance(e, ExploreError):
+            raise
+        reason = str(e).removeprefix(f"{path}: ")
+        raise ExploreError(f"{path}: not a checkpoint npformer can read ({reason})") from None
     return ckpt, model
 
 
 def _task(demo):
     settings = demo["settings"]
-    return SequenceTask(demo.get("task", "reverse"), vocab_size=settings["vocab"], min_len=settings["min_len"],
+    return SequenceTask(demo.get("task") or "reverse", vocab_size=settings["vocab"], min_len=settings["min_len"],
                         max_len=settings["max_len"], seed=demo["seed"])
 
 
