@@ -271,11 +271,12 @@ def start_explorer(out, model, task, examples, preset, step):
 
 
 def write_explorer(out, explorer, trainer):
-    """explorer.html and explorer.json in `out`, with a last snapshot at the final step. -> their paths."""
+    """explorer.html and explorer.json in `out`, with a last snapshot at the final step. -> the page's path."""
     if explorer.steps()[-1:] != [trainer.step]:
         explorer.take(trainer.step)
     data = explorer.data(trainer.history)
-    return [write_page(os.path.join(out, "explorer.html"), data), write_data(os.path.join(out, DATA_FILE), data)]
+    write_data(os.path.join(out, DATA_FILE), data)
+    return write_page(os.path.join(out, "explorer.html"), data)
 
 
 def default_out(preset, steps):
@@ -388,8 +389,7 @@ def train(args):
     predicted = greedy_decode(model, [example], task.max_target_len, eos=EOS if task.eos else None)
     print(f"example: {' '.join(map(str, task.decode(example)))} -> {' '.join(map(str, task.decode(predicted[0])))}")
     files = write_figures(out, trainer, task) if args.plots else []
-    if explorer is not None:
-        files += write_explorer(out, explorer, trainer)
+    explorer_page = write_explorer(out, explorer, trainer) if explorer is not None else None
     metrics = {
         "exact_match": result["exact_match"], "token_accuracy": result["token_accuracy"],
         "heldout_sequences": result["sequences"], "decoding": "greedy, KV cache",
@@ -399,6 +399,7 @@ def train(args):
         "preset": preset, "seed": seed, "device": args.device, "ranks": ranks,
         "threads_per_rank": npformer.runtime.threads.get_num_threads(), "settings": settings,
         "model_config": model.config, "checkpoint": checkpoint_path, "figures": files,
+        "explorer": explorer_page,
     }
     with open(os.path.join(out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)

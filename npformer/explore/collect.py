@@ -128,7 +128,8 @@ def describe(model: Module, task: SequenceTask, examples: Sequence[int]) -> dict
     for index in examples:
         batch = task.collate([task.heldout[index]])
         described.append({"index": int(index), "src": token_labels(task, batch.src[0]),
-                          "tgt_in": token_labels(task, batch.tgt_in[0]), "tgt_out": token_labels(task, batch.tgt_out[0]),
+                          "tgt_in": token_labels(task, batch.tgt_in[0]),
+                          "tgt_out": token_labels(task, batch.tgt_out[0]),
                           "masks": {kind: masks(batch, kind).astype(int).tolist() for kind in KINDS}})
     return {"format": FORMAT, "dtype": "float32", "digits": DIGITS, "heads": int(model.config["nhead"]),
             "kinds": [{"name": k, "title": TITLES[k], "layers": layers[k], "query": SIDES[k][0], "key": SIDES[k][1]}

@@ -84,7 +84,8 @@ def test_checkpoints_of_two_runs_or_a_foreign_json_are_refused(short_run, tmp_pa
                                           "--no-plots", "--quiet"])
     with pytest.raises(SystemExit):
         main([str(short_run / "checkpoint.npz"), str(other / "checkpoint.npz")])
-    assert f"{other / 'checkpoint.npz'}: from another run than {short_run / 'checkpoint.npz'}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{other / 'checkpoint.npz'}: from another run than {short_run / 'checkpoint.npz'}" in err
     (other / "explorer.json").write_text('{"format": "something else"}')
     with pytest.raises(SystemExit):
         main([str(other)])

@@ -120,7 +120,8 @@ def test_hovered_cells_show_npformers_numbers_at_the_slider_step(page, short_run
         query, key = {"encoder_self": (batch.src, batch.src), "decoder_self": (batch.tgt_in, batch.tgt_in),
                       "cross": (batch.tgt_in, batch.src)}[kind]
         query, key = labels(query[0]), labels(key[0])
-        causal = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "decoder_self" else np.zeros(weights.shape, bool)
+        causal = np.triu(np.ones(weights.shape, dtype=bool), 1) if kind == "decoder_self" else \
+            np.zeros(weights.shape, dtype=bool)
         canvas = page.locator("#map-dLdS" if (example + layer) % 2 else "#map-P")
         cell, left, top = (int(canvas.get_attribute(f"data-{a}")) for a in ("cell", "left", "top"))
         assert (int(canvas.get_attribute("data-rows")), int(canvas.get_attribute("data-cols"))) == weights.shape
@@ -137,7 +138,8 @@ def test_hovered_cells_show_npformers_numbers_at_the_slider_step(page, short_run
                 assert (shown["query"], shown["key"]) == (f"{i}: {query[i]}", f"{j}: {key[j]}"), where
                 for name, value in (("p", weights[i, j]), ("dldp", grads[i, j]), ("rowsum", rowsum[i]),
                                     ("dlds", score_grads[i, j])):
-                    assert shown_agrees(shown[name], value), f"{where}: {name} shows {shown[name]}, npformer's is {value!r}"
+                    assert shown_agrees(shown[name], value), \
+                        f"{where}: {name} shows {shown[name]}, npformer's is {value!r}"
                 checked += 1
                 masked_seen += bool(causal[i, j])
                 if causal[i, j]:
