@@ -174,7 +174,7 @@
   const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
   function drawChart(canvas, series, logScale) {
     const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height;
-    const pad = { l: 52, r: 8, t: 8, b: 22 };
+    const pad = { l: 52, r: 18, t: 8, b: 22 };
     const plotW = W - pad.l - pad.r, legendRows = Math.ceil(series.length / 2), plotH = H - pad.t - pad.b - 13 * legendRows;
     ctx.clearRect(0, 0, W, H);
     const tr = (v) => (logScale ? Math.log10(v) : v);

@@ -111,3 +111,15 @@ def test_a_resumed_run_continues_its_explorer(short_run, tmp_path):
     args = [a for a in RUN_ARGS if a not in ("--preset", "seed", "--min-len", "3", "--max-len", "6")]
     demo("reverse").main(["--resume", str(run / "checkpoint-step8.npz")] + args[args.index("--steps"):])
     assert saved(run)["snapshots"] == saved(short_run)["snapshots"]
+
+
+def test_the_page_template_is_package_data():
+    """page.html and explorer.js are read with importlib.resources: setup.cfg ships them with the package."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    patterns = [p.strip() for p in config["options.package_data"]["npformer.explore"].split(",")]
+    folder = os.path.join(ROOT, "npformer", "explore")
+    shipped = {name for name in os.listdir(folder) if any(name.endswith(p.lstrip("*")) for p in patterns)}
+    assert shipped == {"page.html", "explorer.js"}
