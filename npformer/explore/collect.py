@@ -18,7 +18,7 @@ import numpy as np
 from autograd import backend
 
 from .. import functional as F
-from ..data import BOS, EOS, PAD, SequenceTask
+from ..data import BOS, EOS, NUM_SPECIAL, PAD, SequenceTask
 from ..nn import Module, record_attention
 
 FORMAT = "npformer-explorer/1"
@@ -46,7 +46,7 @@ def layer_index(name: str) -> int:
 def token_labels(task: SequenceTask, ids: Sequence[int]) -> list[str]:
     """The ids of one sequence as the page shows them: symbols (1..V-3), PAD, BOS, EOS."""
     special = {PAD: "PAD", BOS: "BOS", EOS: "EOS"}
-    return [special.get(int(i)) or str(int(i) - 3 + 1) for i in ids]
+    return [special.get(int(i)) or str(int(i) - NUM_SPECIAL + 1) for i in ids]
 
 
 def pick_examples(task: SequenceTask, count: int) -> list[int]:
