@@ -79,11 +79,6 @@ def encode_array(array: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(array, dtype="<f4").tobytes()).decode("ascii")
 
 
-def decode_array(text: str, shape: Sequence[int]) -> np.ndarray:
-    """encode_array's inverse."""
-    return np.frombuffer(base64.b64decode(text), dtype="<f4").reshape(shape)
-
-
 def example_loss_and_records(model: Module, batch):
     """Teacher-forced mean cross-entropy (PAD ignored) of a one-sequence batch and its attention
     records after backward: (loss, recorder). The model runs in eval mode (no dropout)."""
@@ -113,7 +108,7 @@ def snapshot(model: Module, task: SequenceTask, examples: Sequence[int], step: i
             kind = kind_of(record.name)
             arrays["P"][kind].append(encode_array(backend.as_numpy(record.weights.data)[0]))
             arrays["dLdP"][kind].append(encode_array(backend.as_numpy(record.grad)[0]))
-        out.append({"loss": loss, **arrays})
+        out.append({"loss": loss if np.isfinite(loss) else None, **arrays})   # JSON has no NaN
     return {"step": int(step), "examples": out}
 
 

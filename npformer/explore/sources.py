@@ -33,8 +33,8 @@ def read_data(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def _checkpoint(path):
-    """(checkpoint dict, model) of a checkpoint of demos/reverse.py, or ExploreError naming the file."""
+def _checkpoint(path, with_model=True):
+    """(checkpoint dict, model or None) of a checkpoint of demos/reverse.py, or ExploreError naming the file."""
     if not os.path.exists(path):
         raise ExploreError(f"{path}: no such file or folder")
     if os.path.isdir(path):
@@ -44,7 +44,7 @@ def _checkpoint(path):
         if not isinstance(ckpt.get("demo"), dict) or "settings" not in ckpt["demo"]:
             raise ExploreError(f"{path}: expected a checkpoint of demos/reverse.py (its 'demo' entry names the "
                                "task's settings and seed, which give the held-out examples); this one has none")
-        model = load_model(path)[0]
+        model = load_model(path)[0] if with_model else None
     except (CheckpointError, OSError, ValueError) as e:
         if isinstance(e, ExploreError):
             raise
@@ -68,7 +68,7 @@ def from_checkpoints(paths: Sequence[str | os.PathLike], examples: int = 3) -> d
     loaded = {}
     first_demo = None
     for path in paths:
-        ckpt, _ = _checkpoint(os.fspath(path))
+        ckpt, _ = _checkpoint(os.fspath(path), with_model=False)
         demo = {k: ckpt["demo"].get(k) for k in ("settings", "seed", "task")}
         if first_demo is None:
             first_demo, first = demo, path
