@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import npformer
-from conftest import ROOT, RUN_ARGS, demo
+from explorer_run import ROOT, RUN_ARGS, demo, short_run  # noqa: F401  (short_run: a fixture)
 from npformer.explore.__main__ import main
 
 MARKER = '<script id="explorer-data" type="application/json">'

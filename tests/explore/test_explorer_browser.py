@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import recorded
+from explorer_run import recorded, short_run  # noqa: F401  (short_run: a fixture)
 
 STEP = 8  # the run keeps checkpoint-step8.npz
 # (example, kind, layer, head) whose every cell is hovered

@@ -1,5 +1,7 @@
-"""A short run of demos/reverse.py with the explorer's snapshots, shared by the explorer's tests,
-and npformer's own P and dL/dP of a checkpoint, recomputed here with nn.record_attention."""
+"""A short run of demos/reverse.py with the explorer's snapshots, shared by the explorer's tests
+(made once per session), and npformer's own P and dL/dP of a checkpoint, recomputed here with
+nn.record_attention. A helper module, not a conftest.py: a second module named conftest would
+replace tests/conftest.py in sys.modules for the tests that import from it."""
 import importlib.util
 import os
 
@@ -23,12 +25,18 @@ def demo(name):
     return module
 
 
+_RUNS = {}
+
+
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory):
-    """The folder of a 12-step run (checkpoint-step8.npz, checkpoint.npz, explorer.html, explorer.json)."""
-    out = tmp_path_factory.mktemp("explorer_run")
-    demo("reverse").main(RUN_ARGS + ["--out", str(out)])
-    return out
+    """The folder of a 12-step run (checkpoint-step8.npz, checkpoint.npz, explorer.html, explorer.json),
+    made once however many test modules import this fixture."""
+    if "short" not in _RUNS:
+        out = tmp_path_factory.mktemp("explorer_run")
+        demo("reverse").main(RUN_ARGS + ["--out", str(out)])
+        _RUNS["short"] = out
+    return _RUNS["short"]
 
 
 def recorded(checkpoint, example):
