@@ -342,7 +342,7 @@ def train(args):
     ctrl_c = {"asked": False}  # set by the first Ctrl-C while training (stop_on_ctrl_c)
 
     every = args.explorer_every if args.explorer_every is not None else max(1, settings["steps"] // EXPLORER_SNAPSHOTS)
-    explorer = None  # the explorer's Collector (rank 0 of a run in one process: its backward is not collective)
+    explorer = None  # the explorer's Collector; none with --distributed (its backward would run on one rank alone)
 
     def between_steps(trainer, record):
         """The step callback (between two steps the run is consistent): keep the snapshot and the
