@@ -17,7 +17,10 @@ and token accuracy of greedy decoding on 1,000 sequences never trained on, steps
 parameters), checkpoint.npz, checkpoint-step150.npz (the model after 150 steps, partly trained:
 what demos/attention_grads.py studies), curves.png (loss, accuracy, lr),
 attention_encoder_self.png, attention_decoder_self.png, attention_cross.png (every head of
-every layer for one example) and grad_norms.png (gradient norm per layer).
+every layer for one example), grad_norms.png (gradient norm per layer), and explorer.html with
+explorer.json: P, dL/dP and dL/dS of every layer, head and attention kind for a few held-out
+examples at every --explorer-every steps, with the training curves, in the browser (one
+self-contained file; docs/explorer.md; `python -m npformer.explore` writes one for any run).
 
 Results go to stdout, progress to stderr. Ctrl-C stops after the current step, saves a
 checkpoint and prints the command that resumes it (exit status 130). A bad argument or file is
@@ -47,6 +50,7 @@ from npformer import load_checkpoint, load_model, optim  # noqa: E402
 from npformer.checkpoint import CheckpointError  # noqa: E402
 from npformer.data import EOS, SequenceTask  # noqa: E402
 from npformer.decoding import greedy_decode  # noqa: E402
+from npformer.explore import DATA_FILE, Collector, pick_examples, write_data, write_page  # noqa: E402
 from npformer.models import Seq2SeqTransformer  # noqa: E402
 from npformer.training import Seq2SeqTrainer  # noqa: E402
 
@@ -64,6 +68,7 @@ PRESETS = {
                  dropout=0.0, batch_size=64, steps=3000, lr=1e-3, warmup=300, schedule="cosine",
                  label_smoothing=0.0, clip_norm=1.0, eval_every=250),
 }
+EXPLORER_SNAPSHOTS = 40  # the explorer's default: a snapshot every steps / 40 steps (and at step 0)
 SNAPSHOT_STEP = 150  # attention_grads.py's default model: partly trained, so dL/dP is still large
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 
@@ -94,6 +99,11 @@ def parse_args(argv=None):
     p.add_argument("--snapshot-step", dest="snapshot_step", type=int, default=SNAPSHOT_STEP,
                    help=f"also keep the checkpoint of this step as checkpoint-step<N>.npz (default {SNAPSHOT_STEP}; "
                         "0: none)")
+    p.add_argument("--explorer-every", dest="explorer_every", type=int,
+                   help=f"the explorer's snapshots (P and dL/dP of a few held-out examples): every N steps (default: "
+                        f"steps / {EXPLORER_SNAPSHOTS}; 0: no explorer.html)")
+    p.add_argument("--explorer-examples", dest="explorer_examples", type=int, default=3,
+                   help="held-out examples in the explorer (default 3)")
     p.add_argument("--resume", metavar="CKPT", help="continue training from a checkpoint of this demo")
     p.add_argument("--checkpoint", metavar="CKPT", help="with --input: load a trained model")
     p.add_argument("--input", help='with --checkpoint: symbols to reverse, e.g. "3 7 1 5"')
@@ -145,6 +155,10 @@ def checked_schedule(settings, args):
         raise UsageError(f"--lr: expected a finite number > 0, got {settings['lr']}")
     if args.snapshot_step < 0:
         raise UsageError(f"--snapshot-step: expected an integer >= 0 (0: none), got {args.snapshot_step}")
+    if args.explorer_every is not None and args.explorer_every < 0:
+        raise UsageError(f"--explorer-every: expected an integer >= 0 (0: no explorer), got {args.explorer_every}")
+    if args.explorer_examples < 1:
+        raise UsageError(f"--explorer-examples: expected a positive integer, got {args.explorer_examples}")
     if not 0 <= settings["warmup"] <= settings["steps"]:
         raise UsageError(f"--warmup: expected 0..{settings['steps']} (at most --steps), got {settings['warmup']}"
                          + ("" if args.warmup is not None else "; give --warmup"))
@@ -246,6 +260,25 @@ def write_figures(out, trainer, task):
     return files
 
 
+def start_explorer(out, model, task, examples, preset, step):
+    """The explorer's Collector for a run at `step`: with the snapshots up to `step` of the run's
+    explorer.json when resuming a run that has one (for the same examples), else with one now."""
+    explorer = Collector(model, task, pick_examples(task, examples), title=f"sequence reversal, preset {preset}")
+    saved = os.path.join(out, DATA_FILE)
+    if not (step and os.path.exists(saved) and explorer.adopt(saved, step)):
+        explorer.take(step)
+    return explorer
+
+
+def write_explorer(out, explorer, trainer):
+    """explorer.html and explorer.json in `out`, with a last snapshot at the final step. -> the page's path."""
+    if explorer.steps()[-1:] != [trainer.step]:
+        explorer.take(trainer.step)
+    data = explorer.data(trainer.history)
+    write_data(os.path.join(out, DATA_FILE), data)
+    return write_page(os.path.join(out, "explorer.html"), data)
+
+
 def default_out(preset, steps):
     """The folder of a run without --out: runs/reverse (default preset) or runs/reverse-<preset>,
     with -steps<N> added when the run is shorter than the preset's, so that a smoke run never
@@ -308,10 +341,16 @@ def train(args):
     snapshot_path = os.path.join(out, f"checkpoint-step{args.snapshot_step}.npz")
     ctrl_c = {"asked": False}  # set by the first Ctrl-C while training (stop_on_ctrl_c)
 
+    every = args.explorer_every if args.explorer_every is not None else max(1, settings["steps"] // EXPLORER_SNAPSHOTS)
+    explorer = None  # the explorer's Collector; none with --distributed (its backward would run on one rank alone)
+
     def between_steps(trainer, record):
-        """The step callback (between two steps the run is consistent): keep the snapshot, stop on Ctrl-C."""
+        """The step callback (between two steps the run is consistent): keep the snapshot and the
+        explorer's, stop on Ctrl-C."""
         if trainer.step == args.snapshot_step:
             trainer.save(snapshot_path)
+        if explorer is not None and trainer.step % every == 0:
+            explorer.take(trainer.step)
         if ctrl_c["asked"]:
             raise Interrupted
 
@@ -322,6 +361,8 @@ def train(args):
                              callbacks=[between_steps], record_steps=True)
     if resumed:
         trainer.resume(args.resume)
+    if every and not args.distributed:
+        explorer = start_explorer(out, model, task, args.explorer_examples, preset, trainer.step)
     parameters = sum(p.size for p in model.parameters())
 
     with stop_on_ctrl_c(ctrl_c):
@@ -348,6 +389,7 @@ def train(args):
     predicted = greedy_decode(model, [example], task.max_target_len, eos=EOS if task.eos else None)
     print(f"example: {' '.join(map(str, task.decode(example)))} -> {' '.join(map(str, task.decode(predicted[0])))}")
     files = write_figures(out, trainer, task) if args.plots else []
+    explorer_page = write_explorer(out, explorer, trainer) if explorer is not None else None
     metrics = {
         "exact_match": result["exact_match"], "token_accuracy": result["token_accuracy"],
         "heldout_sequences": result["sequences"], "decoding": "greedy, KV cache",
@@ -357,6 +399,7 @@ def train(args):
         "preset": preset, "seed": seed, "device": args.device, "ranks": ranks,
         "threads_per_rank": npformer.runtime.threads.get_num_threads(), "settings": settings,
         "model_config": model.config, "checkpoint": checkpoint_path, "figures": files,
+        "explorer": explorer_page,
     }
     with open(os.path.join(out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)

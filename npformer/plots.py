@@ -233,7 +233,8 @@ def _ticks(ax, cell, query_labels, key_labels):
 
 def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title: str, query_labels: Sequence[str],
                    key_labels: Sequence[str]) -> str | os.PathLike:
-    """A grid of heatmaps, one row per layer and one column per head.
+    """A grid of heatmaps, one row per layer and one column per head; cells where P = 0 (masked
+    keys: the decoder's future positions, padding) are grey, not the colour of a small P.
 
     layers: list of (H, Tq, Tk) arrays (one example). query_labels / key_labels: Tq and Tk tick
     labels. Writes a PNG to `path` and returns path. ValueError for arrays or labels that do not fit.
@@ -244,10 +245,11 @@ def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title:
     fig = _figure(figsize=(cell * n_heads + 1, cell * n_layers + 0.6), layout="constrained")
     axes = np.asarray(fig.subplots(n_layers, n_heads, squeeze=False))
     image = None
+    cmap = _matplotlib().colormaps["viridis"].with_extremes(bad="lightgrey")
     for i, weights in enumerate(layers):
         for h in range(n_heads):
             ax = axes[i, h]
-            image = ax.imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis")
+            image = ax.imshow(np.ma.masked_where(weights[h] == 0, weights[h]), vmin=0.0, vmax=1.0, cmap=cmap)
             _ticks(ax, cell, query_labels, key_labels)
             ax.set_title(f"layer {i} head {h}", fontsize=8)
             if h == 0:
@@ -256,6 +258,8 @@ def plot_attention(layers: Sequence[np.ndarray], path: str | os.PathLike, title:
                 ax.set_xlabel("key")
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention probability")
     fig.suptitle(title)
+    if any((weights == 0).any() for weights in layers):
+        fig.supxlabel("grey: masked keys (P = 0)", fontsize=8)
     return _save(fig, path)
 
 

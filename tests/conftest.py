@@ -1,5 +1,6 @@
 """Shared fixtures: one `device` fixture runs a test on every backend; `torch` is the
-reference, and under CI (CI set) a missing torch fails the run instead of skipping. At the end,
+reference, and under CI (CI set) a missing torch, or playwright and chromium for the browser
+tests, fails the run instead of skipping. At the end,
 every numpy name the tests used on the "test" device must exist in CuPy, else the run fails."""
 import functools
 import gc
@@ -57,6 +58,21 @@ def dev_package(name):
         if IN_CI:
             pytest.fail(f"{name} is required under CI: install the dev extra (`make test`)")
         pytest.skip(f"{name} is not installed: `pip install -e .[dev]`")
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it); playwright's own browsers are not used
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """(playwright.sync_api, the chromium executable) for the browser tests: skipped with the
+    reason where playwright (dev extra) or Debian's chromium is missing; under CI a failure."""
+    dev_package("playwright")
+    if not os.access(CHROMIUM, os.X_OK):
+        if IN_CI:
+            pytest.fail(f"{CHROMIUM} is required under CI for the browser tests (.ci/run: apt-get install chromium)")
+        pytest.skip(f"no browser: {CHROMIUM} is missing (apt-get install chromium)")
+    return importlib.import_module("playwright.sync_api"), CHROMIUM
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ LAYERS = [
     ("npformer.optim", "npformer.data", "npformer.training", "npformer.decoding",
      "npformer.checkpoint", "npformer.interop", "npformer.plots", "npformer.opcases", "npformer.gradcheck",
      "npformer.progress", "npformer.distributed", "npformer.cuda", "npformer.recording",
-     "npformer.exercises"),
+     "npformer.exercises", "npformer.explore"),
 ]
 # op math lives here: only the backend switch and its CuPy stand-in may import numpy or cupy (and an op
 # folder's cases.py, whose registry cases draw host inputs)

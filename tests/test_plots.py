@@ -141,3 +141,21 @@ def test_empty_single_and_non_finite_histories_draw(tmp_path):
     for i, loss in enumerate([[], [2.0], [2.0, float("nan"), float("inf")] + [1.0] * 30, [1.0, 0.0, -1.0]]):
         history = {"step": list(range(1, len(loss) + 1)), "loss": loss, "lr": [1e-3] * len(loss)}
         assert png_size(plots.plot_curves(history, tmp_path / f"{i}.png"))[0] > 100
+
+
+def test_plot_attention_draws_masked_cells_grey_not_in_the_colour_of_zero(tmp_path, monkeypatch):
+    """The decoder's causal self-attention: P = 0 above the diagonal. Those cells are masked in the
+    image, drawn in the colour map's "bad" grey, which no probability has (viridis(0) is dark purple)."""
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or path)
+    causal = np.tril(np.ones((4, 4)))
+    weights = np.stack([causal / causal.sum(-1, keepdims=True)] * 2)       # (H=2, 4, 4)
+    plots.plot_attention([weights], tmp_path / "a.png", "t", "abcd", "abcd")
+    future = np.triu(np.ones((4, 4), dtype=bool), 1)
+    images = [image for ax in drawn[0].axes for image in ax.images]
+    assert len(images) == 2
+    for image in images:
+        assert (np.ma.getmaskarray(image.get_array()) == future).all()
+        bad, zero = image.get_cmap().get_bad(), image.get_cmap()(0.0)
+        assert np.abs(np.subtract(bad, zero)).max() > 0.3 and bad[0] == bad[1] == bad[2] and bad[3] == 1
+    assert "grey: masked keys (P = 0)" in drawn[0].get_supxlabel()

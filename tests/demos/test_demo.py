@@ -37,15 +37,30 @@ def seed_run(tmp_path_factory):
 
 def test_reverse_demo_writes_metrics_checkpoint_and_figures(seed_run):
     names = {"metrics.json", "checkpoint.npz", "curves.png", "grad_norms.png", "attention_encoder_self.png",
-             "attention_decoder_self.png", "attention_cross.png"}
+             "attention_decoder_self.png", "attention_cross.png", "explorer.html", "explorer.json"}
     assert names <= set(os.listdir(seed_run))
     assert all(os.path.getsize(seed_run / n) > 1000 for n in names)
     metrics = json.loads((seed_run / "metrics.json").read_text())
     assert {"exact_match", "token_accuracy", "heldout_sequences", "steps", "wall_seconds", "train_seconds",
             "parameters"} <= set(metrics)
     assert metrics["steps"] == 30 and metrics["heldout_sequences"] == 1000
+    assert metrics["explorer"] == str(seed_run / "explorer.html")
     assert 0 <= metrics["exact_match"] <= metrics["token_accuracy"] <= 1
     assert metrics["settings"]["d_model"] == 32 and metrics["settings"]["min_len"] == metrics["settings"]["max_len"] == 6
+
+
+def test_make_demos_explorer_is_under_5_MB(tmp_path):
+    """`make demo` (the default preset, 1,000 steps) keeps a snapshot every 1000 / 40 steps and at step 0:
+    41, for the same examples and shapes as this 40-step run, whose page differs from the full run's only
+    by the curves of 960 more steps (about 40 kB); the full run's page is about 2.6 MB."""
+    demo = _demo("reverse")
+    assert demo.PRESETS["default"]["steps"] // max(1, demo.PRESETS["default"]["steps"] // demo.EXPLORER_SNAPSHOTS) == 40
+    metrics = demo.main(["--steps", "40", "--batch-size", "8", "--out", str(tmp_path), "--quiet", "--no-plots"])
+    data = json.loads((tmp_path / "explorer.json").read_text())
+    assert [s["step"] for s in data["snapshots"]] == list(range(41))
+    assert [len(e["src"]) for e in data["examples"]] == [8, 12, 3] and len(data["kinds"]) == 3
+    curves = len(json.dumps(data["curves"]))
+    assert os.path.getsize(metrics["explorer"]) + curves * 1000 / 40 < 5e6
 
 
 def test_reverse_demo_reverses_typed_input(seed_run, capsys):
@@ -118,6 +133,8 @@ def test_a_quick_run_of_20_steps(tmp_path):
     (["--steps", "2", "--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
     (["--steps", "2", "--lr", "-1"], "--lr: expected a finite number > 0, got -1.0"),
     (["--steps", "2", "--snapshot-step", "-1"], "--snapshot-step: expected an integer >= 0 (0: none), got -1"),
+    (["--steps", "2", "--explorer-every", "-1"], "--explorer-every: expected an integer >= 0 (0: no explorer), got -1"),
+    (["--steps", "2", "--explorer-examples", "0"], "--explorer-examples: expected a positive integer, got 0"),
 ])
 def test_mistakes_are_one_line_errors_with_exit_status_2(args, message, seed_run, tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
