@@ -81,7 +81,7 @@ def forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, a
     transpose identity <g, J u> = <J^T g, u> between the jvp rules and the backward (`analytic`,
     J^T g; None when it was not computed) where the backward is right along u: a wrong backward
     is the backward's failure, not forward mode's. One verdict per output and direction."""
-    from .forward_ad import dual_level, make_dual, unpack_dual
+    from .forward_ad import dual_level, make_dual, tangent_array
 
     directions = _directions(inputs, checked, seed, stream=3)
     verdicts = []
@@ -90,7 +90,7 @@ def forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, a
         with dual_level():
             duals = [make_dual(t, directions[i]) if i in chosen else t for i, t in enumerate(inputs)]
             outs = _outputs(fn(*duals))
-            tangents = [unpack_dual(o).tangent for o in outs]
+            tangents = [tangent_array(o) for o in outs]
         tangents = [o.xp.zeros_like(o.data) if t is None else t for o, t in zip(outs, tangents)]
         def outputs():
             with no_grad():
