@@ -153,7 +153,7 @@ def propagate_tangents(op: type, ctx: Any, args: tuple, results: tuple) -> None:
     if jvp is None:
         raise RuntimeError(f"{op_name(op)} has no forward-mode rule: give it a `jvp(ctx, *tangents)` staticmethod "
                            "returning the tangent of each output (see docs/backprop.md, \"Forward mode\")")
-    out = jvp(ctx, *tangents)
+    out = run_jvp(op, ctx, tangents)
     out = out if isinstance(out, tuple) else (out,)
     if len(out) != len(results):
         raise RuntimeError(f"{op_name(op)}.jvp returned {len(out)} tangents, expected one per output ({len(results)})")
@@ -165,6 +165,23 @@ def propagate_tangents(op: type, ctx: Any, args: tuple, results: tuple) -> None:
     for i, (r, t) in enumerate(zip(results, out)):
         if t is not None:
             r._set_tangent(level, output_tangent(op, i, r, t))
+
+
+def run_jvp(op: type, ctx: Any, tangents: Any) -> Any:
+    """op.jvp(ctx, *tangents), reading as `ctx.saved_tensors` what forward gave `ctx.save_for_forward`
+    (torch's), where it did; backward's saved tensors are back afterwards."""
+    forward_saved = ctx.__dict__.get("saved_for_forward")
+    if forward_saved is None:
+        return op.jvp(ctx, *tangents)
+    backward_saved = ctx.__dict__.get("saved_tensors")
+    ctx.saved_tensors = forward_saved
+    try:
+        return op.jvp(ctx, *tangents)
+    finally:
+        if backward_saved is None:
+            del ctx.saved_tensors
+        else:
+            ctx.saved_tensors = backward_saved
 
 
 def output_tangent(op: type, index: int, result: Tensor, t: Any) -> Any:

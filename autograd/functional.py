@@ -25,7 +25,7 @@ from typing import Any
 
 from . import forward_ad
 from .create_graph import grad, tangent_only_gradients
-from .forward_ad import output_tangent
+from .forward_ad import output_tangent, run_jvp
 from .modes import _forward
 from .tensor import Tensor, stack
 from .versions import changed_inputs, reading_changed_inputs
@@ -257,9 +257,9 @@ def linearize(func: Callable, *primals: Tensor):
             changed = _changed_since(ctx, inputs, seen)
             if changed:  # changed inputs the op did not keep (it raised for those it kept): reading one raises
                 with reading_changed_inputs(ctx, changed, [version for _, version in seen], "jvp_fn of linearize"):
-                    out = op.jvp(ctx, *map(tangent_of, inputs))
+                    out = run_jvp(op, ctx, list(map(tangent_of, inputs)))
             else:
-                out = op.jvp(ctx, *map(tangent_of, inputs))
+                out = run_jvp(op, ctx, list(map(tangent_of, inputs)))
             out = tuple(None if t is None else output_tangent(op, i, r, t)
                         for i, (r, t) in enumerate(zip(results, out if isinstance(out, tuple) else (out,))))
             by_step[id(ctx)] = out
