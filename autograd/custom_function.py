@@ -61,6 +61,8 @@ class FunctionMethods:
         """Output `index` of this node as a Tensor of the graph holding `array`, for
         `differentiable_backward` (create_graph.as_output)."""
         from .create_graph import as_output
+        if not backend.is_array(array):  # a numpy scalar (saved from a 0-d op): its dtype, not Tensor()'s float32
+            array = backend.get_array_module(array).asarray(array)
         return as_output(self, array, index)
 
     def save_for_forward(self, *arrays: Any) -> None:
