@@ -80,7 +80,8 @@ class Function(FunctionMethods):
         if _state.anomaly:  # autograd.detect_anomaly()
             ctx.created_at = where_created()
             check_finite(outputs, ctx, "forward")
-        if ctx._marks is not None:  # forward called ctx.mark_dirty / mark_non_differentiable (custom_function.py)
+        marked = ctx._marks is not None  # forward called ctx.mark_dirty / mark_non_differentiable (custom_function.py)
+        if marked:
             outputs = ctx.floating_stand_ins(outputs)  # (marked_results puts back the integer ones)
         if not record:  # outside the graph (no_grad, inference): nothing to keep for backward
             results = tuple([Tensor(o) for o in outputs])
@@ -95,7 +96,7 @@ class Function(FunctionMethods):
             ctx.retained = {}
             for i, r in enumerate(results):
                 r.creator, r.output_index = ctx, i
-        if ctx._marks is not None:
+        if marked:
             results = ctx.marked_results(args, results)
         if cls.view and hasattr(args[0], "_version"):  # outputs sharing a Tensor input's memory: they count on it
             owner, base = backend.memory_owner(raw[0]), (args[0] if args[0]._base is None else args[0]._base)
