@@ -337,3 +337,29 @@ def test_once_differentiable_as_torch(torch):
     assert autograd.gradcheck(Square.apply, x)
     with pytest.raises(RuntimeError, match="Square"):
         autograd.gradgradcheck(Square.apply, x)
+
+
+def test_bad_ctx_arguments_are_clear_errors():
+    class MarksAnInput(Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_non_differentiable(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    class MaterializesMaybe(Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.set_materialize_grads("no")
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    x = Tensor(X.copy(), requires_grad=True)
+    assert_clear_error(lambda: MarksAnInput.apply(x), ValueError, ["mark_non_differentiable", "an output of forward"])
+    assert_clear_error(lambda: MaterializesMaybe.apply(x), TypeError, ["set_materialize_grads", "True or False", "str"])
