@@ -317,9 +317,10 @@ def _extremum(x, where, dim, keepdim, axis, keepdims):
         if keepdim is not None:
             raise TypeError(f"{where}: keepdim needs a dim (as torch's {where}(dim, keepdim))")
         return Max.apply(x, axis=None, keepdims=False) if where == "max" else -Max.apply(-x, axis=None, keepdims=False)
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
         raise TypeError(f"{where}: dim must be one int (torch's {where}(dim)), got {type(dim).__name__} {dim!r}; "
                         f"over several axes use {where}(axis=...) (numpy's form: values only)")
+    dim = dim.__index__()
     if not -x.ndim <= dim < max(x.ndim, 1):
         raise IndexError(f"{where}: dim {dim} is out of range for a tensor of {x.ndim} dimensions")
     xp, ndim = x.xp, x.ndim
