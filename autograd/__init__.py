@@ -11,6 +11,7 @@ from .backend import get_array_module
 from .function import Function, raw_computation
 from .tensor import Tensor, concatenate, stack, where
 from .create_graph import grad
+from .backward_steps import backward_steps, print_backward
 from . import forward_ad, functional
 from . import gradcheck  # the module, callable as the function (autograd.gradcheck(fn, inputs))
 from .gradcheck import GradcheckError, gradgradcheck
@@ -19,4 +20,4 @@ from .ops import unbroadcast
 
 __all__ = ["backend", "hooks", "get_array_module", "Function", "raw_computation", "detect_anomaly", "enable_grad",
            "is_anomaly_enabled", "is_grad_enabled", "no_grad", "set_grad_enabled", "GradcheckError", "gradcheck", "gradgradcheck", "Tensor", "concatenate",
-           "grad", "stack", "unbroadcast", "where", "forward_ad", "functional"]
+           "grad", "backward_steps", "print_backward", "stack", "unbroadcast", "where", "forward_ad", "functional"]

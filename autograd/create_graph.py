@@ -192,6 +192,7 @@ class GraphPass(BackwardPass):
         _tangent_only.next_pass, self.needed_ids = False, None
         self.wanted_outputs = {} if self.targets is None else {
             (id(t.creator), t.output_index): t for t in self.targets.values() if t.creator is not None}
+        self.captured = set()  # (id(node), j) of wanted outputs given their gradient before their hooks (hooks.py)
 
     def needed(self, nodes):
         """The ids of the nodes whose backward leads to a wanted tensor."""
@@ -207,15 +208,16 @@ class GraphPass(BackwardPass):
         or the pass runs none of its creator's backward."""
         return t is not None and id(t) in self.targets and (t.creator is None or id(t.creator) not in self.needed_ids)
 
-    def deliver(self, t, grad):
-        """`grad` (one contribution) of the leaf or wanted tensor `t`: into `.grad` or `found`."""
+    def deliver(self, t, grad, held=False):
+        """`grad` (one contribution) of the leaf or wanted tensor `t`: into `.grad` or `found`, or
+        held if `t` is a leaf with hooks (hooks.py)."""
+        if not held and (t._grad_hooks or t._post_accumulate_grad_hooks):
+            return hooks.hold(self.held, t, grad)
         if not self.accumulate:
             current = self.found.get(id(t))
             self.found[id(t)] = grad if current is None else current + grad
         else:
             t._accumulate_grad(grad, self.tensors)
-            if t._post_accumulate_grad_hooks:
-                self.hooked.add(id(t))
 
     def deliver_outputs(self, node, grads):
         for j, ref in node.retained.items():  # accumulate, as a leaf's
@@ -224,7 +226,8 @@ class GraphPass(BackwardPass):
                 t._accumulate_grad(grads[j], self.tensors)
         for j in range(len(grads)) if self.wanted_outputs else ():  # autograd.grad of non-leaf tensors
             t = self.wanted_outputs.get((id(node), j))
-            if t is not None and not (self.accumulate and t.creator.retained.get(j)):
+            if (t is not None and not (self.accumulate and t.creator.retained.get(j))
+                    and (id(node), j) not in self.captured):
                 self.deliver(t, grads[j])
 
     def input_grads(self, node, grads):

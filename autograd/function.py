@@ -45,6 +45,7 @@ class Function(FunctionMethods):
     tangent_only_grads = frozenset()  # see create_graph.py
     inputs = None
     versions = ()  # the input Tensors' `_version` when the node was recorded (versions.py)
+    grad_hooks = None  # {output index: [hook, ...]}: Tensor.register_hook on an output (hooks.py)
     view = False  # True for ops whose outputs may share their first input's memory (reshape, slicing, ...)
 
     def save_for_backward(self, *arrays: Any) -> None:
@@ -113,9 +114,7 @@ class Function(FunctionMethods):
 def raw_computation(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args): a computation on raw arrays that is no op (a mask from a step's inputs, a check of
     ids, a dropout mask's draw), which code watching a step's ops sees (hooks.raw_computation)."""
-    if hooks.raw_computation:
-        return hooks.raw_computation[-1](fn, args)
-    return fn(*args)
+    return hooks.raw_computation[-1](fn, args) if hooks.raw_computation else fn(*args)
 
 
 _Tensor = None  # autograd.tensor.Tensor once _tensor_class() has imported it
@@ -158,11 +157,10 @@ def run_backward(roots: Sequence[Tensor], grads: Sequence[Any], *, retain_graph:
                  order: list[Function] | None = None) -> dict:
     """Propagate each `grads[k]` (d loss / d roots[k]: a raw array, or a Tensor when
     `tensor_gradients(create_graph)`) back through the graph, then run the callbacks queued during
-    the pass (hooks.py). `Tensor.backward()` and `autograd.grad` check their arguments and call it.
-    Without create_graph, inputs or accumulate=False (create_graph.py's GraphPass) it is a
-    first-order BackwardPass into `.grad` on raw arrays, run with grad mode off (ops in a hook
-    record no graph). order: `backward_order([t.creator for t in roots])` of a graph retained,
-    run again (npformer's recorded steps). Returns {id(t): gradient} when not accumulating."""
+    the pass (hooks.py); `Tensor.backward()` and `autograd.grad` call it. Without create_graph,
+    inputs or accumulate=False (GraphPass, create_graph.py): a first-order BackwardPass into `.grad`
+    on raw arrays, grad mode off (ops in a hook record no graph). order: `backward_order([t.creator
+    for t in roots])` of a retained graph, run again (recorded steps). Returns {id(t): gradient}."""
     # autograd.functional.linearize records the level: its tangent steps read what the ops saved
     retain_graph = retain_graph or bool(_forward.stack and _forward.stack[-1] in _forward.records)
     tensors = tensor_gradients(create_graph)
@@ -191,7 +189,7 @@ class BackwardPass:
     def __init__(self, retain_graph):
         self.retain_graph = retain_graph
         self.found = {}  # GraphPass without accumulating: {id(t): gradient}
-        self.hooked = set()  # ids of the leaves with post-accumulate-grad hooks given a gradient
+        self.held = {}  # the gradients of leaves with hooks, until complete (hooks.hold, hooks.release)
 
     def run(self, roots, grads, order=None):
         creators = []
@@ -199,7 +197,6 @@ class BackwardPass:
             if t.creator is None:
                 if self.targets is None or id(t) in self.targets:
                     self.deliver(t, g)
-                    hooks.run_post_accumulate_grad_hooks([t], self.hooked)
             elif t.creator.inputs is None:  # an earlier backward freed this graph
                 raise _freed_graph_error()
             else:
@@ -208,12 +205,14 @@ class BackwardPass:
         if creators:
             nodes = backward_order(creators) if order is None else order
             try:
-                self.run_nodes(nodes)
+                for _ in self.run_nodes(nodes):  # a generator, paused after each node by autograd.backward_steps
+                    pass
             except BaseException:  # a pass stopped midway: its partial sums must not stay in the graph
                 for node in nodes:  # (they held memory, and the next backward through it would add to them)
                     if node.inputs is not None:
                         node.output_grads = [None] * len(node.output_meta)
                 raise
+        hooks.release(self)  # leaves with hooks that were roots and no node reached
         return self.found
 
     def run_nodes(self, nodes):
@@ -221,6 +220,8 @@ class BackwardPass:
         needed = None if self.targets is None else self.needed(nodes)  # GraphPass: the nodes leading to targets
         targets, tensors, input_grads, deliver = self.targets, self.tensors, self.input_grads, self.deliver
         for i, node in enumerate(nodes):
+            if node.grad_hooks:  # Tensor.register_hook on an output
+                hooks.run_output_hooks(self, node, needed)
             grads = output_gradients(node, tensors)
             if node.retained or targets is not None:  # retain_grad(); autograd.grad of a non-leaf
                 self.deliver_outputs(node, grads)
@@ -232,19 +233,20 @@ class BackwardPass:
                         _accumulate(t.creator.output_grads, t.output_index, g)
                     elif targets is None or id(t) in targets:
                         deliver(t, g)
-            if i in last_uses:  # leaves whose gradients are now final
-                hooks.run_post_accumulate_grad_hooks(last_uses[i], self.hooked)
+            if i in last_uses:  # leaves whose gradients are now complete
+                hooks.release(self, last_uses[i])
             if self.retain_graph:
                 node.output_grads = [None] * len(node.output_meta)
             else:  # free the graph: everything the op saved, and the links to its inputs
                 node.__dict__.clear()
                 node.inputs = None
+            yield
 
-    def deliver(self, t, grad):
-        """One contribution to the gradient of the leaf `t`: into `.grad`."""
+    def deliver(self, t, grad, held=False):
+        """One contribution to the gradient of the leaf `t`: into `.grad`, or held if `t` has hooks (hooks.py)."""
+        if not held and (t._grad_hooks or t._post_accumulate_grad_hooks):
+            return hooks.hold(self.held, t, grad)
         t._accumulate_grad(grad)
-        if t._post_accumulate_grad_hooks:
-            self.hooked.add(id(t))
 
     def deliver_outputs(self, node, grads):
         """The gradients of the node's outputs that `retain_grad()` keeps, into their `.grad`."""
@@ -268,15 +270,12 @@ class BackwardPass:
 
 
 def output_gradients(node: Function, tensors: bool) -> list:
-    """The summed gradients of the node's outputs, raw arrays or (`tensors`) Tensors; zeros for an
-    output that did not reach the loss."""
+    """The summed gradients of the node's outputs, raw arrays or (`tensors`) Tensors; zeros where none came."""
     grads = []
     for g, (shape, dtype) in zip(node.output_grads, node.output_meta):
         if g is None:
             xp = backend.get_array_module(*[t.data for t in node.inputs if t is not None])
-            g = xp.zeros(shape, dtype)
-            if tensors:
-                g = _tensor_class()(g)
+            g = _tensor_class()(xp.zeros(shape, dtype)) if tensors else xp.zeros(shape, dtype)
         grads.append(g)
     return grads
 

@@ -33,6 +33,8 @@ def _as_array(data):
 class TensorMethods:
     """What `Tensor` does beyond its core (autograd/tensor.py): see the module's docstring."""
 
+    _grad_hooks = ()  # a leaf's `register_hook` hooks: a list once one is registered (hooks.py)
+
     # -- properties ------------------------------------------------------------------
     @property
     def ndim(self) -> int:
@@ -86,6 +88,19 @@ class TensorMethods:
     def _set_tangent(self, level, tangent):
         """Carry `tangent` (an array, or None for none) at the dual `level` (autograd.forward_ad)."""
         set_tangent(self, level, tangent)
+
+    def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> hooks.HookHandle:
+        """Call `hook(grad)` with this tensor's gradient in every backward pass (`backward()`,
+        `autograd.grad`, with create_graph and in forward mode), as torch's: a Tensor (None for an
+        output of a multi-output op that got no gradient); a Tensor it returns (of the gradient's
+        shape, dtype and device) is used in its place, None keeps it. For a tensor made by an op,
+        the hook gets the sum of its gradients before the op's backward runs; for a leaf, its whole
+        gradient of the pass, before it goes into `.grad`. Several run in registration order, each
+        given the last one's result; `retain_grad()` keeps the value after all of them. Returns a
+        handle whose `remove()` unregisters it. RuntimeError on a tensor that does not require
+        grad; TypeError when `hook` is not callable (and, in the pass, when it returns something
+        other than a Tensor or None); RuntimeError in the pass for another shape, dtype or device."""
+        return hooks.register_hook(self, hook)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], Any]) -> hooks.HookHandle:
         """Call `hook(self)` each time a backward pass has finished adding to this leaf's `.grad`

@@ -39,9 +39,10 @@ import math
 
 import numpy as np
 
+import autograd
 import npformer.functional as F
 from autograd import Tensor
-from npformer import plots
+from npformer import nn, plots
 from npformer.exercises import ForwardSteps, check
 from npformer.runtime import random
 
@@ -307,3 +308,39 @@ print(f"memory: P would be {T}x{S} per head; the blocks hold {T}x2 at a time, pl
 # `attention_backward` in `npformer/functional/attention/math.py` is steps 1 to 5, with the comments you
 # just derived (`AttentionFunction` runs it); `npformer/functional/attention/blockwise.py` is the
 # blockwise version. docs/backprop.md derives every other op the same way.
+
+# %% [markdown]
+# ## The engine's backward, one node at a time
+#
+# `autograd.backward_steps(loss)` runs `loss.backward()` one node of the tape at a time and hands
+# over each: the op, the gradient arriving at its outputs, the gradient leaving towards each input
+# (arrays, and their norms), where that goes (the node that made the input, or a leaf's `.grad`),
+# and the file and line of the op's backward formula; `autograd.print_backward` prints the whole
+# pass (docs/backward_steps.md). Here one `nn.MultiheadAttention` layer, self-attention on
+# B = 1, T = 3, E = 6 with 2 heads, under a random upstream gradient: the output projection, the
+# heads merged, the attention op itself, the heads split, the packed q, k, v projection.
+
+# %%
+E, heads = 6, 2
+layer = nn.MultiheadAttention(E, heads).to(dtype=np.float64)
+x = Tensor(rng.standard_normal((1, 3, E)), requires_grad=True)
+out, _ = layer(x, x, x, need_weights=False)
+loss = (out * Tensor(rng.standard_normal(out.shape))).sum()
+steps = autograd.print_backward(loss, names={"x": x, **dict(layer.named_parameters())})
+
+# %% [markdown]
+# The attention node's step holds $dO$ arriving, per head, and $dQ$, $dK$, $dV$ leaving. They are
+# the fused formula's above (`attention_backward`, no mask here) on the q, k, v the op got:
+
+# %%
+step = next(s for s in steps if s.name == "AttentionFunction")
+q_h, k_h, v_h = (i.tensor.data for i in step.inputs)                # (1, 2, 3, 3) each: the heads
+dO = step.outputs[0].grad
+print(f"step #{step.index}: {step.name}, formula at {step.formula_path}:{step.formula_line}")
+print(f"dO arriving {dO.shape}, |dO| = {step.outputs[0].grad_norm:.6g}")
+by_hand = attention_backward(q_h, k_h, v_h, np.ones((3, 3), bool), dO, 1 / math.sqrt(E // heads))
+for name, mine, leaving in zip(("dQ", "dK", "dV"), by_hand, step.inputs):
+    print(f"{name} leaving to #{leaving.to_step} {leaving.to_op.__name__}: |{name}| = {leaving.grad_norm:.6g}, "
+          f"max diff from the fused formula {np.abs(mine - leaving.grad).max():.1e}")
+    assert np.allclose(mine, leaving.grad, rtol=1e-12, atol=1e-14)
+assert x.grad is not None and layer.in_proj_weight.grad is not None   # the pass ran to the end: .grad is filled

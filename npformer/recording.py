@@ -38,7 +38,8 @@ graph and the arrays it saved, as torch.compile keeps a graph per shape up to it
 limit), so that batches of a few shapes (an epoch's shorter last batch, a few sequence lengths)
 all replay, and a setting changed between steps (a module's attribute, a value fn reads) records
 anew; past the limit a call of a new signature runs eagerly. `eager_calls` and `replays` count what
-it did. A parameter's post-accumulate-grad hook runs at every replay (the engine's own backward).
+it did. A parameter's tensor hook (`register_hook`) and post-accumulate-grad hook run at every
+replay (the engine's own backward).
 
 A replay does not run the Python of fn and of the modules' forward, so a step whose recording
 shows Python that a replay would need falls back to eager steps, with one RuntimeWarning, from
@@ -47,9 +48,12 @@ then on (`eager_reason` says why): a value read on the host while recording (`it
 line); a change of the state the signature covers made by recording calls themselves, at the
 `max_recordings`-th such call (a counter that fn increments, an attribute a forward sets at every
 call; until then each is an eager step and a later call records again: a cache a forward builds
-or grows changes it once); a module whose forward is replaced on the instance (npformer's way of
-hooking a module). Recording refuses (RuntimeError) a step whose ops read arrays computed outside
-them that a replay could not remake: see npformer.runtime.record. Not seen, so not allowed in fn:
+or grows changes it once); a module whose forward is replaced on the instance; a hook that fn
+registers (on a tensor it makes, `Tensor.register_hook`, or on a module). A module hook on a
+module of the model (`register_forward_hook`, ...: Python around forward) makes every call run
+eagerly while it is registered (replays resume once it is removed): every hook sees every step,
+as in torch (docs/hooks.md). Recording refuses (RuntimeError) a step whose ops read arrays
+computed outside them that a replay could not remake: see npformer.runtime.record. Not seen, so not allowed in fn:
 a branch on the values of the raw input arrays or of a Tensor's `.data` (numpy's own reads),
 Python random numbers or the clock, state reached only deeper than the signature follows or
 through objects it does not follow (declare those with `state`). Calls from several threads run
@@ -166,6 +170,14 @@ class RecordedStep:
         if loss.creator is None:
             raise TypeError("recorded: fn must return a scalar loss Tensor that requires grad, got one that does not")
         self.eager_calls += 1  # the recording call is an eager step
+        hooked = self._hooked(recorder)
+        if hooked is not None:   # fn registers hooks at each call: Python that replays would not run
+            self.eager_reason = hooked
+            warnings.warn(f"recorded step: {hooked}, which a replay would not run: this step runs eagerly from "
+                          "now on", RuntimeWarning, stacklevel=3)
+            self.recordings.clear()
+            loss.backward()
+            return _returned(loss, extras)
         changed = None if recorder.host_read is not None else self._changed(signature, self._signature(inputs))
         if changed is not None:   # an eager step; a cache built by a forward changes once: a later call records
             self._changed_calls += 1
@@ -184,6 +196,14 @@ class RecordedStep:
         loss.backward(retain_graph=True)
         self.recordings.append((signature, _Recording(recorder, static, loss, extras)))
         return _returned(loss, extras)
+
+    def _hooked(self, recorder):
+        """Why the call just recorded cannot be replayed for its hooks (None: it can): it registered
+        a tensor hook on a tensor it made, or a module hook."""
+        if recorder.tensor_hooked():
+            return "it registered a hook on a tensor it made (Tensor.register_hook)"
+        module = next((m for m in self.model.modules() if m._module_hooks), None)
+        return None if module is None else f"it registered a hook on a {type(module).__name__} (module hooks)"
 
     def _changed(self, before, after):
         """What differs between the signatures before and after the recorded call (None: nothing):
@@ -230,6 +250,8 @@ class RecordedStep:
                               "runs eagerly from now on", RuntimeWarning, stacklevel=4)
                 self.recordings.clear()
                 return None
+            if state.get("_module_hooks"):   # module hooks (nn/module_hooks.py): eager while one is registered
+                return None
             states.append(_module_state(state, found, memo))
         return (tuple(shapes), _twins.active, tuple(states), _frozen(self.fn, _DEPTH, found, memo),
                 None if self.state is None else _frozen(self.state(), _DEPTH, found, memo))
@@ -273,6 +295,8 @@ def _module_state(state, found=None, memo=None):
             frozen.append((name, value))
         elif (kind is dict or kind is set) and not value:   # (most modules' buffers, many's parameters)
             frozen.append((name, kind))
+        elif name == "_module_hooks":   # none registered (else no signature): a hook removed leaves an empty one
+            continue
         elif name == "_parameters":
             frozen.append((name, tuple([(key, id(p), p.requires_grad, p.data.shape, p.data.dtype, type(p.data))
                                         if isinstance(p, Tensor) else (key, p) for key, p in value.items()])))

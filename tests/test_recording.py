@@ -234,7 +234,7 @@ class _Stateful(nn.Module):
 
 def _stateful_losses(record, change=None, at=4, steps=10, fn=None, warn=None):
     """Losses of `steps` SGD steps of a fresh _Stateful (recorded or eager), `change(model)` run
-    before step `at` (1-based); `fn(model, x)` the loss (default: the mean square of the output)."""
+    before step `at` (1-based; or each step of a tuple); `fn(model, x)` the loss (default: the mean square of the output)."""
     npformer.manual_seed(0)
     model = _Stateful()
     opt = optim.SGD(model.parameters(), lr=0.01)
@@ -244,7 +244,7 @@ def _stateful_losses(record, change=None, at=4, steps=10, fn=None, warn=None):
     losses = []
     for i in range(1, steps + 1):
         x = rng.standard_normal((4, 3)).astype(np.float32)
-        if change is not None and i == at:
+        if change is not None and i in (at if isinstance(at, tuple) else (at,)):
             change(model)
         opt.zero_grad()
         if record:
@@ -287,7 +287,7 @@ def test_a_hook_registered_after_the_recording_runs_at_every_replay():
 
 
 def test_a_forward_wrapped_on_a_module_after_the_recording_runs_at_every_step():
-    """npformer's modules have no forward hooks: one wraps a module's forward on the instance. Wrapped
+    """A module's forward wrapped on the instance (a hook without register_forward_hook). Wrapped
     at step 4 of a recorded run, it runs at steps 4 to 10 as eagerly (those steps run eagerly, with
     a warning naming the module), with the eager losses."""
     runs = []
@@ -309,6 +309,62 @@ def test_a_forward_wrapped_on_a_module_after_the_recording_runs_at_every_step():
             runs.append(_stateful_losses(False, change)[0])
         assert len(calls) == 14                                   # twice a step (the loss calls the model twice)
     assert runs[0] == runs[1]
+
+
+def test_module_hooks_registered_on_a_recorded_model_see_every_step_and_replays_resume_once_removed():
+    """Module hooks registered at step 4 (forward hook, full backward hook) and removed at step 8:
+    steps 4 to 7 run eagerly, the hooks see each one's output and gradients as an eager run's do,
+    and later steps replay the recording made before; the losses are the eager ones."""
+    runs, seen_by_run = [], []
+    for record in (False, True):
+        seen, handles = [], []
+
+        def change(model):
+            if not handles:
+                handles.append(model.linear.register_forward_hook(lambda m, a, out: seen.append(out.numpy().copy())))
+                handles.append(model.linear.register_full_backward_hook(
+                    lambda m, gi, go: seen.append(go[0].numpy().copy())))
+            else:
+                for handle in handles:
+                    handle.remove()
+        losses, step = _stateful_losses(record, change, at=(4, 8))
+        runs.append(losses)
+        seen_by_run.append(seen)
+        assert len(seen) == 4 * 2 * 2  # steps 4-7, the model called twice a step: an output and a grad_output each
+        if record:
+            assert step.replays == 4 and step.eager_reason is None  # steps 3, 8, 9, 10: the recording of step 2
+    assert runs[0] == runs[1]
+    for a, b in zip(*seen_by_run):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_parameters_tensor_hook_runs_at_every_replay_and_one_registered_in_fn_makes_the_step_eager():
+    """A hook on a parameter (a leaf) registered at step 4 runs at steps 4 to 10, replays included,
+    and its replacement (the gradient halved) changes the losses as eagerly; a hook that fn
+    registers on a tensor it makes is Python a replay would not run: eager from then on."""
+    runs = []
+    for record in (False, True):
+        calls = []
+
+        def change(model):
+            model.linear.weight.register_hook(lambda g: calls.append(g.numpy().copy()) or g * 0.5)
+        losses, step = _stateful_losses(record, change)
+        assert len(calls) == 7
+        runs.append((losses, calls))
+        if record:
+            assert step.replays >= 6
+    assert runs[0][0] == runs[1][0] and all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+    calls = []
+
+    def fn(model, x):
+        out = model(x)
+        out.register_hook(lambda g: calls.append(g))
+        return (out * out).mean()
+    with pytest.warns(RuntimeWarning, match=r"recorded step: it registered a hook on a tensor it made "
+                                            r"\(Tensor.register_hook\).*runs eagerly"):
+        losses, step = _stateful_losses(True, fn=fn)
+    assert len(calls) == 10 and step.replays == 0 and losses == _stateful_losses(False, fn=fn)[0]
 
 
 def _pause(x):

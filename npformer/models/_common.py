@@ -14,6 +14,7 @@ from ..functional.rotary import check_rope_scaling
 from ..nn import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, init
 from ..nn.layers import as_ids
 from ..nn.config import NORMS, TransformerConfig, check_d_model_nhead, check_num_kv_heads
+from ..nn.hook_points import HookedModel
 
 POSITIONAL = ("sinusoidal", "learned", "rope", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -225,7 +226,7 @@ def _type_vocab_size(config, owner):
     return check_int(config.get("type_vocab_size", 0), "type_vocab_size (0: no token types)", owner, at_least=0)
 
 
-class EncoderOnlyModel(nn.Module):
+class EncoderOnlyModel(nn.Module, HookedModel):
     """Token embedding (+ token-type embedding) + positions (+ LayerNorm) + dropout + a
     TransformerEncoder (with a final norm unless final_norm=False: LayerNorm, or RMSNorm with
     config norm="rmsnorm", as the layers' own): the trunk of CausalLM,
@@ -240,7 +241,8 @@ class EncoderOnlyModel(nn.Module):
     torch.nn.TransformerEncoderLayer; GPT-2 and BERT have activation_dropout=0).
     Init: N(0, 0.02^2) on every parameter matrix, other biases zero, LayerNorm 1/0,
     the padding row zero.
-    `activations`: the activation names the model takes."""
+    `activations`: the activation names the model takes. Named hook points (run_with_cache,
+    run_with_hooks; docs/hook_points.md) on every layer and norm."""
 
     activations = ACTIVATIONS
 

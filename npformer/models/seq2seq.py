@@ -12,6 +12,7 @@ from autograd.checks import check_bool
 from .. import nn
 from ..nn import init
 from ..nn.config import check_d_model_nhead
+from ..nn.hook_points import HookedModel
 from ..nn.layers import as_ids
 from ._common import (POSITIONAL, additive_positions, attention_settings, check_choice, check_config, dims,
                       padding_mask_from_ids, stack_shapes, token_ids, transformer_config)
@@ -30,7 +31,7 @@ def sharing(tie_weights, share_embeddings, owner):
     return tie_weights, share_embeddings
 
 
-class Seq2SeqTransformer(nn.Module):
+class Seq2SeqTransformer(nn.Module, HookedModel):
     """src ids (B, S), tgt ids (B, T) -> next-token logits (B, T, tgt_vocab_size).
 
     x = dropout(embed(ids) * sqrt(d_model) + positions); memory = encoder(x_src);
@@ -57,6 +58,9 @@ class Seq2SeqTransformer(nn.Module):
     and when a key padding mask is not given it is derived from the ids (True = pad).
     Init: xavier_uniform_ on every parameter matrix (embeddings and generator included),
     padding rows zeroed. `config` holds the constructor arguments: Seq2SeqTransformer(**m.config).
+
+    Named hook points (run_with_cache, run_with_hooks; docs/hook_points.md): every layer's
+    residual stream, attention (q, k, v, scores, P, dropped P, z), norms and MLP hidden.
 
     Cached decoding: cache = init_cache(memory, memory_key_padding_mask) once, then
     logits = decode_step(tokens, cache) per new token (see the methods).

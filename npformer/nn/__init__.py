@@ -2,6 +2,7 @@
 from . import init
 from .attention import MultiheadAttention
 from .config import TransformerConfig
+from .hook_points import ActivationCache, HookedModel, HookPoint, hook_point_names, hook_points
 from .layers import GELU, Dropout, Embedding, Identity, LayerNorm, Linear, ReLU, RMSNorm, SiLU, SwiGLU
 from .module import Module, ModuleList, Parameter, Sequential, inference_mode, is_inference_mode_enabled
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
@@ -14,4 +15,5 @@ __all__ = ["init", "Module", "ModuleList", "Parameter", "Sequential", "Linear", 
            "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding", "TransformerEncoderLayer",
            "TransformerDecoderLayer", "TransformerEncoder", "TransformerDecoder", "Transformer", "TransformerConfig",
            "DecoderCache", "make_norm", "record_attention",
-           "AttentionRecorder", "AttentionRecord", "inference_mode", "is_inference_mode_enabled"]
+           "AttentionRecorder", "AttentionRecord", "inference_mode", "is_inference_mode_enabled",
+           "HookPoint", "ActivationCache", "HookedModel", "hook_points", "hook_point_names"]

@@ -21,12 +21,14 @@ import math
 from typing import NamedTuple
 
 import npformer.functional as F
-from autograd import Tensor, backend, concatenate, is_grad_enabled, raw_computation
+from autograd import Tensor, backend, concatenate, is_grad_enabled, raw_computation, where
 from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import as_array, check_bool, check_int
+from npformer.functional.attention.masks import causal_blocked
 
 from . import init
 from .config import TransformerConfig
+from .hook_points import add_hook_points
 from .layers import Linear, new_parameter
 from .module import Module
 from .positional import RotaryEmbedding
@@ -160,6 +162,10 @@ def repeat_kv_heads(x: Tensor, num_heads: int) -> Tensor:
     return x.reshape(B, kv_heads, 1, S, hd).expand(B, kv_heads, groups, S, hd).reshape(B, num_heads, S, hd)
 
 
+# MultiheadAttention's hook points (npformer.nn.hook_points; docs/hook_points.md)
+ATTENTION_HOOK_POINTS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_pattern_dropped",
+                         "hook_z")
+
 _NAMES = {"d_model": "embed_dim", "nhead": "num_heads", "attention_backend": "backend"}  # torch's argument names
 
 
@@ -203,6 +209,10 @@ class MultiheadAttention(Module):
     the last `sliding_window` keys), the attention path, device, dtype); `self.config` holds it
     either way. Masks: see the module docstring. Raises
     TypeError / ValueError naming a bad argument.
+
+    Hook points (npformer.nn.hook_points, docs/hook_points.md): hook_q, hook_k, hook_v (after
+    RoPE), hook_attn_scores, hook_pattern, hook_pattern_dropped, hook_z; while one of the scores'
+    and patterns' has a hook, S, P and dropout(P) are separate autograd ops (`attend_hooked`).
     """
 
     def __init__(self, embed_dim: int | None = None, num_heads: int | None = None, dropout: float = 0.0,
@@ -249,6 +259,7 @@ class MultiheadAttention(Module):
         self.add_zero_attn = check_bool(add_zero_attn, "add_zero_attn", "MultiheadAttention")
         self.out_proj = Linear(embed_dim, embed_dim, bias=config.bias, device=device, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.rotary_base, config.rope_scaling) if config.rotary else None
+        add_hook_points(self, *ATTENTION_HOOK_POINTS)
         self._reset_parameters()
 
     def _reset_parameters(self):
@@ -364,19 +375,69 @@ class MultiheadAttention(Module):
         """Heads q (B, H, T, hd), k, v (B, H_kv, S, hd) through F.scaled_dot_product_attention (with
         `mask`, dropout when training_active, the config's attention path; enable_gqa when H_kv < H;
         the config's sliding_window when mask.is_causal) and out_proj -> (output (B, T, E),
-        weights (B, T, S), or (B, H, T, S) with average_attn_weights=False, or None)."""
+        weights (B, T, S), or (B, H, T, S) with average_attn_weights=False, or None). While a hook
+        point of this module has a hook: `attend_hooked`."""
+        if self.hooks_active:
+            return self.attend_hooked(q, k, v, mask, need_weights, average_attn_weights)
         B, H, T, hd = q.shape
+        out, weights = self.fused_heads(q, k, v, mask, need_weights)                    # (B, H, T, hd)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(axis=1)                                             # (B, T, S)
+        return out, weights
+
+    def fused_heads(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
+                    need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """The heads' outputs (B, H, T, hd) of F.scaled_dot_product_attention (see `attend`), and
+        the (dropped-out) weights (B, H, T, S) when need_weights, else None."""
         # the memory-efficient and flash paths never form the weights: they run when none are asked for
         result = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask.mask, dropout_p=self.dropout if self.training_active else 0.0,
             is_causal=mask.is_causal, enable_gqa=self.grouped, sliding_window=self.causal_window(mask),
             return_weights=need_weights, memory_efficient=self.config.memory_efficient and not need_weights,
             block_size=self.config.block_size, backend=None if need_weights else self.backend)
-        out, weights = result if need_weights else (result, None)                      # (B, H, T, hd)
+        return result if need_weights else (result, None)
+
+    def attention_scores(self, q: Tensor, k: Tensor, mask: AttentionMask) -> Tensor:
+        """S = q k^T / sqrt(hd) + mask (B, H, T, S), -inf where a key is hidden (the mask's False
+        entries, causality, the sliding window), as autograd ops; grouped-query attention reads
+        each kv head for its group of query heads."""
+        q_scaled = q * (1.0 / math.sqrt(q.shape[-1]))                # scaled before the product, as the fused op
+        scores = q_scaled @ repeat_kv_heads(k, q.shape[1]).swapaxes(-1, -2)           # (B, H, T, S)
+        xp, hidden = q.xp, None
+        if mask.mask is not None and (isinstance(mask.mask, Tensor) or mask.mask.dtype != bool):
+            scores = scores + mask.mask                              # a float mask is added
+        elif mask.mask is not None:
+            hidden = ~mask.mask                                      # bool: True = takes part
+        if mask.is_causal:
+            causal = causal_blocked(xp, 0, scores.shape[-2], 0, scores.shape[-1], self.causal_window(mask))
+            hidden = causal if hidden is None else hidden | causal
+        return scores if hidden is None else where(hidden, -math.inf, scores)
+
+    def attend_hooked(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, need_weights: bool,
+                      average_attn_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """`attend` through the hook points: while hook_attn_scores, hook_pattern or
+        hook_pattern_dropped has a hook, S, P = softmax(S) and Pd = dropout(P) are separate
+        autograd ops (the dropout masks those of the fused op: the same draws), their output
+        Pd V; else the fused op. Then hook_z (B, H, T, hd) and out_proj."""
+        B, H, T, hd = q.shape
+        if self.hook_attn_scores.active or self.hook_pattern.active or self.hook_pattern_dropped.active:
+            scores = self.hook_attn_scores(self.attention_scores(q, k, mask))          # (B, H, T, S)
+            probs = self.hook_pattern(F.softmax(scores, dim=-1))                       # P
+            dropped = self.hook_pattern_dropped(F.dropout(probs, self.dropout, self.training_active))  # Pd
+            out = dropped @ repeat_kv_heads(v, H)                                      # (B, H, T, hd)
+            weights = dropped if need_weights else None
+        else:
+            out, weights = self.fused_heads(q, k, v, mask, need_weights)
+        out = self.hook_z(out)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
         if weights is not None and average_attn_weights:
             weights = weights.mean(axis=1)                                             # (B, T, S)
         return out, weights
+
+    def hooked_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (after RoPE) through hook_q, hook_k, hook_v."""
+        return self.hook_q(q), self.hook_k(k), self.hook_v(v)
 
     def causal_window(self, mask: AttentionMask) -> int | None:
         """The sliding window SDPA applies for `mask`: config.sliding_window when the mask is
@@ -433,6 +494,8 @@ class MultiheadAttention(Module):
         q, k, v = self.project_qkv(query, key, value)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(q, position_ids=position_ids), self.rotary_emb(k, position_ids=position_ids)
+        if self.hooks_active:
+            q, k, v = self.hooked_qkv(q, k, v)
         k, v, mask = self.append_keys(k, v, mask, q.shape[2])
         return self.attend(q, k, v, mask, need_weights=need_weights, average_attn_weights=average_attn_weights)
 

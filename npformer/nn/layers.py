@@ -12,6 +12,7 @@ from autograd.checks import (as_array, check_bool, check_float_dtype, check_int,
                              check_shape)
 
 from . import init
+from .hook_points import add_hook_points
 from .module import Module, Parameter
 
 
@@ -143,6 +144,7 @@ class LayerNorm(Module):
             self.weight = init.ones_(new_parameter(self.normalized_shape, device, dtype))
             if bias:
                 self.bias = new_parameter(self.normalized_shape, device, dtype)
+        add_hook_points(self, "hook_normalized")
 
     def forward(self, input: Tensor) -> Tensor:
         """input (..., *normalized_shape) normalized over its trailing dims, same shape. TypeError
@@ -153,6 +155,8 @@ class LayerNorm(Module):
         if input.shape[input.ndim - n:] != self.normalized_shape or input.ndim < n:
             raise ValueError(f"LayerNorm: input's trailing dimensions must be {self.normalized_shape}, "
                              f"got shape {input.shape}")
+        if self.hooks_active:
+            return self.hook_normalized(F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps))
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -176,6 +180,7 @@ class RMSNorm(Module):
         self.register_parameter("weight", None)
         if self.elementwise_affine:
             self.weight = init.ones_(new_parameter(self.normalized_shape, device, dtype))
+        add_hook_points(self, "hook_normalized")
 
     def reset_parameters(self) -> None:
         """The weight back to ones (in place)."""
@@ -191,6 +196,8 @@ class RMSNorm(Module):
         if input.shape[input.ndim - n:] != self.normalized_shape or input.ndim < n:
             raise ValueError(f"RMSNorm: input's trailing dimensions must be {self.normalized_shape}, "
                              f"got shape {input.shape}")
+        if self.hooks_active:
+            return self.hook_normalized(F.rms_norm(input, self.normalized_shape, self.weight, self.eps))
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
 
     def extra_repr(self) -> str:

@@ -16,7 +16,10 @@ from typing import Any
 from autograd import Tensor, backend, no_grad
 from autograd.backend import ArrayLike, DType
 from autograd.checks import check_bool, check_float_dtype
+from autograd.hooks import HookHandle
 from npformer.runtime import lookahead
+
+from . import module_hooks
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
@@ -94,7 +97,10 @@ class Module:
     Subclasses call `super().__init__()` first, assign Parameters, submodules and buffers as
     attributes (they are registered in that order) and define `forward`; `module(...)` calls it.
     Dotted names (`encoder.layers.0.linear1.weight`), `state_dict`, `to`, `train`/`eval` and
-    `zero_grad` follow torch."""
+    `zero_grad` follow torch. Hooks (`register_forward_hook`, ...: module_hooks.py) run in
+    `module(...)` as torch's."""
+
+    _module_hooks = None  # a module_hooks.ModuleHooks once a hook is registered
 
     def __init__(self):
         object.__setattr__(self, "_parameters", {})
@@ -437,12 +443,46 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
     def __call__(self, *args, **kwargs) -> Any:
-        """`module(...)` runs `forward(...)` with the same arguments (there are no hooks)."""
+        """`module(...)` runs `forward(...)` with the same arguments, and the module's hooks around
+        it when it has some (module_hooks.py)."""
         try:
+            if self._module_hooks:
+                return module_hooks.call_with_hooks(self, args, kwargs)
             return self.forward(*args, **kwargs)
         except BaseException:  # the forward pass stops here: drop the dropout masks drawn ahead for it
             lookahead.abandon_pass()
             raise
+
+    # -- hooks (torch's; module_hooks.py) ------------------------------------------------------------
+    def register_forward_pre_hook(self, hook: Callable[..., Any], *, prepend: bool = False,
+                                  with_kwargs: bool = False) -> HookHandle:
+        """Call `hook(module, args)` before each forward (with_kwargs: `hook(module, args, kwargs)`);
+        it returns None, or new args (a value not a tuple is wrapped in one; with_kwargs: a tuple
+        (args, kwargs)). prepend: run it before the hooks already registered. Returns a handle whose
+        `remove()` unregisters it (torch.nn.Module.register_forward_pre_hook)."""
+        return module_hooks.register(self, "forward_pre", hook, prepend, with_kwargs)
+
+    def register_forward_hook(self, hook: Callable[..., Any], *, prepend: bool = False, with_kwargs: bool = False,
+                              always_call: bool = False) -> HookHandle:
+        """Call `hook(module, args, output)` after each forward (with_kwargs: `hook(module, args,
+        kwargs, output)`); it returns None, or a new output. always_call: run it also when forward
+        raises. prepend: before the hooks already registered. Returns a handle (`remove()`)."""
+        return module_hooks.register(self, "forward", hook, prepend, with_kwargs, always_call)
+
+    def register_full_backward_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandle:
+        """Call `hook(module, grad_output)` in each backward pass when the gradients of this module's
+        outputs are complete (a tuple, one per output Tensor); it returns None, or a new
+        grad_output (a tuple as long) that flows on into the module. Returns a handle (`remove()`)."""
+        return module_hooks.register(self, "backward_pre", hook, prepend)
+
+    def register_full_backward_hook(self, hook: Callable[..., Any], prepend: bool = False) -> HookHandle:
+        """Call `hook(module, grad_input, grad_output)` in each backward pass when the gradients with
+        respect to this module's positional inputs are computed (grad_input: one per positional
+        argument, None for one that is no Tensor or does not require grad); it returns None, or a
+        new grad_input (a tuple as long) that flows on to the inputs. The module's forward gets its
+        Tensor inputs, and its caller its Tensor outputs, through an identity op (torch: views).
+        Returns a handle (`remove()`)."""
+        return module_hooks.register(self, "backward", hook, prepend)
 
     def extra_repr(self) -> str:
         """The module's own settings, shown in its repr (`in_features=4, out_features=8, bias=True`)."""

@@ -12,10 +12,10 @@ of the loss with respect to them, dL/dP.
 Why a recorder: inside an attention module the output is O = P V, but the fused op computes
 O without exposing P as a graph node, so `retain_grad()` on the weights that
 `need_weights=True` returns gives zeros (they are a side output that the loss never reads,
-as in torch). While recording, each attention module computes P with
-`F.scaled_dot_product_attention(..., return_weights=True)`, keeps it with `retain_grad()`,
-then forms its output as dropout(P) V with autograd, so after `backward()` P's gradient is
-the loss's dL/dP. The model's outputs, losses and parameter gradients are those of the usual
+as in torch). While recording, each attention module's `hook_pattern` (npformer.nn.hook_points)
+has a hook, so the module computes S, P = softmax(S), dropout(P) and dropout(P) V as separate
+autograd ops; the hook keeps P with `retain_grad()`, so after `backward()` P's gradient is the
+loss's dL/dP. The model's outputs, losses and parameter gradients are those of the usual
 path (the same dropout masks too); only the memory-efficient and flash kernels are not used.
 Only the thread that opened the block records (like grad mode, recording is per thread).
 """
@@ -24,11 +24,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-import npformer.functional as F
 from autograd import Tensor
 from autograd.backend import Array
 
-from .attention import AttentionMask, MultiheadAttention, repeat_kv_heads
+from .attention import MultiheadAttention
 from .module import Module
 
 
@@ -92,9 +91,9 @@ class record_attention:
 
     Works for any model made of npformer.nn modules (Seq2SeqTransformer, CausalLM,
     EncoderClassifier, a bare MultiheadAttention). Records hold the Tensors of the graph, so
-    open it for one forward/backward at a time. The modules are changed for the duration only
-    (an instance attribute shadows their `attend`); only the calls of the thread that opened the
-    block are recorded, other threads using the model meanwhile run the usual path.
+    open it for one forward/backward at a time. For the duration, each module's hook_pattern
+    has a hook (beside any of yours); only the calls of the thread that opened the block are
+    recorded (other threads using the model meanwhile get the same outputs, unrecorded).
     Raises ValueError for a model without attention, RuntimeError when a block is already open
     on it (in any thread).
     """
@@ -104,37 +103,30 @@ class record_attention:
         if not self.modules:
             raise ValueError(f"record_attention: {type(model).__name__} has no MultiheadAttention module")
         self.recorder = AttentionRecorder()
+        self.handles = []
 
     def __enter__(self):
-        busy = [name or "(the model)" for name, m in self.modules if "attend" in m.__dict__]
+        busy = [name or "(the model)" for name, m in self.modules if "recording_attention" in m.__dict__]
         if busy:
             raise RuntimeError(f"record_attention: already recording {busy}; close the other block first")
         self.thread = threading.get_ident()
         for name, module in self.modules:
-            module.__dict__["attend"] = self._recording_attend(name, module)
+            module.__dict__["recording_attention"] = self
+            self.handles.append(module.hook_pattern.add_hook(self._recording_hook(name, module)))
         return self.recorder
 
     def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
         for _, module in self.modules:
-            module.__dict__.pop("attend", None)
+            if module.__dict__.get("recording_attention") is self:
+                del module.__dict__["recording_attention"]
         return False
 
-    def _recording_attend(self, name, module):
-        def attend(q, k, v, mask=AttentionMask(), *, need_weights=False, average_attn_weights=True):
-            """MultiheadAttention.attend with P as a node of the graph (see the module docstring)."""
-            if threading.get_ident() != self.thread:  # another thread: the usual path, not recorded
-                return type(module).attend(module, q, k, v, mask, need_weights=need_weights,
-                                           average_attn_weights=average_attn_weights)
-            B, H, T, _ = q.shape
-            _, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, is_causal=mask.is_causal, enable_gqa=module.grouped,
-                            sliding_window=module.causal_window(mask), return_weights=True)  # (B, H, T, S) P
-            probs.retain_grad()
-            self.recorder.records.append(AttentionRecord(name, module, probs))
-            dropped = F.dropout(probs, module.dropout, training=module.training)  # Pd
-            v = repeat_kv_heads(v, H)                                           # (B, H, S, hd) (grouped: shared)
-            out = (dropped @ v).transpose(1, 2).reshape(B, T, module.embed_dim)  # O = Pd V, heads joined (B, T, E)
-            weights = None
-            if need_weights:
-                weights = dropped.mean(axis=1) if average_attn_weights else dropped
-            return module.out_proj(out), weights
-        return attend
+    def _recording_hook(self, name, module):
+        def record(probs, hook):
+            """hook_pattern's hook: P (B, H, T, S) kept with retain_grad, recorded."""
+            if threading.get_ident() == self.thread:  # another thread: not recorded
+                self.recorder.records.append(AttentionRecord(name, module, probs.retain_grad()))
+        return record

@@ -39,6 +39,7 @@ from npformer.functional._common import check_index_range
 from . import init
 from .attention import AttentionMask, MultiheadAttention, attention_mask
 from .config import TransformerConfig
+from .hook_points import HookedModel, add_hook_points
 from .layers import Dropout, LayerNorm, Linear, RMSNorm
 from .module import Module, ModuleList
 
@@ -114,6 +115,10 @@ class _FeedForwardLayer(Module):
         for i in range(1, n + 1):
             setattr(self, f"norm{i}", make_norm(config))
             setattr(self, f"dropout{i}", Dropout(config.dropout))
+        mlp = ("hook_mlp_pre", "hook_mlp_pre_linear") if self.activation_name == "swiglu" else ("hook_mlp_pre",)
+        cross = ("hook_cross_attn_out", "hook_resid_mid_cross") if n == 3 else ()
+        add_hook_points(self, "hook_resid_pre", "hook_attn_out", "hook_resid_mid", *cross, *mlp, "hook_mlp_post",
+                        "hook_mlp_out", "hook_resid_post")
 
     def _ff_block(self, x):
         """linear2(dropout(activation(linear1(x)))), before the last dropout; relu and the gelus run
@@ -126,6 +131,17 @@ class _FeedForwardLayer(Module):
         else:
             hidden = self.activation(self.linear1(x))
         return self.linear2(self.dropout(hidden))
+
+    def _ff_block_hooked(self, x):
+        """_ff_block through the hook points hook_mlp_pre (linear1's output; with swiglu the gate,
+        and hook_mlp_pre_linear linear3's) and hook_mlp_post (the activation's output), then
+        hook_mlp_out (linear2's output)."""
+        if self.activation_name == "swiglu":
+            pre, up = self.hook_mlp_pre(self.linear1(x)), self.hook_mlp_pre_linear(self.linear3(x))
+            hidden = self.activation(pre, up)
+        else:
+            hidden = self.activation(self.hook_mlp_pre(self.linear1(x)))
+        return self.hook_mlp_out(self.linear2(self.dropout(self.hook_mlp_post(hidden))))
 
     @staticmethod
     def _residual(x, dropout, y):
@@ -182,11 +198,24 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         position_ids (B, S) or (S,): RoPE's positions (rotary=True; default 0 .. S-1)."""
         def self_attention(h):
             return self.self_attn.forward_masked(h, h, h, mask, position_ids=position_ids)[0]
+        if self.hooks_active:
+            return self._forward_hooked(x, self_attention)
         if self.norm_first:
             x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
             return self._residual(x, self.dropout2, self._ff_block(self.norm2(x)))
         x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
         return self.norm2(self._residual(x, self.dropout2, self._ff_block(x)))
+
+    def _forward_hooked(self, x, self_attention):
+        """forward_masked's sublayers through the layer's hook points: hook_resid_pre (the input),
+        hook_attn_out (self-attention's output, before its dropout), hook_resid_mid (the stream
+        entering the feed-forward sublayer: after norm1 in post-LN), the MLP's, hook_resid_post."""
+        x = self.hook_resid_pre(x)
+        if self.norm_first:
+            x = self.hook_resid_mid(self._residual(x, self.dropout1, self.hook_attn_out(self_attention(self.norm1(x)))))
+            return self.hook_resid_post(self._residual(x, self.dropout2, self._ff_block_hooked(self.norm2(x))))
+        x = self.hook_resid_mid(self.norm1(self._residual(x, self.dropout1, self.hook_attn_out(self_attention(x)))))
+        return self.hook_resid_post(self.norm2(self._residual(x, self.dropout2, self._ff_block_hooked(x))))
 
     def forward_step(self, x: Tensor, layer_cache: LayerCache, mask: AttentionMask, position: int,
                      position_ids: ArrayLike | None = None) -> Tensor:
@@ -209,6 +238,8 @@ def cached_self_attention(attn, h, layer_cache, mask, position, position_ids=Non
     q, k, v = attn.project_qkv(h, h, h)                                          # (B, H, L, hd)
     if attn.rotary_emb is not None:
         q, k = attn.rotary_emb(q, position, position_ids), attn.rotary_emb(k, position, position_ids)
+    if attn.hooks_active:
+        q, k, v = attn.hooked_qkv(q, k, v)
     k, v = layer_cache.append_self(k, v)                                         # (B, H, t+L, hd)
     return attn.attend(q, k, v, mask)[0]
 
@@ -263,6 +294,8 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         return self._sublayers(x, self_attention, cross_attention)
 
     def _sublayers(self, x, self_attention, cross_attention):
+        if self.hooks_active:
+            return self._sublayers_hooked(x, self_attention, cross_attention)
         if self.norm_first:
             x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
             x = self._residual(x, self.dropout2, cross_attention(self.norm2(x)))
@@ -270,6 +303,20 @@ class TransformerDecoderLayer(_FeedForwardLayer):
         x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
         x = self.norm2(self._residual(x, self.dropout2, cross_attention(x)))
         return self.norm3(self._residual(x, self.dropout3, self._ff_block(x)))
+
+    def _sublayers_hooked(self, x, self_attention, cross_attention):
+        """_sublayers through the layer's hook points (as the encoder layer's, plus
+        hook_cross_attn_out and hook_resid_mid_cross, the stream entering the feed-forward)."""
+        x = self.hook_resid_pre(x)
+        if self.norm_first:
+            x = self.hook_resid_mid(self._residual(x, self.dropout1, self.hook_attn_out(self_attention(self.norm1(x)))))
+            x = self.hook_resid_mid_cross(self._residual(x, self.dropout2,
+                                                         self.hook_cross_attn_out(cross_attention(self.norm2(x)))))
+            return self.hook_resid_post(self._residual(x, self.dropout3, self._ff_block_hooked(self.norm3(x))))
+        x = self.hook_resid_mid(self.norm1(self._residual(x, self.dropout1, self.hook_attn_out(self_attention(x)))))
+        x = self.hook_resid_mid_cross(self.norm2(self._residual(x, self.dropout2,
+                                                                self.hook_cross_attn_out(cross_attention(x)))))
+        return self.hook_resid_post(self.norm3(self._residual(x, self.dropout3, self._ff_block_hooked(x))))
 
     def forward_step(self, x: Tensor, layer_cache: LayerCache, cross_mask: AttentionMask, position: int) -> Tensor:
         """One new target position x (B, 1, d) attending to the cached self-attention keys and
@@ -611,7 +658,7 @@ def _causal_allowed(xp, cached, new, window=None):
     return allowed if window is None else allowed & (keys > queries - window)
 
 
-class Transformer(Module):
+class Transformer(Module, HookedModel):
     """Encoder-decoder Transformer with exactly torch.nn.Transformer(batch_first=True)'s
     parameters, state_dict keys and math, including the final encoder.norm and decoder.norm.
 

@@ -253,6 +253,11 @@ class Recorder:
                 hooks.host_read.remove(_host_read)
         return False
 
+    def tensor_hooked(self):
+        """Whether a tensor the step made got a hook (`Tensor.register_hook`, kept on its op's node):
+        Python of the step (registering it, and the hook itself) that a replay would not run again."""
+        return any(isinstance(e, _Op) and e.node and e.ctx.grad_hooks for e in self.events)
+
     def check(self, known, parameters, outputs=()):
         """Refuse (RuntimeError) a recording that a replay would get wrong: an op input or option
         array that is not an earlier op's output, a recomputed result, a Tensor of `parameters`, or

@@ -88,7 +88,7 @@ def test_recording_changes_neither_outputs_nor_parameter_gradients(rng, device):
 
     for plain, recorded in zip(run(False), run(True)):
         np.testing.assert_allclose(recorded, plain, rtol=1e-12, atol=1e-13 * np.abs(plain).max())
-    assert "attend" not in mha.__dict__
+    assert not mha.hooks_active and "recording_attention" not in mha.__dict__
 
 
 def seq2seq():
@@ -169,7 +169,8 @@ def test_recording_is_undone_after_an_error_and_cannot_nest():
     with pytest.raises(ValueError, match="positions but max_len"):
         with nn.record_attention(model):
             model(np.ones((1, 9), int))
-    assert not any("attend" in m.__dict__ for m in model.modules())
+    attention = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+    assert not any(m.hooks_active or "recording_attention" in m.__dict__ for m in attention)
     with nn.record_attention(model):
         with pytest.raises(RuntimeError, match="already recording"):
             with nn.record_attention(model):

@@ -86,6 +86,7 @@ class GELUBackward(Function):
     and the tangent t_dh = t_dy * gelu'(h) + dy * gelu''(h) * t_h. saved: what
     bias_activation_forward saved, (h, Phi(h)) or (h, tanh(u)); kind "gelu" or "gelu_tanh";
     density: the exact form's phi(h) when already formed (activation_tangent), else None."""
+    backward_formula = staticmethod(math.gelu_double_backward)
 
     @staticmethod
     def forward(ctx, dy, h, saved, kind, density=None):
@@ -121,6 +122,7 @@ class GELUBackward(Function):
 
 class ReLUFunction(Function):
     """y = max(x, 0), any shape (relu(NaN) = NaN).  dx = dy where not (x <= 0), else 0."""
+    backward_formula = staticmethod(math.bias_activation_backward)
 
     @staticmethod
     def forward(ctx, x):
@@ -154,6 +156,7 @@ class GELUFunction(Function):
 
     exact: dx = dy * (Phi(x) + x phi(x));  tanh: dx = dy * (0.5 (1 + t) + 0.5 x (1 - t^2) du/dx).
     """
+    backward_formula = staticmethod(math.bias_activation_backward)
 
     @staticmethod
     def forward(ctx, x, approximate):
@@ -192,6 +195,7 @@ class DropoutFunction(Function):
 
     What backward needs comes from the kernel table: on the CPU the mask (1 byte per entry,
     cheaper than drawing it again), on a GPU nothing (the kernel regenerates it)."""
+    backward_formula = staticmethod(math.dropout_backward)
 
     @staticmethod
     def forward(ctx, x, seed, offset, p, state=None):

@@ -11,6 +11,7 @@ Both write their third derivative with differentiable ops (graph.py)."""
 from autograd import Function, Tensor, backend, unbroadcast
 
 from ..activation import dropout_scale
+from . import blockwise, higher, math
 from .blockwise import lead_shape, window_option
 from .dropout import attention_keep_block
 from .graph import graph_attention_double_backward
@@ -30,6 +31,7 @@ class AttentionFunction(Function):
     The kernel tables attention_forward / attention_backward run it (cpu: blocks of a batch axis
     on the threads of `npformer.runtime.threads`, see cpu.py).
     """
+    backward_formula = staticmethod(math.attention_backward)
 
     @staticmethod
     def forward(ctx, q, k, v, additive, blocked, causal, scale, keep, dropout_scale, return_weights):
@@ -113,6 +115,7 @@ class AttentionBackward(Function):
     backward `attention_double_backward`; jvp: the gradients' tangents `attention_backward_jvp`; both
     on raw (..., Tq, Tk) matrices from the saved P. differentiable_backward (third order and above):
     the double backward's formulas with Tensors, P recomputed in the graph (graph_attention_double_backward)."""
+    backward_formula = staticmethod(higher.attention_double_backward)
 
     @staticmethod
     def forward(ctx, q, k, v, additive, dout, dweights, probs, keep, blocked, causal, scale, dropout_scale, need):
@@ -189,6 +192,7 @@ class MemoryEfficientAttentionFunction(Function):
     window: a causal sliding window W (keys j <= i - W hidden too; the key blocks outside it are
     skipped at every order), or None.
     """
+    backward_formula = staticmethod(blockwise.attention_blockwise_backward)
 
     @staticmethod
     def forward(ctx, q, k, v, additive, blocked, causal, scale, block_size, dropout, mask_grad, window=None):
@@ -240,6 +244,7 @@ class MemoryEfficientAttentionBackward(Function):
     logsumexp, come as constants: the backward below differentiates through them by hand.
     Its backward is `attention_blockwise_double_backward`, block by block, never a (Tq, Tk) matrix;
     its differentiable_backward the same formulas on whole matrices (third order and above)."""
+    backward_formula = staticmethod(blockwise.attention_blockwise_double_backward)
 
     @staticmethod
     def forward(ctx, q, k, v, additive, dout, out, lse, blocked, options, need_mask, window=None):

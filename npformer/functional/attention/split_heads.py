@@ -17,10 +17,18 @@ def split_heads_backward(dx, grads):
         dx[:, :, i] = g.transpose(0, 2, 1, 3)
 
 
+def _heads_of(x, chunks, num_heads):
+    """x (B, T, n E) -> n views (B, H, T, hd) of x: chunk i is the heads of columns [i E, (i + 1) E)."""
+    B, T, width = x.shape
+    heads = x.reshape(B, T, chunks, num_heads, width // (chunks * num_heads))   # (B, T, n, H, hd)
+    return tuple(heads[:, :, i].transpose(0, 2, 1, 3) for i in range(chunks))  # n x (B, H, T, hd)
+
+
 class SplitHeadsFunction(Function):
     """x (B, T, n E) -> n arrays (B, H, T, hd) with E = H hd: chunk i is the heads of columns
     [i E, (i + 1) E), a view of x. Backward writes the n head gradients into one (B, T, n E)
     array, the layout of x (one pass; no zero-filled copies to add up)."""
+    backward_formula = staticmethod(split_heads_backward)
 
     view = True  # the heads are views of x: an in-place change of x is theirs (autograd/versions.py)
 
@@ -49,6 +57,7 @@ class MergeHeadsFunction(Function):
     differentiable backward), one pass like the backward. It is linear and the transpose of the
     split: its backward is the split of the incoming gradient into heads, its jvp the merge of the
     tangents."""
+    backward_formula = staticmethod(_heads_of)
 
     @staticmethod
     def forward(ctx, *heads, shape, layout):
@@ -70,13 +79,6 @@ class MergeHeadsFunction(Function):
         like = next(t for t in tangents if t is not None)
         xp = backend.get_array_module(like)
         return _merged_heads([xp.zeros(ctx.head_shape, like.dtype) if t is None else t for t in tangents], ctx.shape)
-
-
-def _heads_of(x, chunks, num_heads):
-    """x (B, T, n E) -> n views (B, H, T, hd) of x: chunk i is the heads of columns [i E, (i + 1) E)."""
-    B, T, width = x.shape
-    heads = x.reshape(B, T, chunks, num_heads, width // (chunks * num_heads))   # (B, T, n, H, hd)
-    return tuple(heads[:, :, i].transpose(0, 2, 1, 3) for i in range(chunks))  # n x (B, H, T, hd)
 
 
 def _merged_heads(heads, shape):

@@ -35,6 +35,7 @@ class CrossEntropyFunction(Function):
     cpu: row blocks on threads, cpu.py; cuda: hand-written kernels, cuda.py); the softmax is saved for
     backward.
     """
+    backward_formula = staticmethod(math.cross_entropy_backward)
 
     @staticmethod
     def forward(ctx, logits, weight, safe_target, valid, divisor, reduction, label_smoothing):

@@ -11,6 +11,7 @@ from npformer.runtime.kernels import kernel_table
 from npformer.runtime.random import Philox
 
 from .._common import check_one_dtype, check_tensor, has_twin, tensor_of
+from . import math
 from ..activation import DropoutFunction, dropout_forward, dropout_stream
 
 __all__ = ["dropout_add"]  # its public ops, which npformer.functional exports
@@ -27,6 +28,7 @@ def dropout_add_forward(xp, x, residual, seed, offset, p, state=None):
 
 class DropoutAddFunction(Function):
     """y = residual + x * m, m = keep / (1 - p) by the dropout contract.  dx = dy * m,  dresidual = dy."""
+    backward_formula = staticmethod(math.dropout_add_backward)
 
     @staticmethod
     def forward(ctx, x, residual, seed, offset, p, state=None):

@@ -23,6 +23,7 @@ class EmbeddingFunction(Function):
     dweight[v] = sum of dout over the positions where ids == v; dweight[padding_idx] = 0; with
     scale_grad_by_freq each row divided by the number of times its id occurs in ids.
     """
+    backward_formula = staticmethod(math.scatter_add_rows)
 
     @staticmethod
     def forward(ctx, weight, ids, padding_idx, scale_grad_by_freq=False):
@@ -65,6 +66,7 @@ class ScatterAddRowsFunction(Function):
     the embedding's backward as an op (its differentiable backward), run by the kernel table
     scatter_add_rows (on the CPU: sorted runs, cpu.py). It is linear in rows and the
     transpose of the lookup: its backward is the lookup g[ids], its jvp the scatter-add of the tangent."""
+    backward_formula = staticmethod(math.embedding_forward)
 
     @staticmethod
     def forward(ctx, rows, ids, num_rows):

@@ -45,6 +45,7 @@ class LayerNormBackward(Function):
     `layer_norm_double_backward`, jvp `layer_norm_backward_jvp`. xhat and rstd, the forward's saved
     values, come as constants (the formulas differentiate through them by hand); x is an input
     only for the gradients to reach it (None: a constant). weight: a Tensor, an array or None."""
+    backward_formula = staticmethod(math.layer_norm_double_backward)
 
     @staticmethod
     def forward(ctx, dy, x, weight, xhat, rstd, normalized_shape, eps, needs):
@@ -132,6 +133,7 @@ class LayerNormFunction(Function):
     The kernel table layer_norm_forward / layer_norm_backward runs it (cpu: row blocks on
     threads, npformer/functional/layer_norm/cpu.py; cuda: hand-written kernels); xhat and rstd are saved for backward.
     """
+    backward_formula = staticmethod(math.layer_norm_backward)
 
     @staticmethod
     def forward(ctx, x, weight, bias, normalized_shape, eps):

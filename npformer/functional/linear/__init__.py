@@ -40,6 +40,7 @@ class LinearFunction(Function):
       - the node of h's jvp takes t_h from it once (`_take_pre_activation_tangent`) when its
         tangents are the same objects, else computes t_h itself.
     """
+    backward_formula = staticmethod(math.linear_backward)
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, values=None, tangent_from=None):

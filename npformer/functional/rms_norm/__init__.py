@@ -51,6 +51,7 @@ class RMSNormBackward(Function):
     `rms_norm_backward_jvp`. xhat and rstd, the forward's saved values, come as constants (the
     formulas differentiate through them by hand); x is an input only for the gradients to reach it
     (None: a constant). weight: a Tensor, an array or None."""
+    backward_formula = staticmethod(math.rms_norm_double_backward)
 
     @staticmethod
     def forward(ctx, dy, x, weight, xhat, rstd, normalized_shape, eps, needs):
@@ -130,6 +131,7 @@ class RMSNormFunction(Function):
     dx = rstd (g - xhat mean(g xhat)),  dweight = sum(dy xhat).
     The kernel table rms_norm_forward / rms_norm_backward runs it; xhat and rstd are saved for backward.
     """
+    backward_formula = staticmethod(math.rms_norm_backward)
 
     @staticmethod
     def forward(ctx, x, weight, normalized_shape, eps):

@@ -18,6 +18,7 @@ class RotaryEmbeddingFunction(Function):
 
     The backward is the inverse rotation: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
     """
+    backward_formula = staticmethod(math.rotary_backward)
 
     @staticmethod
     def forward(ctx, x, cos, sin):

@@ -45,6 +45,7 @@ class SiLUBackward(Function):
 
     and the tangent t_dx = t_dy * silu'(x) + dy * silu''(x) * t_x. x_saved and s = sigmoid(x): the
     forward's arrays (constants; the rules differentiate through them by hand)."""
+    backward_formula = staticmethod(math.silu_double_backward)
 
     @staticmethod
     def forward(ctx, dy, x, x_saved, s):
@@ -75,6 +76,7 @@ class SiLUBackward(Function):
 
 class SiLUFunction(Function):
     """y = x * sigmoid(x), any shape.  dx = dy * s (1 + x (1 - s)), s = sigmoid(x) (saved)."""
+    backward_formula = staticmethod(math.silu_backward)
 
     @staticmethod
     def forward(ctx, x):
@@ -128,6 +130,7 @@ class SwiGLUBackward(Function):
     whose own derivatives are hand-derived: backward `swiglu_double_backward`, jvp
     `swiglu_backward_jvp`. gate_saved, up_saved, s = sigmoid(gate): the forward's arrays, constants;
     gate and up are inputs for the gradients to reach them (arrays: constants)."""
+    backward_formula = staticmethod(math.swiglu_double_backward)
 
     @staticmethod
     def forward(ctx, dy, gate, up, gate_saved, up_saved, s, needs):
@@ -178,6 +181,7 @@ class SwiGLUFunction(Function):
     """y = silu(gate) * up = gate * sigmoid(gate) * up, gate and up of one shape (the gated
     feed-forward's nonlinearity, fused).  With s = sigmoid(gate) (saved):
     d gate = dy * up * s (1 + gate (1 - s)),  d up = dy * gate * s."""
+    backward_formula = staticmethod(math.swiglu_backward)
 
     @staticmethod
     def forward(ctx, gate, up):

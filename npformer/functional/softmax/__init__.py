@@ -21,6 +21,7 @@ log_softmax_jvp = kernel_table(math.log_softmax_jvp)
 
 class SoftmaxFunction(Function):
     """y = softmax(x) along `dim`, any shape.  dx = y * (dy - sum(dy * y, dim))."""
+    backward_formula = staticmethod(math.softmax_backward)
 
     @staticmethod
     def forward(ctx, x, dim):
@@ -53,6 +54,7 @@ class SoftmaxFunction(Function):
 
 class LogSoftmaxFunction(Function):
     """logp = log_softmax(x) along `dim`, any shape.  dx = dy - exp(logp) * sum(dy, dim)."""
+    backward_formula = staticmethod(math.log_softmax_backward)
 
     @staticmethod
     def forward(ctx, x, dim):

@@ -1,0 +1,390 @@
+"""Module hooks (`register_forward_pre_hook`, `register_forward_hook`, `register_full_backward_pre_hook`,
+`register_full_backward_hook`) and tensor hooks on a two-layer Transformer, against the same model
+in torch (npformer.interop.to_torch), float64: what every hook sees, in torch's order, equal to
+1e-12; replacements change the gradients as torch's do; handles remove hooks; create_graph and
+forward mode; the errors."""
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+import autograd
+from autograd import Tensor
+from autograd import forward_ad as fwAD
+from npformer import interop, nn
+from npformer.nn import module_hooks
+from npformer.opcases.modules import randomize_vectors
+
+B, S, T, D, H, FF = 2, 5, 4, 8, 2, 12
+# modules that both libraries call as modules (torch's MultiheadAttention uses out_proj's weights
+# directly, and npformer's stacks run their layers' and attention's forward_masked: see docs/hooks.md)
+WATCHED = ["encoder", "decoder", "encoder.norm", "decoder.norm"] + [
+    f"{stack}.layers.{i}.{name}" for stack in ("encoder", "decoder") for i in range(2)
+    for name in ("norm1", "norm2", "linear2") + (("norm3",) if stack == "decoder" else ())]
+
+
+def twins(torch, seed=0):
+    rng = np.random.default_rng(seed)
+    ours = randomize_vectors(nn.Transformer(d_model=D, nhead=H, num_encoder_layers=2, num_decoder_layers=2,
+                                            dim_feedforward=FF, dropout=0.0), rng).double()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+        theirs = interop.to_torch(ours)
+    inputs = [rng.standard_normal((B, S, D)), rng.standard_normal((B, T, D))]
+    upstream = rng.standard_normal((B, T, D))
+    return ours, theirs, inputs, upstream
+
+
+def array(t):
+    if t is None:
+        return None
+    return t.detach().numpy().copy() if not isinstance(t, Tensor) else t.numpy().copy()
+
+
+def tensors(lib, torch, values, requires_grad=False):
+    if lib == "torch":
+        return [torch.tensor(v, requires_grad=requires_grad) for v in values]
+    return [Tensor(v, requires_grad=requires_grad) for v in values]
+
+
+def watch(lib, torch, model, seen, replace=None):
+    """Hooks of every kind on the WATCHED modules, recording into `seen` {key: array}; a tensor hook
+    on each one's output (an intermediate activation) and on two parameters. replace: {key: fn}
+    returning what the hook of that key returns."""
+    replace = replace or {}
+    modules = dict(model.named_modules())
+    handles = []
+    for name in WATCHED:
+        m = modules[name]
+
+        def pre(module, args, name=name):
+            seen[f"{name} forward pre args[0]"] = array(args[0])
+
+        def forward(module, args, output, name=name):
+            seen[f"{name} output"] = array(output)
+            output.register_hook(lambda g: seen.__setitem__(f"{name} output's gradient", array(g)))
+            return replace.get(f"{name} output", lambda o: None)(output)
+
+        def backward_pre(module, grad_output, name=name):
+            seen[f"{name} grad_output"] = [array(g) for g in grad_output]
+            return replace.get(f"{name} grad_output", lambda g: None)(grad_output)
+
+        def backward(module, grad_input, grad_output, name=name):
+            seen[f"{name} grad_input"] = [array(g) for g in grad_input]
+            seen[f"{name} grad_output seen by the full backward hook"] = [array(g) for g in grad_output]
+            return replace.get(f"{name} grad_input", lambda g: None)(grad_input)
+
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(forward),
+                    m.register_full_backward_pre_hook(backward_pre), m.register_full_backward_hook(backward)]
+    params = dict(model.named_parameters())
+    for name in ("encoder.layers.0.linear1.weight", "decoder.layers.1.linear2.bias", "decoder.norm.weight"):
+        def on_param(g, name=name):
+            seen[f"{name} gradient"] = array(g)
+            return replace.get(f"{name} gradient", lambda g: None)(g)
+        handles.append(params[name].register_hook(on_param))
+    return handles
+
+
+def run(lib, torch, model, inputs, upstream, replace=None):
+    seen = {}
+    watch(lib, torch, model, seen, replace)
+    src, tgt = tensors(lib, torch, inputs, requires_grad=True)
+    out = model(src, tgt)
+    out.backward(tensors(lib, torch, [upstream])[0])
+    seen["src.grad"], seen["tgt.grad"] = array(src.grad), array(tgt.grad)
+    for name, p in model.named_parameters():
+        seen[f"{name}.grad"] = array(p.grad)
+    return seen
+
+
+def assert_same(theirs, ours):
+    assert sorted(theirs) == sorted(ours), set(theirs) ^ set(ours)
+    for key in theirs:
+        a, b = theirs[key], ours[key]
+        for x, y in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            assert (x is None) == (y is None), key
+            if x is not None:
+                np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-14 * max(1.0, np.abs(x).max()), err_msg=key)
+
+
+def test_every_hook_on_a_two_layer_transformer_sees_what_torchs_sees(torch):
+    ours, theirs, inputs, upstream = twins(torch)
+    expected, got = run("torch", torch, theirs, inputs, upstream), run("ours", torch, ours, inputs, upstream)
+    assert len(got) > 100
+    assert_same(expected, got)
+
+
+def test_replacing_hooks_change_the_gradients_as_torchs_do(torch):
+    """A forward hook replacing an output, a backward pre-hook doubling grad_output, a full backward
+    hook zeroing one grad_input and scaling another, a tensor hook on a parameter: every gradient,
+    and what every other hook sees, as torch's."""
+    replace = {
+        "encoder.layers.0.norm2 output": lambda o: o * 0.5,
+        "decoder.layers.0.norm3 grad_output": lambda g: tuple(x * 2.0 for x in g),
+        "encoder.layers.1.linear2 grad_input": lambda g: tuple(x * 0.0 for x in g),
+        "decoder.layers.1.norm1 grad_input": lambda g: tuple(x * 3.0 for x in g),
+        "encoder.layers.0.linear1.weight gradient": lambda g: g * -1.0,
+    }
+    ours, theirs, inputs, upstream = twins(torch, seed=1)
+    expected = run("torch", torch, theirs, inputs, upstream, replace)
+    got = run("ours", torch, ours, inputs, upstream, replace)
+    assert_same(expected, got)
+    plain = run("ours", torch, twins(torch, seed=1)[0], inputs, upstream)
+    assert not np.allclose(plain["src.grad"], got["src.grad"])  # (the replacements changed it)
+
+
+def test_removed_hooks_are_not_called_and_a_model_without_hooks_is_unchanged(torch):
+    ours, _, inputs, upstream = twins(torch)
+    plain = run("ours", torch, copy.deepcopy(ours), inputs, upstream)  # the same model with hooks that return None
+    seen = {}
+    for handle in watch("ours", torch, ours, seen):
+        handle.remove()
+    for m in ours.modules():
+        assert not m._module_hooks, m
+    src, tgt = tensors("ours", torch, inputs, requires_grad=True)
+    ours(src, tgt).backward(Tensor(upstream))
+    assert seen == {}
+    np.testing.assert_array_equal(src.grad.numpy(), plain["src.grad"])
+
+
+def test_hook_order_prepend_and_what_pre_hooks_and_forward_hooks_return(torch):
+    def run_on(lib):
+        calls = []
+        m = torch.nn.Linear(3, 2).double() if lib == "torch" else nn.Linear(3, 2).double()
+        m.register_forward_pre_hook(lambda mod, args: calls.append("pre a") or (args[0] * 2.0,))
+        m.register_forward_pre_hook(lambda mod, args: calls.append("pre b") or args[0] + 1.0)  # not a tuple
+        m.register_forward_pre_hook(lambda mod, args: calls.append("pre first"), prepend=True)
+        m.register_forward_pre_hook(
+            lambda mod, args, kwargs: calls.append(f"kwargs {sorted(kwargs)}") or (args, kwargs), with_kwargs=True)
+        m.register_forward_hook(lambda mod, args, out: calls.append("forward") or out * 3.0)
+        m.register_forward_hook(
+            lambda mod, args, kwargs, out: calls.append("forward with kwargs") or out + args[0].sum(), with_kwargs=True)
+        m.register_forward_hook(lambda mod, args, out: calls.append("forward first"), prepend=True)
+        m.register_full_backward_hook(lambda mod, gi, go: calls.append("backward"))
+        m.register_full_backward_hook(lambda mod, gi, go: calls.append("backward first"), prepend=True)
+        m.register_full_backward_pre_hook(lambda mod, go: calls.append("backward pre"))
+        for p in m.parameters():
+            p.data[...] = np.linspace(-1, 1, p.size).reshape(p.shape) if lib != "torch" else \
+                torch.linspace(-1, 1, p.numel(), dtype=torch.float64).reshape(p.shape)
+        x = tensors(lib, torch, [np.arange(6.0).reshape(2, 3)], requires_grad=True)[0]
+        out = m(x)
+        out.sum().backward()
+        return calls, array(out), array(x.grad)
+
+    (calls_t, out_t, grad_t), (calls_o, out_o, grad_o) = run_on("torch"), run_on("ours")
+    assert calls_o == calls_t
+    np.testing.assert_allclose(out_o, out_t, rtol=1e-12)
+    np.testing.assert_allclose(grad_o, grad_t, rtol=1e-12)
+
+
+def test_always_call_forward_hooks_run_when_forward_raises(torch):
+    for lib in ("torch", "ours"):
+        calls = []
+        m = torch.nn.Linear(3, 2) if lib == "torch" else nn.Linear(3, 2)
+        m.register_forward_hook(lambda mod, args, out: calls.append("not always"))
+        m.register_forward_hook(lambda mod, args, out: calls.append(("always", out)), always_call=True)
+        bad = torch.ones(2, 4) if lib == "torch" else Tensor(np.ones((2, 4), dtype=np.float32))
+        with pytest.raises((RuntimeError, ValueError)):
+            m(bad)
+        assert calls == [("always", None)], (lib, calls)
+
+
+def test_full_backward_hooks_get_none_for_inputs_without_grad_and_run_when_no_input_requires_grad(torch):
+    # a module of two positional Tensor inputs, one without grad, and a non-Tensor argument
+    class Scale(nn.Module):
+        def forward(self, x, y, factor):
+            return x * y * factor
+
+    class TorchScale(torch.nn.Module):
+        def forward(self, x, y, factor):
+            return x * y * factor
+
+    results = []
+    for lib, m in (("torch", TorchScale()), ("ours", Scale())):
+        seen = []
+        record = lambda mod, gi, go: seen.append(([array(g) for g in gi], [array(g) for g in go]))  # noqa: E731
+        m.register_full_backward_hook(record)
+        x, = tensors(lib, torch, [np.array([1.0, 2.0])], requires_grad=True)
+        y, = tensors(lib, torch, [np.array([3.0, -1.0])])
+        m(x, y, 2.0).sum().backward()
+        linear = torch.nn.Linear(2, 2).double() if lib == "torch" else nn.Linear(2, 2).double()
+        linear.register_full_backward_hook(record)
+        linear(y).sum().backward()  # no input requires grad (the weights do): grad_input is (None,)
+        results.append(seen)
+    theirs, ours = results
+    assert len(theirs) == len(ours) == 2
+    for (gi_t, go_t), (gi_o, go_o) in zip(theirs, ours):
+        assert [g is None for g in gi_t] == [g is None for g in gi_o]
+        for a, b in zip(gi_t + go_t, gi_o + go_o):
+            if a is not None:
+                np.testing.assert_allclose(b, a, rtol=1e-12)
+
+
+def test_an_output_without_gradient_is_none_to_the_backward_hooks_and_forward_may_be_another_method(torch):
+    """A module of two outputs, one unused: grad_output holds None for it, as torch's. And
+    call_with_hooks(..., forward=...) runs the hooks around another method (for a parent that calls
+    a child through one), with the args and output the hooks see as usual."""
+    class Two(nn.Module):
+        def forward(self, x):
+            return x * 2.0, x * 3.0
+
+    class TorchTwo(torch.nn.Module):
+        def forward(self, x):
+            return x * 2.0, x * 3.0
+
+    results = []
+    for lib, m in (("torch", TorchTwo()), ("ours", Two())):
+        seen = []
+        m.register_full_backward_pre_hook(lambda mod, go: seen.append(("pre", [array(g) for g in go])))
+        m.register_full_backward_hook(lambda mod, gi, go: seen.append(("full", [array(g) for g in gi + go])))
+        x, = tensors(lib, torch, [np.array([1.0, 2.0])], requires_grad=True)
+        a, b = m(x)
+        a.sum().backward()
+        results.append(seen)
+    assert [(k, [v is None for v in vs]) for k, vs in results[0]] == [(k, [v is None for v in vs]) for k, vs in results[1]]
+    assert [k for k, _ in results[1]] == ["pre", "full"] and results[1][0][1][1] is None
+
+    m, calls = nn.Linear(2, 2).double(), []
+    m.register_forward_pre_hook(lambda mod, args: calls.append(("pre", args)))
+    m.register_forward_hook(lambda mod, args, out: calls.append(("forward", out)) or out * 2.0)
+    x = Tensor(np.ones((1, 2)))
+    out = module_hooks.call_with_hooks(m, (x,), {}, forward=lambda t: t * 5.0)
+    assert [kind for kind, _ in calls] == ["pre", "forward"] and calls[0][1] == (x,)
+    np.testing.assert_array_equal(out.numpy(), np.full((1, 2), 10.0))
+
+
+def test_under_create_graph_what_a_backward_hook_returns_is_differentiated(torch):
+    """A full backward hook that multiplies grad_input by the input (a function of it): the first
+    gradient, and the gradient of its squared sum (double backward), as torch's."""
+    ours, theirs, inputs, upstream = twins(torch, seed=2)
+    results = []
+    for lib, model in (("torch", theirs), ("ours", ours)):
+        src, tgt = tensors(lib, torch, inputs, requires_grad=True)
+        layer = dict(model.named_modules())["encoder.layers.1.norm1"]
+        layer.register_full_backward_hook(lambda mod, gi, go: tuple(g * g for g in gi))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # (twice differentiable)
+            out = model(src, tgt)
+        grad = (torch.autograd.grad if lib == "torch" else autograd.grad)
+        gsrc, = grad((out * out).sum(), [src], create_graph=True)
+        ggsrc, = grad((gsrc * gsrc).sum(), [src])
+        results.append([array(gsrc), array(ggsrc)])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-13 * np.abs(a).max())
+
+
+def test_in_forward_mode_backward_hooks_see_gradients_that_carry_tangents():
+    """Forward over reverse inside a dual level: grad_input and grad_output seen by a full backward
+    hook, and the gradient that its replacement (grad_input * 2) changes, carry their tangents,
+    equal to central differences of the same (torch's module backward hooks have no forward-mode
+    rule; its reverse over reverse runs the hook again in the second pass, as ours)."""
+    rng = np.random.default_rng(3)
+    x0, u = rng.standard_normal((2, 4)), rng.standard_normal((2, 4))
+    m = nn.Linear(4, 3).double()
+    m.weight.data[...], m.bias.data[...] = rng.standard_normal((3, 4)), rng.standard_normal(3)
+    seen = []
+    m.register_full_backward_hook(lambda mod, gi, go: seen.append(gi + go) or tuple(g * 2.0 for g in gi))
+
+    def gradient(x):
+        y = m(x)
+        return autograd.grad((y * y * y).sum(), [x])[0]
+
+    with fwAD.dual_level():
+        g = gradient(fwAD.make_dual(Tensor(x0, requires_grad=True), u))
+        tangents = [fwAD.unpack_dual(t).tangent for t in seen[0]] + [fwAD.unpack_dual(g).tangent]
+    eps, plain = 1e-6, []
+    for sign in (1.0, -1.0):
+        seen.clear()
+        g = gradient(Tensor(x0 + sign * eps * u, requires_grad=True))
+        plain.append([t.numpy() for t in seen[0]] + [g.numpy()])
+    for tangent, plus, minus in zip(tangents, *plain):
+        np.testing.assert_allclose(tangent, (plus - minus) / (2 * eps), rtol=1e-6, atol=1e-8)
+
+
+# -- errors --------------------------------------------------------------------------------------------------
+def test_bad_hooks_and_bad_returns_give_clear_errors():
+    m = nn.Linear(3, 2).double()
+    for register in (m.register_forward_pre_hook, m.register_forward_hook, m.register_full_backward_pre_hook,
+                     m.register_full_backward_hook):
+        with pytest.raises(TypeError, match="hook must be callable, got int"):
+            register(3)
+    with pytest.raises(TypeError, match="prepend"):
+        m.register_forward_hook(print, prepend="yes")
+    x = Tensor(np.ones((2, 3)), requires_grad=True)
+    handle = m.register_forward_pre_hook(lambda mod, args, kwargs: args, with_kwargs=True)
+    with pytest.raises(RuntimeError, match=r"must return None or a tuple \(new_args, new_kwargs\), got tuple"):
+        m(x)
+    handle.remove()
+    handle = m.register_full_backward_hook(lambda mod, gi, go: (gi[0], gi[0]))
+    with pytest.raises(RuntimeError, match="invalid grad_input: expected None or a tuple of 1"):
+        m(x).sum().backward()
+    handle.remove()
+    handle = m.register_full_backward_pre_hook(lambda mod, go: (Tensor(np.ones((5,))),))
+    with pytest.raises(RuntimeError, match=r"grad_output\[0\] of shape \(5,\).*expected shape \(2, 2\)"):
+        m(x).sum().backward()
+    handle.remove()
+    handle = m.register_full_backward_hook(lambda mod, gi, go: (3.0,))
+    with pytest.raises(TypeError, match=r"grad_input\[0\] of type float: expected a Tensor or None"):
+        m(x).sum().backward()
+
+
+def test_tensor_and_module_hooks_on_every_backend(device):
+    """The same hooks on each backend ("test" is numpy presented as another device, with CuPy's
+    API): what they see and the gradients equal the CPU's; a replacement on another device than
+    the tensor's is refused."""
+    def run(on):
+        rng = np.random.default_rng(5)
+        m = nn.Linear(3, 2).double()
+        m.weight.data[...], m.bias.data[...] = rng.standard_normal((2, 3)), rng.standard_normal(2)
+        m.to(on)
+        seen = []
+        m.register_full_backward_hook(lambda mod, gi, go: seen.append(gi[0].numpy()) or (gi[0] * 3.0,))
+        m.register_full_backward_pre_hook(lambda mod, go: seen.append(go[0].numpy()))
+        m.weight.register_hook(lambda g: seen.append(g.numpy()) or g * 0.5)
+        x = Tensor(rng.standard_normal((4, 3)), requires_grad=True, device=on)
+        y = m(x)
+        y.register_hook(lambda g: g + 1.0)
+        (y * y).sum().backward()
+        return seen + [x.grad.numpy(), m.weight.grad.numpy()]
+
+    for a, b in zip(run("cpu"), run(device)):
+        np.testing.assert_allclose(b, a, rtol=1e-12)
+    if device != "cpu":
+        x = Tensor(np.ones(2), requires_grad=True, device=device)
+        x.register_hook(lambda g: Tensor(np.ones(2)))
+        with pytest.raises(RuntimeError, match=f"on 'cpu': expected shape \\(2,\\), dtype float64 on '{device}'"):
+            (x * 2.0).sum().backward()
+
+
+def test_a_cuda_graph_replay_runs_no_hook_as_torchs():
+    """npformer.cuda.graphed (here on the "test" device, its emulation) replays a captured step
+    without its Python, as torch's CUDA graphs: hooks run in the warm-up call and the capture only."""
+    import npformer
+    from autograd import backend
+    from npformer import optim
+    m = nn.Linear(3, 2).to("test")
+    opt = optim.Adam(m.parameters(), lr=0.01)
+    calls = []
+    m.weight.register_hook(lambda g: calls.append("tensor hook"))
+    m.register_forward_hook(lambda mod, args, out: calls.append("forward hook"))
+
+    def step(x):
+        loss = (m(Tensor(x)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    graphed = npformer.cuda.graphed(step, device="test")
+    for _ in range(4):
+        graphed(backend.to_device(np.ones((4, 3), np.float32), "test"))
+    assert calls == ["forward hook", "tensor hook"] * 2
+
+
+def test_the_example_of_docs_hooks_md_runs():
+    import pathlib
+    import re
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "hooks.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/hooks.md", "exec"), {})
