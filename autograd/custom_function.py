@@ -156,6 +156,8 @@ def _take_dirty(ctx, args, results, outputs, array):
         ctx.versions = tuple((t if t._base is None else t._base)._version if t is old else v
                              for t, v in zip(ctx.inputs, ctx.versions))  # its own input, as it is now
         x.creator, x.output_index, x.requires_grad = ctx, j, True
+        # ops that used x before now see its new history: versions.changed_inputs refuses their backward
+        x.rebased_at = ((x if x._base is None else x._base)._version, type(ctx).__name__)
     results[j] = x
 
 

@@ -363,3 +363,36 @@ def test_bad_ctx_arguments_are_clear_errors():
     x = Tensor(X.copy(), requires_grad=True)
     assert_clear_error(lambda: MarksAnInput.apply(x), ValueError, ["mark_non_differentiable", "an output of forward"])
     assert_clear_error(lambda: MaterializesMaybe.apply(x), TypeError, ["set_materialize_grads", "True or False", "str"])
+
+
+def test_an_op_that_used_a_tensor_before_an_in_place_function_is_refused_not_silently_wrong(torch):
+    """torch sends the gradient of `early` past the in-place Function; npformer's graph links Tensors,
+    so it would go through it: a clear error instead (docs/torch_conventions.md)."""
+    class TimesThree(Function):
+        @staticmethod
+        def forward(x):
+            x *= 3.0
+            return x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.mark_dirty(inputs[0])
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 3.0
+
+    a = Tensor(X.copy(), requires_grad=True)
+    x = a * 2.0
+    early = x + 1.0
+    TimesThree.apply(x)
+    assert_clear_error(lambda: (early.sum() + x.sum()).backward(), RuntimeError,
+                       ["Add", "before the in-place Function TimesThree", "mark_dirty"])
+    x = a * 2.0
+    late = TimesThree.apply(x) + 1.0   # used after: torch's gradient
+    late.sum().backward()
+    ta = torch.tensor(X.copy(), requires_grad=True)
+    tx = ta * 2.0
+    tx.mul_(3.0)
+    (tx + 1.0).sum().backward()
+    np.testing.assert_array_equal(a.grad.numpy(), ta.grad.numpy())
