@@ -75,13 +75,12 @@ def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
     if materialize_grads and allow_unused is False:
         raise ValueError("grad: materialize_grads=True gives zeros for unused inputs, so it needs allow_unused "
                          "True or not passed, got allow_unused=False")
-    allow_unused = materialize_grads or bool(allow_unused)
+    allow_unused = materialize_grads or (allow_unused is not None and check_bool(allow_unused, "allow_unused", "grad"))
     if check_bool(is_grads_batched, "is_grads_batched", "grad"):
         return _batched_grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused, materialize_grads)
     outputs = _checked_inputs(outputs, "grad", "outputs")
     inputs = _checked_inputs(inputs, "grad", "inputs")
     create_graph = check_bool(create_graph, "create_graph", "grad")
-    allow_unused = check_bool(allow_unused, "allow_unused", "grad")
     retain_graph = create_graph if retain_graph is None else check_bool(retain_graph, "retain_graph", "grad")
     if grad_outputs is None or isinstance(grad_outputs, Tensor) or backend.is_array(grad_outputs):
         grad_outputs = [grad_outputs] * len(outputs) if grad_outputs is None else [grad_outputs]
