@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,7 +48,8 @@ from .versions import check_versions, reading_inputs
 
 def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
          grad_outputs: ArrayLike | Sequence[ArrayLike | None] | None = None, retain_graph: bool | None = None,
-         create_graph: bool = False, allow_unused: bool = False) -> tuple[Tensor | None, ...]:
+         create_graph: bool = False, only_inputs: bool = True, allow_unused: bool | None = None,
+         is_grads_batched: bool = False, materialize_grads: bool = False) -> tuple[Tensor | None, ...]:
     """The gradients of `outputs` with respect to `inputs`, returned rather than accumulated into
     `.grad` (torch.autograd.grad): sum_k grad_outputs[k] * d outputs[k] / d inputs[i] for each i.
 
@@ -58,12 +60,27 @@ def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
     retain_graph: keep the graph (default: create_graph). create_graph: the gradients are Tensors
     of a new graph, so they can be differentiated again (Hessian-vector products, gradient
     penalties). allow_unused: an input that the outputs do not depend on gets None; without it,
-    that is an error (as torch's). Returns a tuple with one entry per input.
+    that is an error (as torch's). materialize_grads: such an input gets zeros instead (implies
+    allow_unused; allow_unused=False beside it is a ValueError, as torch's). is_grads_batched: the
+    first axis of every grad_outputs entry is a batch of upstream gradients; each gradient gets
+    that axis in front (torch vectorizes it with vmap; here one pass per batch entry, the graph
+    retained between them). only_inputs: accepted and ignored, as torch's (deprecated there; a
+    FutureWarning when False). Returns a tuple with one entry per input.
     """
+    if not only_inputs:
+        warnings.warn("grad: only_inputs is deprecated and ignored (as in torch): the gradients of `inputs` alone "
+                      "are computed; use backward() to accumulate into other tensors' .grad", FutureWarning,
+                      stacklevel=2)
+    materialize_grads = check_bool(materialize_grads, "materialize_grads", "grad")
+    if materialize_grads and allow_unused is False:
+        raise ValueError("grad: materialize_grads=True gives zeros for unused inputs, so it needs allow_unused "
+                         "True or not passed, got allow_unused=False")
+    allow_unused = materialize_grads or (allow_unused is not None and check_bool(allow_unused, "allow_unused", "grad"))
+    if check_bool(is_grads_batched, "is_grads_batched", "grad"):
+        return _batched_grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused, materialize_grads)
     outputs = _checked_inputs(outputs, "grad", "outputs")
     inputs = _checked_inputs(inputs, "grad", "inputs")
     create_graph = check_bool(create_graph, "create_graph", "grad")
-    allow_unused = check_bool(allow_unused, "allow_unused", "grad")
     retain_graph = create_graph if retain_graph is None else check_bool(retain_graph, "retain_graph", "grad")
     if grad_outputs is None or isinstance(grad_outputs, Tensor) or backend.is_array(grad_outputs):
         grad_outputs = [grad_outputs] * len(outputs) if grad_outputs is None else [grad_outputs]
@@ -92,8 +109,45 @@ def grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
         if g is None and not allow_unused:
             raise RuntimeError(f"grad: inputs[{i}] (shape {t.shape}) was not used to compute the outputs; pass "
                                "allow_unused=True to get None for it")
+        if g is None and materialize_grads:
+            g = Tensor(t.xp.zeros_like(t.data))
         result.append(g if g is None or isinstance(g, Tensor) else Tensor(g))
     return tuple(result)
+
+
+def _batched_grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused, materialize_grads):
+    """grad(is_grads_batched=True): one grad per entry of the batch axis of every grad_outputs
+    entry, the results stacked along a new first axis (None where an input is unused; zeros of the
+    input's own shape with materialize_grads, as torch's)."""
+    from .tensor_methods import stack
+
+    outputs = _checked_inputs(outputs, "grad", "outputs")
+    grad_outputs = [grad_outputs] if isinstance(grad_outputs, Tensor) or backend.is_array(grad_outputs) else \
+        list(grad_outputs) if grad_outputs is not None else None
+    if grad_outputs is None or len(grad_outputs) != len(outputs) or any(g is None for g in grad_outputs):
+        raise ValueError("grad: is_grads_batched=True needs grad_outputs, one batched upstream gradient per output "
+                         f"({len(outputs)}), got {grad_outputs!r}")
+    batches = set()
+    for k, (out, g) in enumerate(zip(outputs, grad_outputs)):
+        if tuple(g.shape[1:]) != out.shape or len(g.shape) == 0:
+            raise RuntimeError(f"grad: is_grads_batched=True reads the first axis of grad_outputs[{k}] as the batch: "
+                               f"its other axes must be the output's shape {out.shape}, got shape {tuple(g.shape)}")
+        batches.add(g.shape[0])
+    if len(batches) != 1:
+        raise RuntimeError(f"grad: is_grads_batched=True needs one batch size in every grad_outputs entry, got "
+                           f"{sorted(batches)}")
+    n = batches.pop()
+    retain_graph = create_graph if retain_graph is None else retain_graph
+    rows = [grad(outputs, inputs, [g[b] for g in grad_outputs], retain_graph=retain_graph or b + 1 < n,
+                 create_graph=create_graph, allow_unused=allow_unused) for b in range(n)]
+    columns = []
+    for i, t in enumerate(_checked_inputs(inputs, "grad", "inputs")):
+        found = [row[i] for row in rows]
+        if any(g is None for g in found):
+            columns.append(Tensor(t.xp.zeros_like(t.data)) if materialize_grads else None)
+        else:
+            columns.append(stack(found))  # (in the graph with create_graph; carrying tangents in forward mode)
+    return tuple(columns)
 
 
 def as_output(node: Function, array: Any, index: int = 0) -> Tensor:

@@ -14,9 +14,10 @@ for later.
         value, jvp = fwAD.unpack_dual(y)      # f(primal), J tangent
 
 Levels are per thread (the grad mode is too); tangents belong to the innermost level and are
-dropped when it exits. Tangents are raw arrays: forward mode is first order here, and forward
-over reverse (an HVP: the tangent of a gradient) works because the gradient's ops, run by their
-`differentiable_backward`, carry tangents like any other op.
+dropped when it exits. Tangents are kept as raw arrays (unpack_dual wraps them in Tensors):
+forward mode is first order here, and forward over reverse (an HVP: the tangent of a gradient)
+works because the gradient's ops, run by their `differentiable_backward`, carry tangents like
+any other op.
 
 In the engine (a second read of the core): `Function.apply` calls `propagate_tangents` when a
 level is active (`modes._forward`, the levels of this thread), which runs the op's `jvp` rule.
@@ -43,19 +44,39 @@ def current_level() -> int | None:
 
 
 class dual_level:
-    """Context manager: a level of dual tensors in the calling thread (torch's). The tangents made
-    inside it belong to it and are dropped on exit. Levels nest; the innermost one is active."""
+    """Context manager: a level of dual tensors in the calling thread (torch's): `enter_dual_level`
+    on entry (its value is the level), `exit_dual_level` on exit. Levels nest here (torch allows
+    one); the innermost one is active."""
 
     def __enter__(self):
-        self.level = next(_level_ids)
-        _forward.stack.append(self.level)
-        _forward.duals[self.level] = weakref.WeakSet()
+        self.level = enter_dual_level()
         return self.level
 
     def __exit__(self, *exc_info):
-        _forward.stack.remove(self.level)
-        for t in _forward.duals.pop(self.level):
-            t._set_tangent(self.level, None)
+        exit_dual_level(level=self.level)
+
+
+def enter_dual_level() -> int:
+    """Open a new dual level in the calling thread and make it the active one; returns it (an int).
+    The tangents made at it belong to it until `exit_dual_level`. torch's enter_dual_level."""
+    level = next(_level_ids)
+    _forward.stack.append(level)
+    _forward.duals[level] = weakref.WeakSet()
+    return level
+
+
+def exit_dual_level(*, level: int | None = None) -> None:
+    """Close the innermost dual level of the calling thread (`level`, when given, must be it, as in
+    torch), dropping every tangent made at it. RuntimeError when no level is open or `level` is
+    not the innermost one. torch's exit_dual_level."""
+    if not _forward.stack:
+        raise RuntimeError("exit_dual_level: no dual level is open in this thread (enter_dual_level() opens one)")
+    if level is not None and level != _forward.stack[-1]:
+        raise RuntimeError(f"exit_dual_level: level {level} is not the innermost open level ({_forward.stack[-1]}): "
+                           "levels close in the reverse order of opening, as in torch")
+    level = _forward.stack.pop()
+    for t in _forward.duals.pop(level):
+        t._set_tangent(level, None)
 
 
 def _level(level, where):
@@ -88,14 +109,16 @@ def make_dual(tensor: Tensor, tangent: Any, *, level: int | None = None) -> Tens
 
 
 class UnpackedDualTensor(NamedTuple):
-    """What `unpack_dual` returns: the primal Tensor and its tangent (an array, or None)."""
+    """What `unpack_dual` returns: the primal Tensor and its tangent (a Tensor sharing the tangent's
+    array, outside the graph, or None)."""
     primal: Tensor
-    tangent: Any
+    tangent: Tensor | None
 
 
 def unpack_dual(tensor: Tensor, *, level: int | None = None) -> UnpackedDualTensor:
     """(primal, tangent): the values as a Tensor without tangent (sharing the graph), and the
-    tangent at the innermost level as an array (None when there is none). torch's unpack_dual."""
+    tangent at the innermost level as a Tensor (None when there is none), as torch's unpack_dual.
+    `tangent_array` gives the raw array."""
     from .tensor import Tensor
 
     if not isinstance(tensor, Tensor):
@@ -105,7 +128,14 @@ def unpack_dual(tensor: Tensor, *, level: int | None = None) -> UnpackedDualTens
     primal = tensor if tangent is None else (tensor.view(tensor.shape) if tensor.requires_grad else Tensor(tensor.data))
     if primal is not tensor:
         primal._set_tangent(level, None)
-    return UnpackedDualTensor(primal, tangent)
+    return UnpackedDualTensor(primal, None if tangent is None else Tensor(tangent))
+
+
+def tangent_array(tensor: Tensor, level: int | None = None) -> Any:
+    """The tangent of `tensor` at `level` (default: the innermost) as the raw array it is kept as,
+    or None: what the engine reads (`unpack_dual(tensor).tangent` wraps it in a Tensor)."""
+    level = current_level() if level is None else level
+    return tensor._tangents.get(level) if level is not None and tensor._tangents else None
 
 
 # -- in the engine ---------------------------------------------------------------------------------
@@ -123,7 +153,7 @@ def propagate_tangents(op: type, ctx: Any, args: tuple, results: tuple) -> None:
     if jvp is None:
         raise RuntimeError(f"{op_name(op)} has no forward-mode rule: give it a `jvp(ctx, *tangents)` staticmethod "
                            "returning the tangent of each output (see docs/backprop.md, \"Forward mode\")")
-    out = jvp(ctx, *tangents)
+    out = run_jvp(op, ctx, tangents)
     out = out if isinstance(out, tuple) else (out,)
     if len(out) != len(results):
         raise RuntimeError(f"{op_name(op)}.jvp returned {len(out)} tangents, expected one per output ({len(results)})")
@@ -135,6 +165,23 @@ def propagate_tangents(op: type, ctx: Any, args: tuple, results: tuple) -> None:
     for i, (r, t) in enumerate(zip(results, out)):
         if t is not None:
             r._set_tangent(level, output_tangent(op, i, r, t))
+
+
+def run_jvp(op: type, ctx: Any, tangents: Any) -> Any:
+    """op.jvp(ctx, *tangents), reading as `ctx.saved_tensors` what forward gave `ctx.save_for_forward`
+    (torch's), where it did; backward's saved tensors are back afterwards."""
+    forward_saved = ctx.__dict__.get("saved_for_forward")
+    if forward_saved is None:
+        return op.jvp(ctx, *tangents)
+    backward_saved = ctx.__dict__.get("saved_tensors")
+    ctx.saved_tensors = forward_saved
+    try:
+        return op.jvp(ctx, *tangents)
+    finally:
+        if backward_saved is None:
+            del ctx.saved_tensors
+        else:
+            ctx.saved_tensors = backward_saved
 
 
 def output_tangent(op: type, index: int, result: Tensor, t: Any) -> Any:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import backend, hooks
+from .custom_function import FunctionMethods, once_differentiable  # noqa: F401  (torch's place for it too)
 from .forward_ad import propagate_tangents
 from .hooks import queue_callback  # noqa: F401  (autograd.function.queue_callback, torch's place for it)
 from .modes import _forward, _state, check_finite, enable_grad, no_grad, where_created
@@ -24,7 +25,7 @@ from .versions import check_versions, reading_changed_inputs
 if TYPE_CHECKING:
     from .tensor import Tensor
 
-class Function:
+class Function(FunctionMethods):
     """Base class of every differentiable op. Subclasses define
 
         @staticmethod
@@ -37,6 +38,7 @@ class Function:
     (op_checks.checked_gradients): a mistake raises an error naming the op and the input.
     Optional: `jvp(ctx, *tangents)`, the forward-mode rule (forward_ad.py); `differentiable_backward`
     for second derivatives (create_graph.py); `view = True`: its outputs may be views of its first input (versions.py).
+    torch's ctx methods (mark_dirty, ...), setup_context and once_differentiable: custom_function.py.
     """
 
     saved_tensors = ()
@@ -47,15 +49,8 @@ class Function:
     view = False  # True for ops whose outputs may share their first input's memory (reshape, slicing, ...)
 
     def save_for_backward(self, *arrays: Any) -> None:
-        """Keep raw arrays (or anything) for backward, where `ctx.saved_tensors` gives them back
-        as a tuple in the same order; call it from forward."""
+        """Keep arrays (or anything) for backward: `ctx.saved_tensors` (a tuple, same order); call it in forward."""
         self.saved_tensors = arrays
-
-    def as_output(self, array: Any, index: int = 0) -> Tensor:
-        """Output `index` of this node as a Tensor of the graph holding `array`, for
-        `differentiable_backward` (create_graph.as_output)."""
-        from .create_graph import as_output
-        return as_output(self, array, index)
 
     @classmethod
     def apply(cls, *args: Any, **options: Any) -> Tensor | tuple[Tensor, ...]:
@@ -63,10 +58,8 @@ class Function:
         wrap its array (or tuple of arrays) in Tensors (a tuple of Tensors for a tuple) and, when
         grad mode is on and an input requires grad, record the call for backward (op_checks.py
         names the errors: inputs of several dtypes or devices, a forward output not an array)."""
-        Tensor = _tensor_class()
-        ctx = cls()
-        # one pass over the arguments (an apply runs for every op of every step: no generators here)
-        tensors, raw, inputs, needs = [], [], [], []
+        Tensor, ctx = _tensor_class(), cls()
+        tensors, raw, inputs, needs = [], [], [], []  # one pass over the arguments (hot: no generators here)
         for a in args:
             if isinstance(a, Tensor):
                 tensors.append(a)
@@ -88,6 +81,9 @@ class Function:
         if _state.anomaly:  # autograd.detect_anomaly()
             ctx.created_at = where_created()
             check_finite(outputs, ctx, "forward")
+        marked = ctx._marks is not None  # forward called ctx.mark_dirty / mark_non_differentiable (custom_function.py)
+        if marked:
+            outputs = ctx.floating_stand_ins(outputs)  # (marked_results puts back the integer ones)
         if not record:  # outside the graph (no_grad, inference): nothing to keep for backward
             results = tuple([Tensor(o) for o in outputs])
         else:
@@ -101,6 +97,8 @@ class Function:
             ctx.retained = {}
             for i, r in enumerate(results):
                 r.creator, r.output_index = ctx, i
+        if marked:
+            results = ctx.marked_results(args, results)
         if cls.view and hasattr(args[0], "_version"):  # outputs sharing a Tensor input's memory: they count on it
             owner, base = backend.memory_owner(raw[0]), (args[0] if args[0]._base is None else args[0]._base)
             for r in [r for r, o in zip(results, outputs) if backend.memory_owner(o) is owner]:

@@ -4,10 +4,13 @@ and `autograd.forward_ad` (forward mode); and torch.func's `linearize`.
 
 Each takes `func` (Tensors in, a Tensor or a tuple of Tensors out) and `inputs` (a Tensor or a
 tuple of Tensors, or arrays); a result has the structure of the inputs (a Tensor, or a tuple of
-them). The inputs are copied into fresh leaves that require grad, so the caller's Tensors are
-never changed. `create_graph=True` keeps the results in the graph (to differentiate them again);
-`strict=True` raises when an output does not depend on an input, where the default returns zeros
-(torch's rule).
+them). The inputs enter func as fresh leaves with their values, so the caller's Tensors are never
+changed; with `create_graph=True` an input that requires grad enters as a view of itself instead
+(torch's view_as), and the results stay in the graph: they depend on the inputs as func's outputs
+do, so a functional call inside another differentiates (a Jacobian of a Jacobian, a `jvp` of a
+function calling `jvp(..., create_graph=True)`: torch's numbers). `strict=True` raises where an
+output does not depend on an input (and, with create_graph, where a derivative does not), as
+torch's; the default gives zeros there, and only there.
 
     from autograd.functional import hvp
     f = lambda x: (x * x * x).sum()
@@ -25,8 +28,8 @@ from typing import Any
 
 from . import forward_ad
 from .create_graph import grad, tangent_only_gradients
-from .forward_ad import output_tangent
-from .modes import _forward
+from .forward_ad import output_tangent, run_jvp
+from .modes import _forward, enable_grad
 from .tensor import Tensor, stack
 from .versions import changed_inputs, reading_changed_inputs
 
@@ -43,14 +46,26 @@ def _as_tuple(value, what, fn_name):
     return items, is_tuple
 
 
-def _leaves(inputs, fn_name, requires_grad=True):
-    """Fresh leaves with the inputs' values (the inputs themselves stay untouched), requiring grad
-    (reverse mode), or as the inputs do (forward mode records no graph unless asked)."""
+def _leaves(inputs, fn_name, requires_grad=True, create_graph=False):
+    """What func gets: fresh leaves with the inputs' values (the inputs themselves stay untouched),
+    requiring grad (reverse mode), or as the inputs do (forward mode records no graph unless
+    asked); with create_graph, an input that requires grad as a view of itself, so that the
+    results stay connected to it (torch's _grad_preprocess), and one that carries a tangent (an
+    outer forward-mode pass: a jvp of a function calling this one) as a leaf carrying it too."""
     items, is_tuple = _as_tuple(inputs, "inputs", fn_name)
     for i, t in enumerate(items):
         if t.dtype.kind != "f":
             raise TypeError(f"{fn_name}: inputs[{i}] must be floating to be differentiated, got {t.dtype}")
-    return tuple(Tensor(t.data, requires_grad=requires_grad or t.requires_grad) for t in items), is_tuple
+
+    def entering(t):
+        if create_graph and t.requires_grad:
+            return t.view(t.shape)
+        leaf = Tensor(t.data, requires_grad=requires_grad or t.requires_grad)
+        tangent = forward_ad.tangent_array(t) if create_graph and forward_ad.current_level() is not None else None
+        return leaf if tangent is None else forward_ad.make_dual(leaf, tangent)
+
+    with enable_grad():
+        return tuple(entering(t) for t in items), is_tuple
 
 
 def _checked_vectors(v, like, what, fn_name):
@@ -65,8 +80,14 @@ def _checked_vectors(v, like, what, fn_name):
     return items
 
 
-def _grads(outputs, inputs, grad_outputs, create_graph, strict, fn_name):
-    """autograd.grad with zeros (or, strict, an error) for inputs the outputs do not depend on."""
+def _grads(outputs, inputs, grad_outputs, create_graph, strict, fn_name, strict_graph=True):
+    """autograd.grad with zeros for inputs the outputs do not depend on; strict (torch's): an
+    error for an output that does not require grad, an input none depends on and, with
+    create_graph (and strict_graph), a derivative that does not depend on the inputs."""
+    for k, o in enumerate(outputs):
+        if strict and not o.requires_grad:
+            raise RuntimeError(f"{fn_name}: output {k} of func does not require grad: with strict=True the outputs "
+                               "must be computed from the inputs by differentiable ops (strict=False: zeros)")
     differentiable = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
     if differentiable:
         found = grad([o for o, _ in differentiable], list(inputs), [g for _, g in differentiable],
@@ -80,6 +101,9 @@ def _grads(outputs, inputs, grad_outputs, create_graph, strict, fn_name):
                 raise RuntimeError(f"{fn_name}: the output does not depend on inputs[{i}] (strict=True); "
                                    "with strict=False its derivative is zeros")
             g = Tensor(x.xp.zeros_like(x.data))
+        elif strict and strict_graph and create_graph and not g.requires_grad:
+            raise RuntimeError(f"{fn_name}: the derivative with respect to inputs[{i}] does not depend on the inputs "
+                               "(strict=True with create_graph=True, as torch's: a function linear in it)")
         result.append(g if create_graph or forward_ad.current_level() is not None else g.detach())  # keep tangents
     return tuple(result)
 
@@ -99,7 +123,7 @@ def _result(items, is_tuple):
 def vjp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, strict: bool = False):
     """(func(inputs), v^T J): the vector-Jacobian product, v one Tensor per output (None for a
     one-element output: 1). torch.autograd.functional.vjp."""
-    xs, inputs_tuple = _leaves(inputs, "vjp")
+    xs, inputs_tuple = _leaves(inputs, "vjp", create_graph=create_graph)
     outputs = func(*xs)
     outs, outputs_tuple = _as_tuple(outputs, "the output of func", "vjp")
     if v is None:
@@ -125,7 +149,7 @@ def jacobian(func: Callable, inputs: Any, create_graph: bool = False, strict: bo
         raise ValueError(f"jacobian: strategy must be 'reverse-mode' or 'forward-mode', got {strategy!r}")
     if strategy == "forward-mode":
         return _forward_jacobian(func, inputs, create_graph, strict)
-    xs, inputs_tuple = _leaves(inputs, "jacobian")
+    xs, inputs_tuple = _leaves(inputs, "jacobian", create_graph=create_graph)
     outs, outputs_tuple = _as_tuple(func(*xs), "the output of func", "jacobian")
     rows = []
     for out in outs:
@@ -156,9 +180,10 @@ def hessian(func: Callable, inputs: Any, create_graph: bool = False, strict: boo
     _, inputs_tuple = _as_tuple(inputs, "inputs", "hessian")
     forward = outer_jacobian_strategy == "forward-mode"
 
-    def gradient(*xs):  # forward mode differentiates the gradient without recording it: no create_graph
+    def gradient(*xs):  # forward mode differentiates the gradient without recording it: no create_graph unless asked
         out = _scalar_output(func(*xs), "hessian")
-        return _grads([out], xs, [Tensor(out.xp.ones_like(out.data))], not forward, strict, "hessian")
+        return _grads([out], xs, [Tensor(out.xp.ones_like(out.data))], not forward or create_graph, strict, "hessian",
+                      strict_graph=not forward or create_graph)
 
     rows = jacobian(gradient, inputs if inputs_tuple else (inputs,), create_graph=create_graph, strict=strict,
                     strategy=outer_jacobian_strategy)
@@ -190,22 +215,44 @@ def hvp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, 
 
 
 def jvp(func: Callable, inputs: Any, v: Any = None, create_graph: bool = False, strict: bool = False):
-    """(func(inputs), J v): the Jacobian-vector product by forward mode, one pass carrying the
-    tangent v (one Tensor per input; None for a single one-element input: 1), never a backward.
-    An output that does not depend on the inputs gets a zero tangent (strict=True: an error).
-    create_graph is accepted for torch's signature; the tangents are outside any graph.
-    torch.autograd.functional.jvp (which computes it with two backward passes)."""
+    """(func(inputs), J v): the Jacobian-vector product, v one Tensor per input (None for a single
+    one-element input: 1). By forward mode, one pass carrying the tangent v, never a backward; an
+    output that does not depend on the inputs gets a zero tangent. With create_graph=True or
+    strict=True, torch's way instead (torch.autograd.functional.jvp): two backward passes, the
+    double-backward trick J v = d/du <J^T u, v>, whose results stay in the graph with create_graph
+    (a jvp inside another differentiates: torch's numbers) and which tells, for strict, which input
+    an output does not depend on (an error, as torch's). The tangents of forward mode are outside any
+    graph."""
+    if create_graph or strict:
+        return _jvp_by_double_backward(func, inputs, v, create_graph, strict)
     xs, vs, inputs_tuple = _inputs_and_vectors(inputs, v, "jvp", requires_grad=False)
     with forward_ad.dual_level():
         outputs = func(*[forward_ad.make_dual(x, u.data) for x, u in zip(xs, vs)])
         outs, outputs_tuple = _as_tuple(outputs, "the output of func", "jvp")
         unpacked = [forward_ad.unpack_dual(o) for o in outs]
-    tangents = []
-    for i, (o, (primal, tangent)) in enumerate(zip(outs, unpacked)):
-        if tangent is None and strict:
-            raise RuntimeError(f"jvp: output {i} does not depend on the inputs (strict=True)")
-        tangents.append(Tensor(o.xp.zeros_like(o.data) if tangent is None else tangent))
+    tangents = [Tensor(o.xp.zeros_like(o.data)) if tangent is None else tangent for o, (_, tangent) in zip(outs, unpacked)]
     return _result([p.detach() for p, _ in unpacked], outputs_tuple), _result(tangents, outputs_tuple)
+
+
+def _jvp_by_double_backward(func, inputs, v, create_graph, strict):
+    """jvp(create_graph=True or strict=True): J v as the derivative along v of u -> J^T u, u a dummy
+    upstream gradient per output (torch's double-backward trick), both passes with create_graph."""
+    xs, vs, inputs_tuple = _inputs_and_vectors(inputs, v, "jvp", create_graph=True)
+    with enable_grad():
+        outs, outputs_tuple = _as_tuple(func(*xs), "the output of func", "jvp")
+        us = [Tensor(o.xp.zeros_like(o.data), requires_grad=True) for o in outs]
+        transposed = _grads(outs, xs, us, True, strict, "jvp", strict_graph=False)   # J^T u, linear in u
+        pairs = [(g, u) for g, u in zip(transposed, vs) if g.requires_grad]
+        found = (grad([g for g, _ in pairs], us, [u for _, u in pairs], create_graph=create_graph,
+                      allow_unused=True) if pairs else (None,) * len(us))
+    tangents = []
+    for k, (o, t) in enumerate(zip(outs, found)):
+        if t is None and strict:
+            raise RuntimeError(f"jvp: output {k} does not depend on the inputs along v (strict=True)")
+        t = Tensor(o.xp.zeros_like(o.data)) if t is None else t
+        tangents.append(t if create_graph else t.detach())
+    outs = outs if create_graph else tuple(o.detach() for o in outs)
+    return _result(outs, outputs_tuple), _result(tangents, outputs_tuple)
 
 
 def linearize(func: Callable, *primals: Tensor):
@@ -257,9 +304,9 @@ def linearize(func: Callable, *primals: Tensor):
             changed = _changed_since(ctx, inputs, seen)
             if changed:  # changed inputs the op did not keep (it raised for those it kept): reading one raises
                 with reading_changed_inputs(ctx, changed, [version for _, version in seen], "jvp_fn of linearize"):
-                    out = op.jvp(ctx, *map(tangent_of, inputs))
+                    out = run_jvp(op, ctx, list(map(tangent_of, inputs)))
             else:
-                out = op.jvp(ctx, *map(tangent_of, inputs))
+                out = run_jvp(op, ctx, list(map(tangent_of, inputs)))
             out = tuple(None if t is None else output_tangent(op, i, r, t)
                         for i, (r, t) in enumerate(zip(results, out if isinstance(out, tuple) else (out,))))
             by_step[id(ctx)] = out
@@ -285,14 +332,14 @@ def _changed_since(ctx, inputs, seen):
 
 def _forward_jacobian(func, inputs, create_graph, strict):
     """jacobian(strategy="forward-mode"): column by column, one JVP per input entry."""
-    xs, inputs_tuple = _leaves(inputs, "jacobian")
+    xs, inputs_tuple = _leaves(inputs, "jacobian", create_graph=create_graph)
     columns = []  # per input: the JVPs of its unit vectors, each a tuple over outputs
     for i, x in enumerate(xs):
         per_entry = []
         for j in range(x.size):
             e = [Tensor(t.xp.zeros_like(t.data)) for t in xs]
             e[i].data.reshape(-1)[j] = 1
-            outs, tangents = jvp(func, tuple(xs), tuple(e), strict=strict)
+            outs, tangents = jvp(func, tuple(xs), tuple(e), create_graph=create_graph, strict=strict)
             per_entry.append(tangents if isinstance(tangents, tuple) else (tangents,))
         columns.append(per_entry)
     outs = func(*xs)
@@ -305,8 +352,8 @@ def _forward_jacobian(func, inputs, create_graph, strict):
     return _result(rows, outputs_tuple)
 
 
-def _inputs_and_vectors(inputs, v, fn_name, requires_grad=True):
-    xs, inputs_tuple = _leaves(inputs, fn_name, requires_grad)
+def _inputs_and_vectors(inputs, v, fn_name, requires_grad=True, create_graph=False):
+    xs, inputs_tuple = _leaves(inputs, fn_name, requires_grad, create_graph)
     if v is None:
         if len(xs) != 1 or xs[0].size != 1:
             raise RuntimeError(f"{fn_name}: v can be omitted only for a single one-element input")
@@ -320,7 +367,7 @@ def _tangent_or_zeros(g):
 
 
 def _second_order_product(func, inputs, v, create_graph, strict, fn_name):
-    xs, vs, inputs_tuple = _inputs_and_vectors(inputs, v, fn_name)
+    xs, vs, inputs_tuple = _inputs_and_vectors(inputs, v, fn_name, create_graph=create_graph)
     out = _scalar_output(func(*xs), fn_name)
     gs = _grads([out], xs, [Tensor(out.xp.ones_like(out.data))], True, strict, fn_name)
     products = _grads([g for g in gs], xs, list(vs), create_graph, strict, fn_name)

@@ -6,11 +6,10 @@ backward). `vjp` backpropagates L once; `numeric_gradient` finds every entry of 
 gradient by float64 central differences; `judge` compares the two, for every input: exact, close
 or wrong, the largest difference and worst index, "yours" (the backward's) beside the "reference".
 
-`autograd.gradcheck` is this module, and calling it calls `gradcheck` (as one calls
-`torch.autograd.gradcheck(...)`). The rest (a second read, autograd/gradcheck_extras.py,
-re-exported here): one random direction over all inputs together, forward mode
-(`check_forward_ad=True`), `check_create_graph`, `gradgradcheck`, `check_formula`; and what
-kind of mistake a failure shows (autograd/gradcheck_diagnosis.py).
+`autograd.gradcheck` is this module, callable as `gradcheck` (torch.autograd.gradcheck(...)).
+The rest (a second read, autograd/gradcheck_extras.py, re-exported here): a random direction
+over all inputs, forward mode, torch's other options, `check_create_graph`, `gradgradcheck`,
+`check_formula`; the kind of mistake a failure shows (autograd/gradcheck_diagnosis.py).
 """
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class GradcheckError(AssertionError):
 
 def _outputs(result):
     """The output Tensors of a function's result (a Tensor or a tuple; None entries dropped)."""
-    items = result if isinstance(result, (tuple, list)) else [result]
-    return [o for o in items if o is not None]
+    return [o for o in (result if isinstance(result, (tuple, list)) else [result]) if o is not None]
 
 
 def random_generator(seed: int, stream: int = 0) -> Any:
@@ -71,25 +69,28 @@ def vjp(fn: Callable, inputs: Sequence[Any], upstream: Sequence[Any] | None = No
     return outs, upstream, grads
 
 
-def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any], *, eps: float = 1e-6,
+def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Tensor | Sequence[Any], *, eps: float = 1e-6,
               atol: float = 1e-5, rtol: float = 1e-3, seed: int = 0, report: list | None = None,
               names: Sequence[str] | None = None, check_forward_ad: bool = False,
-              check_backward_ad: bool = True) -> bool:
+              check_backward_ad: bool = True, raise_exception: bool = True, **torch_options: Any) -> bool:
     """Check `fn`'s hand-written backward against central differences (torch.autograd.gradcheck).
 
-    fn: callable taking `inputs` and returning a Tensor or a tuple of Tensors; it must be
-    deterministic (seed any dropout inside it). inputs: Tensors (or other arguments passed
-    through); each Tensor with requires_grad=True must be float64 and is checked.
-    names: what to call each input in messages ("q", "k", ...; default "input 0", ...).
+    fn: callable taking `inputs` and returning a Tensor or a tuple of Tensors; deterministic
+    (seed any dropout inside it). inputs: a Tensor, or Tensors (other arguments passed through);
+    each Tensor with requires_grad=True must be float64 and is checked. names: what to call each
+    input in messages ("q", "k", ...; default "input 0", ...).
     Pass when |yours - reference| <= atol + rtol * |reference| everywhere (yours: the backward's
     gradient; reference: the central differences). Returns True, or raises GradcheckError after
-    judging every input (see `judge`), with the kind of mistake it sees (gradcheck_diagnosis).
-    report: a list, or None; one (what, max abs error, max |numeric|) tuple is appended per
-    comparison (each input, then the random direction). check_forward_ad: also check forward
-    mode, on its own (torch's name; gradcheck_extras.forward_mode_verdicts); check_backward_ad=False:
-    forward mode alone. Raises ValueError when no input requires grad (wrap raw arrays:
-    `Tensor(a, requires_grad=True)`), TypeError for a checked one not float64."""
+    judging every input (see `judge`), with the kind of mistake it sees (gradcheck_diagnosis);
+    raise_exception=False: returns False instead. report: a list, or None; one (what, max abs
+    error, max |numeric|) tuple per comparison. check_forward_ad: also check forward mode, on its
+    own (gradcheck_extras.forward_mode_verdicts); check_backward_ad=False: forward mode alone.
+    torch's fast_mode, check_undefined_grad, check_batched_grad, nondet_tol: gradcheck_extras.TORCH_OPTIONS.
+    ValueError when no input requires grad, TypeError for a checked one not float64."""
+    if not raise_exception:  # torch's: False where it would raise GradcheckError
+        return gradcheck_extras.false_on_failure(gradcheck, {**locals(), "raise_exception": True})
     inputs, names, checked = _checked(inputs, names)
+    options = gradcheck_extras.torch_options_checked("gradcheck", torch_options)
     for i in checked:
         if str(inputs[i].dtype) != "float64":
             raise TypeError(f"gradcheck: {names[i]} must be float64 for finite differences, got {inputs[i].dtype}")
@@ -107,7 +108,7 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
         verdicts = [judge(names[i], analytic[i], numeric_gradient(loss, inputs[i], eps), atol, rtol, report,
                           explain=gradcheck_diagnosis.kink_explainer(loss, inputs[i], eps, atol, rtol)) for i in checked]
         verdicts += gradcheck_diagnosis.backward_verdicts(loss, fn, inputs, names, checked, outs, upstream, analytic,
-                                                          verdicts, written, eps, atol, rtol, seed, report)
+                                                          verdicts, written, eps, atol, rtol, seed, report, options)
         sections.append(("your backward (yours) against central finite differences (reference)", verdicts))
     if check_forward_ad:
         sections.append(("your jvp rules (yours) against central finite differences and the backward (reference)",
@@ -122,7 +123,7 @@ def gradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any
 
 def _checked(inputs, names):
     """(inputs as a list, their names (default "input 0", ...), indices of those requiring grad), or ValueError."""
-    inputs = list(inputs)
+    inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)  # a bare Tensor: torch's one input
     names = [f"input {i}" for i in range(len(inputs))] if names is None else list(names)
     if len(names) != len(inputs):
         raise ValueError(f"names: one name per input expected ({len(inputs)}), got {len(names)}: {names}")
@@ -190,8 +191,7 @@ def judge(name: str, yours: Any, reference: Any, atol: float, rtol: float,
     return passed, line
 
 
-def _max(array) -> float:
-    """The largest entry as a float, NaN when one is NaN (Python's max would depend on the order); 0 when empty."""
+def _max(array) -> float:  # the largest entry, NaN when one is NaN (not Python's max, order-dependent); 0 when empty
     return float(array.max()) if array.size else 0.0
 
 

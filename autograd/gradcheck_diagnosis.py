@@ -29,11 +29,12 @@ __all__ = ["LAYOUT_RTOL", "backward_verdicts", "in_place_verdict", "kink_explain
 
 def backward_verdicts(loss: Callable[[], float], fn: Callable, inputs: list, names: list, checked: list, outs: list,
                       upstream: list, analytic: list, verdicts: list, written: list, eps: float, atol: float,
-                      rtol: float, seed: int, report: list | None) -> list:
+                      rtol: float, seed: int, report: list | None, options: dict | None = None) -> list:
     """The verdicts gradcheck adds after judging each input (`verdicts`, one per checked input):
     the random direction over all inputs (gradcheck_extras), then all-ones, in-place and layout
-    (each only where it finds something)."""
-    from .gradcheck_extras import random_direction_verdict
+    (each only where it finds something), then torch's checks that `options` ask for
+    (gradcheck_extras.torch_option_verdicts: reentrant, undefined and batched gradients)."""
+    from .gradcheck_extras import TORCH_OPTIONS, random_direction_verdict, torch_option_verdicts
 
     added = [random_direction_verdict(loss, inputs, checked, analytic, eps, atol, rtol, seed, report)]
     wrong = [i for i, (passed, _) in zip(checked, verdicts) if not passed]
@@ -41,7 +42,9 @@ def backward_verdicts(loss: Callable[[], float], fn: Callable, inputs: list, nam
         added += right_for_ones_verdict(fn, inputs, wrong, eps, atol, rtol)
     if written:
         added.append(in_place_verdict(fn, inputs, written, seed))
-    return added + layout_verdicts(fn, inputs, names, checked, outs, upstream, analytic)
+    added += layout_verdicts(fn, inputs, names, checked, outs, upstream, analytic)
+    return added + torch_option_verdicts(fn, inputs, names, checked, upstream, analytic, atol, rtol, seed,
+                                         TORCH_OPTIONS if options is None else options)
 
 
 def nonfinite_note(yours: Any, reference: Any) -> str:

@@ -22,7 +22,8 @@ from . import backend
 from .create_graph import grad
 from .gradcheck import (GradcheckError, _checked, _outputs, gradcheck, judge, numeric_gradient, random_generator,
                         vjp)
-from .gradcheck_diagnosis import slopes_note
+from .function import Function
+from .gradcheck_diagnosis import same, slopes_note, strided
 from .modes import enable_grad, no_grad
 from .tensor import Tensor
 
@@ -81,7 +82,7 @@ def forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, a
     transpose identity <g, J u> = <J^T g, u> between the jvp rules and the backward (`analytic`,
     J^T g; None when it was not computed) where the backward is right along u: a wrong backward
     is the backward's failure, not forward mode's. One verdict per output and direction."""
-    from .forward_ad import dual_level, make_dual, unpack_dual
+    from .forward_ad import dual_level, make_dual, tangent_array
 
     directions = _directions(inputs, checked, seed, stream=3)
     verdicts = []
@@ -90,7 +91,7 @@ def forward_mode_verdicts(fn, inputs, names, checked, upstream, analytic, eps, a
         with dual_level():
             duals = [make_dual(t, directions[i]) if i in chosen else t for i, t in enumerate(inputs)]
             outs = _outputs(fn(*duals))
-            tangents = [unpack_dual(o).tangent for o in outs]
+            tangents = [tangent_array(o) for o in outs]
         tangents = [o.xp.zeros_like(o.data) if t is None else t for o, t in zip(outs, tangents)]
         def outputs():
             with no_grad():
@@ -124,6 +125,122 @@ def _transpose_verdict(upstream, tangents, analytic, directions, chosen, values,
     forward = sum(float((g * t).sum()) for g, t in zip(upstream, tangents))
     scale = sum(float(abs(g * t).sum()) for g, t in zip(upstream, tangents)) + 1.0
     return judge(what, xp.asarray([forward]), xp.asarray([reverse]), 1e-10 * scale, 0.0, report)
+
+
+# -- torch's other options of gradcheck ---------------------------------------------------------------
+TORCH_OPTIONS = {"fast_mode": False, "check_undefined_grad": True, "check_batched_grad": False, "nondet_tol": 0.0}
+"""torch.autograd.gradcheck's options beyond gradcheck's own arguments, with torch's defaults:
+fast_mode (accepted: gradcheck's check is already at least as strict as torch's fast mode, which
+compares one random projection v^T J u, since gradcheck compares v^T J e_j for every entry j of
+every input and a random direction besides), check_undefined_grad (the backward given zero
+output gradients, or None where a Function asks for them, gives zeros or None and does not
+raise), check_batched_grad (autograd.grad with is_grads_batched=True, a batch of upstream
+gradients, gives each one's gradient: torch checks its vmap, npformer's loop) and nondet_tol
+(the backward run again on the same input and upstream gradient gives the same gradients to
+within it: torch's reentrant check)."""
+
+
+def torch_options_checked(where: str, options: dict) -> dict:
+    """TORCH_OPTIONS updated with `options` (gradcheck's **torch_options), each checked, or TypeError /
+    ValueError naming the argument."""
+    unknown = sorted(set(options) - set(TORCH_OPTIONS))
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}; torch's options it takes "
+                        f"besides its own: {', '.join(TORCH_OPTIONS)}")
+    merged = {**TORCH_OPTIONS, **options}
+    for name in ("fast_mode", "check_undefined_grad", "check_batched_grad"):
+        if not isinstance(merged[name], bool):
+            raise TypeError(f"{where}: {name} must be a bool, got {type(merged[name]).__name__} {merged[name]!r}")
+    tol = merged["nondet_tol"]
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+        raise ValueError(f"{where}: nondet_tol must be a number >= 0, got {tol!r}")
+    return merged
+
+
+def false_on_failure(check: Callable[..., bool], arguments: dict) -> bool:
+    """check(**arguments) (a gradcheck or gradgradcheck, its **torch_options spread), or False
+    where it raises GradcheckError: torch's raise_exception=False. Other errors propagate."""
+    arguments = dict(arguments)
+    arguments.update(arguments.pop("torch_options", {}))
+    try:
+        return check(**arguments)
+    except GradcheckError:
+        return False
+
+
+def torch_option_verdicts(fn, inputs, names, checked, upstream, analytic, atol, rtol, seed, options):
+    """The failed verdicts of torch's checks beyond the gradient's values (see TORCH_OPTIONS):
+    reentrant (always, to nondet_tol), undefined output gradients, batched upstream gradients. [] when all pass."""
+    tol = options["nondet_tol"]
+    _, _, again = vjp(fn, inputs, upstream)
+    failed = []
+    for i in checked:
+        if not same(again[i], analytic[i]):
+            passed, line = judge(f"{names[i]}: the backward run again", again[i], analytic[i], tol, 0.0)
+            if not passed:
+                failed.append((False, line + f"; the kind of mistake: the backward is not reentrant (nondet_tol "
+                                             f"{tol:g}): run again on the same input and upstream gradient, it gives "
+                                             "other values (state kept between calls, or nondeterminism)"))
+    if options["check_undefined_grad"]:
+        failed += _undefined_grad_verdicts(fn, inputs, names, checked)
+    if options["check_batched_grad"]:
+        failed += _batched_grad_verdicts(fn, inputs, names, checked, atol, rtol, seed)
+    return failed
+
+
+class _UndefinedGradient(Function):
+    """The identity, whose backward gives no gradient (None): the op before it gets none for this
+    output, as torch's UndefinedGrad (its backward gets zeros, or None with set_materialize_grads(False))."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def _undefined_grad_verdicts(fn, inputs, names, checked):
+    """check_undefined_grad: the backward of fn with every output's gradient undefined (zeros, or
+    None where a Function set_materialize_grads(False)) must not raise and must give zeros or None."""
+    what = "undefined output gradients (check_undefined_grad)"
+    with enable_grad():
+        outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
+        if not outs:
+            return []
+        try:
+            found = grad([_UndefinedGradient.apply(o) for o in outs], [inputs[i] for i in checked],
+                         [Tensor(o.xp.ones_like(o.data)) for o in outs], allow_unused=True)
+        except Exception as error:  # noqa: BLE001  (what the backward raised is the verdict)
+            return [(False, f"{what}: the backward raised {type(error).__name__}: {error}; a backward must accept "
+                            "zero output gradients (None with ctx.set_materialize_grads(False)) and give zeros or None")]
+    return [(False, f"{names[i]}: {what}: the backward gave a nonzero gradient (max |entry| "
+                    f"{float(abs(g.data).max()):.3g}) from zero output gradients")
+            for i, g in zip(checked, found) if g is not None and bool((g.data != 0).any())]
+
+
+def _batched_grad_verdicts(fn, inputs, names, checked, atol, rtol, seed):
+    """check_batched_grad: autograd.grad with a batch of two random upstream gradients per output
+    (is_grads_batched=True) against each one's gradient computed alone."""
+    rng = random_generator(seed, stream=6)
+    with enable_grad():
+        outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
+        batches = [backend.to_device(rng.standard_normal((2,) + o.shape).astype(o.dtype), o.device) for o in outs]
+        batched = grad(outs, [inputs[i] for i in checked], [Tensor(b) for b in batches], is_grads_batched=True,
+                       materialize_grads=True)
+    failed = []
+    for b in range(2):
+        with enable_grad():
+            outs = [o for o in _outputs(fn(*inputs)) if o.requires_grad]
+            alone = grad(outs, [inputs[i] for i in checked], [Tensor(g[b]) for g in batches], materialize_grads=True)
+        for i, one, many in zip(checked, alone, batched):
+            passed, line = judge(f"{names[i]}: batched gradient {b} (check_batched_grad)", many.data[b], one.data,
+                                 atol, rtol)
+            if not passed:
+                failed.append((False, line + "; the gradient of a batch of upstream gradients (is_grads_batched) "
+                                             "differs from each one's alone"))
+    return failed
 
 
 CREATE_GRAPH_RTOL = 1e-10  # the two forms of a gradient round differently, by a few ulps of the largest entry
@@ -199,7 +316,9 @@ def _disagreeing_ops(outs, seed):
 def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence[Any],
                   grad_outputs: Sequence[Any] | None = None, *, eps: float = 1e-6, atol: float = 1e-5,
                   rtol: float = 1e-3, seed: int = 0, report: list | None = None,
-                  names: Sequence[str] | None = None, check_first_derivative: bool = True) -> bool:
+                  names: Sequence[str] | None = None, check_first_derivative: bool = True,
+                  check_fwd_over_rev: bool = False, check_rev_over_rev: bool = True,
+                  gen_non_contig_grad_outputs: bool = False, raise_exception: bool = True, **torch_options: Any) -> bool:
     """Check second derivatives (torch.autograd.gradgradcheck): `gradcheck` of the map
 
         (inputs, grad_outputs) -> sum_k grad_outputs[k]^T d fn(inputs)[k] / d inputs
@@ -212,7 +331,26 @@ def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence
     grad, so the derivative with respect to the upstream gradient is checked too. names: the
     inputs' names; the upstream gradients are "grad_outputs[k]". Returns True, or raises
     GradcheckError (or the error of an op that is differentiable only once, naming it).
+
+    torch's arguments: check_rev_over_rev (the double backward, above; default) and
+    check_fwd_over_rev (forward mode through the first derivative: gradcheck's check_forward_ad
+    of the map above, whose jvp rules are the gradient's ops' own), at least one of them;
+    gen_non_contig_grad_outputs (the random grad_outputs are non-contiguous arrays);
+    raise_exception=False (False instead of GradcheckError); fast_mode, check_undefined_grad,
+    check_batched_grad, nondet_tol as gradcheck's (TORCH_OPTIONS), for the map above.
     """
+    if not raise_exception:
+        return false_on_failure(gradgradcheck, {**locals(), "raise_exception": True})
+    torch_options = torch_options_checked("gradgradcheck", torch_options)
+    for name, flag in (("check_fwd_over_rev", check_fwd_over_rev), ("check_rev_over_rev", check_rev_over_rev),
+                       ("gen_non_contig_grad_outputs", gen_non_contig_grad_outputs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"gradgradcheck: {name} must be a bool, got {type(flag).__name__} {flag!r}")
+    if not (check_fwd_over_rev or check_rev_over_rev):
+        raise ValueError("gradgradcheck: check_fwd_over_rev=False and check_rev_over_rev=False leave nothing to check")
+    if torch_options["check_undefined_grad"] and not check_rev_over_rev:  # torch's rule: it is a backward's check
+        raise ValueError("gradgradcheck: check_undefined_grad=True (the default) checks the double backward, which "
+                         "check_rev_over_rev=False skips: pass check_undefined_grad=False too, as torch needs")
     inputs, names, checked = _checked(inputs, names)
     if check_first_derivative:
         check_create_graph(fn, inputs, seed=seed, names=names)
@@ -220,6 +358,7 @@ def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence
     if grad_outputs is None:
         rng = random_generator(seed, stream=2)
         grad_outputs = [backend.to_device(rng.standard_normal(o.shape), o.device) for o in outs]
+        grad_outputs = [strided(g) for g in grad_outputs] if gen_non_contig_grad_outputs else grad_outputs
     if len(grad_outputs) != len(outs):
         raise ValueError(f"gradgradcheck: grad_outputs has {len(grad_outputs)} entries, expected one per output "
                          f"that requires grad ({len(outs)})")
@@ -233,7 +372,8 @@ def gradgradcheck(fn: Callable[..., Tensor | Sequence[Tensor]], inputs: Sequence
             return grad(outs, [xs[i] for i in checked], gs, create_graph=True, allow_unused=True)
 
     return gradcheck(first_derivative, inputs + upstream, eps=eps, atol=atol, rtol=rtol, seed=seed, report=report,
-                     names=names + [f"grad_outputs[{k}]" for k in range(len(upstream))])
+                     names=names + [f"grad_outputs[{k}]" for k in range(len(upstream))],
+                     check_forward_ad=check_fwd_over_rev, check_backward_ad=check_rev_over_rev, **torch_options)
 
 
 def check_formula(fn: Callable[..., Tensor], arrays: Sequence[Any], upstream: Any, expected: Sequence[Any], *,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import backend, hooks
 from .backend import Array, ArrayLike, DType
@@ -245,18 +245,38 @@ class TensorMethods:
         stretched = tuple(range(extra)) + tuple(extra + i for i, n in enumerate(shape) if n == 1 and self.shape[extra + i] != 1)
         return self.sum(axis=stretched, keepdims=True).reshape(shape)
 
-    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
-        """The sum over `axis` (all axes by default), numpy's argument names."""
+    def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool | None = None, *,
+            dim: int | Sequence[int] | None = None, keepdim: bool | None = None) -> Tensor:
+        """The sum over `axis` (all axes by default): numpy's names `axis`/`keepdims` or torch's
+        `dim`/`keepdim` (one of each pair; TypeError for both)."""
+        axis, keepdims = _reduction_args("sum", axis, keepdims, dim, keepdim)
         return Sum.apply(self, axis=axis, keepdims=keepdims)
 
-    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
-        """The mean over `axis` (all axes by default), numpy's argument names."""
+    def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool | None = None, *,
+             dim: int | Sequence[int] | None = None, keepdim: bool | None = None) -> Tensor:
+        """The mean over `axis` (all axes by default); names as `sum`'s."""
+        axis, keepdims = _reduction_args("mean", axis, keepdims, dim, keepdim)
         return Mean.apply(self, axis=axis, keepdims=keepdims)
 
-    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Tensor:
-        """The maximum over `axis` (all axes by default); the gradient goes to the maxima, split
-        evenly between ties. Values only (torch's max(dim) also returns indices)."""
-        return Max.apply(self, axis=axis, keepdims=keepdims)
+    def max(self, dim: int | None = None, keepdim: bool | None = None, *, axis: int | Sequence[int] | None = None,
+            keepdims: bool | None = None) -> Tensor | ValuesIndices:
+        """torch's max: with no dim, the largest value (the gradient split evenly between ties); with
+        `dim` (positional or dim=), a `ValuesIndices` (values, indices) over that one axis, the
+        first maximum's index, which alone gets the gradient. numpy's `axis=`/`keepdims=`: the
+        values alone, over one axis or several, ties sharing the gradient evenly."""
+        return _extremum(self, "max", dim, keepdim, axis, keepdims)
+
+    def min(self, dim: int | None = None, keepdim: bool | None = None, *, axis: int | Sequence[int] | None = None,
+            keepdims: bool | None = None) -> Tensor | ValuesIndices:
+        """torch's min, numpy's with axis=: as `max`, for the smallest value."""
+        return _extremum(self, "min", dim, keepdim, axis, keepdims)
+
+    def t(self) -> Tensor:
+        """torch's t(): a matrix transposed; a 0-D or 1-D tensor as it is; RuntimeError beyond 2-D."""
+        if self.ndim > 2:
+            raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, got {self.ndim} (shape {self.shape}); "
+                               "use transpose(a, b) or permute")
+        return self.transpose() if self.ndim == 2 else self
 
     def exp(self) -> Tensor:
         """Elementwise e**x."""
@@ -281,6 +301,54 @@ class TensorMethods:
     def matmul(self, other: ArrayLike) -> Tensor:
         """Matrix product `self @ other`, numpy's rules (1-D operands, broadcast batch axes)."""
         return self @ other
+
+
+class ValuesIndices(NamedTuple):
+    """What `max(dim)` and `min(dim)` return (torch.return_types.max): the values, a Tensor in the
+    graph, and the int64 indices of the first extremum along the dim, outside it."""
+    values: Tensor
+    indices: Tensor
+
+
+def _reduction_args(where, axis, keepdims, dim, keepdim):
+    """(axis, keepdims) from numpy's or torch's names of a reduction's arguments, or TypeError for both."""
+    if dim is not None and axis is not None:
+        raise TypeError(f"{where}: got axis={axis!r} (numpy's name) and dim={dim!r} (torch's): pass one of them")
+    if keepdim is not None and keepdims is not None:
+        raise TypeError(f"{where}: got keepdims={keepdims!r} (numpy's name) and keepdim={keepdim!r} (torch's): "
+                        "pass one of them")
+    axis = dim if axis is None else axis
+    return tuple(axis) if isinstance(axis, list) else axis, bool(keepdims or keepdim)
+
+
+def _extremum(x, where, dim, keepdim, axis, keepdims):
+    """Tensor.max / Tensor.min: numpy's form (axis=, keepdims=), the global value, or torch's (dim)."""
+    if axis is not None or keepdims is not None:  # numpy's names: values only
+        if dim is not None or keepdim is not None:
+            raise TypeError(f"{where}: got numpy's axis=/keepdims= and torch's dim/keepdim together: pass one form")
+        return Max.apply(x, axis=axis, keepdims=bool(keepdims)) if where == "max" else \
+            -Max.apply(-x, axis=axis, keepdims=bool(keepdims))
+    if dim is None:
+        if keepdim is not None:
+            raise TypeError(f"{where}: keepdim needs a dim (as torch's {where}(dim, keepdim))")
+        return Max.apply(x, axis=None, keepdims=False) if where == "max" else -Max.apply(-x, axis=None, keepdims=False)
+    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
+        raise TypeError(f"{where}: dim must be one int (torch's {where}(dim)), got {type(dim).__name__} {dim!r}; "
+                        f"over several axes use {where}(axis=...) (numpy's form: values only)")
+    dim = dim.__index__()
+    if not -x.ndim <= dim < max(x.ndim, 1):
+        raise IndexError(f"{where}: dim {dim} is out of range for a tensor of {x.ndim} dimensions")
+    xp, ndim = x.xp, x.ndim
+    dim %= max(ndim, 1)
+    find = xp.argmax if where == "max" else xp.argmin
+    indices = find(x.data, axis=dim, keepdims=True) if ndim else xp.zeros((), "int64")
+    # the values: x at the indices along dim, every other axis walked by a broadcast arange
+    key = tuple(indices if a == dim else xp.arange(n).reshape([-1 if b == a else 1 for b in range(ndim)])
+                for a, n in enumerate(x.shape))
+    values = x[key] if ndim else x
+    if ndim and not keepdim:
+        values, indices = values.reshape(values.shape[:dim] + values.shape[dim + 1:]), indices.squeeze(dim)
+    return ValuesIndices(values, _tensor_class()(indices.astype("int64")))
 
 
 def _checked_inputs(tensors, where, name="inputs"):

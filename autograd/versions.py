@@ -68,6 +68,12 @@ def changed_inputs(ctx: Any, inputs: Sequence[Any], versions: Sequence[int], arr
             continue
         if _kept(ctx, t, arrays[i]):
             raise version_error(ctx, i, t, version, when)
+        rebased = t.__dict__.get("rebased_at")  # custom_function: an in-place Function (mark_dirty) took over t
+        if rebased is not None and version < rebased[0]:
+            raise RuntimeError(f"{op_name(type(ctx))} used input {i} (a Tensor of shape {t.shape}) before the in-place "
+                               f"Function {rebased[1]} changed it (ctx.mark_dirty): its gradient would go through "
+                               "that Function's backward, which npformer cannot skip (torch's goes past it); use "
+                               "the tensor after the in-place Function, or give the Function a copy (x + 0)")
         changed.append(i)
     return tuple(changed)
 

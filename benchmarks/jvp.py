@@ -69,7 +69,7 @@ class Ours:
         params = [module._parameters[name] for module, name in self.slots]
         with fwAD.dual_level(), self.parameters_set(map(fwAD.make_dual, params, self.directions)) as model:
             primal, tangent = fwAD.unpack_dual(model(self.ids))
-        return primal.numpy(), tangent
+        return primal.numpy(), tangent.numpy()
 
 
 class Torch:

@@ -166,7 +166,7 @@ def case_jvp(instance: Instance, directions: Sequence[Any]) -> tuple[list, list]
     with fwAD.dual_level():
         inputs = [fwAD.make_dual(Tensor(t.data), u) for t, u in zip(instance.tensors, directions)]
         outs = [fwAD.unpack_dual(o) for o in _outputs(instance(*inputs))]
-    return [o.primal for o in outs], [o.primal.xp.zeros_like(o.primal.data) if o.tangent is None else o.tangent
+    return [o.primal for o in outs], [o.primal.xp.zeros_like(o.primal.data) if o.tangent is None else o.tangent.data
                                       for o in outs]
 
 
