@@ -102,6 +102,8 @@ class CausalLM(EncoderOnlyModel):
 
     def project(self, hidden: Tensor) -> Tensor:
         """Final hidden states (..., d_model) -> logits (..., vocab_size) (lm_head, or the tied embedding)."""
+        if not self.tie_weights and self.lm_head._module_hooks:  # lm_head's hooks run around it
+            return self.lm_head(hidden)
         return F.linear(hidden, self.tok_embed.weight if self.tie_weights else self.lm_head.weight)
 
     # -- cached decoding (see npformer.decoding.generate) ------------------------------------------

@@ -36,7 +36,7 @@ from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import as_array, check_bool, check_int
 from npformer.functional._common import check_index_range
 
-from . import init
+from . import init, module_hooks
 from .attention import AttentionMask, MultiheadAttention, attention_mask
 from .config import TransformerConfig
 from .hook_points import HookedModel, add_hook_points
@@ -126,8 +126,10 @@ class _FeedForwardLayer(Module):
         swiglu(linear1(x), linear3(x)))), swiglu(gate, up) = silu(gate) * up."""
         if self.activation_name == "swiglu":
             return self.linear2(self.dropout(self.activation(self.linear1(x), self.linear3(x))))
-        if type(self.linear1) is Linear and self.activation is _FUSED.get(self.activation_name):
-            hidden = F.linear(x, self.linear1.weight, self.linear1.bias, activation=self.activation_name)
+        linear1 = self.linear1
+        if type(linear1) is Linear and self.activation is _FUSED.get(self.activation_name) and \
+                not linear1._module_hooks:  # (a hooked linear1 runs as a module, so that its hooks run)
+            hidden = F.linear(x, linear1.weight, linear1.bias, activation=self.activation_name)
         else:
             hidden = self.activation(self.linear1(x))
         return self.linear2(self.dropout(hidden))
@@ -145,8 +147,9 @@ class _FeedForwardLayer(Module):
 
     @staticmethod
     def _residual(x, dropout, y):
-        """x + dropout(y), as one fused op (F.dropout_add: no mask stored) when `dropout` is a Dropout."""
-        if type(dropout) is Dropout:
+        """x + dropout(y), as one fused op (F.dropout_add: no mask stored) when `dropout` is a Dropout
+        without module hooks (a hooked one runs as a module, with F.dropout's mask: the same draws)."""
+        if type(dropout) is Dropout and not dropout._module_hooks:
             return F.dropout_add(y, x, dropout.p, dropout.training_active)
         return x + dropout(y)
 
@@ -197,7 +200,7 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         """forward() of x (B, S, d) with the self-attention mask already converted (`self_attn_mask`);
         position_ids (B, S) or (S,): RoPE's positions (rotary=True; default 0 .. S-1)."""
         def self_attention(h):
-            return self.self_attn.forward_masked(h, h, h, mask, position_ids=position_ids)[0]
+            return sublayer_attention(self.self_attn, h, h, mask, position_ids=position_ids)
         if self.hooks_active:
             return self._forward_hooked(x, self_attention)
         if self.norm_first:
@@ -229,6 +232,18 @@ class TransformerEncoderLayer(_FeedForwardLayer):
             return x + self._ff_block(self.norm2(x))
         x = self.norm1(x + self.dropout1(self_attention(x)))
         return self.norm2(x + self._ff_block(x))
+
+
+def sublayer_attention(attn: MultiheadAttention, h: Tensor, memory: Tensor, mask: AttentionMask,
+                       position_ids: ArrayLike | None = None) -> Tensor:
+    """A layer's attention output (B, T, E) of queries h over keys and values memory (h itself in
+    self-attention): `attn.forward_masked`, around which attn's module hooks run when it has some,
+    seeing torch's arguments (h, memory, memory) and output (attn_output, None), as torch's layer
+    calls its attention module (their kwargs: forward_masked's, the mask already converted)."""
+    if attn._module_hooks:
+        return module_hooks.call_with_hooks(attn, (h, memory, memory), {"mask": mask, "position_ids": position_ids},
+                                            forward=attn.forward_masked)[0]
+    return attn.forward_masked(h, memory, memory, mask, position_ids=position_ids)[0]
 
 
 def cached_self_attention(attn, h, layer_cache, mask, position, position_ids=None):
@@ -287,10 +302,10 @@ class TransformerDecoderLayer(_FeedForwardLayer):
     def forward_masked(self, x: Tensor, memory: Tensor, self_mask: AttentionMask, cross_mask: AttentionMask) -> Tensor:
         """forward() with both masks already converted (SDPA convention)."""
         def self_attention(h):
-            return self.self_attn.forward_masked(h, h, h, self_mask)[0]
+            return sublayer_attention(self.self_attn, h, h, self_mask)
 
         def cross_attention(h):
-            return self.multihead_attn.forward_masked(h, memory, memory, cross_mask)[0]
+            return sublayer_attention(self.multihead_attn, h, memory, cross_mask)
         return self._sublayers(x, self_attention, cross_attention)
 
     def _sublayers(self, x, self_attention, cross_attention):
@@ -391,7 +406,11 @@ class TransformerEncoder(_LayerStack):
                                         causal_flag(is_causal, "is_causal", "TransformerEncoder"))
         x = src
         for layer in self.layers:
-            x = layer.forward_masked(x, prepared, position_ids)
+            if layer._module_hooks:  # its hooks around forward_masked, seeing torch's args (src,)
+                x = module_hooks.call_with_hooks(layer, (x,), {"mask": prepared, "position_ids": position_ids},
+                                                 forward=layer.forward_masked)
+            else:
+                x = layer.forward_masked(x, prepared, position_ids)
         return self._final_norm(x)
 
     # -- cached causal decoding (decoder-only models) --------------------------------------------
@@ -455,7 +474,11 @@ class TransformerDecoder(_LayerStack):
                               "TransformerDecoder", self.layers[0].self_attn.config.sliding_window)
         x = tgt
         for layer in self.layers:
-            x = layer.forward_masked(x, memory, *masks)
+            if layer._module_hooks:  # its hooks around forward_masked, seeing torch's args (tgt, memory)
+                x = module_hooks.call_with_hooks(layer, (x, memory), {"self_mask": masks[0], "cross_mask": masks[1]},
+                                                 forward=layer.forward_masked)
+            else:
+                x = layer.forward_masked(x, memory, *masks)
         return self._final_norm(x)
 
     # -- cached step-wise decoding --------------------------------------------------------------
