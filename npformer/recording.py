@@ -53,8 +53,9 @@ registers (on a tensor it makes, `Tensor.register_hook`, on a module or on a hoo
 it removes before it returns, as `run_with_hooks` does). A module hook on a module of the model
 (`register_forward_hook`, ...: Python around forward), or a hook on one of its hook points
 (`model.add_hook`: nn/hook_points.py), makes every call run eagerly while it is registered
-(replays resume once it is removed): every hook sees every step, as in torch (docs/hooks.md). Recording refuses (RuntimeError) a step whose ops read arrays
-computed outside them that a replay could not remake: see npformer.runtime.record. Not seen, so not allowed in fn:
+(replays resume once it is removed): every hook sees every step, as in torch (docs/hooks.md).
+Recording refuses (RuntimeError) a step whose ops read arrays computed outside them that a replay
+could not remake: see npformer.runtime.record. Not seen, so not allowed in fn:
 a branch on the values of the raw input arrays or of a Tensor's `.data` (numpy's own reads),
 Python random numbers or the clock, state reached only deeper than the signature follows or
 through objects it does not follow (declare those with `state`). Calls from several threads run
