@@ -200,7 +200,9 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         """forward() of x (B, S, d) with the self-attention mask already converted (`self_attn_mask`);
         position_ids (B, S) or (S,): RoPE's positions (rotary=True; default 0 .. S-1)."""
         def self_attention(h):
-            return sublayer_attention(self.self_attn, h, h, mask, position_ids=position_ids)
+            if self.self_attn._module_hooks:
+                return attention_with_hooks(self.self_attn, h, h, mask, position_ids)
+            return self.self_attn.forward_masked(h, h, h, mask, position_ids=position_ids)[0]
         if self.hooks_active:
             return self._forward_hooked(x, self_attention)
         if self.norm_first:
@@ -234,16 +236,14 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         return self.norm2(x + self._ff_block(x))
 
 
-def sublayer_attention(attn: MultiheadAttention, h: Tensor, memory: Tensor, mask: AttentionMask,
-                       position_ids: ArrayLike | None = None) -> Tensor:
+def attention_with_hooks(attn: MultiheadAttention, h: Tensor, memory: Tensor, mask: AttentionMask,
+                     position_ids: ArrayLike | None = None) -> Tensor:
     """A layer's attention output (B, T, E) of queries h over keys and values memory (h itself in
-    self-attention): `attn.forward_masked`, around which attn's module hooks run when it has some,
+    self-attention) when `attn` has module hooks: `attn.forward_masked` with the hooks around it,
     seeing torch's arguments (h, memory, memory) and output (attn_output, None), as torch's layer
     calls its attention module (their kwargs: forward_masked's, the mask already converted)."""
-    if attn._module_hooks:
-        return module_hooks.call_with_hooks(attn, (h, memory, memory), {"mask": mask, "position_ids": position_ids},
-                                            forward=attn.forward_masked)[0]
-    return attn.forward_masked(h, memory, memory, mask, position_ids=position_ids)[0]
+    return module_hooks.call_with_hooks(attn, (h, memory, memory), {"mask": mask, "position_ids": position_ids},
+                                        forward=attn.forward_masked)[0]
 
 
 def cached_self_attention(attn, h, layer_cache, mask, position, position_ids=None):
@@ -302,10 +302,14 @@ class TransformerDecoderLayer(_FeedForwardLayer):
     def forward_masked(self, x: Tensor, memory: Tensor, self_mask: AttentionMask, cross_mask: AttentionMask) -> Tensor:
         """forward() with both masks already converted (SDPA convention)."""
         def self_attention(h):
-            return sublayer_attention(self.self_attn, h, h, self_mask)
+            if self.self_attn._module_hooks:
+                return attention_with_hooks(self.self_attn, h, h, self_mask)
+            return self.self_attn.forward_masked(h, h, h, self_mask)[0]
 
         def cross_attention(h):
-            return sublayer_attention(self.multihead_attn, h, memory, cross_mask)
+            if self.multihead_attn._module_hooks:
+                return attention_with_hooks(self.multihead_attn, h, memory, cross_mask)
+            return self.multihead_attn.forward_masked(h, memory, memory, cross_mask)[0]
         return self._sublayers(x, self_attention, cross_attention)
 
     def _sublayers(self, x, self_attention, cross_attention):

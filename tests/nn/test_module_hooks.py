@@ -214,6 +214,40 @@ def test_every_module_of_every_model_runs_its_hooks():
         assert len(list(model.modules())) > 25
 
 
+def test_the_models_with_hooks_that_return_none_train_bit_for_bit_as_without():
+    """A CausalLM (untied lm_head), a BERT-style classifier and a Seq2SeqTransformer in training
+    mode with dropout, the same seed: with forward pre-hooks and forward hooks on every module but
+    the Seq2SeqTransformer's transformer (a hooked one embeds tgt before the encoder runs, so the
+    dropout masks come in another order: docs/hooks.md), and backward hooks on those but the
+    attention modules (see the test above), the logits and every gradient are those without hooks,
+    bit for bit: the dropout of a hooked residual dropout module draws what the fused dropout-add draws."""
+    import npformer
+    from npformer import models
+    ids = np.random.default_rng(0).integers(1, 20, (2, 7))
+    small = dict(d_model=8, nhead=2, dim_feedforward=12, dropout=0.2)
+    builders = [lambda: models.CausalLM(20, num_layers=2, max_len=16, **small),
+                lambda: models.EncoderClassifier(20, 3, num_layers=2, pooler=True, classifier_dropout=0.2, **small),
+                lambda: models.Seq2SeqTransformer(20, 20, num_encoder_layers=2, num_decoder_layers=2, **small)]
+    for build in builders:
+        runs = []
+        for hooked in (False, True):
+            npformer.manual_seed(0)
+            model = build().train()
+            for name, m in model.named_modules() if hooked else ():
+                if name == "transformer":
+                    continue
+                m.register_forward_pre_hook(lambda module, args: None)
+                m.register_forward_hook(lambda module, args, output: None)
+                if not isinstance(m, nn.MultiheadAttention):
+                    m.register_full_backward_pre_hook(lambda module, grad_output: None)
+                    m.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+            logits = model(ids, ids) if isinstance(model, models.Seq2SeqTransformer) else model(ids)
+            (logits * logits).sum().backward()
+            runs.append([logits.numpy()] + [p.grad.numpy() for p in model.parameters()])
+        for a, b in zip(*runs):
+            np.testing.assert_array_equal(b, a)
+
+
 def test_a_seq2seq_models_transformer_runs_its_hooks_with_the_same_output(torch):
     """Seq2SeqTransformer calls its nn.Transformer's encoder and decoder; with hooks on the
     Transformer itself it calls the Transformer (its hooks see the embedded src and tgt, as
