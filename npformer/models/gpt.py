@@ -8,6 +8,7 @@ from autograd import Tensor, backend
 from autograd.backend import ArrayLike
 
 from .. import nn
+from ..nn import module_hooks
 from ..nn.positional import check_position_ids
 from ._common import (CAUSAL_ACTIVATIONS, EncoderOnlyModel, attention_settings, check_choice, padding_mask_from_ids,
                       token_ids, valid_positions)
@@ -135,7 +136,12 @@ class CausalLM(EncoderOnlyModel):
         else:
             x = self.embed(ids, position_ids=positions)
         rope_positions = positions if self.positional_kind == "rope" else None
-        hidden = self.encoder.step(x, cache, key_padding_mask=mask, position_ids=rope_positions)  # (B, L, d)
+        if self.encoder._module_hooks:  # its hooks around step, seeing the new positions' args (x,)
+            hidden = module_hooks.call_with_hooks(self.encoder, (x,), {"cache": cache, "key_padding_mask": mask,
+                                                                       "position_ids": rope_positions},
+                                                  forward=self.encoder.step)
+        else:
+            hidden = self.encoder.step(x, cache, key_padding_mask=mask, position_ids=rope_positions)  # (B, L, d)
         cache.next_positions = next_positions
         return self.project(hidden[:, -1])                                          # (B, V)
 

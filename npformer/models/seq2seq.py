@@ -232,5 +232,10 @@ class Seq2SeqTransformer(nn.Module, HookedModel):
         if ids.ndim != 1:
             raise ValueError(f"{owner}: tokens must be a 1-D array (batch,) of ids, got shape {ids.shape}")
         ids = token_ids(ids.reshape(-1, 1), self.tgt_embed, owner, "tokens")           # (B, 1)
-        hidden = self.transformer.decoder.step(self._embed(ids, "tgt", offset=cache.length), cache)
+        decoder, x = self.transformer.decoder, self._embed(ids, "tgt", offset=cache.length)
+        if decoder._module_hooks:  # its hooks around step, seeing the args (tgt, memory) of the new position
+            hidden = module_hooks.call_with_hooks(decoder, (x, cache.memory), {"cache": cache},
+                                                  forward=lambda tgt, memory, cache: decoder.step(tgt, cache))
+        else:
+            hidden = decoder.step(x, cache)
         return self.project(hidden).reshape(ids.shape[0], -1)                       # (B, V)

@@ -248,6 +248,66 @@ def test_the_models_with_hooks_that_return_none_train_bit_for_bit_as_without():
             np.testing.assert_array_equal(b, a)
 
 
+def _decoding_hooks(model, hooked, call):
+    """(what `call(model)` returns, {module name: [(args, output)] of its forward hooks}) with a
+    forward hook on every module of `model` when `hooked`."""
+    seen = {}
+    for name, m in model.named_modules() if hooked else ():
+        m.register_forward_hook(lambda module, args, output, name=name: seen.setdefault(name, []).append((args, output)))
+    return call(model), seen
+
+
+def test_in_cached_decoding_the_layers_and_attention_run_their_hooks():
+    """decode_step of a CausalLM (RoPE; a prompt, then one token at a time) and of a
+    Seq2SeqTransformer (a beam-search reorder between steps) with a forward hook on every module:
+    the logits are those without hooks, bit for bit, and every module runs its hooks but the
+    models themselves and the nn.Transformer (decode_step is not their forward) and the
+    ModuleLists; a layer's hooks see the new positions (x,), or (x, memory) in the decoder, with the
+    memory's rows that the cache keeps; attention's (query, key, value), output (attn_output, None)."""
+    import npformer
+    from npformer import models
+    ids = np.random.default_rng(0).integers(1, 20, (2, 5))
+    small = dict(d_model=8, nhead=2, dim_feedforward=12, dropout=0.1)
+
+    def causal_steps(model):
+        cache = model.init_cache()
+        return [model.decode_step(ids, cache).numpy()] + [model.decode_step(ids[:, t:t + 1], cache).numpy()
+                                                          for t in range(2)]
+
+    def seq2seq_steps(model):
+        memory = model.encode(ids)
+        cache = model.init_cache(memory)
+        first = model.decode_step(ids[:, 0], cache).numpy()
+        cache.reorder(np.array([1, 1]))
+        return [first, model.decode_step(ids[:, 1], cache).numpy(), memory.numpy()]
+
+    for build, steps, stacks in [
+            (lambda: models.CausalLM(20, num_layers=2, max_len=16, positional="rope", **small), causal_steps, ""),
+            (lambda: models.Seq2SeqTransformer(20, 20, num_encoder_layers=1, num_decoder_layers=2, **small),
+             seq2seq_steps, "transformer.")]:
+        runs = []
+        for hooked in (False, True):
+            npformer.manual_seed(0)
+            model = build().eval()
+            runs.append(_decoding_hooks(model, hooked, steps))
+        for a, b in zip(runs[0][0], runs[1][0]):
+            np.testing.assert_array_equal(b, a)
+        seen = runs[1][1]
+        silent = {"", "transformer", "transformer.encoder.layers", "transformer.decoder.layers"} if stacks else \
+            {"", "encoder.layers"}
+        assert set(dict(model.named_modules())) - set(seen) == silent
+        attention = seen[f"{stacks}{'decoder' if stacks else 'encoder'}.layers.1.self_attn"]
+        assert all(len(args) == 3 and args[0] is args[1] is args[2] and output[1] is None
+                   for args, output in attention)
+    layer_args = [args for args, _ in seen["transformer.decoder.layers.1"]]
+    memory = runs[1][0][2]
+    assert [len(args) for args in layer_args] == [2, 2]
+    np.testing.assert_array_equal(layer_args[0][1].numpy(), memory)
+    np.testing.assert_array_equal(layer_args[1][1].numpy(), memory[[1, 1]])   # the rows after the reorder
+    cross = seen["transformer.decoder.layers.0.multihead_attn"]
+    assert all(args[1] is args[2] and args[1].shape == memory[[1, 1]].shape for args, _ in cross)
+
+
 def test_a_seq2seq_models_transformer_runs_its_hooks_with_the_same_output(torch):
     """Seq2SeqTransformer calls its nn.Transformer's encoder and decoder; with hooks on the
     Transformer itself it calls the Transformer (its hooks see the embedded src and tgt, as
