@@ -630,8 +630,8 @@ class DecoderCache:
     ints, each row's next position when rows' positions differ (padding, or position_ids given
     per row; None: every row continues at `length`), `memory` (B, S, d): the decoder's memory
     (None without one), which the module hooks of its layers and cross-attention see (the
-    layers hold its keys and values). `reorder(indices)` selects batch rows
-    (beam search). Made by `init_cache`; `len(cache)` is `length`."""
+    layers hold its keys and values). `reorder(indices)` selects batch rows (beam search).
+    Made by `init_cache`; `len(cache)` is `length`."""
 
     def __init__(self, layers: list[LayerCache], cross_mask: AttentionMask = AttentionMask(),
                  window: int | None = None, memory: Tensor | None = None):
