@@ -49,11 +49,13 @@ line); a change of the state the signature covers made by recording calls themse
 `max_recordings`-th such call (a counter that fn increments, an attribute a forward sets at every
 call; until then each is an eager step and a later call records again: a cache a forward builds
 or grows changes it once); a module whose forward is replaced on the instance; a hook that fn
-registers (on a tensor it makes, `Tensor.register_hook`, or on a module). A module hook on a
-module of the model (`register_forward_hook`, ...: Python around forward) makes every call run
-eagerly while it is registered (replays resume once it is removed): every hook sees every step,
-as in torch (docs/hooks.md). Recording refuses (RuntimeError) a step whose ops read arrays
-computed outside them that a replay could not remake: see npformer.runtime.record. Not seen, so not allowed in fn:
+registers (on a tensor it makes, `Tensor.register_hook`, on a module or on a hook point, even one
+it removes before it returns, as `run_with_hooks` does). A module hook on a module of the model
+(`register_forward_hook`, ...: Python around forward), or a hook on one of its hook points
+(`model.add_hook`: nn/hook_points.py), makes every call run eagerly while it is registered
+(replays resume once it is removed): every hook sees every step, as in torch (docs/hooks.md).
+Recording refuses (RuntimeError) a step whose ops read arrays computed outside them that a replay
+could not remake: see npformer.runtime.record. Not seen, so not allowed in fn:
 a branch on the values of the raw input arrays or of a Tensor's `.data` (numpy's own reads),
 Python random numbers or the clock, state reached only deeper than the signature follows or
 through objects it does not follow (declare those with `state`). Calls from several threads run
@@ -199,10 +201,12 @@ class RecordedStep:
 
     def _hooked(self, recorder):
         """Why the call just recorded cannot be replayed for its hooks (None: it can): it registered
-        a tensor hook on a tensor it made, or a module hook."""
+        a tensor hook on a tensor it made, a module hook or a hook point's hook."""
+        if recorder.hook_registered is not None:   # even one it removed again (run_with_hooks, run_with_cache)
+            return f"it registered {recorder.hook_registered}"
         if recorder.tensor_hooked():
             return "it registered a hook on a tensor it made (Tensor.register_hook)"
-        module = next((m for m in self.model.modules() if m._module_hooks), None)
+        module = next((m for m in self.model.modules() if _has_hooks(vars(m))), None)
         return None if module is None else f"it registered a hook on a {type(module).__name__} (module hooks)"
 
     def _changed(self, before, after):
@@ -250,11 +254,17 @@ class RecordedStep:
                               "runs eagerly from now on", RuntimeWarning, stacklevel=4)
                 self.recordings.clear()
                 return None
-            if state.get("_module_hooks"):   # module hooks (nn/module_hooks.py): eager while one is registered
+            if _has_hooks(state):   # eager while a module hook or a hook point's hook is registered
                 return None
             states.append(_module_state(state, found, memo))
         return (tuple(shapes), _twins.active, tuple(states), _frozen(self.fn, _DEPTH, found, memo),
                 None if self.state is None else _frozen(self.state(), _DEPTH, found, memo))
+
+
+def _has_hooks(state):
+    """Whether the module of attributes `state` has a hook that a replay would not run: a module hook
+    (nn/module_hooks.py) or a hook on one of its hook points (nn/hook_points.py sets `hooks_active`)."""
+    return bool(state.get("_module_hooks")) or state.get("hooks_active") is True
 
 
 def _loss_and_extras(returned):

@@ -367,6 +367,72 @@ def test_a_parameters_tensor_hook_runs_at_every_replay_and_one_registered_in_fn_
     assert len(calls) == 10 and step.replays == 0 and losses == _stateful_losses(False, fn=fn)[0]
 
 
+def _hook_point_losses(record, steps=5, in_step=False):
+    """Losses of `steps` training steps of a CausalLM with dropout (recorded, warmup 1, or eager),
+    with a forward hook on a hook point counting its calls and a backward one counting theirs:
+    added once before training (model.add_hook), or by the step itself (run_with_hooks)."""
+    model, opt, scheduler, loss_fn = trainer("causal")
+    calls = []
+    name = "encoder.layers.1.self_attn.hook_pattern"
+
+    def count(x, hook):
+        calls.append((hook.name, x.shape))
+
+    if in_step:
+        def step_fn(src, tgt_in, tgt_out):
+            logits = model.run_with_hooks(tgt_in, fwd_hooks=[(name, count)], bwd_hooks=[(name, count)])
+            return F.cross_entropy(logits.reshape(-1, VOCAB), tgt_out.reshape(-1), ignore_index=PAD)
+    else:
+        model.add_hook(name, count)
+        model.add_hook(name, count, dir="bwd")
+        step_fn = loss_fn
+    step = npformer.recorded(step_fn, model) if record else None
+    losses = []
+    for batch in batches(steps):
+        opt.zero_grad()
+        if record:
+            loss = step(*batch)
+        else:
+            loss = step_fn(*batch)
+            loss.backward()
+        opt.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, calls, step
+
+
+def test_a_hook_point_hook_on_a_recorded_model_runs_at_every_step():
+    """A hook point's forward and backward hooks (model.add_hook) on a recorded CausalLM: every
+    one of 5 steps runs eagerly, so the hooks run 5 times each (not once, at the recording), with
+    the eager run's losses; a step that adds hooks itself (run_with_hooks) runs eagerly from its
+    recording on, with a warning naming the hook point, and the eager losses."""
+    eager, eager_calls, _ = _hook_point_losses(False)
+    losses, calls, step = _hook_point_losses(True)
+    assert len(calls) == len(eager_calls) == 2 * 5 and calls == eager_calls
+    assert losses == eager and step.replays == 0 and step.eager_reason is None
+    eager, eager_calls, _ = _hook_point_losses(False, in_step=True)
+    with pytest.warns(RuntimeWarning, match=r"recorded step: it registered a hook on the hook point "
+                                            r"'encoder.layers.1.self_attn.hook_pattern'.*runs eagerly"):
+        losses, calls, step = _hook_point_losses(True, in_step=True)
+    assert len(calls) == 2 * 5 and calls == eager_calls and losses == eager and step.replays == 0
+
+
+def test_a_module_hook_that_the_step_registers_and_removes_makes_it_eager():
+    """A forward hook that the step registers on a module and removes before it returns (nothing
+    registered between calls): the recording sees the registration, so the step runs eagerly from
+    then on and the hook sees every step."""
+    calls = []
+
+    def fn(model, x):
+        handle = model.linear.register_forward_hook(lambda m, args, out: calls.append(out.shape))
+        out = model(x)
+        handle.remove()
+        return (out * out).mean()
+    with pytest.warns(RuntimeWarning, match=r"recorded step: it registered a hook on a Linear \(module hooks\)"):
+        losses, step = _stateful_losses(True, fn=fn)
+    assert len(calls) == 10 and step.replays == 0 and losses == _stateful_losses(False, fn=fn)[0]
+
+
 def _pause(x):
     """x * 2 after a millisecond's sleep (another thread runs meanwhile): a computation each replay repeats."""
     time.sleep(0.001)

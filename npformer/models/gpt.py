@@ -8,6 +8,7 @@ from autograd import Tensor, backend
 from autograd.backend import ArrayLike
 
 from .. import nn
+from ..nn import module_hooks
 from ..nn.positional import check_position_ids
 from ._common import (CAUSAL_ACTIVATIONS, EncoderOnlyModel, attention_settings, check_choice, padding_mask_from_ids,
                       token_ids, valid_positions)
@@ -102,6 +103,8 @@ class CausalLM(EncoderOnlyModel):
 
     def project(self, hidden: Tensor) -> Tensor:
         """Final hidden states (..., d_model) -> logits (..., vocab_size) (lm_head, or the tied embedding)."""
+        if not self.tie_weights and self.lm_head._module_hooks:  # lm_head's hooks run around it
+            return self.lm_head(hidden)
         return F.linear(hidden, self.tok_embed.weight if self.tie_weights else self.lm_head.weight)
 
     # -- cached decoding (see npformer.decoding.generate) ------------------------------------------
@@ -133,7 +136,12 @@ class CausalLM(EncoderOnlyModel):
         else:
             x = self.embed(ids, position_ids=positions)
         rope_positions = positions if self.positional_kind == "rope" else None
-        hidden = self.encoder.step(x, cache, key_padding_mask=mask, position_ids=rope_positions)  # (B, L, d)
+        if self.encoder._module_hooks:  # its hooks around step, seeing the new positions' args (x,)
+            hidden = module_hooks.call_with_hooks(self.encoder, (x,), {"cache": cache, "key_padding_mask": mask,
+                                                                       "position_ids": rope_positions},
+                                                  forward=self.encoder.step)
+        else:
+            hidden = self.encoder.step(x, cache, key_padding_mask=mask, position_ids=rope_positions)  # (B, L, d)
         cache.next_positions = next_positions
         return self.project(hidden[:, -1])                                          # (B, V)
 

@@ -10,7 +10,7 @@ from autograd.backend import ArrayLike
 from autograd.checks import check_bool
 
 from .. import nn
-from ..nn import init
+from ..nn import init, module_hooks
 from ..nn.config import check_d_model_nhead
 from ..nn.hook_points import HookedModel
 from ..nn.layers import as_ids
@@ -168,6 +168,9 @@ class Seq2SeqTransformer(nn.Module, HookedModel):
     def project(self, hidden: Tensor) -> Tensor:
         """Decoder output (..., d) -> logits (..., tgt_vocab_size)."""
         weight = self.tgt_embed.weight if self.tie_weights else self.generator.weight
+        if self.generator._module_hooks:  # its hooks around the projection (tied: with tgt_embed's weight)
+            return module_hooks.call_with_hooks(self.generator, (hidden,), {},
+                                                forward=lambda x: F.linear(x, weight, self.generator.bias))
         return F.linear(hidden, weight, self.generator.bias)
 
     def _ids(self, ids, side):
@@ -184,6 +187,12 @@ class Seq2SeqTransformer(nn.Module, HookedModel):
         if src.shape[0] != tgt.shape[0]:
             raise ValueError(f"Seq2SeqTransformer: src and tgt batch sizes differ: {src.shape[0]} vs {tgt.shape[0]}")
         src_key_padding_mask = padding_mask_from_ids(src, self.pad_idx, src_key_padding_mask)
+        if self.transformer._module_hooks:  # the nn.Transformer called as a module, so that its hooks run
+            tgt_key_padding_mask = padding_mask_from_ids(tgt, self.pad_idx, tgt_key_padding_mask)
+            return self.project(self.transformer(
+                self._embed(src, "src"), self._embed(tgt, "tgt"), src_key_padding_mask=src_key_padding_mask,
+                tgt_key_padding_mask=tgt_key_padding_mask, memory_key_padding_mask=src_key_padding_mask,
+                tgt_is_causal=True))
         memory = self.encode(src, src_key_padding_mask)
         return self.decode(tgt, memory, memory_key_padding_mask=src_key_padding_mask,
                            tgt_key_padding_mask=tgt_key_padding_mask)
@@ -223,5 +232,10 @@ class Seq2SeqTransformer(nn.Module, HookedModel):
         if ids.ndim != 1:
             raise ValueError(f"{owner}: tokens must be a 1-D array (batch,) of ids, got shape {ids.shape}")
         ids = token_ids(ids.reshape(-1, 1), self.tgt_embed, owner, "tokens")           # (B, 1)
-        hidden = self.transformer.decoder.step(self._embed(ids, "tgt", offset=cache.length), cache)
+        decoder, x = self.transformer.decoder, self._embed(ids, "tgt", offset=cache.length)
+        if decoder._module_hooks:  # its hooks around step, seeing the args (tgt, memory) of the new position
+            hidden = module_hooks.call_with_hooks(decoder, (x, cache.memory), {"cache": cache},
+                                                  forward=lambda tgt, memory, cache: decoder.step(tgt, cache))
+        else:
+            hidden = decoder.step(x, cache)
         return self.project(hidden).reshape(ids.shape[0], -1)                       # (B, V)

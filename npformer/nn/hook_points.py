@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from autograd import Tensor, is_grad_enabled
+from npformer.runtime import record
 
 from .module import Module
 
@@ -99,6 +100,8 @@ class HookPoint(Module):
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"HookPoint.add_hook: dir must be 'fwd' or 'bwd', got {dir!r}")
         (self.fwd_hooks if dir == "fwd" else self.bwd_hooks).append(fn)
+        record.note_hook_registered(f"a hook on the hook point {self.name!r}" if self.name else
+                                    f"a hook on a hook point of a {type(self.owner).__name__}")
         self.owner_changed()
         return HookHandle(self, fn, dir)
 

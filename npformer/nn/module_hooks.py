@@ -34,6 +34,7 @@ from typing import Any
 from autograd import Function, Tensor, is_grad_enabled
 from autograd.checks import check_bool
 from autograd.hooks import HookHandle
+from npformer.runtime import record
 
 
 class ModuleHooks:
@@ -58,6 +59,7 @@ def register(module: Any, kind: str, hook: Any, prepend: bool, with_kwargs: bool
     if module._module_hooks is None:
         object.__setattr__(module, "_module_hooks", ModuleHooks())
     hooks = getattr(module._module_hooks, kind)
+    record.note_hook_registered(f"a hook on a {type(module).__name__} (module hooks)")
     entry = (hook, with_kwargs, always_call)
     if prepend:
         hooks.insert(0, entry)

@@ -36,7 +36,7 @@ from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import as_array, check_bool, check_int
 from npformer.functional._common import check_index_range
 
-from . import init
+from . import init, module_hooks
 from .attention import AttentionMask, MultiheadAttention, attention_mask
 from .config import TransformerConfig
 from .hook_points import HookedModel, add_hook_points
@@ -126,8 +126,10 @@ class _FeedForwardLayer(Module):
         swiglu(linear1(x), linear3(x)))), swiglu(gate, up) = silu(gate) * up."""
         if self.activation_name == "swiglu":
             return self.linear2(self.dropout(self.activation(self.linear1(x), self.linear3(x))))
-        if type(self.linear1) is Linear and self.activation is _FUSED.get(self.activation_name):
-            hidden = F.linear(x, self.linear1.weight, self.linear1.bias, activation=self.activation_name)
+        linear1 = self.linear1
+        if type(linear1) is Linear and self.activation is _FUSED.get(self.activation_name) and \
+                not linear1._module_hooks:  # (a hooked linear1 runs as a module, so that its hooks run)
+            hidden = F.linear(x, linear1.weight, linear1.bias, activation=self.activation_name)
         else:
             hidden = self.activation(self.linear1(x))
         return self.linear2(self.dropout(hidden))
@@ -145,8 +147,9 @@ class _FeedForwardLayer(Module):
 
     @staticmethod
     def _residual(x, dropout, y):
-        """x + dropout(y), as one fused op (F.dropout_add: no mask stored) when `dropout` is a Dropout."""
-        if type(dropout) is Dropout:
+        """x + dropout(y), as one fused op (F.dropout_add: no mask stored) when `dropout` is a Dropout
+        without module hooks (a hooked one runs as a module, with F.dropout's mask: the same draws)."""
+        if type(dropout) is Dropout and not dropout._module_hooks:
             return F.dropout_add(y, x, dropout.p, dropout.training_active)
         return x + dropout(y)
 
@@ -197,6 +200,8 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         """forward() of x (B, S, d) with the self-attention mask already converted (`self_attn_mask`);
         position_ids (B, S) or (S,): RoPE's positions (rotary=True; default 0 .. S-1)."""
         def self_attention(h):
+            if self.self_attn._module_hooks:
+                return attention_with_hooks(self.self_attn, h, h, mask, position_ids)
             return self.self_attn.forward_masked(h, h, h, mask, position_ids=position_ids)[0]
         if self.hooks_active:
             return self._forward_hooked(x, self_attention)
@@ -223,19 +228,43 @@ class TransformerEncoderLayer(_FeedForwardLayer):
         for RoPE), attending to the cached self-attention keys and values (extended in place with
         theirs) -> (B, L, d); `mask` (SDPA convention) covers cached + new keys."""
         def self_attention(h):
+            if self.self_attn._module_hooks:
+                return step_attention_with_hooks(self.self_attn, h, h, lambda query, key, value: cached_self_attention(
+                    self.self_attn, query, layer_cache, mask, position, position_ids, key, value))
             return cached_self_attention(self.self_attn, h, layer_cache, mask, position, position_ids)
         if self.norm_first:
-            x = x + self.dropout1(self_attention(self.norm1(x)))
-            return x + self._ff_block(self.norm2(x))
-        x = self.norm1(x + self.dropout1(self_attention(x)))
-        return self.norm2(x + self._ff_block(x))
+            x = self._residual(x, self.dropout1, self_attention(self.norm1(x)))
+            return self._residual(x, self.dropout2, self._ff_block(self.norm2(x)))
+        x = self.norm1(self._residual(x, self.dropout1, self_attention(x)))
+        return self.norm2(self._residual(x, self.dropout2, self._ff_block(x)))
 
 
-def cached_self_attention(attn, h, layer_cache, mask, position, position_ids=None):
+def attention_with_hooks(attn: MultiheadAttention, h: Tensor, memory: Tensor, mask: AttentionMask,
+                     position_ids: ArrayLike | None = None) -> Tensor:
+    """A layer's attention output (B, T, E) of queries h over keys and values memory (h itself in
+    self-attention) when `attn` has module hooks: `attn.forward_masked` with the hooks around it,
+    seeing torch's arguments (h, memory, memory) and output (attn_output, None), as torch's layer
+    calls its attention module (their kwargs: forward_masked's, the mask already converted)."""
+    return module_hooks.call_with_hooks(attn, (h, memory, memory), {"mask": mask, "position_ids": position_ids},
+                                        forward=attn.forward_masked)[0]
+
+
+def step_attention_with_hooks(attn: MultiheadAttention, h: Tensor, memory: Tensor | None,
+                              step: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """In cached decoding, when `attn` has module hooks: step(query, key, value), the attention
+    output (B, L, E) of the new positions h, with the hooks around it, seeing the arguments (h,
+    memory, memory) (memory: h itself in self-attention; the decoder's memory, whose keys and
+    values the cache holds, in cross-attention) and the output (attn_output, None)."""
+    return module_hooks.call_with_hooks(attn, (h, memory, memory), {},
+                                        forward=lambda query, key, value: (step(query, key, value), None))[0]
+
+
+def cached_self_attention(attn, h, layer_cache, mask, position, position_ids=None, key=None, value=None):
     """Self-attention of new positions h (B, L, E), the first at `position` (RoPE; or at
     position_ids (B, L) per row), over the keys and values of `layer_cache` (self_k, self_v
-    (B, H, t, hd)) and their own, which are appended to the cache. -> (B, L, E)."""
-    q, k, v = attn.project_qkv(h, h, h)                                          # (B, H, L, hd)
+    (B, H, t, hd)) and their own, which are appended to the cache. -> (B, L, E). key, value: the
+    Tensors to project into keys and values when they are not h (a module hook's inputs)."""
+    q, k, v = attn.project_qkv(h, h if key is None else key, h if value is None else value)  # (B, H, L, hd)
     if attn.rotary_emb is not None:
         q, k = attn.rotary_emb(q, position, position_ids), attn.rotary_emb(k, position, position_ids)
     if attn.hooks_active:
@@ -287,9 +316,13 @@ class TransformerDecoderLayer(_FeedForwardLayer):
     def forward_masked(self, x: Tensor, memory: Tensor, self_mask: AttentionMask, cross_mask: AttentionMask) -> Tensor:
         """forward() with both masks already converted (SDPA convention)."""
         def self_attention(h):
+            if self.self_attn._module_hooks:
+                return attention_with_hooks(self.self_attn, h, h, self_mask)
             return self.self_attn.forward_masked(h, h, h, self_mask)[0]
 
         def cross_attention(h):
+            if self.multihead_attn._module_hooks:
+                return attention_with_hooks(self.multihead_attn, h, memory, cross_mask)
             return self.multihead_attn.forward_masked(h, memory, memory, cross_mask)[0]
         return self._sublayers(x, self_attention, cross_attention)
 
@@ -318,14 +351,25 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                                                                 self.hook_cross_attn_out(cross_attention(x)))))
         return self.hook_resid_post(self.norm3(self._residual(x, self.dropout3, self._ff_block_hooked(x))))
 
-    def forward_step(self, x: Tensor, layer_cache: LayerCache, cross_mask: AttentionMask, position: int) -> Tensor:
+    def forward_step(self, x: Tensor, layer_cache: LayerCache, cross_mask: AttentionMask, position: int,
+                     memory: Tensor | None = None) -> Tensor:
         """One new target position x (B, 1, d) attending to the cached self-attention keys and
         values (extended in place with this position's) and to the cached memory keys/values;
-        `position` is x's index in the target (for RoPE). Returns (B, 1, d)."""
+        `position` is x's index in the target (for RoPE). Returns (B, 1, d). memory: what the
+        cross-attention's module hooks see as its key and value (the cache holds their projections)."""
         def self_attention(h):
+            if self.self_attn._module_hooks:
+                return step_attention_with_hooks(self.self_attn, h, h, lambda query, key, value: cached_self_attention(
+                    self.self_attn, query, layer_cache, AttentionMask(), position, key=key, value=value))
             return cached_self_attention(self.self_attn, h, layer_cache, AttentionMask(), position)
 
         def cross_attention(h):
+            if self.multihead_attn._module_hooks:
+                return step_attention_with_hooks(self.multihead_attn, h, memory,
+                                                  lambda query, key, value: cached_cross(query))
+            return cached_cross(h)
+
+        def cached_cross(h):
             q = self.multihead_attn.project_q(h)                                 # (B, H, 1, hd)
             return self.multihead_attn.attend(q, layer_cache.cross_k, layer_cache.cross_v, cross_mask)[0]
         return self._sublayers(x, self_attention, cross_attention)
@@ -391,7 +435,11 @@ class TransformerEncoder(_LayerStack):
                                         causal_flag(is_causal, "is_causal", "TransformerEncoder"))
         x = src
         for layer in self.layers:
-            x = layer.forward_masked(x, prepared, position_ids)
+            if layer._module_hooks:  # its hooks around forward_masked, seeing torch's args (src,)
+                x = module_hooks.call_with_hooks(layer, (x,), {"mask": prepared, "position_ids": position_ids},
+                                                 forward=layer.forward_masked)
+            else:
+                x = layer.forward_masked(x, prepared, position_ids)
         return self._final_norm(x)
 
     # -- cached causal decoding (decoder-only models) --------------------------------------------
@@ -420,7 +468,12 @@ class TransformerEncoder(_LayerStack):
                              f"got shape {x.shape}")
         mask = cache.extend_padding(key_padding_mask, B, L, x.data)
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.forward_step(x, layer_cache, mask, cache.length, position_ids)
+            if layer._module_hooks:  # its hooks around forward_step, seeing the args (x,) of the new positions
+                x = module_hooks.call_with_hooks(layer, (x,), {"layer_cache": layer_cache, "mask": mask, "position":
+                                                               cache.length, "position_ids": position_ids},
+                                                 forward=layer.forward_step)
+            else:
+                x = layer.forward_step(x, layer_cache, mask, cache.length, position_ids)
         cache.length += L
         return self._final_norm(x)
 
@@ -455,7 +508,11 @@ class TransformerDecoder(_LayerStack):
                               "TransformerDecoder", self.layers[0].self_attn.config.sliding_window)
         x = tgt
         for layer in self.layers:
-            x = layer.forward_masked(x, memory, *masks)
+            if layer._module_hooks:  # its hooks around forward_masked, seeing torch's args (tgt, memory)
+                x = module_hooks.call_with_hooks(layer, (x, memory), {"self_mask": masks[0], "cross_mask": masks[1]},
+                                                 forward=layer.forward_masked)
+            else:
+                x = layer.forward_masked(x, memory, *masks)
         return self._final_norm(x)
 
     # -- cached step-wise decoding --------------------------------------------------------------
@@ -467,7 +524,7 @@ class TransformerDecoder(_LayerStack):
                                     names=("memory_mask", "memory_key_padding_mask"))
         window = self.layers[0].self_attn.config.sliding_window
         layers = [LayerCache(*layer.multihead_attn.project_kv(memory, memory), window=window) for layer in self.layers]
-        return DecoderCache(layers, cross_mask, window)
+        return DecoderCache(layers, cross_mask, window, memory)
 
     def step(self, x: Tensor, cache: DecoderCache) -> Tensor:
         """x (B, 1, d): the embedded newest target position -> (B, 1, d) decoder output for it
@@ -479,9 +536,19 @@ class TransformerDecoder(_LayerStack):
         if x.shape[1] != 1 or x.shape[0] != cache.batch_size:
             raise ValueError(f"TransformerDecoder.step: x must be (batch={cache.batch_size}, 1, d), got {x.shape}")
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.forward_step(x, layer_cache, cache.cross_mask, cache.length)
+            if layer._module_hooks:  # its hooks around forward_step, seeing the args (x, memory)
+                x = module_hooks.call_with_hooks(
+                    layer, (x, cache.memory), {"layer_cache": layer_cache, "cross_mask": cache.cross_mask,
+                                               "position": cache.length}, forward=_decoder_layer_step(layer))
+            else:
+                x = layer.forward_step(x, layer_cache, cache.cross_mask, cache.length)
         cache.length += 1
         return self._final_norm(x)
+
+
+def _decoder_layer_step(layer):
+    """layer.forward_step taking (x, memory, **its other arguments), as a decoder layer's hooks see it."""
+    return lambda x, memory, **kwargs: layer.forward_step(x, memory=memory, **kwargs)
 
 
 class LayerCache:
@@ -561,14 +628,24 @@ class DecoderCache:
     (SDPA) convention, True = a cached key later queries may attend to, False = padding (None:
     no padding so far), `next_positions` (B, 1)
     ints, each row's next position when rows' positions differ (padding, or position_ids given
-    per row; None: every row continues at `length`). `reorder(indices)` selects batch rows
-    (beam search). Made by `init_cache`; `len(cache)` is `length`."""
+    per row; None: every row continues at `length`), `memory` (B, S, d): the decoder's memory
+    (None without one), which the module hooks of its layers and cross-attention see (the
+    layers hold its keys and values). `reorder(indices)` selects batch rows (beam search).
+    Made by `init_cache`; `len(cache)` is `length`."""
 
     def __init__(self, layers: list[LayerCache], cross_mask: AttentionMask = AttentionMask(),
-                 window: int | None = None):
+                 window: int | None = None, memory: Tensor | None = None):
         self.layers, self.cross_mask, self.length = layers, cross_mask, 0
         self.window = None if window is None else check_int(window, "window", "DecoderCache", at_least=1)
         self.attendable = self.next_positions = None
+        self._memory, self._memory_rows = memory, None  # rows: the batch rows reorder kept (taken when read)
+
+    @property
+    def memory(self) -> Tensor | None:
+        """The memory (B, S, d) of the rows the cache holds (after every reorder), or None."""
+        if self._memory is not None and self._memory_rows is not None:
+            self._memory, self._memory_rows = self._memory[self._memory_rows], None
+        return self._memory
 
     @property
     def held(self) -> int:
@@ -647,6 +724,8 @@ class DecoderCache:
             self.attendable = self.attendable[idx]
         if self.next_positions is not None:
             self.next_positions = self.next_positions[idx]
+        if self._memory is not None:  # composed here, taken when `memory` is read (by a module hook)
+            self._memory_rows = idx if self._memory_rows is None else self._memory_rows[idx]
         return self
 
 

@@ -85,6 +85,15 @@ def note_draw(stream, n, offset):
         recorder.events.append(_Draw(stream, n, offset))
 
 
+def note_hook_registered(what):
+    """A module hook or a hook point's hook was just registered (npformer.nn calls this; `what`
+    says which): kept by the step being recorded in this thread, if any, as Python of the step
+    (the hook) that a replay would not run (npformer.recorded then runs the step eagerly)."""
+    recorder = current()
+    if recorder is not None and recorder.hook_registered is None:
+        recorder.hook_registered = what
+
+
 def _op_applied(op, ctx, args, options, outputs):
     recorder = current()
     if recorder is not None:
@@ -230,6 +239,7 @@ class Recorder:
     def __init__(self):
         self.events = []
         self.host_read = None   # where the step first read a value on the host ("file:line (in function)"), or None
+        self.hook_registered = None  # the first module or hook-point hook the step registered (a phrase), or None
 
     def __enter__(self):
         if _local.recorder is not None:

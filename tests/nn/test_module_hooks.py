@@ -17,11 +17,13 @@ from npformer.nn import module_hooks
 from npformer.opcases.modules import randomize_vectors
 
 B, S, T, D, H, FF = 2, 5, 4, 8, 2, 12
-# modules that both libraries call as modules (torch's MultiheadAttention uses out_proj's weights
-# directly, and npformer's stacks run their layers' and attention's forward_masked: see docs/hooks.md)
+# the modules that torch calls as modules (all but out_proj, whose weights torch's MultiheadAttention
+# uses directly, and the ModuleLists; npformer runs the hooks of the layers and attention modules around
+# their forward_masked, and those of linear1 and the dropouts by running them as modules: docs/hooks.md)
 WATCHED = ["encoder", "decoder", "encoder.norm", "decoder.norm"] + [
-    f"{stack}.layers.{i}.{name}" for stack in ("encoder", "decoder") for i in range(2)
-    for name in ("norm1", "norm2", "linear2") + (("norm3",) if stack == "decoder" else ())]
+    f"{stack}.layers.{i}{name}" for stack in ("encoder", "decoder") for i in range(2)
+    for name in ("", ".self_attn", ".norm1", ".norm2", ".linear1", ".dropout", ".linear2", ".dropout1", ".dropout2")
+    + ((".multihead_attn", ".norm3", ".dropout3") if stack == "decoder" else ())]
 
 
 def twins(torch, seed=0):
@@ -62,8 +64,12 @@ def watch(lib, torch, model, seen, replace=None):
             seen[f"{name} forward pre args[0]"] = array(args[0])
 
         def forward(module, args, output, name=name):
-            seen[f"{name} output"] = array(output)
-            output.register_hook(lambda g: seen.__setitem__(f"{name} output's gradient", array(g)))
+            seen[f"{name} args"] = [array(a) for a in args]
+            first = output[0] if isinstance(output, tuple) else output  # attention: (attn_output, None)
+            if isinstance(output, tuple):
+                seen[f"{name} output[1:]"] = list(output[1:])
+            seen[f"{name} output"] = array(first)
+            first.register_hook(lambda g: seen.__setitem__(f"{name} output's gradient", array(g)))
             return replace.get(f"{name} output", lambda o: None)(output)
 
         def backward_pre(module, grad_output, name=name):
@@ -108,11 +114,220 @@ def assert_same(theirs, ours):
                 np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-14 * max(1.0, np.abs(x).max()), err_msg=key)
 
 
-def test_every_hook_on_a_two_layer_transformer_sees_what_torchs_sees(torch):
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_every_hook_on_a_two_layer_transformer_sees_what_torchs_sees(torch, mode):
+    """Every hook on every module that torch calls (the layers, self_attn, multihead_attn, linear1,
+    the dropouts (p=0), the norms, linear2, the stacks): the same args (a layer's (src,) or (tgt,
+    memory), attention's (query, key, value)), outputs ((attn_output, None) for attention),
+    grad_output and grad_input as torch's, in training and eval mode."""
     ours, theirs, inputs, upstream = twins(torch)
+    if mode == "eval":
+        ours.eval(), theirs.eval()
     expected, got = run("torch", torch, theirs, inputs, upstream), run("ours", torch, ours, inputs, upstream)
-    assert len(got) > 100
+    assert len(got) > 350
     assert_same(expected, got)
+    assert got["encoder.layers.1.self_attn output[1:]"] == [None] and len(got["decoder.layers.0 args"]) == 2
+    assert [len(got[f"decoder.layers.0.{name} grad_input"]) for name in ("self_attn", "multihead_attn")] == [3, 3]
+
+
+def plain_run(model, inputs, upstream, hooked=(), backward=True):
+    """(output, src.grad, tgt.grad, every parameter's grad) of `model` with a forward pre-hook and
+    a forward hook (and, with backward, a backward pre-hook and a full backward hook) that return
+    None on each module named in `hooked`."""
+    modules = dict(model.named_modules())
+    for name in hooked:
+        modules[name].register_forward_pre_hook(lambda m, args: None)
+        modules[name].register_forward_hook(lambda m, args, output: None)
+        if backward:
+            modules[name].register_full_backward_pre_hook(lambda m, grad_output: None)
+            modules[name].register_full_backward_hook(lambda m, grad_input, grad_output: None)
+    src, tgt = (Tensor(v, requires_grad=True) for v in inputs)
+    out = model(src, tgt)
+    out.backward(Tensor(upstream))
+    return [out.numpy(), src.grad.numpy(), tgt.grad.numpy()] + [p.grad.numpy() for p in model.parameters()]
+
+
+def test_hooks_that_return_none_change_no_output_or_gradient_bit_for_bit(torch):
+    """Hooks of every kind that return None, on each module in turn and on all at once (the fused
+    linear1 and dropout-add then run unfused, the layers and attention through their hooks): the
+    output and every gradient exactly those of the model without hooks. The exception, as torch's:
+    backward hooks on an attention module make its query, key and value three Tensors (grad_input
+    has one gradient each), so self-attention projects them apart instead of in one packed product,
+    and cross-attention its key and value: the same numbers to rounding."""
+    ours, _, inputs, upstream = twins(torch)
+    plain = plain_run(copy.deepcopy(ours), inputs, upstream)
+    attention = [name for name in WATCHED if name.endswith("attn")]
+    for hooked, backward in [([name], True) for name in WATCHED if name not in attention] + \
+            [(attention, False), ([name for name in WATCHED if name not in attention], True)]:
+        got = plain_run(copy.deepcopy(ours), inputs, upstream, hooked, backward)
+        for a, b in zip(plain, got):
+            np.testing.assert_array_equal(b, a, err_msg=str(hooked))
+    got = plain_run(copy.deepcopy(ours), inputs, upstream, WATCHED)
+    for a, b in zip(plain, got):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-15)
+
+
+def _fired(model, call):
+    """{module name: the hook kinds that did not run} after `call()` with a forward hook and a full
+    backward hook on every module of `model` (modules whose hooks all ran are left out)."""
+    fired = {name: set() for name, _ in model.named_modules()}
+    for name, m in model.named_modules():
+        m.register_forward_hook(lambda module, args, output, name=name: fired[name].add("forward"))
+        m.register_full_backward_hook(lambda module, grad_input, grad_output, name=name: fired[name].add("backward"))
+    call()
+    return {name: {"forward", "backward"} - kinds for name, kinds in fired.items() if kinds != {"forward", "backward"}}
+
+
+def test_every_module_of_every_model_runs_its_hooks():
+    """A forward hook and a full backward hook on every submodule of a two-layer nn.Transformer, a
+    Seq2SeqTransformer (untied and tied generator), CausalLMs (GPT-style, tied; Llama-style: RMSNorm,
+    SwiGLU, RoPE, grouped-query), a BERT-style BidirectionalEncoder and an EncoderClassifier, in
+    training mode with dropout: one forward and backward pass runs every one of them, except the
+    ModuleLists of layers, which nothing calls (as torch's; docs/hooks.md)."""
+    from npformer import models
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 20, (2, 6))
+    small = dict(d_model=8, nhead=2, dim_feedforward=12, dropout=0.1)
+    transformer = nn.Transformer(num_encoder_layers=2, num_decoder_layers=2, **small)
+    src = Tensor(rng.standard_normal((2, 5, 8)).astype(np.float32), requires_grad=True)
+    tgt = Tensor(rng.standard_normal((2, 4, 8)).astype(np.float32))
+    cases = [(transformer, lambda: transformer(src, tgt).sum().backward())]
+    for tie in (False, True):
+        seq2seq = models.Seq2SeqTransformer(20, 20, num_encoder_layers=2, num_decoder_layers=2, tie_weights=tie,
+                                            positional="learned", **small)
+        cases.append((seq2seq, lambda m=seq2seq: m(ids, ids).sum().backward()))
+    for options in (dict(tie_weights=True), dict(activation="swiglu", positional="rope", norm="rmsnorm",
+                                                 num_kv_heads=1, bias=False)):
+        causal = models.CausalLM(20, num_layers=2, max_len=16, **small, **options)
+        cases.append((causal, lambda m=causal: m(ids).sum().backward()))
+    bert = models.BidirectionalEncoder(20, num_layers=2, pooler=True, type_vocab_size=2, embed_norm=True,
+                                       pooling="first", **small)
+    classifier = models.EncoderClassifier(20, 3, num_layers=2, pooler=True, positional="sinusoidal",
+                                          classifier_dropout=0.1, **small)
+    cases += [(bert, lambda: sum(x.sum() for x in bert(ids)).backward()),
+              (classifier, lambda: classifier(ids).sum().backward())]
+    for model, call in cases:
+        model.train()
+        missing = _fired(model, call)
+        assert missing == {name: {"forward", "backward"} for name, m in model.named_modules()
+                           if isinstance(m, nn.ModuleList)}, type(model).__name__
+        assert len(list(model.modules())) > 25
+
+
+def test_the_models_with_hooks_that_return_none_train_bit_for_bit_as_without():
+    """A CausalLM (untied lm_head), a BERT-style classifier and a Seq2SeqTransformer in training
+    mode with dropout, the same seed: with forward pre-hooks and forward hooks on every module but
+    the Seq2SeqTransformer's transformer (a hooked one embeds tgt before the encoder runs, so the
+    dropout masks come in another order: docs/hooks.md), and backward hooks on those but the
+    attention modules (see the test above), the logits and every gradient are those without hooks,
+    bit for bit: the dropout of a hooked residual dropout module draws what the fused dropout-add draws."""
+    import npformer
+    from npformer import models
+    ids = np.random.default_rng(0).integers(1, 20, (2, 7))
+    small = dict(d_model=8, nhead=2, dim_feedforward=12, dropout=0.2)
+    builders = [lambda: models.CausalLM(20, num_layers=2, max_len=16, **small),
+                lambda: models.EncoderClassifier(20, 3, num_layers=2, pooler=True, classifier_dropout=0.2, **small),
+                lambda: models.Seq2SeqTransformer(20, 20, num_encoder_layers=2, num_decoder_layers=2, **small)]
+    for build in builders:
+        runs = []
+        for hooked in (False, True):
+            npformer.manual_seed(0)
+            model = build().train()
+            for name, m in model.named_modules() if hooked else ():
+                if name == "transformer":
+                    continue
+                m.register_forward_pre_hook(lambda module, args: None)
+                m.register_forward_hook(lambda module, args, output: None)
+                if not isinstance(m, nn.MultiheadAttention):
+                    m.register_full_backward_pre_hook(lambda module, grad_output: None)
+                    m.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+            logits = model(ids, ids) if isinstance(model, models.Seq2SeqTransformer) else model(ids)
+            (logits * logits).sum().backward()
+            runs.append([logits.numpy()] + [p.grad.numpy() for p in model.parameters()])
+        for a, b in zip(*runs):
+            np.testing.assert_array_equal(b, a)
+
+
+def _decoding_hooks(model, hooked, call):
+    """(what `call(model)` returns, {module name: [(args, output)] of its forward hooks}) with a
+    forward hook on every module of `model` when `hooked`."""
+    seen = {}
+    for name, m in model.named_modules() if hooked else ():
+        m.register_forward_hook(lambda module, args, output, name=name: seen.setdefault(name, []).append((args, output)))
+    return call(model), seen
+
+
+def test_in_cached_decoding_the_layers_and_attention_run_their_hooks():
+    """decode_step of a CausalLM (RoPE; a prompt, then one token at a time) and of a
+    Seq2SeqTransformer (a beam-search reorder between steps) with a forward hook on every module:
+    the logits are those without hooks, bit for bit, and every module runs its hooks but the
+    models themselves and the nn.Transformer (decode_step is not their forward) and the
+    ModuleLists; a layer's hooks see the new positions (x,), or (x, memory) in the decoder, with the
+    memory's rows that the cache keeps; attention's (query, key, value), output (attn_output, None)."""
+    import npformer
+    from npformer import models
+    ids = np.random.default_rng(0).integers(1, 20, (2, 5))
+    small = dict(d_model=8, nhead=2, dim_feedforward=12, dropout=0.1)
+
+    def causal_steps(model):
+        cache = model.init_cache()
+        return [model.decode_step(ids, cache).numpy()] + [model.decode_step(ids[:, t:t + 1], cache).numpy()
+                                                          for t in range(2)]
+
+    def seq2seq_steps(model):
+        memory = model.encode(ids)
+        cache = model.init_cache(memory)
+        first = model.decode_step(ids[:, 0], cache).numpy()
+        cache.reorder(np.array([1, 1]))
+        return [first, model.decode_step(ids[:, 1], cache).numpy(), memory.numpy()]
+
+    for build, steps, stacks in [
+            (lambda: models.CausalLM(20, num_layers=2, max_len=16, positional="rope", **small), causal_steps, ""),
+            (lambda: models.Seq2SeqTransformer(20, 20, num_encoder_layers=1, num_decoder_layers=2, **small),
+             seq2seq_steps, "transformer.")]:
+        runs = []
+        for hooked in (False, True):
+            npformer.manual_seed(0)
+            model = build().eval()
+            runs.append(_decoding_hooks(model, hooked, steps))
+        for a, b in zip(runs[0][0], runs[1][0]):
+            np.testing.assert_array_equal(b, a)
+        seen = runs[1][1]
+        silent = {"", "transformer", "transformer.encoder.layers", "transformer.decoder.layers"} if stacks else \
+            {"", "encoder.layers"}
+        assert set(dict(model.named_modules())) - set(seen) == silent
+        attention = seen[f"{stacks}{'decoder' if stacks else 'encoder'}.layers.1.self_attn"]
+        assert all(len(args) == 3 and args[0] is args[1] is args[2] and output[1] is None
+                   for args, output in attention)
+    layer_args = [args for args, _ in seen["transformer.decoder.layers.1"]]
+    memory = runs[1][0][2]
+    assert [len(args) for args in layer_args] == [2, 2]
+    np.testing.assert_array_equal(layer_args[0][1].numpy(), memory)
+    np.testing.assert_array_equal(layer_args[1][1].numpy(), memory[[1, 1]])   # the rows after the reorder
+    cross = seen["transformer.decoder.layers.0.multihead_attn"]
+    assert all(args[1] is args[2] and args[1].shape == memory[[1, 1]].shape for args, _ in cross)
+
+
+def test_a_seq2seq_models_transformer_runs_its_hooks_with_the_same_output(torch):
+    """Seq2SeqTransformer calls its nn.Transformer's encoder and decoder; with hooks on the
+    Transformer itself it calls the Transformer (its hooks see the embedded src and tgt, as
+    torch's would): the same logits and gradients, bit for bit (eval mode)."""
+    from npformer import models
+    ids = np.random.default_rng(0).integers(1, 20, (2, 6))
+    model = models.Seq2SeqTransformer(20, 20, d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                      dim_feedforward=12, pad_idx=0).eval()
+    runs = []
+    for hooked in (False, True):
+        seen = []
+        copied = copy.deepcopy(model)
+        if hooked:
+            copied.transformer.register_forward_hook(lambda m, args, output: seen.append([a.shape for a in args]))
+        logits = copied(ids, ids)
+        logits.sum().backward()
+        runs.append([logits.numpy()] + [p.grad.numpy() for p in copied.parameters()])
+        assert seen == ([[(2, 6, 8), (2, 6, 8)]] if hooked else [])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_replacing_hooks_change_the_gradients_as_torchs_do(torch):
@@ -125,6 +340,12 @@ def test_replacing_hooks_change_the_gradients_as_torchs_do(torch):
         "encoder.layers.1.linear2 grad_input": lambda g: tuple(x * 0.0 for x in g),
         "decoder.layers.1.norm1 grad_input": lambda g: tuple(x * 3.0 for x in g),
         "encoder.layers.0.linear1.weight gradient": lambda g: g * -1.0,
+        "encoder.layers.1.self_attn output": lambda o: (o[0] * 0.5, o[1]),
+        "decoder.layers.1 grad_input": lambda g: (g[0] * 2.0, g[1] * -1.0),
+        "decoder.layers.0.multihead_attn grad_input": lambda g: (g[0], g[1] * 0.0, g[2] * 3.0),
+        "encoder.layers.1.linear1 output": lambda o: o + 0.25,
+        "decoder.layers.0.dropout2 grad_output": lambda g: tuple(x * 0.5 for x in g),
+        "encoder.layers.0 output": lambda o: o * 1.5,
     }
     ours, theirs, inputs, upstream = twins(torch, seed=1)
     expected = run("torch", torch, theirs, inputs, upstream, replace)
@@ -136,7 +357,7 @@ def test_replacing_hooks_change_the_gradients_as_torchs_do(torch):
 
 def test_removed_hooks_are_not_called_and_a_model_without_hooks_is_unchanged(torch):
     ours, _, inputs, upstream = twins(torch)
-    plain = run("ours", torch, copy.deepcopy(ours), inputs, upstream)  # the same model with hooks that return None
+    plain = {"src.grad": plain_run(copy.deepcopy(ours), inputs, upstream)[1]}  # the same model, never hooked
     seen = {}
     for handle in watch("ours", torch, ours, seen):
         handle.remove()
