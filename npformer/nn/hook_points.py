@@ -59,7 +59,7 @@ class _GradientHook:
         return None if replaced is None else _replacement(replaced, grad, self.point, "backward")
 
 
-class HookHandle:
+class HookPointHandle:
     """What `HookPoint.add_hook` returns: `remove()` takes that hook off (again: nothing)."""
 
     def __init__(self, point: HookPoint, fn: Callable, direction: str):
@@ -93,7 +93,7 @@ class HookPoint(Module):
         """Whether a hook is on this point."""
         return bool(self.fwd_hooks or self.bwd_hooks)
 
-    def add_hook(self, fn: Callable, dir: str = "fwd") -> HookHandle:
+    def add_hook(self, fn: Callable, dir: str = "fwd") -> HookPointHandle:
         """Add fn(activation, hook) (dir="fwd") or fn(grad, hook) (dir="bwd"); returns its handle."""
         if not callable(fn):
             raise TypeError(f"HookPoint.add_hook: fn must be callable, got {type(fn).__name__}")
@@ -103,7 +103,7 @@ class HookPoint(Module):
         record.note_hook_registered(f"a hook on the hook point {self.name!r}" if self.name else
                                     f"a hook on a hook point of a {type(self.owner).__name__}")
         self.owner_changed()
-        return HookHandle(self, fn, dir)
+        return HookPointHandle(self, fn, dir)
 
     def remove_hooks(self, dir: str = "both") -> None:
         """Take off the forward ("fwd"), backward ("bwd") or all ("both") hooks."""
@@ -270,7 +270,7 @@ class HookedModel:
         return list(hook_points(self))
 
     def add_hook(self, name: str | Iterable[str] | Callable[[str], bool], fn: Callable,
-                 dir: str = "fwd") -> list[HookHandle]:
+                 dir: str = "fwd") -> list[HookPointHandle]:
         """Add fn on the hook points that `name` selects (a name, names, or a filter name -> bool);
         dir "fwd" or "bwd". Returns the handles. KeyError with close names for an unknown name."""
         return [point.add_hook(fn, dir) for point in select_points(hook_points(self), name, "name")]
