@@ -79,6 +79,7 @@ import numpy
 from autograd import Tensor, backend, forward_ad, is_anomaly_enabled, is_grad_enabled
 from autograd.backend import memory_owner
 from npformer.functional._common import _twins
+from npformer.nn.hook_points import HookPoint
 from npformer.nn.module import Module
 from npformer.runtime import random, record
 
@@ -294,6 +295,11 @@ def _data(value):
 _DEPTH = 4   # how deep _frozen follows containers, objects and functions from fn, state() and a module
 
 
+# a module's hooks and hook points: what a call with none registered (_has_hooks) leaves out of its signature
+# (a hook removed leaves an empty list; the hook points are identity modules then)
+_HOOK_ATTRIBUTES = frozenset({"_module_hooks", "hook_point_attributes", "hooks_active"})
+
+
 def _module_state(state, found=None, memo=None):
     """A module's attributes (`vars`) as a signature compares them: ((name, frozen value), ...). Its
     parameters by identity, requires_grad, shape, dtype and array type (a replay reads their
@@ -305,7 +311,7 @@ def _module_state(state, found=None, memo=None):
             frozen.append((name, value))
         elif (kind is dict or kind is set) and not value:   # (most modules' buffers, many's parameters)
             frozen.append((name, kind))
-        elif name == "_module_hooks":   # none registered (else no signature): a hook removed leaves an empty one
+        elif name in _HOOK_ATTRIBUTES or kind is HookPoint:   # none has a hook (else no signature)
             continue
         elif name == "_parameters":
             frozen.append((name, tuple([(key, id(p), p.requires_grad, p.data.shape, p.data.dtype, type(p.data))
