@@ -21,10 +21,10 @@ import math
 from typing import NamedTuple
 
 import npformer.functional as F
-from autograd import Tensor, backend, concatenate, is_grad_enabled, raw_computation, where
+from autograd import Tensor, backend, concatenate, is_grad_enabled, raw_computation
 from autograd.backend import Array, ArrayLike, DType
 from autograd.checks import as_array, check_bool, check_int
-from npformer.functional.attention.masks import causal_blocked
+from npformer.functional.attention.graph import graph_scores
 
 from . import init
 from .config import TransformerConfig
@@ -400,19 +400,15 @@ class MultiheadAttention(Module):
 
     def attention_scores(self, q: Tensor, k: Tensor, mask: AttentionMask) -> Tensor:
         """S = q k^T / sqrt(hd) + mask (B, H, T, S), -inf where a key is hidden (the mask's False
-        entries, causality, the sliding window), as autograd ops; grouped-query attention reads
-        each kv head for its group of query heads."""
-        q_scaled = q * (1.0 / math.sqrt(q.shape[-1]))                # scaled before the product, as the fused op
-        scores = q_scaled @ repeat_kv_heads(k, q.shape[1]).swapaxes(-1, -2)           # (B, H, T, S)
-        xp, hidden = q.xp, None
+        entries, causality, the sliding window), as autograd ops (the functional attention's
+        graph_scores); grouped-query attention reads each kv head for its group of query heads."""
+        additive = blocked = None
         if mask.mask is not None and (isinstance(mask.mask, Tensor) or mask.mask.dtype != bool):
-            scores = scores + mask.mask                              # a float mask is added
+            additive = mask.mask                                     # a float mask is added
         elif mask.mask is not None:
-            hidden = ~mask.mask                                      # bool: True = takes part
-        if mask.is_causal:
-            causal = causal_blocked(xp, 0, scores.shape[-2], 0, scores.shape[-1], self.causal_window(mask))
-            hidden = causal if hidden is None else hidden | causal
-        return scores if hidden is None else where(hidden, -math.inf, scores)
+            blocked = ~mask.mask                                     # a bool mask: True = takes part
+        return graph_scores(q, repeat_kv_heads(k, q.shape[1]), additive, blocked, mask.is_causal,
+                            1.0 / math.sqrt(q.shape[-1]), self.causal_window(mask))
 
     def attend_hooked(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, need_weights: bool,
                       average_attn_weights: bool) -> tuple[Tensor, Tensor | None]:

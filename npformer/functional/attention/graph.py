@@ -10,12 +10,11 @@ from .higher import plus
 from .masks import causal_blocked
 
 
-def graph_probabilities(q, k, additive, blocked, causal, scale, window=None):
-    """P = softmax(s Q K^T + mask) of the Tensors q, k (and a float mask Tensor or array), built
-    from differentiable primitives for the differentiable backwards: S is -inf where the bool mask
-    or causality (with a sliding `window` W, also keys j <= i - W) hides a key; exp(S - m) / rowsum
-    with the row max m taken as a constant (the softmax does not depend on it), and 0 for a fully
-    hidden row (its sum replaced by 1, never NaN)."""
+def graph_scores(q, k, additive, blocked, causal, scale, window=None):
+    """S = s Q K^T + mask of the Tensors q, k (and a float mask Tensor or array), from
+    differentiable primitives: -inf where the bool mask `blocked` (True = hidden) or causality
+    (with a sliding `window` W, also keys j <= i - W) hides a key. graph_probabilities' scores, and
+    the scores MultiheadAttention's hook points see (npformer.nn.attention)."""
     scores = (q * scale) @ k.swapaxes(-1, -2)                                 # (..., Tq, Tk)
     if additive is not None:
         scores = scores + additive
@@ -23,8 +22,15 @@ def graph_probabilities(q, k, additive, blocked, causal, scale, window=None):
     if causal:
         above = causal_blocked(q.xp, 0, q.shape[-2], 0, k.shape[-2], window)  # (Tq, Tk) key j > query i
         hidden = above if blocked is None else blocked | above
-    if hidden is not None:
-        scores = where(hidden, -math.inf, scores)
+    return scores if hidden is None else where(hidden, -math.inf, scores)
+
+
+def graph_probabilities(q, k, additive, blocked, causal, scale, window=None):
+    """P = softmax(s Q K^T + mask) of the Tensors q, k (and a float mask Tensor or array), built
+    from differentiable primitives for the differentiable backwards: S = graph_scores(...);
+    exp(S - m) / rowsum with the row max m taken as a constant (the softmax does not depend on it),
+    and 0 for a fully hidden row (its sum replaced by 1, never NaN)."""
+    scores = graph_scores(q, k, additive, blocked, causal, scale, window)     # (..., Tq, Tk)
     shifted = (scores - stable_row_max(scores.data, -1)).exp()               # (..., Tq, Tk)
     total = shifted.sum(axis=-1, keepdims=True)                               # (..., Tq, 1)
     return shifted / where(total.data == 0, 1.0, total)
