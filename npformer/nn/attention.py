@@ -212,7 +212,7 @@ class MultiheadAttention(Module):
 
     Hook points (npformer.nn.hook_points, docs/hook_points.md): hook_q, hook_k, hook_v (after
     RoPE), hook_attn_scores, hook_pattern, hook_pattern_dropped, hook_z; while one of the scores'
-    and patterns' has a hook, S, P and dropout(P) are separate autograd ops (`attend_hooked`).
+    and patterns' has a hook, S, P and dropout(P) are separate autograd ops (`hooked_heads`).
     """
 
     def __init__(self, embed_dim: int | None = None, num_heads: int | None = None, dropout: float = 0.0,
@@ -376,11 +376,10 @@ class MultiheadAttention(Module):
         `mask`, dropout when training_active, the config's attention path; enable_gqa when H_kv < H;
         the config's sliding_window when mask.is_causal) and out_proj -> (output (B, T, E),
         weights (B, T, S), or (B, H, T, S) with average_attn_weights=False, or None). While a hook
-        point of this module has a hook: `attend_hooked`."""
-        if self.hooks_active:
-            return self.attend_hooked(q, k, v, mask, need_weights, average_attn_weights)
+        point of this module has a hook: `hooked_heads`."""
         B, H, T, hd = q.shape
-        out, weights = self.fused_heads(q, k, v, mask, need_weights)                    # (B, H, T, hd)
+        heads = self.hooked_heads if self.hooks_active else self.fused_heads
+        out, weights = heads(q, k, v, mask, need_weights)                               # (B, H, T, hd)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
         if weights is not None and average_attn_weights:
             weights = weights.mean(axis=1)                                             # (B, T, S)
@@ -410,26 +409,21 @@ class MultiheadAttention(Module):
         return graph_scores(q, repeat_kv_heads(k, q.shape[1]), additive, blocked, mask.is_causal,
                             1.0 / math.sqrt(q.shape[-1]), self.causal_window(mask))
 
-    def attend_hooked(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, need_weights: bool,
-                      average_attn_weights: bool) -> tuple[Tensor, Tensor | None]:
-        """`attend` through the hook points: while hook_attn_scores, hook_pattern or
+    def hooked_heads(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
+                     need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """`fused_heads` through the hook points: while hook_attn_scores, hook_pattern or
         hook_pattern_dropped has a hook, S, P = softmax(S) and Pd = dropout(P) are separate
         autograd ops (the dropout masks those of the fused op: the same draws), their output
-        Pd V; else the fused op. Then hook_z (B, H, T, hd) and out_proj."""
-        B, H, T, hd = q.shape
+        Pd V; else the fused op. Then hook_z on the heads' outputs (B, H, T, hd)."""
         if self.hook_attn_scores.active or self.hook_pattern.active or self.hook_pattern_dropped.active:
             scores = self.hook_attn_scores(self.attention_scores(q, k, mask))          # (B, H, T, S)
             probs = self.hook_pattern(F.softmax(scores, dim=-1))                       # P
             dropped = self.hook_pattern_dropped(F.dropout(probs, self.dropout, self.training_active))  # Pd
-            out = dropped @ repeat_kv_heads(v, H)                                      # (B, H, T, hd)
+            out = dropped @ repeat_kv_heads(v, q.shape[1])                             # (B, H, T, hd)
             weights = dropped if need_weights else None
         else:
             out, weights = self.fused_heads(q, k, v, mask, need_weights)
-        out = self.hook_z(out)
-        out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.embed_dim))        # (B, T, E)
-        if weights is not None and average_attn_weights:
-            weights = weights.mean(axis=1)                                             # (B, T, S)
-        return out, weights
+        return self.hook_z(out), weights
 
     def hooked_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v (after RoPE) through hook_q, hook_k, hook_v."""
