@@ -34,17 +34,17 @@ def read_data(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _checkpoint(path, with_model=True):
-    """(checkpoint dict, model or None) of a checkpoint of demos/reverse.py, or ExploreError naming the file."""
+    """(checkpoint dict, model or None) of a checkpoint of demos/reverse.py, or ExploreError naming the file.
+    with_model=False checks a file without building a model (from_checkpoints checks every file so first)."""
     if not os.path.exists(path):
         raise ExploreError(f"{path}: no such file or folder")
     if os.path.isdir(path):
         raise ExploreError(f"{path}: a folder; give a run folder alone, or checkpoint files")
-    try:
-        ckpt = load_checkpoint(path, restore_rng=False)
+    try:  # (one read of the file: load_model returns the checkpoint dict too)
+        model, ckpt = load_model(path) if with_model else (None, load_checkpoint(path, restore_rng=False))
         if not isinstance(ckpt.get("demo"), dict) or "settings" not in ckpt["demo"]:
             raise ExploreError(f"{path}: expected a checkpoint of demos/reverse.py (its 'demo' entry names the "
                                "task's settings and seed, which give the held-out examples); this one has none")
-        model = load_model(path)[0] if with_model else None
     except (CheckpointError, OSError, ValueError) as e:
         if isinstance(e, ExploreError):
             raise
